@@ -1,0 +1,260 @@
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn sem(capacity: i64, used: i64, fair: bool) -> SemaphoreView {
+    SemaphoreView { capacity, used, fair, head: None }
+}
+
+fn cand(id: i64, permits: &[(&str, i64)]) -> Candidate {
+    Candidate {
+        id,
+        permits: permits.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
+        fail_fast: false,
+        deadline_passed: false,
+    }
+}
+
+fn sems(list: &[(&str, SemaphoreView)]) -> BTreeMap<String, SemaphoreView> {
+    list.iter().map(|(n, s)| (n.to_string(), s.clone())).collect()
+}
+
+fn verdicts(d: &Decision) -> Vec<Verdict> {
+    d.verdicts.iter().map(|(_, v)| *v).collect()
+}
+
+use Verdict::{Fail, Grant, Wait};
+
+#[test]
+fn grants_what_fits_and_counts_it() {
+    let d = decide(&sems(&[("a", sem(3, 0, true))]), &[cand(1, &[("a", 2)]), cand(2, &[("a", 1)])]);
+    assert_eq!(verdicts(&d), [Grant, Grant]);
+    assert_eq!(d.semaphores["a"].used, 3);
+}
+
+#[test]
+fn errors_in_rule_order() {
+    let s = sems(&[("a", sem(3, 3, true))]);
+    let mut timed_out = cand(3, &[("a", 1)]);
+    timed_out.deadline_passed = true;
+    let mut fast = cand(4, &[("a", 1)]);
+    fast.fail_fast = true;
+    let mut unknown_and_late = cand(5, &[("a", 1), ("zz", 1)]);
+    unknown_and_late.deadline_passed = true;
+    let d = decide(&s, &[cand(1, &[("nope", 1)]), cand(2, &[("a", 4)]), timed_out, fast, unknown_and_late]);
+    assert_eq!(
+        verdicts(&d),
+        [
+            Fail(ErrorCode::UnknownSemaphore),
+            Fail(ErrorCode::ExceedsCapacity),
+            Fail(ErrorCode::Timeout),
+            Fail(ErrorCode::NoCapacity),
+            Fail(ErrorCode::UnknownSemaphore),
+        ]
+    );
+    assert_eq!(d.semaphores["a"].used, 3);
+}
+
+#[test]
+fn all_or_nothing_when_one_semaphore_is_full() {
+    let s = sems(&[("a", sem(5, 0, true)), ("b", sem(1, 1, true))]);
+    let d = decide(&s, &[cand(1, &[("a", 1), ("b", 1)])]);
+    assert_eq!(verdicts(&d), [Wait]);
+    assert_eq!(d.semaphores["a"].used, 0);
+}
+
+#[test]
+fn fair_head_is_not_overtaken_but_backfill_that_leaves_its_room_is_allowed() {
+    // 10 capacity, 6 held: the head needs 5 and waits; a later 1 would leave 3 < 5, so it waits.
+    let s = sems(&[("a", sem(10, 6, true))]);
+    let d = decide(&s, &[cand(1, &[("a", 5)]), cand(2, &[("a", 1)])]);
+    assert_eq!(verdicts(&d), [Wait, Wait]);
+    // 7 free, head needs 8: a later 2 would leave 5 < 8, it waits; fail-fast fails.
+    let s = sems(&[("a", sem(10, 3, true))]);
+    let mut fast = cand(3, &[("a", 1)]);
+    fast.fail_fast = true;
+    let d = decide(&s, &[cand(1, &[("a", 8)]), cand(2, &[("a", 2)]), fast]);
+    assert_eq!(verdicts(&d), [Wait, Wait, Fail(ErrorCode::NoCapacity)]);
+    // 9 free, head 5 fits and goes; then 4 fits too.
+    let s = sems(&[("a", sem(10, 1, true))]);
+    let d = decide(&s, &[cand(1, &[("a", 5)]), cand(2, &[("a", 4)])]);
+    assert_eq!(verdicts(&d), [Grant, Grant]);
+    // 4 free, head (on b) needs 2 of a: a later 2 leaves exactly 2, allowed; a later 1 is not.
+    let s = sems(&[("a", sem(10, 6, true)), ("b", sem(1, 1, true))]);
+    let d = decide(&s, &[cand(1, &[("a", 2), ("b", 1)]), cand(2, &[("a", 2)]), cand(3, &[("a", 1)])]);
+    assert_eq!(verdicts(&d), [Wait, Grant, Wait]);
+}
+
+#[test]
+fn greedy_lets_any_request_that_fits_go_first() {
+    let s = sems(&[("a", sem(10, 6, false))]);
+    let d = decide(&s, &[cand(1, &[("a", 5)]), cand(2, &[("a", 4)])]);
+    assert_eq!(verdicts(&d), [Wait, Grant]);
+}
+
+#[test]
+fn a_waiting_request_reserves_every_fair_semaphore_it_names() {
+    // 1 needs a and b; b is full. 2 wants all of a: it must leave 1's share of a.
+    let s = sems(&[("a", sem(4, 0, true)), ("b", sem(1, 1, true))]);
+    let d = decide(&s, &[cand(1, &[("a", 2), ("b", 1)]), cand(2, &[("a", 3)]), cand(3, &[("a", 2)])]);
+    assert_eq!(verdicts(&d), [Wait, Wait, Grant]);
+    assert_eq!(d.semaphores["a"].used, 2);
+}
+
+#[test]
+fn recorded_head_from_another_batch_is_respected_only_by_younger_requests() {
+    let mut a = sem(10, 5, true);
+    a.head = Some(Waiter { request_id: 50, count: 4 });
+    let s = sems(&[("a", a)]);
+    // 40 is older than the head: it is the head itself. 60 would leave 5-3=2 < 4.
+    let d = decide(&s, &[cand(60, &[("a", 3)]), cand(70, &[("a", 1)])]);
+    assert_eq!(verdicts(&d), [Wait, Grant]);
+    let d = decide(&s, &[cand(40, &[("a", 5)])]);
+    assert_eq!(verdicts(&d), [Grant]);
+}
+
+#[test]
+fn capacity_lowered_below_used_grants_nothing_until_room() {
+    let s = sems(&[("a", sem(2, 5, true))]);
+    let d = decide(&s, &[cand(1, &[("a", 1)])]);
+    assert_eq!(verdicts(&d), [Wait]);
+    assert_eq!(d.semaphores["a"].used, 5);
+}
+
+// ---- properties ----
+
+const NAMES: [&str; 5] = ["a", "b", "c", "d", "e"]; // "e" never exists
+
+fn arb_semaphores() -> impl Strategy<Value = BTreeMap<String, SemaphoreView>> {
+    let one = (0i64..10, 0i64..12, any::<bool>(), proptest::option::of((0i64..40, 1i64..8)));
+    proptest::collection::vec(one, 4).prop_map(|v| {
+        v.into_iter()
+            .zip(NAMES)
+            .map(|((capacity, used, fair, head), name)| {
+                let head = head.map(|(request_id, count)| Waiter { request_id, count });
+                (name.to_string(), SemaphoreView { capacity, used, fair, head })
+            })
+            .collect()
+    })
+}
+
+fn arb_candidates() -> impl Strategy<Value = Vec<Candidate>> {
+    let one = (
+        1i64..4,
+        proptest::sample::subsequence(NAMES.to_vec(), 1..=3),
+        proptest::collection::vec(1i64..9, 3),
+        prop_oneof![8 => Just(false), 1 => Just(true)],
+        prop_oneof![8 => Just(false), 1 => Just(true)],
+    );
+    proptest::collection::vec(one, 0..24).prop_map(|v| {
+        let mut id = 0;
+        v.into_iter()
+            .map(|(gap, names, counts, fail_fast, deadline_passed)| {
+                id += gap;
+                let permits = names.into_iter().zip(counts).map(|(n, c)| (n.to_string(), c)).collect();
+                Candidate { id, permits, fail_fast, deadline_passed }
+            })
+            .collect()
+    })
+}
+
+/// The oldest waiter on `name` older than `id`: the recorded head or a batch candidate that waits.
+fn oldest_waiter(
+    name: &str,
+    before: i64,
+    start: &BTreeMap<String, SemaphoreView>,
+    cands: &[Candidate],
+    d: &Decision,
+) -> Option<Waiter> {
+    let recorded = start[name].head;
+    let batch = cands.iter().zip(&d.verdicts).filter(|(_, (_, v))| *v == Wait).find_map(|(c, _)| {
+        c.permits.iter().find(|(n, _)| n == name).map(|(_, count)| Waiter { request_id: c.id, count: *count })
+    });
+    [recorded, batch].into_iter().flatten().filter(|w| w.request_id < before).min_by_key(|w| w.request_id)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn capacity_is_never_exceeded_and_used_counts_exactly_the_grants(
+        start in arb_semaphores(), cands in arb_candidates()
+    ) {
+        let d = decide(&start, &cands);
+        prop_assert_eq!(d.verdicts.len(), cands.len());
+        for (name, before) in &start {
+            let granted: i64 = cands.iter().zip(&d.verdicts)
+                .filter(|(_, (_, v))| *v == Grant)
+                .flat_map(|(c, _)| c.permits.iter().filter(|(n, _)| n == name).map(|(_, k)| *k))
+                .sum();
+            let after = &d.semaphores[name];
+            prop_assert_eq!(after.used, before.used + granted, "used must move by exactly the grants (all-or-nothing)");
+            if granted > 0 {
+                prop_assert!(after.used <= after.capacity, "{} over capacity: {:?}", name, after);
+            }
+        }
+    }
+
+    #[test]
+    fn error_codes_follow_the_rules(start in arb_semaphores(), cands in arb_candidates()) {
+        let d = decide(&start, &cands);
+        for (c, (id, v)) in cands.iter().zip(&d.verdicts) {
+            prop_assert_eq!(c.id, *id);
+            let unknown = c.permits.iter().any(|(n, _)| !start.contains_key(n));
+            let exceeds = !unknown && c.permits.iter().any(|(n, k)| *k > start[n].capacity);
+            if unknown {
+                prop_assert_eq!(*v, Fail(ErrorCode::UnknownSemaphore));
+            } else if exceeds {
+                prop_assert_eq!(*v, Fail(ErrorCode::ExceedsCapacity));
+            } else if c.deadline_passed {
+                prop_assert_eq!(*v, Fail(ErrorCode::Timeout));
+            } else if c.fail_fast {
+                prop_assert!(*v == Grant || *v == Fail(ErrorCode::NoCapacity));
+            } else {
+                prop_assert!(*v == Grant || *v == Wait);
+            }
+        }
+    }
+
+    #[test]
+    fn a_fair_head_is_never_overtaken(start in arb_semaphores(), cands in arb_candidates()) {
+        let d = decide(&start, &cands);
+        for (name, s) in &start {
+            if !s.fair {
+                continue;
+            }
+            let Some(head) = oldest_waiter(name, i64::MAX, &start, &cands, &d) else { continue };
+            let overtaken = cands.iter().zip(&d.verdicts).any(|(c, (_, v))| {
+                *v == Grant && c.id > head.request_id && c.permits.iter().any(|(n, _)| n == name)
+            });
+            if overtaken {
+                let free = d.semaphores[name].capacity - d.semaphores[name].used;
+                prop_assert!(free >= head.count,
+                    "a later grant on {} left {} free, head {:?} needs {}", name, free, head, head.count);
+            }
+        }
+    }
+
+    #[test]
+    fn nothing_waits_that_could_have_been_granted(start in arb_semaphores(), cands in arb_candidates()) {
+        // Backfill happens whenever it leaves the head's room: a request that waits (or fails
+        // fast) would not fit even in the final state, which has no more room than it had.
+        let d = decide(&start, &cands);
+        for (c, (_, v)) in cands.iter().zip(&d.verdicts) {
+            if !(*v == Wait || *v == Fail(ErrorCode::NoCapacity)) {
+                continue;
+            }
+            let blocked = c.permits.iter().any(|(name, count)| {
+                let s = &d.semaphores[name];
+                let free_after = s.capacity - s.used - count;
+                free_after < 0
+                    || (s.fair
+                        && oldest_waiter(name, c.id, &start, &cands, &d)
+                            .is_some_and(|h| free_after < h.count))
+            });
+            prop_assert!(blocked, "{:?} waited although it fits: {:?}", c, d.semaphores);
+        }
+    }
+}
