@@ -33,9 +33,12 @@
 //! # Ok(()) }
 //! ```
 
+pub mod bench;
+pub mod cli;
 pub mod client;
 pub mod db;
 pub mod decision;
+pub mod demo;
 pub mod embedded;
 pub mod error;
 pub mod lease;
@@ -43,6 +46,7 @@ pub mod listener;
 pub mod maintenance;
 pub mod metrics;
 pub mod migrate;
+pub mod report;
 pub mod sql;
 pub mod types;
 pub mod worker;

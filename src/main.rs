@@ -1,1 +1,5 @@
-fn main(){}
+//! The `permitq` binary: see [`permitq::cli`].
+
+fn main() -> std::process::ExitCode {
+    permitq::cli::main()
+}

@@ -70,3 +70,23 @@ pub const DELETE_CAPACITY_CHANGES: &str =
 pub fn interval(d: std::time::Duration) -> String {
     format!("{} microseconds", d.as_micros())
 }
+
+/// Report: outcome counts of the requests matching a LIKE pattern.
+pub const RUN_OUTCOMES: &str = "SELECT state, coalesce(error_code, release_reason), count(*) \
+     FROM permitq.permit_request WHERE external_id LIKE $1 GROUP BY 1, 2";
+/// Report: submit → acquired latency percentiles (ms) of the requests matching a pattern.
+pub const RUN_LATENCY: &str = "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), \
+     percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), max(ms) \
+     FROM (SELECT extract(epoch FROM acquired_at - created_at)::float8 * 1000 AS ms \
+           FROM permitq.permit_request \
+           WHERE external_id LIKE $1 AND acquired_at IS NOT NULL) t";
+/// Report: queue depth and grants so far of the requests matching a pattern.
+pub const RUN_PROGRESS: &str = "SELECT count(*) FILTER (WHERE state = 'new'), \
+     count(*) FILTER (WHERE acquired_at IS NOT NULL) \
+     FROM permitq.permit_request WHERE external_id LIKE $1";
+/// Safety check over the whole history: an interval sweep of the permit rows. Each permit
+/// holds `count` from acquired_at until released_at (or now). At equal instants releases come
+/// first (a permit released at t and one granted at t never overlap). Returns each semaphore's
+/// peak concurrent use and the highest capacity it ever had (the audit's new_capacity values,
+/// and the current one) — a peak above that is a violation whatever the timing of changes.
+pub const PEAK_CONCURRENT_USE: &str = include_str!("sql/peak_concurrent_use.sql");

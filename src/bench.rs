@@ -1,0 +1,175 @@
+//! `permitq bench`: latency on an idle system and throughput under load.
+//!
+//! *Idle latency*: one request at a time against `--workers` in-process workers on a semaphore
+//! with room; for each, submit → acquired as the database recorded it (`acquired_at -
+//! created_at`) and as the producer saw it (submit call to the `permitq_events` notification).
+//! *Throughput*: `--concurrency` producers submit, hold briefly and release for `--duration`.
+//! *Retention impact*: grant latency under the same load while a worker deletes `--old-rows`
+//! settled rows, against the same load without it.
+
+use std::time::{Duration, Instant};
+
+use clap::Args;
+
+use crate::demo::{database, start_workers};
+use crate::error::Result;
+use crate::report::{self, Percentiles};
+use crate::types::{Request, State};
+use crate::{Client, WorkerConfig};
+
+/// `permitq bench` options.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// Sequential requests for the idle-latency measurement.
+    #[arg(long, default_value_t = 500)]
+    pub requests: u32,
+    /// In-process workers.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=32))]
+    pub workers: u16,
+    /// Concurrent producers for the throughput and retention phases.
+    #[arg(long, default_value_t = 16)]
+    pub concurrency: u32,
+    /// Length of each load phase.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub duration: Duration,
+    /// Settled rows to delete in the retention phase (0 skips it).
+    #[arg(long, default_value_t = 100_000)]
+    pub old_rows: i64,
+}
+
+/// Runs the benchmark and prints the results.
+pub async fn run(url: Option<&str>, args: BenchArgs) -> Result<()> {
+    let (embedded, url) = database(url).await?;
+    let client = Client::connect(&url).await?;
+    client.migrate().await?;
+    client.set_capacity("bench-idle", 1_000_000, Some(true)).await?;
+    client.set_capacity("bench-load", 64, Some(true)).await?;
+    let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
+    let (workers, stop) = start_workers(&url, args.workers, "bench")?;
+
+    // Warm up connections and the listener.
+    for i in 0..20 {
+        submit_acquire_release(&client, &format!("bench-{run}-warm-{i}"), "bench-idle").await?;
+    }
+    let prefix = format!("bench-{run}-idle-");
+    let mut observed = Vec::with_capacity(args.requests as usize);
+    for i in 0..args.requests {
+        observed.push(submit_acquire_release(&client, &format!("{prefix}{i}"), "bench-idle").await?);
+    }
+    let db = report::collect(&client, &prefix).await?.latency_ms;
+    println!("idle submit->acquired, {} requests, {} workers", args.requests, args.workers);
+    println!("  database (acquired_at - created_at): {}", fmt(db));
+    println!("  producer (submit call -> event):     {}", fmt(percentiles(&mut observed)));
+
+    let load = load_phase(&client, &format!("bench-{run}-load-"), &args).await?;
+    println!(
+        "load: {} producers, {:?}: {} grants, {:.0} grants/s, submit->acquired {}",
+        args.concurrency, args.duration, load.0, load.1, fmt(load.2)
+    );
+
+    if args.old_rows > 0 {
+        seed_settled_rows(&client, args.old_rows).await?;
+        let cleaner = retention_task(&client, args.old_rows);
+        let during = load_phase(&client, &format!("bench-{run}-cleanup-"), &args).await?;
+        let (deleted, took) = cleaner.await.expect("retention task")?;
+        println!(
+            "retention: deleted {deleted} old rows in {:.1}s while the load ran; submit->acquired p99 {:.2} ms during cleanup vs {:.2} ms without (ratio {:.2}), grants/s {:.0} vs {:.0}",
+            took.as_secs_f64(), during.2.p99, load.2.p99, during.2.p99 / load.2.p99.max(0.001), during.1, load.1
+        );
+    }
+    let _ = stop.send(true);
+    for w in workers {
+        let _ = w.await;
+    }
+    drop(client);
+    drop(embedded);
+    Ok(())
+}
+
+fn fmt(p: Percentiles) -> String {
+    format!("p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms", p.p50, p.p99, p.max)
+}
+
+fn percentiles(samples: &mut [f64]) -> Percentiles {
+    samples.sort_by(|a, b| a.total_cmp(b));
+    let at = |q: f64| samples.get(((samples.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0.0);
+    Percentiles { p50: at(0.5), p99: at(0.99), max: at(1.0) }
+}
+
+/// Submits, waits for the grant, releases. Returns the producer-observed latency in ms.
+async fn submit_acquire_release(client: &Client, id: &str, semaphore: &str) -> Result<f64> {
+    let started = Instant::now();
+    client.submit(&Request::new(id).permit(semaphore, 1)).await?;
+    let r = client.wait_settled(id, Duration::from_secs(10)).await?;
+    let ms = started.elapsed().as_secs_f64() * 1000.0;
+    if r.map(|r| r.state) != Some(State::Acquired) {
+        return Err(crate::Error::config(format!("bench request {id} was not granted in 10s")));
+    }
+    client.release(id).await?;
+    Ok(ms)
+}
+
+/// Producers submit on a contended semaphore, hold ~1ms and release, for `args.duration`.
+/// Returns (grants, grants/s, latency).
+async fn load_phase(client: &Client, prefix: &str, args: &BenchArgs) -> Result<(i64, f64, Percentiles)> {
+    let started = Instant::now();
+    let deadline = started + args.duration;
+    let tasks: Vec<_> = (0..args.concurrency)
+        .map(|p| {
+            let (client, prefix) = (client.clone(), prefix.to_string());
+            tokio::spawn(async move {
+                let mut i = 0u64;
+                while Instant::now() < deadline {
+                    let id = format!("{prefix}{p}-{i}");
+                    i += 1;
+                    client.submit(&Request::new(&id).permit("bench-load", 1 + (i % 4) as i64)).await?;
+                    let r = client.wait_settled(&id, Duration::from_secs(10)).await?;
+                    if r.map(|r| r.state) == Some(State::Acquired) {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                    client.release(&id).await?;
+                }
+                Ok::<_, crate::Error>(())
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("producer task")?;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let report = report::collect(client, prefix).await?;
+    Ok((report.granted, report.granted as f64 / elapsed, report.latency_ms))
+}
+
+/// Inserts `n` settled requests that are past any retention (settled_at a year ago).
+async fn seed_settled_rows(client: &Client, n: i64) -> Result<()> {
+    let conn = client.pool().get().await?;
+    conn.batch_execute(&format!(
+        "INSERT INTO permitq.permit_request (external_id, permits)
+         SELECT 'bench-old-' || gen_random_uuid(), '{{\"bench-load\": 1}}'
+         FROM generate_series(1, {n});
+         UPDATE permitq.permit_request SET state = 'error', error_code = 'cancelled',
+             settled_at = now() - interval '1 year'
+         WHERE external_id LIKE 'bench-old-%' AND state = 'new';"
+    ))
+    .await?;
+    Ok(())
+}
+
+/// Runs retention (batches of 1,000 rows) until `n` rows are gone; returns (deleted, time).
+fn retention_task(client: &Client, n: i64) -> tokio::task::JoinHandle<Result<(u64, Duration)>> {
+    let pool = client.pool().clone();
+    tokio::spawn(async move {
+        let config = WorkerConfig { retention: Duration::from_secs(30 * 24 * 3600), ..WorkerConfig::default() };
+        let started = Instant::now();
+        let mut deleted = 0;
+        while deleted < n as u64 {
+            let (requests, _) = crate::maintenance::retention_once(&pool, &config, None).await?;
+            deleted += requests;
+            if requests == 0 {
+                break;
+            }
+        }
+        Ok((deleted, started.elapsed()))
+    })
+}

@@ -1,0 +1,210 @@
+//! Test support: one PostgreSQL per test binary (DATABASE_URL, or a throwaway cluster), a fresh
+//! database per test cloned from a migrated template, in-process workers, and waiting on a
+//! condition with a deadline.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use permitq::embedded::EmbeddedPostgres;
+use permitq::{Client, Worker, WorkerConfig};
+use tokio::sync::{watch, OnceCell};
+
+/// The server all tests of this binary share: (admin URL, the cluster if we started it).
+fn server() -> &'static (String, Option<EmbeddedPostgres>) {
+    static SERVER: OnceLock<(String, Option<EmbeddedPostgres>)> = OnceLock::new();
+    SERVER.get_or_init(|| match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => (url, None),
+        _ => {
+            let pg = EmbeddedPostgres::start().expect("start a throwaway PostgreSQL");
+            (pg.url("postgres"), Some(pg))
+        }
+    })
+}
+
+/// `url` with its database name replaced by `db`.
+pub fn with_dbname(url: &str, db: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, format!("?{q}")),
+        None => (url, String::new()),
+    };
+    let scheme_end = base.find("://").map(|i| i + 3).unwrap_or(0);
+    let host_part = match base[scheme_end..].find('/') {
+        Some(i) => &base[..scheme_end + i],
+        None => base,
+    };
+    format!("{host_part}/{db}{query}")
+}
+
+async fn template() -> &'static str {
+    static TEMPLATE: OnceCell<String> = OnceCell::const_new();
+    TEMPLATE
+        .get_or_init(|| async {
+            let admin = &server().0;
+            let name = format!("permitq_template_{}", std::process::id());
+            let conn = connect(admin).await;
+            conn.batch_execute(&format!("DROP DATABASE IF EXISTS {name}")).await.expect("drop template");
+            conn.batch_execute(&format!("CREATE DATABASE {name}")).await.expect("create template");
+            let client = Client::connect(&with_dbname(admin, &name)).await.unwrap();
+            client.migrate().await.expect("migrate template");
+            drop(client);
+            name
+        })
+        .await
+}
+
+/// A plain connection (driven on a task).
+pub async fn connect(url: &str) -> tokio_postgres::Client {
+    permitq::db::connect(&permitq::db::parse_config(url).unwrap()).await.expect("connect")
+}
+
+/// A freshly migrated, empty database of its own.
+pub struct TestDb {
+    pub url: String,
+    pub name: String,
+}
+
+impl TestDb {
+    pub async fn new() -> TestDb {
+        let template = template().await;
+        let name = format!("permitq_test_{}", uuid::Uuid::new_v4().simple());
+        let admin = connect(&server().0).await;
+        // A template must have no other sessions; retry while one lingers.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match admin.batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {template}")).await {
+                Ok(()) => break,
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("create test database: {e}"),
+            }
+        }
+        TestDb { url: with_dbname(&server().0, &name), name }
+    }
+
+    pub async fn client(&self) -> Client {
+        Client::connect(&self.url).await.expect("client")
+    }
+
+    pub async fn conn(&self) -> tokio_postgres::Client {
+        connect(&self.url).await
+    }
+
+    /// Starts an in-process worker; it stops when the handle is stopped or dropped.
+    pub fn worker(&self, config: WorkerConfig) -> RunningWorker {
+        RunningWorker::start(&self.url, config)
+    }
+
+    /// A worker with a long poll interval: only notifications wake it quickly.
+    pub fn notified_worker(&self, id: &str) -> RunningWorker {
+        self.worker(quiet_config(id))
+    }
+}
+
+/// A worker config whose fallback poll is too slow to matter in a test.
+pub fn quiet_config(id: &str) -> WorkerConfig {
+    WorkerConfig {
+        id: id.to_string(),
+        poll_interval: Duration::from_secs(120),
+        sweep_interval: Duration::from_millis(200),
+        ..WorkerConfig::default()
+    }
+}
+
+pub struct RunningWorker {
+    stop: watch::Sender<bool>,
+    task: Option<tokio::task::JoinHandle<permitq::Result<()>>>,
+}
+
+impl RunningWorker {
+    pub fn start(url: &str, config: WorkerConfig) -> RunningWorker {
+        let worker = Worker::connect(url, config).expect("worker");
+        let (stop, mut rx) = watch::channel(false);
+        let task = tokio::spawn(worker.run(async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }));
+        RunningWorker { stop, task: Some(task) }
+    }
+
+    pub async fn stop(mut self) {
+        let _ = self.stop.send(true);
+        if let Some(task) = self.task.take() {
+            tokio::time::timeout(Duration::from_secs(10), task)
+                .await
+                .expect("worker stops within 10s")
+                .expect("worker task")
+                .expect("worker result");
+        }
+    }
+}
+
+impl Drop for RunningWorker {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+/// Polls `cond` every 20 ms until it is true; panics with `what` after `timeout`.
+pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if cond().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The state (and error code or release reason) of a request.
+pub async fn state_of(client: &Client, id: &str) -> String {
+    match client.status(id).await.unwrap() {
+        None => "unknown".into(),
+        Some(r) => match (r.error_code, r.release_reason) {
+            (Some(c), _) => format!("error/{c}"),
+            (_, Some(reason)) => format!("released/{reason}"),
+            _ => r.state.to_string(),
+        },
+    }
+}
+
+/// Invariants checked in one snapshot: no semaphore over capacity, `used` equal to the sum of
+/// acquired permits, and permits acquired exactly when their request is.
+pub async fn check_invariants(conn: &tokio_postgres::Client) -> Result<(), String> {
+    let rows = conn
+        .query(
+            "SELECT s.name, s.capacity, s.used,
+                    coalesce((SELECT sum(p.count) FROM permitq.permit p
+                              WHERE p.semaphore = s.name AND p.state = 'acquired'), 0)::int
+                    AS recomputed,
+                    (SELECT count(*) FROM permitq.permit p
+                     JOIN permitq.permit_request r ON r.id = p.request_id
+                     WHERE p.semaphore = s.name
+                       AND (p.state = 'acquired') <> (r.state = 'acquired')) AS mismatched
+             FROM permitq.semaphore s",
+            &[],
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    for row in rows {
+        let (name, capacity, used, recomputed, mismatched): (String, i32, i32, i32, i64) =
+            (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+        if used > capacity {
+            return Err(format!("{name}: used {used} > capacity {capacity}"));
+        }
+        if used != recomputed {
+            return Err(format!("{name}: used {used} but acquired permits sum to {recomputed}"));
+        }
+        if mismatched != 0 {
+            return Err(format!("{name}: {mismatched} permits disagree with their request's state"));
+        }
+    }
+    Ok(())
+}
