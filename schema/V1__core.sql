@@ -90,7 +90,7 @@ CREATE TABLE permitq.permit_request (
     -- The worker that granted or failed the request.
     worker_id      text,
     created_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
-    -- created_at + wait, kept as a column so the deadline sweep can use an index.
+    -- created_at + wait (NULL for wait = 0), a column so the deadline sweep can use an index.
     wait_until     timestamptz,
     acquired_at    timestamptz,
     expires_at     timestamptz,
@@ -166,7 +166,8 @@ BEGIN
             USING ERRCODE = '22023';
     END IF;
     NEW.created_at := clock_timestamp();
-    NEW.wait_until := NEW.created_at + NEW.wait;
+    -- wait = 0 is fail fast, decided when a worker first sees it: no deadline to sweep.
+    NEW.wait_until := CASE WHEN NEW.wait > interval '0' THEN NEW.created_at + NEW.wait END;
     RETURN NEW;
 END $$;
 
