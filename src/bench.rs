@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 
-use crate::demo::{database, start_workers};
+use crate::demo::{database, WorkerFleet};
 use crate::error::Result;
 use crate::report::{self, Percentiles};
 use crate::types::{Request, State};
@@ -42,10 +42,12 @@ pub async fn run(url: Option<&str>, args: BenchArgs) -> Result<()> {
     let (embedded, url) = database(url).await?;
     let client = Client::connect(&url).await?;
     client.migrate().await?;
-    client.set_capacity("bench-idle", 1_000_000, Some(true)).await?;
+    client
+        .set_capacity("bench-idle", 1_000_000, Some(true))
+        .await?;
     client.set_capacity("bench-load", 64, Some(true)).await?;
     let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
-    let (workers, stop) = start_workers(&url, args.workers, "bench")?;
+    let workers = WorkerFleet::start(&url, args.workers, "bench")?;
 
     // Warm up connections and the listener.
     for i in 0..20 {
@@ -54,17 +56,28 @@ pub async fn run(url: Option<&str>, args: BenchArgs) -> Result<()> {
     let prefix = format!("bench-{run}-idle-");
     let mut observed = Vec::with_capacity(args.requests as usize);
     for i in 0..args.requests {
-        observed.push(submit_acquire_release(&client, &format!("{prefix}{i}"), "bench-idle").await?);
+        observed
+            .push(submit_acquire_release(&client, &format!("{prefix}{i}"), "bench-idle").await?);
     }
     let db = report::collect(&client, &prefix).await?.latency_ms;
-    println!("idle submit->acquired, {} requests, {} workers", args.requests, args.workers);
+    println!(
+        "idle submit->acquired, {} requests, {} workers",
+        args.requests, args.workers
+    );
     println!("  database (acquired_at - created_at): {}", fmt(db));
-    println!("  producer (submit call -> event):     {}", fmt(percentiles(&mut observed)));
+    println!(
+        "  producer (submit call -> event):     {}",
+        fmt(percentiles(&mut observed))
+    );
 
     let load = load_phase(&client, &format!("bench-{run}-load-"), &args).await?;
     println!(
         "load: {} producers, {:?}: {} grants, {:.0} grants/s, submit->acquired {}",
-        args.concurrency, args.duration, load.0, load.1, fmt(load.2)
+        args.concurrency,
+        args.duration,
+        load.0,
+        load.1,
+        fmt(load.2)
     );
 
     if args.old_rows > 0 {
@@ -77,33 +90,46 @@ pub async fn run(url: Option<&str>, args: BenchArgs) -> Result<()> {
             took.as_secs_f64(), during.2.p99, load.2.p99, during.2.p99 / load.2.p99.max(0.001), during.1, load.1
         );
     }
-    let _ = stop.send(true);
-    for w in workers {
-        let _ = w.await;
-    }
+    workers.stop().await;
     drop(client);
     drop(embedded);
     Ok(())
 }
 
 fn fmt(p: Percentiles) -> String {
-    format!("p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms", p.p50, p.p99, p.max)
+    format!(
+        "p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        p.p50, p.p99, p.max
+    )
 }
 
 fn percentiles(samples: &mut [f64]) -> Percentiles {
     samples.sort_by(|a, b| a.total_cmp(b));
-    let at = |q: f64| samples.get(((samples.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0.0);
-    Percentiles { p50: at(0.5), p99: at(0.99), max: at(1.0) }
+    let at = |q: f64| {
+        samples
+            .get(((samples.len() as f64 - 1.0) * q).round() as usize)
+            .copied()
+            .unwrap_or(0.0)
+    };
+    Percentiles {
+        p50: at(0.5),
+        p99: at(0.99),
+        max: at(1.0),
+    }
 }
 
 /// Submits, waits for the grant, releases. Returns the producer-observed latency in ms.
 async fn submit_acquire_release(client: &Client, id: &str, semaphore: &str) -> Result<f64> {
     let started = Instant::now();
-    client.submit(&Request::new(id).permit(semaphore, 1)).await?;
+    client
+        .submit(&Request::new(id).permit(semaphore, 1))
+        .await?;
     let r = client.wait_settled(id, Duration::from_secs(10)).await?;
     let ms = started.elapsed().as_secs_f64() * 1000.0;
     if r.map(|r| r.state) != Some(State::Acquired) {
-        return Err(crate::Error::config(format!("bench request {id} was not granted in 10s")));
+        return Err(crate::Error::config(format!(
+            "bench request {id} was not granted in 10s"
+        )));
     }
     client.release(id).await?;
     Ok(ms)
@@ -111,7 +137,11 @@ async fn submit_acquire_release(client: &Client, id: &str, semaphore: &str) -> R
 
 /// Producers submit on a contended semaphore, hold ~1ms and release, for `args.duration`.
 /// Returns (grants, grants/s, latency).
-async fn load_phase(client: &Client, prefix: &str, args: &BenchArgs) -> Result<(i64, f64, Percentiles)> {
+async fn load_phase(
+    client: &Client,
+    prefix: &str,
+    args: &BenchArgs,
+) -> Result<(i64, f64, Percentiles)> {
     let started = Instant::now();
     let deadline = started + args.duration;
     let tasks: Vec<_> = (0..args.concurrency)
@@ -122,7 +152,9 @@ async fn load_phase(client: &Client, prefix: &str, args: &BenchArgs) -> Result<(
                 while Instant::now() < deadline {
                     let id = format!("{prefix}{p}-{i}");
                     i += 1;
-                    client.submit(&Request::new(&id).permit("bench-load", 1 + (i % 4) as i64)).await?;
+                    client
+                        .submit(&Request::new(&id).permit("bench-load", 1 + (i % 4) as i64))
+                        .await?;
                     let r = client.wait_settled(&id, Duration::from_secs(10)).await?;
                     if r.map(|r| r.state) == Some(State::Acquired) {
                         tokio::time::sleep(Duration::from_millis(1)).await;
@@ -138,7 +170,11 @@ async fn load_phase(client: &Client, prefix: &str, args: &BenchArgs) -> Result<(
     }
     let elapsed = started.elapsed().as_secs_f64();
     let report = report::collect(client, prefix).await?;
-    Ok((report.granted, report.granted as f64 / elapsed, report.latency_ms))
+    Ok((
+        report.granted,
+        report.granted as f64 / elapsed,
+        report.latency_ms,
+    ))
 }
 
 /// Inserts `n` settled requests that are past any retention (settled_at a year ago).
@@ -160,7 +196,10 @@ async fn seed_settled_rows(client: &Client, n: i64) -> Result<()> {
 fn retention_task(client: &Client, n: i64) -> tokio::task::JoinHandle<Result<(u64, Duration)>> {
     let pool = client.pool().clone();
     tokio::spawn(async move {
-        let config = WorkerConfig { retention: Duration::from_secs(30 * 24 * 3600), ..WorkerConfig::default() };
+        let config = WorkerConfig {
+            retention: Duration::from_secs(30 * 24 * 3600),
+            ..WorkerConfig::default()
+        };
         let started = Instant::now();
         let mut deleted = 0;
         while deleted < n as u64 {

@@ -197,13 +197,17 @@ fn parse_await(s: &str) -> std::result::Result<Duration, String> {
 }
 
 fn parse_permit(s: &str) -> std::result::Result<(String, i64), String> {
-    let (name, count) = s.split_once('=').ok_or_else(|| format!("expected NAME=COUNT, got {s:?}"))?;
+    let (name, count) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected NAME=COUNT, got {s:?}"))?;
     if name.is_empty() {
         return Err(format!("empty semaphore name in {s:?}"));
     }
     match count.parse::<i64>() {
         Ok(c) if (1..=i32::MAX as i64).contains(&c) => Ok((name.to_string(), c)),
-        _ => Err(format!("count must be an integer from 1 to 2147483647, got {count:?}")),
+        _ => Err(format!(
+            "count must be an integer from 1 to 2147483647, got {count:?}"
+        )),
     }
 }
 
@@ -222,9 +226,15 @@ pub fn main() -> ExitCode {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
 
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("permitq: cannot start the async runtime: {e}");
@@ -235,7 +245,8 @@ pub fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("permitq: {}", one_line(&e.to_string()));
-            let usage = e.invalid_field().is_some() || e.code() == Some(&SqlState::INVALID_PARAMETER_VALUE);
+            let usage =
+                e.invalid_field().is_some() || e.code() == Some(&SqlState::INVALID_PARAMETER_VALUE);
             ExitCode::from(if usage { EXIT_USAGE } else { EXIT_RUNTIME })
         }
     }
@@ -249,7 +260,10 @@ async fn run(cli: Cli) -> Result<u8> {
     let url = cli.database_url;
     let need_url = || {
         url.clone().ok_or_else(|| {
-            Error::invalid("database-url", "no database: pass --database-url or set DATABASE_URL")
+            Error::invalid(
+                "database-url",
+                "no database: pass --database-url or set DATABASE_URL",
+            )
         })
     };
     match cli.command {
@@ -272,27 +286,52 @@ async fn run(cli: Cli) -> Result<u8> {
                 let bound = crate::metrics::serve(addr).await?;
                 tracing::info!(%bound, "serving metrics");
             }
-            Worker::connect(&url, args.config())?.run(shutdown_signal()).await?;
+            Worker::connect(&url, args.config())?
+                .run(shutdown_signal())
+                .await?;
             Ok(0)
         }
         Command::Semaphore(cmd) => semaphore(&Client::connect(&need_url()?).await?, cmd).await,
         Command::Submit(args) => submit(&Client::connect(&need_url()?).await?, args).await,
         Command::Status { external_id, json } => {
-            match Client::connect(&need_url()?).await?.status(&external_id).await? {
+            match Client::connect(&need_url()?)
+                .await?
+                .status(&external_id)
+                .await?
+            {
                 Some(r) => print_request(&r, json),
-                None => return Err(Error::config(format!("no request with external_id {external_id:?}"))),
+                None => {
+                    return Err(Error::config(format!(
+                        "no request with external_id {external_id:?}"
+                    )))
+                }
             }
             Ok(0)
         }
         Command::Release { external_id } => {
-            println!("{}", Client::connect(&need_url()?).await?.release(&external_id).await?);
+            println!(
+                "{}",
+                Client::connect(&need_url()?)
+                    .await?
+                    .release(&external_id)
+                    .await?
+            );
             Ok(0)
         }
         Command::Revoke { external_id } => {
-            println!("{}", Client::connect(&need_url()?).await?.revoke(&external_id).await?);
+            println!(
+                "{}",
+                Client::connect(&need_url()?)
+                    .await?
+                    .revoke(&external_id)
+                    .await?
+            );
             Ok(0)
         }
-        Command::Heartbeat { external_id, extend } => {
+        Command::Heartbeat {
+            external_id,
+            extend,
+        } => {
             let client = Client::connect(&need_url()?).await?;
             match client.heartbeat(&external_id, extend).await {
                 Ok(Some(t)) => println!("expires_at {}", humantime::format_rfc3339_micros(t)),
@@ -310,10 +349,27 @@ async fn run(cli: Cli) -> Result<u8> {
 
 async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
     match cmd {
-        SemaphoreCommand::Set { name, capacity, fair, greedy } => {
-            let fairness = if fair { Some(true) } else if greedy { Some(false) } else { None };
+        SemaphoreCommand::Set {
+            name,
+            capacity,
+            fair,
+            greedy,
+        } => {
+            let fairness = if fair {
+                Some(true)
+            } else if greedy {
+                Some(false)
+            } else {
+                None
+            };
             let s = client.set_capacity(&name, capacity, fairness).await?;
-            println!("{} capacity={} used={} {}", s.name, s.capacity, s.used, if s.fair { "fair" } else { "greedy" });
+            println!(
+                "{} capacity={} used={} {}",
+                s.name,
+                s.capacity,
+                s.used,
+                if s.fair { "fair" } else { "greedy" }
+            );
         }
         SemaphoreCommand::List { json } => {
             let list = client.semaphores().await?;
@@ -322,7 +378,13 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             } else {
                 println!("{:<32} {:>10} {:>10}  mode", "name", "capacity", "used");
                 for s in list {
-                    println!("{:<32} {:>10} {:>10}  {}", s.name, s.capacity, s.used, if s.fair { "fair" } else { "greedy" });
+                    println!(
+                        "{:<32} {:>10} {:>10}  {}",
+                        s.name,
+                        s.capacity,
+                        s.used,
+                        if s.fair { "fair" } else { "greedy" }
+                    );
                 }
             }
         }
@@ -332,7 +394,10 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 println!("{}", serde_json::to_string(&history).expect("serializable"));
             } else {
                 for c in history {
-                    let when = c.changed_at.map(|t| humantime::format_rfc3339_seconds(t).to_string()).unwrap_or_default();
+                    let when = c
+                        .changed_at
+                        .map(|t| humantime::format_rfc3339_seconds(t).to_string())
+                        .unwrap_or_default();
                     let old = c.old_capacity.map_or("-".to_string(), |v| v.to_string());
                     println!(
                         "{when} {} {old} -> {} ({}) by {} ({})",
@@ -360,7 +425,10 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
     let mut row = client.submit(&request).await?;
     let mut code = 0;
     if let Some(limit) = args.await_for {
-        row = client.wait_settled(&request.external_id, limit).await?.unwrap_or(row);
+        row = client
+            .wait_settled(&request.external_id, limit)
+            .await?
+            .unwrap_or(row);
         code = match row.state {
             State::Acquired | State::Released => 0,
             State::Error => EXIT_NOT_GRANTED,

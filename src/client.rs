@@ -50,7 +50,13 @@ impl Client {
 
     /// A client over an existing pool; `config` is used for the LISTEN connection.
     pub fn new(pool: Pool, config: tokio_postgres::Config) -> Client {
-        Client { inner: Arc::new(Inner { pool, config, events: OnceCell::new() }) }
+        Client {
+            inner: Arc::new(Inner {
+                pool,
+                config,
+                events: OnceCell::new(),
+            }),
+        }
     }
 
     /// The pool.
@@ -90,7 +96,11 @@ impl Client {
     /// The request with this `external_id`, if any.
     pub async fn status(&self, external_id: &str) -> Result<Option<PermitRequest>> {
         let conn = self.inner.pool.get().await?;
-        conn.query_opt(&sql::status(), &[&external_id]).await?.as_ref().map(db::request_from_row).transpose()
+        conn.query_opt(&sql::status(), &[&external_id])
+            .await?
+            .as_ref()
+            .map(db::request_from_row)
+            .transpose()
     }
 
     /// Gives a held request's permits back, or cancels it while it waits. Idempotent.
@@ -111,24 +121,39 @@ impl Client {
 
     /// Extends the lease to now + `extend` (or the request's ttl). Returns the new expiry (None
     /// for a request without TTL). Fails with SQLSTATE 55000 when the lease is lost.
-    pub async fn heartbeat(&self, external_id: &str, extend: Option<Duration>) -> Result<Option<SystemTime>> {
+    pub async fn heartbeat(
+        &self,
+        external_id: &str,
+        extend: Option<Duration>,
+    ) -> Result<Option<SystemTime>> {
         let conn = self.inner.pool.get().await?;
-        Ok(conn.query_one(sql::HEARTBEAT, &[&external_id, &extend.map(sql::interval)]).await?.get(0))
+        Ok(conn
+            .query_one(sql::HEARTBEAT, &[&external_id, &extend.map(sql::interval)])
+            .await?
+            .get(0))
     }
 
     /// Waits until the request leaves `new`, or `timeout` passes, and returns it as it is then
     /// (still `new` on timeout; `None` for an unknown id). Listens on `permitq_events` and also
     /// re-reads the status every 250 ms, so a lost notification only costs latency.
-    pub async fn wait_settled(&self, external_id: &str, timeout: Duration) -> Result<Option<PermitRequest>> {
+    pub async fn wait_settled(
+        &self,
+        external_id: &str,
+        timeout: Duration,
+    ) -> Result<Option<PermitRequest>> {
         let deadline = Instant::now() + timeout;
         let listener = self
             .inner
             .events
-            .get_or_init(|| async { Listener::start(self.inner.config.clone(), &["permitq_events"]) })
+            .get_or_init(|| async {
+                Listener::start(self.inner.config.clone(), &["permitq_events"])
+            })
             .await;
         let mut events = listener.subscribe();
         if !listener.is_connected() {
-            listener.wait_connected(timeout.min(Duration::from_secs(1))).await;
+            listener
+                .wait_connected(timeout.min(Duration::from_secs(1)))
+                .await;
         }
         loop {
             // Subscribed before reading: a change after this read is also a notification.
@@ -181,33 +206,56 @@ impl Client {
         match settled {
             Some(r) if r.state == State::Acquired => Ok(Lease::start(self.clone(), r)),
             Some(r) => Err(Error::refused(r)),
-            None => Err(Error::config(format!("request {} vanished", request.external_id))),
+            None => Err(Error::config(format!(
+                "request {} vanished",
+                request.external_id
+            ))),
         }
     }
 
     /// Creates or changes a semaphore (and writes the capacity audit).
-    pub async fn set_capacity(&self, name: &str, capacity: i32, fair: Option<bool>) -> Result<Semaphore> {
+    pub async fn set_capacity(
+        &self,
+        name: &str,
+        capacity: i32,
+        fair: Option<bool>,
+    ) -> Result<Semaphore> {
         let conn = self.inner.pool.get().await?;
-        db::semaphore_from_row(&conn.query_one(sql::SET_CAPACITY, &[&name, &capacity, &fair]).await?)
+        db::semaphore_from_row(
+            &conn
+                .query_one(sql::SET_CAPACITY, &[&name, &capacity, &fair])
+                .await?,
+        )
     }
 
     /// Every semaphore, by name.
     pub async fn semaphores(&self) -> Result<Vec<Semaphore>> {
         let conn = self.inner.pool.get().await?;
-        conn.query(sql::LIST_SEMAPHORES, &[]).await?.iter().map(db::semaphore_from_row).collect()
+        conn.query(sql::LIST_SEMAPHORES, &[])
+            .await?
+            .iter()
+            .map(db::semaphore_from_row)
+            .collect()
     }
 
     /// The capacity audit of one semaphore, oldest first.
     pub async fn capacity_history(&self, name: &str) -> Result<Vec<CapacityChange>> {
         let conn = self.inner.pool.get().await?;
-        conn.query(sql::CAPACITY_HISTORY, &[&name]).await?.iter().map(db::capacity_change_from_row).collect()
+        conn.query(sql::CAPACITY_HISTORY, &[&name])
+            .await?
+            .iter()
+            .map(db::capacity_change_from_row)
+            .collect()
     }
 
     /// Fencing check for a downstream write kept in this database: true (and remembered) when
     /// `token` is at least the highest token seen for `resource`.
     pub async fn fence(&self, resource: &str, token: i64) -> Result<bool> {
         let conn = self.inner.pool.get().await?;
-        Ok(conn.query_one(sql::FENCE, &[&resource, &token]).await?.get(0))
+        Ok(conn
+            .query_one(sql::FENCE, &[&resource, &token])
+            .await?
+            .get(0))
     }
 }
 
@@ -215,6 +263,9 @@ impl Client {
 fn event_is_for(payload: &str, external_id: &str) -> bool {
     serde_json::from_str::<serde_json::Value>(payload)
         .ok()
-        .and_then(|v| v.get("external_id").and_then(|e| e.as_str().map(|e| e == external_id)))
+        .and_then(|v| {
+            v.get("external_id")
+                .and_then(|e| e.as_str().map(|e| e == external_id))
+        })
         .unwrap_or(true)
 }

@@ -36,7 +36,9 @@ pub fn pool(mut config: Config, max_size: usize) -> Result<Pool> {
     let manager = Manager::from_config(
         config,
         NoTls,
-        ManagerConfig { recycling_method: RecyclingMethod::Fast },
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
     );
     Pool::builder(manager)
         .max_size(max_size)
@@ -75,7 +77,9 @@ pub(crate) fn request_from_row(row: &Row) -> Result<PermitRequest> {
         wait: micros("wait_us")?,
         state: row.try_get::<_, String>("state")?.parse()?,
         error_code: parse_opt("error_code")?.map(|s| s.parse()).transpose()?,
-        release_reason: parse_opt("release_reason")?.map(|s| s.parse()).transpose()?,
+        release_reason: parse_opt("release_reason")?
+            .map(|s| s.parse())
+            .transpose()?,
         fencing_token: row.try_get("fencing_token")?,
         worker_id: row.try_get("worker_id")?,
         created_at: row.try_get("created_at")?,
@@ -136,12 +140,19 @@ pub struct Backoff {
 impl Backoff {
     /// Starts at `base`, doubles per attempt, never above `max`.
     pub fn new(base: Duration, max: Duration) -> Backoff {
-        Backoff { base, max, attempt: 0 }
+        Backoff {
+            base,
+            max,
+            attempt: 0,
+        }
     }
 
     /// The next delay: uniform in [ceiling/2, ceiling], ceiling = min(max, base * 2^attempt).
     pub fn next_delay(&mut self) -> Duration {
-        let ceiling = self.base.saturating_mul(1 << self.attempt.min(16)).min(self.max);
+        let ceiling = self
+            .base
+            .saturating_mul(1 << self.attempt.min(16))
+            .min(self.max);
         self.attempt = self.attempt.saturating_add(1);
         let half = ceiling / 2;
         half + half.mul_f64(fastrand::f64())

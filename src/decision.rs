@@ -86,13 +86,20 @@ pub struct Decision {
 impl Decision {
     /// Ids with the given verdict kind.
     pub fn ids(&self, pick: impl Fn(&Verdict) -> bool) -> Vec<i64> {
-        self.verdicts.iter().filter(|(_, v)| pick(v)).map(|(id, _)| *id).collect()
+        self.verdicts
+            .iter()
+            .filter(|(_, v)| pick(v))
+            .map(|(id, _)| *id)
+            .collect()
     }
 }
 
 /// Decides a batch. `candidates` must be in ascending id order.
 pub fn decide(semaphores: &BTreeMap<String, SemaphoreView>, candidates: &[Candidate]) -> Decision {
-    debug_assert!(candidates.windows(2).all(|w| w[0].id < w[1].id), "candidates out of order");
+    debug_assert!(
+        candidates.windows(2).all(|w| w[0].id < w[1].id),
+        "candidates out of order"
+    );
     let mut sems = semaphores.clone();
     // Per semaphore, the oldest candidate of this batch left waiting on it.
     let mut batch_heads: BTreeMap<&str, Waiter> = BTreeMap::new();
@@ -108,16 +115,20 @@ pub fn decide(semaphores: &BTreeMap<String, SemaphoreView>, candidates: &[Candid
             }
             Verdict::Wait => {
                 for (name, count) in &c.permits {
-                    batch_heads
-                        .entry(name.as_str())
-                        .or_insert(Waiter { request_id: c.id, count: *count });
+                    batch_heads.entry(name.as_str()).or_insert(Waiter {
+                        request_id: c.id,
+                        count: *count,
+                    });
                 }
             }
             Verdict::Fail(_) => {}
         }
         verdicts.push((c.id, verdict));
     }
-    Decision { verdicts, semaphores: sems }
+    Decision {
+        verdicts,
+        semaphores: sems,
+    }
 }
 
 fn verdict_for(

@@ -35,8 +35,11 @@ pub struct DemoArgs {
 }
 
 /// The demo's semaphores: (name, capacity, fair).
-const SEMAPHORES: &[(&str, i32, bool)] =
-    &[("demo-db-connections", 16, true), ("demo-gpu", 4, true), ("demo-api-quota", 40, false)];
+const SEMAPHORES: &[(&str, i32, bool)] = &[
+    ("demo-db-connections", 16, true),
+    ("demo-gpu", 4, true),
+    ("demo-api-quota", 40, false),
+];
 
 /// Starts a throwaway cluster when `url` is None; returns it (to keep alive) and the URL to use.
 pub async fn database(url: Option<&str>) -> Result<(Option<EmbeddedPostgres>, String)> {
@@ -48,25 +51,47 @@ pub async fn database(url: Option<&str>) -> Result<(Option<EmbeddedPostgres>, St
                 .await
                 .map_err(|e| Error::embedded(format!("start-up task failed: {e}")))??;
             let url = pg.url("postgres");
-            eprintln!("PostgreSQL is up on 127.0.0.1:{} (removed when the demo ends)", pg.port());
+            eprintln!(
+                "PostgreSQL is up on 127.0.0.1:{} (removed when the demo ends)",
+                pg.port()
+            );
             Ok((Some(pg), url))
         }
     }
 }
 
-/// Starts `n` in-process workers; returns their tasks and the switch that stops them.
-pub fn start_workers(url: &str, n: u16, prefix: &str) -> Result<(Vec<tokio::task::JoinHandle<Result<()>>>, watch::Sender<bool>)> {
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let mut tasks = Vec::new();
-    for i in 0..n {
-        let config = WorkerConfig { id: format!("{prefix}-worker-{i}"), ..WorkerConfig::default() };
-        let worker = Worker::connect(url, config)?;
-        let mut stop = stop_rx.clone();
-        tasks.push(tokio::spawn(worker.run(async move {
-            let _ = stop.wait_for(|s| *s).await;
-        })));
+/// In-process workers started by [`WorkerFleet::start`].
+pub struct WorkerFleet {
+    tasks: Vec<tokio::task::JoinHandle<Result<()>>>,
+    stop: watch::Sender<bool>,
+}
+
+impl WorkerFleet {
+    /// Starts `n` workers named `{prefix}-worker-{i}`.
+    pub fn start(url: &str, n: u16, prefix: &str) -> Result<WorkerFleet> {
+        let (stop, stop_rx) = watch::channel(false);
+        let mut tasks = Vec::new();
+        for i in 0..n {
+            let config = WorkerConfig {
+                id: format!("{prefix}-worker-{i}"),
+                ..WorkerConfig::default()
+            };
+            let worker = Worker::connect(url, config)?;
+            let mut stop = stop_rx.clone();
+            tasks.push(tokio::spawn(worker.run(async move {
+                let _ = stop.wait_for(|s| *s).await;
+            })));
+        }
+        Ok(WorkerFleet { tasks, stop })
     }
-    Ok((tasks, stop_tx))
+
+    /// Stops them after their transactions in flight and waits for them.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
 }
 
 /// Runs the demo.
@@ -79,13 +104,20 @@ pub async fn run(url: Option<&str>, args: DemoArgs) -> Result<()> {
     }
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
     let prefix = format!("demo-{run_id}-");
-    let (workers, stop_workers) = start_workers(&url, args.workers, "demo")?;
+    let workers = WorkerFleet::start(&url, args.workers, "demo")?;
 
     let started = Instant::now();
     let deadline = started + args.duration;
     let counter = Arc::new(AtomicU64::new(0));
     let producers: Vec<_> = (0..args.producers)
-        .map(|_| tokio::spawn(producer(client.clone(), prefix.clone(), counter.clone(), deadline)))
+        .map(|_| {
+            tokio::spawn(producer(
+                client.clone(),
+                prefix.clone(),
+                counter.clone(),
+                deadline,
+            ))
+        })
         .collect();
 
     let peaks = live_view(&client, &prefix, deadline, started).await?;
@@ -95,17 +127,17 @@ pub async fn run(url: Option<&str>, args: DemoArgs) -> Result<()> {
     // Let the last holders' leases and releases settle before the summary.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let report = report::collect(&client, &prefix).await?;
-    let _ = stop_workers.send(true);
-    for w in workers {
-        let _ = w.await;
-    }
+    workers.stop().await;
     print_summary(&report, &peaks, started.elapsed());
     drop(client); // its LISTEN connection first, then the server
     drop(embedded);
     if report.over_capacity.is_empty() {
         Ok(())
     } else {
-        Err(Error::config(format!("capacity exceeded: {:?}", report.over_capacity)))
+        Err(Error::config(format!(
+            "capacity exceeded: {:?}",
+            report.over_capacity
+        )))
     }
 }
 
@@ -128,7 +160,9 @@ async fn producer(client: Client, prefix: String, counter: Arc<AtomicU64>, deadl
         if client.submit(&request).await.is_err() {
             continue;
         }
-        let settled = client.wait_settled(&request.external_id, Duration::from_secs(5)).await;
+        let settled = client
+            .wait_settled(&request.external_id, Duration::from_secs(5))
+            .await;
         match settled {
             Ok(Some(r)) if r.state == State::Acquired => {
                 tokio::time::sleep(Duration::from_millis(fastrand::u64(20..400))).await;
@@ -145,7 +179,12 @@ async fn producer(client: Client, prefix: String, counter: Arc<AtomicU64>, deadl
 }
 
 /// Refreshes a view every second until `deadline`; returns the peak `used` seen per semaphore.
-async fn live_view(client: &Client, prefix: &str, deadline: Instant, started: Instant) -> Result<BTreeMap<String, (i64, i64)>> {
+async fn live_view(
+    client: &Client,
+    prefix: &str,
+    deadline: Instant,
+    started: Instant,
+) -> Result<BTreeMap<String, (i64, i64)>> {
     let tty = std::io::stdout().is_terminal();
     let mut peaks: BTreeMap<String, (i64, i64)> = BTreeMap::new();
     let mut last_grants = 0i64;
@@ -174,7 +213,8 @@ async fn live_view(client: &Client, prefix: &str, deadline: Instant, started: In
         ));
         for s in sems.iter().filter(|s| s.name.starts_with("demo-")) {
             let width = 30usize;
-            let filled = ((s.used as f64 / s.capacity.max(1) as f64) * width as f64).round() as usize;
+            let filled =
+                ((s.used as f64 / s.capacity.max(1) as f64) * width as f64).round() as usize;
             view.push_str(&format!(
                 "  {:<22} [{}{}] {:>3}/{:<3} {}\n",
                 s.name,
@@ -191,7 +231,10 @@ async fn live_view(client: &Client, prefix: &str, deadline: Instant, started: In
 }
 
 fn print_summary(r: &RunReport, peaks: &BTreeMap<String, (i64, i64)>, elapsed: Duration) {
-    println!("\n=== permitq demo summary ({:.1}s) ===", elapsed.as_secs_f64());
+    println!(
+        "\n=== permitq demo summary ({:.1}s) ===",
+        elapsed.as_secs_f64()
+    );
     println!("requests submitted   {}", r.submitted);
     println!("granted              {}", r.granted);
     println!("released by reason   {:?}", r.released_by_reason);

@@ -38,22 +38,44 @@ impl EmbeddedPostgres {
     /// Creates and starts a cluster on a free loopback port (blocking; a few seconds).
     pub fn start() -> Result<EmbeddedPostgres> {
         let bin = find_bin_dir()?;
-        let run_as = if std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false) {
+        let run_as = if std::fs::metadata("/proc/self")
+            .map(|m| m.uid() == 0)
+            .unwrap_or(false)
+        {
             Some(lookup_user("postgres")?)
         } else {
             None
         };
-        let root = std::env::temp_dir().join(format!("permitq-pg-{}", uuid::Uuid::new_v4().simple()));
+        let root =
+            std::env::temp_dir().join(format!("permitq-pg-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&root)?;
         if let Some((uid, gid)) = run_as {
             std::os::unix::fs::chown(&root, Some(uid), Some(gid))?;
         }
         let port = free_port()?;
-        let mut pg = EmbeddedPostgres { data: root.join("data"), root, bin, port, run_as, guard: None };
+        let mut pg = EmbeddedPostgres {
+            data: root.join("data"),
+            root,
+            bin,
+            port,
+            run_as,
+            guard: None,
+        };
         pg.guard = Some(pg.spawn_guard()?);
         pg.run(
             "initdb",
-            &["-D", pg.data_str(), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"],
+            &[
+                "-D",
+                pg.data_str(),
+                "-U",
+                "postgres",
+                "-A",
+                "trust",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "--no-sync",
+            ],
         )?;
         pg.start_server()?;
         Ok(pg)
@@ -94,7 +116,18 @@ impl EmbeddedPostgres {
         let log = self.log_path();
         self.run(
             "pg_ctl",
-            &["-D", self.data_str(), "-l", path_str(&log), "-w", "-t", "60", "-o", &options, "start"],
+            &[
+                "-D",
+                self.data_str(),
+                "-l",
+                path_str(&log),
+                "-w",
+                "-t",
+                "60",
+                "-o",
+                &options,
+                "start",
+            ],
         )
     }
 
@@ -104,7 +137,9 @@ impl EmbeddedPostgres {
 
     fn command(&self, program: &str) -> Command {
         let mut cmd = Command::new(self.bin.join(program));
-        cmd.process_group(0).current_dir(&self.root).env("LC_ALL", "C");
+        cmd.process_group(0)
+            .current_dir(&self.root)
+            .env("LC_ALL", "C");
         if let Some((uid, gid)) = self.run_as {
             cmd.uid(uid).gid(gid);
         }
@@ -149,7 +184,8 @@ impl EmbeddedPostgres {
         if let Some((uid, gid)) = self.run_as {
             cmd.uid(uid).gid(gid);
         }
-        cmd.spawn().map_err(|e| Error::embedded(format!("cannot start the cleanup guard: {e}")))
+        cmd.spawn()
+            .map_err(|e| Error::embedded(format!("cannot start the cleanup guard: {e}")))
     }
 }
 

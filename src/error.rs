@@ -18,7 +18,10 @@ pub struct Error {
 enum Kind {
     Db(tokio_postgres::Error),
     Pool(deadpool_postgres::PoolError),
-    InvalidInput { field: &'static str, message: String },
+    InvalidInput {
+        field: &'static str,
+        message: String,
+    },
     Config(String),
     Io(std::io::Error),
     Embedded(String),
@@ -30,19 +33,30 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub(crate) fn invalid(field: &'static str, message: impl Into<String>) -> Error {
-        Error { kind: Kind::InvalidInput { field, message: message.into() } }
+        Error {
+            kind: Kind::InvalidInput {
+                field,
+                message: message.into(),
+            },
+        }
     }
 
     pub(crate) fn config(message: impl Into<String>) -> Error {
-        Error { kind: Kind::Config(message.into()) }
+        Error {
+            kind: Kind::Config(message.into()),
+        }
     }
 
     pub(crate) fn embedded(message: impl Into<String>) -> Error {
-        Error { kind: Kind::Embedded(message.into()) }
+        Error {
+            kind: Kind::Embedded(message.into()),
+        }
     }
 
     pub(crate) fn refused(request: crate::types::PermitRequest) -> Error {
-        Error { kind: Kind::NotGranted(Box::new(request)) }
+        Error {
+            kind: Kind::NotGranted(Box::new(request)),
+        }
     }
 
     /// For [`crate::Client::acquire`]: the request as it ended when it was not granted (state
@@ -129,7 +143,10 @@ impl Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.is_missing_schema() {
-            return write!(f, "the permitq schema is missing or out of date: run `permitq migrate`");
+            return write!(
+                f,
+                "the permitq schema is missing or out of date: run `permitq migrate`"
+            );
         }
         match &self.kind {
             Kind::InvalidInput { field, message } => write!(f, "invalid {field}: {message}"),
@@ -192,7 +209,9 @@ impl From<tokio_postgres::Error> for Error {
 
 impl From<deadpool_postgres::PoolError> for Error {
     fn from(e: deadpool_postgres::PoolError) -> Error {
-        Error { kind: Kind::Pool(e) }
+        Error {
+            kind: Kind::Pool(e),
+        }
     }
 }
 

@@ -40,7 +40,13 @@ impl Lease {
             let (client, external_id) = (client.clone(), request.external_id.clone());
             tokio::spawn(heartbeat_loop(client, external_id, ttl, lost_tx))
         });
-        Lease { client, request, lost, heartbeat, released: false }
+        Lease {
+            client,
+            request,
+            lost,
+            heartbeat,
+            released: false,
+        }
     }
 
     /// The request as it was granted.

@@ -43,7 +43,11 @@ impl Listener {
         let (connected_tx, connected) = watch::channel(false);
         let channels: Vec<String> = channels.iter().map(|c| c.to_string()).collect();
         let task = tokio::spawn(run(config, channels, events.clone(), connected_tx));
-        Listener { events, connected, task }
+        Listener {
+            events,
+            connected,
+            task,
+        }
     }
 
     /// A receiver of every event from now on.
@@ -59,7 +63,9 @@ impl Listener {
     /// Waits until connected, or `timeout`; returns whether it is connected.
     pub async fn wait_connected(&self, timeout: Duration) -> bool {
         let mut rx = self.connected.clone();
-        tokio::time::timeout(timeout, rx.wait_for(|c| *c)).await.is_ok_and(|r| r.is_ok())
+        tokio::time::timeout(timeout, rx.wait_for(|c| *c))
+            .await
+            .is_ok_and(|r| r.is_ok())
     }
 }
 
@@ -79,7 +85,9 @@ async fn run(
     loop {
         match listen_once(&config, &channels, &events, &connected, &mut backoff).await {
             Ok(()) => tracing::warn!("LISTEN connection closed; reconnecting"),
-            Err(e) => tracing::warn!(error = %crate::Error::from(e), "LISTEN connection failed; reconnecting"),
+            Err(e) => {
+                tracing::warn!(error = %crate::Error::from(e), "LISTEN connection failed; reconnecting")
+            }
         }
         connected.send_replace(false);
         metrics::counter!("permitq_listener_reconnects_total").increment(1);

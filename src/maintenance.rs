@@ -73,7 +73,10 @@ async fn locked_batch(
 ) -> Result<Option<u64>> {
     let mut conn = pool.get().await?;
     let tx = conn.transaction().await?;
-    let got: bool = tx.query_one(sql::TRY_SWEEP_LOCK, &[&(lock as i64)]).await?.get(0);
+    let got: bool = tx
+        .query_one(sql::TRY_SWEEP_LOCK, &[&(lock as i64)])
+        .await?
+        .get(0);
     if !got {
         return Ok(None);
     }
@@ -107,21 +110,44 @@ pub async fn sweep_once(
     liveness: Option<&dyn OwnerLiveness>,
 ) -> Result<SweepOutcome> {
     let mut out = SweepOutcome {
-        timed_out: sweep_all(pool, SweepLock::WaitDeadlines, sql::SWEEP_WAIT_DEADLINES, &[&SWEEP_BATCH], None)
-            .await?,
-        expired: sweep_all(pool, SweepLock::Expired, sql::SWEEP_EXPIRED, &[&SWEEP_BATCH], None).await?,
+        timed_out: sweep_all(
+            pool,
+            SweepLock::WaitDeadlines,
+            sql::SWEEP_WAIT_DEADLINES,
+            &[&SWEEP_BATCH],
+            None,
+        )
+        .await?,
+        expired: sweep_all(
+            pool,
+            SweepLock::Expired,
+            sql::SWEEP_EXPIRED,
+            &[&SWEEP_BATCH],
+            None,
+        )
+        .await?,
         ..SweepOutcome::default()
     };
     if let Some(max_hold) = config.max_hold {
         let max_hold = sql::interval(max_hold);
-        out.stale =
-            sweep_all(pool, SweepLock::Stale, sql::SWEEP_STALE, &[&max_hold, &SWEEP_BATCH], None).await?;
+        out.stale = sweep_all(
+            pool,
+            SweepLock::Stale,
+            sql::SWEEP_STALE,
+            &[&max_hold, &SWEEP_BATCH],
+            None,
+        )
+        .await?;
     }
     if let Some(hook) = liveness {
         out.revoked = sweep_dead_owners(pool, hook).await?;
     }
     metrics::counter!("permitq_timeouts_total").increment(out.timed_out);
-    for (reason, n) in [("expired", out.expired), ("stale", out.stale), ("revoked", out.revoked)] {
+    for (reason, n) in [
+        ("expired", out.expired),
+        ("stale", out.stale),
+        ("revoked", out.revoked),
+    ] {
         metrics::counter!("permitq_sweep_released_total", "reason" => reason).increment(n);
     }
     Ok(out)
@@ -130,11 +156,19 @@ pub async fn sweep_once(
 async fn sweep_dead_owners(pool: &Pool, hook: &dyn OwnerLiveness) -> Result<u64> {
     let mut conn = pool.get().await?;
     let tx = conn.transaction().await?;
-    let got: bool = tx.query_one(sql::TRY_SWEEP_LOCK, &[&(SweepLock::Liveness as i64)]).await?.get(0);
+    let got: bool = tx
+        .query_one(sql::TRY_SWEEP_LOCK, &[&(SweepLock::Liveness as i64)])
+        .await?
+        .get(0);
     if !got {
         return Ok(0);
     }
-    let owners: Vec<String> = tx.query(sql::HELD_OWNERS, &[]).await?.iter().map(|r| r.get(0)).collect();
+    let owners: Vec<String> = tx
+        .query(sql::HELD_OWNERS, &[])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
     if owners.is_empty() {
         return Ok(0);
     }
@@ -144,14 +178,21 @@ async fn sweep_dead_owners(pool: &Pool, hook: &dyn OwnerLiveness) -> Result<u64>
     }
     let mut total = 0u64;
     loop {
-        let n: i32 = tx.query_one(sql::REVOKE_OWNERS, &[&dead, &SWEEP_BATCH]).await?.get(0);
+        let n: i32 = tx
+            .query_one(sql::REVOKE_OWNERS, &[&dead, &SWEEP_BATCH])
+            .await?
+            .get(0);
         total += n as u64;
         if n < SWEEP_BATCH {
             break;
         }
     }
     tx.commit().await?;
-    tracing::info!(?dead, released = total, "released the requests of dead owners");
+    tracing::info!(
+        ?dead,
+        released = total,
+        "released the requests of dead owners"
+    );
     Ok(total)
 }
 
@@ -163,8 +204,14 @@ pub async fn retention_once(
     stop: Option<&watch::Receiver<bool>>,
 ) -> Result<(u64, u64)> {
     let retention = sql::interval(config.retention);
-    let requests =
-        sweep_all(pool, SweepLock::Retention, sql::DELETE_SETTLED, &[&retention, &SWEEP_BATCH], stop).await?;
+    let requests = sweep_all(
+        pool,
+        SweepLock::Retention,
+        sql::DELETE_SETTLED,
+        &[&retention, &SWEEP_BATCH],
+        stop,
+    )
+    .await?;
     let audit_retention = sql::interval(config.audit_retention);
     let audit = sweep_all(
         pool,
@@ -178,7 +225,11 @@ pub async fn retention_once(
     Ok((requests, audit))
 }
 
-async fn every(interval: Duration, mut stop: watch::Receiver<bool>, mut round: impl FnMut() -> BoxFuture<'static, ()>) {
+async fn every(
+    interval: Duration,
+    mut stop: watch::Receiver<bool>,
+    mut round: impl FnMut() -> BoxFuture<'static, ()>,
+) {
     while !*stop.borrow() {
         round().await;
         tokio::select! {
@@ -209,7 +260,11 @@ pub(crate) async fn run_sweeps(
 }
 
 /// The worker's retention task: [`retention_once`] every `sweep_interval` (at least 1s).
-pub(crate) async fn run_retention(pool: Pool, config: Arc<WorkerConfig>, stop: watch::Receiver<bool>) {
+pub(crate) async fn run_retention(
+    pool: Pool,
+    config: Arc<WorkerConfig>,
+    stop: watch::Receiver<bool>,
+) {
     let interval = config.sweep_interval.max(Duration::from_secs(1));
     let stop_inner = stop.clone();
     every(interval, stop, move || {

@@ -29,7 +29,9 @@ pub async fn serve(addr: SocketAddr) -> Result<SocketAddr> {
 
 async fn accept_loop(listener: TcpListener, handle: PrometheusHandle) {
     loop {
-        let Ok((mut socket, _)) = listener.accept().await else { continue };
+        let Ok((mut socket, _)) = listener.accept().await else {
+            continue;
+        };
         let handle = handle.clone();
         tokio::spawn(async move {
             // One small request per connection; its content does not matter beyond the path.
@@ -43,7 +45,8 @@ async fn accept_loop(listener: TcpListener, handle: PrometheusHandle) {
                     body.len()
                 )
             } else {
-                "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".to_string()
+                "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                    .to_string()
             };
             let _ = socket.write_all(response.as_bytes()).await;
         });

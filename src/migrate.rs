@@ -21,19 +21,31 @@ pub struct Migration {
 
 /// Every migration this build knows, oldest first.
 pub const MIGRATIONS: &[Migration] = &[
-    Migration { version: 1, name: "core", sql: include_str!("../schema/V1__core.sql") },
-    Migration { version: 2, name: "leases", sql: include_str!("../schema/V2__leases.sql") },
+    Migration {
+        version: 1,
+        name: "core",
+        sql: include_str!("../schema/V1__core.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "leases",
+        sql: include_str!("../schema/V2__leases.sql"),
+    },
 ];
 
 /// Advisory lock key taken while migrating ("permitq" in ASCII).
-const MIGRATION_LOCK_KEY: i64 = 0x7065_726d_6974_71;
+const MIGRATION_LOCK_KEY: i64 = 0x0070_6572_6d69_7471;
 
 /// Applies the missing migrations and returns the versions it applied (empty: already current).
 /// Use a dedicated connection: the lock is held by the session.
 pub async fn migrate(client: &mut Client) -> Result<Vec<i32>> {
-    client.execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_KEY]).await?;
+    client
+        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_KEY])
+        .await?;
     let result = apply_missing(client).await;
-    let unlock = client.execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK_KEY]).await;
+    let unlock = client
+        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK_KEY])
+        .await;
     let applied = result?;
     unlock?;
     Ok(applied)

@@ -47,18 +47,27 @@ pub async fn collect(client: &Client, prefix: &str) -> Result<RunReport> {
     let pattern = format!("{}%", like_escape(prefix));
     let mut report = RunReport::default();
     for row in conn.query(sql::RUN_OUTCOMES, &[&pattern]).await? {
-        let (state, detail, n): (String, Option<String>, i64) = (row.get(0), row.get(1), row.get(2));
+        let (state, detail, n): (String, Option<String>, i64) =
+            (row.get(0), row.get(1), row.get(2));
         report.submitted += n;
         match state.as_str() {
             "released" => {
                 report.granted += n;
-                *report.released_by_reason.entry(detail.unwrap_or_default()).or_default() += n;
+                *report
+                    .released_by_reason
+                    .entry(detail.unwrap_or_default())
+                    .or_default() += n;
             }
             "acquired" => {
                 report.granted += n;
                 report.open += n;
             }
-            "error" => *report.errors_by_code.entry(detail.unwrap_or_default()).or_default() += n,
+            "error" => {
+                *report
+                    .errors_by_code
+                    .entry(detail.unwrap_or_default())
+                    .or_default() += n
+            }
             _ => report.open += n,
         }
     }
@@ -81,10 +90,14 @@ pub async fn collect(client: &Client, prefix: &str) -> Result<RunReport> {
 /// Queue depth and grants so far, for requests whose external_id starts with `prefix`.
 pub async fn queue_and_grants(client: &Client, prefix: &str) -> Result<(i64, i64)> {
     let conn = client.pool().get().await?;
-    let row = conn.query_one(sql::RUN_PROGRESS, &[&format!("{}%", like_escape(prefix))]).await?;
+    let row = conn
+        .query_one(sql::RUN_PROGRESS, &[&format!("{}%", like_escape(prefix))])
+        .await?;
     Ok((row.get(0), row.get(1)))
 }
 
 fn like_escape(s: &str) -> String {
-    s.replace('\\', "\\\\").replace('%', "\\%").replace('_', "\\_")
+    s.replace('\\', "\\\\")
+        .replace('%', "\\%")
+        .replace('_', "\\_")
 }

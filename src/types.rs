@@ -182,7 +182,10 @@ impl Request {
     /// The permits as the JSON object the SQL API takes.
     pub fn permits_json(&self) -> serde_json::Value {
         serde_json::Value::Object(
-            self.permits.iter().map(|(k, v)| (k.clone(), serde_json::Value::from(*v))).collect(),
+            self.permits
+                .iter()
+                .map(|(k, v)| (k.clone(), serde_json::Value::from(*v)))
+                .collect(),
         )
     }
 }

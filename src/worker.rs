@@ -94,18 +94,26 @@ impl Worker {
     /// [`crate::db::with_settings`]) that LISTENs through its own connection made from
     /// `listen_config`.
     pub fn new(pool: Pool, listen_config: tokio_postgres::Config, config: WorkerConfig) -> Worker {
-        Worker { pool, listen_config, config: Arc::new(config), liveness: None }
+        Worker {
+            pool,
+            listen_config,
+            config: Arc::new(config),
+            liveness: None,
+        }
     }
 
     /// Connects a worker to `url`: a pool of 4 connections with `lock_timeout` and
     /// `idle_in_transaction_session_timeout` set, and `application_name` = the worker id.
     pub fn connect(url: &str, config: WorkerConfig) -> Result<Worker> {
         let mut base = crate::db::parse_config(url)?;
-        base.application_name(&format!("permitq {}", config.id));
+        base.application_name(format!("permitq {}", config.id));
         let pooled = crate::db::with_settings(
             base.clone(),
             &[
-                ("lock_timeout", format!("{}ms", config.lock_timeout.as_millis())),
+                (
+                    "lock_timeout",
+                    format!("{}ms", config.lock_timeout.as_millis()),
+                ),
                 ("idle_in_transaction_session_timeout", "30s".to_string()),
             ],
         );
@@ -124,7 +132,10 @@ impl Worker {
     }
 
     /// Runs until `shutdown` resolves, then finishes the transaction in flight and returns.
-    pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> Result<()> {
+    pub async fn run(
+        self,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<()> {
         let (stop_tx, stop) = watch::channel(false);
         tokio::spawn(async move {
             shutdown.await;
@@ -137,13 +148,11 @@ impl Worker {
         let forward = {
             let wake = wake.clone();
             tokio::spawn(async move {
-                loop {
-                    match events.recv().await {
-                        Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
-                            wake.notify_one()
-                        }
-                        Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
-                    }
+                // Every event (a notification, a reconnect, or lag) means: run a full pass.
+                while let Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) =
+                    events.recv().await
+                {
+                    wake.notify_one();
                 }
             })
         };
@@ -247,7 +256,9 @@ impl Worker {
         let mut conn = self.pool.get().await?;
         let tx = conn.transaction().await?;
 
-        let claimed = tx.query(sql::CLAIM_BATCH, &[&cursor, &self.config.batch_size]).await?;
+        let claimed = tx
+            .query(sql::CLAIM_BATCH, &[&cursor, &self.config.batch_size])
+            .await?;
         let Some(last) = claimed.last() else {
             tx.commit().await?;
             return Ok(None);
@@ -294,7 +305,13 @@ impl Worker {
         }
         let batch_ids: Vec<i64> = candidates.iter().map(|c| c.id).collect();
         if semaphores.values().any(|s| s.fair) {
-            for row in tx.query(sql::SEMAPHORE_HEADS, &[&semaphore_ids, &batch_ids, &last_id]).await? {
+            for row in tx
+                .query(
+                    sql::SEMAPHORE_HEADS,
+                    &[&semaphore_ids, &batch_ids, &last_id],
+                )
+                .await?
+            {
                 let name: String = row.try_get(0)?;
                 let waiter = Waiter {
                     request_id: row.try_get(1)?,
@@ -317,8 +334,11 @@ impl Worker {
                 codes.push(code.as_str());
             }
         }
-        let waiting: Vec<i64> =
-            decision.ids(|v| *v == Verdict::Wait).into_iter().filter(|id| unexamined.contains(id)).collect();
+        let waiting: Vec<i64> = decision
+            .ids(|v| *v == Verdict::Wait)
+            .into_iter()
+            .filter(|id| unexamined.contains(id))
+            .collect();
         if !granted.is_empty() || !errored.is_empty() || !waiting.is_empty() {
             tx.execute(
                 sql::APPLY_DECISION,

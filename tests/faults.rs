@@ -40,18 +40,31 @@ async fn a_worker_killed_mid_transaction_leaves_the_request_new_for_another() {
     client.set_capacity("s", 1, None).await.unwrap();
     // Hold the semaphore's row lock so the worker blocks inside its batch transaction.
     let blocker = db.conn().await;
-    blocker.batch_execute("BEGIN; SELECT * FROM permitq.semaphore WHERE name = 's' FOR UPDATE").await.unwrap();
+    blocker
+        .batch_execute("BEGIN; SELECT * FROM permitq.semaphore WHERE name = 's' FOR UPDATE")
+        .await
+        .unwrap();
     let mut doomed = spawn_worker_process(&db.url, "doomed");
-    client.submit(&Request::new("r1").permit("s", 1)).await.unwrap();
+    client
+        .submit(&Request::new("r1").permit("s", 1))
+        .await
+        .unwrap();
 
     let watcher = db.conn().await;
-    wait_until(SOON, "the worker waits for the semaphore lock inside its transaction", || async {
-        backends(&watcher, "permitq doomed", "AND wait_event_type = 'Lock'").await == 1
-    })
+    wait_until(
+        SOON,
+        "the worker waits for the semaphore lock inside its transaction",
+        || async {
+            backends(&watcher, "permitq doomed", "AND wait_event_type = 'Lock'").await == 1
+        },
+    )
     .await;
     // It holds r1's row lock (the claim) right now: a SKIP LOCKED reader does not see it.
     let visible: i64 = watcher
-        .query_one("SELECT count(*) FROM (SELECT 1 FROM permitq.permit_request FOR UPDATE SKIP LOCKED) t", &[])
+        .query_one(
+            "SELECT count(*) FROM (SELECT 1 FROM permitq.permit_request FOR UPDATE SKIP LOCKED) t",
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
@@ -64,11 +77,18 @@ async fn a_worker_killed_mid_transaction_leaves_the_request_new_for_another() {
         backends(&watcher, "permitq doomed", "").await == 0
     })
     .await;
-    assert_eq!(state_of(&client, "r1").await, "new", "the transaction rolled back");
+    assert_eq!(
+        state_of(&client, "r1").await,
+        "new",
+        "the transaction rolled back"
+    );
 
     let survivor = db.notified_worker("survivor");
     let r = client.wait_settled("r1", SOON).await.unwrap().unwrap();
-    assert_eq!((r.state, r.worker_id.as_deref()), (State::Acquired, Some("survivor")));
+    assert_eq!(
+        (r.state, r.worker_id.as_deref()),
+        (State::Acquired, Some("survivor"))
+    );
     check_invariants(&watcher).await.unwrap();
     survivor.stop().await;
 }
@@ -79,8 +99,19 @@ async fn work_flows_after_the_listen_and_pool_connections_are_terminated() {
     let client = db.client().await;
     client.set_capacity("s", 1000, None).await.unwrap();
     let worker = db.notified_worker("w1");
-    client.submit(&Request::new("warm").permit("s", 1)).await.unwrap();
-    assert_eq!(client.wait_settled("warm", SOON).await.unwrap().unwrap().state, State::Acquired);
+    client
+        .submit(&Request::new("warm").permit("s", 1))
+        .await
+        .unwrap();
+    assert_eq!(
+        client
+            .wait_settled("warm", SOON)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        State::Acquired
+    );
 
     let admin = db.conn().await;
     for (round, filter) in ["AND query LIKE 'LISTEN%'", ""].into_iter().enumerate() {
@@ -98,12 +129,19 @@ async fn work_flows_after_the_listen_and_pool_connections_are_terminated() {
         assert!(killed >= 1, "round {round}: terminated {killed} backends");
         // Submitted while the worker may be disconnected: their notifications can be lost.
         for i in 0..5 {
-            client.submit(&Request::new(format!("after-{round}-{i}")).permit("s", 1)).await.unwrap();
+            client
+                .submit(&Request::new(format!("after-{round}-{i}")).permit("s", 1))
+                .await
+                .unwrap();
         }
         for i in 0..5 {
             let id = format!("after-{round}-{i}");
             let r = client.wait_settled(&id, SOON).await.unwrap().unwrap();
-            assert_eq!(r.state, State::Acquired, "{id}: the reconnect's re-scan grants the backlog");
+            assert_eq!(
+                r.state,
+                State::Acquired,
+                "{id}: the reconnect's re-scan grants the backlog"
+            );
         }
         wait_until(SOON, "a new LISTEN connection", || async {
             backends(&admin, "permitq w1", "AND query LIKE 'LISTEN%'").await == 1
@@ -111,34 +149,62 @@ async fn work_flows_after_the_listen_and_pool_connections_are_terminated() {
         .await;
     }
     // And new work is still woken by NOTIFY (the poll is 120s).
-    client.submit(&Request::new("later").permit("s", 1)).await.unwrap();
-    assert_eq!(client.wait_settled("later", Duration::from_secs(3)).await.unwrap().unwrap().state, State::Acquired);
+    client
+        .submit(&Request::new("later").permit("s", 1))
+        .await
+        .unwrap();
+    assert_eq!(
+        client
+            .wait_settled("later", Duration::from_secs(3))
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        State::Acquired
+    );
     check_invariants(&admin).await.unwrap();
     worker.stop().await;
 }
 
 async fn submit_retrying(client: &Client, request: &Request) {
-    wait_until(SOON, "submit succeeds", || async { client.submit(request).await.is_ok() }).await;
+    wait_until(SOON, "submit succeeds", || async {
+        client.submit(request).await.is_ok()
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_ride_out_a_database_restart() {
-    let pg = tokio::task::spawn_blocking(EmbeddedPostgres::start).await.unwrap().unwrap();
+    let pg = tokio::task::spawn_blocking(EmbeddedPostgres::start)
+        .await
+        .unwrap()
+        .unwrap();
     let url = pg.url("postgres");
     let client = Client::connect(&url).await.unwrap();
     client.migrate().await.unwrap();
     client.set_capacity("s", 5, None).await.unwrap();
-    let workers: Vec<_> =
-        (0..2).map(|i| common::RunningWorker::start(&url, quiet_config(&format!("w{i}")))).collect();
+    let workers: Vec<_> = (0..2)
+        .map(|i| common::RunningWorker::start(&url, quiet_config(&format!("w{i}"))))
+        .collect();
     for i in 0..10 {
-        client.submit(&Request::new(format!("before-{i}")).permit("s", 1)).await.unwrap();
+        client
+            .submit(&Request::new(format!("before-{i}")).permit("s", 1))
+            .await
+            .unwrap();
     }
     wait_until(SOON, "5 granted before the restart", || async {
-        client.semaphores().await.map(|s| s[0].used == 5).unwrap_or(false)
+        client
+            .semaphores()
+            .await
+            .map(|s| s[0].used == 5)
+            .unwrap_or(false)
     })
     .await;
 
-    for (round, mode) in [StopMode::Immediate, StopMode::Fast].into_iter().enumerate() {
+    for (round, mode) in [StopMode::Immediate, StopMode::Fast]
+        .into_iter()
+        .enumerate()
+    {
         let pg_ref = &pg;
         tokio::task::block_in_place(|| {
             pg_ref.stop(mode).unwrap();
@@ -147,11 +213,18 @@ async fn workers_ride_out_a_database_restart() {
         for i in 0..5 {
             let id = format!("before-{i}");
             if round == 0 {
-                wait_until(SOON, "release succeeds", || async { client.release(&id).await.is_ok() }).await;
+                wait_until(SOON, "release succeeds", || async {
+                    client.release(&id).await.is_ok()
+                })
+                .await;
             }
         }
         for i in 0..5 {
-            submit_retrying(&client, &Request::new(format!("after-{round}-{i}")).permit("s", 1)).await;
+            submit_retrying(
+                &client,
+                &Request::new(format!("after-{round}-{i}")).permit("s", 1),
+            )
+            .await;
         }
     }
     // before-5..9 were waiting through both restarts; after-0-* and after-1-* queue behind them.

@@ -5,7 +5,12 @@ use proptest::prelude::*;
 use super::*;
 
 fn sem(capacity: i64, used: i64, fair: bool) -> SemaphoreView {
-    SemaphoreView { capacity, used, fair, head: None }
+    SemaphoreView {
+        capacity,
+        used,
+        fair,
+        head: None,
+    }
 }
 
 fn cand(id: i64, permits: &[(&str, i64)]) -> Candidate {
@@ -18,7 +23,9 @@ fn cand(id: i64, permits: &[(&str, i64)]) -> Candidate {
 }
 
 fn sems(list: &[(&str, SemaphoreView)]) -> BTreeMap<String, SemaphoreView> {
-    list.iter().map(|(n, s)| (n.to_string(), s.clone())).collect()
+    list.iter()
+        .map(|(n, s)| (n.to_string(), s.clone()))
+        .collect()
 }
 
 fn verdicts(d: &Decision) -> Vec<Verdict> {
@@ -29,7 +36,10 @@ use Verdict::{Fail, Grant, Wait};
 
 #[test]
 fn grants_what_fits_and_counts_it() {
-    let d = decide(&sems(&[("a", sem(3, 0, true))]), &[cand(1, &[("a", 2)]), cand(2, &[("a", 1)])]);
+    let d = decide(
+        &sems(&[("a", sem(3, 0, true))]),
+        &[cand(1, &[("a", 2)]), cand(2, &[("a", 1)])],
+    );
     assert_eq!(verdicts(&d), [Grant, Grant]);
     assert_eq!(d.semaphores["a"].used, 3);
 }
@@ -43,7 +53,16 @@ fn errors_in_rule_order() {
     fast.fail_fast = true;
     let mut unknown_and_late = cand(5, &[("a", 1), ("zz", 1)]);
     unknown_and_late.deadline_passed = true;
-    let d = decide(&s, &[cand(1, &[("nope", 1)]), cand(2, &[("a", 4)]), timed_out, fast, unknown_and_late]);
+    let d = decide(
+        &s,
+        &[
+            cand(1, &[("nope", 1)]),
+            cand(2, &[("a", 4)]),
+            timed_out,
+            fast,
+            unknown_and_late,
+        ],
+    );
     assert_eq!(
         verdicts(&d),
         [
@@ -83,7 +102,14 @@ fn fair_head_is_not_overtaken_but_backfill_that_leaves_its_room_is_allowed() {
     assert_eq!(verdicts(&d), [Grant, Grant]);
     // 4 free, head (on b) needs 2 of a: a later 2 leaves exactly 2, allowed; a later 1 is not.
     let s = sems(&[("a", sem(10, 6, true)), ("b", sem(1, 1, true))]);
-    let d = decide(&s, &[cand(1, &[("a", 2), ("b", 1)]), cand(2, &[("a", 2)]), cand(3, &[("a", 1)])]);
+    let d = decide(
+        &s,
+        &[
+            cand(1, &[("a", 2), ("b", 1)]),
+            cand(2, &[("a", 2)]),
+            cand(3, &[("a", 1)]),
+        ],
+    );
     assert_eq!(verdicts(&d), [Wait, Grant, Wait]);
 }
 
@@ -98,7 +124,14 @@ fn greedy_lets_any_request_that_fits_go_first() {
 fn a_waiting_request_reserves_every_fair_semaphore_it_names() {
     // 1 needs a and b; b is full. 2 wants all of a: it must leave 1's share of a.
     let s = sems(&[("a", sem(4, 0, true)), ("b", sem(1, 1, true))]);
-    let d = decide(&s, &[cand(1, &[("a", 2), ("b", 1)]), cand(2, &[("a", 3)]), cand(3, &[("a", 2)])]);
+    let d = decide(
+        &s,
+        &[
+            cand(1, &[("a", 2), ("b", 1)]),
+            cand(2, &[("a", 3)]),
+            cand(3, &[("a", 2)]),
+        ],
+    );
     assert_eq!(verdicts(&d), [Wait, Wait, Grant]);
     assert_eq!(d.semaphores["a"].used, 2);
 }
@@ -106,7 +139,10 @@ fn a_waiting_request_reserves_every_fair_semaphore_it_names() {
 #[test]
 fn recorded_head_from_another_batch_is_respected_only_by_younger_requests() {
     let mut a = sem(10, 5, true);
-    a.head = Some(Waiter { request_id: 50, count: 4 });
+    a.head = Some(Waiter {
+        request_id: 50,
+        count: 4,
+    });
     let s = sems(&[("a", a)]);
     // 40 is older than the head: it is the head itself. 60 would leave 5-3=2 < 4.
     let d = decide(&s, &[cand(60, &[("a", 3)]), cand(70, &[("a", 1)])]);
@@ -128,13 +164,26 @@ fn capacity_lowered_below_used_grants_nothing_until_room() {
 const NAMES: [&str; 5] = ["a", "b", "c", "d", "e"]; // "e" never exists
 
 fn arb_semaphores() -> impl Strategy<Value = BTreeMap<String, SemaphoreView>> {
-    let one = (0i64..10, 0i64..12, any::<bool>(), proptest::option::of((0i64..40, 1i64..8)));
+    let one = (
+        0i64..10,
+        0i64..12,
+        any::<bool>(),
+        proptest::option::of((0i64..40, 1i64..8)),
+    );
     proptest::collection::vec(one, 4).prop_map(|v| {
         v.into_iter()
             .zip(NAMES)
             .map(|((capacity, used, fair, head), name)| {
                 let head = head.map(|(request_id, count)| Waiter { request_id, count });
-                (name.to_string(), SemaphoreView { capacity, used, fair, head })
+                (
+                    name.to_string(),
+                    SemaphoreView {
+                        capacity,
+                        used,
+                        fair,
+                        head,
+                    },
+                )
             })
             .collect()
     })
@@ -153,8 +202,17 @@ fn arb_candidates() -> impl Strategy<Value = Vec<Candidate>> {
         v.into_iter()
             .map(|(gap, names, counts, fail_fast, deadline_passed)| {
                 id += gap;
-                let permits = names.into_iter().zip(counts).map(|(n, c)| (n.to_string(), c)).collect();
-                Candidate { id, permits, fail_fast, deadline_passed }
+                let permits = names
+                    .into_iter()
+                    .zip(counts)
+                    .map(|(n, c)| (n.to_string(), c))
+                    .collect();
+                Candidate {
+                    id,
+                    permits,
+                    fail_fast,
+                    deadline_passed,
+                }
             })
             .collect()
     })
@@ -169,10 +227,24 @@ fn oldest_waiter(
     d: &Decision,
 ) -> Option<Waiter> {
     let recorded = start[name].head;
-    let batch = cands.iter().zip(&d.verdicts).filter(|(_, (_, v))| *v == Wait).find_map(|(c, _)| {
-        c.permits.iter().find(|(n, _)| n == name).map(|(_, count)| Waiter { request_id: c.id, count: *count })
-    });
-    [recorded, batch].into_iter().flatten().filter(|w| w.request_id < before).min_by_key(|w| w.request_id)
+    let batch = cands
+        .iter()
+        .zip(&d.verdicts)
+        .filter(|(_, (_, v))| *v == Wait)
+        .find_map(|(c, _)| {
+            c.permits
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, count)| Waiter {
+                    request_id: c.id,
+                    count: *count,
+                })
+        });
+    [recorded, batch]
+        .into_iter()
+        .flatten()
+        .filter(|w| w.request_id < before)
+        .min_by_key(|w| w.request_id)
 }
 
 proptest! {

@@ -44,8 +44,12 @@ async fn template() -> &'static str {
             let admin = &server().0;
             let name = format!("permitq_template_{}", std::process::id());
             let conn = connect(admin).await;
-            conn.batch_execute(&format!("DROP DATABASE IF EXISTS {name}")).await.expect("drop template");
-            conn.batch_execute(&format!("CREATE DATABASE {name}")).await.expect("create template");
+            conn.batch_execute(&format!("DROP DATABASE IF EXISTS {name}"))
+                .await
+                .expect("drop template");
+            conn.batch_execute(&format!("CREATE DATABASE {name}"))
+                .await
+                .expect("create template");
             let client = Client::connect(&with_dbname(admin, &name)).await.unwrap();
             client.migrate().await.expect("migrate template");
             drop(client);
@@ -56,7 +60,9 @@ async fn template() -> &'static str {
 
 /// A plain connection (driven on a task).
 pub async fn connect(url: &str) -> tokio_postgres::Client {
-    permitq::db::connect(&permitq::db::parse_config(url).unwrap()).await.expect("connect")
+    permitq::db::connect(&permitq::db::parse_config(url).unwrap())
+        .await
+        .expect("connect")
 }
 
 /// A freshly migrated, empty database of its own.
@@ -73,7 +79,10 @@ impl TestDb {
         // A template must have no other sessions; retry while one lingers.
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            match admin.batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {template}")).await {
+            match admin
+                .batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {template}"))
+                .await
+            {
                 Ok(()) => break,
                 Err(e) if Instant::now() < deadline => {
                     let _ = e;
@@ -82,7 +91,10 @@ impl TestDb {
                 Err(e) => panic!("create test database: {e}"),
             }
         }
-        TestDb { url: with_dbname(&server().0, &name), name }
+        TestDb {
+            url: with_dbname(&server().0, &name),
+            name,
+        }
     }
 
     pub async fn client(&self) -> Client {
@@ -126,7 +138,10 @@ impl RunningWorker {
         let task = tokio::spawn(worker.run(async move {
             let _ = rx.wait_for(|s| *s).await;
         }));
-        RunningWorker { stop, task: Some(task) }
+        RunningWorker {
+            stop,
+            task: Some(task),
+        }
     }
 
     pub async fn stop(mut self) {
@@ -158,7 +173,10 @@ where
         if cond().await {
             return;
         }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for: {what}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -200,10 +218,14 @@ pub async fn check_invariants(conn: &tokio_postgres::Client) -> Result<(), Strin
             return Err(format!("{name}: used {used} > capacity {capacity}"));
         }
         if used != recomputed {
-            return Err(format!("{name}: used {used} but acquired permits sum to {recomputed}"));
+            return Err(format!(
+                "{name}: used {used} but acquired permits sum to {recomputed}"
+            ));
         }
         if mismatched != 0 {
-            return Err(format!("{name}: {mismatched} permits disagree with their request's state"));
+            return Err(format!(
+                "{name}: {mismatched} permits disagree with their request's state"
+            ));
         }
     }
     Ok(())
