@@ -175,6 +175,7 @@ async fn submit_retrying(client: &Client, request: &Request) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_ride_out_a_database_restart() {
+    common::init_logging();
     let pg = tokio::task::spawn_blocking(EmbeddedPostgres::start)
         .await
         .unwrap()

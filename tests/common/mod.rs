@@ -13,6 +13,7 @@ use tokio::sync::{watch, OnceCell};
 
 /// The server all tests of this binary share: (admin URL, the cluster if we started it).
 fn server() -> &'static (String, Option<EmbeddedPostgres>) {
+    init_logging();
     static SERVER: OnceLock<(String, Option<EmbeddedPostgres>)> = OnceLock::new();
     SERVER.get_or_init(|| match std::env::var("DATABASE_URL") {
         Ok(url) if !url.is_empty() => (url, None),
@@ -21,6 +22,16 @@ fn server() -> &'static (String, Option<EmbeddedPostgres>) {
             (pg.url("postgres"), Some(pg))
         }
     })
+}
+
+/// Worker logs in test output (shown for failing tests); RUST_LOG overrides the level.
+pub fn init_logging() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("permitq=info"));
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init();
+    });
 }
 
 /// `url` with its database name replaced by `db`.
