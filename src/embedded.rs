@@ -106,9 +106,13 @@ impl EmbeddedPostgres {
     }
 
     /// Starts the server again after [`EmbeddedPostgres::stop`], on the same port.
+    ///
+    /// `fsync=off` (no OS crash is simulated, so written WAL survives) but synchronous commit
+    /// stays on: a commit acknowledged to a client survives `stop(Immediate)`, which the fault
+    /// tests rely on.
     pub fn start_server(&self) -> Result<()> {
         let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off \
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off \
              -c full_page_writes=off -c max_connections=400 -c shared_buffers=128MB",
             self.port,
             self.root.display()
