@@ -50,7 +50,11 @@ async fn main() -> permitq::Result<()> {
     let mut a_out = BufReader::new(a.stdout.take().expect("piped")).lines();
     let first = a_out.next_line().await?.unwrap_or_default();
     println!("A: {first}");
-    let a_token: i64 = first.rsplit(' ').next().and_then(|t| t.parse().ok()).unwrap_or(-1);
+    let a_token: i64 = first
+        .rsplit(' ')
+        .next()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(-1);
 
     // 2. Pause A past its TTL.
     let pid = a.id().expect("running").to_string();
@@ -59,9 +63,17 @@ async fn main() -> permitq::Result<()> {
 
     // 3. B waits for the permit, gets a higher token and writes.
     let b = client
-        .acquire(&Request::new(format!("holder-b-{}", std::process::id())).permit(RESOURCE, 1).ttl(Duration::from_secs(30)), Duration::from_secs(30))
+        .acquire(
+            &Request::new(format!("holder-b-{}", std::process::id()))
+                .permit(RESOURCE, 1)
+                .ttl(Duration::from_secs(30)),
+            Duration::from_secs(30),
+        )
         .await?;
-    let a_state = client.status(&format!("holder-a-{pid}")).await?.map(|r| (r.state, r.release_reason));
+    let a_state = client
+        .status(&format!("holder-a-{pid}"))
+        .await?
+        .map(|r| (r.state, r.release_reason));
     println!("A's request is now {a_state:?}");
     println!("B: acquired with fencing token {}", b.fencing_token());
     let b_reply = write(&store, b.fencing_token(), "written by B").await?;
@@ -78,14 +90,23 @@ async fn main() -> permitq::Result<()> {
     drop(embedded);
 
     let safe = b_reply == "OK" && a_reply.contains("REJECTED") && a_token > 0;
-    println!("{}", if safe { "fencing held: the stale holder's write was rejected" } else { "UNSAFE: the stale write was accepted" });
+    println!(
+        "{}",
+        if safe {
+            "fencing held: the stale holder's write was rejected"
+        } else {
+            "UNSAFE: the stale write was accepted"
+        }
+    );
     std::process::exit(if safe { 0 } else { 1 });
 }
 
 /// Holder A: acquire, report the token, "work" briefly (it is paused here), then write.
 async fn holder(url: &str, store: &str) -> permitq::Result<()> {
     let client = Client::connect(url).await?;
-    let request = Request::new(format!("holder-a-{}", std::process::id())).permit(RESOURCE, 1).ttl(Duration::from_secs(1));
+    let request = Request::new(format!("holder-a-{}", std::process::id()))
+        .permit(RESOURCE, 1)
+        .ttl(Duration::from_secs(1));
     let lease = client.acquire(&request, Duration::from_secs(30)).await?;
     println!("acquired with fencing token {}", lease.fencing_token());
     // The pause hits here, after any "is my lease still valid?" check A might have made.
@@ -107,10 +128,18 @@ async fn start_store() -> permitq::Result<String> {
                 let (read, mut write) = socket.into_split();
                 let mut lines = BufReader::new(read).lines();
                 while let Ok(Some(line)) = lines.next_line().await {
-                    let token: i64 = line.split(' ').nth(1).and_then(|t| t.parse().ok()).unwrap_or(i64::MIN);
+                    let token: i64 = line
+                        .split(' ')
+                        .nth(1)
+                        .and_then(|t| t.parse().ok())
+                        .unwrap_or(i64::MIN);
                     // Atomically: accept and remember if token >= highest, else reject.
                     let previous = highest.fetch_max(token, Ordering::SeqCst);
-                    let reply = if token >= previous { "OK".to_string() } else { format!("REJECTED stale token {token} < {previous}") };
+                    let reply = if token >= previous {
+                        "OK".to_string()
+                    } else {
+                        format!("REJECTED stale token {token} < {previous}")
+                    };
                     let _ = write.write_all(format!("{reply}\n").as_bytes()).await;
                 }
             });
@@ -121,12 +150,17 @@ async fn start_store() -> permitq::Result<String> {
 
 async fn write(store: &str, token: i64, data: &str) -> permitq::Result<String> {
     let mut socket = TcpStream::connect(store).await?;
-    socket.write_all(format!("WRITE {token} {data}\n").as_bytes()).await?;
+    socket
+        .write_all(format!("WRITE {token} {data}\n").as_bytes())
+        .await?;
     let mut lines = BufReader::new(socket).lines();
     Ok(lines.next_line().await?.unwrap_or_default())
 }
 
 async fn signal(sig: &str, pid: &str) -> permitq::Result<()> {
-    tokio::process::Command::new("kill").args([sig, pid]).status().await?;
+    tokio::process::Command::new("kill")
+        .args([sig, pid])
+        .status()
+        .await?;
     Ok(())
 }

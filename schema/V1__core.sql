@@ -8,6 +8,12 @@
 -- One global order means the worker, release, set_capacity and the sweeps cannot deadlock each
 -- other; `used` only ever changes under the semaphore's row lock, so it stays exact.
 
+-- Functions that read tables run with plan_cache_mode = force_custom_plan. PL/pgSQL caches a
+-- generic plan per statement per session; one made while the queue was tiny (a sequential scan
+-- is cheapest then) stays in a long-lived worker session after a burst grows the table, until
+-- ANALYZE invalidates it. Measured with `permitq bench`: 100,000 rows inserted at once tripled
+-- grant latency until ANALYZE ran. A custom plan per call sees the table's real size.
+
 CREATE SCHEMA IF NOT EXISTS permitq;
 
 -- Why a permits object is invalid, or NULL when it is valid. Shared by the CHECK constraint (plain
@@ -158,7 +164,7 @@ CREATE INDEX waiter_request_idx ON permitq.waiter (request_id);
 
 -- New rows start as `new`, whatever path inserted them, and carry their wait deadline.
 CREATE FUNCTION permitq.before_request_insert() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 BEGIN
     IF NEW.state <> 'new' OR NEW.fencing_token IS NOT NULL OR NEW.acquired_at IS NOT NULL
        OR NEW.examined THEN
@@ -176,7 +182,7 @@ CREATE TRIGGER permit_request_before_insert BEFORE INSERT ON permitq.permit_requ
 
 -- Wakes the workers once per INSERT statement that added rows (not once per row).
 CREATE FUNCTION permitq.notify_work_inserted() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 BEGIN
     IF EXISTS (SELECT 1 FROM inserted) THEN
         PERFORM pg_notify('permitq_work', '');
@@ -191,7 +197,7 @@ CREATE TRIGGER permit_request_after_insert AFTER INSERT ON permitq.permit_reques
 -- Every transition to acquired, error or released: drop the request's waiter rows (it waits no
 -- more) and tell producers on `permitq_events`.
 CREATE FUNCTION permitq.after_request_settled() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 BEGIN
     IF OLD.state = 'new' THEN
         DELETE FROM permitq.waiter WHERE request_id = NEW.id;
@@ -220,7 +226,7 @@ CREATE FUNCTION permitq.submit(
     ttl interval DEFAULT NULL,
     wait interval DEFAULT NULL
 ) RETURNS permitq.permit_request
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 #variable_conflict use_column
 DECLARE
     problem text;
@@ -271,7 +277,7 @@ END $$;
 
 -- permitq.status: the request row, or NULL for an unknown external_id.
 CREATE FUNCTION permitq.status(external_id text) RETURNS permitq.permit_request
-LANGUAGE sql STABLE AS $$
+LANGUAGE sql SET plan_cache_mode = force_custom_plan STABLE AS $$
     SELECT * FROM permitq.permit_request r WHERE r.external_id = $1
 $$;
 
@@ -280,7 +286,7 @@ $$;
 -- in id order (step 2), then returns the capacity, marks permits and requests released and wakes
 -- the workers. Used by release, revoke and every sweep, so there is one release path.
 CREATE FUNCTION permitq.release_locked(request_ids bigint[], reason text) RETURNS integer
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     released_count integer;
 BEGIN
@@ -316,7 +322,7 @@ END $$;
 -- (recording `reason`), cancels it when it is still waiting. Returns released | already_released
 -- | cancelled | not_acquired | unknown. Idempotent.
 CREATE FUNCTION permitq.release_request(external_id text, reason text) RETURNS text
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     request permitq.permit_request;
 BEGIN
@@ -347,17 +353,17 @@ END $$;
 -- permitq.release: the holder gives its permits back, or cancels a request still waiting.
 -- Returns released | already_released | cancelled | not_acquired | unknown. Idempotent.
 CREATE FUNCTION permitq.release(external_id text) RETURNS text
-LANGUAGE sql AS $$ SELECT permitq.release_request($1, 'released') $$;
+LANGUAGE sql SET plan_cache_mode = force_custom_plan AS $$ SELECT permitq.release_request($1, 'released') $$;
 
 -- permitq.cancel: the same as release, under the name a producer that gives up looks for.
 CREATE FUNCTION permitq.cancel(external_id text) RETURNS text
-LANGUAGE sql AS $$ SELECT permitq.release($1) $$;
+LANGUAGE sql SET plan_cache_mode = force_custom_plan AS $$ SELECT permitq.release($1) $$;
 
 -- permitq.set_capacity: create or change a semaphore and wake the workers. Lowering capacity below
 -- `used` revokes nothing; new grants wait until `used` drops below the new capacity.
 CREATE FUNCTION permitq.set_capacity(name text, capacity integer, fair boolean DEFAULT NULL)
 RETURNS permitq.semaphore
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 #variable_conflict use_column
 DECLARE
     result permitq.semaphore;
@@ -393,7 +399,7 @@ CREATE FUNCTION permitq.apply_decision(
     error_codes text[],
     waiting bigint[]
 ) RETURNS void
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 BEGIN
     -- Grants. Tokens and timestamps are drawn in id order, after the locks are held, so token
     -- order, acquired_at order and FIFO order agree (volatile output columns are computed after

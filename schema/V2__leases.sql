@@ -1,6 +1,10 @@
 -- Leases, maintenance and fencing: heartbeats, the sweeps the workers run, operator revoke,
 -- retention, the capacity audit and fence tokens for downstream writes.
 --
+-- The sweeps take their rows oldest first from a partial index. They run with enable_sort = off:
+-- right after a bulk load, before ANALYZE, the planner would otherwise sort every candidate row
+-- to pick the oldest 1,000 (seen: 28 ms per batch growing with the backlog, against 8 ms).
+--
 -- Every sweep locks its requests FOR UPDATE SKIP LOCKED (lock order step 1) and releases through
 -- permitq.release_locked (step 2, semaphores in id order), so a sweep run twice, or by two workers
 -- at once, releases each request exactly once.
@@ -10,7 +14,7 @@
 -- permits and must stop.
 CREATE FUNCTION permitq.heartbeat(external_id text, extend interval DEFAULT NULL)
 RETURNS timestamptz
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     request permitq.permit_request;
     new_expiry timestamptz;
@@ -41,7 +45,7 @@ END $$;
 -- a request still waiting is cancelled. Returns what permitq.release returns, with `revoked` in
 -- place of `released`.
 CREATE FUNCTION permitq.revoke(external_id text) RETURNS text
-LANGUAGE sql AS $$
+LANGUAGE sql SET plan_cache_mode = force_custom_plan AS $$
     SELECT CASE outcome WHEN 'released' THEN 'revoked' ELSE outcome END
     FROM permitq.release_request($1, 'revoked') AS outcome
 $$;
@@ -49,7 +53,7 @@ $$;
 -- Sweep: fails waiting requests whose `wait` ran out (error_code = 'timeout'). Rows a worker is
 -- deciding right now are skipped; that worker applies the same deadline itself.
 CREATE FUNCTION permitq.sweep_wait_deadlines(batch_size integer) RETURNS integer
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan SET enable_sort = off AS $$
 DECLARE
     n integer;
 BEGIN
@@ -75,7 +79,7 @@ END $$;
 -- The condition is re-checked on the locked row version, so a heartbeat that committed a moment
 -- ago wins over the sweep.
 CREATE FUNCTION permitq.sweep_expired(batch_size integer) RETURNS integer
-LANGUAGE sql AS $$
+LANGUAGE sql SET plan_cache_mode = force_custom_plan SET enable_sort = off AS $$
     SELECT coalesce(permitq.release_locked(array_agg(id), 'expired'), 0)
     FROM (SELECT id FROM permitq.permit_request
           WHERE state = 'acquired' AND expires_at <= now()
@@ -85,7 +89,7 @@ $$;
 
 -- Sweep: requests held longer than max_hold (the worker's --max-hold): release_reason = 'stale'.
 CREATE FUNCTION permitq.sweep_stale(max_hold interval, batch_size integer) RETURNS integer
-LANGUAGE sql AS $$
+LANGUAGE sql SET plan_cache_mode = force_custom_plan SET enable_sort = off AS $$
     SELECT coalesce(permitq.release_locked(array_agg(id), 'stale'), 0)
     FROM (SELECT id FROM permitq.permit_request
           WHERE state = 'acquired' AND acquired_at <= now() - max_hold
@@ -95,7 +99,7 @@ $$;
 
 -- Sweep: requests whose owner the liveness hook reported dead: release_reason = 'revoked'.
 CREATE FUNCTION permitq.revoke_owners(owners text[], batch_size integer) RETURNS integer
-LANGUAGE sql AS $$
+LANGUAGE sql SET plan_cache_mode = force_custom_plan AS $$
     SELECT coalesce(permitq.release_locked(array_agg(id), 'revoked'), 0)
     FROM (SELECT id FROM permitq.permit_request
           WHERE state = 'acquired' AND owner = ANY(owners)
@@ -107,7 +111,7 @@ $$;
 -- settled more than older_than ago. Small batches keep each transaction short, so production
 -- traffic never queues behind a long delete.
 CREATE FUNCTION permitq.delete_settled(older_than interval, batch_size integer) RETURNS integer
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan SET enable_sort = off AS $$
 DECLARE
     n integer;
 BEGIN
@@ -141,7 +145,7 @@ CREATE INDEX capacity_change_changed_at_idx ON permitq.capacity_change (changed_
 -- Audits creation and every UPDATE that sets capacity or fair (set_capacity or a hand-written
 -- UPDATE), even when the value stays the same. Changes to `used` are not audited.
 CREATE FUNCTION permitq.audit_capacity() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 BEGIN
     INSERT INTO permitq.capacity_change (semaphore, old_capacity, new_capacity, old_fair, new_fair)
     VALUES (NEW.name,
@@ -158,7 +162,7 @@ CREATE TRIGGER semaphore_capacity_changed AFTER UPDATE OF capacity, fair ON perm
 -- Retention of the audit, in batches like delete_settled.
 CREATE FUNCTION permitq.delete_capacity_changes(older_than interval, batch_size integer)
 RETURNS integer
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan SET enable_sort = off AS $$
 DECLARE
     n integer;
 BEGIN
@@ -180,7 +184,7 @@ CREATE TABLE permitq.fence_token (
 -- permitq.fence: true, and remembered, when `token` >= the highest token seen for `resource`;
 -- false otherwise. One statement: atomic under concurrency.
 CREATE FUNCTION permitq.fence(resource text, token bigint) RETURNS boolean
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 #variable_conflict use_column
 DECLARE
     accepted boolean;

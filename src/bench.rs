@@ -4,8 +4,8 @@
 //! with room; for each, submit → acquired as the database recorded it (`acquired_at -
 //! created_at`) and as the producer saw it (submit call to the `permitq_events` notification).
 //! *Throughput*: `--concurrency` producers submit, hold briefly and release for `--duration`.
-//! *Retention impact*: grant latency under the same load while a worker deletes `--old-rows`
-//! settled rows, against the same load without it.
+//! *Retention impact*: grant latency under the same load while the workers' retention deletes
+//! `--old-rows` settled rows, against the same load without it, in the same run.
 
 use std::time::{Duration, Instant};
 
@@ -15,7 +15,7 @@ use crate::demo::{database, WorkerFleet};
 use crate::error::Result;
 use crate::report::{self, Percentiles};
 use crate::types::{Request, State};
-use crate::{Client, WorkerConfig};
+use crate::Client;
 
 /// `permitq bench` options.
 #[derive(Debug, Clone, Args)]
@@ -70,7 +70,7 @@ pub async fn run(url: Option<&str>, args: BenchArgs) -> Result<()> {
         fmt(percentiles(&mut observed))
     );
 
-    let load = load_phase(&client, &format!("bench-{run}-load-"), &args).await?;
+    let load = load_phase(&client, &format!("bench-{run}-load-"), &args, None).await?;
     println!(
         "load: {} producers, {:?}: {} grants, {:.0} grants/s, submit->acquired {}",
         args.concurrency,
@@ -82,12 +82,27 @@ pub async fn run(url: Option<&str>, args: BenchArgs) -> Result<()> {
 
     if args.old_rows > 0 {
         seed_settled_rows(&client, args.old_rows).await?;
-        let cleaner = retention_task(&client, args.old_rows);
-        let during = load_phase(&client, &format!("bench-{run}-cleanup-"), &args).await?;
-        let (deleted, took) = cleaner.await.expect("retention task")?;
+        // The workers' own retention task deletes them (1,000 rows per transaction) while the
+        // same load runs; the phase lasts until they are all gone.
+        let cleanup_started = Instant::now();
+        let during = load_phase(
+            &client,
+            &format!("bench-{run}-cleanup-"),
+            &args,
+            Some(&(old_rows_gone as StopWhen)),
+        )
+        .await?;
         println!(
-            "retention: deleted {deleted} old rows in {:.1}s while the load ran; submit->acquired p99 {:.2} ms during cleanup vs {:.2} ms without (ratio {:.2}), grants/s {:.0} vs {:.0}",
-            took.as_secs_f64(), during.2.p99, load.2.p99, during.2.p99 / load.2.p99.max(0.001), during.1, load.1
+            "retention: {} old settled rows deleted in {:.1}s while the load ran: submit->acquired p50 {:.2} ms, p99 {:.2} ms (without cleanup: p50 {:.2} ms, p99 {:.2} ms; p99 ratio {:.2}), {:.0} grants/s vs {:.0}",
+            args.old_rows,
+            cleanup_started.elapsed().as_secs_f64(),
+            during.2.p50,
+            during.2.p99,
+            load.2.p50,
+            load.2.p99,
+            during.2.p99 / load.2.p99.max(0.001),
+            during.1,
+            load.1
         );
     }
     workers.stop().await;
@@ -135,21 +150,35 @@ async fn submit_acquire_release(client: &Client, id: &str, semaphore: &str) -> R
     Ok(ms)
 }
 
-/// Producers submit on a contended semaphore, hold ~1ms and release, for `args.duration`.
-/// Returns (grants, grants/s, latency).
+/// The stop condition of the retention phase.
+type StopWhen = fn(&Client) -> futures_util::future::BoxFuture<'_, Result<bool>>;
+
+fn old_rows_gone(client: &Client) -> futures_util::future::BoxFuture<'_, Result<bool>> {
+    Box::pin(async move {
+        let conn = client.pool().get().await?;
+        let row = conn
+            .query_one("SELECT NOT EXISTS (SELECT 1 FROM permitq.permit_request WHERE external_id LIKE 'bench-old-%')", &[])
+            .await?;
+        Ok(row.get(0))
+    })
+}
+
+/// Producers submit on a contended semaphore, hold ~1ms and release, for `args.duration` (or,
+/// with `until`, until it holds). Returns (grants, grants/s, latency).
 async fn load_phase(
     client: &Client,
     prefix: &str,
     args: &BenchArgs,
+    until: Option<&StopWhen>,
 ) -> Result<(i64, f64, Percentiles)> {
     let started = Instant::now();
-    let deadline = started + args.duration;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let tasks: Vec<_> = (0..args.concurrency)
         .map(|p| {
-            let (client, prefix) = (client.clone(), prefix.to_string());
+            let (client, prefix, stop) = (client.clone(), prefix.to_string(), stop.clone());
             tokio::spawn(async move {
                 let mut i = 0u64;
-                while Instant::now() < deadline {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     let id = format!("{prefix}{p}-{i}");
                     i += 1;
                     client
@@ -165,6 +194,15 @@ async fn load_phase(
             })
         })
         .collect();
+    match until {
+        None => tokio::time::sleep(args.duration).await,
+        Some(done) => {
+            while !done(client).await? {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
     for t in tasks {
         t.await.expect("producer task")?;
     }
@@ -177,38 +215,29 @@ async fn load_phase(
     ))
 }
 
-/// Inserts `n` settled requests that are past any retention (settled_at a year ago).
+/// Inserts `n` requests that settled a year ago (past any retention). Triggers are off for
+/// the insert (session_replication_role = replica, a superuser setting) so that seeding does not
+/// send 100,000 notifications; without the privilege it falls back to insert-then-update.
 async fn seed_settled_rows(client: &Client, n: i64) -> Result<()> {
     let conn = client.pool().get().await?;
+    let direct = format!(
+        "SET session_replication_role = replica;
+         INSERT INTO permitq.permit_request (external_id, permits, state, error_code, created_at, settled_at)
+         SELECT 'bench-old-' || i, '{{\"bench-load\": 1}}', 'error', 'cancelled',
+                now() - interval '1 year', now() - interval '1 year'
+         FROM generate_series(1, {n}) i;
+         RESET session_replication_role;"
+    );
+    if conn.batch_execute(&direct).await.is_ok() {
+        return Ok(());
+    }
     conn.batch_execute(&format!(
         "INSERT INTO permitq.permit_request (external_id, permits)
-         SELECT 'bench-old-' || gen_random_uuid(), '{{\"bench-load\": 1}}'
-         FROM generate_series(1, {n});
+         SELECT 'bench-old-' || i, '{{\"bench-load\": 1}}' FROM generate_series(1, {n}) i;
          UPDATE permitq.permit_request SET state = 'error', error_code = 'cancelled',
              settled_at = now() - interval '1 year'
          WHERE external_id LIKE 'bench-old-%' AND state = 'new';"
     ))
     .await?;
     Ok(())
-}
-
-/// Runs retention (batches of 1,000 rows) until `n` rows are gone; returns (deleted, time).
-fn retention_task(client: &Client, n: i64) -> tokio::task::JoinHandle<Result<(u64, Duration)>> {
-    let pool = client.pool().clone();
-    tokio::spawn(async move {
-        let config = WorkerConfig {
-            retention: Duration::from_secs(30 * 24 * 3600),
-            ..WorkerConfig::default()
-        };
-        let started = Instant::now();
-        let mut deleted = 0;
-        while deleted < n as u64 {
-            let (requests, _) = crate::maintenance::retention_once(&pool, &config, None).await?;
-            deleted += requests;
-            if requests == 0 {
-                break;
-            }
-        }
-        Ok((deleted, started.elapsed()))
-    })
 }

@@ -21,6 +21,10 @@ use crate::worker::WorkerConfig;
 /// Rows per sweep or retention transaction.
 pub const SWEEP_BATCH: i32 = 1000;
 
+/// Pause between two full retention batches, so that a large cleanup yields the CPU and the
+/// disk to production traffic instead of running flat out (measured by `permitq bench`).
+pub const RETENTION_PAUSE: Duration = Duration::from_millis(20);
+
 /// The answer to "which of these owners are gone?", for holders whose death the database cannot
 /// see by itself (a job orchestrator knows a job ended, a cluster manager knows a node left).
 /// Their requests are released with `release_reason = 'revoked'`.
@@ -85,13 +89,15 @@ async fn locked_batch(
     Ok(Some(n as u64))
 }
 
-/// Runs a sweep in batches until a batch comes back short (or the lock is busy).
+/// Runs a sweep in batches until a batch comes back short (or the lock is busy), pausing
+/// `pause` between batches.
 async fn sweep_all(
     pool: &Pool,
     lock: SweepLock,
     query: &str,
     params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     stop: Option<&watch::Receiver<bool>>,
+    pause: Duration,
 ) -> Result<u64> {
     let mut total = 0;
     while let Some(n) = locked_batch(pool, lock, query, params).await? {
@@ -99,6 +105,7 @@ async fn sweep_all(
         if n < SWEEP_BATCH as u64 || stop.is_some_and(|s| *s.borrow()) {
             break;
         }
+        tokio::time::sleep(pause).await;
     }
     Ok(total)
 }
@@ -116,6 +123,7 @@ pub async fn sweep_once(
             sql::SWEEP_WAIT_DEADLINES,
             &[&SWEEP_BATCH],
             None,
+            Duration::ZERO,
         )
         .await?,
         expired: sweep_all(
@@ -124,6 +132,7 @@ pub async fn sweep_once(
             sql::SWEEP_EXPIRED,
             &[&SWEEP_BATCH],
             None,
+            Duration::ZERO,
         )
         .await?,
         ..SweepOutcome::default()
@@ -136,6 +145,7 @@ pub async fn sweep_once(
             sql::SWEEP_STALE,
             &[&max_hold, &SWEEP_BATCH],
             None,
+            Duration::ZERO,
         )
         .await?;
     }
@@ -210,6 +220,7 @@ pub async fn retention_once(
         sql::DELETE_SETTLED,
         &[&retention, &SWEEP_BATCH],
         stop,
+        RETENTION_PAUSE,
     )
     .await?;
     let audit_retention = sql::interval(config.audit_retention);
@@ -219,6 +230,7 @@ pub async fn retention_once(
         sql::DELETE_CAPACITY_CHANGES,
         &[&audit_retention, &SWEEP_BATCH],
         stop,
+        RETENTION_PAUSE,
     )
     .await?;
     metrics::counter!("permitq_retention_deleted_total").increment(requests);

@@ -16,7 +16,10 @@ const SOON: Duration = Duration::from_secs(10);
 const SWEEP: Duration = Duration::from_millis(200);
 
 fn sweeping(id: &str) -> WorkerConfig {
-    WorkerConfig { sweep_interval: SWEEP, ..quiet_config(id) }
+    WorkerConfig {
+        sweep_interval: SWEEP,
+        ..quiet_config(id)
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -25,18 +28,46 @@ async fn an_expired_lease_hands_its_capacity_to_a_waiter_within_two_sweeps() {
     let client = db.client().await;
     client.set_capacity("s", 1, None).await.unwrap();
     let worker = db.worker(sweeping("w1"));
-    client.submit(&Request::new("crashed").permit("s", 1).ttl(Duration::from_millis(400))).await.unwrap();
-    assert_eq!(client.wait_settled("crashed", SOON).await.unwrap().unwrap().state, State::Acquired);
-    client.submit(&Request::new("waiter").permit("s", 1)).await.unwrap();
+    client
+        .submit(
+            &Request::new("crashed")
+                .permit("s", 1)
+                .ttl(Duration::from_millis(400)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        client
+            .wait_settled("crashed", SOON)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        State::Acquired
+    );
+    client
+        .submit(&Request::new("waiter").permit("s", 1))
+        .await
+        .unwrap();
 
     let waiter = client.wait_settled("waiter", SOON).await.unwrap().unwrap();
     assert_eq!(waiter.state, State::Acquired);
     let crashed = client.status("crashed").await.unwrap().unwrap();
-    assert_eq!((crashed.state, crashed.release_reason), (State::Released, Some(permitq::ReleaseReason::Expired)));
+    assert_eq!(
+        (crashed.state, crashed.release_reason),
+        (State::Released, Some(permitq::ReleaseReason::Expired))
+    );
     let expires = crashed.expires_at.unwrap();
-    assert_eq!(expires, crashed.acquired_at.unwrap() + Duration::from_millis(400), "expires_at = acquired_at + ttl");
+    assert_eq!(
+        expires,
+        crashed.acquired_at.unwrap() + Duration::from_millis(400),
+        "expires_at = acquired_at + ttl"
+    );
     let handover = waiter.acquired_at.unwrap().duration_since(expires).unwrap();
-    assert!(handover <= 2 * SWEEP, "waiter granted {handover:?} after the lease ran out");
+    assert!(
+        handover <= 2 * SWEEP,
+        "waiter granted {handover:?} after the lease ran out"
+    );
     assert!(crashed.released_at.unwrap() >= expires);
     check_invariants(&db.conn().await).await.unwrap();
     worker.stop().await;
@@ -49,21 +80,39 @@ async fn a_heartbeating_lease_outlives_three_ttls_and_a_lost_one_is_reported() {
     client.set_capacity("s", 1, None).await.unwrap();
     let worker = db.worker(sweeping("w1"));
     let ttl = Duration::from_millis(500);
-    let lease = client.acquire(&Request::new("held").permit("s", 1).ttl(ttl), SOON).await.unwrap();
+    let lease = client
+        .acquire(&Request::new("held").permit("s", 1).ttl(ttl), SOON)
+        .await
+        .unwrap();
     let token = lease.fencing_token();
     tokio::time::sleep(ttl * 4).await;
     let r = client.status("held").await.unwrap().unwrap();
-    assert_eq!((r.state, r.fencing_token), (State::Acquired, Some(token)), "kept for 4x its TTL");
+    assert_eq!(
+        (r.state, r.fencing_token),
+        (State::Acquired, Some(token)),
+        "kept for 4x its TTL"
+    );
     assert!(r.heartbeat_at.is_some() && !lease.is_lost());
 
     // An operator revokes it: the guard notices at its next heartbeat.
-    assert_eq!(client.revoke("held").await.unwrap(), ReleaseOutcome::Revoked);
-    let reason = tokio::time::timeout(ttl * 2, lease.lost()).await.expect("the guard reports the loss");
+    assert_eq!(
+        client.revoke("held").await.unwrap(),
+        ReleaseOutcome::Revoked
+    );
+    let reason = tokio::time::timeout(ttl * 2, lease.lost())
+        .await
+        .expect("the guard reports the loss");
     assert!(reason.contains("lease lost"), "{reason}");
     assert!(lease.is_lost());
     let err = client.heartbeat("held", None).await.unwrap_err();
-    assert_eq!(err.code(), Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE));
-    assert_eq!(lease.release().await.unwrap(), ReleaseOutcome::AlreadyReleased);
+    assert_eq!(
+        err.code(),
+        Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE)
+    );
+    assert_eq!(
+        lease.release().await.unwrap(),
+        ReleaseOutcome::AlreadyReleased
+    );
     assert_eq!(state_of(&client, "held").await, "released/revoked");
     worker.stop().await;
 }
@@ -74,12 +123,36 @@ async fn a_lease_that_ran_out_refuses_heartbeats_in_sql_and_the_cli() {
     let client = db.client().await;
     client.set_capacity("s", 1, None).await.unwrap();
     // A slow sweep: the lease runs out before anyone releases it.
-    let worker = db.worker(WorkerConfig { sweep_interval: Duration::from_secs(3600), ..quiet_config("w1") });
-    client.submit(&Request::new("late").permit("s", 1).ttl(Duration::from_millis(200))).await.unwrap();
-    assert_eq!(client.wait_settled("late", SOON).await.unwrap().unwrap().state, State::Acquired);
+    let worker = db.worker(WorkerConfig {
+        sweep_interval: Duration::from_secs(3600),
+        ..quiet_config("w1")
+    });
+    client
+        .submit(
+            &Request::new("late")
+                .permit("s", 1)
+                .ttl(Duration::from_millis(200)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        client
+            .wait_settled("late", SOON)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        State::Acquired
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let err = client.heartbeat("late", Some(Duration::from_secs(60))).await.unwrap_err();
-    assert_eq!(err.code(), Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE));
+    let err = client
+        .heartbeat("late", Some(Duration::from_secs(60)))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE)
+    );
     assert!(err.to_string().contains("expired"), "{err}");
     let url = db.url.clone();
     let out = tokio::task::spawn_blocking(move || {
@@ -91,7 +164,12 @@ async fn a_lease_that_ran_out_refuses_heartbeats_in_sql_and_the_cli() {
     })
     .await
     .unwrap();
-    assert_eq!(out.status.code(), Some(3), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     worker.stop().await;
 }
 
@@ -101,14 +179,33 @@ async fn dropping_a_lease_releases_it() {
     let client = db.client().await;
     client.set_capacity("s", 1, None).await.unwrap();
     let worker = db.notified_worker("w1");
-    let lease = client.acquire(&Request::new("dropped").permit("s", 1), SOON).await.unwrap();
+    let lease = client
+        .acquire(&Request::new("dropped").permit("s", 1), SOON)
+        .await
+        .unwrap();
     drop(lease);
-    wait_until(SOON, "released on drop", || async { state_of(&client, "dropped").await == "released/released" }).await;
+    wait_until(SOON, "released on drop", || async {
+        state_of(&client, "dropped").await == "released/released"
+    })
+    .await;
     // A request that is not granted in time is cancelled, and the error says how it ended.
-    client.submit(&Request::new("blocker").permit("s", 1)).await.unwrap();
+    client
+        .submit(&Request::new("blocker").permit("s", 1))
+        .await
+        .unwrap();
     client.wait_settled("blocker", SOON).await.unwrap();
-    let err = client.acquire(&Request::new("patient").permit("s", 1), Duration::from_millis(300)).await.err().unwrap();
-    assert_eq!(err.not_granted().map(|r| r.error_code), Some(Some(permitq::ErrorCode::Cancelled)));
+    let err = client
+        .acquire(
+            &Request::new("patient").permit("s", 1),
+            Duration::from_millis(300),
+        )
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(
+        err.not_granted().map(|r| r.error_code),
+        Some(Some(permitq::ErrorCode::Cancelled))
+    );
     worker.stop().await;
 }
 
@@ -117,12 +214,28 @@ async fn max_hold_releases_stale_holders() {
     let db = TestDb::new().await;
     let client = db.client().await;
     client.set_capacity("s", 2, None).await.unwrap();
-    let worker = db.worker(WorkerConfig { max_hold: Some(Duration::from_millis(300)), ..sweeping("w1") });
-    client.submit(&Request::new("forever").permit("s", 1)).await.unwrap();
-    wait_until(SOON, "released as stale", || async { state_of(&client, "forever").await == "released/stale" }).await;
+    let worker = db.worker(WorkerConfig {
+        max_hold: Some(Duration::from_millis(300)),
+        ..sweeping("w1")
+    });
+    client
+        .submit(&Request::new("forever").permit("s", 1))
+        .await
+        .unwrap();
+    wait_until(SOON, "released as stale", || async {
+        state_of(&client, "forever").await == "released/stale"
+    })
+    .await;
     let r = client.status("forever").await.unwrap().unwrap();
-    let held = r.released_at.unwrap().duration_since(r.acquired_at.unwrap()).unwrap();
-    assert!(held >= Duration::from_millis(300), "released after only {held:?}");
+    let held = r
+        .released_at
+        .unwrap()
+        .duration_since(r.acquired_at.unwrap())
+        .unwrap();
+    assert!(
+        held >= Duration::from_millis(300),
+        "released after only {held:?}"
+    );
     assert_eq!(client.semaphores().await.unwrap()[0].used, 0);
     worker.stop().await;
 }
@@ -136,7 +249,13 @@ struct Orchestrator {
 impl OwnerLiveness for Orchestrator {
     fn dead_owners<'a>(&'a self, owners: &'a [String]) -> BoxFuture<'a, Vec<String>> {
         self.asked.lock().unwrap().push(owners.to_vec());
-        Box::pin(async move { owners.iter().filter(|o| self.dead.contains(o)).cloned().collect() })
+        Box::pin(async move {
+            owners
+                .iter()
+                .filter(|o| self.dead.contains(o))
+                .cloned()
+                .collect()
+        })
     }
 }
 
@@ -145,21 +264,34 @@ async fn the_liveness_hook_revokes_dead_owners_only() {
     let db = TestDb::new().await;
     let client = db.client().await;
     client.set_capacity("s", 10, None).await.unwrap();
-    for (id, owner) in [("a1", "job-alive"), ("d1", "job-dead"), ("d2", "job-dead"), ("n1", "")] {
+    for (id, owner) in [
+        ("a1", "job-alive"),
+        ("d1", "job-dead"),
+        ("d2", "job-dead"),
+        ("n1", ""),
+    ] {
         let mut r = Request::new(id).permit("s", 1);
         if !owner.is_empty() {
             r = r.owner(owner);
         }
         client.submit(&r).await.unwrap();
     }
-    let hook = Arc::new(Orchestrator { dead: vec!["job-dead".into()], asked: Mutex::new(Vec::new()) });
-    let worker = permitq::Worker::connect(&db.url, sweeping("w1")).unwrap().with_owner_liveness(hook.clone());
+    let hook = Arc::new(Orchestrator {
+        dead: vec!["job-dead".into()],
+        asked: Mutex::new(Vec::new()),
+    });
+    let worker = permitq::Worker::connect(&db.url, sweeping("w1"))
+        .unwrap()
+        .with_owner_liveness(hook.clone());
     let (stop, mut rx) = tokio::sync::watch::channel(false);
     let task = tokio::spawn(worker.run(async move {
         let _ = rx.wait_for(|s| *s).await;
     }));
     for id in ["d1", "d2"] {
-        wait_until(SOON, "dead owner's request revoked", || async { state_of(&client, id).await == "released/revoked" }).await;
+        wait_until(SOON, "dead owner's request revoked", || async {
+            state_of(&client, id).await == "released/revoked"
+        })
+        .await;
     }
     tokio::time::sleep(SWEEP * 2).await;
     assert_eq!(state_of(&client, "a1").await, "acquired");
@@ -183,14 +315,23 @@ async fn retention_deletes_only_old_settled_rows_in_batches() {
     let worker = db.notified_worker("w1");
     // Old released, old error, recent released, waiting (old), held (old).
     for id in ["old-released", "recent-released", "held"] {
-        client.submit(&Request::new(id).permit("s", 1)).await.unwrap();
+        client
+            .submit(&Request::new(id).permit("s", 1))
+            .await
+            .unwrap();
         client.wait_settled(id, SOON).await.unwrap();
     }
     client.release("old-released").await.unwrap();
     client.release("recent-released").await.unwrap();
-    client.submit(&Request::new("old-error").permit("nope", 1)).await.unwrap();
+    client
+        .submit(&Request::new("old-error").permit("nope", 1))
+        .await
+        .unwrap();
     client.wait_settled("old-error", SOON).await.unwrap();
-    client.submit(&Request::new("waiting").permit("s", 9)).await.unwrap();
+    client
+        .submit(&Request::new("waiting").permit("s", 9))
+        .await
+        .unwrap();
     worker.stop().await;
     let conn = db.conn().await;
     conn.batch_execute(
@@ -210,18 +351,39 @@ async fn retention_deletes_only_old_settled_rows_in_batches() {
     let batches: Vec<i32> = {
         let mut v = Vec::new();
         for _ in 0..3 {
-            v.push(conn.query_one("SELECT permitq.delete_settled('8 days 12 hours', 1000)", &[]).await.unwrap().get(0));
+            v.push(
+                conn.query_one(
+                    "SELECT permitq.delete_settled('8 days 12 hours', 1000)",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0),
+            );
         }
         v
     };
-    assert_eq!(batches, [1000, 1000, 500], "bulk rows go in batches of at most 1,000, oldest first");
+    assert_eq!(
+        batches,
+        [1000, 1000, 500],
+        "bulk rows go in batches of at most 1,000, oldest first"
+    );
 
     let pool = client.pool().clone();
     let (requests, audit) =
-        permitq::maintenance::retention_once(&pool, &WorkerConfig::default(), None).await.unwrap();
-    assert_eq!((requests, audit), (2, 1), "the two old settled rows and the old audit row");
+        permitq::maintenance::retention_once(&pool, &WorkerConfig::default(), None)
+            .await
+            .unwrap();
+    assert_eq!(
+        (requests, audit),
+        (2, 1),
+        "the two old settled rows and the old audit row"
+    );
     let left: Vec<String> = conn
-        .query("SELECT external_id FROM permitq.permit_request ORDER BY external_id", &[])
+        .query(
+            "SELECT external_id FROM permitq.permit_request ORDER BY external_id",
+            &[],
+        )
         .await
         .unwrap()
         .iter()
@@ -237,8 +399,17 @@ async fn retention_deletes_only_old_settled_rows_in_batches() {
 }
 
 /// Records every `permitq_events` notification: external_id → states seen.
-async fn record_events(url: &str) -> (tokio_postgres::Client, tokio::sync::mpsc::UnboundedReceiver<(String, String)>) {
-    let (client, mut connection) = permitq::db::parse_config(url).unwrap().connect(tokio_postgres::NoTls).await.unwrap();
+async fn record_events(
+    url: &str,
+) -> (
+    tokio_postgres::Client,
+    tokio::sync::mpsc::UnboundedReceiver<(String, String)>,
+) {
+    let (client, mut connection) = permitq::db::parse_config(url)
+        .unwrap()
+        .connect(tokio_postgres::NoTls)
+        .await
+        .unwrap();
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
         let mut stream = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
@@ -262,25 +433,44 @@ async fn with_three_workers_each_expired_lease_is_released_exactly_once() {
     client.set_capacity("t", 60, None).await.unwrap();
     let (listener, mut events) = record_events(&db.url).await;
     let workers: Vec<_> = (0..3)
-        .map(|i| db.worker(WorkerConfig { sweep_interval: Duration::from_millis(50), ..quiet_config(&format!("w{i}")) }))
+        .map(|i| {
+            db.worker(WorkerConfig {
+                sweep_interval: Duration::from_millis(50),
+                ..quiet_config(&format!("w{i}"))
+            })
+        })
         .collect();
     for i in 0..60 {
-        let r = Request::new(format!("lease-{i}")).permit("s", 1).permit("t", 1 + i % 2).ttl(Duration::from_millis(300));
+        let r = Request::new(format!("lease-{i}"))
+            .permit("s", 1)
+            .permit("t", 1 + i % 2)
+            .ttl(Duration::from_millis(300));
         client.submit(&r).await.unwrap();
     }
     wait_until(SOON, "every lease expired", || async {
-        let n: i64 = db.conn().await
-            .query_one("SELECT count(*) FROM permitq.permit_request WHERE release_reason = 'expired'", &[])
+        let n: i64 = db
+            .conn()
+            .await
+            .query_one(
+                "SELECT count(*) FROM permitq.permit_request WHERE release_reason = 'expired'",
+                &[],
+            )
             .await
             .unwrap()
             .get(0);
         n == 60
     })
     .await;
-    listener.batch_execute("NOTIFY permitq_events, 'marker'").await.unwrap();
+    listener
+        .batch_execute("NOTIFY permitq_events, 'marker'")
+        .await
+        .unwrap();
     let mut released: BTreeMap<String, usize> = BTreeMap::new();
     loop {
-        let (id, state) = tokio::time::timeout(SOON, events.recv()).await.unwrap().unwrap();
+        let (id, state) = tokio::time::timeout(SOON, events.recv())
+            .await
+            .unwrap()
+            .unwrap();
         if id == "marker" {
             break;
         }
@@ -289,7 +479,10 @@ async fn with_three_workers_each_expired_lease_is_released_exactly_once() {
         }
     }
     assert_eq!(released.len(), 60);
-    assert!(released.values().all(|n| *n == 1), "released more than once: {released:?}");
+    assert!(
+        released.values().all(|n| *n == 1),
+        "released more than once: {released:?}"
+    );
     for s in client.semaphores().await.unwrap() {
         assert_eq!(s.used, 0, "{} is exact after the sweeps", s.name);
     }
@@ -303,18 +496,43 @@ async fn with_three_workers_each_expired_lease_is_released_exactly_once() {
 async fn a_holder_paused_past_its_ttl_has_its_fenced_write_rejected() {
     // examples/fencing.rs: holder A (a child process) is SIGSTOPped past its TTL, B acquires
     // and writes, A resumes and its write is rejected by a store that checks tokens.
-    let example = std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples/fencing");
-    assert!(example.exists(), "cargo test builds examples: {}", example.display());
+    let example = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/fencing");
+    assert!(
+        example.exists(),
+        "cargo test builds examples: {}",
+        example.display()
+    );
     let db = TestDb::new().await;
     let url = db.url.clone();
     let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(example).env("DATABASE_URL", url).env("RUST_LOG", "off").output().unwrap()
+        std::process::Command::new(example)
+            .env("DATABASE_URL", url)
+            .env("RUST_LOG", "off")
+            .output()
+            .unwrap()
     })
     .await
     .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("B: write -> OK"), "{stdout}");
-    assert!(stdout.contains("A (resumed): write -> REJECTED"), "{stdout}");
-    assert!(stdout.contains("Expired"), "A's lease was released as expired: {stdout}");
+    assert!(
+        stdout.contains("A (resumed): write -> REJECTED"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("Expired"),
+        "A's lease was released as expired: {stdout}"
+    );
 }
