@@ -389,6 +389,50 @@ BEGIN
     RETURN result;
 END $$;
 
+-- Worker step 2 of the lock order: lock every semaphore a claimed batch names, FOR UPDATE in
+-- ascending id (the row locks are taken above the sort, so in this order). release,
+-- set_capacity and every sweep lock semaphores in the same order, which keeps the whole system
+-- deadlock-free. The rows returned are the latest committed versions, so `used` is exact for as
+-- long as the caller's transaction runs.
+CREATE FUNCTION permitq.lock_semaphores(names text[])
+RETURNS TABLE (id bigint, name text, capacity integer, used integer, fair boolean)
+LANGUAGE sql SET plan_cache_mode = force_custom_plan AS $$
+    SELECT s.id, s.name, s.capacity, s.used, s.fair
+    FROM permitq.semaphore s
+    WHERE s.name = ANY(names)
+    ORDER BY s.id
+    FOR UPDATE
+$$;
+
+-- Worker, after lock_semaphores: the requests waiting on the locked semaphores that are not in
+-- the caller's batch, the heads fair semaphores must keep room for. Called as its own statement
+-- after the locks are held: in READ COMMITTED it then sees everything the previous holders of
+-- those locks committed (a snapshot taken before waiting for the locks would not).
+CREATE FUNCTION permitq.semaphore_heads(semaphore_ids bigint[], batch_ids bigint[], newest_id bigint)
+RETURNS TABLE (semaphore text, request_id bigint, count integer)
+LANGUAGE sql SET plan_cache_mode = force_custom_plan AS $$
+    -- Each semaphore's oldest recorded waiter (permitq.waiter, written under the lock).
+    SELECT s.name, w.request_id, w.count
+    FROM unnest(semaphore_ids) AS locked(id)
+    JOIN permitq.semaphore s ON s.id = locked.id
+    CROSS JOIN LATERAL (
+        SELECT wt.request_id, wt.count FROM permitq.waiter wt
+        WHERE wt.semaphore_id = locked.id AND wt.request_id <> ALL(batch_ids)
+        ORDER BY wt.request_id
+        LIMIT 1
+    ) w
+    UNION ALL
+    -- Older pending requests no worker has examined yet (another worker holds them right now,
+    -- or they were committed after the caller's claim). Until someone examines them they count
+    -- as waiting, so a concurrent batch cannot slip past an older request it has not seen.
+    SELECT e.key, r.id, e.value::int
+    FROM permitq.permit_request r
+    CROSS JOIN LATERAL jsonb_each(r.permits) e
+    JOIN permitq.semaphore s ON s.name = e.key
+    WHERE r.state = 'new' AND NOT r.examined AND r.id < newest_id AND r.id <> ALL(batch_ids)
+      AND s.id = ANY(semaphore_ids)
+$$;
+
 -- Worker step, after the decision: writes a batch's outcome set-based. Precondition: the
 -- caller's transaction holds the row locks of all these requests (claimed FOR UPDATE SKIP LOCKED)
 -- and, in id order, the locks of every semaphore they name.
@@ -401,6 +445,13 @@ CREATE FUNCTION permitq.apply_decision(
 ) RETURNS void
 LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 BEGIN
+    -- Failures first: their settled_at then precedes the batch's acquired_at, so a history
+    -- checker never mistakes a request failed in this batch for one still waiting at the grants.
+    UPDATE permitq.permit_request r
+    SET state = 'error', error_code = e.code, settled_at = clock_timestamp(), worker_id = worker
+    FROM unnest(errored, error_codes) AS e(id, code)
+    WHERE r.id = e.id;
+
     -- Grants. Tokens and timestamps are drawn in id order, after the locks are held, so token
     -- order, acquired_at order and FIFO order agree (volatile output columns are computed after
     -- the ORDER BY).
@@ -425,11 +476,6 @@ BEGIN
     FROM (SELECT p.semaphore, sum(p.count) AS total FROM permitq.permit p
           WHERE p.request_id = ANY(granted) GROUP BY p.semaphore) t
     WHERE s.name = t.semaphore;
-
-    UPDATE permitq.permit_request r
-    SET state = 'error', error_code = e.code, settled_at = clock_timestamp(), worker_id = worker
-    FROM unnest(errored, error_codes) AS e(id, code)
-    WHERE r.id = e.id;
 
     -- Requests left waiting for the first time take their place in each semaphore's queue.
     INSERT INTO permitq.waiter (semaphore_id, request_id, count)
