@@ -78,6 +78,44 @@ pub enum Command {
     Demo(crate::demo::DemoArgs),
     /// Measure submit → acquired latency on an idle system, and throughput under load.
     Bench(crate::bench::BenchArgs),
+    /// Fault-injection run with a history checker (its own throwaway PostgreSQL). Exits 1 when
+    /// any checker finds a violation.
+    Chaos(ChaosArgs),
+    /// Holder process of the chaos pause-holder fault (internal).
+    #[command(hide = true)]
+    ChaosHolder {
+        /// The request's external_id.
+        external_id: String,
+    },
+}
+
+/// `permitq chaos` options.
+#[derive(Debug, Args)]
+pub struct ChaosArgs {
+    /// How long the load runs.
+    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    pub duration: Duration,
+    /// Seeds the load and the fault schedule.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Worker processes.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub workers: u16,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u16).range(1..=200))]
+    pub clients: u16,
+    /// The workers' --sweep-interval.
+    #[arg(long, default_value = "200ms", value_parser = parse_duration)]
+    pub sweep_interval: Duration,
+    /// Time between faults.
+    #[arg(long, default_value = "8s", value_parser = parse_duration)]
+    pub fault_every: Duration,
+    /// Run the load without faults.
+    #[arg(long)]
+    pub no_faults: bool,
+    /// Plant a known bug (no-semaphore-lock, sweep-without-lock, double-release, skip-fairness).
+    #[arg(long)]
+    pub mutation: Option<crate::chaos::Mutation>,
 }
 
 /// `permitq worker` options.
@@ -222,6 +260,7 @@ pub fn main() -> ExitCode {
     };
     let default_filter = match cli.command {
         Command::Worker(_) => "permitq=info",
+        Command::Chaos(_) => "permitq=error",
         _ => "permitq=warn",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -269,6 +308,29 @@ async fn run(cli: Cli) -> Result<u8> {
     match cli.command {
         Command::Demo(args) => crate::demo::run(url.as_deref(), args).await.map(|_| 0),
         Command::Bench(args) => crate::bench::run(url.as_deref(), args).await.map(|_| 0),
+        Command::Chaos(args) => {
+            let config = crate::chaos::ChaosConfig {
+                duration: args.duration,
+                seed: args.seed,
+                workers: args.workers.into(),
+                clients: args.clients.into(),
+                sweep_interval: args.sweep_interval,
+                fault_every: (!args.no_faults).then_some(args.fault_every),
+                mutation: args.mutation,
+                binary: std::env::current_exe()?,
+            };
+            let report = crate::chaos::run(config).await?;
+            print!("{}", report.summary());
+            Ok(if report.violations() == 0 {
+                0
+            } else {
+                EXIT_RUNTIME
+            })
+        }
+        Command::ChaosHolder { external_id } => {
+            crate::chaos::nemesis::holder_process(&need_url()?, &external_id).await?;
+            Ok(0)
+        }
         Command::Migrate => {
             let applied = Client::connect(&need_url()?).await?.migrate().await?;
             match applied.as_slice() {

@@ -34,6 +34,7 @@
 //! ```
 
 pub mod bench;
+pub mod chaos;
 pub mod cli;
 pub mod client;
 pub mod db;
