@@ -6,7 +6,7 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{check_invariants, quiet_config, state_of, wait_until, TestDb};
+use common::{check_invariants, quiet_config, settled_state, state_of, wait_until, TestDb};
 use permitq::embedded::{EmbeddedPostgres, StopMode};
 use permitq::{Client, Request, State};
 
@@ -103,15 +103,7 @@ async fn work_flows_after_the_listen_and_pool_connections_are_terminated() {
         .submit(&Request::new("warm").permit("s", 1))
         .await
         .unwrap();
-    assert_eq!(
-        client
-            .wait_settled("warm", SOON)
-            .await
-            .unwrap()
-            .unwrap()
-            .state,
-        State::Acquired
-    );
+    assert_eq!(settled_state(&client, "warm").await, State::Acquired);
 
     let admin = db.conn().await;
     for (round, filter) in ["AND query LIKE 'LISTEN%'", ""].into_iter().enumerate() {

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{check_invariants, quiet_config, state_of, wait_until, TestDb};
+use common::{check_invariants, quiet_config, settled_state, state_of, wait_until, TestDb};
 use futures_util::future::BoxFuture;
 use futures_util::StreamExt;
 use permitq::{OwnerLiveness, ReleaseOutcome, Request, SqlState, State, WorkerConfig};
@@ -36,15 +36,7 @@ async fn an_expired_lease_hands_its_capacity_to_a_waiter_within_two_sweeps() {
         )
         .await
         .unwrap();
-    assert_eq!(
-        client
-            .wait_settled("crashed", SOON)
-            .await
-            .unwrap()
-            .unwrap()
-            .state,
-        State::Acquired
-    );
+    assert_eq!(settled_state(&client, "crashed").await, State::Acquired);
     client
         .submit(&Request::new("waiter").permit("s", 1))
         .await
@@ -135,15 +127,7 @@ async fn a_lease_that_ran_out_refuses_heartbeats_in_sql_and_the_cli() {
         )
         .await
         .unwrap();
-    assert_eq!(
-        client
-            .wait_settled("late", SOON)
-            .await
-            .unwrap()
-            .unwrap()
-            .state,
-        State::Acquired
-    );
+    assert_eq!(settled_state(&client, "late").await, State::Acquired);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let err = client
         .heartbeat("late", Some(Duration::from_secs(60)))

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{check_invariants, quiet_config, state_of, wait_until, TestDb};
+use common::{check_invariants, quiet_config, settled_state, state_of, wait_until, TestDb};
 use permitq::{ReleaseOutcome, Request, State};
 
 const SOON: Duration = Duration::from_secs(10);
@@ -205,15 +205,7 @@ async fn release_and_capacity_increase_wake_the_workers() {
         .submit(&Request::new("first").permit("one", 1))
         .await
         .unwrap();
-    assert_eq!(
-        client
-            .wait_settled("first", SOON)
-            .await
-            .unwrap()
-            .unwrap()
-            .state,
-        State::Acquired
-    );
+    assert_eq!(settled_state(&client, "first").await, State::Acquired);
     client
         .submit(&Request::new("second").permit("one", 1))
         .await
@@ -262,12 +254,7 @@ async fn lowering_capacity_revokes_nothing_and_holds_new_grants() {
     }
     for i in 0..3 {
         assert_eq!(
-            client
-                .wait_settled(&format!("h{i}"), SOON)
-                .await
-                .unwrap()
-                .unwrap()
-                .state,
+            settled_state(&client, &format!("h{i}")).await,
             State::Acquired
         );
     }
@@ -292,15 +279,7 @@ async fn lowering_capacity_revokes_nothing_and_holds_new_grants() {
         );
     }
     client.release("h2").await.unwrap();
-    assert_eq!(
-        client
-            .wait_settled("late", SOON)
-            .await
-            .unwrap()
-            .unwrap()
-            .state,
-        State::Acquired
-    );
+    assert_eq!(settled_state(&client, "late").await, State::Acquired);
     worker.stop().await;
 }
 
@@ -317,15 +296,7 @@ async fn big_and_smalls(fair: bool) -> (String, Vec<String>) {
         .submit(&Request::new("holder").permit("s", 6))
         .await
         .unwrap();
-    assert_eq!(
-        client
-            .wait_settled("holder", SOON)
-            .await
-            .unwrap()
-            .unwrap()
-            .state,
-        State::Acquired
-    );
+    assert_eq!(settled_state(&client, "holder").await, State::Acquired);
     // Submitted one by one and concurrently, so the workers split them between batches.
     client
         .submit(&Request::new("big").permit("s", 5))
@@ -367,15 +338,7 @@ async fn big_and_smalls(fair: bool) -> (String, Vec<String>) {
     };
     client.release("holder").await.unwrap();
     if fair {
-        assert_eq!(
-            client
-                .wait_settled("big", SOON)
-                .await
-                .unwrap()
-                .unwrap()
-                .state,
-            State::Acquired
-        );
+        assert_eq!(settled_state(&client, "big").await, State::Acquired);
     }
     check_invariants(&conn).await.unwrap();
     for w in workers {
@@ -427,12 +390,7 @@ async fn fencing_tokens_increase_in_grant_order() {
     }
     for i in 38..40 {
         assert_eq!(
-            client
-                .wait_settled(&format!("r{i}"), SOON)
-                .await
-                .unwrap()
-                .unwrap()
-                .state,
+            settled_state(&client, &format!("r{i}")).await,
             State::Acquired
         );
     }

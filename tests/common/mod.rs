@@ -195,6 +195,16 @@ where
     }
 }
 
+/// Waits up to 10 s for a request to leave `new` and returns its state then.
+pub async fn settled_state(client: &Client, id: &str) -> permitq::State {
+    client
+        .wait_settled(id, Duration::from_secs(10))
+        .await
+        .unwrap()
+        .expect("request exists")
+        .state
+}
+
 /// The state (and error code or release reason) of a request.
 pub async fn state_of(client: &Client, id: &str) -> String {
     match client.status(id).await.unwrap() {
