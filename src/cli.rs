@@ -341,9 +341,7 @@ async fn run(cli: Cli) -> Result<u8> {
         }
         Command::Worker(args) => {
             let url = need_url()?;
-            // Fail fast on a wrong URL or a missing schema; after this the worker rides out
-            // database restarts on its own.
-            Client::connect(&url).await?.semaphores().await?;
+            wait_for_database(&url).await?;
             if let Some(addr) = args.metrics_addr {
                 let bound = crate::metrics::serve(addr).await?;
                 tracing::info!(%bound, "serving metrics");
@@ -405,6 +403,24 @@ async fn run(cli: Cli) -> Result<u8> {
                 Err(e) => return Err(e),
             }
             Ok(0)
+        }
+    }
+}
+
+/// Before a worker starts: fail fast on a malformed URL, bad credentials or a missing schema,
+/// but wait out a database that is not up yet (or restarting) for up to a minute. Once running,
+/// the worker rides out restarts on its own.
+async fn wait_for_database(url: &str) -> Result<()> {
+    let client = Client::connect(url).await?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match client.semaphores().await {
+            Ok(_) => return Ok(()),
+            Err(e) if e.is_retryable() && std::time::Instant::now() < deadline => {
+                tracing::warn!(error = %e, "database not reachable yet; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => return Err(e),
         }
     }
 }

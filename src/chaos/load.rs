@@ -43,22 +43,32 @@ pub async fn client_loop(
                 true,
             )
         };
-        if !(first && second) {
-            continue;
+        if !(first || second) {
+            continue; // definitely not submitted
         }
+        // From here on the request may exist: it is released (or cancelled) in every case, or
+        // deliberately abandoned to its TTL, so no permit leaks out of the run.
         let limit = request
             .wait
             .map_or(Duration::from_secs(20), |w| w + Duration::from_secs(2));
-        let settled = match client.wait_settled(&request.external_id, limit).await {
-            Ok(Some(r)) => r,
-            _ => continue,
-        };
-        match settled.state {
-            State::Acquired => hold_and_release(&client, id, &request, &history, &mut rng).await,
-            State::New => {
-                release_until_known(&client, id, &request.external_id, &history).await;
+        match wait_known(&client, &request.external_id, limit).await {
+            Some(State::Acquired) => {
+                hold_and_release(&client, id, &request, &history, &mut rng).await
             }
-            _ => {}
+            _ => release_until_known(&client, id, &request.external_id, &history).await,
+        }
+    }
+}
+
+/// Waits for the request to settle, riding out connection errors, up to `limit`.
+async fn wait_known(client: &Client, external_id: &str, limit: Duration) -> Option<State> {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match client.wait_settled(external_id, left).await {
+            Ok(r) => return r.map(|r| r.state),
+            Err(_) if !left.is_zero() => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(_) => return None,
         }
     }
 }
@@ -93,7 +103,7 @@ fn now() -> SystemTime {
 }
 
 /// Submits until the outcome is known (ok or fail); an indeterminate submit is retried with the
-/// same external_id. Returns whether it ended ok.
+/// same external_id. Returns false only when it definitely failed.
 async fn submit_until_known(
     client: &Client,
     id: usize,
@@ -122,11 +132,13 @@ async fn submit_until_known(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    false
+    true
 }
 
+/// Releases until the database answers (up to ~2 minutes of retries: a holder that gave up
+/// earlier would leak its permits, which is the load generator's fault, not the system's).
 async fn release_until_known(client: &Client, id: usize, external_id: &str, history: &History) {
-    for _ in 0..50 {
+    for _ in 0..1200 {
         let invoked = now();
         let outcome = match client.release(external_id).await {
             Ok(o) => Outcome::Ok(o.to_string()),

@@ -72,6 +72,9 @@ pub struct ChaosReport {
     pub snapshots: u64,
     /// The checkers' verdict (the sampler's findings under "sampler").
     pub verdict: checker::Verdict,
+    /// Each semaphore when the load stopped: (name, capacity, used, waiting, held without TTL,
+    /// oldest waiting age in seconds). A stall shows up here.
+    pub at_load_end: Vec<(String, i32, i32, i64, i64, f64)>,
 }
 
 /// Checker names, in report order.
@@ -135,6 +138,12 @@ impl ChaosReport {
             self.verdict.requests, self.verdict.granted, self.snapshots
         );
         s += &format!("endings: {:?}\n", self.verdict.endings);
+        s += "at load end: semaphore capacity used waiting held-without-ttl oldest-waiting\n";
+        for (name, capacity, used, waiting, untimed, oldest) in &self.at_load_end {
+            s += &format!(
+                "  {name:<10} {capacity:>3} {used:>3} {waiting:>4} {untimed:>4} {oldest:>7.1}s\n"
+            );
+        }
         s += "violations by checker:\n";
         for name in CHECKERS {
             let found = self
@@ -232,6 +241,7 @@ pub async fn run(config: ChaosConfig) -> Result<ChaosReport> {
     tokio::time::sleep(config.duration).await;
     stop.store(true, Ordering::Relaxed);
     let load_end = SystemTime::now();
+    let at_load_end = snapshot(&url).await.unwrap_or_default();
     let (faults, outages) = match nemesis {
         Some(n) => n.await.map_err(|e| Error::config(e.to_string()))?,
         None => (BTreeMap::new(), Vec::new()),
@@ -269,6 +279,7 @@ pub async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         faults,
         snapshots: snapshots.load(Ordering::Relaxed),
         verdict,
+        at_load_end,
     })
 }
 
@@ -338,6 +349,26 @@ async fn sample(
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
+}
+
+async fn snapshot(url: &str) -> Result<Vec<(String, i32, i32, i64, i64, f64)>> {
+    let conn = crate::db::connect(&crate::db::parse_config(url)?).await?;
+    let rows = conn
+        .query(
+            "SELECT s.name, s.capacity, s.used,
+                    (SELECT count(*) FROM permitq.permit_request r WHERE r.state = 'new' AND r.permits ? s.name),
+                    (SELECT count(*) FROM permitq.permit p JOIN permitq.permit_request r ON r.id = p.request_id
+                     WHERE p.semaphore = s.name AND p.state = 'acquired' AND r.ttl IS NULL),
+                    coalesce((SELECT extract(epoch FROM now() - min(r.created_at))::float8
+                              FROM permitq.permit_request r WHERE r.state = 'new' AND r.permits ? s.name), 0)
+             FROM permitq.semaphore s ORDER BY s.name",
+            &[],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4), r.get(5)))
+        .collect())
 }
 
 /// After the load: release whatever is held, until nothing is waiting (workers still run), so
