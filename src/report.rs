@@ -96,6 +96,35 @@ pub async fn queue_and_grants(client: &Client, prefix: &str) -> Result<(i64, i64
     Ok((row.get(0), row.get(1)))
 }
 
+/// Checks the invariants that hold in every snapshot ([`sql::INVARIANT_SNAPSHOT`]): `used`
+/// equals the sum of acquired permits, and permits are acquired exactly when their request is.
+/// With `capacity_fixed` (no capacity was lowered), also `used <= capacity`. Returns one message
+/// per violation.
+pub async fn invariant_violations(
+    conn: &tokio_postgres::Client,
+    capacity_fixed: bool,
+) -> std::result::Result<Vec<String>, tokio_postgres::Error> {
+    let mut found = Vec::new();
+    for row in conn.query(sql::INVARIANT_SNAPSHOT, &[]).await? {
+        let (name, capacity, used, held, mismatched): (String, i32, i32, i32, i64) =
+            (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+        if capacity_fixed && used > capacity {
+            found.push(format!("{name}: used {used} > capacity {capacity}"));
+        }
+        if used != held {
+            found.push(format!(
+                "{name}: used {used} but acquired permits sum to {held}"
+            ));
+        }
+        if mismatched != 0 {
+            found.push(format!(
+                "{name}: {mismatched} permits disagree with their request's state"
+            ));
+        }
+    }
+    Ok(found)
+}
+
 fn like_escape(s: &str) -> String {
     s.replace('\\', "\\\\")
         .replace('%', "\\%")

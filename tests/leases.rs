@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use common::{check_invariants, quiet_config, settled_state, state_of, wait_until, TestDb};
 use futures_util::future::BoxFuture;
-use futures_util::StreamExt;
 use permitq::{OwnerLiveness, ReleaseOutcome, Request, SqlState, State, WorkerConfig};
 
 const SOON: Duration = Duration::from_secs(10);
@@ -382,40 +381,13 @@ async fn retention_deletes_only_old_settled_rows_in_batches() {
     assert_eq!(orphans, 0, "permit rows go with their request");
 }
 
-/// Records every `permitq_events` notification: external_id → states seen.
-async fn record_events(
-    url: &str,
-) -> (
-    tokio_postgres::Client,
-    tokio::sync::mpsc::UnboundedReceiver<(String, String)>,
-) {
-    let (client, mut connection) = permitq::db::parse_config(url)
-        .unwrap()
-        .connect(tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut stream = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-        while let Some(Ok(msg)) = stream.next().await {
-            if let tokio_postgres::AsyncMessage::Notification(n) = msg {
-                let v: serde_json::Value = serde_json::from_str(n.payload()).unwrap_or_default();
-                let id = v["external_id"].as_str().unwrap_or(n.payload()).to_string();
-                let _ = tx.send((id, v["state"].as_str().unwrap_or("").to_string()));
-            }
-        }
-    });
-    client.batch_execute("LISTEN permitq_events").await.unwrap();
-    (client, rx)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_three_workers_each_expired_lease_is_released_exactly_once() {
     let db = TestDb::new().await;
     let client = db.client().await;
     client.set_capacity("s", 60, None).await.unwrap();
     client.set_capacity("t", 60, None).await.unwrap();
-    let (listener, mut events) = record_events(&db.url).await;
+    let (listener, mut events) = common::listen(&db.url, "permitq_events").await;
     let workers: Vec<_> = (0..3)
         .map(|i| {
             db.worker(WorkerConfig {
@@ -451,14 +423,16 @@ async fn with_three_workers_each_expired_lease_is_released_exactly_once() {
         .unwrap();
     let mut released: BTreeMap<String, usize> = BTreeMap::new();
     loop {
-        let (id, state) = tokio::time::timeout(SOON, events.recv())
+        let payload = tokio::time::timeout(SOON, events.recv())
             .await
             .unwrap()
             .unwrap();
-        if id == "marker" {
+        if payload == "marker" {
             break;
         }
-        if state == "released" {
+        let event: serde_json::Value = serde_json::from_str(&payload).unwrap();
+        if event["state"] == "released" {
+            let id = event["external_id"].as_str().unwrap().to_string();
             *released.entry(id).or_default() += 1;
         }
     }

@@ -242,22 +242,7 @@ async fn plain_inserts_are_validated_by_constraints() {
 #[tokio::test]
 async fn the_insert_trigger_notifies_once_per_statement() {
     let db = TestDb::new().await;
-    let (client, mut connection) = permitq::db::parse_config(&db.url)
-        .unwrap()
-        .connect(tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut stream = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-        use futures_util::StreamExt;
-        while let Some(Ok(msg)) = stream.next().await {
-            if let tokio_postgres::AsyncMessage::Notification(n) = msg {
-                let _ = tx.send(n.payload().to_string());
-            }
-        }
-    });
-    client.batch_execute("LISTEN permitq_work").await.unwrap();
+    let (_listener, mut rx) = common::listen(&db.url, "permitq_work").await;
     let producer = db.conn().await;
     producer
         .batch_execute(

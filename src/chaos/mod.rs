@@ -318,11 +318,6 @@ async fn sample(
     findings: Arc<Mutex<Vec<String>>>,
     snapshots: Arc<AtomicU64>,
 ) {
-    const CHECK: &str = "SELECT s.name, s.used,
-            coalesce((SELECT sum(p.count) FROM permitq.permit p WHERE p.semaphore = s.name AND p.state = 'acquired'), 0)::int,
-            (SELECT count(*) FROM permitq.permit p JOIN permitq.permit_request r ON r.id = p.request_id
-             WHERE p.semaphore = s.name AND (p.state = 'acquired') <> (r.state = 'acquired'))
-         FROM permitq.semaphore s";
     let Ok(config) = crate::db::parse_config(&url) else {
         return;
     };
@@ -332,19 +327,14 @@ async fn sample(
             continue;
         };
         while !stop.load(Ordering::Relaxed) {
-            let Ok(rows) = conn.query(CHECK, &[]).await else {
+            let Ok(violations) = crate::report::invariant_violations(&conn, false).await else {
                 break;
             };
             snapshots.fetch_add(1, Ordering::Relaxed);
-            for r in rows {
-                let (name, used, sum, mismatched): (String, i32, i32, i64) =
-                    (r.get(0), r.get(1), r.get(2), r.get(3));
-                if used != sum || mismatched != 0 {
-                    let mut f = findings.lock().expect("findings");
-                    if f.len() < 1000 {
-                        f.push(format!("{name}: used {used}, acquired permits sum to {sum}, {mismatched} mismatched"));
-                    }
-                }
+            {
+                let mut f = findings.lock().expect("findings");
+                let room = 1000usize.saturating_sub(f.len());
+                f.extend(violations.into_iter().take(room));
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }

@@ -217,40 +217,45 @@ pub async fn state_of(client: &Client, id: &str) -> String {
     }
 }
 
-/// Invariants checked in one snapshot: no semaphore over capacity, `used` equal to the sum of
-/// acquired permits, and permits acquired exactly when their request is.
+/// Invariants checked in one snapshot (capacity is never lowered in these tests): no semaphore
+/// over capacity, `used` equal to the sum of acquired permits, and permits acquired exactly when
+/// their request is.
 pub async fn check_invariants(conn: &tokio_postgres::Client) -> Result<(), String> {
-    let rows = conn
-        .query(
-            "SELECT s.name, s.capacity, s.used,
-                    coalesce((SELECT sum(p.count) FROM permitq.permit p
-                              WHERE p.semaphore = s.name AND p.state = 'acquired'), 0)::int
-                    AS recomputed,
-                    (SELECT count(*) FROM permitq.permit p
-                     JOIN permitq.permit_request r ON r.id = p.request_id
-                     WHERE p.semaphore = s.name
-                       AND (p.state = 'acquired') <> (r.state = 'acquired')) AS mismatched
-             FROM permitq.semaphore s",
-            &[],
-        )
+    let found = permitq::report::invariant_violations(conn, true)
         .await
         .map_err(|e| e.to_string())?;
-    for row in rows {
-        let (name, capacity, used, recomputed, mismatched): (String, i32, i32, i32, i64) =
-            (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
-        if used > capacity {
-            return Err(format!("{name}: used {used} > capacity {capacity}"));
-        }
-        if used != recomputed {
-            return Err(format!(
-                "{name}: used {used} but acquired permits sum to {recomputed}"
-            ));
-        }
-        if mismatched != 0 {
-            return Err(format!(
-                "{name}: {mismatched} permits disagree with their request's state"
-            ));
-        }
+    match found.first() {
+        None => Ok(()),
+        Some(first) => Err(first.clone()),
     }
-    Ok(())
+}
+
+/// A dedicated connection LISTENing on `channel`; yields every payload, in commit order.
+pub async fn listen(
+    url: &str,
+    channel: &str,
+) -> (
+    tokio_postgres::Client,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    use futures_util::StreamExt;
+    let (client, mut connection) = permitq::db::parse_config(url)
+        .unwrap()
+        .connect(tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut stream = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(msg)) = stream.next().await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = msg {
+                let _ = tx.send(n.payload().to_string());
+            }
+        }
+    });
+    client
+        .batch_execute(&format!("LISTEN {channel}"))
+        .await
+        .unwrap();
+    (client, rx)
 }
