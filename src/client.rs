@@ -80,7 +80,7 @@ impl Client {
         let conn = self.inner.pool.get().await?;
         let row = conn
             .query_one(
-                &sql::submit(),
+                sql::SUBMIT.as_str(),
                 &[
                     &request.external_id,
                     &request.permits_json(),
@@ -96,7 +96,7 @@ impl Client {
     /// The request with this `external_id`, if any.
     pub async fn status(&self, external_id: &str) -> Result<Option<PermitRequest>> {
         let conn = self.inner.pool.get().await?;
-        conn.query_opt(&sql::status(), &[&external_id])
+        conn.query_opt(sql::STATUS.as_str(), &[&external_id])
             .await?
             .as_ref()
             .map(db::request_from_row)

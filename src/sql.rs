@@ -4,6 +4,8 @@
 //! Lock order (see `schema/V1__core.sql`): request rows first, then semaphore rows in ascending
 //! id. [`CLAIM_BATCH`] is step 1 for the worker, [`LOCK_SEMAPHORES`] step 2.
 
+use std::sync::LazyLock;
+
 /// Worker: claim pending requests after a cursor, FOR UPDATE SKIP LOCKED.
 pub const CLAIM_BATCH: &str = include_str!("sql/claim_batch.sql");
 /// Worker: lock the batch's semaphores in id order.
@@ -17,16 +19,16 @@ pub const APPLY_DECISION: &str = include_str!("sql/apply_decision.sql");
 pub const REQUEST_COLUMNS: &str = include_str!("sql/request_columns.sql");
 
 /// Client: submit (validates, idempotent, wakes workers). Intervals travel as text.
-pub fn submit() -> String {
+pub static SUBMIT: LazyLock<String> = LazyLock::new(|| {
     format!(
         "SELECT {REQUEST_COLUMNS} FROM permitq.submit($1, $2, $3, $4::text::interval, $5::text::interval)"
     )
-}
+});
 
 /// Client: one request by external_id.
-pub fn status() -> String {
+pub static STATUS: LazyLock<String> = LazyLock::new(|| {
     format!("SELECT {REQUEST_COLUMNS} FROM permitq.permit_request WHERE external_id = $1")
-}
+});
 
 /// Client: release (or cancel) by external_id.
 pub const RELEASE: &str = "SELECT permitq.release($1)";

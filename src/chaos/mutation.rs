@@ -46,24 +46,29 @@ impl Mutation {
                  $$;"
             }
             Mutation::SweepWithoutLock => {
+                // Reads `used` without the semaphore lock, takes a while (a slow sweep), then
+                // writes back what it computed: a lost update whenever a grant commits between.
                 "CREATE OR REPLACE FUNCTION permitq.sweep_expired(batch_size integer) RETURNS integer
                  LANGUAGE plpgsql AS $$
                  DECLARE
                      ids bigint[];
-                     p record;
-                     current_used integer;
+                     names text[];
+                     totals bigint[];
+                     seen integer[];
                  BEGIN
                      SELECT array_agg(id) INTO ids FROM (
                          SELECT id FROM permitq.permit_request
                          WHERE state = 'acquired' AND expires_at <= now()
                          LIMIT batch_size FOR UPDATE SKIP LOCKED) due;
                      IF ids IS NULL THEN RETURN 0; END IF;
-                     FOR p IN SELECT * FROM permitq.permit WHERE request_id = ANY(ids) AND state = 'acquired' LOOP
-                         SELECT used INTO current_used FROM permitq.semaphore WHERE name = p.semaphore;
-                         PERFORM pg_sleep(0.01);
-                         UPDATE permitq.semaphore SET used = greatest(current_used - p.count, 0)
-                         WHERE name = p.semaphore;
-                     END LOOP;
+                     SELECT array_agg(t.semaphore), array_agg(t.total), array_agg(s.used)
+                     INTO names, totals, seen
+                     FROM (SELECT semaphore, sum(count) AS total FROM permitq.permit
+                           WHERE request_id = ANY(ids) AND state = 'acquired' GROUP BY semaphore) t
+                     JOIN permitq.semaphore s ON s.name = t.semaphore;
+                     PERFORM pg_sleep(0.05);
+                     UPDATE permitq.semaphore s SET used = greatest(x.seen - x.total, 0)
+                     FROM unnest(names, totals, seen) AS x(name, total, seen) WHERE s.name = x.name;
                      UPDATE permitq.permit SET state = 'released', released_at = clock_timestamp()
                      WHERE request_id = ANY(ids) AND state = 'acquired';
                      UPDATE permitq.permit_request SET state = 'released', release_reason = 'expired',
