@@ -1,3 +1,5 @@
+-- The columns of permitq.permit_request as types::PermitRequest reads them; intervals travel as
+-- microseconds (tokio-postgres has no interval type).
 id, external_id, permits, owner,
 (extract(epoch FROM ttl) * 1000000)::int8 AS ttl_us,
 (extract(epoch FROM wait) * 1000000)::int8 AS wait_us,
