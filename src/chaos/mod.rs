@@ -13,6 +13,7 @@ pub mod history;
 pub mod load;
 pub mod mutation;
 pub mod nemesis;
+pub mod state;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -254,7 +255,7 @@ pub async fn run(config: ChaosConfig) -> Result<ChaosReport> {
     let _ = sampler.await;
 
     let conn = crate::db::connect(client.config()).await?;
-    let state = checker::load(&conn).await?;
+    let state = state::load(&conn).await?;
     let ops = history.ops();
     let events = acquired_events.0.lock().expect("events").clone();
     let cx = checker::Context {
