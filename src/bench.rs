@@ -70,7 +70,7 @@ pub async fn run(url: Option<&str>, args: BenchArgs) -> Result<()> {
         fmt(percentiles(&mut observed))
     );
 
-    let load = load_phase(&client, &format!("bench-{run}-load-"), &args, None).await?;
+    let load = load_phase(&client, &format!("bench-{run}-load-"), &args, false).await?;
     println!(
         "load: {} producers, {:?}: {} grants, {:.0} grants/s, submit->acquired {}",
         args.concurrency,
@@ -85,13 +85,7 @@ pub async fn run(url: Option<&str>, args: BenchArgs) -> Result<()> {
         // The workers' own retention task deletes them (1,000 rows per transaction) while the
         // same load runs; the phase lasts until they are all gone.
         let cleanup_started = Instant::now();
-        let during = load_phase(
-            &client,
-            &format!("bench-{run}-cleanup-"),
-            &args,
-            Some(&(old_rows_gone as StopWhen)),
-        )
-        .await?;
+        let during = load_phase(&client, &format!("bench-{run}-cleanup-"), &args, true).await?;
         println!(
             "retention: {} old settled rows deleted in {:.1}s while the load ran: submit->acquired p50 {:.2} ms, p99 {:.2} ms (without cleanup: p50 {:.2} ms, p99 {:.2} ms; p99 ratio {:.2}), {:.0} grants/s vs {:.0}",
             args.old_rows,
@@ -150,26 +144,23 @@ async fn submit_acquire_release(client: &Client, id: &str, semaphore: &str) -> R
     Ok(ms)
 }
 
-/// The stop condition of the retention phase.
-type StopWhen = fn(&Client) -> futures_util::future::BoxFuture<'_, Result<bool>>;
-
-fn old_rows_gone(client: &Client) -> futures_util::future::BoxFuture<'_, Result<bool>> {
-    Box::pin(async move {
-        let conn = client.pool().get().await?;
-        let row = conn
-            .query_one("SELECT NOT EXISTS (SELECT 1 FROM permitq.permit_request WHERE external_id LIKE 'bench-old-%')", &[])
-            .await?;
-        Ok(row.get(0))
-    })
+/// Whether retention has deleted every seeded old row.
+async fn old_rows_gone(client: &Client) -> Result<bool> {
+    let conn = client.pool().get().await?;
+    let row = conn
+        .query_one("SELECT NOT EXISTS (SELECT 1 FROM permitq.permit_request WHERE external_id LIKE 'bench-old-%')", &[])
+        .await?;
+    Ok(row.get(0))
 }
 
 /// Producers submit on a contended semaphore, hold ~1ms and release, for `args.duration` (or,
-/// with `until`, until it holds). Returns (grants, grants/s, latency).
+/// with `until_old_rows_gone`, until retention has deleted the seeded rows). Returns (grants,
+/// grants/s, latency).
 async fn load_phase(
     client: &Client,
     prefix: &str,
     args: &BenchArgs,
-    until: Option<&StopWhen>,
+    until_old_rows_gone: bool,
 ) -> Result<(i64, f64, Percentiles)> {
     let started = Instant::now();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -194,13 +185,12 @@ async fn load_phase(
             })
         })
         .collect();
-    match until {
-        None => tokio::time::sleep(args.duration).await,
-        Some(done) => {
-            while !done(client).await? {
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
+    if until_old_rows_gone {
+        while !old_rows_gone(client).await? {
+            tokio::time::sleep(Duration::from_millis(250)).await;
         }
+    } else {
+        tokio::time::sleep(args.duration).await;
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     for t in tasks {

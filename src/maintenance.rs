@@ -68,6 +68,14 @@ pub struct SweepOutcome {
     pub revoked: u64,
 }
 
+/// Takes the sweep's transaction-scoped advisory lock; false when another worker holds it.
+async fn try_sweep_lock(tx: &deadpool_postgres::Transaction<'_>, lock: SweepLock) -> Result<bool> {
+    Ok(tx
+        .query_one(sql::TRY_SWEEP_LOCK, &[&(lock as i64)])
+        .await?
+        .get(0))
+}
+
 /// Runs one batch of a sweep under its advisory lock. `None`: another worker holds the lock.
 async fn locked_batch(
     pool: &Pool,
@@ -77,11 +85,7 @@ async fn locked_batch(
 ) -> Result<Option<u64>> {
     let mut conn = pool.get().await?;
     let tx = conn.transaction().await?;
-    let got: bool = tx
-        .query_one(sql::TRY_SWEEP_LOCK, &[&(lock as i64)])
-        .await?
-        .get(0);
-    if !got {
+    if !try_sweep_lock(&tx, lock).await? {
         return Ok(None);
     }
     let n: i32 = tx.query_one(query, params).await?.get(0);
@@ -166,11 +170,7 @@ pub async fn sweep_once(
 async fn sweep_dead_owners(pool: &Pool, hook: &dyn OwnerLiveness) -> Result<u64> {
     let mut conn = pool.get().await?;
     let tx = conn.transaction().await?;
-    let got: bool = tx
-        .query_one(sql::TRY_SWEEP_LOCK, &[&(SweepLock::Liveness as i64)])
-        .await?
-        .get(0);
-    if !got {
+    if !try_sweep_lock(&tx, SweepLock::Liveness).await? {
         return Ok(0);
     }
     let owners: Vec<String> = tx
