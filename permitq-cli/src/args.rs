@@ -1,0 +1,234 @@
+//! The command line's arguments (clap derive) and their parsers.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use permitq::WorkerConfig;
+
+/// permitq: a distributed counting semaphore served through a PostgreSQL work queue.
+#[derive(Debug, Parser)]
+#[command(name = "permitq", version, about, propagate_version = true)]
+pub(crate) struct Cli {
+    /// PostgreSQL URL, e.g. postgres://user:pass@host:5432/db.
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Create or upgrade the schema (safe to run twice, or concurrently).
+    Migrate,
+    /// Run a worker until SIGINT/SIGTERM.
+    Worker(WorkerArgs),
+    /// Manage semaphores.
+    #[command(subcommand)]
+    Semaphore(SemaphoreCommand),
+    /// Submit a permit request: `permitq submit ID NAME=COUNT... [--await [DUR]]`.
+    Submit(SubmitArgs),
+    /// Show a request.
+    Status {
+        /// The request's external_id.
+        external_id: String,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Release a held request (or cancel a waiting one).
+    Release {
+        /// The request's external_id.
+        external_id: String,
+    },
+    /// Operator: take a held request's permits away (release_reason = revoked).
+    Revoke {
+        /// The request's external_id.
+        external_id: String,
+    },
+    /// Extend a held request's lease; exits 3 when the lease is lost.
+    Heartbeat {
+        /// The request's external_id.
+        external_id: String,
+        /// New lease length from now (default: the request's ttl).
+        #[arg(long, value_parser = parse_duration)]
+        extend: Option<Duration>,
+    },
+    /// Run the whole system on an embedded default: a throwaway PostgreSQL when DATABASE_URL
+    /// is unset, several workers, simulated producers and holders, a live view and a summary.
+    Demo(crate::demo::DemoArgs),
+    /// Measure submit → acquired latency on an idle system, and throughput under load.
+    Bench(crate::bench::BenchArgs),
+    /// Fault-injection run with a history checker (its own throwaway PostgreSQL). Exits 1 when
+    /// any checker finds a violation.
+    Chaos(ChaosArgs),
+    /// Holder process of the chaos pause-holder fault (internal).
+    #[command(hide = true)]
+    ChaosHolder {
+        /// The request's external_id.
+        external_id: String,
+    },
+}
+
+/// `permitq chaos` options.
+#[derive(Debug, Args)]
+pub(crate) struct ChaosArgs {
+    /// How long the load runs.
+    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    pub duration: Duration,
+    /// Seeds the load and the fault schedule.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Worker processes.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub workers: u16,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u16).range(1..=200))]
+    pub clients: u16,
+    /// The workers' --sweep-interval.
+    #[arg(long, default_value = "200ms", value_parser = parse_duration)]
+    pub sweep_interval: Duration,
+    /// Time between faults.
+    #[arg(long, default_value = "8s", value_parser = parse_duration)]
+    pub fault_every: Duration,
+    /// Run the load without faults.
+    #[arg(long)]
+    pub no_faults: bool,
+    /// Plant a known bug (no-semaphore-lock, sweep-without-lock, double-release, skip-fairness).
+    #[arg(long)]
+    pub mutation: Option<crate::chaos::Mutation>,
+}
+
+/// `permitq worker` options.
+#[derive(Debug, Args)]
+pub(crate) struct WorkerArgs {
+    /// Requests claimed per transaction.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=10000))]
+    pub batch_size: i64,
+    /// Fallback pass interval when no notification arrives.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub poll_interval: Duration,
+    /// How often leases, wait deadlines and --max-hold are enforced.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub sweep_interval: Duration,
+    /// Release anything held longer than this (release_reason = stale). Off by default.
+    #[arg(long, value_parser = parse_duration)]
+    pub max_hold: Option<Duration>,
+    /// Delete settled requests older than this, in small batches.
+    #[arg(long, default_value = "7d", value_parser = parse_duration)]
+    pub retention: Duration,
+    /// Delete capacity audit rows older than this.
+    #[arg(long, default_value = "30d", value_parser = parse_duration)]
+    pub audit_retention: Duration,
+    /// Serve Prometheus metrics on HOST:PORT (GET /metrics).
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Worker name (logs, worker_id, application_name).
+    #[arg(long)]
+    pub id: Option<String>,
+}
+
+impl WorkerArgs {
+    /// The worker configuration these options describe.
+    pub(crate) fn config(&self) -> WorkerConfig {
+        let mut config = WorkerConfig::default();
+        if let Some(id) = &self.id {
+            config.id = id.clone();
+        }
+        config.batch_size = self.batch_size;
+        config.poll_interval = self.poll_interval;
+        config.maintenance.sweep_interval = self.sweep_interval;
+        config.maintenance.max_hold = self.max_hold;
+        config.maintenance.retention = self.retention;
+        config.maintenance.audit_retention = self.audit_retention;
+        config
+    }
+}
+
+/// `permitq semaphore ...`
+#[derive(Debug, Subcommand)]
+pub(crate) enum SemaphoreCommand {
+    /// Create a semaphore or change its capacity (and fairness).
+    Set {
+        /// Name.
+        name: String,
+        /// How many permits may be held at once.
+        capacity: i32,
+        /// Strict FIFO with safe backfill (the default for new semaphores).
+        #[arg(long, conflicts_with = "greedy")]
+        fair: bool,
+        /// Any request that fits may go first.
+        #[arg(long)]
+        greedy: bool,
+    },
+    /// List semaphores with capacity and use.
+    List {
+        /// Print a JSON array.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show the capacity audit of a semaphore.
+    History {
+        /// Name.
+        name: String,
+        /// Print a JSON array.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `permitq submit` options.
+#[derive(Debug, Args)]
+pub(crate) struct SubmitArgs {
+    /// Idempotency key chosen by you (1..255 characters).
+    pub external_id: String,
+    /// What to acquire, all or nothing: NAME=COUNT, one or more.
+    #[arg(required = true, value_parser = parse_permit)]
+    pub permits: Vec<(String, i64)>,
+    /// Who will hold it.
+    #[arg(long)]
+    pub owner: Option<String>,
+    /// Lease length once granted (heartbeat to extend).
+    #[arg(long, value_parser = parse_duration)]
+    pub ttl: Option<Duration>,
+    /// How long it may wait for capacity (0 = fail fast; default forever).
+    #[arg(long, value_parser = parse_duration)]
+    pub wait: Option<Duration>,
+    /// Wait for the outcome, up to DUR (default: until it settles). Exit 0 acquired, 3 error,
+    /// 4 still waiting.
+    #[arg(long = "await", value_name = "DUR", num_args = 0..=1, default_missing_value = "forever",
+          value_parser = parse_await)]
+    pub await_for: Option<Duration>,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub(crate) fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 250ms, 30s, 5m)"))
+}
+
+fn parse_await(s: &str) -> std::result::Result<Duration, String> {
+    if s == "forever" {
+        return Ok(Duration::from_secs(100 * 365 * 24 * 3600));
+    }
+    parse_duration(s)
+}
+
+fn parse_permit(s: &str) -> std::result::Result<(String, i64), String> {
+    let (name, count) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected NAME=COUNT, got {s:?}"))?;
+    if name.is_empty() {
+        return Err(format!("empty semaphore name in {s:?}"));
+    }
+    match count.parse::<i64>() {
+        Ok(c) if (1..=i64::from(i32::MAX)).contains(&c) => Ok((name.to_string(), c)),
+        _ => Err(format!(
+            "count must be an integer from 1 to 2147483647, got {count:?}"
+        )),
+    }
+}

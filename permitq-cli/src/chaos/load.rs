@@ -1,0 +1,203 @@
+//! The chaos load: clients with their own connections submitting random requests, holding,
+//! heartbeating and releasing, with racing duplicate submits. Every operation is recorded.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use super::history::{outcome_of_error, History, Op, OpKind, Outcome};
+use super::SEMAPHORES;
+use permitq::Client;
+use permitq::{Request, State};
+
+/// Runs one client until `stop`, with its own pool.
+pub(crate) async fn client_loop(
+    id: usize,
+    url: String,
+    seed: u64,
+    history: History,
+    stop: Arc<AtomicBool>,
+) {
+    let mut rng = fastrand::Rng::with_seed(seed ^ (id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let Ok(client) = Client::connect(&url).await else {
+        return;
+    };
+    let Ok(twin) = Client::connect(&url).await else {
+        return;
+    };
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        n += 1;
+        let request = random_request(&mut rng, format!("c{id}-{n}"));
+        // Some submits race a duplicate of themselves from a second connection.
+        let duplicate = rng.u8(..8) == 0;
+        let (first, second) = if duplicate {
+            let (a, b) = tokio::join!(
+                submit_until_known(&client, id, &request, &history),
+                submit_until_known(&twin, id, &request, &history)
+            );
+            (a, b)
+        } else {
+            (
+                submit_until_known(&client, id, &request, &history).await,
+                true,
+            )
+        };
+        if !(first || second) {
+            continue; // definitely not submitted
+        }
+        // From here on the request may exist: it is released (or cancelled) in every case, or
+        // deliberately abandoned to its TTL, so no permit leaks out of the run.
+        let limit = request
+            .wait
+            .map_or(Duration::from_secs(20), |w| w + Duration::from_secs(2));
+        match wait_known(&client, &request.external_id, limit).await {
+            Some(State::Acquired) => {
+                hold_and_release(&client, id, &request, &history, &mut rng).await
+            }
+            _ => release_until_known(&client, id, &request.external_id, &history).await,
+        }
+    }
+}
+
+/// Waits for the request to settle, riding out connection errors, up to `limit`.
+async fn wait_known(client: &Client, external_id: &str, limit: Duration) -> Option<State> {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match client.wait_settled(external_id, left).await {
+            Ok(r) => return r.map(|r| r.state),
+            Err(_) if !left.is_zero() => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(_) => return None,
+        }
+    }
+}
+
+fn random_request(rng: &mut fastrand::Rng, external_id: String) -> Request {
+    let mut request = Request::new(external_id);
+    let fair: Vec<&(&str, i32, bool)> = SEMAPHORES.iter().filter(|s| s.2).collect();
+    if rng.u8(..10) == 0 {
+        // A large request on one fair semaphore: the head the stream must not starve.
+        let (name, capacity, _) = fair[rng.usize(..fair.len())];
+        request = request.permit(*name, i64::from(*capacity).max(2) - 1);
+    } else {
+        let how_many = rng.usize(1..=4);
+        for (name, capacity, _) in rng.choose_multiple(SEMAPHORES.iter(), how_many) {
+            let count = rng.i64(1..=i64::from(*capacity).clamp(1, 2));
+            request = request.permit(*name, count);
+        }
+    }
+    request.wait = match rng.u8(..10) {
+        0 => Some(Duration::ZERO),
+        1..=3 => Some(Duration::from_millis(rng.u64(100..1500))),
+        _ => None,
+    };
+    if rng.u8(..3) == 0 {
+        request.ttl = Some(Duration::from_millis(rng.u64(300..1500)));
+    }
+    request
+}
+
+fn now() -> SystemTime {
+    SystemTime::now()
+}
+
+/// Submits until the outcome is known (ok or fail); an indeterminate submit is retried with the
+/// same external_id. Returns false only when it definitely failed.
+async fn submit_until_known(
+    client: &Client,
+    id: usize,
+    request: &Request,
+    history: &History,
+) -> bool {
+    for _ in 0..50 {
+        let invoked = now();
+        let outcome = match client.submit(request).await {
+            Ok(r) => Outcome::Ok(r.id.to_string()),
+            Err(e) => outcome_of_error(&e),
+        };
+        let done = !matches!(outcome, Outcome::Info(_));
+        let ok = matches!(outcome, Outcome::Ok(_));
+        history.record(Op {
+            client: id,
+            kind: OpKind::Submit,
+            key: request.external_id.clone(),
+            arg: 0,
+            invoked,
+            completed: now(),
+            outcome,
+        });
+        if done {
+            return ok;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    true
+}
+
+/// Releases until the database answers (up to ~2 minutes of retries: a holder that gave up
+/// earlier would leak its permits, which is the load generator's fault, not the system's).
+async fn release_until_known(client: &Client, id: usize, external_id: &str, history: &History) {
+    for _ in 0..1200 {
+        let invoked = now();
+        let outcome = match client.release(external_id).await {
+            Ok(o) => Outcome::Ok(o.to_string()),
+            Err(e) => outcome_of_error(&e),
+        };
+        let done = matches!(outcome, Outcome::Ok(_));
+        history.record(Op {
+            client: id,
+            kind: OpKind::Release,
+            key: external_id.to_string(),
+            arg: 0,
+            invoked,
+            completed: now(),
+            outcome,
+        });
+        if done {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn hold_and_release(
+    client: &Client,
+    id: usize,
+    request: &Request,
+    history: &History,
+    rng: &mut fastrand::Rng,
+) {
+    if request.ttl.is_some() && rng.u8(..4) == 0 {
+        return; // This holder "dies": no heartbeat, no release. The lease sweep must reclaim it.
+    }
+    let hold = Duration::from_millis(rng.u64(0..400));
+    let beats = if request.ttl.is_some() && rng.bool() {
+        2
+    } else {
+        0
+    };
+    for _ in 0..beats {
+        tokio::time::sleep(hold / 3).await;
+        let invoked = now();
+        let outcome = match client.heartbeat(&request.external_id, None).await {
+            Ok(_) => Outcome::Ok(String::new()),
+            Err(e) => outcome_of_error(&e),
+        };
+        history.record(Op {
+            client: id,
+            kind: OpKind::Heartbeat,
+            key: request.external_id.clone(),
+            arg: 0,
+            invoked,
+            completed: now(),
+            outcome,
+        });
+    }
+    tokio::time::sleep(hold / 3).await;
+    release_until_known(client, id, &request.external_id, history).await;
+    if rng.u8(..5) == 0 {
+        // Releases are idempotent: a second one must change nothing.
+        release_until_known(client, id, &request.external_id, history).await;
+    }
+}

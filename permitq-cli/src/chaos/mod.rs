@@ -1,0 +1,413 @@
+//! `permitq chaos`: a fault-injection run with a history checker.
+//!
+//! It starts its own PostgreSQL (it must restart it), worker *processes*, and client tasks with
+//! their own connections that submit random requests (1–4 semaphores, random counts, `wait`
+//! NULL/0/short, `ttl` NULL/short), hold, heartbeat and release, with racing duplicate submits.
+//! Every operation is recorded as invoke + ok/fail/info ([`history`]). A seeded [`nemesis`]
+//! injects every kind of fault at least once. A sampler checks every snapshot while it runs;
+//! afterwards the load stops, everything is released, and the [`checker`]s read the final state
+//! and the history. [`mutation`] plants known bugs to prove the checkers catch them.
+
+pub(crate) mod checker;
+pub(crate) mod history;
+pub(crate) mod load;
+pub(crate) mod mutation;
+pub(crate) mod nemesis;
+pub(crate) mod state;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::error::{CliError, Result};
+use permitq::Client;
+use permitq_test_support::EmbeddedPostgres;
+
+pub(crate) use mutation::Mutation;
+pub(crate) use nemesis::Fault;
+
+/// The semaphores under test: (name, capacity, fair).
+pub(crate) const SEMAPHORES: &[(&str, i32, bool)] = &[
+    ("c-a", 3, true),
+    ("c-b", 5, true),
+    ("c-c", 4, true),
+    ("c-d", 8, false),
+];
+/// The semaphore of the pause-holder fault (capacity 1, fair).
+pub(crate) const FENCED: &str = "c-fenced";
+
+/// A chaos run.
+#[derive(Debug, Clone)]
+pub(crate) struct ChaosConfig {
+    /// How long the load runs.
+    pub duration: Duration,
+    /// Seeds the load and the fault schedule.
+    pub seed: u64,
+    /// Worker processes.
+    pub workers: usize,
+    /// Client tasks.
+    pub clients: usize,
+    /// The workers' `--sweep-interval`.
+    pub sweep_interval: Duration,
+    /// Time between faults; `None`: no faults.
+    pub fault_every: Option<Duration>,
+    /// A planted bug.
+    pub mutation: Option<Mutation>,
+    /// The `permitq` binary (worker and holder processes).
+    pub binary: PathBuf,
+}
+
+/// What a run did and found.
+#[derive(Debug)]
+pub(crate) struct ChaosReport {
+    /// The configuration.
+    pub config: ChaosConfig,
+    /// Operations by (kind, outcome).
+    pub ops: BTreeMap<(history::OpKind, &'static str), u64>,
+    /// Faults injected by kind.
+    pub faults: BTreeMap<Fault, u32>,
+    /// Snapshots the sampler checked.
+    pub snapshots: u64,
+    /// The checkers' verdict (the sampler's findings under "sampler").
+    pub verdict: checker::Verdict,
+    /// Each semaphore when the load stopped: (name, capacity, used, waiting, held without TTL,
+    /// oldest waiting age in seconds). A stall shows up here.
+    pub at_load_end: Vec<(String, i32, i32, i64, i64, f64)>,
+}
+
+/// Checker names, in report order.
+pub(crate) const CHECKERS: [&str; 8] = [
+    "safety",
+    "no double grant",
+    "fencing",
+    "nothing lost",
+    "quiescence",
+    "fairness",
+    "history",
+    "sampler",
+];
+
+impl ChaosReport {
+    /// Total violations.
+    pub(crate) fn violations(&self) -> usize {
+        self.verdict.violations.values().map(Vec::len).sum()
+    }
+
+    /// The summary table.
+    pub(crate) fn summary(&self) -> String {
+        let c = &self.config;
+        let mut s = format!(
+            "=== permitq chaos: seed {}, {:?}, {} workers, {} clients{} ===\n",
+            c.seed,
+            c.duration,
+            c.workers,
+            c.clients,
+            c.mutation
+                .map_or(String::new(), |m| format!(", planted bug: {m}"))
+        );
+        s += &format!(
+            "{:<12} {:>8} {:>8} {:>8}\n",
+            "operations", "ok", "fail", "info"
+        );
+        for kind in [
+            history::OpKind::Submit,
+            history::OpKind::Release,
+            history::OpKind::Heartbeat,
+            history::OpKind::Fence,
+        ] {
+            let n = |o| self.ops.get(&(kind, o)).copied().unwrap_or(0);
+            s += &format!(
+                "{:<12} {:>8} {:>8} {:>8}\n",
+                format!("{kind:?}").to_lowercase(),
+                n("ok"),
+                n("fail"),
+                n("info")
+            );
+        }
+        s += "faults injected:";
+        for fault in Fault::ALL {
+            s += &format!(
+                " {fault:?} {}",
+                self.faults.get(&fault).copied().unwrap_or(0)
+            );
+        }
+        s += &format!(
+            "\nrequests {}, granted {}, sampler snapshots {}\n",
+            self.verdict.requests, self.verdict.granted, self.snapshots
+        );
+        s += &format!("endings: {:?}\n", self.verdict.endings);
+        s += "at load end: semaphore capacity used waiting held-without-ttl oldest-waiting\n";
+        for (name, capacity, used, waiting, untimed, oldest) in &self.at_load_end {
+            s += &format!(
+                "  {name:<10} {capacity:>3} {used:>3} {waiting:>4} {untimed:>4} {oldest:>7.1}s\n"
+            );
+        }
+        s += "violations by checker:\n";
+        for name in CHECKERS {
+            let found = self
+                .verdict
+                .violations
+                .get(name)
+                .map_or(&[][..], Vec::as_slice);
+            s += &format!("  {name:<16} {}\n", found.len());
+            for message in found.iter().take(3) {
+                s += &format!("      {message}\n");
+            }
+        }
+        let (lp99, lmax, sp99, smax) = self.verdict.waits_ms;
+        s += &format!(
+            "waits on fair semaphores: large requests p99 {lp99:.0} ms, max {lmax:.0} ms; small p99 {sp99:.0} ms, max {smax:.0} ms\n"
+        );
+        s += &format!(
+            "result: {}\n",
+            if self.violations() == 0 {
+                "PASS"
+            } else {
+                "FAIL"
+            }
+        );
+        s
+    }
+}
+
+/// Runs a chaos test end to end.
+pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
+    let pg = Arc::new(
+        tokio::task::spawn_blocking(EmbeddedPostgres::start)
+            .await
+            .map_err(|e| CliError::runtime(e.to_string()))??,
+    );
+    let url = pg.url("postgres");
+    let client = Client::connect(&url).await?;
+    client.migrate().await?;
+    for (name, capacity, fair) in SEMAPHORES {
+        client.set_capacity(name, *capacity, Some(*fair)).await?;
+    }
+    client.set_capacity(FENCED, 1, Some(true)).await?;
+    if let Some(m) = config.mutation {
+        permitq_test_support::try_connect(&url)
+            .await?
+            .batch_execute(m.sql())
+            .await?;
+    }
+
+    let workers = Arc::new(
+        nemesis::Workers::start(
+            config.binary.clone(),
+            url.clone(),
+            config.workers,
+            config.sweep_interval,
+        )
+        .await?,
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let history = history::History::default();
+    let acquired_events = record_acquired_events(url.clone());
+    let sampler_findings = Arc::new(Mutex::new(Vec::new()));
+    let snapshots = Arc::new(AtomicU64::new(0));
+    let sampler = tokio::spawn(sample(
+        url.clone(),
+        stop.clone(),
+        sampler_findings.clone(),
+        snapshots.clone(),
+    ));
+
+    let clients: Vec<_> = (0..config.clients)
+        .map(|i| {
+            tokio::spawn(load::client_loop(
+                i,
+                url.clone(),
+                config.seed,
+                history.clone(),
+                stop.clone(),
+            ))
+        })
+        .collect();
+    let nemesis = config.fault_every.map(|every| {
+        tokio::spawn(nemesis::run(
+            config.seed,
+            every,
+            pg.clone(),
+            url.clone(),
+            config.binary.clone(),
+            workers.clone(),
+            history.clone(),
+            stop.clone(),
+        ))
+    });
+
+    tokio::time::sleep(config.duration).await;
+    stop.store(true, Ordering::Relaxed);
+    let load_end = SystemTime::now();
+    let at_load_end = snapshot(&url).await.unwrap_or_default();
+    let (faults, outages) = match nemesis {
+        Some(n) => n.await.map_err(|e| CliError::runtime(e.to_string()))?,
+        None => (BTreeMap::new(), Vec::new()),
+    };
+    for c in clients {
+        let _ = c.await;
+    }
+    drain(&url).await?;
+    workers.stop().await;
+    let _ = sampler.await;
+
+    let conn = permitq_test_support::try_connect(&url).await?;
+    let state = state::load(&conn).await?;
+    let ops = history.ops();
+    let events = acquired_events.0.lock().expect("events").clone();
+    let cx = checker::Context {
+        ops: &ops,
+        acquired_events: &events,
+        outages: &outages,
+        sweep_interval: config.sweep_interval,
+        load_end,
+    };
+    let mut verdict = checker::check(&state, &cx);
+    for finding in sampler_findings.lock().expect("findings").drain(..) {
+        verdict
+            .violations
+            .entry("sampler")
+            .or_default()
+            .push(finding);
+    }
+    acquired_events.1.abort();
+    drop((conn, client));
+    Ok(ChaosReport {
+        config,
+        ops: history.counts(),
+        faults,
+        snapshots: snapshots.load(Ordering::Relaxed),
+        verdict,
+        at_load_end,
+    })
+}
+
+type EventCounts = (
+    Arc<Mutex<HashMap<String, u32>>>,
+    tokio::task::JoinHandle<()>,
+);
+
+/// Counts `acquired` events per external_id (a second grant would show up as a second event).
+/// LISTENs on its own connection and reconnects when the database restarts.
+fn record_acquired_events(url: String) -> EventCounts {
+    let counts = Arc::new(Mutex::new(HashMap::new()));
+    let sink = counts.clone();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok(config) = url.parse::<tokio_postgres::Config>() else {
+                return;
+            };
+            if let Ok((client, mut connection)) = config.connect(tokio_postgres::NoTls).await {
+                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+                let driver = tokio::spawn(async move {
+                    let mut stream =
+                        futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+                    while let Some(Ok(msg)) = futures_util::StreamExt::next(&mut stream).await {
+                        if let tokio_postgres::AsyncMessage::Notification(n) = msg {
+                            let _ = tx.send(n.payload().to_string());
+                        }
+                    }
+                });
+                if client.batch_execute("LISTEN permitq_events").await.is_ok() {
+                    while let Some(payload) = rx.recv().await {
+                        count_acquired(&sink, &payload);
+                    }
+                }
+                driver.abort();
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    (counts, task)
+}
+
+/// Adds the `acquired` objects of one `permitq_events` payload (an object, or an array of them).
+fn count_acquired(sink: &Mutex<HashMap<String, u32>>, payload: &str) {
+    let v: serde_json::Value = serde_json::from_str(payload).unwrap_or_default();
+    let events = match v {
+        serde_json::Value::Array(items) => items,
+        other => vec![other],
+    };
+    for event in events {
+        if event["state"] == "acquired" {
+            let id = event["external_id"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            *sink.lock().expect("events").entry(id).or_insert(0) += 1;
+        }
+    }
+}
+
+/// Checks every snapshot it can take while the run goes on: `used` equals the sum of acquired
+/// permits, and permits are acquired exactly when their request is.
+async fn sample(
+    url: String,
+    stop: Arc<AtomicBool>,
+    findings: Arc<Mutex<Vec<String>>>,
+    snapshots: Arc<AtomicU64>,
+) {
+    while !stop.load(Ordering::Relaxed) {
+        let Ok(conn) = permitq_test_support::try_connect(&url).await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        while !stop.load(Ordering::Relaxed) {
+            let Ok(violations) = permitq_test_support::invariant_violations(&conn, false).await
+            else {
+                break;
+            };
+            snapshots.fetch_add(1, Ordering::Relaxed);
+            {
+                let mut f = findings.lock().expect("findings");
+                let room = 1000usize.saturating_sub(f.len());
+                f.extend(violations.into_iter().take(room));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+async fn snapshot(url: &str) -> Result<Vec<(String, i32, i32, i64, i64, f64)>> {
+    let conn = permitq_test_support::try_connect(url).await?;
+    let rows = conn
+        .query(
+            "SELECT s.name, s.capacity, s.used,
+                    (SELECT count(*) FROM permitq.permit_request r WHERE r.state = 'new' AND r.permits ? s.name),
+                    (SELECT count(*) FROM permitq.permit p JOIN permitq.permit_request r ON r.id = p.request_id
+                     WHERE p.semaphore = s.name AND p.state = 'acquired' AND r.ttl IS NULL),
+                    coalesce((SELECT extract(epoch FROM now() - min(r.created_at))::float8
+                              FROM permitq.permit_request r WHERE r.state = 'new' AND r.permits ? s.name), 0)
+             FROM permitq.semaphore s ORDER BY s.name",
+            &[],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4), r.get(5)))
+        .collect())
+}
+
+/// After the load: release whatever is held, until nothing is waiting (workers still run), so
+/// "nothing lost" and "quiescence" can be checked. Gives up after a minute.
+async fn drain(url: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        let Ok(conn) = permitq_test_support::try_connect(url).await else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        let step = async {
+            conn.batch_execute("SELECT permitq.release(external_id) FROM permitq.permit_request WHERE state = 'acquired'").await?;
+            let open: i64 = conn.query_one("SELECT count(*) FROM permitq.permit_request WHERE state IN ('new', 'acquired')", &[]).await?.get(0);
+            Ok::<_, tokio_postgres::Error>(open)
+        };
+        if let Ok(0) = step.await {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok(())
+}

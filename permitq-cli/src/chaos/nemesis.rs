@@ -1,0 +1,345 @@
+//! Fault injection on a seeded schedule, while the load runs.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::error::{CliError, Result};
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::Mutex;
+
+use super::history::{History, Op, OpKind, Outcome};
+use super::{FENCED, SEMAPHORES};
+use permitq::Client;
+use permitq::Request;
+use permitq_test_support::{EmbeddedPostgres, StopMode};
+
+/// The kinds of fault, each injected at least once per run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Fault {
+    /// SIGKILL a worker process, then restart it.
+    KillWorker,
+    /// SIGSTOP a holder past its TTL, let another holder write, SIGCONT it.
+    PauseHolder,
+    /// pg_terminate_backend of every worker connection (LISTEN and pool).
+    TerminateConnections,
+    /// PostgreSQL stopped with -m immediate and restarted.
+    RestartDatabase,
+    /// A fair semaphore's capacity lowered while permits are held, then raised back.
+    LowerCapacity,
+    /// statement_timeout and idle_in_transaction_session_timeout set very short for a while.
+    TimeoutBurst,
+}
+
+impl Fault {
+    /// Every kind.
+    pub(crate) const ALL: [Fault; 6] = [
+        Fault::KillWorker,
+        Fault::PauseHolder,
+        Fault::TerminateConnections,
+        Fault::RestartDatabase,
+        Fault::LowerCapacity,
+        Fault::TimeoutBurst,
+    ];
+}
+
+/// A fault that stopped the world for a while (no sweeps could run): the "nothing lost"
+/// deadline allows for it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Outage {
+    /// When it began.
+    pub from: SystemTime,
+    /// When it ended.
+    pub to: SystemTime,
+}
+
+/// The worker processes, restartable.
+pub(crate) struct Workers {
+    binary: PathBuf,
+    url: String,
+    sweep_interval: Duration,
+    children: Mutex<Vec<Child>>,
+}
+
+impl Workers {
+    /// Starts `n` `permitq worker` processes.
+    pub(crate) async fn start(
+        binary: PathBuf,
+        url: String,
+        n: usize,
+        sweep_interval: Duration,
+    ) -> Result<Workers> {
+        let workers = Workers {
+            binary,
+            url,
+            sweep_interval,
+            children: Mutex::new(Vec::new()),
+        };
+        for i in 0..n {
+            let child = workers.spawn(i)?;
+            workers.children.lock().await.push(child);
+        }
+        Ok(workers)
+    }
+
+    fn spawn(&self, i: usize) -> Result<Child> {
+        Ok(Command::new(&self.binary)
+            .args([
+                "worker",
+                "--id",
+                &format!("chaos-w{i}"),
+                "--batch-size",
+                "20",
+            ])
+            .args([
+                "--sweep-interval",
+                &format!("{}ms", self.sweep_interval.as_millis()),
+            ])
+            .env("DATABASE_URL", &self.url)
+            .env("RUST_LOG", "off")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()?)
+    }
+
+    async fn kill_and_restart(&self, i: usize) -> Result<()> {
+        let mut children = self.children.lock().await;
+        let i = i % children.len();
+        children[i].kill().await?; // SIGKILL
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        children[i] = self.spawn(i)?;
+        Ok(())
+    }
+
+    /// SIGTERM to every worker; waits for them to exit.
+    pub(crate) async fn stop(&self) {
+        for child in self.children.lock().await.iter_mut() {
+            if let Some(pid) = child.id() {
+                let _ = Command::new("kill")
+                    .args(["-TERM", &pid.to_string()])
+                    .status()
+                    .await;
+            }
+            let _ = tokio::time::timeout(Duration::from_secs(15), child.wait()).await;
+        }
+    }
+}
+
+/// Injects faults until `stop`: every kind once first (shuffled by the seed), then at random.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn run(
+    seed: u64,
+    every: Duration,
+    pg: Arc<EmbeddedPostgres>,
+    url: String,
+    binary: PathBuf,
+    workers: Arc<Workers>,
+    history: History,
+    stop: Arc<AtomicBool>,
+) -> (BTreeMap<Fault, u32>, Vec<Outage>) {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut schedule: Vec<Fault> = Fault::ALL.to_vec();
+    rng.shuffle(&mut schedule);
+    let mut injected = BTreeMap::new();
+    let mut outages = Vec::new();
+    let mut next = 0usize;
+    while !stop.load(Ordering::Relaxed) {
+        tokio::time::sleep(every).await;
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let fault = schedule
+            .get(next)
+            .copied()
+            .unwrap_or_else(|| Fault::ALL[rng.usize(..Fault::ALL.len())]);
+        next += 1;
+        let started = SystemTime::now();
+        let result = inject(fault, &mut rng, &pg, &url, &binary, &workers, &history).await;
+        match result {
+            Ok(()) => *injected.entry(fault).or_insert(0) += 1,
+            Err(e) => tracing::warn!(?fault, error = %e, "fault injection failed"),
+        }
+        if matches!(fault, Fault::RestartDatabase | Fault::TimeoutBurst) {
+            outages.push(Outage {
+                from: started,
+                to: SystemTime::now(),
+            });
+        }
+    }
+    (injected, outages)
+}
+
+async fn inject(
+    fault: Fault,
+    rng: &mut fastrand::Rng,
+    pg: &Arc<EmbeddedPostgres>,
+    url: &str,
+    binary: &PathBuf,
+    workers: &Workers,
+    history: &History,
+) -> Result<()> {
+    tracing::info!(?fault, "injecting");
+    match fault {
+        Fault::KillWorker => workers.kill_and_restart(rng.usize(..64)).await,
+        Fault::PauseHolder => pause_holder(url, binary, history).await,
+        Fault::TerminateConnections => {
+            admin(url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name LIKE 'permitq chaos-w%'").await
+        }
+        Fault::RestartDatabase => {
+            let pg = pg.clone();
+            tokio::task::spawn_blocking(move || {
+                pg.stop(StopMode::Immediate)?;
+                std::thread::sleep(Duration::from_millis(300));
+                pg.start_server()
+            })
+            .await
+            .map_err(|e| crate::error::CliError::runtime(e.to_string()))?
+            .map_err(CliError::from)
+        }
+        Fault::LowerCapacity => {
+            let (name, capacity, _) = SEMAPHORES.iter().filter(|s| s.2).nth(rng.usize(..2)).expect("fair semaphores");
+            admin(url, &format!("SELECT permitq.set_capacity('{name}', 1)")).await?;
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            retry_admin(url, &format!("SELECT permitq.set_capacity('{name}', {capacity})")).await
+        }
+        Fault::TimeoutBurst => {
+            admin(url, "ALTER SYSTEM SET statement_timeout = '30ms'").await?;
+            admin(url, "ALTER SYSTEM SET idle_in_transaction_session_timeout = '50ms'").await?;
+            admin(url, "SELECT pg_reload_conf()").await?;
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            retry_admin(url, "ALTER SYSTEM RESET statement_timeout").await?;
+            retry_admin(url, "ALTER SYSTEM RESET idle_in_transaction_session_timeout").await?;
+            retry_admin(url, "SELECT pg_reload_conf()").await
+        }
+    }
+}
+
+async fn admin(url: &str, sql: &str) -> Result<()> {
+    let conn = permitq_test_support::try_connect(url).await?;
+    conn.batch_execute(sql).await?;
+    Ok(())
+}
+
+/// Undoing a fault must not be lost to the fault itself (or to the next one): retry for a while.
+async fn retry_admin(url: &str, sql: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match admin(url, sql).await {
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!(error = %e, "retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Holder A (a process) acquires the fenced semaphore with a short TTL and is SIGSTOPped; once
+/// its lease is released as expired, holder B acquires, writes with its token; A is resumed and
+/// writes with its stale token. Both writes are recorded as Fence operations.
+async fn pause_holder(url: &str, binary: &PathBuf, history: &History) -> Result<()> {
+    let a_id = format!("holder-a-{}", uuid::Uuid::new_v4().simple());
+    let mut a = Command::new(binary)
+        .args(["chaos-holder", &a_id])
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "off")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut lines = BufReader::new(a.stdout.take().expect("piped")).lines();
+    let first = tokio::time::timeout(Duration::from_secs(20), lines.next_line()).await;
+    let Ok(Ok(Some(first))) = first else {
+        return Err(crate::error::CliError::runtime("holder A did not acquire"));
+    };
+    let a_token: i64 = first.trim_start_matches("token ").parse().unwrap_or(-1);
+    let pid = a.id().expect("running").to_string();
+    Command::new("kill").args(["-STOP", &pid]).status().await?;
+
+    let client = Client::connect(url).await?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let b_id = format!("holder-b-{}", uuid::Uuid::new_v4().simple());
+    let result = async {
+        loop {
+            if let Ok(Some(r)) = client.status(&a_id).await {
+                if r.state != permitq::State::Acquired {
+                    break;
+                }
+            }
+            if Instant::now() > deadline {
+                return Err(crate::error::CliError::runtime(
+                    "holder A's lease was not reclaimed",
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let b = client
+            .acquire(
+                &Request::new(&b_id)
+                    .permit(FENCED, 1)
+                    .ttl(Duration::from_secs(30)),
+                Duration::from_secs(20),
+            )
+            .await?;
+        fence(&client, history, &b_id, b.fencing_token()).await;
+        Ok(b)
+    }
+    .await;
+    Command::new("kill").args(["-CONT", &pid]).status().await?;
+    let second = tokio::time::timeout(Duration::from_secs(20), lines.next_line()).await;
+    if let Ok(Ok(Some(line))) = second {
+        let accepted = line.trim() == "fenced true";
+        history.record(Op {
+            client: usize::MAX,
+            kind: OpKind::Fence,
+            key: a_id.clone(),
+            arg: a_token,
+            invoked: SystemTime::now(),
+            completed: SystemTime::now(),
+            outcome: Outcome::Ok(accepted.to_string()),
+        });
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(10), a.wait()).await;
+    result?.release().await?;
+    Ok(())
+}
+
+async fn fence(client: &Client, history: &History, holder: &str, token: i64) {
+    let invoked = SystemTime::now();
+    let outcome = match client.fence(FENCED, token).await {
+        Ok(accepted) => Outcome::Ok(accepted.to_string()),
+        Err(e) => super::history::outcome_of_error(&e),
+    };
+    history.record(Op {
+        client: usize::MAX,
+        kind: OpKind::Fence,
+        key: holder.to_string(),
+        arg: token,
+        invoked,
+        completed: SystemTime::now(),
+        outcome,
+    });
+}
+
+/// `permitq chaos-holder EXTERNAL_ID`: holder A of the pause-holder fault. Acquires the fenced
+/// semaphore with a 500ms TTL, prints `token N`, "works" 300 ms (it is paused here), then writes
+/// through `permitq.fence` and prints `fenced true|false`.
+pub(crate) async fn holder_process(url: &str, external_id: &str) -> Result<()> {
+    let client = Client::connect(url).await?;
+    let request = Request::new(external_id)
+        .permit(FENCED, 1)
+        .ttl(Duration::from_millis(500));
+    let lease = client.acquire(&request, Duration::from_secs(20)).await?;
+    println!("token {}", lease.fencing_token());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let accepted = client.fence(FENCED, lease.fencing_token()).await?;
+    println!("fenced {accepted}");
+    Ok(())
+}

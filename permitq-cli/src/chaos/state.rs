@@ -1,0 +1,112 @@
+//! The database's final state after a chaos run, as the checkers read it.
+
+use std::collections::HashMap;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::error::Result;
+
+/// Microseconds since the epoch.
+pub(crate) type Micros = i64;
+
+pub(crate) fn us(t: SystemTime) -> Micros {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
+/// A request row, as the checkers need it.
+#[derive(Debug, Clone)]
+pub(crate) struct Req {
+    pub(crate) id: i64,
+    pub(crate) external_id: String,
+    pub(crate) permits: Vec<(String, i64)>,
+    pub(crate) wait_us: Option<i64>,
+    pub(crate) state: String,
+    pub(crate) error_code: Option<String>,
+    pub(crate) release_reason: Option<String>,
+    pub(crate) created: Micros,
+    pub(crate) acquired: Option<Micros>,
+    pub(crate) settled: Option<Micros>,
+}
+
+impl Req {
+    /// Whether it was still waiting (new) at instant `t`.
+    pub(crate) fn new_at(&self, t: Micros) -> bool {
+        self.created <= t
+            && self.acquired.is_none_or(|a| a > t)
+            && self.settled.is_none_or(|s| s > t)
+    }
+}
+
+/// Everything the checkers read from the database.
+pub(crate) struct FinalState {
+    pub(crate) requests: Vec<Req>,
+    /// (request id, semaphore, count, acquired, released, fencing token)
+    pub(crate) permits: Vec<(i64, String, i64, Micros, Option<Micros>, i64)>,
+    /// semaphore → [(changed_at, capacity)], oldest first
+    pub(crate) capacity: HashMap<String, Vec<(Micros, i64)>>,
+    /// (name, used, fair)
+    pub(crate) semaphores: Vec<(String, i64, bool)>,
+}
+
+/// Reads the final state.
+pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<FinalState> {
+    let requests = conn
+        .query(
+            "SELECT id, external_id, permits, (extract(epoch FROM wait) * 1000000)::int8, state, error_code,
+                    created_at, acquired_at, settled_at, release_reason FROM permitq.permit_request ORDER BY id",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| Req {
+            id: r.get(0),
+            external_id: r.get(1),
+            permits: permits_of(&r.get::<_, serde_json::Value>(2)),
+            wait_us: r.get(3),
+            state: r.get(4),
+            error_code: r.get(5),
+            created: us(r.get(6)),
+            acquired: r.get::<_, Option<SystemTime>>(7).map(us),
+            settled: r.get::<_, Option<SystemTime>>(8).map(us),
+            release_reason: r.get(9),
+        })
+        .collect();
+    let permits = conn
+        .query(
+            "SELECT p.request_id, p.semaphore, p.count::int8, p.acquired_at, p.released_at, r.fencing_token
+             FROM permitq.permit p JOIN permitq.permit_request r ON r.id = p.request_id",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), us(r.get(3)), r.get::<_, Option<SystemTime>>(4).map(us), r.get(5)))
+        .collect();
+    let mut capacity: HashMap<String, Vec<(Micros, i64)>> = HashMap::new();
+    for r in conn.query("SELECT semaphore, new_capacity::int8, changed_at FROM permitq.capacity_change ORDER BY id", &[]).await? {
+        capacity.entry(r.get(0)).or_default().push((us(r.get(2)), r.get(1)));
+    }
+    let semaphores = conn
+        .query("SELECT name, used::int8, fair FROM permitq.semaphore", &[])
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    Ok(FinalState {
+        requests,
+        permits,
+        capacity,
+        semaphores,
+    })
+}
+
+/// The (name, count) pairs of a permits object.
+fn permits_of(permits: &serde_json::Value) -> Vec<(String, i64)> {
+    permits
+        .as_object()
+        .map(|o| {
+            o.iter()
+                .map(|(k, v)| (k.clone(), v.as_i64().unwrap_or(i64::MAX)))
+                .collect()
+        })
+        .unwrap_or_default()
+}

@@ -1,0 +1,260 @@
+//! Running each subcommand.
+
+use std::time::Duration;
+
+use permitq::{Client, PermitRequest, Request, SqlState, State, Worker};
+
+use crate::args::{Cli, Command, SemaphoreCommand, SubmitArgs};
+use crate::error::{CliError, Result, EXIT_NOT_GRANTED, EXIT_RUNTIME, EXIT_STILL_WAITING};
+
+pub(crate) async fn run(cli: Cli) -> Result<u8> {
+    let url = cli.database_url;
+    let need_url = || {
+        url.clone().ok_or_else(|| {
+            CliError::usage(
+                "database-url",
+                "no database: pass --database-url or set DATABASE_URL",
+            )
+        })
+    };
+    match cli.command {
+        Command::Demo(args) => crate::demo::run(url.as_deref(), args).await.map(|_| 0),
+        Command::Bench(args) => crate::bench::run(url.as_deref(), args).await.map(|_| 0),
+        Command::Chaos(args) => {
+            let config = crate::chaos::ChaosConfig {
+                duration: args.duration,
+                seed: args.seed,
+                workers: args.workers.into(),
+                clients: args.clients.into(),
+                sweep_interval: args.sweep_interval,
+                fault_every: (!args.no_faults).then_some(args.fault_every),
+                mutation: args.mutation,
+                binary: std::env::current_exe()?,
+            };
+            let report = crate::chaos::run(config).await?;
+            print!("{}", report.summary());
+            Ok(if report.violations() == 0 {
+                0
+            } else {
+                EXIT_RUNTIME
+            })
+        }
+        Command::ChaosHolder { external_id } => {
+            crate::chaos::nemesis::holder_process(&need_url()?, &external_id).await?;
+            Ok(0)
+        }
+        Command::Migrate => {
+            let applied = Client::connect(&need_url()?).await?.migrate().await?;
+            match applied.as_slice() {
+                [] => println!("schema is up to date"),
+                versions => println!("applied migrations {versions:?}"),
+            }
+            Ok(0)
+        }
+        Command::Worker(args) => {
+            let url = need_url()?;
+            wait_for_database(&url).await?;
+            if let Some(addr) = args.metrics_addr {
+                let bound = crate::http::serve(addr).await?;
+                tracing::info!(%bound, "serving metrics");
+            }
+            Worker::connect(&url, args.config())?
+                .run(shutdown_signal())
+                .await?;
+            Ok(0)
+        }
+        Command::Semaphore(cmd) => semaphore(&Client::connect(&need_url()?).await?, cmd).await,
+        Command::Submit(args) => submit(&Client::connect(&need_url()?).await?, args).await,
+        Command::Status { external_id, json } => {
+            match Client::connect(&need_url()?)
+                .await?
+                .status(&external_id)
+                .await?
+            {
+                Some(r) => print_request(&r, json),
+                None => {
+                    return Err(CliError::runtime(format!(
+                        "no request with external_id {external_id:?}"
+                    )))
+                }
+            }
+            Ok(0)
+        }
+        Command::Release { external_id } => {
+            println!(
+                "{}",
+                Client::connect(&need_url()?)
+                    .await?
+                    .release(&external_id)
+                    .await?
+            );
+            Ok(0)
+        }
+        Command::Revoke { external_id } => {
+            println!(
+                "{}",
+                Client::connect(&need_url()?)
+                    .await?
+                    .revoke(&external_id)
+                    .await?
+            );
+            Ok(0)
+        }
+        Command::Heartbeat {
+            external_id,
+            extend,
+        } => {
+            let client = Client::connect(&need_url()?).await?;
+            match client.heartbeat(&external_id, extend).await {
+                Ok(Some(t)) => println!("expires_at {}", humantime::format_rfc3339_micros(t)),
+                Ok(None) => println!("acquired, no expiry"),
+                Err(e) if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE) => {
+                    eprintln!("permitq: {}", crate::error::one_line(&e.to_string()));
+                    return Ok(EXIT_NOT_GRANTED);
+                }
+                Err(e) => return Err(e.into()),
+            }
+            Ok(0)
+        }
+    }
+}
+
+/// Before a worker starts: fail fast on a malformed URL, bad credentials or a missing schema,
+/// but wait out a database that is not up yet (or restarting) for up to a minute. Once running,
+/// the worker rides out restarts on its own.
+async fn wait_for_database(url: &str) -> Result<()> {
+    let client = Client::connect(url).await?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match client.semaphores().await {
+            Ok(_) => return Ok(()),
+            Err(e) if e.is_retryable() && std::time::Instant::now() < deadline => {
+                tracing::warn!(error = %e, "database not reachable yet; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
+    match cmd {
+        SemaphoreCommand::Set {
+            name,
+            capacity,
+            fair,
+            greedy,
+        } => {
+            let fairness = if fair {
+                Some(true)
+            } else if greedy {
+                Some(false)
+            } else {
+                None
+            };
+            let s = client.set_capacity(&name, capacity, fairness).await?;
+            println!(
+                "{} capacity={} used={} {}",
+                s.name,
+                s.capacity,
+                s.used,
+                if s.fair { "fair" } else { "greedy" }
+            );
+        }
+        SemaphoreCommand::List { json } => {
+            let list = client.semaphores().await?;
+            if json {
+                println!("{}", serde_json::to_string(&list).expect("serializable"));
+            } else {
+                println!("{:<32} {:>10} {:>10}  mode", "name", "capacity", "used");
+                for s in list {
+                    println!(
+                        "{:<32} {:>10} {:>10}  {}",
+                        s.name,
+                        s.capacity,
+                        s.used,
+                        if s.fair { "fair" } else { "greedy" }
+                    );
+                }
+            }
+        }
+        SemaphoreCommand::History { name, json } => {
+            let history = client.capacity_history(&name).await?;
+            if json {
+                println!("{}", serde_json::to_string(&history).expect("serializable"));
+            } else {
+                for c in history {
+                    let when = c
+                        .changed_at
+                        .map(|t| humantime::format_rfc3339_seconds(t).to_string())
+                        .unwrap_or_default();
+                    let old = c.old_capacity.map_or("-".to_string(), |v| v.to_string());
+                    println!(
+                        "{when} {} {old} -> {} ({}) by {} ({})",
+                        c.semaphore,
+                        c.new_capacity,
+                        if c.new_fair { "fair" } else { "greedy" },
+                        c.changed_by,
+                        c.application_name.unwrap_or_default()
+                    );
+                }
+            }
+        }
+    }
+    Ok(0)
+}
+
+async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
+    let mut request = Request::new(args.external_id);
+    for (name, count) in args.permits {
+        request = request.permit(name, count);
+    }
+    request.owner = args.owner;
+    request.ttl = args.ttl;
+    request.wait = args.wait;
+    let mut row = client.submit(&request).await?;
+    let mut code = 0;
+    if let Some(limit) = args.await_for {
+        row = client
+            .wait_settled(&request.external_id, limit)
+            .await?
+            .unwrap_or(row);
+        code = match row.state {
+            State::Acquired | State::Released => 0,
+            State::Error => EXIT_NOT_GRANTED,
+            _ => EXIT_STILL_WAITING,
+        };
+    }
+    print_request(&row, args.json);
+    Ok(code)
+}
+
+fn print_request(r: &PermitRequest, json: bool) {
+    if json {
+        println!("{}", serde_json::to_string(r).expect("serializable"));
+        return;
+    }
+    let detail = match (r.state, r.error_code, r.release_reason, r.fencing_token) {
+        (State::Error, Some(code), _, _) => format!(" {code}"),
+        (State::Released, _, Some(reason), _) => format!(" ({reason})"),
+        (State::Acquired, _, _, Some(token)) => format!(" fencing_token={token}"),
+        _ => String::new(),
+    };
+    println!("{} {}{detail}", r.external_id, r.state);
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+    tracing::info!("shutting down: finishing the transaction in flight");
+}

@@ -1,0 +1,203 @@
+//! `permitq demo`: the whole system on an embedded default.
+//!
+//! With no database URL it starts a throwaway PostgreSQL (see [`permitq_test_support::EmbeddedPostgres`]) and removes
+//! it afterwards. It migrates, creates three semaphores, runs several in-process workers plus
+//! simulated producers and holders (some of which "crash" and leave their lease to expire),
+//! shows a live view, and ends with a summary checked against the database.
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+
+use crate::error::{CliError, Result};
+use permitq::Client;
+use permitq::{Request, State};
+use permitq_test_support::{self as report, RunReport};
+use permitq_test_support::{database, WorkerFleet};
+
+/// `permitq demo` options.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct DemoArgs {
+    /// How long producers run.
+    #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
+    pub duration: Duration,
+    /// In-process workers.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=32))]
+    pub workers: u16,
+    /// Concurrent simulated producers/holders.
+    #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub producers: u16,
+}
+
+/// The demo's semaphores: (name, capacity, fair).
+const SEMAPHORES: &[(&str, i32, bool)] = &[
+    ("demo-db-connections", 16, true),
+    ("demo-gpu", 4, true),
+    ("demo-api-quota", 40, false),
+];
+
+/// Runs the demo.
+pub(crate) async fn run(url: Option<&str>, args: DemoArgs) -> Result<()> {
+    let (embedded, url) = database(url).await?;
+    let client = Client::connect(&url).await?;
+    client.migrate().await?;
+    for (name, capacity, fair) in SEMAPHORES {
+        client.set_capacity(name, *capacity, Some(*fair)).await?;
+    }
+    let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
+    let prefix = format!("demo-{run_id}-");
+    let workers = WorkerFleet::start(&url, args.workers, "demo")?;
+
+    let started = Instant::now();
+    let deadline = started + args.duration;
+    let counter = Arc::new(AtomicU64::new(0));
+    let producers: Vec<_> = (0..args.producers)
+        .map(|_| {
+            tokio::spawn(producer(
+                client.clone(),
+                prefix.clone(),
+                counter.clone(),
+                deadline,
+            ))
+        })
+        .collect();
+
+    let peaks = live_view(&client, &prefix, deadline, started).await?;
+    for p in producers {
+        let _ = p.await;
+    }
+    // Let the last holders' leases and releases settle before the summary.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let report = report::collect(&client, &prefix).await?;
+    workers.stop().await;
+    print_summary(&report, &peaks, started.elapsed());
+    drop(client); // its LISTEN connection first, then the server
+    drop(embedded);
+    if report.over_capacity.is_empty() {
+        Ok(())
+    } else {
+        Err(CliError::runtime(format!(
+            "capacity exceeded: {:?}",
+            report.over_capacity
+        )))
+    }
+}
+
+/// One simulated producer and holder: submits, waits, holds, releases; sometimes it fails fast,
+/// gives up, or "crashes" (never releases: its 2s lease expires).
+async fn producer(client: Client, prefix: String, counter: Arc<AtomicU64>, deadline: Instant) {
+    let names: Vec<&str> = SEMAPHORES.iter().map(|s| s.0).collect();
+    while Instant::now() < deadline {
+        let n = counter.fetch_add(1, Ordering::Relaxed);
+        let mut request = Request::new(format!("{prefix}{n}")).ttl(Duration::from_secs(2));
+        for name in fastrand::choose_multiple(names.iter(), fastrand::usize(1..=2)) {
+            let count = if fastrand::u8(..20) == 0 { 3 } else { 1 };
+            request = request.permit(*name, count);
+        }
+        request.wait = match fastrand::u8(..10) {
+            0 => Some(Duration::ZERO),
+            1..=3 => Some(Duration::from_secs(3)),
+            _ => None,
+        };
+        if client.submit(&request).await.is_err() {
+            continue;
+        }
+        let settled = client
+            .wait_settled(&request.external_id, Duration::from_secs(5))
+            .await;
+        match settled {
+            Ok(Some(r)) if r.state == State::Acquired => {
+                tokio::time::sleep(Duration::from_millis(fastrand::u64(20..400))).await;
+                if fastrand::u8(..50) != 0 {
+                    let _ = client.release(&request.external_id).await;
+                } // else: this holder "crashed"; its lease expires.
+            }
+            Ok(Some(r)) if r.state == State::New => {
+                let _ = client.release(&request.external_id).await; // gave up waiting
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Refreshes a view every second until `deadline`; returns the peak `used` seen per semaphore.
+async fn live_view(
+    client: &Client,
+    prefix: &str,
+    deadline: Instant,
+    started: Instant,
+) -> Result<BTreeMap<String, (i64, i64)>> {
+    let tty = std::io::stdout().is_terminal();
+    let mut peaks: BTreeMap<String, (i64, i64)> = BTreeMap::new();
+    let mut last_grants = 0i64;
+    let mut last_tick = Instant::now();
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let sems = client.semaphores().await?;
+        for s in &sems {
+            let peak = peaks.entry(s.name.clone()).or_insert((0, s.capacity));
+            peak.0 = peak.0.max(s.used);
+        }
+        if last_tick.elapsed() < Duration::from_secs(1) && Instant::now() < deadline {
+            continue;
+        }
+        let (depth, grants) = report::queue_and_grants(client, prefix).await?;
+        let rate = (grants - last_grants) as f64 / last_tick.elapsed().as_secs_f64();
+        last_grants = grants;
+        last_tick = Instant::now();
+        let mut view = String::new();
+        if tty {
+            view.push_str("\x1b[H\x1b[2J");
+        }
+        view.push_str(&format!(
+            "permitq demo  t={:>4.1}s  queue depth {depth:>4}  grants {grants:>6}  {rate:>6.0} grants/s\n",
+            started.elapsed().as_secs_f64()
+        ));
+        for s in sems.iter().filter(|s| s.name.starts_with("demo-")) {
+            let width = 30usize;
+            let filled =
+                usize::try_from((s.used.max(0) * 30 + s.capacity.max(1) / 2) / s.capacity.max(1))
+                    .unwrap_or(width);
+            view.push_str(&format!(
+                "  {:<22} [{}{}] {:>3}/{:<3} {}\n",
+                s.name,
+                "#".repeat(filled.min(width)),
+                " ".repeat(width - filled.min(width)),
+                s.used,
+                s.capacity,
+                if s.fair { "fair" } else { "greedy" }
+            ));
+        }
+        print!("{view}");
+    }
+    Ok(peaks)
+}
+
+fn print_summary(r: &RunReport, peaks: &BTreeMap<String, (i64, i64)>, elapsed: Duration) {
+    println!(
+        "\n=== permitq demo summary ({:.1}s) ===",
+        elapsed.as_secs_f64()
+    );
+    println!("requests submitted   {}", r.submitted);
+    println!("granted              {}", r.granted);
+    println!("released by reason   {:?}", r.released_by_reason);
+    println!("errors by code       {:?}", r.errors_by_code);
+    println!(
+        "submit->acquired     p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        r.latency_ms.p50, r.latency_ms.p99, r.latency_ms.max
+    );
+    println!("peak use vs capacity (sampled / exact from permit intervals):");
+    for (name, (peak, capacity)) in peaks.iter().filter(|(n, _)| n.starts_with("demo-")) {
+        let exact = r.peak_concurrent.get(name).copied().unwrap_or(0);
+        println!("  {name:<22} {peak:>3} / {exact:>3} of {capacity}");
+    }
+    if r.over_capacity.is_empty() {
+        println!("safety: capacity was never exceeded");
+    } else {
+        println!("SAFETY VIOLATION: {:?}", r.over_capacity);
+    }
+}

@@ -1,0 +1,111 @@
+//! The command line's errors and exit codes.
+
+use std::fmt;
+
+use permitq::SqlState;
+
+/// Exit code: runtime error.
+pub(crate) const EXIT_RUNTIME: u8 = 1;
+/// Exit code: usage error, or input rejected as invalid.
+pub(crate) const EXIT_USAGE: u8 = 2;
+/// Exit code: the request ended in `error` (or the lease is lost).
+pub(crate) const EXIT_NOT_GRANTED: u8 = 3;
+/// Exit code: still `new` when `--await` ran out.
+pub(crate) const EXIT_STILL_WAITING: u8 = 4;
+
+/// What can go wrong running a command; each maps to one exit code and one line on stderr.
+#[derive(Debug)]
+pub(crate) enum CliError {
+    /// From the library (the database included).
+    Permitq(permitq::Error),
+    /// Bad arguments the CLI itself rejects.
+    Usage {
+        field: &'static str,
+        message: String,
+    },
+    /// Anything else at run time (demo, bench and chaos tooling, I/O).
+    Runtime(String),
+}
+
+pub(crate) type Result<T, E = CliError> = std::result::Result<T, E>;
+
+impl CliError {
+    pub(crate) fn usage(field: &'static str, message: impl Into<String>) -> CliError {
+        CliError::Usage {
+            field,
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn runtime(message: impl Into<String>) -> CliError {
+        CliError::Runtime(message.into())
+    }
+
+    /// 2 for input rejected as invalid (by the CLI or the database, SQLSTATE 22023), else 1.
+    pub(crate) fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Usage { .. } => EXIT_USAGE,
+            CliError::Permitq(e)
+                if e.invalid_field().is_some()
+                    || e.code() == Some(&SqlState::INVALID_PARAMETER_VALUE) =>
+            {
+                EXIT_USAGE
+            }
+            _ => EXIT_RUNTIME,
+        }
+    }
+}
+
+impl fmt::Display for CliError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CliError::Permitq(e) if e.is_missing_schema() => write!(
+                f,
+                "the permitq schema is missing or out of date: run `permitq migrate`"
+            ),
+            CliError::Permitq(e) => write!(f, "{e}"),
+            CliError::Usage { field, message } => write!(f, "invalid {field}: {message}"),
+            CliError::Runtime(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+impl std::error::Error for CliError {}
+
+impl From<permitq::Error> for CliError {
+    fn from(e: permitq::Error) -> CliError {
+        CliError::Permitq(e)
+    }
+}
+
+impl From<permitq_test_support::Error> for CliError {
+    fn from(e: permitq_test_support::Error) -> CliError {
+        match e.downcast::<permitq::Error>() {
+            Ok(e) => CliError::Permitq(*e),
+            Err(e) => CliError::Runtime(e.to_string()),
+        }
+    }
+}
+
+impl From<tokio_postgres::Error> for CliError {
+    fn from(e: tokio_postgres::Error) -> CliError {
+        CliError::Permitq(e.into())
+    }
+}
+
+impl From<std::io::Error> for CliError {
+    fn from(e: std::io::Error) -> CliError {
+        CliError::Runtime(e.to_string())
+    }
+}
+
+/// `s` on one line: runs of whitespace (newlines included) become one space.
+pub(crate) fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+impl From<deadpool_postgres::PoolError> for CliError {
+    fn from(e: deadpool_postgres::PoolError) -> CliError {
+        CliError::Permitq(e.into())
+    }
+}

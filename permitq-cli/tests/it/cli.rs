@@ -1,0 +1,312 @@
+//! The `permitq` binary: exit codes, --json, malformed arguments, one-line errors.
+
+use permitq_test_support as common;
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use common::{quiet_config, wait_until, TestDb};
+
+fn permitq(url: Option<&str>, args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_permitq"));
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .env_remove("DATABASE_URL")
+        .env("RUST_LOG", "off");
+    if let Some(url) = url {
+        cmd.env("DATABASE_URL", url);
+    }
+    cmd.output().expect("run permitq")
+}
+
+/// Runs the binary off the async runtime's threads.
+async fn run(url: &str, args: &[&str]) -> Output {
+    let (url, args): (String, Vec<String>) = (
+        url.to_string(),
+        args.iter().map(|s| s.to_string()).collect(),
+    );
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        permitq(Some(&url), &args)
+    })
+    .await
+    .unwrap()
+}
+
+fn code(o: &Output) -> i32 {
+    o.status
+        .code()
+        .expect("exited normally, not by a signal (no panic abort)")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).to_string()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).to_string()
+}
+
+#[test]
+fn malformed_arguments_are_usage_errors_with_exit_2() {
+    for args in [
+        &[][..],
+        &["frobnicate"],
+        &["submit", "id-only"],
+        &["submit", "x", "db"],
+        &["submit", "x", "db=0"],
+        &["submit", "x", "db=-1"],
+        &["submit", "x", "db=1.5"],
+        &["submit", "x", "=1"],
+        &["submit", "x", "db=99999999999"],
+        &["submit", "x", "db=1", "--ttl", "soon"],
+        &["submit", "x", "db=1", "--await", "later"],
+        &["semaphore", "set", "db"],
+        &["semaphore", "set", "db", "-4"],
+        &["semaphore", "set", "db", "2", "--fair", "--greedy"],
+        &["worker", "--batch-size", "0"],
+        &["worker", "--poll-interval", "fast"],
+        &["worker", "--metrics-addr", "nowhere"],
+        &["status"],
+        &["status", "x"],
+    ] {
+        let o = permitq(None, args);
+        assert_eq!(code(&o), 2, "{args:?}: {}", stderr(&o));
+        assert!(!stderr(&o).is_empty(), "{args:?} explains itself");
+        assert!(!stderr(&o).contains("panicked"), "{args:?}");
+    }
+    let o = permitq(None, &["--help"]);
+    assert_eq!(code(&o), 0);
+    assert!(stdout(&o).contains("submit"));
+}
+
+#[test]
+fn runtime_errors_are_one_line_with_exit_1() {
+    // Nothing listens on port 1.
+    let o = permitq(Some("postgres://nobody@127.0.0.1:1/none"), &["status", "x"]);
+    assert_eq!(code(&o), 1);
+    let err = stderr(&o);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("permitq: ") && err.contains("refused"),
+        "{err}"
+    );
+    let o = permitq(Some("not a url ::"), &["status", "x"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_without_the_schema_says_run_migrate_and_migrate_is_idempotent() {
+    let db = TestDb::new().await;
+    let conn = db.conn().await;
+    conn.batch_execute("DROP SCHEMA permitq CASCADE")
+        .await
+        .unwrap();
+    let o = run(&db.url, &["semaphore", "list"]).await;
+    assert_eq!(code(&o), 1);
+    assert!(
+        stderr(&o).contains("run `permitq migrate`"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(stderr(&o).trim().lines().count(), 1);
+
+    // Two concurrent migrations, then a third: all succeed, the schema is applied once.
+    let (a, b) = tokio::join!(run(&db.url, &["migrate"]), run(&db.url, &["migrate"]));
+    assert_eq!(
+        (code(&a), code(&b)),
+        (0, 0),
+        "{} {}",
+        stderr(&a),
+        stderr(&b)
+    );
+    let again = run(&db.url, &["migrate"]).await;
+    assert_eq!(code(&again), 0);
+    assert!(stdout(&again).contains("up to date"));
+    let versions: i64 = conn
+        .query_one("SELECT count(*) FROM permitq.schema_migration", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        usize::try_from(versions).unwrap(),
+        permitq::migrate::MIGRATIONS.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_await_status_release_and_their_exit_codes() {
+    let db = TestDb::new().await;
+    let url = db.url.as_str();
+    let o = run(url, &["semaphore", "set", "db", "3"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert_eq!(
+        code(&run(url, &["semaphore", "set", "gpu", "1", "--greedy"]).await),
+        0
+    );
+    let list = run(url, &["semaphore", "list", "--json"]).await;
+    let list: serde_json::Value = serde_json::from_str(&stdout(&list)).unwrap();
+    assert_eq!(list[0]["name"], "db");
+    assert_eq!(list[1]["fair"], false);
+
+    // No worker yet: --await runs out with the request still new (exit 4).
+    let o = run(url, &["submit", "early", "db=1", "--await", "300ms"]).await;
+    assert_eq!(code(&o), 4, "{}", stderr(&o));
+    assert!(stdout(&o).contains("new"));
+
+    let worker = db.worker(quiet_config("cli-worker"));
+    let o = run(
+        url,
+        &[
+            "submit", "job-1", "db=2", "gpu=1", "--owner", "me", "--ttl", "30s", "--await", "10s",
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let json: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(json["state"], "acquired");
+    assert_eq!(json["external_id"], "job-1");
+    assert_eq!(json["permits"]["db"], 2);
+    assert_eq!(json["ttl"], 30.0);
+    assert!(json["fencing_token"].as_i64().unwrap() > 0);
+    assert!(json["expires_at"].is_string() && json["error_code"].is_null());
+
+    // Same key, same parameters: the same row; different parameters: a runtime error.
+    let o = run(
+        url,
+        &[
+            "submit", "job-1", "db=2", "gpu=1", "--owner", "me", "--ttl", "30s",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0);
+    let o = run(url, &["submit", "job-1", "db=1"]).await;
+    assert_eq!(code(&o), 1);
+    assert!(
+        stderr(&o).contains("different parameters"),
+        "{}",
+        stderr(&o)
+    );
+
+    let o = run(url, &["submit", "huge", "db=4", "--await"]).await;
+    assert_eq!(
+        code(&o),
+        3,
+        "exceeds capacity ends in error: {}",
+        stdout(&o)
+    );
+    assert!(stdout(&o).contains("exceeds_capacity"));
+    let o = run(
+        url,
+        &["submit", "fast", "db=1", "--wait", "0s", "--await", "10s"],
+    )
+    .await;
+    assert_eq!(code(&o), 3);
+    assert!(stdout(&o).contains("no_capacity"));
+
+    // Invalid input the database rejects (22023) is a usage error.
+    let long = "x".repeat(300);
+    let o = run(url, &["submit", &long, "db=1"]).await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(stderr(&o).contains("external_id"));
+
+    let o = run(url, &["status", "job-1", "--json"]).await;
+    let json: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(json["state"], "acquired");
+    let o = run(url, &["status", "nope"]).await;
+    assert_eq!(code(&o), 1);
+
+    let o = run(url, &["heartbeat", "job-1", "--extend", "1m"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(stdout(&o).starts_with("expires_at"));
+    assert_eq!(
+        stdout(&run(url, &["release", "job-1"]).await).trim(),
+        "released"
+    );
+    assert_eq!(
+        stdout(&run(url, &["release", "job-1"]).await).trim(),
+        "already_released"
+    );
+    assert_eq!(
+        stdout(&run(url, &["release", "nope"]).await).trim(),
+        "unknown"
+    );
+    let o = run(url, &["heartbeat", "job-1"]).await;
+    assert_eq!(code(&o), 3, "a released lease is lost: {}", stderr(&o));
+    assert!(stderr(&o).contains("lease lost"));
+
+    // `early` was waiting all along and gets granted now.
+    let o = run(url, &["status", "early"]).await;
+    assert!(stdout(&o).contains("acquired"), "{}", stdout(&o));
+    let o = run(url, &["revoke", "early"]).await;
+    assert_eq!(stdout(&o).trim(), "revoked");
+    let o = run(url, &["semaphore", "history", "db", "--json"]).await;
+    let history: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(history[0]["new_capacity"], 3);
+    assert!(history[0]["old_capacity"].is_null());
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_exits_0_on_sigterm() {
+    let db = TestDb::new().await;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_permitq"))
+        .args(["worker", "--id", "term-me"])
+        .env("DATABASE_URL", &db.url)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let conn = db.conn().await;
+    wait_until(Duration::from_secs(15), "the worker is listening", || async {
+        let n: i64 = conn
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'permitq term-me' AND query LIKE 'LISTEN%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        n == 1
+    })
+    .await;
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeat_of_a_lease_that_ran_out_exits_3() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 1, None).await.unwrap();
+    // A slow sweep: the lease runs out before anyone releases it.
+    let mut config = quiet_config("w1");
+    config.maintenance.sweep_interval = Duration::from_secs(3600);
+    let worker = db.worker(config);
+    client
+        .submit(
+            &permitq::Request::new("late")
+                .permit("s", 1)
+                .ttl(Duration::from_millis(200)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        common::settled_state(&client, "late").await,
+        permitq::State::Acquired
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let out = run(&db.url, &["heartbeat", "late"]).await;
+    assert_eq!(code(&out), 3, "{}", stderr(&out));
+    assert!(stderr(&out).contains("expired"), "{}", stderr(&out));
+    worker.stop().await;
+}

@@ -1,0 +1,262 @@
+//! A throwaway PostgreSQL cluster from the system's binaries, for `permitq demo` and the tests.
+//!
+//! `initdb` and `postgres` refuse to run as root, so when this process is root the cluster runs
+//! as the `postgres` OS user (the child processes get its uid and gid; no sudo needed). The
+//! server runs in its own process group, so a Ctrl-C in the terminal does not reach it, and a
+//! small guard process removes it when this process exits by any means: it waits for EOF on a
+//! pipe from us, then stops the server (`-m immediate`) and deletes the directory. Dropping the
+//! [`EmbeddedPostgres`] does the same at once.
+
+use std::io::Write;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use crate::Result;
+
+/// How to stop the server (`pg_ctl stop -m`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopMode {
+    /// Disconnect clients, checkpoint, stop.
+    Fast,
+    /// Abort at once, like a crash: recovery runs at the next start.
+    Immediate,
+}
+
+/// A running throwaway cluster, removed on drop.
+#[derive(Debug)]
+pub struct EmbeddedPostgres {
+    root: PathBuf,
+    data: PathBuf,
+    bin: PathBuf,
+    port: u16,
+    run_as: Option<(u32, u32)>,
+    guard: Option<Child>,
+}
+
+impl EmbeddedPostgres {
+    /// Creates and starts a cluster on a free loopback port (blocking; a few seconds).
+    pub fn start() -> Result<EmbeddedPostgres> {
+        let bin = find_bin_dir()?;
+        let run_as = if std::fs::metadata("/proc/self")
+            .map(|m| m.uid() == 0)
+            .unwrap_or(false)
+        {
+            Some(lookup_user("postgres")?)
+        } else {
+            None
+        };
+        let root =
+            std::env::temp_dir().join(format!("permitq-pg-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&root)?;
+        if let Some((uid, gid)) = run_as {
+            std::os::unix::fs::chown(&root, Some(uid), Some(gid))?;
+        }
+        let port = free_port()?;
+        let mut pg = EmbeddedPostgres {
+            data: root.join("data"),
+            root,
+            bin,
+            port,
+            run_as,
+            guard: None,
+        };
+        pg.guard = Some(pg.spawn_guard()?);
+        pg.run(
+            "initdb",
+            &[
+                "-D",
+                pg.data_str(),
+                "-U",
+                "postgres",
+                "-A",
+                "trust",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "--no-sync",
+            ],
+        )?;
+        pg.start_server()?;
+        Ok(pg)
+    }
+
+    /// The port the server listens on (127.0.0.1).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// A URL for database `db` as the superuser `postgres`.
+    pub fn url(&self, db: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+    }
+
+    /// The server log.
+    pub fn log_path(&self) -> PathBuf {
+        self.root.join("postgres.log")
+    }
+
+    /// Stops the server, keeping its data (for restart tests).
+    pub fn stop(&self, mode: StopMode) -> Result<()> {
+        let mode = match mode {
+            StopMode::Fast => "fast",
+            StopMode::Immediate => "immediate",
+        };
+        self.run("pg_ctl", &["-D", self.data_str(), "-m", mode, "-w", "stop"])
+    }
+
+    /// Starts the server again after [`EmbeddedPostgres::stop`], on the same port.
+    ///
+    /// `fsync=off` (no OS crash is simulated, so written WAL survives) but synchronous commit
+    /// stays on: a commit acknowledged to a client survives `stop(Immediate)`, which the fault
+    /// tests rely on.
+    pub fn start_server(&self) -> Result<()> {
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off \
+             -c full_page_writes=off -c max_connections=400 -c shared_buffers=128MB",
+            self.port,
+            self.root.display()
+        );
+        let log = self.log_path();
+        self.run(
+            "pg_ctl",
+            &[
+                "-D",
+                self.data_str(),
+                "-l",
+                path_str(&log),
+                "-w",
+                "-t",
+                "60",
+                "-o",
+                &options,
+                "start",
+            ],
+        )
+    }
+
+    fn data_str(&self) -> &str {
+        path_str(&self.data)
+    }
+
+    fn command(&self, program: &str) -> Command {
+        let mut cmd = Command::new(self.bin.join(program));
+        cmd.process_group(0)
+            .current_dir(&self.root)
+            .env("LC_ALL", "C");
+        if let Some((uid, gid)) = self.run_as {
+            cmd.uid(uid).gid(gid);
+        }
+        cmd
+    }
+
+    fn run(&self, program: &str, args: &[&str]) -> Result<()> {
+        let out = self
+            .command(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| crate::error(format!("cannot run {program}: {e}")))?;
+        if out.status.success() {
+            return Ok(());
+        }
+        let log = std::fs::read_to_string(self.log_path()).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(5).collect();
+        Err(crate::error(format!(
+            "{program} failed ({}): {} {} {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim(),
+            String::from_utf8_lossy(&out.stdout).trim(),
+            tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+        )))
+    }
+
+    /// The dead man's switch: when our end of its stdin closes (we exit or drop), it stops the
+    /// server and removes the directory.
+    fn spawn_guard(&self) -> Result<Child> {
+        let script = r#"trap '' INT TERM HUP; cat >/dev/null; "$0" -D "$1" -m immediate -w stop >/dev/null 2>&1; rm -rf "$2""#;
+        let mut cmd = Command::new("/bin/sh");
+        cmd.arg("-c")
+            .arg(script)
+            .arg(self.bin.join("pg_ctl"))
+            .arg(&self.data)
+            .arg(&self.root)
+            .process_group(0)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if let Some((uid, gid)) = self.run_as {
+            cmd.uid(uid).gid(gid);
+        }
+        cmd.spawn()
+            .map_err(|e| crate::error(format!("cannot start the cleanup guard: {e}")))
+    }
+}
+
+impl Drop for EmbeddedPostgres {
+    fn drop(&mut self) {
+        let _ = self.stop(StopMode::Fast);
+        if let Some(mut guard) = self.guard.take() {
+            if let Some(mut stdin) = guard.stdin.take() {
+                let _ = stdin.flush();
+            }
+            let _ = guard.wait();
+        }
+    }
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("temp paths are UTF-8")
+}
+
+/// `$PERMITQ_PG_BINDIR`, else the newest `/usr/lib/postgresql/*/bin`, else the directory of
+/// `initdb` on PATH.
+fn find_bin_dir() -> Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("PERMITQ_PG_BINDIR") {
+        return Ok(PathBuf::from(dir));
+    }
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let version = e.file_name().to_str()?.parse().ok()?;
+            let bin = e.path().join("bin");
+            bin.join("initdb").exists().then_some((version, bin))
+        })
+        .collect();
+    versions.sort();
+    if let Some((_, bin)) = versions.pop() {
+        return Ok(bin);
+    }
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .find(|dir| dir.join("initdb").exists() && dir.join("pg_ctl").exists())
+        .ok_or_else(|| {
+            crate::error(
+                "no PostgreSQL server binaries found (initdb, pg_ctl): install PostgreSQL, set \
+                 PERMITQ_PG_BINDIR, or set DATABASE_URL to use a running server",
+            )
+        })
+}
+
+fn lookup_user(name: &str) -> Result<(u32, u32)> {
+    let passwd = std::fs::read_to_string("/etc/passwd")?;
+    passwd
+        .lines()
+        .map(|l| l.split(':').collect::<Vec<_>>())
+        .find(|f| f.len() > 3 && f[0] == name)
+        .and_then(|f| Some((f[2].parse().ok()?, f[3].parse().ok()?)))
+        .ok_or_else(|| {
+            crate::error(format!(
+                "running as root, and PostgreSQL will not: no `{name}` OS user to run it as"
+            ))
+        })
+}
+
+fn free_port() -> Result<u16> {
+    let socket = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(socket.local_addr()?.port())
+}

@@ -1,0 +1,30 @@
+//! Test support for permitq (not published): a throwaway PostgreSQL from the system's binaries,
+//! a freshly migrated database per test, in-process worker fleets, run reports and the
+//! invariant queries every concurrency test and the chaos sampler check. Used by the library's
+//! and the CLI's tests and by `permitq demo`, `bench` and `chaos`.
+
+mod embedded;
+mod fleet;
+mod report;
+mod sql;
+mod testdb;
+
+pub use embedded::{EmbeddedPostgres, StopMode};
+pub use fleet::{database, WorkerFleet};
+pub use report::{
+    collect, invariant_violations, quantile, queue_and_grants, Percentiles, RunReport,
+};
+pub use testdb::{
+    check_invariants, connect, init_logging, listen, quiet_config, settled_state, state_of,
+    try_connect, wait_until, with_dbname, RunningWorker, TestDb,
+};
+
+/// Errors of test support: anything, boxed, with a message.
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+/// Results of test support.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An error with `message`.
+pub fn error(message: impl Into<String>) -> Error {
+    message.into().into()
+}

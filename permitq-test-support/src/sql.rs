@@ -1,0 +1,33 @@
+//! The queries test support sends: run reports and invariant checks read back from the
+//! database. (The library's own statements live in `permitq/src/sql.rs`.)
+
+/// Report: outcome counts of the requests matching a LIKE pattern.
+pub(crate) const RUN_OUTCOMES: &str =
+    "SELECT state, coalesce(error_code, release_reason), count(*) \
+     FROM permitq.permit_request WHERE external_id LIKE $1 GROUP BY 1, 2";
+/// Report: submit → acquired latency percentiles (ms) of the requests matching a pattern.
+pub(crate) const RUN_LATENCY: &str = "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), \
+     percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), max(ms) \
+     FROM (SELECT extract(epoch FROM acquired_at - created_at)::float8 * 1000 AS ms \
+           FROM permitq.permit_request \
+           WHERE external_id LIKE $1 AND acquired_at IS NOT NULL) t";
+/// Report: queue depth and grants so far of the requests matching a pattern.
+pub(crate) const RUN_PROGRESS: &str = "SELECT count(*) FILTER (WHERE state = 'new'), \
+     count(*) FILTER (WHERE acquired_at IS NOT NULL) \
+     FROM permitq.permit_request WHERE external_id LIKE $1";
+/// Safety check over the whole history: an interval sweep of the permit rows. Each permit
+/// holds `count` from acquired_at until released_at (or now). At equal instants releases come
+/// first (a permit released at t and one granted at t never overlap). Returns each semaphore's
+/// peak concurrent use and the highest capacity it ever had (the audit's new_capacity values,
+/// and the current one) — a peak above that is a violation whatever the timing of changes.
+pub(crate) const PEAK_CONCURRENT_USE: &str = include_str!("sql_peak_concurrent_use.sql");
+
+/// Invariants in one snapshot, per semaphore: capacity, `used`, the sum of its acquired permits,
+/// and how many of its permits disagree with their request's state (acquired exactly when the
+/// request is). Used by the tests' sampler and the chaos sampler.
+pub(crate) const INVARIANT_SNAPSHOT: &str = "SELECT s.name, s.capacity, s.used, \
+     coalesce((SELECT sum(p.count) FROM permitq.permit p \
+               WHERE p.semaphore = s.name AND p.state = 'acquired'), 0)::int, \
+     (SELECT count(*) FROM permitq.permit p JOIN permitq.permit_request r ON r.id = p.request_id \
+      WHERE p.semaphore = s.name AND (p.state = 'acquired') <> (r.state = 'acquired')) \
+     FROM permitq.semaphore s";

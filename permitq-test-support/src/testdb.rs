@@ -1,0 +1,279 @@
+//! Test support: one PostgreSQL per test binary (DATABASE_URL, or a throwaway cluster), a fresh
+//! database per test cloned from a migrated template, in-process workers, and waiting on a
+//! condition with a deadline.
+
+use std::future::Future;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use permitq::{Client, Worker, WorkerConfig};
+use tokio::sync::{watch, OnceCell};
+
+use crate::embedded::EmbeddedPostgres;
+
+/// The server all tests of this binary share: (admin URL, the cluster if we started it).
+fn server() -> &'static (String, Option<EmbeddedPostgres>) {
+    init_logging();
+    static SERVER: OnceLock<(String, Option<EmbeddedPostgres>)> = OnceLock::new();
+    SERVER.get_or_init(|| match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => (url, None),
+        _ => {
+            let pg = EmbeddedPostgres::start().expect("start a throwaway PostgreSQL");
+            (pg.url("postgres"), Some(pg))
+        }
+    })
+}
+
+/// Worker logs in test output (shown for failing tests); RUST_LOG overrides the level.
+pub fn init_logging() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("permitq=info"));
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_test_writer()
+            .try_init();
+    });
+}
+
+/// `url` with its database name replaced by `db`.
+pub fn with_dbname(url: &str, db: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, format!("?{q}")),
+        None => (url, String::new()),
+    };
+    let scheme_end = base.find("://").map(|i| i + 3).unwrap_or(0);
+    let host_part = match base[scheme_end..].find('/') {
+        Some(i) => &base[..scheme_end + i],
+        None => base,
+    };
+    format!("{host_part}/{db}{query}")
+}
+
+async fn template() -> &'static str {
+    static TEMPLATE: OnceCell<String> = OnceCell::const_new();
+    TEMPLATE
+        .get_or_init(|| async {
+            let admin = &server().0;
+            let name = format!("permitq_template_{}", std::process::id());
+            let conn = connect(admin).await;
+            conn.batch_execute(&format!("DROP DATABASE IF EXISTS {name}"))
+                .await
+                .expect("drop template");
+            conn.batch_execute(&format!("CREATE DATABASE {name}"))
+                .await
+                .expect("create template");
+            let client = Client::connect(&with_dbname(admin, &name)).await.unwrap();
+            client.migrate().await.expect("migrate template");
+            drop(client);
+            name
+        })
+        .await
+}
+
+/// A plain connection (driven on a task); panics when it cannot connect.
+pub async fn connect(url: &str) -> tokio_postgres::Client {
+    try_connect(url).await.expect("connect")
+}
+
+/// A plain connection to `url` (a `postgres://` URL or `key=value` string), driven on a task.
+pub async fn try_connect(url: &str) -> crate::Result<tokio_postgres::Client> {
+    let config: tokio_postgres::Config = url.parse()?;
+    let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok(client)
+}
+
+/// A freshly migrated, empty database of its own.
+#[derive(Debug)]
+pub struct TestDb {
+    /// Its URL.
+    pub url: String,
+    /// Its name.
+    pub name: String,
+}
+
+impl TestDb {
+    /// Creates it from the migrated template.
+    pub async fn new() -> TestDb {
+        let template = template().await;
+        let name = format!("permitq_test_{}", uuid::Uuid::new_v4().simple());
+        let admin = connect(&server().0).await;
+        // A template must have no other sessions; retry while one lingers.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match admin
+                .batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {template}"))
+                .await
+            {
+                Ok(()) => break,
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("create test database: {e}"),
+            }
+        }
+        TestDb {
+            url: with_dbname(&server().0, &name),
+            name,
+        }
+    }
+
+    /// A [`Client`] on it.
+    pub async fn client(&self) -> Client {
+        Client::connect(&self.url).await.expect("client")
+    }
+
+    /// A plain connection to it.
+    pub async fn conn(&self) -> tokio_postgres::Client {
+        connect(&self.url).await
+    }
+
+    /// Starts an in-process worker; it stops when the handle is stopped or dropped.
+    pub fn worker(&self, config: WorkerConfig) -> RunningWorker {
+        RunningWorker::start(&self.url, config)
+    }
+
+    /// A worker with a long poll interval: only notifications wake it quickly.
+    pub fn notified_worker(&self, id: &str) -> RunningWorker {
+        self.worker(quiet_config(id))
+    }
+}
+
+/// A worker config whose fallback poll is too slow to matter in a test.
+pub fn quiet_config(id: &str) -> WorkerConfig {
+    let mut config = WorkerConfig::default();
+    config.id = id.to_string();
+    config.poll_interval = Duration::from_secs(120);
+    config.maintenance.sweep_interval = Duration::from_millis(200);
+    config
+}
+
+/// An in-process worker; stops when [`RunningWorker::stop`]ped or dropped.
+#[derive(Debug)]
+pub struct RunningWorker {
+    stop: watch::Sender<bool>,
+    task: Option<tokio::task::JoinHandle<permitq::Result<()>>>,
+}
+
+impl RunningWorker {
+    /// Starts a worker on `url`.
+    pub fn start(url: &str, config: WorkerConfig) -> RunningWorker {
+        let worker = Worker::connect(url, config).expect("worker");
+        let (stop, mut rx) = watch::channel(false);
+        let task = tokio::spawn(worker.run(async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }));
+        RunningWorker {
+            stop,
+            task: Some(task),
+        }
+    }
+
+    /// Stops it and waits (at most 10 s) for it to finish cleanly.
+    pub async fn stop(mut self) {
+        let _ = self.stop.send(true);
+        if let Some(task) = self.task.take() {
+            tokio::time::timeout(Duration::from_secs(10), task)
+                .await
+                .expect("worker stops within 10s")
+                .expect("worker task")
+                .expect("worker result");
+        }
+    }
+}
+
+impl Drop for RunningWorker {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+/// Polls `cond` every 20 ms until it is true; panics with `what` after `timeout`.
+pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if cond().await {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits up to 10 s for a request to leave `new` and returns its state then.
+pub async fn settled_state(client: &Client, id: &str) -> permitq::State {
+    client
+        .wait_settled(id, Duration::from_secs(10))
+        .await
+        .unwrap()
+        .expect("request exists")
+        .state
+}
+
+/// The state (and error code or release reason) of a request.
+pub async fn state_of(client: &Client, id: &str) -> String {
+    match client.status(id).await.unwrap() {
+        None => "unknown".into(),
+        Some(r) => match (r.error_code, r.release_reason) {
+            (Some(c), _) => format!("error/{c}"),
+            (_, Some(reason)) => format!("released/{reason}"),
+            _ => r.state.to_string(),
+        },
+    }
+}
+
+/// Invariants checked in one snapshot (capacity is never lowered in these tests): no semaphore
+/// over capacity, `used` equal to the sum of acquired permits, and permits acquired exactly when
+/// their request is.
+pub async fn check_invariants(conn: &tokio_postgres::Client) -> Result<(), String> {
+    let found = crate::report::invariant_violations(conn, true)
+        .await
+        .map_err(|e| e.to_string())?;
+    match found.first() {
+        None => Ok(()),
+        Some(first) => Err(first.clone()),
+    }
+}
+
+/// A dedicated connection LISTENing on `channel`; yields every payload, in commit order.
+pub async fn listen(
+    url: &str,
+    channel: &str,
+) -> (
+    tokio_postgres::Client,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    use futures_util::StreamExt;
+    let (client, mut connection) = url
+        .parse::<tokio_postgres::Config>()
+        .unwrap()
+        .connect(tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut stream = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(msg)) = stream.next().await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = msg {
+                let _ = tx.send(n.payload().to_string());
+            }
+        }
+    });
+    client
+        .batch_execute(&format!("LISTEN {channel}"))
+        .await
+        .unwrap();
+    (client, rx)
+}

@@ -1,0 +1,279 @@
+//! The producer and holder side: submit, wait, heartbeat, release; plus semaphore admin.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use deadpool_postgres::Pool;
+use tokio::sync::{broadcast::error::RecvError, OnceCell};
+
+use crate::db;
+use crate::error::{Error, Result};
+use crate::lease::Lease;
+use crate::listener::{Listener, ListenerEvent};
+use crate::sql;
+use crate::types::{CapacityChange, PermitRequest, ReleaseOutcome, Request, Semaphore, State};
+
+/// How often [`Client::wait_settled`] re-reads the status when no notification arrives.
+const STATUS_POLL: Duration = Duration::from_millis(250);
+
+/// A handle to a permitq database. Cheap to clone.
+///
+/// ```no_run
+/// # async fn demo() -> permitq::Result<()> {
+/// use std::time::Duration;
+/// let client = permitq::Client::connect("postgres://localhost/app").await?;
+/// client.set_capacity("gpu", 4, None).await?;
+/// let submitted = client.submit(&permitq::Request::new("job-1").permit("gpu", 1)).await?;
+/// let settled = client.wait_settled(&submitted.external_id, Duration::from_secs(5)).await?;
+/// println!("{:?}", settled.map(|r| r.state));
+/// client.release("job-1").await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("pool", &self.inner.pool.status())
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    pool: Pool,
+    config: tokio_postgres::Config,
+    events: OnceCell<Listener>,
+}
+
+impl Client {
+    /// Connects to `url` with a pool of up to 16 connections (made lazily).
+    pub async fn connect(url: &str) -> Result<Client> {
+        let config = db::parse_config(url)?;
+        let pool = db::pool(config.clone(), 16)?;
+        Ok(Client::new(pool, config))
+    }
+
+    /// A client over an existing pool; `config` is used for the LISTEN connection.
+    pub fn new(pool: Pool, config: tokio_postgres::Config) -> Client {
+        Client {
+            inner: Arc::new(Inner {
+                pool,
+                config,
+                events: OnceCell::new(),
+            }),
+        }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &Pool {
+        &self.inner.pool
+    }
+
+    /// The connection configuration.
+    pub fn config(&self) -> &tokio_postgres::Config {
+        &self.inner.config
+    }
+
+    /// Creates or upgrades the schema (see [`crate::migrate`]). Returns the versions applied.
+    pub async fn migrate(&self) -> Result<Vec<i32>> {
+        let mut conn = db::connect(&self.inner.config).await?;
+        crate::migrate::migrate(&mut conn).await
+    }
+
+    /// Submits a request (idempotent by `external_id`) and wakes the workers.
+    pub async fn submit(&self, request: &Request) -> Result<PermitRequest> {
+        let conn = self.inner.pool.get().await?;
+        let row = conn
+            .query_one(
+                sql::SUBMIT.as_str(),
+                &[
+                    &request.external_id,
+                    &request.permits_json(),
+                    &request.owner,
+                    &request.ttl.map(sql::interval),
+                    &request.wait.map(sql::interval),
+                ],
+            )
+            .await?;
+        db::request_from_row(&row)
+    }
+
+    /// The request with this `external_id`, if any.
+    pub async fn status(&self, external_id: &str) -> Result<Option<PermitRequest>> {
+        let conn = self.inner.pool.get().await?;
+        conn.query_opt(sql::STATUS.as_str(), &[&external_id])
+            .await?
+            .as_ref()
+            .map(db::request_from_row)
+            .transpose()
+    }
+
+    /// Gives a held request's permits back, or cancels it while it waits. Idempotent.
+    pub async fn release(&self, external_id: &str) -> Result<ReleaseOutcome> {
+        self.outcome(sql::RELEASE, external_id).await
+    }
+
+    /// Operator revoke: releases a held request with reason `revoked` (cancels a waiting one).
+    pub async fn revoke(&self, external_id: &str) -> Result<ReleaseOutcome> {
+        self.outcome(sql::REVOKE, external_id).await
+    }
+
+    async fn outcome(&self, query: &str, external_id: &str) -> Result<ReleaseOutcome> {
+        let conn = self.inner.pool.get().await?;
+        let text: String = conn.query_one(query, &[&external_id]).await?.get(0);
+        Ok(text.parse()?)
+    }
+
+    /// Extends the lease to now + `extend` (or the request's ttl). Returns the new expiry (None
+    /// for a request without TTL). Fails with SQLSTATE 55000 when the lease is lost.
+    pub async fn heartbeat(
+        &self,
+        external_id: &str,
+        extend: Option<Duration>,
+    ) -> Result<Option<SystemTime>> {
+        let conn = self.inner.pool.get().await?;
+        Ok(conn
+            .query_one(sql::HEARTBEAT, &[&external_id, &extend.map(sql::interval)])
+            .await?
+            .get(0))
+    }
+
+    /// Waits until the request leaves `new`, or `timeout` passes, and returns it as it is then
+    /// (still `new` on timeout; `None` for an unknown id). Listens on `permitq_events` and also
+    /// re-reads the status every 250 ms, so a lost notification only costs latency.
+    pub async fn wait_settled(
+        &self,
+        external_id: &str,
+        timeout: Duration,
+    ) -> Result<Option<PermitRequest>> {
+        let deadline = Instant::now() + timeout;
+        let listener = self
+            .inner
+            .events
+            .get_or_init(|| async {
+                Listener::start(self.inner.config.clone(), &[sql::EVENTS_CHANNEL])
+            })
+            .await;
+        let mut events = listener.subscribe();
+        if !listener.is_connected() {
+            listener
+                .wait_connected(timeout.min(Duration::from_secs(1)))
+                .await;
+        }
+        loop {
+            // Subscribed before reading: a change after this read is also a notification.
+            let current = self.status(external_id).await?;
+            match &current {
+                Some(r) if r.state == State::New || r.state == State::InProgress => {}
+                _ => return Ok(current),
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(current);
+            }
+            let poll_at = now + STATUS_POLL.min(deadline - now);
+            loop {
+                let event = tokio::select! {
+                    e = events.recv() => e,
+                    _ = tokio::time::sleep_until(poll_at.into()) => break,
+                };
+                match event {
+                    Ok(ListenerEvent::Notification { payload, .. }) => {
+                        if event_is_for(&payload, external_id) {
+                            break;
+                        }
+                    }
+                    Ok(ListenerEvent::Connected) | Err(RecvError::Lagged(_)) => break,
+                    Err(RecvError::Closed) => {
+                        tokio::time::sleep_until(poll_at.into()).await;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Submits `request` and waits up to `timeout` for it to be granted, returning a [`Lease`]
+    /// that heartbeats in the background (when the request has a TTL). If it ends in `error`, or
+    /// is still waiting at the timeout (it is then cancelled), the error's
+    /// [`Error::not_granted`] holds the request as it ended.
+    pub async fn acquire(&self, request: &Request, timeout: Duration) -> Result<Lease> {
+        self.submit(request).await?;
+        let settled = self.wait_settled(&request.external_id, timeout).await?;
+        let settled = match settled {
+            Some(r) if r.state == State::New => {
+                // Give up: cancel, unless it was granted in the meantime.
+                self.release(&request.external_id).await?;
+                self.status(&request.external_id).await?
+            }
+            other => other,
+        };
+        match settled {
+            Some(r) if r.state == State::Acquired => Ok(Lease::start(self.clone(), r)),
+            Some(r) => Err(Error::refused(r)),
+            None => Err(Error::config(format!(
+                "request {} vanished",
+                request.external_id
+            ))),
+        }
+    }
+
+    /// Creates or changes a semaphore (and writes the capacity audit).
+    pub async fn set_capacity(
+        &self,
+        name: &str,
+        capacity: i32,
+        fair: Option<bool>,
+    ) -> Result<Semaphore> {
+        let conn = self.inner.pool.get().await?;
+        db::semaphore_from_row(
+            &conn
+                .query_one(sql::SET_CAPACITY, &[&name, &capacity, &fair])
+                .await?,
+        )
+    }
+
+    /// Every semaphore, by name.
+    pub async fn semaphores(&self) -> Result<Vec<Semaphore>> {
+        let conn = self.inner.pool.get().await?;
+        conn.query(sql::LIST_SEMAPHORES, &[])
+            .await?
+            .iter()
+            .map(db::semaphore_from_row)
+            .collect()
+    }
+
+    /// The capacity audit of one semaphore, oldest first.
+    pub async fn capacity_history(&self, name: &str) -> Result<Vec<CapacityChange>> {
+        let conn = self.inner.pool.get().await?;
+        conn.query(sql::CAPACITY_HISTORY, &[&name])
+            .await?
+            .iter()
+            .map(db::capacity_change_from_row)
+            .collect()
+    }
+
+    /// Fencing check for a downstream write kept in this database: true (and remembered) when
+    /// `token` is at least the highest token seen for `resource`.
+    pub async fn fence(&self, resource: &str, token: i64) -> Result<bool> {
+        let conn = self.inner.pool.get().await?;
+        Ok(conn
+            .query_one(sql::FENCE, &[&resource, &token])
+            .await?
+            .get(0))
+    }
+}
+
+/// Whether a `permitq_events` payload is about `external_id`.
+fn event_is_for(payload: &str, external_id: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(payload)
+        .ok()
+        .and_then(|v| {
+            v.get("external_id")
+                .and_then(|e| e.as_str().map(|e| e == external_id))
+        })
+        .unwrap_or(true)
+}

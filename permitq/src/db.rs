@@ -1,0 +1,175 @@
+//! Connections: configuration, pools, row decoding and retry backoff.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::{Config, NoTls, Row};
+
+use crate::error::{Error, Result};
+use crate::types::{CapacityChange, PermitRequest, Semaphore};
+
+/// Parses a `postgres://` URL or `key=value` connection string.
+pub(crate) fn parse_config(url: &str) -> Result<Config> {
+    url.parse::<Config>()
+        .map_err(|e| Error::config(format!("invalid database URL: {e}")))
+}
+
+/// Adds `-c name=value` server settings to a config's `options`, keeping any already there.
+pub(crate) fn with_settings(mut config: Config, settings: &[(&str, String)]) -> Config {
+    let mut options = config.get_options().unwrap_or_default().to_string();
+    for (name, value) in settings {
+        if !options.is_empty() {
+            options.push(' ');
+        }
+        options.push_str(&format!("-c {name}={value}"));
+    }
+    config.options(&options);
+    config
+}
+
+/// A connection pool over `config`. Connections are created lazily.
+pub(crate) fn pool(mut config: Config, max_size: usize) -> Result<Pool> {
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(Duration::from_secs(5));
+    }
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(max_size)
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(Duration::from_secs(30)))
+        .create_timeout(Some(Duration::from_secs(10)))
+        .build()
+        .map_err(|e| Error::config(format!("cannot build connection pool: {e}")))
+}
+
+/// Connects one dedicated connection (not pooled) and drives it on a task.
+pub(crate) async fn connect(config: &Config) -> Result<tokio_postgres::Client> {
+    let (client, connection) = config.connect(NoTls).await?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "dedicated connection ended");
+        }
+    });
+    Ok(client)
+}
+
+pub(crate) fn request_from_row(row: &Row) -> Result<PermitRequest> {
+    let permits: serde_json::Value = row.try_get("permits")?;
+    let permits: BTreeMap<String, i64> = permits_from_json(&permits).into_iter().collect();
+    let micros = |name: &str| -> Result<Option<Duration>> {
+        let v: Option<i64> = row.try_get(name)?;
+        Ok(v.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))))
+    };
+    let parse_opt = |name: &str| -> Result<Option<String>> { Ok(row.try_get(name)?) };
+    Ok(PermitRequest {
+        id: row.try_get("id")?,
+        external_id: row.try_get("external_id")?,
+        permits,
+        owner: row.try_get("owner")?,
+        ttl: micros("ttl_us")?,
+        wait: micros("wait_us")?,
+        state: row.try_get::<_, String>("state")?.parse()?,
+        error_code: parse_opt("error_code")?.map(|s| s.parse()).transpose()?,
+        release_reason: parse_opt("release_reason")?
+            .map(|s| s.parse())
+            .transpose()?,
+        fencing_token: row.try_get("fencing_token")?,
+        worker_id: row.try_get("worker_id")?,
+        created_at: row.try_get("created_at")?,
+        acquired_at: row.try_get("acquired_at")?,
+        expires_at: row.try_get("expires_at")?,
+        heartbeat_at: row.try_get("heartbeat_at")?,
+        released_at: row.try_get("released_at")?,
+        settled_at: row.try_get("settled_at")?,
+    })
+}
+
+/// The (name, count) pairs of a permits object. Counts are integers by the table's CHECK
+/// constraint; JSON like `2.0` is read as 2.
+pub(crate) fn permits_from_json(permits: &serde_json::Value) -> Vec<(String, i64)> {
+    permits
+        .as_object()
+        .map(|o| {
+            o.iter()
+                .map(|(k, v)| {
+                    // A whole float such as `2.0` (valid by the CHECK) reads as 2.
+                    let count = v.as_i64().or_else(|| {
+                        v.as_f64()
+                            .filter(|f| f.fract() == 0.0)
+                            .and_then(|f| format!("{f:.0}").parse().ok())
+                    });
+                    (k.clone(), count.unwrap_or(i64::MAX))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+pub(crate) fn semaphore_from_row(row: &Row) -> Result<Semaphore> {
+    Ok(Semaphore {
+        name: row.try_get(0)?,
+        capacity: row.try_get(1)?,
+        used: row.try_get(2)?,
+        fair: row.try_get(3)?,
+    })
+}
+
+pub(crate) fn capacity_change_from_row(row: &Row) -> Result<CapacityChange> {
+    Ok(CapacityChange {
+        semaphore: row.try_get(0)?,
+        old_capacity: row.try_get(1)?,
+        new_capacity: row.try_get(2)?,
+        old_fair: row.try_get(3)?,
+        new_fair: row.try_get(4)?,
+        changed_at: row.try_get(5)?,
+        changed_by: row.try_get(6)?,
+        application_name: row.try_get(7)?,
+    })
+}
+
+/// Exponential backoff with full jitter, for retries and reconnects.
+#[derive(Debug, Clone)]
+pub(crate) struct Backoff {
+    base: Duration,
+    max: Duration,
+    attempt: u32,
+}
+
+impl Backoff {
+    /// Starts at `base`, doubles per attempt, never above `max`.
+    pub(crate) fn new(base: Duration, max: Duration) -> Backoff {
+        Backoff {
+            base,
+            max,
+            attempt: 0,
+        }
+    }
+
+    /// The next delay: uniform in [ceiling/2, ceiling], ceiling = min(max, base * 2^attempt).
+    pub(crate) fn next_delay(&mut self) -> Duration {
+        let ceiling = self
+            .base
+            .saturating_mul(1 << self.attempt.min(16))
+            .min(self.max);
+        self.attempt = self.attempt.saturating_add(1);
+        let half = ceiling / 2;
+        half + half.mul_f64(fastrand::f64())
+    }
+
+    /// How many delays were handed out since the last reset.
+    pub(crate) fn attempts(&self) -> u32 {
+        self.attempt
+    }
+
+    /// Back to `base` after a success.
+    pub(crate) fn reset(&mut self) {
+        self.attempt = 0;
+    }
+}

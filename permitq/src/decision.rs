@@ -1,0 +1,182 @@
+//! The grant decision: a pure function, no database.
+//!
+//! Given the semaphores a worker has locked and the requests it claimed, in id (FIFO) order, say
+//! who is granted, who errors (and why) and who waits. The worker applies the result in the same
+//! transaction, under the same locks.
+//!
+//! Rules, checked in this order for each request:
+//! 1. a named semaphore is missing → `unknown_semaphore`;
+//! 2. a count is larger than its semaphore's capacity → `exceeds_capacity`;
+//! 3. its `wait` deadline has passed → `timeout`;
+//! 4. it fits on **every** semaphore it names → granted on all of them (all-or-nothing);
+//! 5. otherwise `wait = 0` → `no_capacity`, else it waits.
+//!
+//! "Fits" on a semaphore means `capacity - used >= count`, and on a `fair` semaphore also that
+//! the oldest request waiting there (the head), if older than this one, keeps its room:
+//! `capacity - used - count >= head's count`. The head is the oldest of the semaphore's recorded
+//! waiters outside this batch ([`SemaphoreView::head`]) and the requests of this batch already
+//! left waiting. A waiting request is the head on every fair semaphore it names, not only the one
+//! that is full: otherwise later requests could drain the others while it waits (starvation).
+
+use std::collections::BTreeMap;
+
+use crate::types::ErrorCode;
+
+/// A waiting request's place on one semaphore.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Waiter {
+    /// The request's id (its FIFO position).
+    pub request_id: i64,
+    /// Its count on this semaphore.
+    pub count: i64,
+}
+
+/// A locked semaphore, as the decision sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SemaphoreView {
+    /// Capacity now.
+    pub capacity: i64,
+    /// Held now. May exceed capacity after the capacity was lowered.
+    pub used: i64,
+    /// Strict head-of-line with safe backfill, or greedy.
+    pub fair: bool,
+    /// The oldest request waiting on it that is not in this batch, if any.
+    pub head: Option<Waiter>,
+}
+
+impl SemaphoreView {
+    fn free(&self) -> i64 {
+        self.capacity - self.used
+    }
+}
+
+/// A claimed request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Candidate {
+    /// Request id; candidates come in ascending id order.
+    pub id: i64,
+    /// Semaphore name → count.
+    pub permits: Vec<(String, i64)>,
+    /// `wait = 0`: error with `no_capacity` instead of waiting.
+    pub fail_fast: bool,
+    /// Its `wait` deadline has passed.
+    pub deadline_passed: bool,
+}
+
+/// What happens to one candidate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Granted on all its semaphores.
+    Grant,
+    /// Ends in `error` with this code.
+    Fail(ErrorCode),
+    /// Stays `new`.
+    Wait,
+}
+
+/// The outcome of [`decide`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Decision {
+    /// One verdict per candidate, in candidate order.
+    pub verdicts: Vec<(i64, Verdict)>,
+    /// The semaphores after the grants (`used` updated).
+    pub semaphores: BTreeMap<String, SemaphoreView>,
+}
+
+impl Decision {
+    /// Ids with the given verdict kind.
+    pub(crate) fn ids(&self, pick: impl Fn(&Verdict) -> bool) -> Vec<i64> {
+        self.verdicts
+            .iter()
+            .filter(|(_, v)| pick(v))
+            .map(|(id, _)| *id)
+            .collect()
+    }
+}
+
+/// Decides a batch. `candidates` must be in ascending id order.
+pub(crate) fn decide(
+    semaphores: &BTreeMap<String, SemaphoreView>,
+    candidates: &[Candidate],
+) -> Decision {
+    debug_assert!(
+        candidates.windows(2).all(|w| w[0].id < w[1].id),
+        "candidates out of order"
+    );
+    let mut sems = semaphores.clone();
+    // Per semaphore, the oldest candidate of this batch left waiting on it.
+    let mut batch_heads: BTreeMap<&str, Waiter> = BTreeMap::new();
+    let mut verdicts = Vec::with_capacity(candidates.len());
+
+    for c in candidates {
+        let verdict = verdict_for(c, &sems, &batch_heads);
+        match verdict {
+            Verdict::Grant => {
+                for (name, count) in &c.permits {
+                    sems.get_mut(name).expect("checked by verdict_for").used += count;
+                }
+            }
+            Verdict::Wait => {
+                for (name, count) in &c.permits {
+                    batch_heads.entry(name.as_str()).or_insert(Waiter {
+                        request_id: c.id,
+                        count: *count,
+                    });
+                }
+            }
+            Verdict::Fail(_) => {}
+        }
+        verdicts.push((c.id, verdict));
+    }
+    Decision {
+        verdicts,
+        semaphores: sems,
+    }
+}
+
+fn verdict_for(
+    c: &Candidate,
+    sems: &BTreeMap<String, SemaphoreView>,
+    batch_heads: &BTreeMap<&str, Waiter>,
+) -> Verdict {
+    let mut views = Vec::with_capacity(c.permits.len());
+    for (name, count) in &c.permits {
+        match sems.get(name) {
+            Some(s) => views.push((name.as_str(), *count, s)),
+            None => return Verdict::Fail(ErrorCode::UnknownSemaphore),
+        }
+    }
+    if views.iter().any(|(_, count, s)| *count > s.capacity) {
+        return Verdict::Fail(ErrorCode::ExceedsCapacity);
+    }
+    if c.deadline_passed {
+        return Verdict::Fail(ErrorCode::Timeout);
+    }
+    let fits = views.iter().all(|(name, count, s)| {
+        let free_after = s.free() - count;
+        free_after >= 0
+            && (!s.fair
+                || head_before(c.id, s.head, batch_heads.get(name).copied())
+                    .is_none_or(|head| free_after >= head.count))
+    });
+    if fits {
+        Verdict::Grant
+    } else if c.fail_fast {
+        Verdict::Fail(ErrorCode::NoCapacity)
+    } else {
+        Verdict::Wait
+    }
+}
+
+/// The oldest waiter older than request `id`: the semaphore's recorded head (outside the batch)
+/// or the batch's own first waiter, whichever is older.
+fn head_before(id: i64, recorded: Option<Waiter>, batch: Option<Waiter>) -> Option<Waiter> {
+    [recorded, batch]
+        .into_iter()
+        .flatten()
+        .filter(|w| w.request_id < id)
+        .min_by_key(|w| w.request_id)
+}
+
+#[cfg(test)]
+mod tests;

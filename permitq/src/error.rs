@@ -1,0 +1,220 @@
+//! The crate's one error type.
+
+use std::fmt;
+
+pub use tokio_postgres::error::SqlState;
+
+/// An error from permitq.
+///
+/// Opaque on purpose: ask it what you need. [`Error::code`] gives the SQLSTATE when the database
+/// raised it (`22023` invalid input, `23505` same `external_id` with other parameters, `55000` lease
+/// lost, ...), [`Error::is_connection`] tells a lost or refused connection apart, and
+/// [`Error::is_retryable`] says whether running the same transaction again may succeed.
+pub struct Error {
+    kind: Kind,
+}
+
+#[derive(Debug)]
+enum Kind {
+    Db(tokio_postgres::Error),
+    Pool(deadpool_postgres::PoolError),
+    InvalidInput {
+        field: &'static str,
+        message: String,
+    },
+    Config(String),
+    Io(std::io::Error),
+    NotGranted(Box<crate::types::PermitRequest>),
+}
+
+/// Shorthand for results in this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub(crate) fn invalid(field: &'static str, message: impl Into<String>) -> Error {
+        Error {
+            kind: Kind::InvalidInput {
+                field,
+                message: message.into(),
+            },
+        }
+    }
+
+    pub(crate) fn config(message: impl Into<String>) -> Error {
+        Error {
+            kind: Kind::Config(message.into()),
+        }
+    }
+
+    pub(crate) fn refused(request: crate::types::PermitRequest) -> Error {
+        Error {
+            kind: Kind::NotGranted(Box::new(request)),
+        }
+    }
+
+    /// For [`crate::Client::acquire`]: the request as it ended when it was not granted (state
+    /// `error`, with its code).
+    pub fn not_granted(&self) -> Option<&crate::types::PermitRequest> {
+        match &self.kind {
+            Kind::NotGranted(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// The underlying `tokio_postgres` error, when there is one.
+    pub fn as_postgres(&self) -> Option<&tokio_postgres::Error> {
+        match &self.kind {
+            Kind::Db(e) => Some(e),
+            Kind::Pool(deadpool_postgres::PoolError::Backend(e)) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The SQLSTATE the database raised, if this is a database error.
+    pub fn code(&self) -> Option<&SqlState> {
+        self.as_postgres().and_then(|e| e.code())
+    }
+
+    /// The field named by an invalid-input error, caught either here or by the database (22023).
+    pub fn invalid_field(&self) -> Option<&str> {
+        match &self.kind {
+            Kind::InvalidInput { field, .. } => Some(field),
+            _ => None,
+        }
+    }
+
+    /// True when the connection to the database failed or was lost: the operation may or may not
+    /// have taken effect if it was a commit, and a retry needs a new connection.
+    pub fn is_connection(&self) -> bool {
+        match &self.kind {
+            Kind::Pool(deadpool_postgres::PoolError::Timeout(_)) => true,
+            Kind::Io(_) => true,
+            _ => match self.as_postgres() {
+                Some(e) => {
+                    e.is_closed()
+                        || e.as_db_error().is_none()
+                        || matches!(
+                            e.code(),
+                            Some(c) if c.code().starts_with("08")
+                                || *c == SqlState::ADMIN_SHUTDOWN
+                                || *c == SqlState::CRASH_SHUTDOWN
+                                || *c == SqlState::CANNOT_CONNECT_NOW
+                        )
+                }
+                None => false,
+            },
+        }
+    }
+
+    /// True for errors where running the same transaction again may succeed: serialization
+    /// failures, deadlocks, lock timeouts, statement cancellation and lost connections.
+    pub fn is_retryable(&self) -> bool {
+        if self.is_connection() {
+            return true;
+        }
+        matches!(
+            self.code(),
+            Some(c) if *c == SqlState::T_R_SERIALIZATION_FAILURE
+                || *c == SqlState::T_R_DEADLOCK_DETECTED
+                || *c == SqlState::LOCK_NOT_AVAILABLE
+                || *c == SqlState::QUERY_CANCELED
+                || *c == SqlState::IDLE_IN_TRANSACTION_SESSION_TIMEOUT
+        )
+    }
+
+    /// True when the permitq schema is missing or older than this build: run `permitq migrate`.
+    pub fn is_missing_schema(&self) -> bool {
+        matches!(
+            self.code(),
+            Some(c) if *c == SqlState::INVALID_SCHEMA_NAME
+                || *c == SqlState::UNDEFINED_TABLE
+                || *c == SqlState::UNDEFINED_FUNCTION
+        )
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_missing_schema() {
+            return write!(
+                f,
+                "the permitq schema is missing or out of date: apply the migrations first"
+            );
+        }
+        match &self.kind {
+            Kind::InvalidInput { field, message } => write!(f, "invalid {field}: {message}"),
+            Kind::Config(m) => write!(f, "{m}"),
+            Kind::Io(e) => write!(f, "{e}"),
+            Kind::NotGranted(r) => match r.error_code {
+                Some(code) => write!(f, "request {} was not granted: {code}", r.external_id),
+                None => write!(f, "request {} was not granted ({})", r.external_id, r.state),
+            },
+            Kind::Pool(deadpool_postgres::PoolError::Timeout(_)) => {
+                write!(f, "timed out waiting for a database connection")
+            }
+            Kind::Pool(deadpool_postgres::PoolError::Backend(e)) | Kind::Db(e) => {
+                fmt_postgres(e, f)
+            }
+            Kind::Pool(e) => write!(f, "database pool: {e}"),
+        }
+    }
+}
+
+fn fmt_postgres(e: &tokio_postgres::Error, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    if let Some(db) = e.as_db_error() {
+        write!(f, "{} (SQLSTATE {})", db.message(), db.code().code())
+    } else {
+        // Connection-level errors: tokio_postgres's Display omits the cause ("error connecting
+        // to server"), so append the source chain.
+        write!(f, "{e}")?;
+        let mut source = std::error::Error::source(e);
+        while let Some(s) = source {
+            write!(f, ": {s}")?;
+            source = s.source();
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Error({self}, {:?})", self.kind)
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.kind {
+            Kind::Db(e) => Some(e),
+            Kind::Pool(e) => Some(e),
+            Kind::Io(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<tokio_postgres::Error> for Error {
+    fn from(e: tokio_postgres::Error) -> Error {
+        Error { kind: Kind::Db(e) }
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for Error {
+    fn from(e: deadpool_postgres::PoolError) -> Error {
+        Error {
+            kind: Kind::Pool(e),
+        }
+    }
+}
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Error {
+        Error { kind: Kind::Io(e) }
+    }
+}
+
+impl From<crate::types::UnknownValue> for Error {
+    fn from(e: crate::types::UnknownValue) -> Error {
+        Error::invalid(e.kind(), e.to_string())
+    }
+}

@@ -1,0 +1,65 @@
+//! permitq: a distributed counting semaphore served through a PostgreSQL work queue.
+//!
+//! Producers submit *permit requests* (one row each, idempotent by `external_id`) naming one or
+//! more semaphores with a count each. Any number of [`Worker`]s LISTEN for work, claim requests
+//! with `FOR UPDATE SKIP LOCKED`, and grant a request only when every semaphore it names has
+//! room, in one transaction, under semaphore row locks taken in id order. Holders release;
+//! TTL leases with heartbeats reclaim permits from holders that died; fencing tokens let
+//! downstream stores reject a holder whose lease ran out.
+//!
+//! The SQL API (the schema this crate migrates) is the contract any language can use; this
+//! crate is its Rust side:
+//!
+//! | item | for |
+//! |---|---|
+//! | [`Client`] | producers, holders and operators: submit, status, wait, acquire, release, revoke, heartbeat, capacity, fencing |
+//! | [`Lease`] | a held request that heartbeats itself and tells you when it is lost |
+//! | [`Request`], [`PermitRequest`], [`State`], [`ErrorCode`], [`ReleaseReason`], [`ReleaseOutcome`], [`Semaphore`], [`CapacityChange`] | what goes in and comes out |
+//! | [`Worker`], [`WorkerConfig`], [`MaintenanceConfig`], [`OwnerLiveness`] | embedding a worker in your own process (or run `permitq worker`) |
+//! | [`migrate`] | the embedded, checksummed schema migrations |
+//! | [`Error`], [`Result`], [`SqlState`] | one opaque error that tells you its SQLSTATE and whether to retry |
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use permitq::{Client, Request, Worker, WorkerConfig};
+//!
+//! # async fn run() -> permitq::Result<()> {
+//! let url = "postgres://postgres@127.0.0.1/app";
+//! let client = Client::connect(url).await?;
+//! client.migrate().await?;
+//! client.set_capacity("gpu", 2, None).await?;
+//!
+//! // Usually a separate process: `permitq worker`.
+//! let worker = Worker::connect(url, WorkerConfig::default())?;
+//! tokio::spawn(worker.run(std::future::pending()));
+//!
+//! let lease = client
+//!     .acquire(&Request::new("train-7").permit("gpu", 1).ttl(Duration::from_secs(30)),
+//!              Duration::from_secs(10))
+//!     .await?;
+//! println!("granted, fencing token {}", lease.fencing_token());
+//! lease.release().await?;
+//! # Ok(()) }
+//! ```
+
+mod client;
+mod db;
+mod decision;
+mod error;
+mod lease;
+mod listener;
+mod maintenance;
+pub mod migrate;
+mod sql;
+mod types;
+mod worker;
+
+pub use client::Client;
+pub use error::{Error, Result, SqlState};
+pub use lease::Lease;
+pub use maintenance::{MaintenanceConfig, OwnerLiveness};
+pub use types::{
+    CapacityChange, ErrorCode, PermitRequest, ReleaseOutcome, ReleaseReason, Request, Semaphore,
+    State, UnknownValue,
+};
+pub use worker::{Worker, WorkerConfig};

@@ -1,0 +1,164 @@
+//! Every query the Rust side sends, in one place. The long ones live in `src/sql/*.sql` with a
+//! comment each; the SQL API they call is in `schema/`.
+//!
+//! Lock order (see `schema/V1__core.sql`): request rows first, then semaphore rows in ascending
+//! id. [`CLAIM_BATCH`] is step 1 for the worker, [`LOCK_SEMAPHORES`] step 2.
+
+use std::sync::LazyLock;
+
+/// The channel that wakes workers (coalesced: once per statement or transaction).
+pub(crate) const WORK_CHANNEL: &str = "permitq_work";
+/// The channel producers wait on: outcomes of requests (acquired, error, released).
+pub(crate) const EVENTS_CHANNEL: &str = "permitq_events";
+
+/// Migrations: the session advisory lock that serializes `migrate` runs.
+pub(crate) const MIGRATION_LOCK: &str = "SELECT pg_advisory_lock($1)";
+/// Migrations: release it.
+pub(crate) const MIGRATION_UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
+/// Migrations: the bookkeeping table (created, or given its checksum column, when missing).
+pub(crate) const MIGRATION_TABLE: &str = "SET client_min_messages = warning;
+     CREATE SCHEMA IF NOT EXISTS permitq;
+     CREATE TABLE IF NOT EXISTS permitq.schema_migration (
+         version    integer PRIMARY KEY,
+         name       text NOT NULL,
+         applied_at timestamptz NOT NULL DEFAULT now()
+     );
+     ALTER TABLE permitq.schema_migration ADD COLUMN IF NOT EXISTS checksum bytea;";
+/// Migrations: what is applied, with the recorded checksums.
+pub(crate) const APPLIED_MIGRATIONS: &str =
+    "SELECT version, name, checksum FROM permitq.schema_migration ORDER BY version";
+/// Migrations: the checksum of a migration's SQL (SHA-256, computed by the server).
+pub(crate) const MIGRATION_CHECKSUM: &str = "SELECT sha256(convert_to($1::text, 'UTF8'))";
+/// Migrations: record one as applied, with its checksum.
+pub(crate) const RECORD_MIGRATION: &str = "INSERT INTO permitq.schema_migration \
+     (version, name, checksum) VALUES ($1, $2, sha256(convert_to($3::text, 'UTF8')))";
+/// Migrations: record the checksum of one applied before checksums were kept.
+pub(crate) const RECORD_MIGRATION_CHECKSUM: &str = "UPDATE permitq.schema_migration \
+     SET checksum = sha256(convert_to($2::text, 'UTF8')) WHERE version = $1";
+
+/// Worker: claim pending requests after a cursor, FOR UPDATE SKIP LOCKED.
+pub(crate) const CLAIM_BATCH: &str = include_str!("sql/claim_batch.sql");
+/// Worker: lock the batch's semaphores in id order.
+pub(crate) const LOCK_SEMAPHORES: &str = include_str!("sql/lock_semaphores.sql");
+/// Worker: the waiters outside the batch that fair semaphores keep room for.
+pub(crate) const SEMAPHORE_HEADS: &str = include_str!("sql/semaphore_heads.sql");
+/// Worker: write a batch's outcome.
+pub(crate) const APPLY_DECISION: &str = include_str!("sql/apply_decision.sql");
+
+/// Columns of `permitq.permit_request` as [`crate::types::PermitRequest`] reads them.
+pub(crate) const REQUEST_COLUMNS: &str = include_str!("sql/request_columns.sql");
+
+/// Client: submit (validates, idempotent, wakes workers). Intervals travel as text.
+pub(crate) static SUBMIT: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {REQUEST_COLUMNS} FROM permitq.submit($1, $2, $3, $4::text::interval, $5::text::interval)"
+    )
+});
+
+/// Client: one request by external_id.
+pub(crate) static STATUS: LazyLock<String> = LazyLock::new(|| {
+    format!("SELECT {REQUEST_COLUMNS} FROM permitq.permit_request WHERE external_id = $1")
+});
+
+/// Client: release (or cancel) by external_id.
+pub(crate) const RELEASE: &str = "SELECT permitq.release($1)";
+/// Operator: revoke by external_id.
+pub(crate) const REVOKE: &str = "SELECT permitq.revoke($1)";
+/// Holder: extend the lease.
+pub(crate) const HEARTBEAT: &str = "SELECT permitq.heartbeat($1, $2::text::interval)";
+/// Operator: create or change a semaphore.
+pub(crate) const SET_CAPACITY: &str =
+    "SELECT name, capacity::int8, used::int8, fair FROM permitq.set_capacity($1, $2, $3)";
+/// All semaphores.
+pub(crate) const LIST_SEMAPHORES: &str =
+    "SELECT name, capacity::int8, used::int8, fair FROM permitq.semaphore ORDER BY name";
+/// The capacity audit of one semaphore, oldest first.
+pub(crate) const CAPACITY_HISTORY: &str =
+    "SELECT semaphore, old_capacity::int8, new_capacity::int8, \
+     old_fair, new_fair, changed_at, changed_by, application_name \
+     FROM permitq.capacity_change WHERE semaphore = $1 ORDER BY id";
+/// Downstream fencing check.
+pub(crate) const FENCE: &str = "SELECT permitq.fence($1, $2)";
+
+/// Sweeps: each takes a transaction-scoped advisory lock first, so one worker at a time runs it.
+pub(crate) const TRY_SWEEP_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1)";
+/// Sweep: wait deadlines → `timeout`.
+pub(crate) const SWEEP_WAIT_DEADLINES: &str = "SELECT permitq.sweep_wait_deadlines($1)";
+/// Sweep: TTL leases past expires_at → released as `expired`.
+pub(crate) const SWEEP_EXPIRED: &str = "SELECT permitq.sweep_expired($1)";
+/// Sweep: held past --max-hold → released as `stale`.
+pub(crate) const SWEEP_STALE: &str = "SELECT permitq.sweep_stale($1::text::interval, $2)";
+/// Sweep: owners of held requests, for the liveness hook.
+pub(crate) const HELD_OWNERS: &str = "SELECT DISTINCT owner FROM permitq.permit_request \
+     WHERE state = 'acquired' AND owner IS NOT NULL";
+/// Sweep: release the requests of dead owners as `revoked`.
+pub(crate) const REVOKE_OWNERS: &str = "SELECT permitq.revoke_owners($1, $2)";
+/// Retention: delete a batch of settled requests.
+pub(crate) const DELETE_SETTLED: &str = "SELECT permitq.delete_settled($1::text::interval, $2)";
+/// Retention: delete a batch of capacity audit rows.
+pub(crate) const DELETE_CAPACITY_CHANGES: &str =
+    "SELECT permitq.delete_capacity_changes($1::text::interval, $2)";
+
+/// A duration as PostgreSQL interval text.
+pub(crate) fn interval(d: std::time::Duration) -> String {
+    format!("{} microseconds", d.as_micros())
+}
+
+/// Every statement above that can be prepared, by name (the migration table setup is a batch
+/// of statements and runs on every `migrate`).
+#[cfg(test)]
+fn all() -> Vec<(&'static str, String)> {
+    let mut all: Vec<(&'static str, String)> = [
+        ("MIGRATION_LOCK", MIGRATION_LOCK),
+        ("MIGRATION_UNLOCK", MIGRATION_UNLOCK),
+        ("APPLIED_MIGRATIONS", APPLIED_MIGRATIONS),
+        ("MIGRATION_CHECKSUM", MIGRATION_CHECKSUM),
+        ("RECORD_MIGRATION", RECORD_MIGRATION),
+        ("RECORD_MIGRATION_CHECKSUM", RECORD_MIGRATION_CHECKSUM),
+        ("CLAIM_BATCH", CLAIM_BATCH),
+        ("LOCK_SEMAPHORES", LOCK_SEMAPHORES),
+        ("SEMAPHORE_HEADS", SEMAPHORE_HEADS),
+        ("APPLY_DECISION", APPLY_DECISION),
+        ("RELEASE", RELEASE),
+        ("REVOKE", REVOKE),
+        ("HEARTBEAT", HEARTBEAT),
+        ("SET_CAPACITY", SET_CAPACITY),
+        ("LIST_SEMAPHORES", LIST_SEMAPHORES),
+        ("CAPACITY_HISTORY", CAPACITY_HISTORY),
+        ("FENCE", FENCE),
+        ("TRY_SWEEP_LOCK", TRY_SWEEP_LOCK),
+        ("SWEEP_WAIT_DEADLINES", SWEEP_WAIT_DEADLINES),
+        ("SWEEP_EXPIRED", SWEEP_EXPIRED),
+        ("SWEEP_STALE", SWEEP_STALE),
+        ("HELD_OWNERS", HELD_OWNERS),
+        ("REVOKE_OWNERS", REVOKE_OWNERS),
+        ("DELETE_SETTLED", DELETE_SETTLED),
+        ("DELETE_CAPACITY_CHANGES", DELETE_CAPACITY_CHANGES),
+    ]
+    .into_iter()
+    .map(|(name, sql)| (name, sql.to_string()))
+    .collect();
+    all.push(("SUBMIT", SUBMIT.clone()));
+    all.push(("STATUS", STATUS.clone()));
+    for channel in [WORK_CHANNEL, EVENTS_CHANNEL] {
+        all.push(("LISTEN", format!("LISTEN {channel}")));
+    }
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    /// A typo in any statement fails here, against a migrated database, not in production.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_statement_prepares_against_a_migrated_database() {
+        let db = permitq_test_support::TestDb::new().await;
+        let conn = db.conn().await;
+        let mut failed = Vec::new();
+        for (name, sql) in super::all() {
+            if let Err(e) = conn.prepare(&sql).await {
+                failed.push(format!("{name}: {e:?}"));
+            }
+        }
+        assert!(failed.is_empty(), "{failed:#?}");
+    }
+}

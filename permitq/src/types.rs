@@ -1,0 +1,319 @@
+//! The public data types: requests, their states and outcomes, semaphores.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+use std::time::{Duration, SystemTime};
+
+use serde::ser::Serializer;
+use serde::Serialize;
+
+macro_rules! string_enum {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident => $text:literal,)+ }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        #[non_exhaustive]
+        pub enum $name {
+            $($(#[$vmeta])* $variant,)+
+        }
+
+        impl $name {
+            /// Every value, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant,)+];
+
+            /// The value as the database and the CLI spell it.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text,)+
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = UnknownValue;
+            fn from_str(s: &str) -> std::result::Result<$name, UnknownValue> {
+                match s {
+                    $($text => Ok($name::$variant),)+
+                    other => Err(UnknownValue { kind: stringify!($name), value: other.to_string() }),
+                }
+            }
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                s.serialize_str(self.as_str())
+            }
+        }
+    };
+}
+
+/// A string that names no value of one of this crate's enums (`State`, `ErrorCode`, ...).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownValue {
+    kind: &'static str,
+    value: String,
+}
+
+impl UnknownValue {
+    /// The enum that was parsed, e.g. `"State"`.
+    pub fn kind(&self) -> &'static str {
+        self.kind
+    }
+}
+
+impl fmt::Display for UnknownValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "unknown {} value {:?}", self.kind, self.value)
+    }
+}
+
+impl std::error::Error for UnknownValue {}
+
+string_enum! {
+    /// Where a request is in its life: `new` → `acquired` → `released`, or → `error`.
+    State {
+        /// Waiting to be granted.
+        New => "new",
+        /// Held by a worker's open transaction; never visible outside it.
+        InProgress => "in_progress",
+        /// Granted: the holder owns the permits.
+        Acquired => "acquired",
+        /// Permits given back (see [`ReleaseReason`]).
+        Released => "released",
+        /// Never granted (see [`ErrorCode`]).
+        Error => "error",
+    }
+}
+
+string_enum! {
+    /// Why a request ended in `error`.
+    ErrorCode {
+        /// A named semaphore does not exist.
+        UnknownSemaphore => "unknown_semaphore",
+        /// A count is larger than its semaphore's capacity: it could never be granted.
+        ExceedsCapacity => "exceeds_capacity",
+        /// `wait = 0` (fail fast) and there was no room at that moment.
+        NoCapacity => "no_capacity",
+        /// It waited `wait` and was not granted.
+        Timeout => "timeout",
+        /// Released or cancelled while still waiting.
+        Cancelled => "cancelled",
+    }
+}
+
+string_enum! {
+    /// Why an acquired request was released.
+    ReleaseReason {
+        /// By its holder.
+        Released => "released",
+        /// Its TTL passed with no heartbeat.
+        Expired => "expired",
+        /// Held longer than a worker's `--max-hold`.
+        Stale => "stale",
+        /// By an operator or the owner-liveness hook.
+        Revoked => "revoked",
+    }
+}
+
+string_enum! {
+    /// What `permitq.release` did.
+    ReleaseOutcome {
+        /// It was acquired; its permits are back.
+        Released => "released",
+        /// It had been released already.
+        AlreadyReleased => "already_released",
+        /// It was still waiting; it is now `error`/`cancelled`.
+        Cancelled => "cancelled",
+        /// It had ended in `error`; nothing to give back.
+        NotAcquired => "not_acquired",
+        /// No request has this external_id.
+        Unknown => "unknown",
+        /// It was acquired and an operator took its permits away (`permitq.revoke`).
+        Revoked => "revoked",
+    }
+}
+
+/// A permit request to submit: the semaphores and counts it needs, all or nothing.
+///
+/// ```
+/// use std::time::Duration;
+/// let request = permitq::Request::new("job-42")
+///     .permit("gpu", 2)
+///     .permit("licence", 1)
+///     .ttl(Duration::from_secs(30))
+///     .wait(Duration::from_secs(10));
+/// assert_eq!(request.permits.len(), 2);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub struct Request {
+    /// Client-chosen idempotency key, 1..=255 characters.
+    pub external_id: String,
+    /// Semaphore name → count, 1 to 64 entries, counts ≥ 1.
+    pub permits: BTreeMap<String, i64>,
+    /// Who will hold it (free text; the owner-liveness hook is asked about it).
+    pub owner: Option<String>,
+    /// Lease length: once granted, it is released as `expired` unless heartbeated within this.
+    pub ttl: Option<Duration>,
+    /// How long it may wait for capacity: `None` forever, `Some(ZERO)` fail fast.
+    pub wait: Option<Duration>,
+}
+
+impl Request {
+    /// A request with no permits yet.
+    pub fn new(external_id: impl Into<String>) -> Request {
+        Request {
+            external_id: external_id.into(),
+            permits: BTreeMap::new(),
+            owner: None,
+            ttl: None,
+            wait: None,
+        }
+    }
+
+    /// Adds `count` permits of semaphore `name`.
+    pub fn permit(mut self, name: impl Into<String>, count: i64) -> Request {
+        self.permits.insert(name.into(), count);
+        self
+    }
+
+    /// Sets the owner.
+    pub fn owner(mut self, owner: impl Into<String>) -> Request {
+        self.owner = Some(owner.into());
+        self
+    }
+
+    /// Sets the lease TTL.
+    pub fn ttl(mut self, ttl: Duration) -> Request {
+        self.ttl = Some(ttl);
+        self
+    }
+
+    /// Sets how long it may wait (`Duration::ZERO`: fail fast).
+    pub fn wait(mut self, wait: Duration) -> Request {
+        self.wait = Some(wait);
+        self
+    }
+
+    /// The permits as the JSON object the SQL API takes.
+    pub fn permits_json(&self) -> serde_json::Value {
+        serde_json::Value::Object(
+            self.permits
+                .iter()
+                .map(|(k, v)| (k.clone(), serde_json::Value::from(*v)))
+                .collect(),
+        )
+    }
+}
+
+/// A row of `permitq.permit_request`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct PermitRequest {
+    /// Queue position (FIFO order).
+    pub id: i64,
+    /// The client's idempotency key.
+    pub external_id: String,
+    /// Semaphore name → count.
+    pub permits: BTreeMap<String, i64>,
+    /// Who holds it.
+    pub owner: Option<String>,
+    /// Lease TTL, in seconds.
+    #[serde(serialize_with = "ser_secs")]
+    pub ttl: Option<Duration>,
+    /// Wait bound, in seconds.
+    #[serde(serialize_with = "ser_secs")]
+    pub wait: Option<Duration>,
+    /// Current state.
+    pub state: State,
+    /// Set when `state` is `error`.
+    pub error_code: Option<ErrorCode>,
+    /// Set when `state` is `released`.
+    pub release_reason: Option<ReleaseReason>,
+    /// Set at grant: unique and increasing in grant order.
+    pub fencing_token: Option<i64>,
+    /// The worker that decided it.
+    pub worker_id: Option<String>,
+    /// When it was submitted.
+    #[serde(serialize_with = "ser_time")]
+    pub created_at: Option<SystemTime>,
+    /// When it was granted.
+    #[serde(serialize_with = "ser_time")]
+    pub acquired_at: Option<SystemTime>,
+    /// When its lease runs out (TTL requests).
+    #[serde(serialize_with = "ser_time")]
+    pub expires_at: Option<SystemTime>,
+    /// Last heartbeat.
+    #[serde(serialize_with = "ser_time")]
+    pub heartbeat_at: Option<SystemTime>,
+    /// When it was released.
+    #[serde(serialize_with = "ser_time")]
+    pub released_at: Option<SystemTime>,
+    /// When it reached `error` or `released`.
+    #[serde(serialize_with = "ser_time")]
+    pub settled_at: Option<SystemTime>,
+}
+
+impl PermitRequest {
+    /// True once the request has left `new`: granted, failed or released.
+    pub fn is_settled(&self) -> bool {
+        !matches!(self.state, State::New | State::InProgress)
+    }
+}
+
+/// A row of `permitq.semaphore`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Semaphore {
+    /// Unique name.
+    pub name: String,
+    /// How many permits may be held at once.
+    pub capacity: i64,
+    /// How many are held now.
+    pub used: i64,
+    /// Strict FIFO with safe backfill (`true`) or greedy (`false`).
+    pub fair: bool,
+}
+
+/// A row of `permitq.capacity_change`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct CapacityChange {
+    /// The semaphore.
+    pub semaphore: String,
+    /// Capacity before (None at creation).
+    pub old_capacity: Option<i64>,
+    /// Capacity after.
+    pub new_capacity: i64,
+    /// Fairness before (None at creation).
+    pub old_fair: Option<bool>,
+    /// Fairness after.
+    pub new_fair: bool,
+    /// When.
+    #[serde(serialize_with = "ser_time")]
+    pub changed_at: Option<SystemTime>,
+    /// Database user.
+    pub changed_by: String,
+    /// The client's `application_name`.
+    pub application_name: Option<String>,
+}
+
+fn ser_secs<S: Serializer>(d: &Option<Duration>, s: S) -> std::result::Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_f64(d.as_secs_f64()),
+        None => s.serialize_none(),
+    }
+}
+
+fn ser_time<S: Serializer>(t: &Option<SystemTime>, s: S) -> std::result::Result<S::Ok, S::Error> {
+    match t {
+        Some(t) => s.serialize_str(&humantime::format_rfc3339_micros(*t).to_string()),
+        None => s.serialize_none(),
+    }
+}

@@ -1,0 +1,473 @@
+//! Leases and maintenance: TTL expiry, heartbeats and the Lease guard, --max-hold, the liveness
+//! hook, revoke, retention, exactly-once sweeps, and fencing a paused holder.
+
+use permitq_test_support as common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{check_invariants, quiet_config, settled_state, state_of, wait_until, TestDb};
+use futures_util::future::BoxFuture;
+use permitq::{OwnerLiveness, ReleaseOutcome, Request, SqlState, State, WorkerConfig};
+
+const SOON: Duration = Duration::from_secs(10);
+const SWEEP: Duration = Duration::from_millis(200);
+
+fn sweeping(id: &str) -> WorkerConfig {
+    let mut config = quiet_config(id);
+    config.maintenance.sweep_interval = SWEEP;
+    config
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_lease_hands_its_capacity_to_a_waiter_within_two_sweeps() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 1, None).await.unwrap();
+    let worker = db.worker(sweeping("w1"));
+    client
+        .submit(
+            &Request::new("crashed")
+                .permit("s", 1)
+                .ttl(Duration::from_millis(400)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(settled_state(&client, "crashed").await, State::Acquired);
+    client
+        .submit(&Request::new("waiter").permit("s", 1))
+        .await
+        .unwrap();
+
+    let waiter = client.wait_settled("waiter", SOON).await.unwrap().unwrap();
+    assert_eq!(waiter.state, State::Acquired);
+    let crashed = client.status("crashed").await.unwrap().unwrap();
+    assert_eq!(
+        (crashed.state, crashed.release_reason),
+        (State::Released, Some(permitq::ReleaseReason::Expired))
+    );
+    let expires = crashed.expires_at.unwrap();
+    assert_eq!(
+        expires,
+        crashed.acquired_at.unwrap() + Duration::from_millis(400),
+        "expires_at = acquired_at + ttl"
+    );
+    let handover = waiter.acquired_at.unwrap().duration_since(expires).unwrap();
+    assert!(
+        handover <= 2 * SWEEP,
+        "waiter granted {handover:?} after the lease ran out"
+    );
+    assert!(crashed.released_at.unwrap() >= expires);
+    check_invariants(&db.conn().await).await.unwrap();
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeating_lease_outlives_three_ttls_and_a_lost_one_is_reported() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 1, None).await.unwrap();
+    let worker = db.worker(sweeping("w1"));
+    let ttl = Duration::from_millis(500);
+    let lease = client
+        .acquire(&Request::new("held").permit("s", 1).ttl(ttl), SOON)
+        .await
+        .unwrap();
+    let token = lease.fencing_token();
+    tokio::time::sleep(ttl * 4).await;
+    let r = client.status("held").await.unwrap().unwrap();
+    assert_eq!(
+        (r.state, r.fencing_token),
+        (State::Acquired, Some(token)),
+        "kept for 4x its TTL"
+    );
+    assert!(r.heartbeat_at.is_some() && !lease.is_lost());
+
+    // An operator revokes it: the guard notices at its next heartbeat.
+    assert_eq!(
+        client.revoke("held").await.unwrap(),
+        ReleaseOutcome::Revoked
+    );
+    let reason = tokio::time::timeout(ttl * 2, lease.lost())
+        .await
+        .expect("the guard reports the loss");
+    assert!(reason.contains("lease lost"), "{reason}");
+    assert!(lease.is_lost());
+    let err = client.heartbeat("held", None).await.unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE)
+    );
+    assert_eq!(
+        lease.release().await.unwrap(),
+        ReleaseOutcome::AlreadyReleased
+    );
+    assert_eq!(state_of(&client, "held").await, "released/revoked");
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_that_ran_out_refuses_heartbeats() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 1, None).await.unwrap();
+    // A slow sweep: the lease runs out before anyone releases it.
+    let mut config = quiet_config("w1");
+    config.maintenance.sweep_interval = Duration::from_secs(3600);
+    let worker = db.worker(config);
+    client
+        .submit(
+            &Request::new("late")
+                .permit("s", 1)
+                .ttl(Duration::from_millis(200)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(settled_state(&client, "late").await, State::Acquired);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let err = client
+        .heartbeat("late", Some(Duration::from_secs(60)))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE)
+    );
+    assert!(err.to_string().contains("expired"), "{err}");
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_lease_releases_it() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 1, None).await.unwrap();
+    let worker = db.notified_worker("w1");
+    let lease = client
+        .acquire(&Request::new("dropped").permit("s", 1), SOON)
+        .await
+        .unwrap();
+    drop(lease);
+    wait_until(SOON, "released on drop", || async {
+        state_of(&client, "dropped").await == "released/released"
+    })
+    .await;
+    // A request that is not granted in time is cancelled, and the error says how it ended.
+    client
+        .submit(&Request::new("blocker").permit("s", 1))
+        .await
+        .unwrap();
+    client.wait_settled("blocker", SOON).await.unwrap();
+    let err = client
+        .acquire(
+            &Request::new("patient").permit("s", 1),
+            Duration::from_millis(300),
+        )
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(
+        err.not_granted().map(|r| r.error_code),
+        Some(Some(permitq::ErrorCode::Cancelled))
+    );
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_hold_releases_stale_holders() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 2, None).await.unwrap();
+    let mut config = sweeping("w1");
+    config.maintenance.max_hold = Some(Duration::from_millis(300));
+    let worker = db.worker(config);
+    client
+        .submit(&Request::new("forever").permit("s", 1))
+        .await
+        .unwrap();
+    wait_until(SOON, "released as stale", || async {
+        state_of(&client, "forever").await == "released/stale"
+    })
+    .await;
+    let r = client.status("forever").await.unwrap().unwrap();
+    let held = r
+        .released_at
+        .unwrap()
+        .duration_since(r.acquired_at.unwrap())
+        .unwrap();
+    assert!(
+        held >= Duration::from_millis(300),
+        "released after only {held:?}"
+    );
+    assert_eq!(client.semaphores().await.unwrap()[0].used, 0);
+    worker.stop().await;
+}
+
+/// A liveness hook that knows a fixed set of dead owners and records what it was asked.
+struct Orchestrator {
+    dead: Vec<String>,
+    asked: Mutex<Vec<Vec<String>>>,
+}
+
+impl OwnerLiveness for Orchestrator {
+    fn dead_owners<'a>(&'a self, owners: &'a [String]) -> BoxFuture<'a, Vec<String>> {
+        self.asked.lock().unwrap().push(owners.to_vec());
+        Box::pin(async move {
+            owners
+                .iter()
+                .filter(|o| self.dead.contains(o))
+                .cloned()
+                .collect()
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_liveness_hook_revokes_dead_owners_only() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 10, None).await.unwrap();
+    for (id, owner) in [
+        ("a1", "job-alive"),
+        ("d1", "job-dead"),
+        ("d2", "job-dead"),
+        ("n1", ""),
+    ] {
+        let mut r = Request::new(id).permit("s", 1);
+        if !owner.is_empty() {
+            r = r.owner(owner);
+        }
+        client.submit(&r).await.unwrap();
+    }
+    let hook = Arc::new(Orchestrator {
+        dead: vec!["job-dead".into()],
+        asked: Mutex::new(Vec::new()),
+    });
+    let worker = permitq::Worker::connect(&db.url, sweeping("w1"))
+        .unwrap()
+        .with_owner_liveness(hook.clone());
+    let (stop, mut rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(worker.run(async move {
+        let _ = rx.wait_for(|s| *s).await;
+    }));
+    for id in ["d1", "d2"] {
+        wait_until(SOON, "dead owner's request revoked", || async {
+            state_of(&client, id).await == "released/revoked"
+        })
+        .await;
+    }
+    tokio::time::sleep(SWEEP * 2).await;
+    assert_eq!(state_of(&client, "a1").await, "acquired");
+    assert_eq!(state_of(&client, "n1").await, "acquired");
+    assert_eq!(client.semaphores().await.unwrap()[0].used, 2);
+    for asked in hook.asked.lock().unwrap().iter() {
+        let mut unique = asked.clone();
+        unique.dedup();
+        assert_eq!(&unique, asked, "each owner once per sweep");
+        assert!(!asked.iter().any(|o| o.is_empty()));
+    }
+    let _ = stop.send(true);
+    task.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_deletes_only_old_settled_rows_in_batches() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 5, None).await.unwrap();
+    let worker = db.notified_worker("w1");
+    // Old released, old error, recent released, waiting (old), held (old).
+    for id in ["old-released", "recent-released", "held"] {
+        client
+            .submit(&Request::new(id).permit("s", 1))
+            .await
+            .unwrap();
+        client.wait_settled(id, SOON).await.unwrap();
+    }
+    client.release("old-released").await.unwrap();
+    client.release("recent-released").await.unwrap();
+    client
+        .submit(&Request::new("old-error").permit("nope", 1))
+        .await
+        .unwrap();
+    client.wait_settled("old-error", SOON).await.unwrap();
+    client
+        .submit(&Request::new("waiting").permit("s", 9))
+        .await
+        .unwrap();
+    worker.stop().await;
+    let conn = db.conn().await;
+    conn.batch_execute(
+        "UPDATE permitq.permit_request SET created_at = now() - interval '30 days'
+         WHERE external_id IN ('old-released', 'old-error', 'waiting', 'held');
+         UPDATE permitq.permit_request SET settled_at = now() - interval '8 days'
+         WHERE external_id IN ('old-released', 'old-error');
+         -- 2,500 more old settled rows, to see the batches.
+         INSERT INTO permitq.permit_request (external_id, permits)
+         SELECT 'bulk-' || i, '{\"s\": 1}' FROM generate_series(1, 2500) i;
+         UPDATE permitq.permit_request SET state = 'error', error_code = 'cancelled',
+             settled_at = now() - interval '9 days' WHERE external_id LIKE 'bulk-%';
+         UPDATE permitq.capacity_change SET changed_at = now() - interval '40 days';",
+    )
+    .await
+    .unwrap();
+    let batches: Vec<i32> = {
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            v.push(
+                conn.query_one(
+                    "SELECT permitq.delete_settled('8 days 12 hours', 1000)",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0),
+            );
+        }
+        v
+    };
+    assert_eq!(
+        batches,
+        [1000, 1000, 500],
+        "bulk rows go in batches of at most 1,000, oldest first"
+    );
+
+    let retention = permitq::Worker::connect(&db.url, WorkerConfig::default()).unwrap();
+    let (requests, audit) = retention.run_retention_once().await.unwrap();
+    assert_eq!(
+        (requests, audit),
+        (2, 1),
+        "the two old settled rows and the old audit row"
+    );
+    let left: Vec<String> = conn
+        .query(
+            "SELECT external_id FROM permitq.permit_request ORDER BY external_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, ["held", "recent-released", "waiting"]);
+    let orphans: i64 = conn
+        .query_one("SELECT count(*) FROM permitq.permit p LEFT JOIN permitq.permit_request r ON r.id = p.request_id WHERE r.id IS NULL", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(orphans, 0, "permit rows go with their request");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_three_workers_each_expired_lease_is_released_exactly_once() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 60, None).await.unwrap();
+    client.set_capacity("t", 60, None).await.unwrap();
+    let (listener, mut events) = common::listen(&db.url, "permitq_events").await;
+    let workers: Vec<_> = (0..3)
+        .map(|i| {
+            let mut config = quiet_config(&format!("w{i}"));
+            config.maintenance.sweep_interval = Duration::from_millis(50);
+            db.worker(config)
+        })
+        .collect();
+    for i in 0..60 {
+        let r = Request::new(format!("lease-{i}"))
+            .permit("s", 1)
+            .permit("t", 1 + i % 2)
+            .ttl(Duration::from_millis(300));
+        client.submit(&r).await.unwrap();
+    }
+    wait_until(SOON, "every lease expired", || async {
+        let n: i64 = db
+            .conn()
+            .await
+            .query_one(
+                "SELECT count(*) FROM permitq.permit_request WHERE release_reason = 'expired'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        n == 60
+    })
+    .await;
+    listener
+        .batch_execute("NOTIFY permitq_events, 'marker'")
+        .await
+        .unwrap();
+    let mut released: BTreeMap<String, usize> = BTreeMap::new();
+    loop {
+        let payload = tokio::time::timeout(SOON, events.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        if payload == "marker" {
+            break;
+        }
+        let event: serde_json::Value = serde_json::from_str(&payload).unwrap();
+        if event["state"] == "released" {
+            let id = event["external_id"].as_str().unwrap().to_string();
+            *released.entry(id).or_default() += 1;
+        }
+    }
+    assert_eq!(released.len(), 60);
+    assert!(
+        released.values().all(|n| *n == 1),
+        "released more than once: {released:?}"
+    );
+    for s in client.semaphores().await.unwrap() {
+        assert_eq!(s.used, 0, "{} is exact after the sweeps", s.name);
+    }
+    check_invariants(&db.conn().await).await.unwrap();
+    for w in workers {
+        w.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_paused_past_its_ttl_has_its_fenced_write_rejected() {
+    // examples/fencing.rs: holder A (a child process) is SIGSTOPped past its TTL, B acquires
+    // and writes, A resumes and its write is rejected by a store that checks tokens.
+    let example = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/fencing");
+    assert!(
+        example.exists(),
+        "cargo test builds examples: {}",
+        example.display()
+    );
+    let db = TestDb::new().await;
+    let url = db.url.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(example)
+            .env("DATABASE_URL", url)
+            .env("RUST_LOG", "off")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("B: write -> OK"), "{stdout}");
+    assert!(
+        stdout.contains("A (resumed): write -> REJECTED"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("Expired"),
+        "A's lease was released as expired: {stdout}"
+    );
+}

@@ -1,0 +1,5 @@
+//! The library's integration tests against real PostgreSQL (one test binary: link time).
+
+mod leases;
+mod sql_api;
+mod worker;

@@ -1,0 +1,525 @@
+//! The SQL API against real PostgreSQL: validation, idempotency, triggers, release outcomes,
+//! the capacity audit and fencing.
+
+use permitq_test_support as common;
+
+use std::time::Duration;
+
+use common::TestDb;
+use futures_util::future::join_all;
+use permitq::SqlState;
+
+async fn request_count(conn: &tokio_postgres::Client) -> i64 {
+    conn.query_one("SELECT count(*) FROM permitq.permit_request", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test]
+async fn every_bad_submit_is_rejected_with_22023_naming_the_field_and_writes_nothing() {
+    let db = TestDb::new().await;
+    let conn = db.conn().await;
+    let long_id = "x".repeat(256);
+    let many: String = (0..65)
+        .map(|i| format!("\"s{i}\": 1"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let many = format!("{{{many}}}");
+    let cases: Vec<(&str, String, &str)> = vec![
+        (
+            "external_id",
+            "permitq.submit('', '{\"a\":1}')".into(),
+            "empty external_id",
+        ),
+        (
+            "external_id",
+            format!("permitq.submit('{long_id}', '{{\"a\":1}}')"),
+            "256 chars",
+        ),
+        (
+            "external_id",
+            "permitq.submit(NULL, '{\"a\":1}')".into(),
+            "null external_id",
+        ),
+        ("permits", "permitq.submit('r', '[1]')".into(), "array"),
+        ("permits", "permitq.submit('r', '\"a\"')".into(), "string"),
+        (
+            "permits",
+            "permitq.submit('r', '{}')".into(),
+            "empty object",
+        ),
+        (
+            "permits",
+            "permitq.submit('r', NULL)".into(),
+            "null permits",
+        ),
+        (
+            "permits",
+            "permitq.submit('r', '{\"a\":0}')".into(),
+            "zero count",
+        ),
+        (
+            "permits",
+            "permitq.submit('r', '{\"a\":-3}')".into(),
+            "negative count",
+        ),
+        (
+            "permits",
+            "permitq.submit('r', '{\"a\":1.5}')".into(),
+            "fractional count",
+        ),
+        (
+            "permits",
+            "permitq.submit('r', '{\"a\":\"1\"}')".into(),
+            "string count",
+        ),
+        (
+            "permits",
+            "permitq.submit('r', '{\"a\":null}')".into(),
+            "null count",
+        ),
+        (
+            "permits",
+            "permitq.submit('r', '{\"a\":2147483648}')".into(),
+            "count too large",
+        ),
+        (
+            "permits",
+            "permitq.submit('r', '{\"\":1}')".into(),
+            "empty semaphore name",
+        ),
+        (
+            "permits",
+            format!("permitq.submit('r', '{many}')"),
+            "65 semaphores",
+        ),
+        (
+            "ttl",
+            "permitq.submit('r', '{\"a\":1}', ttl => '-1s')".into(),
+            "negative ttl",
+        ),
+        (
+            "ttl",
+            "permitq.submit('r', '{\"a\":1}', ttl => '0')".into(),
+            "zero ttl",
+        ),
+        (
+            "wait",
+            "permitq.submit('r', '{\"a\":1}', wait => '-5 minutes')".into(),
+            "negative wait",
+        ),
+    ];
+    for (field, call, what) in cases {
+        let err = conn
+            .query_one(&format!("SELECT * FROM {call}"), &[])
+            .await
+            .expect_err(what);
+        let db_err = err
+            .as_db_error()
+            .unwrap_or_else(|| panic!("{what}: not a database error: {err}"));
+        assert_eq!(
+            db_err.code(),
+            &SqlState::INVALID_PARAMETER_VALUE,
+            "{what}: {}",
+            db_err.message()
+        );
+        assert!(
+            db_err.message().contains(field),
+            "{what}: message {:?} must name {field}",
+            db_err.message()
+        );
+        assert_eq!(request_count(&conn).await, 0, "{what} wrote a row");
+    }
+    // 64 semaphores and the largest count are fine.
+    let ok: String = (0..64)
+        .map(|i| format!("\"s{i}\": 2147483647"))
+        .collect::<Vec<_>>()
+        .join(",");
+    conn.execute(&format!("SELECT permitq.submit('ok', '{{{ok}}}')"), &[])
+        .await
+        .unwrap();
+    assert_eq!(request_count(&conn).await, 1);
+}
+
+#[tokio::test]
+async fn other_bad_inputs_are_rejected_and_write_nothing() {
+    let db = TestDb::new().await;
+    let conn = db.conn().await;
+    for (call, field) in [
+        ("permitq.set_capacity('', 1)", "name"),
+        ("permitq.set_capacity(NULL, 1)", "name"),
+        ("permitq.set_capacity('s', -1)", "capacity"),
+        ("permitq.set_capacity('s', NULL)", "capacity"),
+        ("permitq.fence('', 1)", "resource"),
+        ("permitq.fence('r', NULL)", "token"),
+        ("permitq.heartbeat('x', '-1s')", "extend"),
+    ] {
+        let err = conn
+            .query_one(&format!("SELECT {call}"), &[])
+            .await
+            .expect_err(call);
+        let db_err = err.as_db_error().unwrap();
+        assert_eq!(db_err.code(), &SqlState::INVALID_PARAMETER_VALUE, "{call}");
+        assert!(
+            db_err.message().contains(field),
+            "{call}: {}",
+            db_err.message()
+        );
+    }
+    let counts: (i64, i64, i64) = {
+        let r = conn
+            .query_one(
+                "SELECT (SELECT count(*) FROM permitq.semaphore), (SELECT count(*) FROM permitq.fence_token),
+                        (SELECT count(*) FROM permitq.capacity_change)",
+                &[],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1), r.get(2))
+    };
+    assert_eq!(counts, (0, 0, 0));
+}
+
+#[tokio::test]
+async fn plain_inserts_are_validated_by_constraints() {
+    let db = TestDb::new().await;
+    let conn = db.conn().await;
+    for (values, what) in [
+        ("('a', '{\"s\":0}')", "zero count"),
+        ("('', '{\"s\":1}')", "empty external_id"),
+        ("('a', '[]')", "not an object"),
+        ("('a', '{}')", "empty"),
+    ] {
+        let err = conn
+            .execute(
+                &format!(
+                    "INSERT INTO permitq.permit_request (external_id, permits) VALUES {values}"
+                ),
+                &[],
+            )
+            .await
+            .expect_err(what);
+        assert_eq!(
+            err.code(),
+            Some(&SqlState::CHECK_VIOLATION),
+            "{what}: {err}"
+        );
+    }
+    let err = conn
+        .execute("INSERT INTO permitq.permit_request (external_id, permits, ttl) VALUES ('a', '{\"s\":1}', '-1s')", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(&SqlState::CHECK_VIOLATION));
+    let err = conn
+        .execute("INSERT INTO permitq.permit_request (external_id, permits, state) VALUES ('a', '{\"s\":1}', 'acquired')", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(&SqlState::INVALID_PARAMETER_VALUE),
+        "{err}"
+    );
+    assert_eq!(request_count(&conn).await, 0);
+    // A valid plain insert works, and ON CONFLICT DO NOTHING keeps one row.
+    for _ in 0..2 {
+        conn.execute(
+            "INSERT INTO permitq.permit_request (external_id, permits, owner, ttl, wait)
+             VALUES ('p1', '{\"s\": 2}', 'me', '30s', '5s') ON CONFLICT (external_id) DO NOTHING",
+            &[],
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(request_count(&conn).await, 1);
+    let row = conn
+        .query_one("SELECT state, wait_until - created_at FROM permitq.permit_request WHERE external_id = 'p1'", &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "new");
+}
+
+#[tokio::test]
+async fn the_insert_trigger_notifies_once_per_statement() {
+    let db = TestDb::new().await;
+    let (_listener, mut rx) = common::listen(&db.url, "permitq_work").await;
+    let producer = db.conn().await;
+    producer
+        .batch_execute(
+            "INSERT INTO permitq.permit_request (external_id, permits)
+             SELECT 'bulk-' || i, '{\"s\":1}' FROM generate_series(1, 50) i;
+             INSERT INTO permitq.permit_request (external_id, permits) VALUES ('bulk-1', '{\"s\":1}')
+             ON CONFLICT (external_id) DO NOTHING;
+             NOTIFY permitq_work, 'marker';",
+        )
+        .await
+        .unwrap();
+    // Notifications arrive in commit order: everything before the marker is the inserts'.
+    let mut before_marker = 0;
+    loop {
+        let payload = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        if payload == "marker" {
+            break;
+        }
+        before_marker += 1;
+    }
+    assert_eq!(
+        before_marker, 1,
+        "50 rows in one statement (and a no-op insert) wake the workers once"
+    );
+}
+
+#[tokio::test]
+async fn submit_is_idempotent_and_rejects_other_parameters_with_23505() {
+    let db = TestDb::new().await;
+    let conn = db.conn().await;
+    let first: i64 = conn
+        .query_one(
+            "SELECT id FROM permitq.submit('job', '{\"a\":1,\"b\":2}', 'me', '60s', '5s')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    // Same parameters, spelled differently (key order, equal intervals): the same row.
+    let again: i64 = conn
+        .query_one("SELECT id FROM permitq.submit('job', '{\"b\":2,\"a\":1}', 'me', '1 minute', '5000 ms')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(first, again);
+    for call in [
+        "permitq.submit('job', '{\"a\":1,\"b\":3}', 'me', '60s', '5s')",
+        "permitq.submit('job', '{\"a\":1}', 'me', '60s', '5s')",
+        "permitq.submit('job', '{\"a\":1,\"b\":2}', 'you', '60s', '5s')",
+        "permitq.submit('job', '{\"a\":1,\"b\":2}', NULL, '60s', '5s')",
+        "permitq.submit('job', '{\"a\":1,\"b\":2}', 'me', '61s', '5s')",
+        "permitq.submit('job', '{\"a\":1,\"b\":2}', 'me', '60s', NULL)",
+    ] {
+        let err = conn
+            .query_one(&format!("SELECT * FROM {call}"), &[])
+            .await
+            .expect_err(call);
+        assert_eq!(err.code(), Some(&SqlState::UNIQUE_VIOLATION), "{call}");
+    }
+    // Whatever its state, the same submit returns the row unchanged.
+    assert_eq!(
+        conn.query_one("SELECT permitq.release('job')", &[])
+            .await
+            .unwrap()
+            .get::<_, String>(0),
+        "cancelled"
+    );
+    let row = conn
+        .query_one("SELECT id, state, error_code FROM permitq.submit('job', '{\"a\":1,\"b\":2}', 'me', '60s', '5s')", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, i64>(0), row.get::<_, String>(1)),
+        (first, "error".to_string())
+    );
+    assert_eq!(row.get::<_, String>(2), "cancelled");
+    assert_eq!(request_count(&conn).await, 1);
+}
+
+#[tokio::test]
+async fn sixteen_concurrent_same_key_submits_give_one_row() {
+    let db = TestDb::new().await;
+    let mut conns = Vec::new();
+    for _ in 0..16 {
+        conns.push(db.conn().await);
+    }
+    for round in 0..5 {
+        let key = format!("race-{round}");
+        let results = join_all(conns.iter().map(|c| {
+            let key = key.clone();
+            async move {
+                c.query_one("SELECT id FROM permitq.submit($1, '{\"s\": 1}')", &[&key])
+                    .await
+            }
+        }))
+        .await;
+        let ids: Vec<i64> = results
+            .into_iter()
+            .map(|r| r.expect("every racer succeeds").get(0))
+            .collect();
+        assert!(
+            ids.windows(2).all(|w| w[0] == w[1]),
+            "all racers get the same row: {ids:?}"
+        );
+        let n: i64 = conns[0]
+            .query_one(
+                "SELECT count(*) FROM permitq.permit_request WHERE external_id = $1",
+                &[&key],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(n, 1);
+    }
+}
+
+#[tokio::test]
+async fn status_and_release_outcomes_without_a_worker() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    assert!(client.status("nope").await.unwrap().is_none());
+    let conn = db.conn().await;
+    let null: bool = conn
+        .query_one("SELECT permitq.status('nope') IS NULL", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(null);
+    assert_eq!(
+        client.release("nope").await.unwrap(),
+        permitq::ReleaseOutcome::Unknown
+    );
+    client
+        .submit(&permitq::Request::new("w").permit("s", 1))
+        .await
+        .unwrap();
+    assert_eq!(
+        client.release("w").await.unwrap(),
+        permitq::ReleaseOutcome::Cancelled
+    );
+    assert_eq!(
+        client.release("w").await.unwrap(),
+        permitq::ReleaseOutcome::NotAcquired
+    );
+    let r = client.status("w").await.unwrap().unwrap();
+    assert_eq!(
+        (r.state, r.error_code),
+        (permitq::State::Error, Some(permitq::ErrorCode::Cancelled))
+    );
+    assert!(r.settled_at.is_some());
+}
+
+#[tokio::test]
+async fn set_capacity_creates_changes_and_audits() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let s = client.set_capacity("gpu", 4, None).await.unwrap();
+    assert_eq!(
+        (s.capacity, s.used, s.fair),
+        (4, 0, true),
+        "fair by default"
+    );
+    let s = client.set_capacity("gpu", 2, Some(false)).await.unwrap();
+    assert_eq!((s.capacity, s.fair), (2, false));
+    let s = client.set_capacity("gpu", 2, None).await.unwrap();
+    assert!(!s.fair, "fair = NULL keeps the current mode");
+    let conn = db.conn().await;
+    conn.execute(
+        "UPDATE permitq.semaphore SET capacity = 9 WHERE name = 'gpu'",
+        &[],
+    )
+    .await
+    .unwrap();
+    let history = client.capacity_history("gpu").await.unwrap();
+    let changes: Vec<(Option<i64>, i64)> = history
+        .iter()
+        .map(|c| (c.old_capacity, c.new_capacity))
+        .collect();
+    assert_eq!(
+        changes,
+        [(None, 4), (Some(4), 2), (Some(2), 2), (Some(2), 9)]
+    );
+    assert!(history
+        .iter()
+        .all(|c| c.changed_by == "postgres" && c.changed_at.is_some()));
+    assert_eq!(history[1].old_fair, Some(true));
+    assert!(!history[1].new_fair);
+}
+
+#[tokio::test]
+async fn fence_accepts_equal_or_higher_tokens_atomically() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    assert!(client.fence("file", 5).await.unwrap());
+    assert!(
+        client.fence("file", 5).await.unwrap(),
+        "the same token again is the same holder"
+    );
+    assert!(!client.fence("file", 4).await.unwrap());
+    assert!(
+        client.fence("other", 1).await.unwrap(),
+        "resources are independent"
+    );
+    assert!(client.fence("file", 9).await.unwrap());
+    assert!(!client.fence("file", 5).await.unwrap());
+
+    // Concurrent fences: the survivor is the highest token, and no lower token is accepted
+    // after a higher one (checked in commit order through the returned flags).
+    let tokens: Vec<i64> = (100..140).rev().collect();
+    let results = join_all(tokens.iter().map(|t| {
+        let client = client.clone();
+        let t = *t;
+        async move { (t, client.fence("race", t).await.unwrap()) }
+    }))
+    .await;
+    assert!(
+        results.iter().any(|(t, ok)| *t == 139 && *ok),
+        "the highest token is always accepted"
+    );
+    let conn = db.conn().await;
+    let stored: i64 = conn
+        .query_one(
+            "SELECT token FROM permitq.fence_token WHERE resource = 'race'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(stored, 139);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_refuses_a_database_whose_applied_migration_was_edited_or_is_unknown() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    let recorded: i64 = conn
+        .query_one(
+            "SELECT count(*) FROM permitq.schema_migration WHERE checksum IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        usize::try_from(recorded).unwrap(),
+        permitq::migrate::MIGRATIONS.len(),
+        "every applied migration has its checksum"
+    );
+    assert_eq!(client.migrate().await.unwrap(), Vec::<i32>::new());
+
+    conn.batch_execute("UPDATE permitq.schema_migration SET checksum = '\\x00' WHERE version = 1")
+        .await
+        .unwrap();
+    let err = client.migrate().await.unwrap_err().to_string();
+    assert!(
+        err.contains("migration 1 (core) was edited after it was applied"),
+        "{err}"
+    );
+
+    // Before checksums were kept: the column is NULL, and migrate records this build's.
+    conn.batch_execute("UPDATE permitq.schema_migration SET checksum = NULL")
+        .await
+        .unwrap();
+    assert_eq!(client.migrate().await.unwrap(), Vec::<i32>::new());
+
+    conn.batch_execute(
+        "INSERT INTO permitq.schema_migration (version, name) VALUES (999, 'future')",
+    )
+    .await
+    .unwrap();
+    let err = client.migrate().await.unwrap_err().to_string();
+    assert!(
+        err.contains("migration 999 (future), which this build of permitq does not know"),
+        "{err}"
+    );
+}
