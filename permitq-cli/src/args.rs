@@ -97,7 +97,7 @@ pub(crate) struct ChaosArgs {
     /// Run the load without faults.
     #[arg(long)]
     pub no_faults: bool,
-    /// Plant a known bug (no-semaphore-lock, sweep-without-lock, double-release, skip-fairness).
+    /// Plant a known bug (no-semaphore-lock, fold-twice, double-release, skip-fairness).
     #[arg(long)]
     pub mutation: Option<crate::chaos::Mutation>,
 }

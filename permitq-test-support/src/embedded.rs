@@ -33,11 +33,20 @@ pub struct EmbeddedPostgres {
     port: u16,
     run_as: Option<(u32, u32)>,
     guard: Option<Child>,
+    settings: Vec<(String, String)>,
 }
 
 impl EmbeddedPostgres {
-    /// Creates and starts a cluster on a free loopback port (blocking; a few seconds).
+    /// Creates and starts a cluster on a free loopback port (blocking; a few seconds), with
+    /// `fsync=off` (see [`EmbeddedPostgres::start_server`]): for tests.
     pub fn start() -> Result<EmbeddedPostgres> {
+        EmbeddedPostgres::start_with(&[("fsync", "off"), ("full_page_writes", "off")])
+    }
+
+    /// Like [`EmbeddedPostgres::start`], with these server settings instead of the test ones
+    /// (`permitq bench` runs with `fsync=on`, the default, because fsync off hides exactly the
+    /// commit costs it measures).
+    pub fn start_with(settings: &[(&str, &str)]) -> Result<EmbeddedPostgres> {
         let bin = find_bin_dir()?;
         let run_as = if std::fs::metadata("/proc/self")
             .map(|m| m.uid() == 0)
@@ -61,6 +70,10 @@ impl EmbeddedPostgres {
             port,
             run_as,
             guard: None,
+            settings: settings
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
         };
         pg.guard = Some(pg.spawn_guard()?);
         pg.run(
@@ -108,16 +121,18 @@ impl EmbeddedPostgres {
 
     /// Starts the server again after [`EmbeddedPostgres::stop`], on the same port.
     ///
-    /// `fsync=off` (no OS crash is simulated, so written WAL survives) but synchronous commit
-    /// stays on: a commit acknowledged to a client survives `stop(Immediate)`, which the fault
-    /// tests rely on.
+    /// Tests run with `fsync=off` (no OS crash is simulated, so written WAL survives) but
+    /// synchronous commit stays on: a commit acknowledged to a client survives
+    /// `stop(Immediate)`, which the fault tests rely on.
     pub fn start_server(&self) -> Result<()> {
-        let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off \
-             -c full_page_writes=off -c max_connections=400 -c shared_buffers=128MB",
+        let mut options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c max_connections=400 -c shared_buffers=128MB",
             self.port,
             self.root.display()
         );
+        for (name, value) in &self.settings {
+            options.push_str(&format!(" -c {name}={value}"));
+        }
         let log = self.log_path();
         self.run(
             "pg_ctl",

@@ -22,12 +22,8 @@ pub(crate) const RUN_PROGRESS: &str = "SELECT count(*) FILTER (WHERE state = 'ne
 /// and the current one) — a peak above that is a violation whatever the timing of changes.
 pub(crate) const PEAK_CONCURRENT_USE: &str = include_str!("sql_peak_concurrent_use.sql");
 
-/// Invariants in one snapshot, per semaphore: capacity, `used`, the sum of its acquired permits,
-/// and how many of its permits disagree with their request's state (acquired exactly when the
-/// request is). Used by the tests' sampler and the chaos sampler.
-pub(crate) const INVARIANT_SNAPSHOT: &str = "SELECT s.name, s.capacity, s.used, \
-     coalesce((SELECT sum(p.count) FROM permitq.permit p \
-               WHERE p.semaphore = s.name AND p.state = 'acquired'), 0)::int, \
-     (SELECT count(*) FROM permitq.permit p JOIN permitq.permit_request r ON r.id = p.request_id \
-      WHERE p.semaphore = s.name AND (p.state = 'acquired') <> (r.state = 'acquired')) \
-     FROM permitq.semaphore s";
+/// Invariants in one snapshot, per semaphore (permitq.semaphore_usage): capacity, `used` (the
+/// workers' running count) and held (the exact sum of acquired permits). Used by the tests'
+/// sampler and the chaos sampler.
+pub(crate) const INVARIANT_SNAPSHOT: &str =
+    "SELECT name, capacity, used, held FROM permitq.semaphore_usage";

@@ -277,3 +277,32 @@ pub async fn listen(
         .unwrap();
     (client, rx)
 }
+
+/// The outcomes in one `permitq_events` payload: a JSON array of objects (or one object).
+pub fn event_objects(payload: &str) -> Vec<serde_json::Value> {
+    match serde_json::from_str::<serde_json::Value>(payload) {
+        Ok(serde_json::Value::Array(items)) => items,
+        Ok(v) => vec![v],
+        Err(_) => Vec::new(),
+    }
+}
+
+/// Waits (at most 10 s) until the workers have folded every release into `used`, so `used` is
+/// exact again (it may run ahead of the held count until then).
+pub async fn wait_folded(url: &str) {
+    let conn = connect(url).await;
+    wait_until(
+        Duration::from_secs(10),
+        "releases folded into used",
+        || async {
+            conn.query_one(
+                "SELECT NOT EXISTS (SELECT 1 FROM permitq.pending_release)",
+                &[],
+            )
+            .await
+            .map(|r| r.get::<_, bool>(0))
+            .unwrap_or(false)
+        },
+    )
+    .await;
+}

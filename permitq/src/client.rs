@@ -51,8 +51,14 @@ struct Inner {
 impl Client {
     /// Connects to `url` with a pool of up to 16 connections (made lazily).
     pub async fn connect(url: &str) -> Result<Client> {
+        Client::connect_with_pool_size(url, 16).await
+    }
+
+    /// Connects to `url` with a pool of up to `max_connections` connections (made lazily): as
+    /// many as the tasks that call it at once, for many concurrent producers in one process.
+    pub async fn connect_with_pool_size(url: &str, max_connections: usize) -> Result<Client> {
         let config = db::parse_config(url)?;
-        let pool = db::pool(config.clone(), 16)?;
+        let pool = db::pool(config.clone(), max_connections.max(1))?;
         Ok(Client::new(pool, config))
     }
 
@@ -86,9 +92,10 @@ impl Client {
     /// Submits a request (idempotent by `external_id`) and wakes the workers.
     pub async fn submit(&self, request: &Request) -> Result<PermitRequest> {
         let conn = self.inner.pool.get().await?;
+        let statement = conn.prepare_cached(sql::SUBMIT.as_str()).await?;
         let row = conn
             .query_one(
-                sql::SUBMIT.as_str(),
+                &statement,
                 &[
                     &request.external_id,
                     &request.permits_json(),
@@ -104,7 +111,8 @@ impl Client {
     /// The request with this `external_id`, if any.
     pub async fn status(&self, external_id: &str) -> Result<Option<PermitRequest>> {
         let conn = self.inner.pool.get().await?;
-        conn.query_opt(sql::STATUS.as_str(), &[&external_id])
+        let statement = conn.prepare_cached(sql::STATUS.as_str()).await?;
+        conn.query_opt(&statement, &[&external_id])
             .await?
             .as_ref()
             .map(db::request_from_row)
@@ -123,7 +131,8 @@ impl Client {
 
     async fn outcome(&self, query: &str, external_id: &str) -> Result<ReleaseOutcome> {
         let conn = self.inner.pool.get().await?;
-        let text: String = conn.query_one(query, &[&external_id]).await?.get(0);
+        let statement = conn.prepare_cached(query).await?;
+        let text: String = conn.query_one(&statement, &[&external_id]).await?.get(0);
         Ok(text.parse()?)
     }
 
@@ -135,8 +144,9 @@ impl Client {
         extend: Option<Duration>,
     ) -> Result<Option<SystemTime>> {
         let conn = self.inner.pool.get().await?;
+        let statement = conn.prepare_cached(sql::HEARTBEAT).await?;
         Ok(conn
-            .query_one(sql::HEARTBEAT, &[&external_id, &extend.map(sql::interval)])
+            .query_one(&statement, &[&external_id, &extend.map(sql::interval)])
             .await?
             .get(0))
     }
@@ -267,13 +277,14 @@ impl Client {
     }
 }
 
-/// Whether a `permitq_events` payload is about `external_id`.
+/// Whether a `permitq_events` payload (one outcome, or a JSON array of them) is about
+/// `external_id`. An unreadable payload counts as a match: re-reading the status is cheap.
 fn event_is_for(payload: &str, external_id: &str) -> bool {
-    serde_json::from_str::<serde_json::Value>(payload)
-        .ok()
-        .and_then(|v| {
-            v.get("external_id")
-                .and_then(|e| e.as_str().map(|e| e == external_id))
-        })
-        .unwrap_or(true)
+    let is_for =
+        |v: &serde_json::Value| v.get("external_id").and_then(|e| e.as_str()) == Some(external_id);
+    match serde_json::from_str::<serde_json::Value>(payload) {
+        Ok(serde_json::Value::Array(items)) => items.iter().any(is_for),
+        Ok(v) => is_for(&v),
+        Err(_) => true,
+    }
 }

@@ -259,6 +259,11 @@ pub(crate) async fn retention_once(
     )
     .await?;
     metrics::counter!("permitq_retention_deleted_total").increment(requests);
+    // Rows of workers that died asleep, long ago (a handful at most).
+    pool.get()
+        .await?
+        .execute(sql::DELETE_DEAD_WORKERS, &[])
+        .await?;
     Ok((requests, audit))
 }
 

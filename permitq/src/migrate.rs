@@ -32,6 +32,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "leases",
         sql: include_str!("../schema/V2__leases.sql"),
     },
+    Migration {
+        version: 3,
+        name: "hot_path",
+        sql: include_str!("../schema/V3__hot_path.sql"),
+    },
 ];
 
 /// Advisory lock key taken while migrating ("permitq" in ASCII).

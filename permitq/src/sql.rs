@@ -36,10 +36,33 @@ pub(crate) const RECORD_MIGRATION: &str = "INSERT INTO permitq.schema_migration 
 pub(crate) const RECORD_MIGRATION_CHECKSUM: &str = "UPDATE permitq.schema_migration \
      SET checksum = sha256(convert_to($2::text, 'UTF8')) WHERE version = $1";
 
-/// Worker: claim pending requests after a cursor, FOR UPDATE SKIP LOCKED.
+/// Worker: claim what could be granted (unexamined requests after a cursor, and the first
+/// waiters of semaphores with room), FOR UPDATE SKIP LOCKED.
 pub(crate) const CLAIM_BATCH: &str = include_str!("sql/claim_batch.sql");
-/// Worker: lock the batch's semaphores in id order.
+/// Worker: lock the batch's semaphores in id order and fold pending releases into `used`.
 pub(crate) const LOCK_SEMAPHORES: &str = include_str!("sql/lock_semaphores.sql");
+/// Worker, when it claimed nothing: fold pending releases (and send their events).
+pub(crate) const FOLD_RELEASES: &str = "SELECT permitq.fold_releases()";
+/// Worker: say whether it is asleep (waiting for a notification), and until when that holds
+/// if it dies (see permitq.wake_workers in schema/V3__hot_path.sql).
+pub(crate) const WORKER_SLEEPING: &str = "INSERT INTO permitq.worker_wake AS w \
+     (worker_id, sleeping, awake_by) VALUES ($1, $2, now() + $3::text::interval) \
+     ON CONFLICT (worker_id) DO UPDATE SET sleeping = EXCLUDED.sleeping, awake_by = EXCLUDED.awake_by";
+/// Worker, just out of work: is anything waiting for it (an unexamined request, a release to
+/// fold)? Two index probes, no transaction.
+pub(crate) const WORK_WAITING: &str = "SELECT EXISTS (SELECT 1 FROM permitq.permit_request \
+     WHERE state = 'new' AND NOT examined) OR EXISTS (SELECT 1 FROM permitq.pending_release)";
+/// Worker, stopping: forget its row.
+pub(crate) const WORKER_GONE: &str = "DELETE FROM permitq.worker_wake WHERE worker_id = $1";
+/// Worker, before sleeping: true when no producer that may have seen it awake is still in
+/// flight (the wake key is free in EXCLUSIVE mode; taken and let go in one statement).
+pub(crate) const WAKE_KEY_FREE: &str =
+    "SELECT CASE WHEN pg_try_advisory_lock($1) THEN pg_advisory_unlock($1) ELSE false END";
+/// The advisory key producers hold in SHARE mode while they decide whether to NOTIFY.
+pub(crate) const WAKE_KEY: i64 = 1_886_454_016;
+/// Retention: rows of workers that died asleep, long ago.
+pub(crate) const DELETE_DEAD_WORKERS: &str =
+    "DELETE FROM permitq.worker_wake WHERE awake_by < now() - interval '1 hour'";
 /// Worker: the waiters outside the batch that fair semaphores keep room for.
 pub(crate) const SEMAPHORE_HEADS: &str = include_str!("sql/semaphore_heads.sql");
 /// Worker: write a batch's outcome.
@@ -117,6 +140,12 @@ fn all() -> Vec<(&'static str, String)> {
         ("RECORD_MIGRATION_CHECKSUM", RECORD_MIGRATION_CHECKSUM),
         ("CLAIM_BATCH", CLAIM_BATCH),
         ("LOCK_SEMAPHORES", LOCK_SEMAPHORES),
+        ("FOLD_RELEASES", FOLD_RELEASES),
+        ("WORKER_SLEEPING", WORKER_SLEEPING),
+        ("WORKER_GONE", WORKER_GONE),
+        ("WORK_WAITING", WORK_WAITING),
+        ("WAKE_KEY_FREE", WAKE_KEY_FREE),
+        ("DELETE_DEAD_WORKERS", DELETE_DEAD_WORKERS),
         ("SEMAPHORE_HEADS", SEMAPHORE_HEADS),
         ("APPLY_DECISION", APPLY_DECISION),
         ("RELEASE", RELEASE),

@@ -1,24 +1,24 @@
-//! The worker: LISTENs for work, walks the queue in passes and grants what fits.
+//! The worker: LISTENs for work, runs passes and grants what fits.
 //!
-//! A pass walks pending requests in id order from cursor 0 in batches. Each batch is one
-//! transaction: claim up to `batch_size` rows after the cursor (`FOR UPDATE SKIP LOCKED`, lock
-//! order step 1), lock the union of their semaphores in id order (step 2), read the heads of the
-//! fair ones, [`decide`], write the outcome set-based and commit. The cursor then moves to the
-//! batch's last id: rows another worker held are left behind (a line in the sand). A pass that
-//! granted or failed anything starts again from 0 at once, because capacity or heads may have
-//! changed for rows it passed; a pass that did nothing sleeps until a notification on
-//! `permitq_work`, a reconnect of the LISTEN connection, or the `poll_interval` fallback.
+//! A pass ([`batch`]) claims, in batches, what could be granted now: requests no worker has
+//! examined yet, and the first waiters of semaphores that have room. A full semaphore costs a
+//! pass nothing, however long its queue. Awake, the worker runs passes back to back while they
+//! find work. When one finds nothing it goes to sleep by the protocol of
+//! `permitq.wake_workers` (schema/V3__hot_path.sql), so that producers NOTIFY only while some
+//! worker sleeps: it records that it sleeps, waits until no producer that may have seen it awake
+//! is still in flight (running passes meanwhile), runs one more pass, and only then waits for a
+//! notification on `permitq_work`, a reconnect of the LISTEN connection, or the
+//! `poll_interval` fallback.
 
-use std::collections::{BTreeMap, BTreeSet};
+mod batch;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use deadpool_postgres::Pool;
 use tokio::sync::{watch, Notify};
-use tracing::Instrument;
 
 use crate::db::Backoff;
-use crate::decision::{decide, Candidate, SemaphoreView, Verdict, Waiter};
 use crate::error::Result;
 use crate::listener::Listener;
 use crate::maintenance::{self, MaintenanceConfig, OwnerLiveness};
@@ -63,12 +63,22 @@ pub(crate) struct PassOutcome {
     pub errored: u64,
     /// Requests left waiting.
     pub waiting: u64,
+    /// Requests examined for the first time and left waiting (they joined the queues).
+    pub queued: u64,
 }
 
 impl PassOutcome {
     /// Whether the pass changed anything (then the next pass starts at once).
     pub(crate) fn did_work(&self) -> bool {
-        self.granted + self.errored > 0
+        self.granted + self.errored + self.queued > 0
+    }
+
+    fn add(&mut self, batch: PassOutcome) {
+        self.batches += batch.batches;
+        self.granted += batch.granted;
+        self.errored += batch.errored;
+        self.waiting += batch.waiting;
+        self.queued += batch.queued;
     }
 }
 
@@ -79,6 +89,8 @@ pub struct Worker {
     listen_config: tokio_postgres::Config,
     config: Arc<WorkerConfig>,
     liveness: Option<Arc<dyn OwnerLiveness>>,
+    /// When this worker (or a clone) last ran a fold-only transaction.
+    last_fold: Arc<std::sync::Mutex<Instant>>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -100,6 +112,7 @@ impl Worker {
             listen_config,
             config: Arc::new(config),
             liveness: None,
+            last_fold: Arc::new(std::sync::Mutex::new(Instant::now())),
         }
     }
 
@@ -191,20 +204,13 @@ impl Worker {
 
     async fn claim_loop(&self, wake: &Notify, mut stop: watch::Receiver<bool>) {
         let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(2));
+        // When this worker last wrote `sleeping = true`; None while it is awake.
+        let mut asleep_since: Option<Instant> = None;
         while !*stop.borrow() {
-            match self.run_pass(&stop).await {
-                Ok(outcome) => {
-                    backoff.reset();
-                    if outcome.did_work() {
-                        continue;
-                    }
-                    tokio::select! {
-                        _ = wake.notified() => {}
-                        _ = tokio::time::sleep(self.config.poll_interval) => {}
-                        _ = stop.changed() => {}
-                    }
-                }
+            match self.step(wake, &mut stop, &mut asleep_since).await {
+                Ok(()) => backoff.reset(),
                 Err(e) => {
+                    metrics::counter!("permitq_failed_passes_total").increment(1);
                     let delay = backoff.next_delay();
                     if e.is_missing_schema() || !e.is_retryable() {
                         tracing::error!(error = %e, "pass failed; retrying in {delay:?}");
@@ -218,161 +224,118 @@ impl Worker {
                 }
             }
         }
-    }
-
-    /// Runs one full pass from id 0, retrying each batch on transient errors. Stops early when
-    /// `stop` becomes true (between transactions, never inside one).
-    pub(crate) async fn run_pass(&self, stop: &watch::Receiver<bool>) -> Result<PassOutcome> {
-        let span = tracing::debug_span!("pass", worker = %self.config.id);
-        async {
-            let started = Instant::now();
-            let mut total = PassOutcome::default();
-            let mut cursor = 0i64;
-            while !*stop.borrow() {
-                let Some((last_id, outcome)) = self.run_batch_retrying(cursor).await? else {
-                    break;
-                };
-                cursor = last_id;
-                total.batches += 1;
-                total.granted += outcome.granted;
-                total.errored += outcome.errored;
-                total.waiting += outcome.waiting;
-            }
-            metrics::histogram!("permitq_pass_seconds").record(started.elapsed().as_secs_f64());
-            tracing::debug!(?total, elapsed = ?started.elapsed(), "pass done");
-            Ok(total)
+        if let Ok(conn) = self.pool.get().await {
+            let _ = conn.execute(sql::WORKER_GONE, &[&self.config.id]).await;
         }
-        .instrument(span)
-        .await
     }
 
-    async fn run_batch_retrying(&self, cursor: i64) -> Result<Option<(i64, PassOutcome)>> {
-        let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(500));
-        loop {
-            match self.run_batch(cursor).await {
-                Err(e) if e.is_retryable() && backoff.attempts() < 8 => {
-                    metrics::counter!("permitq_batch_retries_total").increment(1);
-                    tracing::debug!(error = %e, "batch failed; retrying");
-                    tokio::time::sleep(backoff.next_delay()).await;
+    /// One round of the claim loop: a pass; when it found nothing, the way to sleep.
+    async fn step(
+        &self,
+        wake: &Notify,
+        stop: &mut watch::Receiver<bool>,
+        asleep_since: &mut Option<Instant>,
+    ) -> Result<()> {
+        if self.pass_did_work(stop, asleep_since).await? {
+            return Ok(());
+        }
+        if asleep_since.is_none() {
+            // Just out of work: under load the next request is a moment away. Look for it
+            // cheaply for a while before going to sleep (when producers would have to notify).
+            let until = Instant::now() + LINGER;
+            while Instant::now() < until && !*stop.borrow() {
+                tokio::time::sleep(BUSY_POLL).await;
+                if self.work_waiting().await? {
+                    return Ok(());
                 }
-                other => return other,
             }
         }
-    }
-
-    /// One batch transaction. Returns `None` when nothing is pending after `cursor`.
-    async fn run_batch(&self, cursor: i64) -> Result<Option<(i64, PassOutcome)>> {
-        let started = Instant::now();
-        let mut conn = self.pool.get().await?;
-        let tx = conn.transaction().await?;
-
-        let claimed = tx
-            .query(sql::CLAIM_BATCH, &[&cursor, &self.config.batch_size])
-            .await?;
-        let Some(last) = claimed.last() else {
-            tx.commit().await?;
-            return Ok(None);
-        };
-        let last_id: i64 = last.try_get("id")?;
-        let mut candidates = Vec::with_capacity(claimed.len());
-        let mut unexamined = BTreeSet::new();
-        let mut ages = BTreeMap::new();
-        for row in &claimed {
-            let id: i64 = row.try_get("id")?;
-            let permits: serde_json::Value = row.try_get("permits")?;
-            let permits = crate::db::permits_from_json(&permits);
-            if !row.try_get::<_, bool>("examined")? {
-                unexamined.insert(id);
-            }
-            ages.insert(id, row.try_get::<_, f64>("age_seconds")?);
-            candidates.push(Candidate {
-                id,
-                permits,
-                fail_fast: row.try_get("fail_fast")?,
-                deadline_passed: row.try_get("deadline_passed")?,
-            });
-        }
-        let names: Vec<&str> = candidates
-            .iter()
-            .flat_map(|c| c.permits.iter().map(|(n, _)| n.as_str()))
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect();
-
-        let mut semaphores = BTreeMap::new();
-        let mut semaphore_ids = Vec::new();
-        for row in tx.query(sql::LOCK_SEMAPHORES, &[&names]).await? {
-            semaphore_ids.push(row.try_get::<_, i64>("id")?);
-            semaphores.insert(
-                row.try_get::<_, String>("name")?,
-                SemaphoreView {
-                    capacity: row.try_get::<_, i32>("capacity")?.into(),
-                    used: row.try_get::<_, i32>("used")?.into(),
-                    fair: row.try_get("fair")?,
-                    head: None,
-                },
-            );
-        }
-        let batch_ids: Vec<i64> = candidates.iter().map(|c| c.id).collect();
-        if semaphores.values().any(|s| s.fair) {
-            for row in tx
-                .query(
-                    sql::SEMAPHORE_HEADS,
-                    &[&semaphore_ids, &batch_ids, &last_id],
-                )
-                .await?
-            {
-                let name: String = row.try_get(0)?;
-                let waiter = Waiter {
-                    request_id: row.try_get(1)?,
-                    count: row.try_get::<_, i32>(2)?.into(),
-                };
-                if let Some(s) = semaphores.get_mut(&name) {
-                    if s.head.is_none_or(|h| waiter.request_id < h.request_id) {
-                        s.head = Some(waiter);
+        match asleep_since {
+            None => {
+                // From this commit on, producers NOTIFY.
+                self.set_sleeping(true).await?;
+                *asleep_since = Some(Instant::now());
+                // A producer that read `sleeping = false` holds the wake key until its commit
+                // is visible. While one is in flight, poll with passes instead of sleeping.
+                while !self.wake_key_free().await? {
+                    tokio::time::sleep(BUSY_POLL).await;
+                    if *stop.borrow() || self.pass_did_work(stop, asleep_since).await? {
+                        return Ok(());
                     }
                 }
+                // Every producer that saw this worker awake has committed: this pass sees it.
+                if self.pass_did_work(stop, asleep_since).await? {
+                    return Ok(());
+                }
             }
+            // Still asleep: say so again before the row's `awake_by` runs out.
+            Some(since) if since.elapsed() >= self.config.poll_interval => {
+                self.set_sleeping(true).await?;
+                *asleep_since = Some(Instant::now());
+            }
+            Some(_) => {}
         }
+        tokio::select! {
+            _ = wake.notified() => {}
+            _ = tokio::time::sleep(self.config.poll_interval) => {}
+            _ = stop.changed() => {}
+        }
+        Ok(())
+    }
 
-        let decision = decide(&semaphores, &candidates);
-        let granted = decision.ids(|v| *v == Verdict::Grant);
-        let (mut errored, mut codes) = (Vec::new(), Vec::new());
-        for (id, v) in &decision.verdicts {
-            if let Verdict::Fail(code) = v {
-                errored.push(*id);
-                codes.push(code.as_str());
-            }
+    /// Runs a pass; when it did work and this worker was asleep, records that it is awake (so
+    /// producers stop notifying). A spurious wake-up writes nothing.
+    async fn pass_did_work(
+        &self,
+        stop: &watch::Receiver<bool>,
+        asleep_since: &mut Option<Instant>,
+    ) -> Result<bool> {
+        let did_work = self.run_pass(stop).await?.did_work();
+        if did_work && asleep_since.is_some() {
+            self.set_sleeping(false).await?;
+            *asleep_since = None;
         }
-        let waiting: Vec<i64> = decision
-            .ids(|v| *v == Verdict::Wait)
-            .into_iter()
-            .filter(|id| unexamined.contains(id))
-            .collect();
-        if !granted.is_empty() || !errored.is_empty() || !waiting.is_empty() {
-            tx.execute(
-                sql::APPLY_DECISION,
-                &[&self.config.id, &granted, &errored, &codes, &waiting],
+        Ok(did_work)
+    }
+
+    /// Records whether this worker sleeps. A sleeping worker's row counts until
+    /// `2 × poll_interval + 10s` from now: it wakes by then and writes it again, unless it died.
+    async fn set_sleeping(&self, sleeping: bool) -> Result<()> {
+        let awake_by = sql::interval(self.config.poll_interval * 2 + Duration::from_secs(10));
+        self.pool
+            .get()
+            .await?
+            .execute(
+                sql::WORKER_SLEEPING,
+                &[&self.config.id, &sleeping, &awake_by],
             )
             .await?;
-        }
-        tx.commit().await?;
+        Ok(())
+    }
 
-        let outcome = PassOutcome {
-            batches: 1,
-            granted: granted.len() as u64,
-            errored: errored.len() as u64,
-            waiting: (candidates.len() - granted.len() - errored.len()) as u64,
-        };
-        metrics::histogram!("permitq_batch_seconds").record(started.elapsed().as_secs_f64());
-        metrics::counter!("permitq_grants_total").increment(outcome.granted);
-        for id in &granted {
-            metrics::histogram!("permitq_grant_wait_seconds").record(ages[id]);
-        }
-        for code in &codes {
-            metrics::counter!("permitq_request_errors_total", "code" => *code).increment(1);
-        }
-        tracing::trace!(?outcome, "batch committed");
-        Ok(Some((last_id, outcome)))
+    /// Whether anything may be waiting for a worker: an unexamined request or a release to fold
+    /// (one cheap statement, no transaction).
+    async fn work_waiting(&self) -> Result<bool> {
+        let conn = self.pool.get().await?;
+        let probe = conn.prepare_cached(sql::WORK_WAITING).await?;
+        Ok(conn.query_one(&probe, &[]).await?.get(0))
+    }
+
+    /// Whether no producer that may have seen this worker awake is still in flight.
+    async fn wake_key_free(&self) -> Result<bool> {
+        Ok(self
+            .pool
+            .get()
+            .await?
+            .query_one(sql::WAKE_KEY_FREE, &[&sql::WAKE_KEY])
+            .await?
+            .get(0))
     }
 }
+
+/// How often a worker that would sleep looks for work while producers are still in flight.
+const BUSY_POLL: Duration = Duration::from_millis(1);
+
+/// How long a worker that just ran out of work keeps looking (every [`BUSY_POLL`]) before it
+/// goes to sleep.
+const LINGER: Duration = Duration::from_millis(20);

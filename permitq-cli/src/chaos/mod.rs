@@ -189,7 +189,7 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
     if let Some(m) = config.mutation {
         permitq_test_support::try_connect(&url)
             .await?
-            .batch_execute(m.sql())
+            .batch_execute(&m.sql())
             .await?;
     }
 
@@ -401,7 +401,7 @@ async fn drain(url: &str) -> Result<()> {
         };
         let step = async {
             conn.batch_execute("SELECT permitq.release(external_id) FROM permitq.permit_request WHERE state = 'acquired'").await?;
-            let open: i64 = conn.query_one("SELECT count(*) FROM permitq.permit_request WHERE state IN ('new', 'acquired')", &[]).await?.get(0);
+            let open: i64 = conn.query_one("SELECT (SELECT count(*) FROM permitq.permit_request WHERE state IN ('new', 'acquired')) + (SELECT count(*) FROM permitq.pending_release)", &[]).await?.get(0);
             Ok::<_, tokio_postgres::Error>(open)
         };
         if let Ok(0) = step.await {

@@ -11,106 +11,118 @@ use crate::error::Result;
 pub(crate) enum Mutation {
     /// The worker's semaphore rows are read without FOR UPDATE.
     NoSemaphoreLock,
-    /// The lease sweep gives capacity back with an unlocked read-modify-write of `used`.
-    SweepWithoutLock,
-    /// Releasing an already released request decrements `used` again.
+    /// The fold gives released capacity back twice.
+    FoldTwice,
+    /// Releasing an already released request gives its permits back again.
     DoubleRelease,
     /// Grants ignore fairness: every semaphore is treated as greedy.
     SkipFairness,
 }
 
+/// permitq.lock_and_fold as schema/V3__hot_path.sql defines it, with the places a mutation
+/// changes: `{lock}`/`{lock_skip}` (FOR UPDATE), `{new_used}` (the fold) and `{fair}`.
+const LOCK_AND_FOLD: &str = "CREATE OR REPLACE FUNCTION permitq.lock_and_fold(names text[])
+RETURNS TABLE (id bigint, name text, capacity integer, used integer, fair boolean)
+LANGUAGE plpgsql AS $$
+DECLARE
+    locked text[];
+    also text[];
+    announced bigint[];
+BEGIN
+    SELECT array_agg(l.name) INTO locked FROM (
+        SELECT s.name FROM permitq.semaphore s WHERE s.name = ANY(names) ORDER BY s.id {lock}
+    ) l;
+    SELECT array_agg(l.name) INTO also FROM (
+        SELECT s.name FROM permitq.semaphore s
+        WHERE s.name IN (SELECT p.semaphore FROM permitq.pending_release p WHERE p.semaphore IS NOT NULL)
+          AND s.name <> ALL(coalesce(locked, '{}'))
+        ORDER BY s.id {lock_skip}
+    ) l;
+    locked := coalesce(locked, '{}') || coalesce(also, '{}');
+    WITH folded AS (
+        {consume}
+    ),
+    give_back AS (
+        UPDATE permitq.semaphore s SET used = {new_used}, updated_at = now()
+        FROM (SELECT f.semaphore, sum(f.count) AS total FROM folded f
+              WHERE f.semaphore IS NOT NULL GROUP BY f.semaphore) t
+        WHERE s.name = t.semaphore
+    )
+    SELECT array_agg(f.request_id) FILTER (WHERE f.announce) INTO announced FROM folded f;
+    IF announced IS NOT NULL THEN
+        PERFORM permitq.notify_events(announced);
+    END IF;
+    RETURN QUERY SELECT s.id, s.name, s.capacity, s.used, {fair} FROM permitq.semaphore s
+    WHERE s.name = ANY(names) ORDER BY s.id;
+END $$;";
+
+const CONSUME: &str = "DELETE FROM permitq.pending_release p
+        WHERE p.semaphore = ANY(locked)
+           OR p.id IN (SELECT c.id FROM permitq.pending_release c WHERE c.semaphore IS NULL FOR UPDATE SKIP LOCKED)
+        RETURNING p.request_id, p.semaphore, p.count, p.announce";
+
+/// The fold's new `used`: the released counts taken off once.
+const GIVE_BACK: &str = "s.used - t.total";
+/// Taken off twice (floored at 0, so the CHECK on `used` does not stop it).
+const GIVE_BACK_TWICE: &str = "greatest(s.used - 2 * t.total, 0)";
+
+/// permitq.release_request where a released request is released again.
+const DOUBLE_RELEASE: &str =
+    "CREATE OR REPLACE FUNCTION permitq.release_request(external_id text, reason text) RETURNS text
+LANGUAGE plpgsql AS $$
+DECLARE
+    request permitq.permit_request;
+BEGIN
+    SELECT * INTO request FROM permitq.permit_request r WHERE r.external_id = $1 FOR UPDATE;
+    IF NOT FOUND THEN RETURN 'unknown'; END IF;
+    IF request.state = 'acquired' THEN
+        PERFORM permitq.release_locked(ARRAY[request.id], reason);
+        RETURN 'released';
+    ELSIF request.state = 'released' THEN
+        INSERT INTO permitq.pending_release (request_id, semaphore, count, announce)
+        SELECT request.id, e.key, e.value::int, false FROM jsonb_each(request.permits) e;
+        PERFORM permitq.wake_workers();
+        RETURN 'released';
+    ELSIF request.state = 'new' THEN
+        UPDATE permitq.permit_request r SET state = 'error', error_code = 'cancelled',
+            settled_at = clock_timestamp() WHERE r.id = request.id;
+        DELETE FROM permitq.waiter w WHERE w.request_id = request.id;
+        INSERT INTO permitq.pending_release (request_id, announce) VALUES (request.id, true);
+        PERFORM permitq.wake_workers();
+        RETURN 'cancelled';
+    END IF;
+    RETURN 'not_acquired';
+END $$;";
+
 impl Mutation {
     /// Every mutation.
     pub(crate) const ALL: [Mutation; 4] = [
         Mutation::NoSemaphoreLock,
-        Mutation::SweepWithoutLock,
+        Mutation::FoldTwice,
         Mutation::DoubleRelease,
         Mutation::SkipFairness,
     ];
 
     /// The SQL that plants it.
-    pub(crate) fn sql(self) -> &'static str {
+    pub(crate) fn sql(self) -> String {
+        let lock_and_fold = |lock: &str, new_used: &str, fair: &str| {
+            let lock_skip = if lock.is_empty() {
+                ""
+            } else {
+                "FOR UPDATE SKIP LOCKED"
+            };
+            LOCK_AND_FOLD
+                .replace("{lock_skip}", lock_skip)
+                .replace("{lock}", lock)
+                .replace("{consume}", CONSUME)
+                .replace("{new_used}", new_used)
+                .replace("{fair}", fair)
+        };
         match self {
-            Mutation::NoSemaphoreLock => {
-                "CREATE OR REPLACE FUNCTION permitq.lock_semaphores(names text[])
-                 RETURNS TABLE (id bigint, name text, capacity integer, used integer, fair boolean)
-                 LANGUAGE sql AS $$
-                     SELECT s.id, s.name, s.capacity, s.used, s.fair FROM permitq.semaphore s
-                     WHERE s.name = ANY(names) ORDER BY s.id
-                 $$;"
-            }
-            Mutation::SkipFairness => {
-                "CREATE OR REPLACE FUNCTION permitq.lock_semaphores(names text[])
-                 RETURNS TABLE (id bigint, name text, capacity integer, used integer, fair boolean)
-                 LANGUAGE sql AS $$
-                     SELECT s.id, s.name, s.capacity, s.used, false FROM permitq.semaphore s
-                     WHERE s.name = ANY(names) ORDER BY s.id FOR UPDATE
-                 $$;"
-            }
-            Mutation::SweepWithoutLock => {
-                // Reads `used` without the semaphore lock, takes a while (a slow sweep), then
-                // writes back what it computed: a lost update whenever a grant commits between.
-                "CREATE OR REPLACE FUNCTION permitq.sweep_expired(batch_size integer) RETURNS integer
-                 LANGUAGE plpgsql AS $$
-                 DECLARE
-                     ids bigint[];
-                     names text[];
-                     totals bigint[];
-                     seen integer[];
-                 BEGIN
-                     SELECT array_agg(id) INTO ids FROM (
-                         SELECT id FROM permitq.permit_request
-                         WHERE state = 'acquired' AND expires_at <= now()
-                         LIMIT batch_size FOR UPDATE SKIP LOCKED) due;
-                     IF ids IS NULL THEN RETURN 0; END IF;
-                     SELECT array_agg(t.semaphore), array_agg(t.total), array_agg(s.used)
-                     INTO names, totals, seen
-                     FROM (SELECT semaphore, sum(count) AS total FROM permitq.permit
-                           WHERE request_id = ANY(ids) AND state = 'acquired' GROUP BY semaphore) t
-                     JOIN permitq.semaphore s ON s.name = t.semaphore;
-                     PERFORM pg_sleep(0.05);
-                     UPDATE permitq.semaphore s SET used = greatest(x.seen - x.total, 0)
-                     FROM unnest(names, totals, seen) AS x(name, total, seen) WHERE s.name = x.name;
-                     UPDATE permitq.permit SET state = 'released', released_at = clock_timestamp()
-                     WHERE request_id = ANY(ids) AND state = 'acquired';
-                     UPDATE permitq.permit_request SET state = 'released', release_reason = 'expired',
-                         released_at = clock_timestamp(), settled_at = clock_timestamp()
-                     WHERE id = ANY(ids);
-                     PERFORM pg_notify('permitq_work', '');
-                     RETURN array_length(ids, 1);
-                 END $$;"
-            }
-            Mutation::DoubleRelease => {
-                "CREATE OR REPLACE FUNCTION permitq.release_request(external_id text, reason text) RETURNS text
-                 LANGUAGE plpgsql AS $$
-                 DECLARE
-                     request permitq.permit_request;
-                 BEGIN
-                     SELECT * INTO request FROM permitq.permit_request r WHERE r.external_id = $1 FOR UPDATE;
-                     IF NOT FOUND THEN RETURN 'unknown'; END IF;
-                     IF request.state IN ('acquired', 'released') THEN
-                         PERFORM 1 FROM permitq.semaphore s
-                         WHERE s.name IN (SELECT p.semaphore FROM permitq.permit p WHERE p.request_id = request.id)
-                         ORDER BY s.id FOR UPDATE;
-                         UPDATE permitq.semaphore s SET used = greatest(s.used - p.count, 0)
-                         FROM permitq.permit p WHERE p.request_id = request.id AND s.name = p.semaphore;
-                         UPDATE permitq.permit p SET state = 'released', released_at = coalesce(p.released_at, clock_timestamp())
-                         WHERE p.request_id = request.id;
-                         UPDATE permitq.permit_request r SET state = 'released',
-                             release_reason = coalesce(r.release_reason, reason),
-                             released_at = coalesce(r.released_at, clock_timestamp()),
-                             settled_at = coalesce(r.settled_at, clock_timestamp())
-                         WHERE r.id = request.id;
-                         PERFORM pg_notify('permitq_work', '');
-                         RETURN 'released';
-                     ELSIF request.state = 'new' THEN
-                         UPDATE permitq.permit_request r SET state = 'error', error_code = 'cancelled',
-                             settled_at = clock_timestamp() WHERE r.id = request.id;
-                         RETURN 'cancelled';
-                     END IF;
-                     RETURN 'not_acquired';
-                 END $$;"
-            }
+            Mutation::NoSemaphoreLock => lock_and_fold("", GIVE_BACK, "s.fair"),
+            Mutation::SkipFairness => lock_and_fold("FOR UPDATE", GIVE_BACK, "false"),
+            Mutation::FoldTwice => lock_and_fold("FOR UPDATE", GIVE_BACK_TWICE, "s.fair"),
+            Mutation::DoubleRelease => DOUBLE_RELEASE.to_string(),
         }
     }
 
@@ -118,7 +130,7 @@ impl Mutation {
     pub(crate) fn name(self) -> &'static str {
         match self {
             Mutation::NoSemaphoreLock => "no-semaphore-lock",
-            Mutation::SweepWithoutLock => "sweep-without-lock",
+            Mutation::FoldTwice => "fold-twice",
             Mutation::DoubleRelease => "double-release",
             Mutation::SkipFairness => "skip-fairness",
         }
@@ -137,6 +149,6 @@ impl FromStr for Mutation {
         Mutation::ALL
             .into_iter()
             .find(|m| m.name() == s)
-            .ok_or_else(|| format!("unknown mutation {s:?}: one of no-semaphore-lock, sweep-without-lock, double-release, skip-fairness"))
+            .ok_or_else(|| format!("unknown mutation {s:?}: one of no-semaphore-lock, fold-twice, double-release, skip-fairness"))
     }
 }

@@ -247,6 +247,7 @@ async fn workers_ride_out_a_database_restart() {
     }
     let conn = common::connect(&url).await;
     check_invariants(&conn).await.unwrap();
+    common::wait_folded(&url).await;
     assert_eq!(client.semaphores().await.unwrap()[0].used, 0);
     for w in workers {
         w.stop().await;

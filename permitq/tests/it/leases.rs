@@ -200,6 +200,7 @@ async fn max_hold_releases_stale_holders() {
         held >= Duration::from_millis(300),
         "released after only {held:?}"
     );
+    common::wait_folded(&db.url).await;
     assert_eq!(client.semaphores().await.unwrap()[0].used, 0);
     worker.stop().await;
 }
@@ -380,12 +381,13 @@ async fn with_three_workers_each_expired_lease_is_released_exactly_once() {
             .ttl(Duration::from_millis(300));
         client.submit(&r).await.unwrap();
     }
-    wait_until(SOON, "every lease expired", || async {
+    wait_until(SOON, "every lease expired and folded in", || async {
         let n: i64 = db
             .conn()
             .await
             .query_one(
-                "SELECT count(*) FROM permitq.permit_request WHERE release_reason = 'expired'",
+                "SELECT count(*) FROM permitq.permit_request WHERE release_reason = 'expired'
+                 AND NOT EXISTS (SELECT 1 FROM permitq.pending_release)",
                 &[],
             )
             .await
@@ -407,10 +409,11 @@ async fn with_three_workers_each_expired_lease_is_released_exactly_once() {
         if payload == "marker" {
             break;
         }
-        let event: serde_json::Value = serde_json::from_str(&payload).unwrap();
-        if event["state"] == "released" {
-            let id = event["external_id"].as_str().unwrap().to_string();
-            *released.entry(id).or_default() += 1;
+        for event in common::event_objects(&payload) {
+            if event["state"] == "released" {
+                let id = event["external_id"].as_str().unwrap().to_string();
+                *released.entry(id).or_default() += 1;
+            }
         }
     }
     assert_eq!(released.len(), 60);

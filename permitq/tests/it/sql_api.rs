@@ -239,22 +239,14 @@ async fn plain_inserts_are_validated_by_constraints() {
     assert_eq!(row.get::<_, String>(0), "new");
 }
 
-#[tokio::test]
-async fn the_insert_trigger_notifies_once_per_statement() {
-    let db = TestDb::new().await;
+/// Notifications on permitq_work before a marker sent after `sql` (they arrive in commit order).
+async fn work_notifications(db: &TestDb, sql: &str) -> usize {
     let (_listener, mut rx) = common::listen(&db.url, "permitq_work").await;
-    let producer = db.conn().await;
-    producer
-        .batch_execute(
-            "INSERT INTO permitq.permit_request (external_id, permits)
-             SELECT 'bulk-' || i, '{\"s\":1}' FROM generate_series(1, 50) i;
-             INSERT INTO permitq.permit_request (external_id, permits) VALUES ('bulk-1', '{\"s\":1}')
-             ON CONFLICT (external_id) DO NOTHING;
-             NOTIFY permitq_work, 'marker';",
-        )
+    db.conn()
+        .await
+        .batch_execute(&format!("{sql}; NOTIFY permitq_work, 'marker';"))
         .await
         .unwrap();
-    // Notifications arrive in commit order: everything before the marker is the inserts'.
     let mut before_marker = 0;
     loop {
         let payload = tokio::time::timeout(Duration::from_secs(10), rx.recv())
@@ -262,14 +254,52 @@ async fn the_insert_trigger_notifies_once_per_statement() {
             .unwrap()
             .unwrap();
         if payload == "marker" {
-            break;
+            return before_marker;
         }
         before_marker += 1;
     }
-    assert_eq!(
-        before_marker, 1,
-        "50 rows in one statement (and a no-op insert) wake the workers once"
-    );
+}
+
+#[tokio::test]
+async fn inserts_wake_a_sleeping_worker_once_per_statement_and_an_awake_one_never() {
+    let db = TestDb::new().await;
+    let inserts = |tag: &str| {
+        format!(
+            "INSERT INTO permitq.permit_request (external_id, permits)
+             SELECT '{tag}-' || i, '{{\"s\":1}}' FROM generate_series(1, 50) i;
+             INSERT INTO permitq.permit_request (external_id, permits) VALUES ('{tag}-1', '{{\"s\":1}}')
+             ON CONFLICT (external_id) DO NOTHING;
+             SELECT permitq.submit('{tag}-x', '{{\"s\":1}}')"
+        )
+    };
+    // No worker has said it sleeps: no notification at all.
+    assert_eq!(work_notifications(&db, &inserts("a")).await, 0);
+    // A worker that is awake: none either.
+    db.conn()
+        .await
+        .batch_execute(
+            "INSERT INTO permitq.worker_wake VALUES ('w-awake', false, now() + interval '1 hour')",
+        )
+        .await
+        .unwrap();
+    assert_eq!(work_notifications(&db, &inserts("b")).await, 0);
+    // A sleeping worker: woken (50 rows in one statement, a no-op insert and a submit, in one
+    // transaction: PostgreSQL folds identical notifications of a transaction into one).
+    db.conn()
+        .await
+        .batch_execute(
+            "INSERT INTO permitq.worker_wake VALUES ('w-asleep', true, now() + interval '1 hour')",
+        )
+        .await
+        .unwrap();
+    assert_eq!(work_notifications(&db, &inserts("c")).await, 1);
+    // A worker that died asleep (its row's awake_by has passed) no longer counts.
+    db.conn()
+        .await
+        .batch_execute("UPDATE permitq.worker_wake SET awake_by = now() - interval '1 second' WHERE worker_id = 'w-asleep'")
+        .await
+        .unwrap();
+    assert_eq!(work_notifications(&db, &inserts("d")).await, 0);
 }
 
 #[tokio::test]

@@ -43,6 +43,7 @@ async fn a_request_goes_new_acquired_released() {
         (State::Released, Some(permitq::ReleaseReason::Released))
     );
     assert!(r.released_at >= r.acquired_at);
+    common::wait_folded(&db.url).await;
     assert_eq!(client.semaphores().await.unwrap()[0].used, 0);
     let conn = db.conn().await;
     let permit: (String, i32) = {
@@ -514,6 +515,7 @@ async fn three_workers_under_random_load_keep_every_invariant() {
         report.over_capacity.is_empty(),
         "interval sweep found overlap above capacity: {report:?}"
     );
+    common::wait_folded(&db.url).await;
     for s in client.semaphores().await.unwrap() {
         assert_eq!(s.used, 0, "{} not back to 0", s.name);
     }

@@ -1,0 +1,229 @@
+//! One pass of the claim loop, in batch transactions.
+//!
+//! Each batch is one transaction: claim what could be granted (`FOR UPDATE SKIP LOCKED`, lock
+//! order step 1), lock the union of the batch's semaphores and of those with pending releases in
+//! id order and fold the releases into `used` (step 2), read the heads of the fair ones,
+//! [`decide`], write the outcome set-based and commit. The cursor moves past the newest
+//! unexamined request claimed: rows another worker holds are left behind (a line in the sand).
+//! A pass ends with a batch that claims nothing or changes nothing.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tracing::Instrument;
+
+use super::{PassOutcome, Worker};
+use crate::db::Backoff;
+use crate::decision::{decide, Candidate, SemaphoreView, Verdict, Waiter};
+use crate::error::Result;
+use crate::sql;
+
+/// How often at most a worker runs a transaction only to fold pending releases.
+const FOLD_EVERY: Duration = Duration::from_millis(10);
+
+impl Worker {
+    fn fold_due(&self) -> bool {
+        let mut last = self
+            .last_fold
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if last.elapsed() < FOLD_EVERY {
+            return false;
+        }
+        *last = Instant::now();
+        true
+    }
+
+    /// Runs one pass, retrying each batch on transient errors. Stops early when `stop` becomes
+    /// true (between transactions, never inside one).
+    pub(crate) async fn run_pass(&self, stop: &watch::Receiver<bool>) -> Result<PassOutcome> {
+        let span = tracing::debug_span!("pass", worker = %self.config.id);
+        async {
+            let started = Instant::now();
+            let mut total = PassOutcome::default();
+            let mut cursor = 0i64;
+            while !*stop.borrow() {
+                let Some((newest_fresh, outcome)) = self.run_batch_retrying(cursor).await? else {
+                    break;
+                };
+                cursor = cursor.max(newest_fresh);
+                total.add(outcome);
+                if !outcome.did_work() {
+                    break;
+                }
+            }
+            metrics::histogram!("permitq_pass_seconds").record(started.elapsed().as_secs_f64());
+            tracing::debug!(?total, elapsed = ?started.elapsed(), "pass done");
+            Ok(total)
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn run_batch_retrying(&self, cursor: i64) -> Result<Option<(i64, PassOutcome)>> {
+        let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(500));
+        loop {
+            match self.run_batch(cursor).await {
+                Err(e) if e.is_retryable() && backoff.attempts() < 8 => {
+                    metrics::counter!("permitq_batch_retries_total").increment(1);
+                    tracing::debug!(error = %e, "batch failed; retrying");
+                    tokio::time::sleep(backoff.next_delay()).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// One batch transaction. Returns `None` when nothing could be claimed (after folding the
+    /// pending releases), else the newest unexamined id it claimed and what it did.
+    ///
+    /// Statements are prepared once per connection, and BEGIN travels with the claim and COMMIT
+    /// with the outcome (pipelined). A connection whose batch failed is not returned to the pool:
+    /// it may still be inside the transaction.
+    async fn run_batch(&self, cursor: i64) -> Result<Option<(i64, PassOutcome)>> {
+        let conn = self.pool.get().await?;
+        let result = self.batch_on(&conn, cursor).await;
+        if result.is_err() {
+            drop(deadpool_postgres::Object::take(conn));
+        }
+        result
+    }
+
+    async fn batch_on(
+        &self,
+        conn: &deadpool_postgres::Object,
+        cursor: i64,
+    ) -> Result<Option<(i64, PassOutcome)>> {
+        let started = Instant::now();
+        let claim = conn.prepare_cached(sql::CLAIM_BATCH).await?;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] =
+            [&cursor, &self.config.batch_size];
+        let (begun, claimed) =
+            tokio::join!(conn.batch_execute("BEGIN"), conn.query(&claim, &params));
+        begun?;
+        let mut claimed = claimed?;
+        if claimed.is_empty() {
+            // Releases are folded by every grant anyway; a fold of its own (for the `released`
+            // events and an exact `used`) runs at most every FOLD_EVERY, because it takes the
+            // semaphore locks that grants need.
+            if self.fold_due() {
+                let fold = conn.prepare_cached(sql::FOLD_RELEASES).await?;
+                let (folded, committed) =
+                    tokio::join!(conn.execute(&fold, &[]), conn.batch_execute("COMMIT"));
+                folded?;
+                committed?;
+            } else {
+                conn.batch_execute("COMMIT").await?;
+            }
+            return Ok(None);
+        }
+        claimed.sort_by_key(|row| row.get::<_, i64>("id"));
+        let last_id: i64 = claimed.last().map_or(0, |row| row.get("id"));
+        let mut candidates = Vec::with_capacity(claimed.len());
+        let mut unexamined = BTreeSet::new();
+        let mut ages = BTreeMap::new();
+        for row in &claimed {
+            let id: i64 = row.try_get("id")?;
+            let permits: serde_json::Value = row.try_get("permits")?;
+            let permits = crate::db::permits_from_json(&permits);
+            if !row.try_get::<_, bool>("examined")? {
+                unexamined.insert(id);
+            }
+            ages.insert(id, row.try_get::<_, f64>("age_seconds")?);
+            candidates.push(Candidate {
+                id,
+                permits,
+                fail_fast: row.try_get("fail_fast")?,
+                deadline_passed: row.try_get("deadline_passed")?,
+            });
+        }
+        let names: Vec<&str> = candidates
+            .iter()
+            .flat_map(|c| c.permits.iter().map(|(n, _)| n.as_str()))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+
+        let mut semaphores = BTreeMap::new();
+        let mut semaphore_ids = Vec::new();
+        let lock = conn.prepare_cached(sql::LOCK_SEMAPHORES).await?;
+        for row in conn.query(&lock, &[&names]).await? {
+            semaphore_ids.push(row.try_get::<_, i64>("id")?);
+            semaphores.insert(
+                row.try_get::<_, String>("name")?,
+                SemaphoreView {
+                    capacity: row.try_get::<_, i32>("capacity")?.into(),
+                    used: row.try_get::<_, i32>("used")?.into(),
+                    fair: row.try_get("fair")?,
+                    head: None,
+                },
+            );
+        }
+        let batch_ids: Vec<i64> = candidates.iter().map(|c| c.id).collect();
+        if semaphores.values().any(|s| s.fair) {
+            let heads = conn.prepare_cached(sql::SEMAPHORE_HEADS).await?;
+            for row in conn
+                .query(&heads, &[&semaphore_ids, &batch_ids, &last_id])
+                .await?
+            {
+                let name: String = row.try_get(0)?;
+                let waiter = Waiter {
+                    request_id: row.try_get(1)?,
+                    count: row.try_get::<_, i32>(2)?.into(),
+                };
+                if let Some(s) = semaphores.get_mut(&name) {
+                    if s.head.is_none_or(|h| waiter.request_id < h.request_id) {
+                        s.head = Some(waiter);
+                    }
+                }
+            }
+        }
+
+        let decision = decide(&semaphores, &candidates);
+        let granted = decision.ids(|v| *v == Verdict::Grant);
+        let (mut errored, mut codes) = (Vec::new(), Vec::new());
+        for (id, v) in &decision.verdicts {
+            if let Verdict::Fail(code) = v {
+                errored.push(*id);
+                codes.push(code.as_str());
+            }
+        }
+        let waiting: Vec<i64> = decision
+            .ids(|v| *v == Verdict::Wait)
+            .into_iter()
+            .filter(|id| unexamined.contains(id))
+            .collect();
+        if !granted.is_empty() || !errored.is_empty() || !waiting.is_empty() {
+            let apply = conn.prepare_cached(sql::APPLY_DECISION).await?;
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+                [&self.config.id, &granted, &errored, &codes, &waiting];
+            let (applied, committed) =
+                tokio::join!(conn.execute(&apply, &params), conn.batch_execute("COMMIT"));
+            applied?;
+            committed?;
+        } else {
+            conn.batch_execute("COMMIT").await?;
+        }
+
+        let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+        let outcome = PassOutcome {
+            batches: 1,
+            granted: count(granted.len()),
+            errored: count(errored.len()),
+            waiting: count(candidates.len() - granted.len() - errored.len()),
+            queued: count(waiting.len()),
+        };
+        metrics::histogram!("permitq_batch_seconds").record(started.elapsed().as_secs_f64());
+        metrics::counter!("permitq_grants_total").increment(outcome.granted);
+        for id in &granted {
+            metrics::histogram!("permitq_grant_wait_seconds").record(ages[id]);
+        }
+        for code in &codes {
+            metrics::counter!("permitq_request_errors_total", "code" => *code).increment(1);
+        }
+        tracing::trace!(?outcome, "batch committed");
+        let newest_fresh = unexamined.last().copied().unwrap_or(0);
+        Ok(Some((newest_fresh, outcome)))
+    }
+}

@@ -1,0 +1,166 @@
+//! Notifications are coalesced: outcomes travel in batches, one notification per worker
+//! transaction (up to 40 outcomes each); releases and cancels notify nobody themselves, and
+//! producers wake workers only while one sleeps.
+
+use permitq_test_support as common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::{event_objects, quiet_config, wait_until, TestDb};
+use permitq::{Request, State};
+
+const SOON: Duration = Duration::from_secs(20);
+
+/// Notification payloads received on `rx` before `marker` (sent after everything else).
+async fn until_marker(
+    listener: &tokio_postgres::Client,
+    channel: &str,
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+) -> Vec<String> {
+    listener
+        .batch_execute(&format!("NOTIFY {channel}, 'marker'"))
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    loop {
+        let payload = tokio::time::timeout(SOON, rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        if payload == "marker" {
+            return got;
+        }
+        got.push(payload);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_grants_and_a_batch_of_releases_send_a_few_notifications_not_one_each() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 1000, None).await.unwrap();
+    let (events_listener, mut events) = common::listen(&db.url, "permitq_events").await;
+    // 100 requests queued while no worker runs, then one worker grants them in one batch.
+    db.conn()
+        .await
+        .batch_execute(
+            "INSERT INTO permitq.permit_request (external_id, permits)
+             SELECT 'r-' || i, '{\"s\": 1}' FROM generate_series(1, 100) i",
+        )
+        .await
+        .unwrap();
+    let mut config = quiet_config("w1");
+    config.batch_size = 100;
+    let worker = db.worker(config);
+    wait_until(SOON, "all granted", || async {
+        client.semaphores().await.unwrap()[0].used == 100
+    })
+    .await;
+    worker.stop().await;
+    let grants = until_marker(&events_listener, "permitq_events", &mut events).await;
+    let granted: Vec<_> = grants.iter().flat_map(|p| event_objects(p)).collect();
+    assert_eq!(granted.len(), 100, "every grant announced once");
+    assert!(granted.iter().all(|e| e["state"] == "acquired"));
+    assert_eq!(grants.len(), 3, "100 outcomes in arrays of at most 40");
+
+    // 100 releases while no worker runs: none notifies; the fold sends their outcomes.
+    for i in 1..=100 {
+        client.release(&format!("r-{i}")).await.unwrap();
+    }
+    assert!(
+        until_marker(&events_listener, "permitq_events", &mut events)
+            .await
+            .is_empty(),
+        "a release sends nothing itself"
+    );
+    assert_eq!(
+        client.semaphores().await.unwrap()[0].used,
+        100,
+        "used runs ahead until the fold"
+    );
+    let worker = db.worker(quiet_config("w2"));
+    wait_until(SOON, "releases folded", || async {
+        client.semaphores().await.unwrap()[0].used == 0
+    })
+    .await;
+    let releases = until_marker(&events_listener, "permitq_events", &mut events).await;
+    let mut released: BTreeMap<String, usize> = BTreeMap::new();
+    for e in releases.iter().flat_map(|p| event_objects(p)) {
+        assert_eq!(e["state"], "released");
+        assert_eq!(e["release_reason"], "released");
+        *released
+            .entry(e["external_id"].as_str().unwrap().to_string())
+            .or_default() += 1;
+    }
+    assert_eq!(released.len(), 100);
+    assert!(released.values().all(|n| *n == 1), "{released:?}");
+    assert!(
+        releases.len() <= 3,
+        "one fold, {} notifications",
+        releases.len()
+    );
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_load_producers_do_not_notify_per_request() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("hot", 64, None).await.unwrap();
+    let (work_listener, mut work) = common::listen(&db.url, "permitq_work").await;
+    let (events_listener, mut events) = common::listen(&db.url, "permitq_events").await;
+    let workers: Vec<_> = (0..2)
+        .map(|i| db.worker(quiet_config(&format!("w{i}"))))
+        .collect();
+    const PRODUCERS: usize = 16;
+    const CYCLES: usize = 25;
+    let tasks: Vec<_> = (0..PRODUCERS)
+        .map(|p| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                for i in 0..CYCLES {
+                    let id = format!("c-{p}-{i}");
+                    client
+                        .submit(&Request::new(&id).permit("hot", 1))
+                        .await
+                        .unwrap();
+                    let r = client.wait_settled(&id, SOON).await.unwrap().unwrap();
+                    assert_eq!(r.state, State::Acquired);
+                    client.release(&id).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    wait_until(SOON, "releases folded", || async {
+        client.semaphores().await.unwrap()[0].used == 0
+    })
+    .await;
+    let cycles = PRODUCERS * CYCLES;
+    let wakeups = until_marker(&work_listener, "permitq_work", &mut work)
+        .await
+        .len();
+    let event_notes = until_marker(&events_listener, "permitq_events", &mut events).await;
+    let outcomes: usize = event_notes.iter().map(|p| event_objects(p).len()).sum();
+    assert_eq!(
+        outcomes,
+        2 * cycles,
+        "each grant and each release announced once"
+    );
+    assert!(
+        wakeups < cycles,
+        "{wakeups} wake-up notifications for {cycles} submits and {cycles} releases"
+    );
+    assert!(
+        event_notes.len() < 2 * cycles,
+        "{} event notifications for {} outcomes",
+        event_notes.len(),
+        2 * cycles
+    );
+    for w in workers {
+        w.stop().await;
+    }
+}
