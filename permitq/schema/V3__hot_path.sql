@@ -252,14 +252,16 @@ END $$;
 -- 4. Worker step 1: claim what could be granted now, FOR UPDATE SKIP LOCKED, in two parts.
 --   fresh: pending requests no worker has examined yet, in id order after the pass's cursor
 --          (a line in the sand: rows another worker holds are passed over, not waited for);
---   ready: the first `batch_size` waiters of each semaphore that has room now (capacity - used
---          + releases not folded yet), whose count there fits. A full semaphore contributes
---          nothing, however many wait on it.
+--   ready: the first waiters of each semaphore that has room now (capacity - used + releases
+--          not folded yet = free), at most min(batch_size, free) of them, whose count there
+--          fits. A full semaphore contributes nothing, however many wait on it.
 -- Rows come back in id order within each part; the caller sorts the union.
 CREATE FUNCTION permitq.claim_batch(cursor bigint, batch_size bigint)
 RETURNS TABLE (id bigint, permits jsonb, fail_fast boolean, deadline_passed boolean,
                examined boolean, age_seconds float8)
 LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+DECLARE
+    ready bigint[];
 BEGIN
     RETURN QUERY
     SELECT r.id, r.permits, coalesce(r.wait = interval '0', false),
@@ -274,31 +276,36 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM permitq.waiter) THEN
         RETURN;
     END IF;
-    RETURN QUERY
     WITH room AS (
         SELECT s.id,
                s.capacity - s.used
                  + coalesce((SELECT sum(p.count) FROM permitq.pending_release p
                              WHERE p.semaphore = s.name), 0) AS free
         FROM permitq.semaphore s
-        WHERE EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = s.id)
-    ),
-    ready AS (
-        SELECT DISTINCT w.request_id
-        FROM room
-        CROSS JOIN LATERAL (
-            SELECT wt.request_id, wt.count FROM permitq.waiter wt
-            WHERE wt.semaphore_id = room.id
-            ORDER BY wt.request_id
-            LIMIT batch_size
-        ) w
-        WHERE room.free > 0 AND w.count <= room.free
+        -- A probe per semaphore (LIMIT keeps the planner from turning it into a scan of every
+        -- waiter).
+        WHERE (SELECT true FROM permitq.waiter w WHERE w.semaphore_id = s.id LIMIT 1)
     )
+    SELECT array_agg(DISTINCT w.request_id) INTO ready
+    FROM room
+    CROSS JOIN LATERAL (
+        SELECT wt.request_id, wt.count FROM permitq.waiter wt
+        WHERE wt.semaphore_id = room.id
+        ORDER BY wt.semaphore_id, wt.request_id   -- the primary key's order
+        -- Each grant takes at least one permit: no more than `free` of them can go now.
+        LIMIT least(batch_size, room.free)
+    ) w
+    WHERE room.free > 0 AND w.count <= room.free;
+    IF ready IS NULL THEN
+        RETURN;
+    END IF;
+    -- By primary key: the ids are few, the queue may be long.
+    RETURN QUERY
     SELECT r.id, r.permits, coalesce(r.wait = interval '0', false),
            coalesce(r.wait_until <= now(), false), r.examined,
            extract(epoch FROM clock_timestamp() - r.created_at)::float8
     FROM permitq.permit_request r
-    WHERE r.id IN (SELECT request_id FROM ready) AND r.state = 'new' AND r.examined
+    WHERE r.id = ANY(ready) AND r.state = 'new' AND r.examined
     ORDER BY r.id
     FOR UPDATE SKIP LOCKED;
 END $$;
@@ -507,7 +514,7 @@ BEGIN
     CROSS JOIN LATERAL (
         SELECT wt.request_id, wt.count FROM permitq.waiter wt
         WHERE wt.semaphore_id = locked.id AND wt.request_id <> ALL(batch_ids)
-        ORDER BY wt.request_id
+        ORDER BY wt.semaphore_id, wt.request_id   -- the primary key's order
         LIMIT 1
     ) w;
     -- Older pending requests no worker has examined yet (another worker holds them right now,
