@@ -102,7 +102,13 @@ fn chaos_catches_a_fold_that_gives_released_capacity_back_twice() {
 #[test]
 fn chaos_catches_a_double_release_that_decrements_twice() {
     let found = planted("double-release");
-    assert!(found["history"] > 0 && found["sampler"] > 0, "{found:?}");
+    // The second `released` is in the history. Its capacity, given back again, either shows as
+    // `used` under-counting (sampler, then over-grants) or, when the fold would take `used`
+    // below 0, stops every fold (the CHECK on `used`) and the queue stalls (quiescence).
+    assert!(
+        found["history"] > 0 && found["sampler"] + found["safety"] + found["quiescence"] > 0,
+        "{found:?}"
+    );
 }
 
 #[test]

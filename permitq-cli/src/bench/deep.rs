@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use permitq::{Client, Request, State};
 use permitq_test_support::Percentiles;
 
-use super::load::{cycle, db_latency};
+use super::load::{cycle, db_latency, hand_off};
 use super::{ms, tag, BenchArgs, Report};
 use crate::error::{CliError, Result};
 
@@ -164,24 +164,8 @@ async fn measure(
     let mut holder = format!("{}-holder", full[0]);
     let mut gaps = Vec::new();
     for k in 1..=30 {
-        client.release(&holder).await?;
         let next = format!("{}-w-{}", full[0], 2 * k);
-        let granted = client.wait_settled(&next, Duration::from_secs(30)).await?;
-        if granted.map(|r| r.state) != Some(State::Acquired) {
-            return Err(CliError::runtime(format!(
-                "the head of the full semaphore, {next}, was not granted in 30s"
-            )));
-        }
-        let gap: f64 = conn
-            .query_one(
-                "SELECT extract(epoch FROM n.acquired_at - h.released_at)::float8 * 1000
-                 FROM permitq.permit_request n, permitq.permit_request h
-                 WHERE n.external_id = $1 AND h.external_id = $2",
-                &[&next, &holder],
-            )
-            .await?
-            .get(0);
-        gaps.push(gap);
+        gaps.push(hand_off(client, conn, &holder, &next).await?);
         holder = next;
     }
     let head = Percentiles::of(&mut gaps);

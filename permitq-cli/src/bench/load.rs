@@ -47,6 +47,32 @@ pub(super) async fn db_latency(conn: &tokio_postgres::Client, prefix: &str) -> R
     Ok(Percentiles::of(&mut samples))
 }
 
+/// Releases `holder` and waits for `next` (waiting on the same semaphore) to be granted. Returns
+/// the hand-off time on the database's clock (`next.acquired_at - holder.released_at`), in ms.
+pub(super) async fn hand_off(
+    client: &Client,
+    conn: &tokio_postgres::Client,
+    holder: &str,
+    next: &str,
+) -> Result<f64> {
+    client.release(holder).await?;
+    let granted = client.wait_settled(next, Duration::from_secs(30)).await?;
+    if granted.map(|r| r.state) != Some(State::Acquired) {
+        return Err(CliError::runtime(format!(
+            "hand-off from {holder} to {next} took over 30s"
+        )));
+    }
+    Ok(conn
+        .query_one(
+            "SELECT extract(epoch FROM n.acquired_at - h.released_at)::float8 * 1000
+             FROM permitq.permit_request n, permitq.permit_request h
+             WHERE n.external_id = $1 AND h.external_id = $2",
+            &[&next, &holder],
+        )
+        .await?
+        .get(0))
+}
+
 /// Idle submit → acquired, one request at a time, and release → next waiter granted.
 pub(super) async fn idle(url: &str, args: &BenchArgs, report: &mut Report) -> Result<()> {
     let client = Client::connect(url).await?;
@@ -84,23 +110,7 @@ pub(super) async fn idle(url: &str, args: &BenchArgs, report: &mut Report) -> Re
             .await?;
         // Let a worker see it waiting first, so the release is what grants it.
         tokio::time::sleep(Duration::from_millis(2)).await;
-        client.release(&holder).await?;
-        let granted = client.wait_settled(&next, Duration::from_secs(10)).await?;
-        if granted.map(|r| r.state) != Some(State::Acquired) {
-            return Err(CliError::runtime(format!(
-                "hand-off to {next} took over 10s"
-            )));
-        }
-        let gap: f64 = conn
-            .query_one(
-                "SELECT extract(epoch FROM n.acquired_at - h.released_at)::float8 * 1000
-                 FROM permitq.permit_request n, permitq.permit_request h
-                 WHERE n.external_id = $1 AND h.external_id = $2",
-                &[&next, &holder],
-            )
-            .await?
-            .get(0);
-        gaps.push(gap);
+        gaps.push(hand_off(&client, &conn, &holder, &next).await?);
         holder = next;
     }
     client.release(&holder).await?;
