@@ -7,8 +7,7 @@ use deadpool_postgres::Pool;
 use tokio::sync::{broadcast::error::RecvError, OnceCell};
 
 use crate::db;
-use crate::error::{Error, Result};
-use crate::lease::Lease;
+use crate::error::Result;
 use crate::listener::{Listener, ListenerEvent};
 use crate::sql;
 use crate::types::{CapacityChange, PermitRequest, ReleaseOutcome, Request, Semaphore, State};
@@ -203,31 +202,6 @@ impl Client {
                     }
                 }
             }
-        }
-    }
-
-    /// Submits `request` and waits up to `timeout` for it to be granted, returning a [`Lease`]
-    /// that heartbeats in the background (when the request has a TTL). If it ends in `error`, or
-    /// is still waiting at the timeout (it is then cancelled), the error's
-    /// [`Error::not_granted`] holds the request as it ended.
-    pub async fn acquire(&self, request: &Request, timeout: Duration) -> Result<Lease> {
-        self.submit(request).await?;
-        let settled = self.wait_settled(&request.external_id, timeout).await?;
-        let settled = match settled {
-            Some(r) if r.state == State::New => {
-                // Give up: cancel, unless it was granted in the meantime.
-                self.release(&request.external_id).await?;
-                self.status(&request.external_id).await?
-            }
-            other => other,
-        };
-        match settled {
-            Some(r) if r.state == State::Acquired => Ok(Lease::start(self.clone(), r)),
-            Some(r) => Err(Error::refused(r)),
-            None => Err(Error::config(format!(
-                "request {} vanished",
-                request.external_id
-            ))),
         }
     }
 
