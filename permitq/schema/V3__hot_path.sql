@@ -483,10 +483,11 @@ BEGIN
     RETURN permitq.release_request(external_id, 'released');
 END $$;
 
+-- The same as release, under the name a producer that gives up looks for.
 CREATE OR REPLACE FUNCTION permitq.cancel(external_id text) RETURNS text
 LANGUAGE plpgsql AS $$
 BEGIN
-    RETURN permitq.release_request(external_id, 'released');
+    RETURN permitq.release(external_id);
 END $$;
 
 CREATE OR REPLACE FUNCTION permitq.revoke(external_id text) RETURNS text

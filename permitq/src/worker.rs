@@ -179,15 +179,16 @@ impl Worker {
                 }
             })
         };
+        let maintenance_config = Arc::new(self.config.maintenance.clone());
         let sweeper = tokio::spawn(maintenance::run_sweeps(
             self.pool.clone(),
-            Arc::new(self.config.maintenance.clone()),
+            maintenance_config.clone(),
             self.liveness.clone(),
             stop.clone(),
         ));
         let cleaner = tokio::spawn(maintenance::run_retention(
             self.pool.clone(),
-            Arc::new(self.config.maintenance.clone()),
+            maintenance_config,
             stop.clone(),
         ));
 
