@@ -269,8 +269,13 @@ fn nothing_lost(state: &FinalState, cx: &Context, v: &mut Verdict) {
 }
 
 /// On fair semaphores: at every grant, the oldest request still waiting there (older than the
-/// granted one, submitted at least 200 ms earlier so that it was visible) must still fit in
-/// what is left. Also reports waits of large and small requests, and flags starvation.
+/// granted one, and visible to the worker: its submit was acknowledged, so committed, at least
+/// 200 ms before the grant) must still fit in what is left. Also reports waits of large and small
+/// requests, and flags starvation.
+///
+/// Visibility is judged by the acknowledgement, not by `created_at`: ids (the FIFO order) are
+/// drawn at insert, but a request exists for workers only from its commit, and on a loaded
+/// machine a submit's commit can come long after a younger one's.
 fn fairness(
     state: &FinalState,
     held_after: &HashMap<(i64, String), i64>,
@@ -285,6 +290,17 @@ fn fairness(
         .map(|s| s.0.as_str())
         .collect();
     let by_id: HashMap<i64, &Req> = state.requests.iter().map(|r| (r.id, r)).collect();
+    // external_id → its first acknowledged submit (a submit may be retried).
+    let mut acknowledged: HashMap<&str, Micros> = HashMap::new();
+    for op in cx.ops {
+        if op.kind == OpKind::Submit && matches!(op.outcome, Outcome::Ok(_)) {
+            let at = us(op.completed);
+            acknowledged
+                .entry(op.key.as_str())
+                .and_modify(|first| *first = (*first).min(at))
+                .or_insert(at);
+        }
+    }
     let (mut large, mut small) = (Vec::new(), Vec::new());
     for semaphore in &fair {
         let naming: Vec<&Req> = state
@@ -295,10 +311,12 @@ fn fairness(
         for (request, s, count, acquired, _, _) in
             state.permits.iter().filter(|p| p.1 == *semaphore)
         {
-            let head = naming
-                .iter()
-                .take_while(|w| w.id < *request)
-                .find(|w| w.created + VISIBLE <= *acquired && w.new_at(*acquired));
+            let head = naming.iter().take_while(|w| w.id < *request).find(|w| {
+                acknowledged
+                    .get(w.external_id.as_str())
+                    .is_some_and(|ack| ack + VISIBLE <= *acquired)
+                    && w.new_at(*acquired)
+            });
             if let Some(head) = head {
                 let need = head
                     .permits
