@@ -7,7 +7,7 @@ use deadpool_postgres::Pool;
 use tokio::sync::{broadcast::error::RecvError, OnceCell};
 
 use crate::db;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::listener::{Listener, ListenerEvent};
 use crate::sql;
 use crate::types::{CapacityChange, PermitRequest, ReleaseOutcome, Request, Semaphore, State};
@@ -90,6 +90,12 @@ impl Client {
 
     /// Submits a request (idempotent by `external_id`) and wakes the workers.
     pub async fn submit(&self, request: &Request) -> Result<PermitRequest> {
+        if let Some(problem) = crate::types::duration_problem(request.ttl, false) {
+            return Err(Error::invalid("ttl", problem));
+        }
+        if let Some(problem) = crate::types::duration_problem(request.wait, true) {
+            return Err(Error::invalid("wait", problem));
+        }
         let conn = self.inner.pool.get().await?;
         let statement = conn.prepare_cached(sql::SUBMIT.as_str()).await?;
         let row = conn
@@ -142,6 +148,9 @@ impl Client {
         external_id: &str,
         extend: Option<Duration>,
     ) -> Result<Option<SystemTime>> {
+        if let Some(problem) = crate::types::duration_problem(extend, false) {
+            return Err(Error::invalid("extend", problem));
+        }
         let conn = self.inner.pool.get().await?;
         let statement = conn.prepare_cached(sql::HEARTBEAT).await?;
         Ok(conn

@@ -10,10 +10,37 @@ use crate::error::{Error, Result};
 use crate::types::{CapacityChange, PermitRequest, Semaphore};
 
 /// Parses a `postgres://` URL or `key=value` connection string.
+///
+/// Unless the URL sets them, connections use TCP keepalives (idle 10 s, then every 5 s, 3
+/// probes) and `tcp_user_timeout` 30 s: a server that vanishes without closing the socket (a
+/// partition) is noticed in well under a minute instead of the kernel's two hours. Workers ask
+/// the server for the same on its side ([`SERVER_KEEPALIVES`]).
 pub(crate) fn parse_config(url: &str) -> Result<Config> {
-    url.parse::<Config>()
-        .map_err(|e| Error::config(format!("invalid database URL: {e}")))
+    let mut config = url
+        .parse::<Config>()
+        .map_err(|e| Error::config(format!("invalid database URL: {e}")))?;
+    if !url.contains("keepalives") {
+        config
+            .keepalives(true)
+            .keepalives_idle(Duration::from_secs(10))
+            .keepalives_interval(Duration::from_secs(5))
+            .keepalives_retries(3);
+    }
+    if !url.contains("tcp_user_timeout") {
+        config.tcp_user_timeout(Duration::from_secs(30));
+    }
+    Ok(config)
 }
+
+/// Server-side keepalives and `tcp_user_timeout` (ms) for worker sessions, so that the server
+/// also drops the session of a worker host that vanished (sent as startup options, which
+/// connection poolers such as PgBouncer may not accept: producers' connections do not send them).
+pub(crate) const SERVER_KEEPALIVES: [(&str, &str); 4] = [
+    ("tcp_keepalives_idle", "10"),
+    ("tcp_keepalives_interval", "5"),
+    ("tcp_keepalives_count", "3"),
+    ("tcp_user_timeout", "30000"),
+];
 
 /// Adds `-c name=value` server settings to a config's `options`, keeping any already there.
 pub(crate) fn with_settings(mut config: Config, settings: &[(&str, String)]) -> Config {

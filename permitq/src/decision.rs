@@ -5,6 +5,7 @@
 //! transaction, under the same locks.
 //!
 //! Rules, checked in this order for each request:
+//! 0. the stored row is invalid (see [`Candidate::invalid`]) → `invalid`;
 //! 1. a named semaphore is missing → `unknown_semaphore`;
 //! 2. a count is larger than its semaphore's capacity → `exceeds_capacity`;
 //! 3. its `wait` deadline has passed → `timeout`;
@@ -61,6 +62,8 @@ pub(crate) struct Candidate {
     pub fail_fast: bool,
     /// Its `wait` deadline has passed.
     pub deadline_passed: bool,
+    /// The row cannot be decided (the database's `permitq.request_problem`): it fails alone.
+    pub invalid: bool,
 }
 
 /// What happens to one candidate.
@@ -139,6 +142,9 @@ fn verdict_for(
     sems: &BTreeMap<String, SemaphoreView>,
     batch_heads: &BTreeMap<&str, Waiter>,
 ) -> Verdict {
+    if c.invalid {
+        return Verdict::Fail(ErrorCode::Invalid);
+    }
     let mut views = Vec::with_capacity(c.permits.len());
     for (name, count) in &c.permits {
         match sems.get(name) {

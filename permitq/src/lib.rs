@@ -60,6 +60,6 @@ pub use lease::Lease;
 pub use maintenance::{MaintenanceConfig, OwnerLiveness};
 pub use types::{
     CapacityChange, ErrorCode, PermitRequest, ReleaseOutcome, ReleaseReason, Request, Semaphore,
-    State, UnknownValue,
+    State, UnknownValue, MAX_DURATION,
 };
 pub use worker::{Worker, WorkerConfig};

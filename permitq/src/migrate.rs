@@ -37,6 +37,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "hot_path",
         sql: include_str!("../schema/V3__hot_path.sql"),
     },
+    Migration {
+        version: 4,
+        name: "robustness",
+        sql: include_str!("../schema/V4__robustness.sql"),
+    },
 ];
 
 /// Advisory lock key taken while migrating ("permitq" in ASCII).

@@ -39,6 +39,11 @@ pub(crate) const RECORD_MIGRATION_CHECKSUM: &str = "UPDATE permitq.schema_migrat
 /// Worker: claim what could be granted (unexamined requests after a cursor, and the first
 /// waiters of semaphores with room), FOR UPDATE SKIP LOCKED.
 pub(crate) const CLAIM_BATCH: &str = include_str!("sql/claim_batch.sql");
+/// Worker, isolating a failed batch: claim these requests again (one at a time).
+pub(crate) const CLAIM_REQUESTS: &str = include_str!("sql/claim_requests.sql");
+/// Worker: settle a request that failed a batch on its own as `error` / `invalid`; returns its
+/// external_id (NULL when it is no longer `new`).
+pub(crate) const SETTLE_INVALID: &str = "SELECT permitq.settle_invalid($1)";
 /// Worker: lock the batch's semaphores in id order and fold pending releases into `used`.
 pub(crate) const LOCK_SEMAPHORES: &str = include_str!("sql/lock_semaphores.sql");
 /// Worker, when it claimed nothing: fold pending releases (and send their events).
@@ -138,6 +143,8 @@ fn all() -> Vec<(&'static str, String)> {
         ("MIGRATION_CHECKSUM", MIGRATION_CHECKSUM),
         ("RECORD_MIGRATION", RECORD_MIGRATION),
         ("RECORD_MIGRATION_CHECKSUM", RECORD_MIGRATION_CHECKSUM),
+        ("CLAIM_REQUESTS", CLAIM_REQUESTS),
+        ("SETTLE_INVALID", SETTLE_INVALID),
         ("CLAIM_BATCH", CLAIM_BATCH),
         ("LOCK_SEMAPHORES", LOCK_SEMAPHORES),
         ("FOLD_RELEASES", FOLD_RELEASES),

@@ -104,6 +104,10 @@ string_enum! {
         Timeout => "timeout",
         /// Released or cancelled while still waiting.
         Cancelled => "cancelled",
+        /// The stored row cannot be decided (written past the constraints: permits that are not
+        /// an object of positive counts, a ttl or wait out of bounds) or failed a worker's batch
+        /// on its own. Settled so that it cannot stall the queue.
+        Invalid => "invalid",
     }
 }
 
@@ -315,5 +319,28 @@ fn ser_time<S: Serializer>(t: &Option<SystemTime>, s: S) -> std::result::Result<
     match t {
         Some(t) => s.serialize_str(&humantime::format_rfc3339_micros(*t).to_string()),
         None => s.serialize_none(),
+    }
+}
+
+/// The longest `ttl`, `wait`, heartbeat `extend`, `max_hold` or retention permitq accepts:
+/// 10 years, counted as 3653 days (the database's bound is `interval '3653 days'`).
+pub const MAX_DURATION: std::time::Duration = std::time::Duration::from_secs(3653 * 86_400);
+
+/// `Err(field, message)` when `value` is longer than [`MAX_DURATION`] (or zero where that is
+/// not allowed).
+pub(crate) fn duration_problem(
+    value: Option<std::time::Duration>,
+    zero_allowed: bool,
+) -> Option<String> {
+    let value = value?;
+    if value.is_zero() && !zero_allowed {
+        Some("must be positive, got 0s".to_string())
+    } else if value > MAX_DURATION {
+        Some(format!(
+            "must be at most 10 years (3653 days), got {}s",
+            value.as_secs()
+        ))
+    } else {
+        None
     }
 }

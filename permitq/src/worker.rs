@@ -19,7 +19,7 @@ use deadpool_postgres::Pool;
 use tokio::sync::{watch, Notify};
 
 use crate::db::Backoff;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::listener::Listener;
 use crate::maintenance::{self, MaintenanceConfig, OwnerLiveness};
 use crate::sql;
@@ -36,8 +36,44 @@ pub struct WorkerConfig {
     pub poll_interval: Duration,
     /// `lock_timeout` of the worker's transactions; a timeout is retried.
     pub lock_timeout: Duration,
+    /// `idle_in_transaction_session_timeout` of the worker's sessions: the longest a worker that
+    /// stops answering in the middle of a batch (paused, partitioned) keeps its locks before the
+    /// server ends its session. Its transactions never wait on the client for longer than a
+    /// round trip, so the default 5 s is far from any healthy batch.
+    pub idle_in_transaction_timeout: Duration,
     /// The sweeps and retention this worker runs beside its claim loop.
     pub maintenance: MaintenanceConfig,
+}
+
+impl WorkerConfig {
+    /// Every value in range, or the first one that is not, by name.
+    fn validate(&self) -> Result<()> {
+        use crate::types::duration_problem;
+        if !(1..=10_000).contains(&self.batch_size) {
+            return Err(Error::invalid(
+                "batch_size",
+                format!("must be from 1 to 10000, got {}", self.batch_size),
+            ));
+        }
+        let m = &self.maintenance;
+        for (field, value) in [
+            ("poll_interval", Some(self.poll_interval)),
+            ("lock_timeout", Some(self.lock_timeout)),
+            (
+                "idle_in_transaction_timeout",
+                Some(self.idle_in_transaction_timeout),
+            ),
+            ("sweep_interval", Some(m.sweep_interval)),
+            ("max_hold", m.max_hold),
+            ("retention", Some(m.retention)),
+            ("audit_retention", Some(m.audit_retention)),
+        ] {
+            if let Some(problem) = duration_problem(value, false) {
+                return Err(Error::invalid(field, problem));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Default for WorkerConfig {
@@ -47,6 +83,7 @@ impl Default for WorkerConfig {
             batch_size: 100,
             poll_interval: Duration::from_secs(1),
             lock_timeout: Duration::from_secs(1),
+            idle_in_transaction_timeout: Duration::from_secs(5),
             maintenance: MaintenanceConfig::default(),
         }
     }
@@ -119,18 +156,26 @@ impl Worker {
     /// Connects a worker to `url`: a pool of 4 connections with `lock_timeout` and
     /// `idle_in_transaction_session_timeout` set, and `application_name` = the worker id.
     pub fn connect(url: &str, config: WorkerConfig) -> Result<Worker> {
+        config.validate()?;
         let mut base = crate::db::parse_config(url)?;
         base.application_name(format!("permitq {}", config.id));
-        let pooled = crate::db::with_settings(
-            base.clone(),
-            &[
-                (
-                    "lock_timeout",
-                    format!("{}ms", config.lock_timeout.as_millis()),
-                ),
-                ("idle_in_transaction_session_timeout", "30s".to_string()),
-            ],
+        let mut settings = vec![
+            (
+                "lock_timeout",
+                format!("{}ms", config.lock_timeout.as_millis()),
+            ),
+            (
+                "idle_in_transaction_session_timeout",
+                format!("{}ms", config.idle_in_transaction_timeout.as_millis()),
+            ),
+        ];
+        settings.extend(
+            crate::db::SERVER_KEEPALIVES
+                .iter()
+                .map(|(name, value)| (*name, (*value).to_string())),
         );
+        let base = crate::db::with_settings(base, &settings[2..]);
+        let pooled = crate::db::with_settings(base.clone(), &settings[..2]);
         Ok(Worker::new(crate::db::pool(pooled, 4)?, base, config))
     }
 
@@ -159,6 +204,7 @@ impl Worker {
         self,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> Result<()> {
+        self.config.validate()?;
         let (stop_tx, stop) = watch::channel(false);
         tokio::spawn(async move {
             shutdown.await;

@@ -19,6 +19,7 @@ fn cand(id: i64, permits: &[(&str, i64)]) -> Candidate {
         permits: permits.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
         fail_fast: false,
         deadline_passed: false,
+        invalid: false,
     }
 }
 
@@ -72,6 +73,21 @@ fn errors_in_rule_order() {
             Fail(ErrorCode::NoCapacity),
             Fail(ErrorCode::UnknownSemaphore),
         ]
+    );
+    assert_eq!(d.semaphores["a"].used, 3);
+}
+
+#[test]
+fn an_invalid_row_fails_alone_before_any_other_rule_and_takes_nothing() {
+    let s = sems(&[("a", sem(3, 0, true))]);
+    let mut invalid = cand(1, &[("nope", 1)]);
+    invalid.invalid = true;
+    let mut invalid_but_fits = cand(2, &[("a", 1)]);
+    invalid_but_fits.invalid = true;
+    let d = decide(&s, &[invalid, invalid_but_fits, cand(3, &[("a", 3)])]);
+    assert_eq!(
+        verdicts(&d),
+        [Fail(ErrorCode::Invalid), Fail(ErrorCode::Invalid), Grant]
     );
     assert_eq!(d.semaphores["a"].used, 3);
 }
@@ -212,6 +228,7 @@ fn arb_candidates() -> impl Strategy<Value = Vec<Candidate>> {
                     permits,
                     fail_fast,
                     deadline_passed,
+                    invalid: false,
                 }
             })
             .collect()

@@ -6,6 +6,12 @@
 //! [`decide`], write the outcome set-based and commit. The cursor moves past the newest
 //! unexamined request claimed: rows another worker holds are left behind (a line in the sand).
 //! A pass ends with a batch that claims nothing or changes nothing.
+//!
+//! Failure isolation: a request the database reports as undecidable (`problem`) fails as
+//! `invalid` within its batch. A batch that fails anyway on a data error (SQLSTATE class 22 or
+//! 23, whatever a stored row made it do) is counted (`permitq_failed_batches_total`) and its
+//! requests are decided one per transaction; one that fails alone is settled as `invalid` and
+//! logged with its external_id. Nothing a row contains stops the others.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -16,8 +22,25 @@ use tracing::Instrument;
 use super::{PassOutcome, Worker};
 use crate::db::Backoff;
 use crate::decision::{decide, Candidate, SemaphoreView, Verdict, Waiter};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::sql;
+use crate::types::ErrorCode;
+
+/// What a batch claims.
+#[derive(Debug, Clone, Copy)]
+enum Claim<'a> {
+    /// Unexamined requests after this cursor, and the first waiters of semaphores with room.
+    After(i64),
+    /// Exactly these requests, if still `new` (isolating a failed batch).
+    Only(&'a [i64]),
+}
+
+/// A failure that a stored row can cause (data exceptions, integrity violations), as opposed to
+/// the database being unreachable, overloaded or on another schema version.
+fn caused_by_a_row(e: &Error) -> bool {
+    e.code()
+        .is_some_and(|c| c.code().starts_with("22") || c.code().starts_with("23"))
+}
 
 /// How often at most a worker runs a transaction only to fold pending releases.
 const FOLD_EVERY: Duration = Duration::from_millis(10);
@@ -44,7 +67,7 @@ impl Worker {
             let mut total = PassOutcome::default();
             let mut cursor = 0i64;
             while !*stop.borrow() {
-                let Some((newest_fresh, outcome)) = self.run_batch_retrying(cursor).await? else {
+                let Some((newest_fresh, outcome)) = self.run_batch_isolating(cursor).await? else {
                     break;
                 };
                 cursor = cursor.max(newest_fresh);
@@ -61,10 +84,71 @@ impl Worker {
         .await
     }
 
-    async fn run_batch_retrying(&self, cursor: i64) -> Result<Option<(i64, PassOutcome)>> {
+    /// One batch after `cursor`; when it fails on a data error, its requests one at a time.
+    async fn run_batch_isolating(&self, cursor: i64) -> Result<Option<(i64, PassOutcome)>> {
+        let mut claimed = Vec::new();
+        let error = match self
+            .run_batch_retrying(Claim::After(cursor), &mut claimed)
+            .await
+        {
+            Err(e) if caused_by_a_row(&e) && !claimed.is_empty() => e,
+            other => return other,
+        };
+        metrics::counter!("permitq_failed_batches_total").increment(1);
+        tracing::warn!(%error, requests = claimed.len(), "batch failed; deciding its requests one at a time");
+        let mut total = PassOutcome::default();
+        for (id, _) in &claimed {
+            let mut one = Vec::new();
+            match self.run_batch_retrying(Claim::Only(&[*id]), &mut one).await {
+                Ok(Some((_, outcome))) => total.add(outcome),
+                Ok(None) => {}
+                Err(e) if caused_by_a_row(&e) => match self.settle_invalid(*id, &e).await {
+                    Ok(true) => total.add(PassOutcome {
+                        batches: 1,
+                        errored: 1,
+                        ..PassOutcome::default()
+                    }),
+                    Ok(false) => {}
+                    // It stays `new` and is passed over until the next pass; the rest flows.
+                    Err(settle_error) => tracing::error!(request_id = id, %e, %settle_error,
+                        "request failed a batch on its own and cannot be settled; skipped"),
+                },
+                Err(e) => return Err(e),
+            }
+        }
+        let newest_fresh = claimed
+            .iter()
+            .filter(|(_, examined)| !examined)
+            .map(|(id, _)| *id)
+            .max()
+            .unwrap_or(0);
+        Ok(Some((newest_fresh, total)))
+    }
+
+    /// Ends a request that failed a batch on its own as `error` / `invalid`; true if it did.
+    async fn settle_invalid(&self, id: i64, error: &Error) -> Result<bool> {
+        let conn = self.pool.get().await?;
+        let statement = conn.prepare_cached(sql::SETTLE_INVALID).await?;
+        let external_id: Option<String> = conn.query_one(&statement, &[&id]).await?.try_get(0)?;
+        let Some(external_id) = external_id else {
+            return Ok(false);
+        };
+        metrics::counter!("permitq_request_errors_total", "code" => ErrorCode::Invalid.as_str())
+            .increment(1);
+        tracing::error!(%external_id, request_id = id, %error,
+            "request failed a batch on its own; settled as error/invalid");
+        Ok(true)
+    }
+
+    async fn run_batch_retrying(
+        &self,
+        claim: Claim<'_>,
+        claimed: &mut Vec<(i64, bool)>,
+    ) -> Result<Option<(i64, PassOutcome)>> {
         let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(500));
         loop {
-            match self.run_batch(cursor).await {
+            claimed.clear();
+            match self.run_batch(claim, claimed).await {
                 Err(e) if e.is_retryable() && backoff.attempts() < 8 => {
                     metrics::counter!("permitq_batch_retries_total").increment(1);
                     tracing::debug!(error = %e, "batch failed; retrying");
@@ -81,9 +165,13 @@ impl Worker {
     /// Statements are prepared once per connection, and BEGIN travels with the claim and COMMIT
     /// with the outcome (pipelined). A connection whose batch failed is not returned to the pool:
     /// it may still be inside the transaction.
-    async fn run_batch(&self, cursor: i64) -> Result<Option<(i64, PassOutcome)>> {
+    async fn run_batch(
+        &self,
+        claim: Claim<'_>,
+        claimed: &mut Vec<(i64, bool)>,
+    ) -> Result<Option<(i64, PassOutcome)>> {
         let conn = self.pool.get().await?;
-        let result = self.batch_on(&conn, cursor).await;
+        let result = self.batch_on(&conn, claim, claimed).await;
         if result.is_err() {
             drop(deadpool_postgres::Object::take(conn));
         }
@@ -93,16 +181,33 @@ impl Worker {
     async fn batch_on(
         &self,
         conn: &deadpool_postgres::Object,
-        cursor: i64,
+        claim: Claim<'_>,
+        claimed_ids: &mut Vec<(i64, bool)>,
     ) -> Result<Option<(i64, PassOutcome)>> {
         let started = Instant::now();
-        let claim = conn.prepare_cached(sql::CLAIM_BATCH).await?;
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] =
-            [&cursor, &self.config.batch_size];
-        let (begun, claimed) =
-            tokio::join!(conn.batch_execute("BEGIN"), conn.query(&claim, &params));
-        begun?;
-        let mut claimed = claimed?;
+        let rows = match claim {
+            Claim::After(cursor) => {
+                let statement = conn.prepare_cached(sql::CLAIM_BATCH).await?;
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] =
+                    [&cursor, &self.config.batch_size];
+                let (begun, rows) =
+                    tokio::join!(conn.batch_execute("BEGIN"), conn.query(&statement, &params));
+                begun?;
+                rows
+            }
+            Claim::Only(ids) => {
+                let statement = conn.prepare_cached(sql::CLAIM_REQUESTS).await?;
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&ids];
+                let (begun, rows) =
+                    tokio::join!(conn.batch_execute("BEGIN"), conn.query(&statement, &params));
+                begun?;
+                rows
+            }
+        };
+        let mut claimed = rows?;
+        for row in &claimed {
+            claimed_ids.push((row.try_get("id")?, row.try_get("examined")?));
+        }
         if claimed.is_empty() {
             // Releases are folded by every grant anyway; a fold of its own (for the `released`
             // events and an exact `used`) runs at most every FOLD_EVERY, because it takes the
@@ -131,11 +236,18 @@ impl Worker {
                 unexamined.insert(id);
             }
             ages.insert(id, row.try_get::<_, f64>("age_seconds")?);
+            let problem: Option<String> = row.try_get("problem")?;
+            if let Some(problem) = &problem {
+                let external_id: String = row.try_get("external_id")?;
+                tracing::warn!(%external_id, request_id = id, %problem,
+                    "request cannot be decided; failing it as error/invalid");
+            }
             candidates.push(Candidate {
                 id,
                 permits,
                 fail_fast: row.try_get("fail_fast")?,
                 deadline_passed: row.try_get("deadline_passed")?,
+                invalid: problem.is_some(),
             });
         }
         let names: Vec<&str> = candidates

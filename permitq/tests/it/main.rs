@@ -2,5 +2,6 @@
 
 mod leases;
 mod notifications;
+mod robustness;
 mod sql_api;
 mod worker;
