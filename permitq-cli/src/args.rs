@@ -54,7 +54,7 @@ pub(crate) enum Command {
         /// The request's external_id.
         external_id: String,
         /// New lease length from now (default: the request's ttl).
-        #[arg(long, value_parser = parse_duration)]
+        #[arg(long, value_parser = parse_lease_duration, allow_hyphen_values = true)]
         extend: Option<Duration>,
     },
     /// Run the whole system on an embedded default: a throwaway PostgreSQL when DATABASE_URL
@@ -115,13 +115,13 @@ pub(crate) struct WorkerArgs {
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub sweep_interval: Duration,
     /// Release anything held longer than this (release_reason = stale). Off by default.
-    #[arg(long, value_parser = parse_duration)]
+    #[arg(long, value_parser = parse_lease_duration, allow_hyphen_values = true)]
     pub max_hold: Option<Duration>,
     /// Delete settled requests older than this, in small batches.
-    #[arg(long, default_value = "7d", value_parser = parse_duration)]
+    #[arg(long, default_value = "7d", value_parser = parse_lease_duration, allow_hyphen_values = true)]
     pub retention: Duration,
     /// Delete capacity audit rows older than this.
-    #[arg(long, default_value = "30d", value_parser = parse_duration)]
+    #[arg(long, default_value = "30d", value_parser = parse_lease_duration, allow_hyphen_values = true)]
     pub audit_retention: Duration,
     /// Serve Prometheus metrics on HOST:PORT (GET /metrics).
     #[arg(long)]
@@ -185,17 +185,20 @@ pub(crate) enum SemaphoreCommand {
 pub(crate) struct SubmitArgs {
     /// Idempotency key chosen by you (1..255 characters).
     pub external_id: String,
-    /// What to acquire, all or nothing: NAME=COUNT, one or more.
-    #[arg(required = true, value_parser = parse_permit)]
+    /// What to acquire, all or nothing: NAME=COUNT, one or more (each semaphore once).
+    #[arg(required_unless_present = "permit", value_parser = parse_permit)]
     pub permits: Vec<(String, i64)>,
+    /// One more semaphore and its count, for names NAME=COUNT cannot express (containing `=`).
+    #[arg(long = "permit", num_args = 2, value_names = ["NAME", "COUNT"], action = clap::ArgAction::Append)]
+    pub permit: Vec<String>,
     /// Who will hold it.
     #[arg(long)]
     pub owner: Option<String>,
-    /// Lease length once granted (heartbeat to extend).
-    #[arg(long, value_parser = parse_duration)]
+    /// Lease length once granted (heartbeat to extend); at most 10y.
+    #[arg(long, value_parser = parse_lease_duration, allow_hyphen_values = true)]
     pub ttl: Option<Duration>,
-    /// How long it may wait for capacity (0 = fail fast; default forever).
-    #[arg(long, value_parser = parse_duration)]
+    /// How long it may wait for capacity (0 = fail fast; default forever); at most 10y.
+    #[arg(long, value_parser = parse_wait, allow_hyphen_values = true)]
     pub wait: Option<Duration>,
     /// Wait for the outcome, up to DUR (default: until it settles). Exit 0 acquired, 3 error,
     /// 4 still waiting.
@@ -208,7 +211,28 @@ pub(crate) struct SubmitArgs {
 }
 
 pub(crate) fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
+    if s.trim_start().starts_with('-') {
+        return Err(format!("must not be negative, got {s}"));
+    }
     humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 250ms, 30s, 5m)"))
+}
+
+/// A duration that may be zero, at most [`permitq::MAX_DURATION`] (10 years).
+fn parse_wait(s: &str) -> std::result::Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d > permitq::MAX_DURATION {
+        return Err(format!("must be at most 10y (3653 days), got {s}"));
+    }
+    Ok(d)
+}
+
+/// A positive duration, at most [`permitq::MAX_DURATION`] (10 years).
+fn parse_lease_duration(s: &str) -> std::result::Result<Duration, String> {
+    let d = parse_wait(s)?;
+    if d.is_zero() {
+        return Err(format!("must be positive, got {s}"));
+    }
+    Ok(d)
 }
 
 fn parse_await(s: &str) -> std::result::Result<Duration, String> {
@@ -219,16 +243,42 @@ fn parse_await(s: &str) -> std::result::Result<Duration, String> {
 }
 
 fn parse_permit(s: &str) -> std::result::Result<(String, i64), String> {
+    // The last `=` splits, so NAME=COUNT is unambiguous for names without `=`; names with one
+    // go through `--permit NAME COUNT`.
     let (name, count) = s
-        .split_once('=')
+        .rsplit_once('=')
         .ok_or_else(|| format!("expected NAME=COUNT, got {s:?}"))?;
+    if name.contains('=') {
+        return Err(format!(
+            "semaphore names containing '=' need --permit NAME COUNT, got {s:?}"
+        ));
+    }
+    permit(name, count)
+}
+
+fn permit(name: &str, count: &str) -> std::result::Result<(String, i64), String> {
     if name.is_empty() {
-        return Err(format!("empty semaphore name in {s:?}"));
+        return Err("empty semaphore name".to_string());
     }
     match count.parse::<i64>() {
         Ok(c) if (1..=i64::from(i32::MAX)).contains(&c) => Ok((name.to_string(), c)),
         _ => Err(format!(
-            "count must be an integer from 1 to 2147483647, got {count:?}"
+            "count for {name:?} must be an integer from 1 to 2147483647, got {count:?}"
         )),
     }
+}
+
+/// The `--permit NAME COUNT` pairs (clap delivers them flat, two values per occurrence).
+pub(crate) fn permit_pairs(flat: &[String]) -> crate::error::Result<Vec<(String, i64)>> {
+    flat.chunks(2)
+        .map(|pair| match pair {
+            [name, count] => {
+                permit(name, count).map_err(|e| crate::error::CliError::usage("permit", e))
+            }
+            _ => Err(crate::error::CliError::usage(
+                "permit",
+                "expected --permit NAME COUNT",
+            )),
+        })
+        .collect()
 }

@@ -2,13 +2,16 @@
 
 use std::time::Duration;
 
-use permitq::{Client, PermitRequest, Request, SqlState, State, Worker};
+use permitq::{Client, PermitRequest, ReleaseOutcome, Request, SqlState, State, Worker};
 
 use crate::args::{Cli, Command, SemaphoreCommand, SubmitArgs};
 use crate::error::{CliError, Result, EXIT_NOT_GRANTED, EXIT_RUNTIME, EXIT_STILL_WAITING};
 
-pub(crate) async fn run(cli: Cli) -> Result<u8> {
+/// Runs one command. `explicit_url`: `--database-url` was given on the command line (not only
+/// through `DATABASE_URL`), which `demo` and `bench` require before they write to a database.
+pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
     let url = cli.database_url;
+    let named = if explicit_url { url.as_deref() } else { None };
     let need_url = || {
         url.clone().ok_or_else(|| {
             CliError::usage(
@@ -18,8 +21,13 @@ pub(crate) async fn run(cli: Cli) -> Result<u8> {
         })
     };
     match cli.command {
-        Command::Demo(args) => crate::demo::run(url.as_deref(), args).await.map(|_| 0),
-        Command::Bench(args) => crate::bench::run(url.as_deref(), args).await.map(|_| 0),
+        Command::Demo(args) => crate::demo::run(named, args).await.map(|_| 0),
+        Command::Bench(args) => crate::bench::run(named, args).await.map(|_| 0),
+        Command::Chaos(_) if named.is_some() => Err(CliError::usage(
+            "database-url",
+            "chaos runs only on its own throwaway cluster (it kills, restarts and reconfigures \
+             the server); leave out --database-url",
+        )),
         Command::Chaos(args) => {
             let config = crate::chaos::ChaosConfig {
                 duration: args.duration,
@@ -32,7 +40,7 @@ pub(crate) async fn run(cli: Cli) -> Result<u8> {
                 binary: std::env::current_exe()?,
             };
             let report = crate::chaos::run(config).await?;
-            print!("{}", report.summary());
+            out!("{}", report.summary());
             Ok(if report.violations() == 0 {
                 0
             } else {
@@ -46,8 +54,8 @@ pub(crate) async fn run(cli: Cli) -> Result<u8> {
         Command::Migrate => {
             let applied = Client::connect(&need_url()?).await?.migrate().await?;
             match applied.as_slice() {
-                [] => println!("schema is up to date"),
-                versions => println!("applied migrations {versions:?}"),
+                [] => outln!("schema is up to date"),
+                versions => outln!("applied migrations {versions:?}"),
             }
             Ok(0)
         }
@@ -72,33 +80,17 @@ pub(crate) async fn run(cli: Cli) -> Result<u8> {
                 .await?
             {
                 Some(r) => print_request(&r, json),
-                None => {
-                    return Err(CliError::runtime(format!(
-                        "no request with external_id {external_id:?}"
-                    )))
-                }
+                None => return Err(CliError::not_found("request", &external_id)),
             }
             Ok(0)
         }
         Command::Release { external_id } => {
-            println!(
-                "{}",
-                Client::connect(&need_url()?)
-                    .await?
-                    .release(&external_id)
-                    .await?
-            );
-            Ok(0)
+            let client = Client::connect(&need_url()?).await?;
+            outcome(client.release(&external_id).await?, &external_id)
         }
         Command::Revoke { external_id } => {
-            println!(
-                "{}",
-                Client::connect(&need_url()?)
-                    .await?
-                    .revoke(&external_id)
-                    .await?
-            );
-            Ok(0)
+            let client = Client::connect(&need_url()?).await?;
+            outcome(client.revoke(&external_id).await?, &external_id)
         }
         Command::Heartbeat {
             external_id,
@@ -106,10 +98,13 @@ pub(crate) async fn run(cli: Cli) -> Result<u8> {
         } => {
             let client = Client::connect(&need_url()?).await?;
             match client.heartbeat(&external_id, extend).await {
-                Ok(Some(t)) => println!("expires_at {}", humantime::format_rfc3339_micros(t)),
-                Ok(None) => println!("acquired, no expiry"),
+                Ok(Some(t)) => outln!("expires_at {}", humantime::format_rfc3339_micros(t)),
+                Ok(None) => outln!("acquired, no expiry"),
                 Err(e) if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE) => {
-                    eprintln!("permitq: {}", crate::error::one_line(&e.to_string()));
+                    if client.status(&external_id).await?.is_none() {
+                        return Err(CliError::not_found("request", &external_id));
+                    }
+                    errln!("permitq: {}", crate::error::one_line(&e.to_string()));
                     return Ok(EXIT_NOT_GRANTED);
                 }
                 Err(e) => return Err(e.into()),
@@ -153,7 +148,7 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 None
             };
             let s = client.set_capacity(&name, capacity, fairness).await?;
-            println!(
+            outln!(
                 "{} capacity={} used={} {}",
                 s.name,
                 s.capacity,
@@ -164,11 +159,11 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
         SemaphoreCommand::List { json } => {
             let list = client.semaphores().await?;
             if json {
-                println!("{}", serde_json::to_string(&list).expect("serializable"));
+                outln!("{}", serde_json::to_string(&list).expect("serializable"));
             } else {
-                println!("{:<32} {:>10} {:>10}  mode", "name", "capacity", "used");
+                outln!("{:<32} {:>10} {:>10}  mode", "name", "capacity", "used");
                 for s in list {
-                    println!(
+                    outln!(
                         "{:<32} {:>10} {:>10}  {}",
                         s.name,
                         s.capacity,
@@ -179,9 +174,12 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             }
         }
         SemaphoreCommand::History { name, json } => {
+            if !client.semaphores().await?.iter().any(|s| s.name == name) {
+                return Err(CliError::not_found("semaphore", &name));
+            }
             let history = client.capacity_history(&name).await?;
             if json {
-                println!("{}", serde_json::to_string(&history).expect("serializable"));
+                outln!("{}", serde_json::to_string(&history).expect("serializable"));
             } else {
                 for c in history {
                     let when = c
@@ -189,7 +187,7 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                         .map(|t| humantime::format_rfc3339_seconds(t).to_string())
                         .unwrap_or_default();
                     let old = c.old_capacity.map_or("-".to_string(), |v| v.to_string());
-                    println!(
+                    outln!(
                         "{when} {} {old} -> {} ({}) by {} ({})",
                         c.semaphore,
                         c.new_capacity,
@@ -204,9 +202,29 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
     Ok(0)
 }
 
+/// Prints a release or revoke outcome; `unknown` is exit 5.
+fn outcome(outcome: ReleaseOutcome, external_id: &str) -> Result<u8> {
+    if outcome == ReleaseOutcome::Unknown {
+        return Err(CliError::not_found("request", external_id));
+    }
+    outln!("{outcome}");
+    Ok(0)
+}
+
 async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
     let mut request = Request::new(args.external_id);
-    for (name, count) in args.permits {
+    let mut named = std::collections::BTreeSet::new();
+    for (name, count) in args
+        .permits
+        .into_iter()
+        .chain(crate::args::permit_pairs(&args.permit)?)
+    {
+        if !named.insert(name.clone()) {
+            return Err(CliError::usage(
+                "permits",
+                format!("semaphore {name:?} is named twice; name each semaphore once"),
+            ));
+        }
         request = request.permit(name, count);
     }
     request.owner = args.owner;
@@ -231,7 +249,7 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
 
 fn print_request(r: &PermitRequest, json: bool) {
     if json {
-        println!("{}", serde_json::to_string(r).expect("serializable"));
+        outln!("{}", serde_json::to_string(r).expect("serializable"));
         return;
     }
     let detail = match (r.state, r.error_code, r.release_reason, r.fencing_token) {
@@ -240,7 +258,7 @@ fn print_request(r: &PermitRequest, json: bool) {
         (State::Acquired, _, _, Some(token)) => format!(" fencing_token={token}"),
         _ => String::new(),
     };
-    println!("{} {}{detail}", r.external_id, r.state);
+    outln!("{} {}{detail}", r.external_id, r.state);
 }
 
 async fn shutdown_signal() {

@@ -17,7 +17,7 @@ use crate::error::{CliError, Result};
 use permitq::Client;
 use permitq::{Request, State};
 use permitq_test_support::{self as report, RunReport};
-use permitq_test_support::{database, WorkerFleet};
+use permitq_test_support::{EmbeddedPostgres, WorkerFleet};
 
 /// `permitq demo` options.
 #[derive(Debug, Clone, Args)]
@@ -31,6 +31,10 @@ pub(crate) struct DemoArgs {
     /// Concurrent simulated producers/holders.
     #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub producers: u16,
+    /// With an explicit --database-url that already holds permitq data: run there anyway
+    /// (only what this run creates is removed at the end).
+    #[arg(long)]
+    pub yes: bool,
 }
 
 /// The demo's semaphores: (name, capacity, fair).
@@ -41,8 +45,15 @@ const SEMAPHORES: &[(&str, i32, bool)] = &[
 ];
 
 /// Runs the demo.
-pub(crate) async fn run(url: Option<&str>, args: DemoArgs) -> Result<()> {
-    let (embedded, url) = database(url).await?;
+pub(crate) async fn run(named: Option<&str>, args: DemoArgs) -> Result<()> {
+    let scratch = crate::scratch::open(named, args.yes, "demo", EmbeddedPostgres::start).await?;
+    let result = demo(&scratch.url, &args).await;
+    scratch.clean_up().await?;
+    result
+}
+
+async fn demo(url: &str, args: &DemoArgs) -> Result<()> {
+    let url = url.to_string();
     let client = Client::connect(&url).await?;
     client.migrate().await?;
     for (name, capacity, fair) in SEMAPHORES {
@@ -76,7 +87,6 @@ pub(crate) async fn run(url: Option<&str>, args: DemoArgs) -> Result<()> {
     workers.stop().await;
     print_summary(&report, &peaks, started.elapsed());
     drop(client); // its LISTEN connection first, then the server
-    drop(embedded);
     if report.over_capacity.is_empty() {
         Ok(())
     } else {
@@ -172,32 +182,34 @@ async fn live_view(
                 if s.fair { "fair" } else { "greedy" }
             ));
         }
-        print!("{view}");
+        out!("{view}");
     }
     Ok(peaks)
 }
 
 fn print_summary(r: &RunReport, peaks: &BTreeMap<String, (i64, i64)>, elapsed: Duration) {
-    println!(
+    outln!(
         "\n=== permitq demo summary ({:.1}s) ===",
         elapsed.as_secs_f64()
     );
-    println!("requests submitted   {}", r.submitted);
-    println!("granted              {}", r.granted);
-    println!("released by reason   {:?}", r.released_by_reason);
-    println!("errors by code       {:?}", r.errors_by_code);
-    println!(
+    outln!("requests submitted   {}", r.submitted);
+    outln!("granted              {}", r.granted);
+    outln!("released by reason   {:?}", r.released_by_reason);
+    outln!("errors by code       {:?}", r.errors_by_code);
+    outln!(
         "submit->acquired     p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
-        r.latency_ms.p50, r.latency_ms.p99, r.latency_ms.max
+        r.latency_ms.p50,
+        r.latency_ms.p99,
+        r.latency_ms.max
     );
-    println!("peak use vs capacity (sampled / exact from permit intervals):");
+    outln!("peak use vs capacity (sampled / exact from permit intervals):");
     for (name, (peak, capacity)) in peaks.iter().filter(|(n, _)| n.starts_with("demo-")) {
         let exact = r.peak_concurrent.get(name).copied().unwrap_or(0);
-        println!("  {name:<22} {peak:>3} / {exact:>3} of {capacity}");
+        outln!("  {name:<22} {peak:>3} / {exact:>3} of {capacity}");
     }
     if r.over_capacity.is_empty() {
-        println!("safety: capacity was never exceeded");
+        outln!("safety: capacity was never exceeded");
     } else {
-        println!("SAFETY VIOLATION: {:?}", r.over_capacity);
+        outln!("SAFETY VIOLATION: {:?}", r.over_capacity);
     }
 }

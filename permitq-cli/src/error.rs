@@ -12,6 +12,8 @@ pub(crate) const EXIT_USAGE: u8 = 2;
 pub(crate) const EXIT_NOT_GRANTED: u8 = 3;
 /// Exit code: still `new` when `--await` ran out.
 pub(crate) const EXIT_STILL_WAITING: u8 = 4;
+/// Exit code: no such request or semaphore.
+pub(crate) const EXIT_NOT_FOUND: u8 = 5;
 
 /// What can go wrong running a command; each maps to one exit code and one line on stderr.
 #[derive(Debug)]
@@ -23,6 +25,8 @@ pub(crate) enum CliError {
         field: &'static str,
         message: String,
     },
+    /// No request or semaphore by that name.
+    NotFound { what: &'static str, name: String },
     /// Anything else at run time (demo, bench and chaos tooling, I/O).
     Runtime(String),
 }
@@ -37,14 +41,23 @@ impl CliError {
         }
     }
 
+    pub(crate) fn not_found(what: &'static str, name: &str) -> CliError {
+        CliError::NotFound {
+            what,
+            name: name.to_string(),
+        }
+    }
+
     pub(crate) fn runtime(message: impl Into<String>) -> CliError {
         CliError::Runtime(message.into())
     }
 
-    /// 2 for input rejected as invalid (by the CLI or the database, SQLSTATE 22023), else 1.
+    /// 2 for input rejected as invalid (by the CLI or the database, SQLSTATE 22023), 5 for
+    /// not found, else 1.
     pub(crate) fn exit_code(&self) -> u8 {
         match self {
             CliError::Usage { .. } => EXIT_USAGE,
+            CliError::NotFound { .. } => EXIT_NOT_FOUND,
             CliError::Permitq(e)
                 if e.invalid_field().is_some()
                     || e.code() == Some(&SqlState::INVALID_PARAMETER_VALUE) =>
@@ -65,6 +78,7 @@ impl fmt::Display for CliError {
             ),
             CliError::Permitq(e) => write!(f, "{e}"),
             CliError::Usage { field, message } => write!(f, "invalid {field}: {message}"),
+            CliError::NotFound { what, name } => write!(f, "no {what} named {name:?}"),
             CliError::Runtime(m) => write!(f, "{m}"),
         }
     }

@@ -2,9 +2,37 @@
 //! and [`permitq::Worker`], plus the tools that exercise them (`demo`, `bench`, `chaos`) and the
 //! HTTP endpoints.
 //!
-//! Exit codes: 0 success; 1 runtime error (one line on stderr); 2 usage error (including input
-//! the database rejects as invalid, SQLSTATE 22023); 3 `submit --await` ended in `error`, or
-//! `heartbeat` found the lease lost; 4 `submit --await` still `new` when the await ran out.
+//! Exit codes: 0 success; 1 runtime error (one line on stderr); 2 usage error or input rejected
+//! as invalid (by the CLI or the database, SQLSTATE 22023), one line naming the field; 3
+//! `submit --await` ended in `error`, or `heartbeat` found the lease lost; 4 `submit --await`
+//! still `new` when the await ran out; 5 not found (unknown external_id or semaphore).
+//!
+//! Output never panics: a closed stdout or stderr (`permitq worker 2>&1 | head -1`) loses the
+//! text, not the process, so SIGTERM still reaches the worker's loop.
+
+/// `println!` that ignores a closed stdout (EPIPE) instead of panicking.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
+/// `print!` that ignores a closed stdout.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
+/// `eprintln!` that ignores a closed stderr.
+macro_rules! errln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
+    }};
+}
 
 mod args;
 mod bench;
@@ -13,23 +41,43 @@ mod commands;
 mod demo;
 mod error;
 mod http;
+mod scratch;
 
+use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 
 use crate::args::{Cli, Command};
 use crate::error::{EXIT_RUNTIME, EXIT_USAGE};
 
 /// Parses arguments, runs, and maps the outcome to an exit code. Never panics on any input.
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    let parsed = Cli::command()
+        .try_get_matches()
+        .and_then(|m| Ok((Cli::from_arg_matches(&m)?, m)));
+    let (cli, matches) = match parsed {
+        Ok(parsed) => parsed,
+        Err(e) if e.use_stderr() => {
+            // One line naming what is wrong (clap's first line), not a page of usage.
+            let rendered = e.render().to_string();
+            errln!(
+                "permitq: {}",
+                rendered
+                    .lines()
+                    .next()
+                    .unwrap_or("invalid arguments")
+                    .trim_start_matches("error: ")
+            );
+            return ExitCode::from(EXIT_USAGE);
+        }
         Err(e) => {
-            let _ = e.print();
-            return ExitCode::from(if e.use_stderr() { EXIT_USAGE } else { 0 });
+            out!("{}", e.render());
+            return ExitCode::SUCCESS;
         }
     };
+    let explicit_url =
+        matches.value_source("database_url") == Some(clap::parser::ValueSource::CommandLine);
     let default_filter = match cli.command {
         Command::Worker(_) => "permitq=info,permitq_cli=info",
         Command::Chaos(_) => "permitq=error,permitq_cli=error",
@@ -39,7 +87,8 @@ fn main() -> ExitCode {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(|| LossyStderr)
         .init();
 
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -48,15 +97,31 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("permitq: cannot start the async runtime: {e}");
+            errln!("permitq: cannot start the async runtime: {e}");
             return ExitCode::from(EXIT_RUNTIME);
         }
     };
-    match runtime.block_on(commands::run(cli)) {
+    match runtime.block_on(commands::run(cli, explicit_url)) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("permitq: {}", error::one_line(&e.to_string()));
+            errln!("permitq: {}", error::one_line(&e.to_string()));
             ExitCode::from(e.exit_code())
         }
+    }
+}
+
+/// stderr for the log: a failed write (EPIPE, a full disk) drops the line and reports success,
+/// so that logging can never fail or panic.
+struct LossyStderr;
+
+impl Write for LossyStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = std::io::stderr().lock().write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = std::io::stderr().flush();
+        Ok(())
     }
 }

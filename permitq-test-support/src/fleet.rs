@@ -7,18 +7,23 @@ use permitq::{Worker, WorkerConfig};
 
 use crate::embedded::EmbeddedPostgres;
 use crate::Result;
+use std::io::Write as _;
 
 /// Starts a throwaway cluster when `url` is None; returns it (to keep alive) and the URL to use.
 pub async fn database(url: Option<&str>) -> Result<(Option<EmbeddedPostgres>, String)> {
     match url {
         Some(url) => Ok((None, url.to_string())),
         None => {
-            eprintln!("no database named: starting a throwaway PostgreSQL...");
+            let _ = writeln!(
+                std::io::stderr(),
+                "no database named: starting a throwaway PostgreSQL..."
+            );
             let pg = tokio::task::spawn_blocking(EmbeddedPostgres::start)
                 .await
                 .map_err(|e| crate::error(format!("start-up task failed: {e}")))??;
             let url = pg.url("postgres");
-            eprintln!(
+            let _ = writeln!(
+                std::io::stderr(),
                 "PostgreSQL is up on 127.0.0.1:{} (removed at the end)",
                 pg.port()
             );

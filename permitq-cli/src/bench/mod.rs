@@ -18,7 +18,7 @@ use clap::Args;
 use permitq::Client;
 use permitq_test_support::{EmbeddedPostgres, Percentiles, WorkerFleet};
 
-use crate::error::{CliError, Result};
+use crate::error::Result;
 
 /// `permitq bench` options.
 #[derive(Debug, Clone, Args)]
@@ -41,6 +41,10 @@ pub(crate) struct BenchArgs {
     /// Load pg_stat_statements and print the statements that took the most time.
     #[arg(long)]
     pub(crate) profile: bool,
+    /// With an explicit --database-url that already holds permitq data: run there anyway
+    /// (only what this run creates is removed at the end).
+    #[arg(long)]
+    pub(crate) yes: bool,
     /// Only these parts (comma-separated: idle, cycle, release, drain, deep); all by default.
     #[arg(long, value_delimiter = ',')]
     pub(crate) only: Vec<String>,
@@ -60,30 +64,32 @@ struct Report {
 
 impl Report {
     fn line(&mut self, line: impl AsRef<str>) {
-        eprintln!("{}", line.as_ref());
+        errln!("{}", line.as_ref());
         let _ = writeln!(self.text, "{}", line.as_ref());
     }
 }
 
 /// Runs the benchmark and prints the results.
-pub(crate) async fn run(url: Option<&str>, args: BenchArgs) -> Result<()> {
-    let (_cluster, url) = match url {
-        Some(url) => (None, url.to_string()),
-        None => {
-            eprintln!("starting a throwaway PostgreSQL (fsync={})...", args.fsync);
-            let fsync = if args.fsync == "off" { "off" } else { "on" };
-            let mut settings = vec![("fsync", fsync)];
-            if args.profile {
-                settings.push(("shared_preload_libraries", "pg_stat_statements"));
-                settings.push(("pg_stat_statements.track", "all"));
-            }
-            let pg = tokio::task::spawn_blocking(move || EmbeddedPostgres::start_with(&settings))
-                .await
-                .map_err(|e| CliError::runtime(e.to_string()))??;
-            let url = pg.url("postgres");
-            (Some(pg), url)
+pub(crate) async fn run(named: Option<&str>, args: BenchArgs) -> Result<()> {
+    let fsync = if args.fsync == "off" { "off" } else { "on" };
+    let profile = args.profile;
+    errln!("bench: fsync={fsync}");
+    let scratch = crate::scratch::open(named, args.yes, "bench", move || {
+        let mut settings = vec![("fsync", fsync)];
+        if profile {
+            settings.push(("shared_preload_libraries", "pg_stat_statements"));
+            settings.push(("pg_stat_statements.track", "all"));
         }
-    };
+        EmbeddedPostgres::start_with(&settings)
+    })
+    .await?;
+    let result = measure(&scratch.url, &args).await;
+    scratch.clean_up().await?;
+    result
+}
+
+async fn measure(url: &str, args: &BenchArgs) -> Result<()> {
+    let url = url.to_string();
     let client = Client::connect(&url).await?;
     client.migrate().await?;
     let conn = permitq_test_support::try_connect(&url).await?;
@@ -112,24 +118,24 @@ pub(crate) async fn run(url: Option<&str>, args: BenchArgs) -> Result<()> {
     ));
 
     if args.runs("idle") {
-        load::idle(&url, &args, &mut report).await?;
+        load::idle(&url, args, &mut report).await?;
     }
     if args.runs("cycle") {
-        load::hot_cycle(&url, &args, &mut report).await?;
+        load::hot_cycle(&url, args, &mut report).await?;
     }
     if args.runs("release") {
         load::release(&url, &mut report).await?;
     }
     if args.runs("drain") {
-        load::drain(&url, &args, &mut report).await?;
+        load::drain(&url, args, &mut report).await?;
     }
     if args.runs("deep") && args.deep_rows > 0 {
-        deep::run(&url, &args, &mut report).await?;
+        deep::run(&url, args, &mut report).await?;
     }
     if args.profile {
         profile(&conn, &mut report).await?;
     }
-    println!("{}", report.text);
+    outln!("{}", report.text);
     Ok(())
 }
 

@@ -337,9 +337,9 @@ pub(crate) async fn holder_process(url: &str, external_id: &str) -> Result<()> {
         .permit(FENCED, 1)
         .ttl(Duration::from_millis(500));
     let lease = client.acquire(&request, Duration::from_secs(20)).await?;
-    println!("token {}", lease.fencing_token());
+    outln!("token {}", lease.fencing_token());
     tokio::time::sleep(Duration::from_millis(300)).await;
     let accepted = client.fence(FENCED, lease.fencing_token()).await?;
-    println!("fenced {accepted}");
+    outln!("fenced {accepted}");
     Ok(())
 }

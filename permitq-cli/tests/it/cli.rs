@@ -69,10 +69,32 @@ fn malformed_arguments_are_usage_errors_with_exit_2() {
         &["worker", "--metrics-addr", "nowhere"],
         &["status"],
         &["status", "x"],
+        &["submit", "x", "db=1", "--ttl", "-5s"],
+        &["submit", "x", "db=1", "--ttl", "0s"],
+        &["submit", "x", "db=1", "--ttl", "1000000y"],
+        &["submit", "x", "db=1", "--ttl", "292270y"],
+        &["submit", "x", "db=1", "--wait", "292270y"],
+        &["submit", "x", "db=1", "--wait", "-1s"],
+        &["submit", "x", "db=1", "db=2"],
+        &["submit", "x", "db=1", "--permit", "db", "2"],
+        &["submit", "x", "a=b=1"],
+        &["submit", "x", "--permit", "a=b", "0"],
+        &["submit", "x", "--permit", "a=b"],
+        &["heartbeat", "x", "--extend", "11y"],
+        &["heartbeat", "x", "--extend", "-5s"],
+        &["worker", "--max-hold", "11y"],
+        &["worker", "--retention", "-1d"],
+        &["chaos", "--database-url", "postgres://localhost/x"],
     ] {
         let o = permitq(None, args);
         assert_eq!(code(&o), 2, "{args:?}: {}", stderr(&o));
         assert!(!stderr(&o).is_empty(), "{args:?} explains itself");
+        assert_eq!(
+            stderr(&o).trim().lines().count(),
+            1,
+            "{args:?}: one line: {}",
+            stderr(&o)
+        );
         assert!(!stderr(&o).contains("panicked"), "{args:?}");
     }
     let o = permitq(None, &["--help"]);
@@ -215,7 +237,7 @@ async fn submit_await_status_release_and_their_exit_codes() {
     let json: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!(json["state"], "acquired");
     let o = run(url, &["status", "nope"]).await;
-    assert_eq!(code(&o), 1);
+    assert_eq!(code(&o), 5, "not found: {}", stderr(&o));
 
     let o = run(url, &["heartbeat", "job-1", "--extend", "1m"]).await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
@@ -228,10 +250,13 @@ async fn submit_await_status_release_and_their_exit_codes() {
         stdout(&run(url, &["release", "job-1"]).await).trim(),
         "already_released"
     );
-    assert_eq!(
-        stdout(&run(url, &["release", "nope"]).await).trim(),
-        "unknown"
-    );
+    for verb in ["release", "revoke", "heartbeat"] {
+        let o = run(url, &[verb, "nope"]).await;
+        assert_eq!(code(&o), 5, "{verb} nope: {}", stderr(&o));
+        assert_eq!(stderr(&o).trim(), "permitq: no request named \"nope\"");
+    }
+    let o = run(url, &["semaphore", "history", "nope"]).await;
+    assert_eq!(code(&o), 5, "{}", stderr(&o));
     let o = run(url, &["heartbeat", "job-1"]).await;
     assert_eq!(code(&o), 3, "a released lease is lost: {}", stderr(&o));
     assert!(stderr(&o).contains("lease lost"));
@@ -309,4 +334,162 @@ async fn heartbeat_of_a_lease_that_ran_out_exits_3() {
     assert_eq!(code(&out), 3, "{}", stderr(&out));
     assert!(stderr(&out).contains("expired"), "{}", stderr(&out));
     worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_input_names_its_field_and_writes_nothing() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    assert_eq!(code(&run(url, &["semaphore", "set", "db", "2"]).await), 0);
+    for (args, field) in [
+        (&["submit", "x", "db=1", "--ttl", "-5s"][..], "--ttl"),
+        (&["submit", "x", "db=1", "--ttl", "1000000y"], "--ttl"),
+        (&["submit", "x", "db=1", "--wait", "292270y"], "--wait"),
+        (&["submit", "x", "db=1", "db=2"], "permits"),
+        (&["submit", "", "db=1"], "external_id"),
+        (&["semaphore", "set", "", "2"], "name"),
+    ] {
+        let o = run(url, args).await;
+        assert_eq!(code(&o), 2, "{args:?}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains(field),
+            "{args:?} names {field}: {}",
+            stderr(&o)
+        );
+    }
+    let conn = db.conn().await;
+    let rows: i64 = conn
+        .query_one("SELECT count(*) FROM permitq.permit_request", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 0, "a rejected call writes nothing");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_semaphore_whose_name_holds_an_equals_sign_is_requested_with_permit() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let worker = db.worker(quiet_config("w1"));
+    assert_eq!(code(&run(url, &["semaphore", "set", "a=b", "2"]).await), 0);
+    let o = run(
+        url,
+        &["submit", "eq", "--permit", "a=b", "2", "--await", "10s"],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(stdout(&o).starts_with("eq acquired"), "{}", stdout(&o));
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_refuses_a_named_database_with_permitq_data_and_cleans_up_after_itself() {
+    let db = TestDb::new().await;
+    let url = db.url.clone();
+    // DATABASE_URL alone does not name a database for demo: it would start a throwaway one.
+    // Named explicitly and holding data: refused without --yes, nothing written.
+    assert_eq!(
+        code(&run(&url, &["semaphore", "set", "mine", "1"]).await),
+        0
+    );
+    let o = run(&url, &["demo", "--database-url", &url, "--duration", "1s"]).await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(stderr(&o).contains("--yes"), "{}", stderr(&o));
+    let o = run(
+        &url,
+        &[
+            "demo",
+            "--database-url",
+            &url,
+            "--duration",
+            "2s",
+            "--yes",
+            "--workers",
+            "1",
+            "--producers",
+            "3",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let conn = db.conn().await;
+    let left: Vec<String> = conn
+        .query("SELECT name FROM permitq.semaphore ORDER BY name", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, ["mine"], "only what was there before is left");
+    let requests: i64 = conn
+        .query_one("SELECT count(*) FROM permitq.permit_request", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(requests, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_a_worker_whose_stdout_and_stderr_are_a_closed_pipe() {
+    use std::io::Read as _;
+    let db = TestDb::new().await;
+    // `permitq worker 2>&1 | head -1`: the reader takes one line and goes away.
+    let (mut reader, writer) = std::io::pipe().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_permitq"))
+        .args(["worker", "--id", "piped", "--poll-interval", "100ms"])
+        .env("DATABASE_URL", &db.url)
+        .env("RUST_LOG", "permitq=debug,permitq_cli=debug")
+        .stdin(Stdio::null())
+        .stdout(writer.try_clone().unwrap())
+        .stderr(writer)
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 1];
+    reader.read_exact(&mut first).unwrap();
+    drop(reader);
+    let conn = db.conn().await;
+    wait_until(Duration::from_secs(15), "the worker is listening", || async {
+        let n: i64 = conn
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'permitq piped' AND query LIKE 'LISTEN%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        n == 1
+    })
+    .await;
+    // A grant makes the worker log (debug) into the closed pipe: EPIPE.
+    let client = db.client().await;
+    client.set_capacity("p", 1, None).await.unwrap();
+    client
+        .submit(&permitq::Request::new("logged").permit("p", 1))
+        .await
+        .unwrap();
+    let r = client
+        .wait_settled("logged", Duration::from_secs(10))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(r.state, permitq::State::Acquired);
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let status = tokio::task::spawn_blocking(move || loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    })
+    .await
+    .unwrap();
+    let status = status.expect("the worker stopped within 10 s of SIGTERM");
+    assert_eq!(status.code(), Some(0), "{status:?}");
 }

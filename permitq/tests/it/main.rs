@@ -3,5 +3,6 @@
 mod leases;
 mod notifications;
 mod robustness;
+mod roles;
 mod sql_api;
 mod worker;

@@ -1,0 +1,175 @@
+//! Least privilege: log in as a member of each permitq role and try every allowed and forbidden
+//! action. Also: a non-superuser that owns the database migrates it.
+
+use permitq_test_support as common;
+
+use std::time::Duration;
+
+use common::{quiet_config, RunningWorker, TestDb};
+use permitq::{Client, Request, SqlState, State};
+
+/// `url` logging in as `user` with `password`.
+fn as_user(url: &str, user: &str, password: &str) -> String {
+    let (scheme, rest) = url.split_once("://").expect("a postgres:// URL");
+    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{user}:{password}@{host}")
+}
+
+/// A login role in `role`, unique to this test database.
+async fn login(db: &TestDb, role: &str) -> String {
+    let user = format!("{}_{}", role, &db.name[db.name.len() - 8..]);
+    db.conn()
+        .await
+        .batch_execute(&format!(
+            "CREATE ROLE {user} LOGIN PASSWORD 'pw' IN ROLE {role}"
+        ))
+        .await
+        .unwrap();
+    as_user(&db.url, &user, "pw")
+}
+
+/// Runs `sql` and expects permission denied (42501).
+async fn denied(conn: &tokio_postgres::Client, sql: &str) {
+    let err = conn
+        .batch_execute(sql)
+        .await
+        .expect_err(&format!("forbidden: {sql}"));
+    assert_eq!(
+        err.code(),
+        Some(&SqlState::INSUFFICIENT_PRIVILEGE),
+        "{sql}: {err}"
+    );
+}
+
+/// Runs `sql` and expects success.
+async fn allowed(conn: &tokio_postgres::Client, sql: &str) {
+    conn.batch_execute(sql)
+        .await
+        .unwrap_or_else(|e| panic!("allowed: {sql}: {e:?}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_role_can_do_exactly_its_part() {
+    let db = TestDb::new().await;
+    let admin_url = login(&db, "permitq_admin").await;
+    let producer_url = login(&db, "permitq_producer").await;
+    let worker_url = login(&db, "permitq_worker").await;
+
+    // Admin: capacity, revoke, retention; reads everything; writes no table directly.
+    let admin = common::connect(&admin_url).await;
+    allowed(&admin, "SELECT permitq.set_capacity('gpu', 2)").await;
+    allowed(&admin, "SELECT permitq.set_capacity('other', 1)").await;
+    allowed(&admin, "SELECT * FROM permitq.semaphore_usage").await;
+    allowed(&admin, "SELECT permitq.delete_settled('7 days', 10)").await;
+    denied(&admin, "UPDATE permitq.semaphore SET capacity = 100").await;
+    denied(&admin, "SELECT * FROM permitq.claim_batch(0, 10)").await;
+
+    // Producer: submit, plain INSERT, status, heartbeat, release, fence, reads.
+    let producer = common::connect(&producer_url).await;
+    allowed(
+        &producer,
+        "SELECT permitq.submit('p1', '{\"gpu\": 1}', ttl => '1 minute')",
+    )
+    .await;
+    allowed(
+        &producer,
+        "INSERT INTO permitq.permit_request (external_id, permits) VALUES ('p2', '{\"gpu\": 1}') ON CONFLICT (external_id) DO NOTHING",
+    )
+    .await;
+    allowed(&producer, "SELECT * FROM permitq.status('p1')").await;
+    allowed(&producer, "SELECT * FROM permitq.permit_request").await;
+    allowed(&producer, "SELECT * FROM permitq.holders").await;
+    allowed(&producer, "SELECT * FROM permitq.waiters").await;
+    allowed(&producer, "LISTEN permitq_events").await;
+    for forbidden in [
+        "UPDATE permitq.semaphore SET capacity = 100",
+        "DELETE FROM permitq.semaphore",
+        "UPDATE permitq.permit_request SET state = 'acquired'",
+        "DELETE FROM permitq.permit_request",
+        "DELETE FROM permitq.waiter",
+        "INSERT INTO permitq.permit_request (external_id, permits, state) VALUES ('p3', '{\"gpu\": 1}', 'new')",
+        "SELECT permitq.set_capacity('gpu', 100)",
+        "SELECT permitq.revoke('p1')",
+        "SELECT * FROM permitq.claim_batch(0, 10)",
+        "SELECT permitq.apply_decision('me', '{}', '{}', '{}', '{}')",
+        "SELECT permitq.sweep_expired(10)",
+        "SELECT nextval('permitq.fencing_token_seq')",
+        "SELECT permitq.delete_settled('0 seconds', 1000)",
+    ] {
+        denied(&producer, forbidden).await;
+    }
+
+    // Worker: runs the claim loop and sweeps; cannot submit, change capacity or revoke.
+    let worker_conn = common::connect(&worker_url).await;
+    for forbidden in [
+        "SELECT permitq.submit('w1', '{\"gpu\": 1}')",
+        "SELECT permitq.set_capacity('gpu', 100)",
+        "SELECT permitq.revoke('p1')",
+        "UPDATE permitq.semaphore SET used = 0",
+        "DELETE FROM permitq.permit_request",
+    ] {
+        denied(&worker_conn, forbidden).await;
+    }
+    let worker = RunningWorker::start(&worker_url, quiet_config("least-privilege"));
+    let producer_client = Client::connect(&producer_url).await.unwrap();
+    for id in ["p1", "p2"] {
+        let r = producer_client
+            .wait_settled(id, Duration::from_secs(15))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.state, State::Acquired, "{id}");
+    }
+    producer_client.heartbeat("p1", None).await.unwrap();
+    producer_client.release("p1").await.unwrap();
+    producer_client
+        .submit(&Request::new("p4").permit("gpu", 1))
+        .await
+        .unwrap();
+    let r = producer_client
+        .wait_settled("p4", Duration::from_secs(15))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        r.state,
+        State::Acquired,
+        "the release was folded by the worker role"
+    );
+    let admin_client = Client::connect(&admin_url).await.unwrap();
+    assert_eq!(
+        admin_client.revoke("p4").await.unwrap(),
+        permitq::ReleaseOutcome::Revoked
+    );
+    worker.stop().await;
+    common::check_invariants(&db.conn().await).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_superuser_that_owns_the_database_migrates_it() {
+    let db = TestDb::new().await;
+    let owner = format!("owner_{}", &db.name[db.name.len() - 8..]);
+    let fresh = format!("fresh_{}", &db.name[db.name.len() - 8..]);
+    let admin = db.conn().await;
+    for statement in [
+        format!("CREATE ROLE {owner} LOGIN PASSWORD 'pw' NOSUPERUSER NOCREATEROLE"),
+        format!("CREATE DATABASE {fresh} OWNER {owner}"),
+    ] {
+        admin.batch_execute(&statement).await.unwrap();
+    }
+    let url = common::with_dbname(&as_user(&db.url, &owner, "pw"), &fresh);
+    let client = Client::connect(&url).await.unwrap();
+    // The roles exist (cluster-wide) already, so it needs no CREATEROLE.
+    let applied = client.migrate().await.unwrap();
+    assert_eq!(applied.len(), permitq::migrate::MIGRATIONS.len());
+    assert!(client.migrate().await.unwrap().is_empty());
+    client.set_capacity("x", 1, None).await.unwrap();
+    drop(client);
+    // Leave nothing behind on the shared cluster.
+    for statement in [
+        format!("DROP DATABASE {fresh} WITH (FORCE)"),
+        format!("DROP ROLE {owner}"),
+    ] {
+        admin.batch_execute(&statement).await.unwrap();
+    }
+}
