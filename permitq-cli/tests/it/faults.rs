@@ -255,3 +255,104 @@ async fn workers_ride_out_a_database_restart() {
     drop(client);
     drop(conn);
 }
+
+/// Sends `signal` (STOP, CONT) to a process.
+fn signal(child: &Child, signal: &str) {
+    let ok = Command::new("kill")
+        .args([&format!("-{signal}"), &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -{signal}");
+}
+
+/// True when another transaction holds the row lock of semaphore `name` (probed with NOWAIT,
+/// rolled back).
+async fn semaphore_locked(conn: &mut tokio_postgres::Client, name: &str) -> bool {
+    let tx = conn.transaction().await.unwrap();
+    let locked = tx
+        .query(
+            "SELECT 1 FROM permitq.semaphore WHERE name = $1 FOR UPDATE NOWAIT",
+            &[&name],
+        )
+        .await
+        .is_err();
+    tx.rollback().await.unwrap();
+    locked
+}
+
+/// A worker that stops answering in the middle of a batch (SIGSTOP while it holds a semaphore's
+/// row lock: its socket stays open, nothing is sent) blocks that semaphore for at most its
+/// `idle_in_transaction_session_timeout` (5 s by default): then the server ends its session,
+/// the locks go, and once resumed the worker reconnects and carries on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_worker_holding_a_semaphore_lock_blocks_it_for_at_most_the_idle_bound() {
+    const BOUND: Duration = Duration::from_secs(5);
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 1_000_000, None).await.unwrap();
+    let mut child = spawn_worker_process(&db.url, "paused");
+    let conn = db.conn().await;
+    wait_until(SOON, "the worker is listening", || async {
+        backends(&conn, "permitq paused", "AND query LIKE 'LISTEN%'").await == 1
+    })
+    .await;
+    // Keep it busy: requests on `s`, submitted and released all along.
+    let stop_load = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (client, stop) = (client.clone(), stop_load.clone());
+        tokio::spawn(async move {
+            let mut i = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                i += 1;
+                let _ = client
+                    .submit(&Request::new(format!("load-{i}")).permit("s", 1))
+                    .await;
+                tokio::task::yield_now().await;
+            }
+        })
+    };
+    // Pause it until it is caught holding the lock (a few tries: it must be mid-batch).
+    let mut probe = db.conn().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never caught the worker holding the lock"
+        );
+        signal(&child, "STOP");
+        if semaphore_locked(&mut probe, "s").await {
+            break;
+        }
+        signal(&child, "CONT");
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    let paused_at = std::time::Instant::now();
+    stop_load.store(true, std::sync::atomic::Ordering::Relaxed);
+    load.await.unwrap();
+    // The semaphore is blocked until the server ends the paused session.
+    while semaphore_locked(&mut probe, "s").await {
+        assert!(
+            paused_at.elapsed() < BOUND + Duration::from_secs(10),
+            "the paused worker still blocks the semaphore after {:?}",
+            paused_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let blocked = paused_at.elapsed();
+    assert!(
+        blocked <= BOUND + Duration::from_secs(2),
+        "blocked for {blocked:?}"
+    );
+    // Resumed, the worker finds its session gone, reconnects and grants again.
+    signal(&child, "CONT");
+    client
+        .submit(&Request::new("after-pause").permit("s", 1))
+        .await
+        .unwrap();
+    assert_eq!(settled_state(&client, "after-pause").await, State::Acquired);
+    eprintln!("paused worker blocked the semaphore for {blocked:?} (bound {BOUND:?})");
+    check_invariants(&conn).await.unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+}
