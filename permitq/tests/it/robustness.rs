@@ -173,3 +173,244 @@ async fn a_batch_of_long_external_ids_is_granted_and_every_event_arrives() {
     assert_eq!(acquired.len(), ids.len());
     worker.stop().await;
 }
+
+/// One generated call of the SQL API (text parameters, cast by the server like a client would).
+#[derive(Debug, Clone)]
+enum Call {
+    Submit(
+        String,
+        String,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+    ),
+    Insert(
+        String,
+        String,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+    ),
+    SetCapacity(String, i64, Option<bool>),
+    Heartbeat(String, Option<String>),
+}
+
+fn calls() -> impl proptest::strategy::Strategy<Value = Vec<Call>> {
+    use proptest::prelude::*;
+    let text = prop_oneof![
+        "[a-z]{1,8}",
+        "\\PC{0,40}",
+        Just(String::new()),
+        Just("x".repeat(255)),
+        Just("x".repeat(256)),
+        Just("é".repeat(255)),
+        Just("'; DROP TABLE permitq.semaphore; --".to_string()),
+        Just("\"quoted\" \\ back".to_string()),
+        Just("tab\tnew\nline".to_string()),
+        Just("a=b".to_string()),
+    ];
+    let names = prop_oneof![
+        "[a-c]",
+        "\\PC{0,6}",
+        Just("x".repeat(256)),
+        Just(String::new())
+    ];
+    let value = prop_oneof![
+        (1i64..5).prop_map(|n| n.to_string()),
+        Just("0".to_string()),
+        Just("-1".to_string()),
+        Just("1.5".to_string()),
+        Just("2.0".to_string()),
+        Just("1e30".to_string()),
+        Just("2147483648".to_string()),
+        Just("\"1\"".to_string()),
+        Just("null".to_string()),
+        Just("[1]".to_string()),
+        Just("{}".to_string()),
+    ];
+    let object = proptest::collection::vec((names, value), 0..4).prop_map(|entries| {
+        let body: Vec<String> = entries
+            .iter()
+            .map(|(k, v)| format!("{}: {v}", serde_json::Value::String(k.clone())))
+            .collect();
+        format!("{{{}}}", body.join(", "))
+    });
+    let permits = prop_oneof![
+        4 => object,
+        1 => Just("[]".to_string()),
+        1 => Just("\"a\"".to_string()),
+        1 => Just("42".to_string()),
+        1 => Just("null".to_string()),
+        1 => Just(format!(
+            "{{{}}}",
+            (0..65).map(|i| format!("\"s{i}\": 1")).collect::<Vec<_>>().join(",")
+        )),
+    ];
+    let interval = proptest::option::of(prop_oneof![
+        (1i64..100).prop_map(|n| format!("{n} seconds")),
+        (-100i64..=0).prop_map(|n| format!("{n} seconds")),
+        (0i64..400).prop_map(|n| format!("{n} months")),
+        (1i64..50).prop_map(|n| format!("{n} years -3 days")),
+        Just("292270 years".to_string()),
+        Just("1000000 years".to_string()),
+        Just("3653 days".to_string()),
+        Just("3654 days".to_string()),
+        Just("1 month -40 days".to_string()),
+        Just("9223372036854775807 microseconds".to_string()),
+        Just("soon".to_string()),
+    ]);
+    let owner = proptest::option::of(text.clone());
+    let call = prop_oneof![
+        (
+            text.clone(),
+            permits.clone(),
+            owner.clone(),
+            interval.clone(),
+            interval.clone()
+        )
+            .prop_map(|(e, p, o, t, w)| Call::Submit(e, p, o, t, w)),
+        (
+            text.clone(),
+            permits,
+            owner,
+            interval.clone(),
+            interval.clone()
+        )
+            .prop_map(|(e, p, o, t, w)| Call::Insert(e, p, o, t, w)),
+        (
+            text.clone(),
+            prop_oneof![(-2i64..10), Just(i64::from(i32::MAX)), Just(1i64 << 40)],
+            proptest::option::of(any::<bool>())
+        )
+            .prop_map(|(n, c, f)| Call::SetCapacity(n, c, f)),
+        (text, interval).prop_map(|(e, x)| Call::Heartbeat(e, x)),
+    ];
+    proptest::collection::vec(call, 400)
+}
+
+/// Rows in every permitq table: a rejected call must not change it.
+async fn footprint(conn: &tokio_postgres::Client) -> (i64, i64, i64) {
+    let row = conn
+        .query_one(
+            "SELECT (SELECT count(*) FROM permitq.permit_request),
+                    (SELECT count(*) FROM permitq.semaphore),
+                    (SELECT count(*) FROM permitq.capacity_change)",
+            &[],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1), row.get(2))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_of_bad_input_is_accepted_or_rejected_by_name_and_workers_still_grant() {
+    use proptest::strategy::{Strategy, ValueTree};
+    let db = TestDb::new().await;
+    let conn = db.conn().await;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let calls = calls().new_tree(&mut runner).unwrap().current();
+    let fields = [
+        "external_id",
+        "permits",
+        "owner",
+        "ttl",
+        "wait",
+        "name",
+        "capacity",
+        "extend",
+    ];
+    // Cast errors of a literal the caller wrote (the call never reached permitq).
+    let literal = [
+        "22007", "22008", "22015", "22P02", "22021", "22P05", "22003",
+    ];
+    let (mut accepted, mut rejected) = (0, 0);
+    for call in &calls {
+        let before = footprint(&conn).await;
+        let result = match call {
+            Call::Submit(e, p, o, t, w) => conn
+                .execute(
+                    "SELECT permitq.submit($1, $2::text::jsonb, $3, $4::text::interval, $5::text::interval)",
+                    &[e, p, o, t, w],
+                )
+                .await,
+            Call::Insert(e, p, o, t, w) => conn
+                .execute(
+                    "INSERT INTO permitq.permit_request (external_id, permits, owner, ttl, wait)
+                     VALUES ($1, $2::text::jsonb, $3, $4::text::interval, $5::text::interval)
+                     ON CONFLICT (external_id) DO NOTHING",
+                    &[e, p, o, t, w],
+                )
+                .await,
+            Call::SetCapacity(n, c, f) => conn
+                .execute(
+                    "SELECT permitq.set_capacity($1, $2::int8::int4, $3)",
+                    &[n, c, f],
+                )
+                .await,
+            Call::Heartbeat(e, x) => conn
+                .execute(
+                    "SELECT permitq.heartbeat($1, $2::text::interval)",
+                    &[e, x],
+                )
+                .await,
+        };
+        match result {
+            Ok(_) => accepted += 1,
+            Err(err) => {
+                rejected += 1;
+                let db_error = err
+                    .as_db_error()
+                    .unwrap_or_else(|| panic!("{call:?}: {err}"));
+                let code = db_error.code().code();
+                let message = db_error.message();
+                let ok = match code {
+                    "22023" => fields.iter().any(|f| message.contains(f)),
+                    "23505" | "23514" => true,
+                    // heartbeat of a request that is not held: the lease is lost.
+                    "55000" => matches!(call, Call::Heartbeat(..)),
+                    c => literal.contains(&c),
+                };
+                assert!(ok, "{call:?}: unexpected {code} {message}");
+                assert_eq!(
+                    footprint(&conn).await,
+                    before,
+                    "{call:?} was rejected but wrote"
+                );
+            }
+        }
+    }
+    eprintln!(
+        "bad-input sweep: {} calls, {accepted} accepted, {rejected} rejected",
+        calls.len()
+    );
+    assert!(accepted > 20 && rejected > 100, "{accepted} / {rejected}");
+
+    // Everything accepted gets examined, and a worker still grants.
+    let worker = db.notified_worker("after-sweep");
+    let client = db.client().await;
+    client.set_capacity("fresh", 1, None).await.unwrap();
+    client
+        .submit(&Request::new("fresh-1").permit("fresh", 1))
+        .await
+        .unwrap();
+    assert_eq!(
+        client
+            .wait_settled("fresh-1", SOON)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        State::Acquired
+    );
+    wait_until(SOON, "every accepted request examined", || async {
+        conn.query_one(
+            "SELECT count(*) = 0 FROM permitq.permit_request WHERE state = 'new' AND NOT examined",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+    })
+    .await;
+    worker.stop().await;
+}
