@@ -6,7 +6,7 @@
 
 use tokio_postgres::Client;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, SqlState};
 use crate::sql;
 
 /// One migration file, compiled into the binary.
@@ -44,6 +44,9 @@ pub const MIGRATIONS: &[Migration] = &[
     },
 ];
 
+/// V1's first statement, redundant once the bookkeeping table's schema exists.
+const V1_CREATE_SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS permitq;";
+
 /// Advisory lock key taken while migrating ("permitq" in ASCII).
 const MIGRATION_LOCK_KEY: i64 = 0x0070_6572_6d69_7471;
 
@@ -58,7 +61,7 @@ pub async fn migrate(client: &mut Client) -> Result<Vec<i32>> {
     client
         .execute(sql::MIGRATION_LOCK, &[&MIGRATION_LOCK_KEY])
         .await?;
-    let result = apply_missing(client).await;
+    let result = apply_missing(client).await.map_err(explain_privilege);
     let unlock = client
         .execute(sql::MIGRATION_UNLOCK, &[&MIGRATION_LOCK_KEY])
         .await;
@@ -103,7 +106,11 @@ async fn apply_missing(client: &mut Client) -> Result<Vec<i32>> {
     let mut applied = Vec::new();
     for m in MIGRATIONS.iter().filter(|m| !done.contains(&m.version)) {
         let tx = client.transaction().await?;
-        tx.batch_execute(m.sql).await?;
+        // The schema exists by now (see MIGRATION_TABLE). V1's own `CREATE SCHEMA IF NOT
+        // EXISTS` would still demand CREATE on the database, so it is skipped; the checksum
+        // stays that of the file as written.
+        tx.batch_execute(&m.sql.replacen(V1_CREATE_SCHEMA, "", 1))
+            .await?;
         tx.execute(sql::RECORD_MIGRATION, &[&m.version, &m.name, &m.sql])
             .await?;
         tx.commit().await?;
@@ -111,6 +118,23 @@ async fn apply_missing(client: &mut Client) -> Result<Vec<i32>> {
         applied.push(m.version);
     }
     Ok(applied)
+}
+
+/// A missing privilege, said with what migrating needs.
+fn explain_privilege(e: Error) -> Error {
+    let Some(db) = e.as_postgres().and_then(|p| p.as_db_error()) else {
+        return e;
+    };
+    if db.code() != &SqlState::INSUFFICIENT_PRIVILEGE {
+        return e;
+    }
+    Error::config(format!(
+        "cannot migrate: {}{}. The migrating role must own the database or the permitq schema \
+         (or have CREATE on the database), and needs CREATEROLE only while the roles \
+         permitq_producer, permitq_worker and permitq_admin do not exist",
+        db.message(),
+        db.hint().map(|h| format!(" ({h})")).unwrap_or_default()
+    ))
 }
 
 fn hex(bytes: &[u8]) -> String {

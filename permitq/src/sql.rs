@@ -16,8 +16,14 @@ pub(crate) const MIGRATION_LOCK: &str = "SELECT pg_advisory_lock($1)";
 /// Migrations: release it.
 pub(crate) const MIGRATION_UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
 /// Migrations: the bookkeeping table (created, or given its checksum column, when missing).
+/// The schema is created only when missing: `CREATE SCHEMA IF NOT EXISTS` checks the CREATE
+/// privilege on the database first, which a role that merely owns the schema lacks.
 pub(crate) const MIGRATION_TABLE: &str = "SET client_min_messages = warning;
-     CREATE SCHEMA IF NOT EXISTS permitq;
+     DO $$ BEGIN
+         IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = 'permitq') THEN
+             CREATE SCHEMA permitq;
+         END IF;
+     END $$;
      CREATE TABLE IF NOT EXISTS permitq.schema_migration (
          version    integer PRIMARY KEY,
          name       text NOT NULL,

@@ -146,7 +146,7 @@ async fn each_role_can_do_exactly_its_part() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_non_superuser_that_owns_the_database_migrates_it() {
+async fn a_non_superuser_that_owns_the_database_or_the_schema_migrates_it() {
     let db = TestDb::new().await;
     let owner = format!("owner_{}", &db.name[db.name.len() - 8..]);
     let fresh = format!("fresh_{}", &db.name[db.name.len() - 8..]);
@@ -165,9 +165,42 @@ async fn a_non_superuser_that_owns_the_database_migrates_it() {
     assert!(client.migrate().await.unwrap().is_empty());
     client.set_capacity("x", 1, None).await.unwrap();
     drop(client);
+
+    // A role that owns only the permitq schema (no CREATE on the database) migrates too; one
+    // that owns nothing is told what it needs.
+    let schema_only = format!("schema_{}", &db.name[db.name.len() - 8..]);
+    for statement in [
+        format!("CREATE DATABASE {schema_only}"),
+        format!("REVOKE CREATE ON DATABASE {schema_only} FROM PUBLIC"),
+    ] {
+        admin.batch_execute(&statement).await.unwrap();
+    }
+    let superuser = common::with_dbname(&db.url, &schema_only);
+    let nothing = Client::connect(&common::with_dbname(
+        &as_user(&db.url, &owner, "pw"),
+        &schema_only,
+    ))
+    .await
+    .unwrap();
+    let err = nothing.migrate().await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("must own the database or the permitq schema"),
+        "{err}"
+    );
+    common::connect(&superuser)
+        .await
+        .batch_execute(&format!("CREATE SCHEMA permitq AUTHORIZATION {owner}"))
+        .await
+        .unwrap();
+    let applied = nothing.migrate().await.unwrap();
+    assert_eq!(applied.len(), permitq::migrate::MIGRATIONS.len());
+    drop(nothing);
+
     // Leave nothing behind on the shared cluster.
     for statement in [
         format!("DROP DATABASE {fresh} WITH (FORCE)"),
+        format!("DROP DATABASE {schema_only} WITH (FORCE)"),
         format!("DROP ROLE {owner}"),
     ] {
         admin.batch_execute(&statement).await.unwrap();
