@@ -14,6 +14,9 @@ pub(crate) struct Cli {
     /// PostgreSQL URL, e.g. postgres://user:pass@host:5432/db.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     pub database_url: Option<String>,
+    /// Log lines on stderr as `text` (colours only on a terminal) or `json` (one object per line).
+    #[arg(long, global = true, default_value = "text", value_parser = ["text", "json"])]
+    pub log_format: String,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -23,9 +26,25 @@ pub(crate) struct Cli {
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
     /// Create or upgrade the schema (safe to run twice, or concurrently).
-    Migrate,
+    Migrate {
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Run a worker until SIGINT/SIGTERM.
     Worker(WorkerArgs),
+    /// A live terminal view of every semaphore (q quits).
+    Top {
+        /// Refresh interval.
+        #[arg(long, default_value = "1s", value_parser = parse_lease_duration)]
+        interval: Duration,
+    },
+    /// Serve the status page, the JSON API, /metrics, /healthz and /readyz (read-only).
+    Serve {
+        /// Where to listen.
+        #[arg(long, default_value = "127.0.0.1:9187")]
+        http_addr: SocketAddr,
+    },
     /// Manage semaphores.
     #[command(subcommand)]
     Semaphore(SemaphoreCommand),
@@ -43,11 +62,17 @@ pub(crate) enum Command {
     Release {
         /// The request's external_id.
         external_id: String,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// Operator: take a held request's permits away (release_reason = revoked).
     Revoke {
         /// The request's external_id.
         external_id: String,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// Extend a held request's lease; exits 3 when the lease is lost.
     Heartbeat {
@@ -56,6 +81,9 @@ pub(crate) enum Command {
         /// New lease length from now (default: the request's ttl).
         #[arg(long, value_parser = parse_lease_duration, allow_hyphen_values = true)]
         extend: Option<Duration>,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// Run the whole system on an embedded default: a throwaway PostgreSQL when DATABASE_URL
     /// is unset, several workers, simulated producers and holders, a live view and a summary.
@@ -123,9 +151,9 @@ pub(crate) struct WorkerArgs {
     /// Delete capacity audit rows older than this.
     #[arg(long, default_value = "30d", value_parser = parse_lease_duration, allow_hyphen_values = true)]
     pub audit_retention: Duration,
-    /// Serve Prometheus metrics on HOST:PORT (GET /metrics).
-    #[arg(long)]
-    pub metrics_addr: Option<SocketAddr>,
+    /// Serve /metrics, /healthz, /readyz, the JSON API and the status page on HOST:PORT.
+    #[arg(long, visible_alias = "metrics-addr")]
+    pub http_addr: Option<SocketAddr>,
     /// Worker name (logs, worker_id, application_name).
     #[arg(long)]
     pub id: Option<String>,
@@ -163,6 +191,17 @@ pub(crate) enum SemaphoreCommand {
         /// Any request that fits may go first.
         #[arg(long)]
         greedy: bool,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one semaphore: usage, holders, waiters, recent capacity changes.
+    Show {
+        /// Name.
+        name: String,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// List semaphores with capacity and use.
     List {

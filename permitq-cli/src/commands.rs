@@ -51,24 +51,40 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             crate::chaos::nemesis::holder_process(&need_url()?, &external_id).await?;
             Ok(0)
         }
-        Command::Migrate => {
+        Command::Migrate { json } => {
             let applied = Client::connect(&need_url()?).await?.migrate().await?;
-            match applied.as_slice() {
-                [] => outln!("schema is up to date"),
-                versions => outln!("applied migrations {versions:?}"),
+            if json {
+                outln!("{}", serde_json::json!({ "applied": applied }));
+            } else {
+                match applied.as_slice() {
+                    [] => outln!("schema is up to date"),
+                    versions => outln!("applied migrations {versions:?}"),
+                }
             }
             Ok(0)
         }
         Command::Worker(args) => {
             let url = need_url()?;
-            wait_for_database(&url).await?;
-            if let Some(addr) = args.metrics_addr {
-                let bound = crate::http::serve(addr).await?;
-                tracing::info!(%bound, "serving metrics");
+            let client = Client::connect(&url).await?;
+            wait_for_schema(&client).await?;
+            let worker = Worker::connect(&url, args.config())?;
+            if let Some(addr) = args.http_addr {
+                let bound = crate::http::serve(addr, client, Some(worker.health())).await?;
+                tracing::info!(%bound, "serving HTTP");
             }
-            Worker::connect(&url, args.config())?
-                .run(shutdown_signal())
-                .await?;
+            worker.run(shutdown_signal()).await?;
+            Ok(0)
+        }
+        Command::Top { interval } => {
+            crate::top::run(Client::connect(&need_url()?).await?, interval).await?;
+            Ok(0)
+        }
+        Command::Serve { http_addr } => {
+            let client = Client::connect(&need_url()?).await?;
+            let bound = crate::http::serve(http_addr, client, None).await?;
+            tracing::warn!(%bound, "serving the status page, JSON API and metrics");
+            errln!("permitq: serving http://{bound}/ (Ctrl-C to stop)");
+            shutdown_signal().await;
             Ok(0)
         }
         Command::Semaphore(cmd) => semaphore(&Client::connect(&need_url()?).await?, cmd).await,
@@ -84,20 +100,28 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             }
             Ok(0)
         }
-        Command::Release { external_id } => {
+        Command::Release { external_id, json } => {
             let client = Client::connect(&need_url()?).await?;
-            outcome(client.release(&external_id).await?, &external_id)
+            outcome(client.release(&external_id).await?, &external_id, json)
         }
-        Command::Revoke { external_id } => {
+        Command::Revoke { external_id, json } => {
             let client = Client::connect(&need_url()?).await?;
-            outcome(client.revoke(&external_id).await?, &external_id)
+            outcome(client.revoke(&external_id).await?, &external_id, json)
         }
         Command::Heartbeat {
             external_id,
             extend,
+            json,
         } => {
             let client = Client::connect(&need_url()?).await?;
             match client.heartbeat(&external_id, extend).await {
+                Ok(expiry) if json => outln!(
+                    "{}",
+                    serde_json::json!({
+                        "external_id": external_id,
+                        "expires_at": expiry.map(|t| humantime::format_rfc3339_micros(t).to_string()),
+                    })
+                ),
                 Ok(Some(t)) => outln!("expires_at {}", humantime::format_rfc3339_micros(t)),
                 Ok(None) => outln!("acquired, no expiry"),
                 Err(e) if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE) => {
@@ -114,31 +138,48 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
     }
 }
 
-/// Before a worker starts: fail fast on a malformed URL, bad credentials or a missing schema,
-/// but wait out a database that is not up yet (or restarting) for up to a minute. Once running,
-/// the worker rides out restarts on its own.
-async fn wait_for_database(url: &str) -> Result<()> {
-    let client = Client::connect(url).await?;
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+/// Before a worker starts: fail fast on a malformed URL or bad credentials, but wait (up to two
+/// minutes, logged) for a database that is not up yet and for a schema that `permitq migrate`
+/// has not created or upgraded yet, so that workers started beside a migration job (a
+/// Kubernetes rollout) do not crash-loop. Once running, the worker rides out restarts itself.
+async fn wait_for_schema(client: &Client) -> Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
     loop {
-        match client.semaphores().await {
-            Ok(_) => return Ok(()),
-            Err(e) if e.is_retryable() && std::time::Instant::now() < deadline => {
-                tracing::warn!(error = %e, "database not reachable yet; retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
+        let why = match client.schema_is_current().await {
+            Ok(true) => return Ok(()),
+            Ok(false) => {
+                "the schema is missing or not at this build's version (run `permitq migrate`)"
+                    .to_string()
             }
+            Err(e) if e.is_retryable() => format!("database not reachable yet: {e}"),
             Err(e) => return Err(e.into()),
+        };
+        if std::time::Instant::now() >= deadline {
+            return Err(CliError::runtime(format!("gave up after 2 minutes: {why}")));
         }
+        tracing::warn!("{why}; retrying in 1s");
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 
 async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
     match cmd {
+        SemaphoreCommand::Show { name, json } => {
+            let Some(detail) = crate::http::detail(client, &name).await? else {
+                return Err(CliError::not_found("semaphore", &name));
+            };
+            if json {
+                outln!("{}", serde_json::to_string(&detail).expect("serializable"));
+            } else {
+                crate::show::print(&detail);
+            }
+        }
         SemaphoreCommand::Set {
             name,
             capacity,
             fair,
             greedy,
+            json,
         } => {
             let fairness = if fair {
                 Some(true)
@@ -148,6 +189,10 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 None
             };
             let s = client.set_capacity(&name, capacity, fairness).await?;
+            if json {
+                outln!("{}", serde_json::to_string(&s).expect("serializable"));
+                return Ok(0);
+            }
             outln!(
                 "{} capacity={} used={} {}",
                 s.name,
@@ -203,11 +248,18 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
 }
 
 /// Prints a release or revoke outcome; `unknown` is exit 5.
-fn outcome(outcome: ReleaseOutcome, external_id: &str) -> Result<u8> {
+fn outcome(outcome: ReleaseOutcome, external_id: &str, json: bool) -> Result<u8> {
     if outcome == ReleaseOutcome::Unknown {
         return Err(CliError::not_found("request", external_id));
     }
-    outln!("{outcome}");
+    if json {
+        outln!(
+            "{}",
+            serde_json::json!({ "external_id": external_id, "outcome": outcome.to_string() })
+        );
+    } else {
+        outln!("{outcome}");
+    }
     Ok(0)
 }
 

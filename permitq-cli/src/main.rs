@@ -42,6 +42,8 @@ mod demo;
 mod error;
 mod http;
 mod scratch;
+mod show;
+mod top;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -85,11 +87,15 @@ fn main() -> ExitCode {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(|| LossyStderr)
-        .init();
+        .with_writer(|| LossyStderr);
+    if cli.log_format == "json" {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
 
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -88,6 +88,22 @@ impl Client {
         crate::migrate::migrate(&mut conn).await
     }
 
+    /// Whether the database's schema is exactly the one this build expects (every migration
+    /// applied, none newer): false when `permitq migrate` has not run yet, or another version did.
+    pub async fn schema_is_current(&self) -> Result<bool> {
+        let conn = self.inner.pool.get().await?;
+        let latest = crate::migrate::MIGRATIONS.last().map_or(0, |m| m.version);
+        match conn
+            .query_one(sql::SCHEMA_VERSION, &[])
+            .await
+            .map_err(Error::from)
+        {
+            Ok(row) => Ok(row.try_get::<_, i32>(0)? == latest),
+            Err(e) if e.is_missing_schema() => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Submits a request (idempotent by `external_id`) and wakes the workers.
     pub async fn submit(&self, request: &Request) -> Result<PermitRequest> {
         if let Some(problem) = crate::types::duration_problem(request.ttl, false) {

@@ -52,6 +52,7 @@ mod maintenance;
 pub mod migrate;
 mod sql;
 mod types;
+mod usage;
 mod worker;
 
 pub use client::Client;
@@ -62,4 +63,5 @@ pub use types::{
     CapacityChange, ErrorCode, PermitRequest, ReleaseOutcome, ReleaseReason, Request, Semaphore,
     State, UnknownValue, MAX_DURATION,
 };
-pub use worker::{Worker, WorkerConfig};
+pub use usage::{Holder, SemaphoreUsage, Waiter};
+pub use worker::{Worker, WorkerConfig, WorkerHealth};

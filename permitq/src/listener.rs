@@ -55,6 +55,11 @@ impl Listener {
         self.events.subscribe()
     }
 
+    /// Follows whether the connection is up and listening.
+    pub(crate) fn connected(&self) -> watch::Receiver<bool> {
+        self.connected.clone()
+    }
+
     /// Whether the connection is up and listening right now.
     pub(crate) fn is_connected(&self) -> bool {
         *self.connected.borrow()

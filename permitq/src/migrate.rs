@@ -42,6 +42,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "robustness",
         sql: include_str!("../schema/V4__robustness.sql"),
     },
+    Migration {
+        version: 5,
+        name: "operators",
+        sql: include_str!("../schema/V5__operators.sql"),
+    },
 ];
 
 /// V1's first statement, redundant once the bookkeeping table's schema exists.

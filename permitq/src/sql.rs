@@ -33,6 +33,9 @@ pub(crate) const MIGRATION_TABLE: &str = "SET client_min_messages = warning;
 /// Migrations: what is applied, with the recorded checksums.
 pub(crate) const APPLIED_MIGRATIONS: &str =
     "SELECT version, name, checksum FROM permitq.schema_migration ORDER BY version";
+/// Readiness: the newest migration applied (0: none).
+pub(crate) const SCHEMA_VERSION: &str =
+    "SELECT coalesce(max(version), 0) FROM permitq.schema_migration";
 /// Migrations: the checksum of a migration's SQL (SHA-256, computed by the server).
 pub(crate) const MIGRATION_CHECKSUM: &str = "SELECT sha256(convert_to($1::text, 'UTF8'))";
 /// Migrations: record one as applied, with its checksum.
@@ -111,6 +114,17 @@ pub(crate) const CAPACITY_HISTORY: &str =
     "SELECT semaphore, old_capacity::int8, new_capacity::int8, \
      old_fair, new_fair, changed_at, changed_by, application_name \
      FROM permitq.capacity_change WHERE semaphore = $1 ORDER BY id";
+/// Operators: every semaphore's usage.
+pub(crate) const USAGE: &str = "SELECT name, capacity::int8, used::int8, held::int8, \
+     waiting::int8, oldest_wait_since, fair, granted FROM permitq.semaphore_usage ORDER BY name";
+/// Operators: the holders of one semaphore.
+pub(crate) const HOLDERS: &str = "SELECT semaphore, external_id, owner, count::int8, \
+     acquired_at, expires_at, fencing_token FROM permitq.holders WHERE semaphore = $1 \
+     ORDER BY acquired_at, external_id";
+/// Operators: the first waiters of one semaphore, in queue order.
+pub(crate) const WAITERS: &str = "SELECT semaphore, external_id, owner, count::int8, \
+     position, waiting_since, deadline FROM permitq.waiters WHERE semaphore = $1 \
+     ORDER BY position LIMIT $2";
 /// Downstream fencing check.
 pub(crate) const FENCE: &str = "SELECT permitq.fence($1, $2)";
 
@@ -149,6 +163,10 @@ fn all() -> Vec<(&'static str, String)> {
         ("MIGRATION_CHECKSUM", MIGRATION_CHECKSUM),
         ("RECORD_MIGRATION", RECORD_MIGRATION),
         ("RECORD_MIGRATION_CHECKSUM", RECORD_MIGRATION_CHECKSUM),
+        ("SCHEMA_VERSION", SCHEMA_VERSION),
+        ("USAGE", USAGE),
+        ("HOLDERS", HOLDERS),
+        ("WAITERS", WAITERS),
         ("CLAIM_REQUESTS", CLAIM_REQUESTS),
         ("SETTLE_INVALID", SETTLE_INVALID),
         ("CLAIM_BATCH", CLAIM_BATCH),

@@ -315,7 +315,10 @@ fn ser_secs<S: Serializer>(d: &Option<Duration>, s: S) -> std::result::Result<S:
     }
 }
 
-fn ser_time<S: Serializer>(t: &Option<SystemTime>, s: S) -> std::result::Result<S::Ok, S::Error> {
+pub(crate) fn ser_time<S: Serializer>(
+    t: &Option<SystemTime>,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
     match t {
         Some(t) => s.serialize_str(&humantime::format_rfc3339_micros(*t).to_string()),
         None => s.serialize_none(),

@@ -11,6 +11,9 @@
 //! `poll_interval` fallback.
 
 mod batch;
+mod health;
+
+pub use health::WorkerHealth;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -128,6 +131,7 @@ pub struct Worker {
     liveness: Option<Arc<dyn OwnerLiveness>>,
     /// When this worker (or a clone) last ran a fold-only transaction.
     last_fold: Arc<std::sync::Mutex<Instant>>,
+    health: WorkerHealth,
 }
 
 impl std::fmt::Debug for Worker {
@@ -150,6 +154,7 @@ impl Worker {
             config: Arc::new(config),
             liveness: None,
             last_fold: Arc::new(std::sync::Mutex::new(Instant::now())),
+            health: WorkerHealth::default(),
         }
     }
 
@@ -186,6 +191,12 @@ impl Worker {
         self
     }
 
+    /// A live view of this worker's health (listener connected, last pass), to read while
+    /// [`Worker::run`] runs.
+    pub fn health(&self) -> WorkerHealth {
+        self.health.clone()
+    }
+
     /// The configuration.
     pub fn config(&self) -> &WorkerConfig {
         &self.config
@@ -214,6 +225,20 @@ impl Worker {
         let listener = Listener::start(self.listen_config.clone(), &[sql::WORK_CHANNEL]);
         let wake = Arc::new(Notify::new());
         let mut events = listener.subscribe();
+        let listener_state = {
+            let (health, mut connected) = (self.health.clone(), listener.connected());
+            tokio::spawn(async move {
+                loop {
+                    let now = *connected.borrow_and_update();
+                    health.set_listener_connected(now);
+                    metrics::gauge!("permitq_worker_listener_connected")
+                        .set(f64::from(u8::from(now)));
+                    if connected.changed().await.is_err() {
+                        break;
+                    }
+                }
+            })
+        };
         let forward = {
             let wake = wake.clone();
             tokio::spawn(async move {
@@ -242,6 +267,7 @@ impl Worker {
         self.claim_loop(&wake, stop.clone()).await;
 
         forward.abort();
+        listener_state.abort();
         drop(listener);
         let _ = sweeper.await;
         let _ = cleaner.await;
@@ -255,7 +281,10 @@ impl Worker {
         let mut asleep_since: Option<Instant> = None;
         while !*stop.borrow() {
             match self.step(wake, &mut stop, &mut asleep_since).await {
-                Ok(()) => backoff.reset(),
+                Ok(()) => {
+                    backoff.reset();
+                    self.health.pass_done();
+                }
                 Err(e) => {
                     metrics::counter!("permitq_failed_passes_total").increment(1);
                     let delay = backoff.next_delay();

@@ -1,0 +1,89 @@
+//! `permitq semaphore show NAME`: one semaphore as text.
+
+use std::time::SystemTime;
+
+use crate::http::Detail;
+
+/// How long ago `t` was, shortly (`12.3s`, `4.0m`, `2.5h`).
+pub(crate) fn ago(t: Option<SystemTime>) -> String {
+    let Some(secs) = t.and_then(|t| SystemTime::now().duration_since(t).ok()) else {
+        return "-".to_string();
+    };
+    let s = secs.as_secs_f64();
+    if s < 120.0 {
+        format!("{s:.1}s")
+    } else if s < 7200.0 {
+        format!("{:.1}m", s / 60.0)
+    } else {
+        format!("{:.1}h", s / 3600.0)
+    }
+}
+
+/// Prints usage, holders, waiters and recent capacity changes.
+pub(crate) fn print(d: &Detail) {
+    let u = &d.usage;
+    outln!(
+        "{}  {} / {} held (used {}), {} waiting, oldest wait {}, {}",
+        u.name,
+        u.held,
+        u.capacity,
+        u.used,
+        u.waiting,
+        ago(u.oldest_wait_since),
+        if u.fair { "fair" } else { "greedy" }
+    );
+    outln!("\nholders ({}):", d.holders.len());
+    if !d.holders.is_empty() {
+        outln!(
+            "  {:<32} {:<16} {:>6} {:>10} {:>8}",
+            "external_id",
+            "owner",
+            "count",
+            "held for",
+            "token"
+        );
+    }
+    for h in &d.holders {
+        outln!(
+            "  {:<32} {:<16} {:>6} {:>10} {:>8}",
+            h.external_id,
+            h.owner.as_deref().unwrap_or("-"),
+            h.count,
+            ago(h.acquired_at),
+            h.fencing_token.map_or("-".to_string(), |t| t.to_string())
+        );
+    }
+    outln!("\nwaiters ({} of {}):", d.waiters.len(), u.waiting);
+    if !d.waiters.is_empty() {
+        outln!(
+            "  {:>4} {:<32} {:<16} {:>6} {:>10}",
+            "pos",
+            "external_id",
+            "owner",
+            "count",
+            "waiting"
+        );
+    }
+    for w in &d.waiters {
+        outln!(
+            "  {:>4} {:<32} {:<16} {:>6} {:>10}",
+            w.position,
+            w.external_id,
+            w.owner.as_deref().unwrap_or("-"),
+            w.count,
+            ago(w.waiting_since)
+        );
+    }
+    outln!("\ncapacity changes (latest {}):", d.capacity_history.len());
+    for c in &d.capacity_history {
+        outln!(
+            "  {} {} -> {} by {}",
+            c.changed_at
+                .map(|t| humantime::format_rfc3339_seconds(t).to_string())
+                .unwrap_or_default(),
+            c.old_capacity.map_or("-".to_string(), |v| v.to_string()),
+            c.new_capacity,
+            c.changed_by
+        );
+    }
+}

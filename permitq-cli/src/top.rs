@@ -1,0 +1,274 @@
+//! `permitq top`: a live terminal view of a database, like `htop` for semaphores.
+//!
+//! Every semaphore with a bar, held/capacity, waiting, oldest wait and grants per second; ↑/↓
+//! (or j/k) select one, Enter shows its holders and waiters below, `q` (or Esc, Ctrl-C) quits.
+//! Plain ASCII-safe drawing that fits 80×24 and works over SSH.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use permitq::{Client, Holder, SemaphoreUsage, Waiter};
+use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
+use ratatui::layout::{Constraint, Layout};
+use ratatui::style::{Modifier, Style};
+use ratatui::text::Line;
+use ratatui::widgets::{Block, Borders, Row, Table, TableState};
+use ratatui::{DefaultTerminal, Frame};
+
+use crate::error::{CliError, Result};
+use crate::show::ago;
+
+/// Waiters listed for the selected semaphore.
+const WAITERS_SHOWN: i64 = 50;
+
+/// What is on screen.
+#[derive(Default)]
+struct View {
+    usage: Vec<SemaphoreUsage>,
+    /// Grants per second since the previous refresh, by semaphore.
+    rates: HashMap<String, f64>,
+    table: TableState,
+    detail: bool,
+    holders: Vec<Holder>,
+    waiters: Vec<Waiter>,
+    error: Option<String>,
+}
+
+/// Runs until the user quits.
+pub(crate) async fn run(client: Client, interval: Duration) -> Result<()> {
+    let mut terminal = ratatui::try_init()
+        .map_err(|e| CliError::runtime(format!("cannot set up the terminal: {e}")))?;
+    let result = event_loop(&mut terminal, &client, interval).await;
+    let _ = ratatui::try_restore();
+    result
+}
+
+async fn event_loop(
+    terminal: &mut DefaultTerminal,
+    client: &Client,
+    interval: Duration,
+) -> Result<()> {
+    let mut view = View::default();
+    let mut previous: Option<(Instant, HashMap<String, i64>)> = None;
+    loop {
+        refresh(client, &mut view, &mut previous).await;
+        terminal
+            .draw(|frame| draw(frame, &mut view))
+            .map_err(|e| CliError::runtime(format!("cannot draw: {e}")))?;
+        let next = Instant::now() + interval;
+        // Keys until the next refresh (redrawn at once after a key).
+        while let Some(left) = next.checked_duration_since(Instant::now()) {
+            let key = tokio::task::block_in_place(|| -> std::io::Result<Option<Event>> {
+                if event::poll(left)? {
+                    event::read().map(Some)
+                } else {
+                    Ok(None)
+                }
+            })
+            .map_err(|e| CliError::runtime(format!("cannot read the terminal: {e}")))?;
+            let Some(Event::Key(key)) = key else { continue };
+            if key.kind != KeyEventKind::Press {
+                continue;
+            }
+            match key.code {
+                KeyCode::Char('q') => return Ok(()),
+                KeyCode::Char('c') if key.modifiers.contains(KeyModifiers::CONTROL) => {
+                    return Ok(())
+                }
+                KeyCode::Esc if !view.detail => return Ok(()),
+                KeyCode::Esc => view.detail = false,
+                KeyCode::Down | KeyCode::Char('j') => view.table.select_next(),
+                KeyCode::Up | KeyCode::Char('k') => view.table.select_previous(),
+                KeyCode::Enter => {
+                    view.detail = !view.detail;
+                    break; // fetch the holders and waiters now
+                }
+                _ => {}
+            }
+            terminal
+                .draw(|frame| draw(frame, &mut view))
+                .map_err(|e| CliError::runtime(format!("cannot draw: {e}")))?;
+        }
+    }
+}
+
+async fn refresh(
+    client: &Client,
+    view: &mut View,
+    previous: &mut Option<(Instant, HashMap<String, i64>)>,
+) {
+    match client.usage().await {
+        Ok(usage) => {
+            let now = Instant::now();
+            let counts: HashMap<String, i64> =
+                usage.iter().map(|s| (s.name.clone(), s.granted)).collect();
+            if let Some((then, before)) = previous.as_ref() {
+                let secs = now.duration_since(*then).as_secs_f64().max(0.001);
+                view.rates = counts
+                    .iter()
+                    .map(|(name, n)| {
+                        let delta = n - before.get(name).copied().unwrap_or(*n);
+                        #[allow(clippy::cast_precision_loss, reason = "a rate to show")]
+                        (name.clone(), delta.max(0) as f64 / secs)
+                    })
+                    .collect();
+            }
+            *previous = Some((now, counts));
+            view.usage = usage;
+            view.error = None;
+            if view.table.selected().is_none() && !view.usage.is_empty() {
+                view.table.select(Some(0));
+            }
+        }
+        Err(e) => view.error = Some(crate::error::one_line(&e.to_string())),
+    }
+    let selected = view
+        .table
+        .selected()
+        .and_then(|i| view.usage.get(i.min(view.usage.len().saturating_sub(1))))
+        .map(|s| s.name.clone());
+    if let (true, Some(name)) = (view.detail, selected) {
+        view.holders = client.holders(&name).await.unwrap_or_default();
+        view.waiters = client
+            .waiters(&name, WAITERS_SHOWN)
+            .await
+            .unwrap_or_default();
+    }
+}
+
+/// `[#####.....]` for `held` of `capacity`, `width` cells inside the brackets.
+fn bar(held: i64, capacity: i64, width: usize) -> String {
+    let filled = if capacity <= 0 {
+        width
+    } else {
+        let ratio = held.clamp(0, capacity) as f64 / capacity as f64;
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            reason = "0..=width"
+        )]
+        let cells = (ratio * width as f64).round() as usize;
+        cells.min(width)
+    };
+    format!("[{}{}]", "#".repeat(filled), ".".repeat(width - filled))
+}
+
+fn draw(frame: &mut Frame, view: &mut View) {
+    let detail_height = if view.detail { 10 } else { 0 };
+    let [header, list, detail] = Layout::vertical([
+        Constraint::Length(1),
+        Constraint::Min(3),
+        Constraint::Length(detail_height),
+    ])
+    .areas(frame.area());
+    let status = match &view.error {
+        Some(e) => format!("permitq top  database: {e}"),
+        None => format!(
+            "permitq top  {} semaphores  q quit  up/down select  enter holders/waiters",
+            view.usage.len()
+        ),
+    };
+    frame.render_widget(Line::from(status), header);
+
+    let rows = view.usage.iter().map(|s| {
+        Row::new(vec![
+            s.name.clone(),
+            bar(s.held, s.capacity, 16),
+            format!("{}/{}", s.held, s.capacity),
+            s.waiting.to_string(),
+            if s.waiting > 0 {
+                ago(s.oldest_wait_since)
+            } else {
+                "-".to_string()
+            },
+            format!("{:.1}", view.rates.get(&s.name).copied().unwrap_or(0.0)),
+        ])
+    });
+    let table = Table::new(
+        rows,
+        [
+            Constraint::Min(12),
+            Constraint::Length(18),
+            Constraint::Length(11),
+            Constraint::Length(8),
+            Constraint::Length(8),
+            Constraint::Length(9),
+        ],
+    )
+    .header(
+        Row::new([
+            "semaphore",
+            "held",
+            "held/cap",
+            "waiting",
+            "oldest",
+            "grants/s",
+        ])
+        .style(Style::new().add_modifier(Modifier::BOLD)),
+    )
+    .row_highlight_style(Style::new().add_modifier(Modifier::REVERSED))
+    .block(Block::new().borders(Borders::TOP));
+    frame.render_stateful_widget(table, list, &mut view.table);
+
+    if view.detail {
+        let [holders, waiters] =
+            Layout::horizontal([Constraint::Percentage(50), Constraint::Percentage(50)])
+                .areas(detail);
+        let holder_rows = view.holders.iter().map(|h| {
+            Row::new(vec![
+                h.external_id.clone(),
+                h.count.to_string(),
+                ago(h.acquired_at),
+            ])
+        });
+        frame.render_widget(
+            Table::new(
+                holder_rows,
+                [
+                    Constraint::Min(10),
+                    Constraint::Length(6),
+                    Constraint::Length(8),
+                ],
+            )
+            .header(
+                Row::new(["holder", "count", "held"])
+                    .style(Style::new().add_modifier(Modifier::BOLD)),
+            )
+            .block(
+                Block::new()
+                    .borders(Borders::TOP)
+                    .title(format!(" holders ({}) ", view.holders.len())),
+            ),
+            holders,
+        );
+        let waiter_rows = view.waiters.iter().map(|w| {
+            Row::new(vec![
+                w.position.to_string(),
+                w.external_id.clone(),
+                w.count.to_string(),
+                ago(w.waiting_since),
+            ])
+        });
+        frame.render_widget(
+            Table::new(
+                waiter_rows,
+                [
+                    Constraint::Length(4),
+                    Constraint::Min(10),
+                    Constraint::Length(6),
+                    Constraint::Length(8),
+                ],
+            )
+            .header(
+                Row::new(["pos", "waiter", "count", "waiting"])
+                    .style(Style::new().add_modifier(Modifier::BOLD)),
+            )
+            .block(
+                Block::new()
+                    .borders(Borders::TOP)
+                    .title(format!(" waiters ({}) ", view.waiters.len())),
+            ),
+            waiters,
+        );
+    }
+}

@@ -1,0 +1,147 @@
+//! What operators look at: per-semaphore usage, holders and waiters (the views
+//! `permitq.semaphore_usage`, `permitq.holders` and `permitq.waiters`).
+
+use std::time::SystemTime;
+
+use serde::Serialize;
+use tokio_postgres::Row;
+
+use crate::client::Client;
+use crate::error::Result;
+use crate::sql;
+use crate::types::ser_time;
+
+/// One semaphore as operators see it (a row of `permitq.semaphore_usage`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct SemaphoreUsage {
+    /// Unique name.
+    pub name: String,
+    /// How many permits may be held at once.
+    pub capacity: i64,
+    /// The workers' running count; may run ahead of `held` until releases are folded.
+    pub used: i64,
+    /// Exactly how many are held now.
+    pub held: i64,
+    /// How many requests wait on it.
+    pub waiting: i64,
+    /// Since when its oldest waiter waits.
+    #[serde(serialize_with = "ser_time")]
+    pub oldest_wait_since: Option<SystemTime>,
+    /// Strict FIFO with safe backfill (`true`) or greedy (`false`).
+    pub fair: bool,
+    /// Grants so far (a counter: its rate is grants per second).
+    pub granted: i64,
+}
+
+/// A request holding permits of one semaphore (a row of `permitq.holders`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Holder {
+    /// The semaphore.
+    pub semaphore: String,
+    /// The request.
+    pub external_id: String,
+    /// Who holds it.
+    pub owner: Option<String>,
+    /// How many permits of this semaphore.
+    pub count: i64,
+    /// Granted at.
+    #[serde(serialize_with = "ser_time")]
+    pub acquired_at: Option<SystemTime>,
+    /// Lease end (None: no TTL).
+    #[serde(serialize_with = "ser_time")]
+    pub expires_at: Option<SystemTime>,
+    /// Its fencing token.
+    pub fencing_token: Option<i64>,
+}
+
+/// A request waiting on one semaphore (a row of `permitq.waiters`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Waiter {
+    /// The semaphore.
+    pub semaphore: String,
+    /// The request.
+    pub external_id: String,
+    /// Who will hold it.
+    pub owner: Option<String>,
+    /// How many permits of this semaphore it wants.
+    pub count: i64,
+    /// Its place in the semaphore's queue, 1 = the head.
+    pub position: i64,
+    /// Submitted at.
+    #[serde(serialize_with = "ser_time")]
+    pub waiting_since: Option<SystemTime>,
+    /// When its `wait` runs out (None: waits indefinitely).
+    #[serde(serialize_with = "ser_time")]
+    pub deadline: Option<SystemTime>,
+}
+
+impl Client {
+    /// Every semaphore with its exact use, waiting count and oldest wait, by name.
+    pub async fn usage(&self) -> Result<Vec<SemaphoreUsage>> {
+        let conn = self.pool().get().await?;
+        let statement = conn.prepare_cached(sql::USAGE).await?;
+        conn.query(&statement, &[])
+            .await?
+            .iter()
+            .map(usage_from_row)
+            .collect()
+    }
+
+    /// Who holds permits of `semaphore`, oldest grant first.
+    pub async fn holders(&self, semaphore: &str) -> Result<Vec<Holder>> {
+        let conn = self.pool().get().await?;
+        let statement = conn.prepare_cached(sql::HOLDERS).await?;
+        conn.query(&statement, &[&semaphore])
+            .await?
+            .iter()
+            .map(|row| {
+                Ok(Holder {
+                    semaphore: row.try_get(0)?,
+                    external_id: row.try_get(1)?,
+                    owner: row.try_get(2)?,
+                    count: row.try_get(3)?,
+                    acquired_at: row.try_get(4)?,
+                    expires_at: row.try_get(5)?,
+                    fencing_token: row.try_get(6)?,
+                })
+            })
+            .collect()
+    }
+
+    /// The first `limit` requests waiting on `semaphore`, in queue order.
+    pub async fn waiters(&self, semaphore: &str, limit: i64) -> Result<Vec<Waiter>> {
+        let conn = self.pool().get().await?;
+        let statement = conn.prepare_cached(sql::WAITERS).await?;
+        conn.query(&statement, &[&semaphore, &limit])
+            .await?
+            .iter()
+            .map(|row| {
+                Ok(Waiter {
+                    semaphore: row.try_get(0)?,
+                    external_id: row.try_get(1)?,
+                    owner: row.try_get(2)?,
+                    count: row.try_get(3)?,
+                    position: row.try_get(4)?,
+                    waiting_since: row.try_get(5)?,
+                    deadline: row.try_get(6)?,
+                })
+            })
+            .collect()
+    }
+}
+
+fn usage_from_row(row: &Row) -> Result<SemaphoreUsage> {
+    Ok(SemaphoreUsage {
+        name: row.try_get(0)?,
+        capacity: row.try_get(1)?,
+        used: row.try_get(2)?,
+        held: row.try_get(3)?,
+        waiting: row.try_get(4)?,
+        oldest_wait_since: row.try_get(5)?,
+        fair: row.try_get(6)?,
+        granted: row.try_get(7)?,
+    })
+}
