@@ -70,7 +70,7 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             let worker = Worker::connect(&url, args.config())?;
             if let Some(addr) = args.http_addr {
                 let bound = crate::http::serve(addr, client, Some(worker.health())).await?;
-                tracing::info!(%bound, "serving HTTP");
+                tracing::info!("serving http://{bound}/");
             }
             worker.run(shutdown_signal()).await?;
             Ok(0)
@@ -82,7 +82,6 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
         Command::Serve { http_addr } => {
             let client = Client::connect(&need_url()?).await?;
             let bound = crate::http::serve(http_addr, client, None).await?;
-            tracing::warn!(%bound, "serving the status page, JSON API and metrics");
             errln!("permitq: serving http://{bound}/ (Ctrl-C to stop)");
             shutdown_signal().await;
             Ok(0)

@@ -81,9 +81,9 @@ fn main() -> ExitCode {
     let explicit_url =
         matches.value_source("database_url") == Some(clap::parser::ValueSource::CommandLine);
     let default_filter = match cli.command {
-        Command::Worker(_) => "permitq=info,permitq_cli=info",
-        Command::Chaos(_) => "permitq=error,permitq_cli=error",
-        _ => "permitq=warn,permitq_cli=warn",
+        Command::Worker(_) => "permitq=info",
+        Command::Chaos(_) => "permitq=error",
+        _ => "permitq=warn",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));

@@ -1,0 +1,471 @@
+//! What operators use, for real: `permitq top` in tmux, the HTTP endpoints, and the status page
+//! in headless Chromium (driven through chromedriver's WebDriver API).
+
+use permitq_test_support as common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{quiet_config, wait_until, TestDb};
+use permitq::{Client, Request, State};
+
+use crate::http::{get, request, spawn_server};
+
+const SOON: Duration = Duration::from_secs(15);
+
+/// Where the tests leave screenshots (kept as CI artifacts, copied into the README's docs).
+fn screenshots() -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/screenshots");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Two semaphores, two holders and two waiters on `gpu`, five holders on `db`.
+async fn populated(db: &TestDb) -> (Client, common::RunningWorker) {
+    let client = db.client().await;
+    client.set_capacity("gpu", 2, None).await.unwrap();
+    client.set_capacity("db", 16, None).await.unwrap();
+    let worker = db.worker(quiet_config("ops"));
+    for i in 1..=4 {
+        client
+            .submit(
+                &Request::new(format!("train-{i}"))
+                    .permit("gpu", 1)
+                    .owner(format!("node-{i}")),
+            )
+            .await
+            .unwrap();
+    }
+    for i in 1..=5 {
+        client
+            .submit(&Request::new(format!("query-{i}")).permit("db", 3))
+            .await
+            .unwrap();
+    }
+    for id in ["train-1", "train-2", "query-5"] {
+        assert_eq!(common::settled_state(&client, id).await, State::Acquired);
+    }
+    wait_until(SOON, "train-3 and train-4 examined", || async {
+        client.waiters("gpu", 10).await.unwrap().len() == 2
+    })
+    .await;
+    (client, worker)
+}
+
+fn tmux(args: &[&str]) -> String {
+    let out = Command::new("tmux").args(args).output().expect("tmux");
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
+    let db = TestDb::new().await;
+    let (_client, worker) = populated(&db).await;
+    let session = format!("permitq-top-{}", std::process::id());
+    let _ = tmux(&["kill-session", "-t", &session]);
+    let command = format!(
+        "DATABASE_URL='{}' {} top --interval 200ms",
+        db.url,
+        env!("CARGO_BIN_EXE_permitq")
+    );
+    tmux(&[
+        "new-session",
+        "-d",
+        "-s",
+        &session,
+        "-x",
+        "80",
+        "-y",
+        "24",
+        &command,
+    ]);
+    let capture = || tmux(&["capture-pane", "-p", "-t", &session]);
+    wait_until(SOON, "top lists both semaphores", || async {
+        let screen = capture();
+        screen.contains("gpu") && screen.contains("2/2") && screen.contains("15/16")
+    })
+    .await;
+    // `db` is first (by name); select `gpu` and open its holders and waiters.
+    tmux(&["send-keys", "-t", &session, "Down", "Enter"]);
+    wait_until(SOON, "gpu's holders and waiters", || async {
+        let screen = capture();
+        [
+            "holders (2)",
+            "waiters (2)",
+            "train-1",
+            "train-2",
+            "train-3",
+            "train-4",
+        ]
+        .iter()
+        .all(|s| screen.contains(s))
+    })
+    .await;
+    let screen = capture();
+    assert!(screen.lines().all(|l| l.chars().count() <= 80), "{screen}");
+    std::fs::write(screenshots().join("top.txt"), &screen).unwrap();
+    tmux(&["send-keys", "-t", &session, "q"]);
+    wait_until(SOON, "top quit on q", || async {
+        !Command::new("tmux")
+            .args(["has-session", "-t", &session])
+            .status()
+            .unwrap()
+            .success()
+    })
+    .await;
+    worker.stop().await;
+}
+
+/// Checks Prometheus text format line by line: comments, or `name{labels} value` with a float
+/// value; every histogram has buckets, a `+Inf` bucket, `_sum` and `_count`.
+fn check_prometheus_text(text: &str) {
+    let mut histograms = Vec::new();
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let mut parts = rest.split_whitespace();
+            let (name, kind) = (parts.next().unwrap(), parts.next().unwrap());
+            assert!(
+                ["counter", "gauge", "histogram"].contains(&kind),
+                "{line}: no summaries"
+            );
+            if kind == "histogram" {
+                histograms.push(name.to_string());
+            }
+            continue;
+        }
+        if line.starts_with('#') {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').expect(line);
+        assert!(value.parse::<f64>().is_ok(), "{line}");
+        let name = series.split('{').next().unwrap();
+        assert!(
+            name.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "{line}"
+        );
+        if let Some(labels) = series.strip_prefix(name) {
+            assert!(
+                labels.is_empty() || (labels.starts_with('{') && labels.ends_with('}')),
+                "{line}"
+            );
+        }
+    }
+    for h in histograms {
+        assert!(text.contains(&format!("{h}_bucket{{le=\"+Inf\"}}")), "{h}");
+        assert!(
+            text.contains(&format!("{h}_sum")) && text.contains(&format!("{h}_count")),
+            "{h}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_http_serves_health_readiness_metrics_and_the_json_api() {
+    let db = TestDb::new().await;
+    let (client, worker) = populated(&db).await;
+    let url = db.url.clone();
+    let (mut child, addr) = tokio::task::spawn_blocking(move || {
+        spawn_server(
+            &url,
+            &["worker", "--id", "http", "--http-addr", "127.0.0.1:0"],
+        )
+    })
+    .await
+    .unwrap();
+    let get = |path: &'static str| tokio::task::spawn_blocking(move || get(addr, path));
+    assert_eq!(get("/healthz").await.unwrap().0, 200);
+    wait_until(SOON, "ready (listener connected)", || async {
+        get("/readyz").await.unwrap().0 == 200
+    })
+    .await;
+    // A grant through this worker, so that its histograms have samples.
+    client.set_capacity("http", 1, None).await.unwrap();
+    worker.stop().await;
+    client
+        .submit(&Request::new("via-http-worker").permit("http", 1))
+        .await
+        .unwrap();
+    assert_eq!(
+        common::settled_state(&client, "via-http-worker").await,
+        State::Acquired
+    );
+    let (status, metrics) = get("/metrics").await.unwrap();
+    assert_eq!(status, 200);
+    check_prometheus_text(&metrics);
+    for series in [
+        "permitq_semaphore_capacity{semaphore=\"gpu\"} 2",
+        "permitq_semaphore_held{semaphore=\"gpu\"} 2",
+        "permitq_semaphore_waiting{semaphore=\"gpu\"} 2",
+        "permitq_semaphore_oldest_wait_seconds{semaphore=\"gpu\"}",
+        "permitq_worker_listener_connected 1",
+        "permitq_worker_last_pass_age_seconds",
+        "permitq_grant_wait_seconds_bucket",
+        "permitq_batch_seconds_bucket",
+    ] {
+        assert!(metrics.contains(series), "{series} in:\n{metrics}");
+    }
+    let (status, body) = get("/api/semaphores").await.unwrap();
+    assert_eq!(status, 200);
+    let list: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(list.as_array().unwrap().len(), 3, "{body}");
+    let (status, body) = get("/api/semaphores/gpu").await.unwrap();
+    assert_eq!(status, 200);
+    let gpu: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(gpu["usage"]["held"], 2);
+    assert_eq!(gpu["holders"].as_array().unwrap().len(), 2);
+    assert_eq!(gpu["waiters"][0]["external_id"], "train-3");
+    assert_eq!(gpu["waiters"][0]["position"], 1);
+    assert_eq!(get("/api/semaphores/nope").await.unwrap().0, 404);
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_is_not_ready_without_the_schema_and_a_worker_waits_for_it() {
+    let db = TestDb::new().await;
+    db.conn()
+        .await
+        .batch_execute("DROP SCHEMA permitq CASCADE")
+        .await
+        .unwrap();
+    let url = db.url.clone();
+    let (mut serve, addr) = tokio::task::spawn_blocking(move || {
+        spawn_server(&url, &["serve", "--http-addr", "127.0.0.1:0"])
+    })
+    .await
+    .unwrap();
+    let (status, body) = tokio::task::spawn_blocking(move || get(addr, "/readyz"))
+        .await
+        .unwrap();
+    assert_eq!(status, 503);
+    assert!(body.contains("permitq migrate"), "{body}");
+    // A worker started now waits (it does not exit, it says why) and starts once the schema
+    // is there.
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_permitq"))
+        .args(["worker", "--id", "early"])
+        .env("DATABASE_URL", &db.url)
+        .env("RUST_LOG", "permitq=info")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = worker.stderr.take().unwrap();
+    let said = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead as _;
+        let mut lines = std::io::BufReader::new(stderr).lines();
+        let said = lines
+            .by_ref()
+            .map_while(Result::ok)
+            .find(|l| l.contains("run `permitq migrate`"));
+        std::thread::spawn(move || lines.for_each(drop));
+        said
+    });
+    let said = tokio::time::timeout(SOON, said)
+        .await
+        .expect("the worker says it waits for the schema")
+        .unwrap();
+    assert!(said.is_some(), "the worker exited instead of waiting");
+    assert!(
+        worker.try_wait().unwrap().is_none(),
+        "the worker is still running"
+    );
+    let client = db.client().await;
+    client.migrate().await.unwrap();
+    client.set_capacity("late", 1, None).await.unwrap();
+    client
+        .submit(&Request::new("after-migrate").permit("late", 1))
+        .await
+        .unwrap();
+    assert_eq!(
+        common::settled_state(&client, "after-migrate").await,
+        State::Acquired
+    );
+    let (status, _) = tokio::task::spawn_blocking(move || get(addr, "/readyz"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    for child in [&mut serve, &mut worker] {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+/// A WebDriver session on chromedriver, headless Chromium with the flags this machine needs.
+struct Browser {
+    driver: std::process::Child,
+    addr: std::net::SocketAddr,
+    session: String,
+}
+
+impl Browser {
+    fn start() -> Browser {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let driver = Command::new("chromedriver")
+            .arg(format!("--port={port}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("chromedriver (Debian's chromium-driver, installed by .ci/run)");
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let deadline = Instant::now() + SOON;
+        while std::net::TcpStream::connect(addr).is_err() {
+            assert!(Instant::now() < deadline, "chromedriver did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let profile = std::env::temp_dir().join(format!("permitq-chromium-{port}"));
+        let capabilities = serde_json::json!({"capabilities": {"alwaysMatch": {
+        "goog:chromeOptions": {
+            "binary": "/usr/bin/chromium",
+            "args": ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                     "--no-first-run", "--disable-background-networking",
+                     "--disable-component-update", "--disable-sync",
+                     "--window-size=1200,900",
+                     format!("--user-data-dir={}", profile.display())]
+        }}}});
+        let (status, body) = request(addr, "POST", "/session", Some(&capabilities.to_string()));
+        assert_eq!(status, 200, "{body}");
+        let reply: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let session = reply["value"]["sessionId"].as_str().unwrap().to_string();
+        Browser {
+            driver,
+            addr,
+            session,
+        }
+    }
+
+    fn command(&self, method: &str, path: &str, body: serde_json::Value) -> serde_json::Value {
+        let body = body.to_string();
+        let (status, reply) = request(
+            self.addr,
+            method,
+            &format!("/session/{}{path}", self.session),
+            (method != "GET").then_some(body.as_str()),
+        );
+        assert_eq!(status, 200, "{path}: {reply}");
+        serde_json::from_str::<serde_json::Value>(&reply).unwrap()["value"].take()
+    }
+
+    fn open(&self, url: &str) {
+        self.command("POST", "/url", serde_json::json!({ "url": url }));
+    }
+
+    /// Runs `script` (a function body) in the page and returns its result.
+    fn eval(&self, script: &str) -> serde_json::Value {
+        self.command(
+            "POST",
+            "/execute/sync",
+            serde_json::json!({ "script": script, "args": [] }),
+        )
+    }
+
+    fn screenshot(&self) -> Vec<u8> {
+        let png = self.command("GET", "/screenshot", serde_json::Value::Null);
+        decode_base64(png.as_str().unwrap())
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = request(
+            self.addr,
+            "DELETE",
+            &format!("/session/{}", self.session),
+            None,
+        );
+        let _ = self.driver.kill();
+        let _ = self.driver.wait();
+    }
+}
+
+fn decode_base64(s: &str) -> Vec<u8> {
+    let value = |c: u8| match c {
+        b'A'..=b'Z' => c - b'A',
+        b'a'..=b'z' => c - b'a' + 26,
+        b'0'..=b'9' => c - b'0' + 52,
+        b'+' => 62,
+        _ => 63,
+    };
+    let digits: Vec<u8> = s
+        .bytes()
+        .filter(|c| *c != b'=' && !c.is_ascii_whitespace())
+        .map(value)
+        .collect();
+    digits
+        .chunks(4)
+        .flat_map(|c| {
+            let n = c
+                .iter()
+                .enumerate()
+                .fold(0u32, |n, (i, d)| n | u32::from(*d) << (18 - 6 * i));
+            let bytes = n.to_be_bytes();
+            bytes[1..c.len()].to_vec()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_page_shows_holders_and_waiters_and_follows_a_capacity_change() {
+    let db = TestDb::new().await;
+    let (client, worker) = populated(&db).await;
+    let url = db.url.clone();
+    let (mut serve, addr) = tokio::task::spawn_blocking(move || {
+        spawn_server(&url, &["serve", "--http-addr", "127.0.0.1:0"])
+    })
+    .await
+    .unwrap();
+    let browser = tokio::task::spawn_blocking(Browser::start).await.unwrap();
+    let browser = std::sync::Arc::new(browser);
+    let page = format!("http://{addr}/");
+    {
+        let b = browser.clone();
+        tokio::task::spawn_blocking(move || b.open(&page))
+            .await
+            .unwrap();
+    }
+    let eval = |script: &'static str| {
+        let b = browser.clone();
+        async move {
+            tokio::task::spawn_blocking(move || b.eval(script))
+                .await
+                .unwrap()
+        }
+    };
+    let ids = "return [...document.querySelectorAll('#sem-gpu tr.holder, #sem-gpu tr.waiter')]\
+               .map(r => r.className + ':' + r.dataset.externalId).join(' ')";
+    wait_until(SOON, "the page lists gpu's holders and waiters", || async {
+        eval(ids).await.as_str().unwrap_or("")
+            == "holder:train-1 holder:train-2 waiter:train-3 waiter:train-4"
+    })
+    .await;
+    let png = {
+        let b = browser.clone();
+        tokio::task::spawn_blocking(move || b.screenshot())
+            .await
+            .unwrap()
+    };
+    assert!(png.starts_with(b"\x89PNG"), "a PNG screenshot");
+    std::fs::write(screenshots().join("status-page.png"), &png).unwrap();
+
+    // Raise gpu's capacity: the waiters are granted, and the page follows on its own.
+    client.set_capacity("gpu", 4, None).await.unwrap();
+    wait_until(SOON, "the page shows 4/4 held and no waiter", || async {
+        eval("const s = document.querySelector('#sem-gpu'); return s && \
+              s.querySelector('.held').textContent + '/' + s.querySelector('.capacity').textContent \
+              + ' ' + s.querySelectorAll('tr.waiter').length")
+            .await
+            .as_str()
+            .unwrap_or("")
+            == "4/4 0"
+    })
+    .await;
+    drop(browser);
+    let _ = serve.kill();
+    let _ = serve.wait();
+    worker.stop().await;
+}
