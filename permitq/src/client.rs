@@ -126,7 +126,9 @@ impl Client {
                 ],
             )
             .await?;
-        db::request_from_row(&row)
+        let submitted = db::request_from_row(&row)?;
+        tracing::debug!(external_id = %submitted.external_id, state = %submitted.state, "submitted");
+        Ok(submitted)
     }
 
     /// The request with this `external_id`, if any.
@@ -154,6 +156,7 @@ impl Client {
         let conn = self.inner.pool.get().await?;
         let statement = conn.prepare_cached(query).await?;
         let text: String = conn.query_one(&statement, &[&external_id]).await?.get(0);
+        tracing::debug!(%external_id, outcome = %text, "released");
         Ok(text.parse()?)
     }
 

@@ -65,3 +65,8 @@ pub use types::{
 };
 pub use usage::{Holder, SemaphoreUsage, Waiter};
 pub use worker::{Worker, WorkerConfig, WorkerHealth};
+
+/// The README's Rust example, compiled with the doctests (`no_run`: it needs a database).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;

@@ -3,6 +3,7 @@
 //! operators use (top in tmux, the HTTP endpoints, the status page in headless Chromium).
 
 mod cli;
+mod examples;
 mod faults;
 mod http;
 mod operators;

@@ -228,8 +228,10 @@ impl Worker {
         let mut candidates = Vec::with_capacity(claimed.len());
         let mut unexamined = BTreeSet::new();
         let mut ages = BTreeMap::new();
+        let mut external_ids = BTreeMap::new();
         for row in &claimed {
             let id: i64 = row.try_get("id")?;
+            external_ids.insert(id, row.try_get::<_, String>("external_id")?);
             let permits: serde_json::Value = row.try_get("permits")?;
             let permits = crate::db::permits_from_json(&permits);
             if !row.try_get::<_, bool>("examined")? {
@@ -333,6 +335,14 @@ impl Worker {
         }
         for code in &codes {
             metrics::counter!("permitq_request_errors_total", "code" => *code).increment(1);
+        }
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            for id in &granted {
+                tracing::debug!(external_id = %external_ids[id], request_id = id, "granted");
+            }
+            for (id, code) in errored.iter().zip(&codes) {
+                tracing::debug!(external_id = %external_ids[id], request_id = id, code, "failed");
+            }
         }
         tracing::trace!(?outcome, "batch committed");
         let newest_fresh = unexamined.last().copied().unwrap_or(0);
