@@ -206,3 +206,43 @@ async fn a_non_superuser_that_owns_the_database_or_the_schema_migrates_it() {
         admin.batch_execute(&statement).await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_createrole_and_without_the_roles_migrate_says_what_a_dba_must_run() {
+    // A cluster of its own: the roles are cluster-wide and exist on the shared one.
+    let cluster = tokio::task::spawn_blocking(permitq_test_support::EmbeddedPostgres::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let admin = common::connect(&cluster.url("postgres")).await;
+    for statement in [
+        "CREATE ROLE app_owner LOGIN PASSWORD 'pw' NOSUPERUSER NOCREATEROLE",
+        "CREATE DATABASE app OWNER app_owner",
+    ] {
+        admin.batch_execute(statement).await.unwrap();
+    }
+    let url = as_user(&cluster.url("app"), "app_owner", "pw");
+    let client = Client::connect(&url).await.unwrap();
+    let err = client.migrate().await.unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.contains("may not create roles")
+            && message.contains("CREATE ROLE permitq_producer NOLOGIN")
+            && message.contains("CREATEROLE"),
+        "{message}"
+    );
+    // Each migration is one transaction: those before the roles are applied, the one that
+    // needs them is not (nothing half-done), and the schema is not current.
+    assert!(!client.schema_is_current().await.unwrap());
+    // Once a DBA created the roles, the same owner migrates.
+    admin
+        .batch_execute(
+            "CREATE ROLE permitq_producer NOLOGIN; CREATE ROLE permitq_worker NOLOGIN; \
+             CREATE ROLE permitq_admin NOLOGIN;",
+        )
+        .await
+        .unwrap();
+    client.migrate().await.unwrap();
+    assert!(client.schema_is_current().await.unwrap());
+    drop(client);
+}
