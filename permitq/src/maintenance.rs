@@ -114,6 +114,14 @@ async fn locked_batch(
         return Ok(None);
     }
     let n: i32 = tx.query_one(query, params).await?.get(0);
+    if n > 0 && tracing::enabled!(tracing::Level::DEBUG) {
+        // Name what this transaction swept (a scan: debug level only).
+        for row in tx.query(sql::SWEPT_REQUESTS, &[]).await? {
+            let (external_id, state, detail): (String, String, Option<String>) =
+                (row.get(0), row.get(1), row.get(2));
+            tracing::debug!(%external_id, %state, detail = detail.as_deref().unwrap_or(""), "swept");
+        }
+    }
     tx.commit().await?;
     Ok(Some(u64::try_from(n).unwrap_or(0)))
 }

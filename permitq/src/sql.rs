@@ -136,6 +136,10 @@ pub(crate) const SWEEP_WAIT_DEADLINES: &str = "SELECT permitq.sweep_wait_deadlin
 pub(crate) const SWEEP_EXPIRED: &str = "SELECT permitq.sweep_expired($1)";
 /// Sweep: held past --max-hold → released as `stale`.
 pub(crate) const SWEEP_STALE: &str = "SELECT permitq.sweep_stale($1::text::interval, $2)";
+/// Sweep, at debug level: the requests this transaction settled or released, to name them.
+pub(crate) const SWEPT_REQUESTS: &str = "SELECT external_id, state, \
+     coalesce(release_reason, error_code) FROM permitq.permit_request \
+     WHERE xmin = pg_current_xact_id()::xid";
 /// Sweep: owners of held requests, for the liveness hook.
 pub(crate) const HELD_OWNERS: &str = "SELECT DISTINCT owner FROM permitq.permit_request \
      WHERE state = 'acquired' AND owner IS NOT NULL";
@@ -164,6 +168,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("RECORD_MIGRATION", RECORD_MIGRATION),
         ("RECORD_MIGRATION_CHECKSUM", RECORD_MIGRATION_CHECKSUM),
         ("SCHEMA_VERSION", SCHEMA_VERSION),
+        ("SWEPT_REQUESTS", SWEPT_REQUESTS),
         ("USAGE", USAGE),
         ("HOLDERS", HOLDERS),
         ("WAITERS", WAITERS),

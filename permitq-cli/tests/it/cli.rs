@@ -493,3 +493,60 @@ async fn sigterm_stops_a_worker_whose_stdout_and_stderr_are_a_closed_pipe() {
     let status = status.expect("the worker stopped within 10 s of SIGTERM");
     assert_eq!(status.code(), Some(0), "{status:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debug_logs_name_every_grant_and_sweep_and_json_logs_are_json() {
+    let db = TestDb::new().await;
+    let log = std::env::temp_dir().join(format!("permitq-log-{}.jsonl", db.name));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_permitq"))
+        .args([
+            "worker",
+            "--id",
+            "logged",
+            "--sweep-interval",
+            "100ms",
+            "--log-format",
+            "json",
+        ])
+        .env("DATABASE_URL", &db.url)
+        .env("RUST_LOG", "permitq=debug")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let client = db.client().await;
+    client.set_capacity("logs", 1, None).await.unwrap();
+    client
+        .submit(
+            &permitq::Request::new("named-in-logs")
+                .permit("logs", 1)
+                .ttl(Duration::from_millis(300)),
+        )
+        .await
+        .unwrap();
+    wait_until(
+        Duration::from_secs(15),
+        "granted and swept, by name",
+        || async {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let events: Vec<serde_json::Value> = text
+                .lines()
+                .map(|l| serde_json::from_str(l).expect("every log line is a JSON object"))
+                .collect();
+            let named = |message: &str| {
+                events.iter().any(|e| {
+                    e["fields"]["message"] == message
+                        && e["fields"]["external_id"] == "named-in-logs"
+                })
+            };
+            named("granted") && named("swept")
+        },
+    )
+    .await;
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(!text.contains('\u{1b}'), "no ANSI escapes off a terminal");
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_file(&log);
+}
