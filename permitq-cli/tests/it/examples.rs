@@ -179,3 +179,51 @@ async fn the_python_example_submits_waits_heartbeats_and_releases() {
     assert_eq!(row.state, permitq::State::Released);
     worker.stop().await;
 }
+
+/// Every command line in `deploy/` (Kubernetes `args`, the Dockerfile's CMD, the systemd unit's
+/// ExecStart) is one the CLI accepts: it gets past argument parsing (exit code 2 is a usage
+/// error) and stops at the database URL given here on purpose.
+#[test]
+fn the_deploy_files_invoke_commands_the_cli_accepts() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+    let mut invocations: Vec<Vec<String>> = Vec::new();
+    for entry in std::fs::read_dir(root.join("k8s")).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        for line in text.lines() {
+            if let Some(args) = line.trim().strip_prefix("args: ") {
+                let args: Vec<String> = serde_json::from_str(args).expect("args as a JSON array");
+                invocations.push(args);
+            }
+        }
+    }
+    let dockerfile = std::fs::read_to_string(root.join("Dockerfile")).unwrap();
+    let cmd = dockerfile
+        .lines()
+        .find_map(|l| l.strip_prefix("CMD "))
+        .expect("a CMD");
+    invocations.push(serde_json::from_str(cmd).unwrap());
+    let unit = std::fs::read_to_string(root.join("systemd/permitq-worker.service")).unwrap();
+    let exec = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart="))
+        .expect("an ExecStart");
+    invocations.push(exec.split_whitespace().skip(1).map(String::from).collect());
+    assert!(invocations.len() >= 5, "{invocations:?}");
+    for args in &invocations {
+        let args: Vec<String> = args
+            .iter()
+            .map(|a| a.replace("$(POD_NAME)", "pod-0"))
+            .collect();
+        let out = Command::new(env!("CARGO_BIN_EXE_permitq"))
+            .args(&args)
+            .env("DATABASE_URL", "not a url ::")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("invalid database URL"),
+            "{args:?}: {stderr}"
+        );
+    }
+}
