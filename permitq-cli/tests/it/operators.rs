@@ -190,10 +190,7 @@ async fn worker_http_serves_health_readiness_metrics_and_the_json_api() {
         common::settled_state(&client, "via-http-worker").await,
         State::Acquired
     );
-    let (status, metrics) = get("/metrics").await.unwrap();
-    assert_eq!(status, 200);
-    check_prometheus_text(&metrics);
-    for series in [
+    let expected = [
         "permitq_semaphore_capacity{semaphore=\"gpu\"} 2",
         "permitq_semaphore_held{semaphore=\"gpu\"} 2",
         "permitq_semaphore_waiting{semaphore=\"gpu\"} 2",
@@ -202,8 +199,26 @@ async fn worker_http_serves_health_readiness_metrics_and_the_json_api() {
         "permitq_worker_last_pass_age_seconds",
         "permitq_grant_wait_seconds_bucket",
         "permitq_batch_seconds_bucket",
-    ] {
-        assert!(metrics.contains(series), "{series} in:\n{metrics}");
+    ];
+    // Scraped until every series is there (each scrape reads the database afresh).
+    let deadline = Instant::now() + SOON;
+    loop {
+        let (status, metrics) = get("/metrics").await.unwrap();
+        assert_eq!(status, 200);
+        check_prometheus_text(&metrics);
+        let missing: Vec<&str> = expected
+            .iter()
+            .copied()
+            .filter(|series| !metrics.contains(series))
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "missing {missing:?} in:\n{metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let (status, body) = get("/api/semaphores").await.unwrap();
     assert_eq!(status, 200);
