@@ -33,6 +33,24 @@ async fn run(url: &str, args: &[&str]) -> Output {
     .unwrap()
 }
 
+/// Waits (15 s at most) until the worker process `id` holds its LISTEN connection.
+async fn wait_until_listening(db: &TestDb, id: &str) {
+    let conn = db.conn().await;
+    let app = format!("permitq {id}");
+    wait_until(Duration::from_secs(15), "the worker is listening", || async {
+        let n: i64 = conn
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+                &[&app],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        n == 1
+    })
+    .await;
+}
+
 fn code(o: &Output) -> i32 {
     o.status
         .code()
@@ -284,19 +302,7 @@ async fn the_worker_exits_0_on_sigterm() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let conn = db.conn().await;
-    wait_until(Duration::from_secs(15), "the worker is listening", || async {
-        let n: i64 = conn
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'permitq term-me' AND query LIKE 'LISTEN%'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        n == 1
-    })
-    .await;
+    wait_until_listening(&db, "term-me").await;
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -447,19 +453,7 @@ async fn sigterm_stops_a_worker_whose_stdout_and_stderr_are_a_closed_pipe() {
     let mut first = [0u8; 1];
     reader.read_exact(&mut first).unwrap();
     drop(reader);
-    let conn = db.conn().await;
-    wait_until(Duration::from_secs(15), "the worker is listening", || async {
-        let n: i64 = conn
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'permitq piped' AND query LIKE 'LISTEN%'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        n == 1
-    })
-    .await;
+    wait_until_listening(&db, "piped").await;
     // A grant makes the worker log (debug) into the closed pipe: EPIPE.
     let client = db.client().await;
     client.set_capacity("p", 1, None).await.unwrap();
