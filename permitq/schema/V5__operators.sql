@@ -92,3 +92,18 @@ LEFT JOIN (SELECT e.key AS name, sum(e.value::int) AS held
 LEFT JOIN (SELECT e.key AS name, count(*) AS waiting, min(r.created_at) AS oldest_wait_since
            FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
            WHERE r.state = 'new' GROUP BY e.key) w ON w.name = s.name;
+
+-- Heads by semaphore name, so that the worker can send this query in the same round trip as
+-- permitq.lock_and_fold (the server runs them in order: the heads are read after the locks).
+CREATE FUNCTION permitq.semaphore_heads_named(names text[], batch_ids bigint[], newest_id bigint)
+RETURNS TABLE (semaphore text, request_id bigint, count integer)
+LANGUAGE sql AS $$
+    SELECT h.semaphore, h.request_id, h.count
+    FROM permitq.semaphore_heads(
+        ARRAY(SELECT s.id FROM permitq.semaphore s WHERE s.name = ANY(names) ORDER BY s.id),
+        batch_ids, newest_id) h
+$$;
+ALTER FUNCTION permitq.semaphore_heads_named(text[], bigint[], bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+REVOKE EXECUTE ON FUNCTION permitq.semaphore_heads_named(text[], bigint[], bigint) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION permitq.semaphore_heads_named(text[], bigint[], bigint) TO permitq_worker;

@@ -259,11 +259,19 @@ impl Worker {
             .into_iter()
             .collect();
 
-        let mut semaphores = BTreeMap::new();
-        let mut semaphore_ids = Vec::new();
+        // Lock (and fold), then read the heads: two statements, one round trip.
+        let batch_ids: Vec<i64> = candidates.iter().map(|c| c.id).collect();
         let lock = conn.prepare_cached(sql::LOCK_SEMAPHORES).await?;
-        for row in conn.query(&lock, &[&names]).await? {
-            semaphore_ids.push(row.try_get::<_, i64>("id")?);
+        let heads = conn.prepare_cached(sql::SEMAPHORE_HEADS).await?;
+        let lock_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&names];
+        let head_params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+            [&names, &batch_ids, &last_id];
+        let (locked, head_rows) = tokio::join!(
+            conn.query(&lock, &lock_params),
+            conn.query(&heads, &head_params)
+        );
+        let mut semaphores = BTreeMap::new();
+        for row in locked? {
             semaphores.insert(
                 row.try_get::<_, String>("name")?,
                 SemaphoreView {
@@ -274,22 +282,15 @@ impl Worker {
                 },
             );
         }
-        let batch_ids: Vec<i64> = candidates.iter().map(|c| c.id).collect();
-        if semaphores.values().any(|s| s.fair) {
-            let heads = conn.prepare_cached(sql::SEMAPHORE_HEADS).await?;
-            for row in conn
-                .query(&heads, &[&semaphore_ids, &batch_ids, &last_id])
-                .await?
-            {
-                let name: String = row.try_get(0)?;
-                let waiter = Waiter {
-                    request_id: row.try_get(1)?,
-                    count: row.try_get::<_, i32>(2)?.into(),
-                };
-                if let Some(s) = semaphores.get_mut(&name) {
-                    if s.head.is_none_or(|h| waiter.request_id < h.request_id) {
-                        s.head = Some(waiter);
-                    }
+        for row in head_rows? {
+            let name: String = row.try_get(0)?;
+            let waiter = Waiter {
+                request_id: row.try_get(1)?,
+                count: row.try_get::<_, i32>(2)?.into(),
+            };
+            if let Some(s) = semaphores.get_mut(&name) {
+                if s.head.is_none_or(|h| waiter.request_id < h.request_id) {
+                    s.head = Some(waiter);
                 }
             }
         }
