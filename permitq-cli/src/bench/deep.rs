@@ -108,6 +108,23 @@ async fn measure(
             return Err(CliError::runtime("the deep-queue worker did not start"));
         }
     }
+    // Both sides measured in the same steady state: whatever earlier parts of the bench left
+    // (their releases still to fold, the dead rows of their requests) is folded and vacuumed
+    // first, as it is after the backlog below.
+    let started = Instant::now();
+    while conn
+        .query_one("SELECT EXISTS (SELECT 1 FROM permitq.pending_release)", &[])
+        .await?
+        .get::<_, bool>(0)
+    {
+        if started.elapsed() > Duration::from_secs(120) {
+            return Err(CliError::runtime(
+                "earlier releases still unfolded after 2 minutes",
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    vacuum(conn).await?;
     for i in 0..20 {
         cycle(client, &format!("deep-warm-{t}-{i}"), idle).await?;
     }
@@ -148,10 +165,7 @@ async fn measure(
     let examine = started.elapsed();
     // Steady state: what autovacuum would do after such a load, done now so it does not run
     // during the measurement.
-    for table in ["permitq.permit_request", "permitq.waiter"] {
-        conn.batch_execute(&format!("VACUUM (ANALYZE) {table}"))
-            .await?;
-    }
+    vacuum(conn).await?;
 
     let after_prefix = format!("deep-after-{t}-");
     for i in 0..requests {
@@ -184,4 +198,18 @@ async fn measure(
         peak_rss_kib,
         examine,
     })
+}
+
+/// `VACUUM (ANALYZE)` of the tables a pass reads.
+async fn vacuum(conn: &tokio_postgres::Client) -> Result<()> {
+    for table in [
+        "permitq.permit_request",
+        "permitq.waiter",
+        "permitq.pending_release",
+        "permitq.semaphore",
+    ] {
+        conn.batch_execute(&format!("VACUUM (ANALYZE) {table}"))
+            .await?;
+    }
+    Ok(())
 }
