@@ -173,14 +173,17 @@ impl Worker {
                 "idle_in_transaction_session_timeout",
                 format!("{}ms", config.idle_in_transaction_timeout.as_millis()),
             ),
+            // Every statement of a pass is small and index-driven; a parallel plan (chosen on
+            // stale statistics after a burst) only adds the launch of parallel workers.
+            ("max_parallel_workers_per_gather", "0".to_string()),
         ];
         settings.extend(
             crate::db::SERVER_KEEPALIVES
                 .iter()
                 .map(|(name, value)| (*name, (*value).to_string())),
         );
-        let base = crate::db::with_settings(base, &settings[2..]);
-        let pooled = crate::db::with_settings(base.clone(), &settings[..2]);
+        let base = crate::db::with_settings(base, &settings[3..]);
+        let pooled = crate::db::with_settings(base.clone(), &settings[..3]);
         Ok(Worker::new(crate::db::pool(pooled, 4)?, base, config))
     }
 
