@@ -158,33 +158,35 @@ impl Worker {
         }
     }
 
-    /// Connects a worker to `url`: a pool of 4 connections with `lock_timeout` and
-    /// `idle_in_transaction_session_timeout` set, and `application_name` = the worker id.
+    /// Connects a worker to `url`: a pool of 4 connections with `lock_timeout`,
+    /// `idle_in_transaction_session_timeout` and no parallel query, and a LISTEN connection;
+    /// all of them with server-side keepalives and `application_name` = `permitq <id>`.
     pub fn connect(url: &str, config: WorkerConfig) -> Result<Worker> {
         config.validate()?;
-        let mut base = crate::db::parse_config(url)?;
-        base.application_name(format!("permitq {}", config.id));
-        let mut settings = vec![
-            (
-                "lock_timeout",
-                format!("{}ms", config.lock_timeout.as_millis()),
-            ),
-            (
-                "idle_in_transaction_session_timeout",
-                format!("{}ms", config.idle_in_transaction_timeout.as_millis()),
-            ),
-            // Every statement of a pass is small and index-driven; a parallel plan (chosen on
-            // stale statistics after a burst) only adds the launch of parallel workers.
-            ("max_parallel_workers_per_gather", "0".to_string()),
-        ];
-        settings.extend(
-            crate::db::SERVER_KEEPALIVES
-                .iter()
-                .map(|(name, value)| (*name, (*value).to_string())),
+        let mut listen = crate::db::parse_config(url)?;
+        listen.application_name(format!("permitq {}", config.id));
+        let keepalives: Vec<(&str, String)> = crate::db::SERVER_KEEPALIVES
+            .iter()
+            .map(|(name, value)| (*name, (*value).to_string()))
+            .collect();
+        let listen = crate::db::with_settings(listen, &keepalives);
+        let pooled = crate::db::with_settings(
+            listen.clone(),
+            &[
+                (
+                    "lock_timeout",
+                    format!("{}ms", config.lock_timeout.as_millis()),
+                ),
+                (
+                    "idle_in_transaction_session_timeout",
+                    format!("{}ms", config.idle_in_transaction_timeout.as_millis()),
+                ),
+                // Every statement of a pass is small and index-driven; a parallel plan (chosen
+                // on stale statistics after a burst) only adds the launch of parallel workers.
+                ("max_parallel_workers_per_gather", "0".to_string()),
+            ],
         );
-        let base = crate::db::with_settings(base, &settings[3..]);
-        let pooled = crate::db::with_settings(base.clone(), &settings[..3]);
-        Ok(Worker::new(crate::db::pool(pooled, 4)?, base, config))
+        Ok(Worker::new(crate::db::pool(pooled, 4)?, listen, config))
     }
 
     /// Installs the owner-liveness hook, asked during each sweep which owners are gone.
