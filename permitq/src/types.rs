@@ -329,8 +329,8 @@ pub(crate) fn ser_time<S: Serializer>(
 /// 10 years, counted as 3653 days (the database's bound is `interval '3653 days'`).
 pub const MAX_DURATION: std::time::Duration = std::time::Duration::from_secs(3653 * 86_400);
 
-/// `Err(field, message)` when `value` is longer than [`MAX_DURATION`] (or zero where that is
-/// not allowed).
+/// Why `value` is out of bounds (longer than [`MAX_DURATION`], or zero where that is not
+/// allowed), or None when it is fine; the caller names the field.
 pub(crate) fn duration_problem(
     value: Option<std::time::Duration>,
     zero_allowed: bool,
