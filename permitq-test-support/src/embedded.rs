@@ -47,6 +47,69 @@ impl EmbeddedPostgres {
     /// (`permitq bench` runs with `fsync=on`, the default, because fsync off hides exactly the
     /// commit costs it measures).
     pub fn start_with(settings: &[(&str, &str)]) -> Result<EmbeddedPostgres> {
+        let pg = EmbeddedPostgres::prepare(settings)?;
+        pg.run(
+            "initdb",
+            &[
+                "-D",
+                pg.data_str(),
+                "-U",
+                "postgres",
+                "-A",
+                "trust",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "--no-sync",
+            ],
+        )?;
+        pg.start_server()?;
+        Ok(pg)
+    }
+
+    /// Creates and starts a streaming standby of this cluster (`pg_basebackup -R`: it follows
+    /// this server through `primary_conninfo`) on its own port, with these server settings. It
+    /// is removed on drop like any other; [`EmbeddedPostgres::promote`] makes it a primary.
+    ///
+    /// For synchronous replication, start the primary with `synchronous_standby_names = '*'`
+    /// and do not give the standby that setting (once promoted it would wait for a standby of
+    /// its own).
+    pub fn start_standby(&self, settings: &[(&str, &str)]) -> Result<EmbeddedPostgres> {
+        let standby = EmbeddedPostgres::prepare(settings)?;
+        let port = self.port.to_string();
+        standby.run(
+            "pg_basebackup",
+            &[
+                "-D",
+                standby.data_str(),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-U",
+                "postgres",
+                "-R",
+                "-X",
+                "stream",
+                "-c",
+                "fast",
+                "--no-sync",
+            ],
+        )?;
+        standby.start_server()?;
+        Ok(standby)
+    }
+
+    /// Promotes this standby to a primary (`pg_ctl promote`, waiting until it accepts writes).
+    pub fn promote(&self) -> Result<()> {
+        self.run(
+            "pg_ctl",
+            &["-D", self.data_str(), "-w", "-t", "60", "promote"],
+        )
+    }
+
+    /// A root directory, a free port and the cleanup guard; no cluster yet.
+    fn prepare(settings: &[(&str, &str)]) -> Result<EmbeddedPostgres> {
         let bin = find_bin_dir()?;
         let run_as = if std::fs::metadata("/proc/self")
             .map(|m| m.uid() == 0)
@@ -76,22 +139,6 @@ impl EmbeddedPostgres {
                 .collect(),
         };
         pg.guard = Some(pg.spawn_guard()?);
-        pg.run(
-            "initdb",
-            &[
-                "-D",
-                pg.data_str(),
-                "-U",
-                "postgres",
-                "-A",
-                "trust",
-                "-E",
-                "UTF8",
-                "--locale=C",
-                "--no-sync",
-            ],
-        )?;
-        pg.start_server()?;
         Ok(pg)
     }
 

@@ -47,6 +47,16 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "operators",
         sql: include_str!("../schema/V5__operators.sql"),
     },
+    Migration {
+        version: 6,
+        name: "cached_plans",
+        sql: include_str!("../schema/V6__cached_plans.sql"),
+    },
+    Migration {
+        version: 7,
+        name: "failover_tokens",
+        sql: include_str!("../schema/V7__failover_tokens.sql"),
+    },
 ];
 
 /// V1's first statement, redundant once the bookkeeping table's schema exists.
