@@ -34,6 +34,10 @@ pub struct EmbeddedPostgres {
     run_as: Option<(u32, u32)>,
     guard: Option<Child>,
     settings: Vec<(String, String)>,
+    /// The network namespace the server runs in (see [`crate::NetworkBed`]), if any.
+    namespace: Option<String>,
+    /// `listen_addresses`.
+    listen: String,
 }
 
 impl EmbeddedPostgres {
@@ -47,7 +51,30 @@ impl EmbeddedPostgres {
     /// (`permitq bench` runs with `fsync=on`, the default, because fsync off hides exactly the
     /// commit costs it measures).
     pub fn start_with(settings: &[(&str, &str)]) -> Result<EmbeddedPostgres> {
-        let pg = EmbeddedPostgres::prepare(settings)?;
+        EmbeddedPostgres::prepare(settings)?.init_and_start()
+    }
+
+    /// Like [`EmbeddedPostgres::start`], in network namespace `namespace`, listening on
+    /// `address` (and on its Unix socket: [`EmbeddedPostgres::socket_config`]).
+    pub fn start_in_namespace(namespace: &str, address: &str) -> Result<EmbeddedPostgres> {
+        let mut pg = EmbeddedPostgres::prepare(&[("fsync", "off"), ("full_page_writes", "off")])?;
+        pg.namespace = Some(namespace.to_string());
+        pg.listen = address.to_string();
+        pg.init_and_start()
+    }
+
+    /// A `key=value` connection string for database `db` over the Unix socket, which works
+    /// from any network namespace.
+    pub fn socket_config(&self, db: &str) -> String {
+        format!(
+            "host={} port={} user=postgres dbname={db}",
+            self.root.display(),
+            self.port
+        )
+    }
+
+    fn init_and_start(self) -> Result<EmbeddedPostgres> {
+        let pg = self;
         pg.run(
             "initdb",
             &[
@@ -63,6 +90,13 @@ impl EmbeddedPostgres {
                 "--no-sync",
             ],
         )?;
+        if pg.namespace.is_some() {
+            // The bed's hosts connect from their own addresses (only the bed reaches this one).
+            let mut hba = std::fs::OpenOptions::new()
+                .append(true)
+                .open(pg.data.join("pg_hba.conf"))?;
+            writeln!(hba, "host all all 0.0.0.0/0 trust")?;
+        }
         pg.start_server()?;
         Ok(pg)
     }
@@ -137,6 +171,8 @@ impl EmbeddedPostgres {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            namespace: None,
+            listen: "127.0.0.1".to_string(),
         };
         pg.guard = Some(pg.spawn_guard()?);
         Ok(pg)
@@ -173,9 +209,10 @@ impl EmbeddedPostgres {
     /// `stop(Immediate)`, which the fault tests rely on.
     pub fn start_server(&self) -> Result<()> {
         let mut options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c max_connections=400 -c shared_buffers=128MB",
+            "-p {} -k {} -c listen_addresses={} -c max_connections=400 -c shared_buffers=128MB",
             self.port,
-            self.root.display()
+            self.root.display(),
+            self.listen
         );
         for (name, value) in &self.settings {
             options.push_str(&format!(" -c {name}={value}"));
@@ -203,13 +240,35 @@ impl EmbeddedPostgres {
     }
 
     fn command(&self, program: &str) -> Command {
-        let mut cmd = Command::new(self.bin.join(program));
+        let program = self.bin.join(program);
+        let mut cmd = match &self.namespace {
+            None => {
+                let mut cmd = Command::new(program);
+                if let Some((uid, gid)) = self.run_as {
+                    cmd.uid(uid).gid(gid);
+                }
+                cmd
+            }
+            // `ip netns exec` needs root; the user changes after it (setpriv, util-linux).
+            Some(ns) => {
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", ns]);
+                if let Some((uid, gid)) = self.run_as {
+                    cmd.args([
+                        "setpriv",
+                        &format!("--reuid={uid}"),
+                        &format!("--regid={gid}"),
+                        "--clear-groups",
+                        "--",
+                    ]);
+                }
+                cmd.arg(program);
+                cmd
+            }
+        };
         cmd.process_group(0)
             .current_dir(&self.root)
             .env("LC_ALL", "C");
-        if let Some((uid, gid)) = self.run_as {
-            cmd.uid(uid).gid(gid);
-        }
         cmd
     }
 

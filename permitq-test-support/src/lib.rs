@@ -5,12 +5,14 @@
 
 mod embedded;
 mod fleet;
+mod netns;
 mod report;
 mod sql;
 mod testdb;
 
 pub use embedded::{EmbeddedPostgres, StopMode};
 pub use fleet::{database, WorkerFleet};
+pub use netns::NetworkBed;
 pub use report::{
     collect, invariant_violations, quantile, queue_and_grants, Percentiles, RunReport,
 };

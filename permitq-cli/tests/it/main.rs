@@ -6,4 +6,5 @@ mod cli;
 mod examples;
 mod faults;
 mod http;
+mod network;
 mod operators;

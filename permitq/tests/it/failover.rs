@@ -301,7 +301,10 @@ async fn asynchronous_failover_loses_the_unreplicated_tail_but_never_reuses_a_to
 
     // Replication stops (the standby forgets its primary), as a lagging or partitioned
     // asynchronous standby would be.
-    for statement in ["ALTER SYSTEM SET primary_conninfo = ''", "SELECT pg_reload_conf()"] {
+    for statement in [
+        "ALTER SYSTEM SET primary_conninfo = ''",
+        "SELECT pg_reload_conf()",
+    ] {
         standby_conn.batch_execute(statement).await.unwrap();
     }
     wait_until(Duration::from_secs(30), "replication stopped", || {

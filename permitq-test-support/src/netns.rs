@@ -1,0 +1,238 @@
+//! A multi-host test bed from network namespaces (needs root and `ip`): one namespace per host,
+//! each with its own address on a private bridge that lives in a hub namespace of its own, so
+//! the bed's traffic never reaches this machine's own network namespace or its interfaces.
+//!
+//! Hosts talk over their bed addresses; the test itself reaches PostgreSQL over its Unix socket
+//! (a file, which namespaces do not separate). A partition takes a host's link to the bridge
+//! down: its packets are dropped both ways and its sockets stay open, as when a cable or a
+//! switch port dies. Processes started on a host are killed and every namespace and interface
+//! is removed when the bed is dropped (a panicking test included); a bed left behind by a
+//! process that was killed outright is removed by the next bed created.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+
+use crate::Result;
+
+/// Prefix of every namespace a bed creates: `pqbed<pid>x<n>-<host>`.
+const PREFIX: &str = "pqbed";
+/// The bed's subnet: RFC 2544's benchmarking range, which no real network routes.
+const SUBNET: &str = "198.18.";
+
+/// A set of hosts (network namespaces) on one private bridge.
+#[derive(Debug)]
+pub struct NetworkBed {
+    tag: String,
+    hosts: Vec<Host>,
+    children: Mutex<Vec<Child>>,
+}
+
+#[derive(Debug)]
+struct Host {
+    name: String,
+    namespace: String,
+    address: String,
+    /// The hub-side end of the host's veth pair (what a partition takes down).
+    hub_link: String,
+}
+
+impl NetworkBed {
+    /// Creates the hosts, named `hosts`, with addresses 198.18.N.1, 198.18.N.2, ... in order
+    /// (N distinguishes the beds of concurrent tests).
+    pub fn new(hosts: &[&str]) -> Result<NetworkBed> {
+        remove_orphaned_beds();
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tag = format!("{PREFIX}{}x{n}", std::process::id());
+        let subnet = format!("{SUBNET}{}.", 1 + (std::process::id() * 7 + n) % 250);
+        let mut bed = NetworkBed {
+            tag: tag.clone(),
+            hosts: Vec::new(),
+            children: Mutex::new(Vec::new()),
+        };
+        let hub = bed.hub();
+        ip(&["netns", "add", &hub])?;
+        ip(&["-n", &hub, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &hub, "link", "set", "br0", "up"])?;
+        for (i, name) in hosts.iter().enumerate() {
+            let namespace = format!("{tag}-{name}");
+            // Interface names are at most 15 bytes: made in the hub, then one end moved.
+            let (hub_link, host_link) = (format!("pqh{n}x{i}"), format!("pqn{n}x{i}"));
+            let host = Host {
+                name: (*name).to_string(),
+                address: format!("{subnet}{}", i + 1),
+                namespace,
+                hub_link,
+            };
+            ip(&["netns", "add", &host.namespace])?;
+            // Recorded at once: from here on, drop removes it.
+            let (ns, address, hub_link) = (
+                host.namespace.clone(),
+                host.address.clone(),
+                host.hub_link.clone(),
+            );
+            bed.hosts.push(host);
+            ip(&[
+                "-n", &hub, "link", "add", &hub_link, "type", "veth", "peer", "name", &host_link,
+                "netns", &ns,
+            ])?;
+            ip(&["-n", &hub, "link", "set", &hub_link, "master", "br0", "up"])?;
+            ip(&["-n", &ns, "link", "set", &host_link, "name", "eth0"])?;
+            ip(&[
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{address}/24"),
+                "dev",
+                "eth0",
+            ])?;
+            ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(bed)
+    }
+
+    fn hub(&self) -> String {
+        format!("{}-hub", self.tag)
+    }
+
+    fn host(&self, name: &str) -> &Host {
+        self.hosts
+            .iter()
+            .find(|h| h.name == name)
+            .unwrap_or_else(|| panic!("no host {name} in this bed"))
+    }
+
+    /// The namespace of host `name` (for `ip netns exec`).
+    pub fn namespace(&self, name: &str) -> &str {
+        &self.host(name).namespace
+    }
+
+    /// The address of host `name` on the bed.
+    pub fn address(&self, name: &str) -> &str {
+        &self.host(name).address
+    }
+
+    /// A command that runs `program` on host `name`.
+    pub fn command(&self, name: &str, program: &str) -> Command {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", self.namespace(name), program]);
+        cmd
+    }
+
+    /// Starts `cmd` (from [`NetworkBed::command`]) in its own process group, owned by the bed:
+    /// it is killed when the bed is dropped. Returns its pid (`ip netns exec` execs the
+    /// program, so the pid is the program's).
+    pub fn spawn(&self, mut cmd: Command) -> Result<u32> {
+        use std::os::unix::process::CommandExt;
+        let child = cmd
+            .process_group(0)
+            .stdin(Stdio::null())
+            .spawn()
+            .map_err(|e| crate::error(format!("cannot start a process on the bed: {e}")))?;
+        let pid = child.id();
+        self.children
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(child);
+        Ok(pid)
+    }
+
+    /// Cuts host `name` off the bridge: every packet to and from it is dropped from now on;
+    /// its sockets stay open and nothing tells either end.
+    pub fn partition(&self, name: &str) -> Result<()> {
+        ip(&[
+            "-n",
+            &self.hub(),
+            "link",
+            "set",
+            &self.host(name).hub_link,
+            "down",
+        ])
+    }
+
+    /// Reconnects host `name`.
+    pub fn heal(&self, name: &str) -> Result<()> {
+        ip(&[
+            "-n",
+            &self.hub(),
+            "link",
+            "set",
+            &self.host(name).hub_link,
+            "up",
+        ])
+    }
+}
+
+impl Drop for NetworkBed {
+    fn drop(&mut self) {
+        let mut children = self
+            .children
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for child in children.iter_mut() {
+            // The whole process group: whatever the program started too.
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .status();
+            let _ = child.wait();
+        }
+        let mut namespaces: Vec<String> = self.hosts.iter().map(|h| h.namespace.clone()).collect();
+        namespaces.push(self.hub());
+        for ns in namespaces {
+            remove_namespace(&ns);
+        }
+    }
+}
+
+/// Kills what still runs in namespace `ns` and deletes it (its interfaces go with it).
+fn remove_namespace(ns: &str) {
+    if let Ok(out) = Command::new("ip").args(["netns", "pids", ns]).output() {
+        for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+            let _ = Command::new("kill").args(["-KILL", pid]).status();
+        }
+    }
+    let _ = Command::new("ip")
+        .args(["netns", "del", ns])
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// Removes the namespaces of beds whose test process no longer runs.
+fn remove_orphaned_beds() {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
+        return;
+    };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Some(ns) = line.split_whitespace().next() else {
+            continue;
+        };
+        let Some(pid) = ns
+            .strip_prefix(PREFIX)
+            .and_then(|rest| rest.split('x').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            remove_namespace(ns);
+        }
+    }
+}
+
+fn ip(args: &[&str]) -> Result<()> {
+    let out = Command::new("ip")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| crate::error(format!("cannot run ip (iproute2): {e}")))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(crate::error(format!(
+        "ip {} failed: {} (network namespaces need root)",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr).trim()
+    )))
+}
