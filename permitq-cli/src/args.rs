@@ -128,6 +128,10 @@ pub(crate) struct ChaosArgs {
     /// Plant a known bug (no-semaphore-lock, fold-twice, double-release, skip-fairness).
     #[arg(long)]
     pub mutation: Option<crate::chaos::Mutation>,
+    /// Run on a bed of network namespaces (needs root): PostgreSQL and each worker on a host of
+    /// its own, and the network faults (partition, slow link) join the schedule.
+    #[arg(long)]
+    pub network: bool,
 }
 
 /// `permitq worker` options.

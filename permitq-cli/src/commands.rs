@@ -38,6 +38,7 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
                 fault_every: (!args.no_faults).then_some(args.fault_every),
                 mutation: args.mutation,
                 binary: std::env::current_exe()?,
+                network: args.network,
             };
             let report = crate::chaos::run(config).await?;
             out!("{}", report.summary());

@@ -35,7 +35,16 @@ fn violations(summary: &str) -> BTreeMap<String, u64> {
 
 #[test]
 fn a_short_seeded_chaos_run_with_every_fault_passes_every_checker() {
-    let (out, summary) = chaos(&["--duration", "75s", "--fault-every", "8s", "--seed", "42"]);
+    // On the bed of network namespaces, so the network faults are in the schedule too.
+    let (out, summary) = chaos(&[
+        "--network",
+        "--duration",
+        "75s",
+        "--fault-every",
+        "7s",
+        "--seed",
+        "42",
+    ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{summary}\n{stderr}");
     let found = violations(&summary);
@@ -52,6 +61,8 @@ fn a_short_seeded_chaos_run_with_every_fault_passes_every_checker() {
         "RestartDatabase",
         "LowerCapacity",
         "TimeoutBurst",
+        "Partition",
+        "SlowLink",
     ] {
         let count: u32 = faults
             .split(kind)

@@ -163,6 +163,39 @@ impl NetworkBed {
             "up",
         ])
     }
+
+    /// Makes host `name`'s link slow, both ways: a token bucket of `kbit` kbit/s whose queue
+    /// holds up to a second of traffic, so packets wait (latency that varies with the load: a
+    /// congested link) and beyond that are dropped. (This kernel has no `netem`; `tbf` is what
+    /// it offers for delay.)
+    pub fn slow_link(&self, name: &str, kbit: u32) -> Result<()> {
+        let host = self.host(name);
+        let rate = format!("{kbit}kbit");
+        let hub = self.hub();
+        for (ns, dev) in [
+            (host.namespace.as_str(), "eth0"),
+            (hub.as_str(), host.hub_link.as_str()),
+        ] {
+            tc(&[
+                "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", &rate, "burst",
+                "4kb", "latency", "1s",
+            ])?;
+        }
+        Ok(())
+    }
+
+    /// Gives host `name` its normal link back.
+    pub fn clear_link(&self, name: &str) -> Result<()> {
+        let host = self.host(name);
+        let hub = self.hub();
+        for (ns, dev) in [
+            (host.namespace.as_str(), "eth0"),
+            (hub.as_str(), host.hub_link.as_str()),
+        ] {
+            tc(&["-n", ns, "qdisc", "del", "dev", dev, "root"])?;
+        }
+        Ok(())
+    }
 }
 
 impl Drop for NetworkBed {
@@ -222,16 +255,24 @@ fn remove_orphaned_beds() {
 }
 
 fn ip(args: &[&str]) -> Result<()> {
-    let out = Command::new("ip")
+    run("ip", args)
+}
+
+fn tc(args: &[&str]) -> Result<()> {
+    run("tc", args)
+}
+
+fn run(program: &str, args: &[&str]) -> Result<()> {
+    let out = Command::new(program)
         .args(args)
         .stdin(Stdio::null())
         .output()
-        .map_err(|e| crate::error(format!("cannot run ip (iproute2): {e}")))?;
+        .map_err(|e| crate::error(format!("cannot run {program} (iproute2): {e}")))?;
     if out.status.success() {
         return Ok(());
     }
     Err(crate::error(format!(
-        "ip {} failed: {} (network namespaces need root)",
+        "{program} {} failed: {} (network namespaces need root)",
         args.join(" "),
         String::from_utf8_lossy(&out.stderr).trim()
     )))

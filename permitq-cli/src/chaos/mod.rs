@@ -23,7 +23,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crate::error::{CliError, Result};
 use permitq::Client;
-use permitq_test_support::EmbeddedPostgres;
+use permitq_test_support::{EmbeddedPostgres, NetworkBed};
 
 pub(crate) use mutation::Mutation;
 pub(crate) use nemesis::Fault;
@@ -57,6 +57,8 @@ pub(crate) struct ChaosConfig {
     pub mutation: Option<Mutation>,
     /// The `permitq` binary (worker and holder processes).
     pub binary: PathBuf,
+    /// On a bed of network namespaces, with the network faults.
+    pub network: bool,
 }
 
 /// What a run did and found.
@@ -127,7 +129,7 @@ impl ChaosReport {
             );
         }
         s += "faults injected:";
-        for fault in Fault::ALL {
+        for fault in Fault::kinds(c.network) {
             s += &format!(
                 " {fault:?} {}",
                 self.faults.get(&fault).copied().unwrap_or(0)
@@ -174,12 +176,44 @@ impl ChaosReport {
 
 /// Runs a chaos test end to end.
 pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
-    let pg = Arc::new(
-        tokio::task::spawn_blocking(EmbeddedPostgres::start)
+    // With --network: PostgreSQL on host `db`, worker i on host `w<i>`, each its own network
+    // namespace; this process (producers, sampler, nemesis) reaches PostgreSQL over its Unix
+    // socket, the workers over the bed.
+    let bed = if config.network {
+        let hosts: Vec<String> = std::iter::once("db".to_string())
+            .chain((0..config.workers).map(|i| format!("w{i}")))
+            .collect();
+        Some(Arc::new(
+            NetworkBed::new(&hosts.iter().map(String::as_str).collect::<Vec<_>>())
+                .map_err(|e| CliError::runtime(format!("--network: {e}")))?,
+        ))
+    } else {
+        None
+    };
+    let pg = {
+        let placement = bed
+            .as_ref()
+            .map(|b| (b.namespace("db").to_string(), b.address("db").to_string()));
+        Arc::new(
+            tokio::task::spawn_blocking(move || match placement {
+                None => EmbeddedPostgres::start(),
+                Some((ns, address)) => EmbeddedPostgres::start_in_namespace(&ns, &address),
+            })
             .await
             .map_err(|e| CliError::runtime(e.to_string()))??,
-    );
-    let url = pg.url("postgres");
+        )
+    };
+    let (url, worker_url) = match &bed {
+        None => (pg.url("postgres"), pg.url("postgres")),
+        Some(b) => (
+            pg.socket_config("postgres"),
+            format!(
+                "postgres://postgres@{}:{}/postgres",
+                b.address("db"),
+                pg.port()
+            ),
+        ),
+    };
     let client = Client::connect(&url).await?;
     client.migrate().await?;
     for (name, capacity, fair) in SEMAPHORES {
@@ -196,8 +230,13 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
     let workers = Arc::new(
         nemesis::Workers::start(
             config.binary.clone(),
-            url.clone(),
+            worker_url,
             config.workers,
+            bed.as_ref().map(|b| {
+                (0..config.workers)
+                    .map(|i| b.namespace(&format!("w{i}")).to_string())
+                    .collect()
+            }),
             config.sweep_interval,
         )
         .await?,
@@ -233,6 +272,7 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
             url.clone(),
             config.binary.clone(),
             workers.clone(),
+            bed.clone(),
             history.clone(),
             stop.clone(),
         ))

@@ -17,7 +17,7 @@ use super::history::{History, Op, OpKind, Outcome};
 use super::{FENCED, SEMAPHORES};
 use permitq::Client;
 use permitq::Request;
-use permitq_test_support::{EmbeddedPostgres, StopMode};
+use permitq_test_support::{EmbeddedPostgres, NetworkBed, StopMode};
 
 /// The kinds of fault, each injected at least once per run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -34,11 +34,17 @@ pub(crate) enum Fault {
     LowerCapacity,
     /// statement_timeout and idle_in_transaction_session_timeout set very short for a while.
     TimeoutBurst,
+    /// (--network) A worker's host cut off the network for 1-8 s (packets dropped both ways,
+    /// sockets left open), then reconnected.
+    Partition,
+    /// (--network) A worker's link throttled to 64-512 kbit/s for 3 s (queueing delay that
+    /// varies with its traffic, drops past a second of queue).
+    SlowLink,
 }
 
 impl Fault {
-    /// Every kind.
-    pub(crate) const ALL: [Fault; 6] = [
+    /// The kinds that need no network bed.
+    const LOCAL: [Fault; 6] = [
         Fault::KillWorker,
         Fault::PauseHolder,
         Fault::TerminateConnections,
@@ -46,6 +52,15 @@ impl Fault {
         Fault::LowerCapacity,
         Fault::TimeoutBurst,
     ];
+
+    /// Every kind a run injects: the local ones, and with `network` the network ones.
+    pub(crate) fn kinds(network: bool) -> Vec<Fault> {
+        let mut kinds = Fault::LOCAL.to_vec();
+        if network {
+            kinds.extend([Fault::Partition, Fault::SlowLink]);
+        }
+        kinds
+    }
 }
 
 /// A fault that stopped the world for a while (no sweeps could run): the "nothing lost"
@@ -62,6 +77,10 @@ pub(crate) struct Outage {
 pub(crate) struct Workers {
     binary: PathBuf,
     url: String,
+    /// How many run.
+    count: usize,
+    /// With --network: worker i runs in namespace `namespaces[i]`.
+    namespaces: Option<Vec<String>>,
     sweep_interval: Duration,
     children: Mutex<Vec<Child>>,
 }
@@ -72,11 +91,14 @@ impl Workers {
         binary: PathBuf,
         url: String,
         n: usize,
+        namespaces: Option<Vec<String>>,
         sweep_interval: Duration,
     ) -> Result<Workers> {
         let workers = Workers {
             binary,
             url,
+            count: n,
+            namespaces,
             sweep_interval,
             children: Mutex::new(Vec::new()),
         };
@@ -88,7 +110,16 @@ impl Workers {
     }
 
     fn spawn(&self, i: usize) -> Result<Child> {
-        Ok(Command::new(&self.binary)
+        let mut cmd = match &self.namespaces {
+            None => Command::new(&self.binary),
+            Some(namespaces) => {
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", &namespaces[i]])
+                    .arg(&self.binary);
+                cmd
+            }
+        };
+        Ok(cmd
             .args([
                 "worker",
                 "--id",
@@ -118,6 +149,11 @@ impl Workers {
         Ok(())
     }
 
+    /// How many workers run.
+    fn len(&self) -> usize {
+        self.count
+    }
+
     /// SIGTERM to every worker; waits for them to exit.
     pub(crate) async fn stop(&self) {
         for child in self.children.lock().await.iter_mut() {
@@ -141,11 +177,13 @@ pub(crate) async fn run(
     url: String,
     binary: PathBuf,
     workers: Arc<Workers>,
+    bed: Option<Arc<NetworkBed>>,
     history: History,
     stop: Arc<AtomicBool>,
 ) -> (BTreeMap<Fault, u32>, Vec<Outage>) {
     let mut rng = fastrand::Rng::with_seed(seed);
-    let mut schedule: Vec<Fault> = Fault::ALL.to_vec();
+    let kinds = Fault::kinds(bed.is_some());
+    let mut schedule = kinds.clone();
     rng.shuffle(&mut schedule);
     let mut injected = BTreeMap::new();
     let mut outages = Vec::new();
@@ -158,15 +196,29 @@ pub(crate) async fn run(
         let fault = schedule
             .get(next)
             .copied()
-            .unwrap_or_else(|| Fault::ALL[rng.usize(..Fault::ALL.len())]);
+            .unwrap_or_else(|| kinds[rng.usize(..kinds.len())]);
         next += 1;
         let started = SystemTime::now();
-        let result = inject(fault, &mut rng, &pg, &url, &binary, &workers, &history).await;
+        let result = inject(
+            fault,
+            &mut rng,
+            &pg,
+            &url,
+            &binary,
+            &workers,
+            bed.as_deref(),
+            &history,
+        )
+        .await;
         match result {
             Ok(()) => *injected.entry(fault).or_insert(0) += 1,
             Err(e) => tracing::warn!(?fault, error = %e, "fault injection failed"),
         }
-        if matches!(fault, Fault::RestartDatabase | Fault::TimeoutBurst) {
+        // A partitioned worker may hold a semaphore's lock until the server's idle bound.
+        if matches!(
+            fault,
+            Fault::RestartDatabase | Fault::TimeoutBurst | Fault::Partition
+        ) {
             outages.push(Outage {
                 from: started,
                 to: SystemTime::now(),
@@ -176,6 +228,7 @@ pub(crate) async fn run(
     (injected, outages)
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn inject(
     fault: Fault,
     rng: &mut fastrand::Rng,
@@ -183,6 +236,7 @@ async fn inject(
     url: &str,
     binary: &PathBuf,
     workers: &Workers,
+    bed: Option<&NetworkBed>,
     history: &History,
 ) -> Result<()> {
     tracing::info!(?fault, "injecting");
@@ -217,6 +271,24 @@ async fn inject(
             retry_admin(url, "ALTER SYSTEM RESET statement_timeout").await?;
             retry_admin(url, "ALTER SYSTEM RESET idle_in_transaction_session_timeout").await?;
             retry_admin(url, "SELECT pg_reload_conf()").await
+        }
+        Fault::Partition | Fault::SlowLink => {
+            let bed = bed.ok_or_else(|| CliError::runtime("network faults need --network"))?;
+            let host = format!("w{}", rng.usize(..workers.len()));
+            if fault == Fault::Partition {
+                let cut = Duration::from_millis(rng.u64(1_000..8_000));
+                tracing::info!(%host, ?cut, "partition");
+                bed.partition(&host)?;
+                tokio::time::sleep(cut).await;
+                bed.heal(&host)?;
+            } else {
+                let kbit = [64, 128, 256, 512][rng.usize(..4)];
+                tracing::info!(%host, kbit, "slow link");
+                bed.slow_link(&host, kbit)?;
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                bed.clear_link(&host)?;
+            }
+            Ok(())
         }
     }
 }
