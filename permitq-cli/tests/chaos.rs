@@ -1,7 +1,7 @@
 //! The fault-injection suite: a short seeded chaos run passes every checker with every fault
 //! injected, and each planted bug makes the checkers fail.
 //!
-//! The long run is `permitq chaos --duration 10m --seed N` (see the README).
+//! The long run is `permitq chaos --network --duration 10m --seed N` (see the README).
 
 use std::collections::BTreeMap;
 use std::process::{Command, Output, Stdio};

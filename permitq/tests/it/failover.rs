@@ -184,7 +184,7 @@ async fn synchronous_failover_loses_nothing_acknowledged_and_tokens_keep_increas
     lease.release().await.unwrap();
 
     // Nothing acknowledged is lost.
-    let acks = acks.lock().unwrap();
+    let acks = std::mem::take(&mut *acks.lock().unwrap());
     assert_eq!(acks.releases.len(), 150, "every cycle completed");
     for row in conn
         .query(
@@ -333,7 +333,7 @@ async fn asynchronous_failover_loses_the_unreplicated_tail_but_never_reuses_a_to
     }
     worker.stop().await;
 
-    let acks = acks.lock().unwrap();
+    let acks = std::mem::take(&mut *acks.lock().unwrap());
     let token_of = |prefix: &str| -> Vec<i64> {
         acks.grants
             .iter()
