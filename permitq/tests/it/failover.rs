@@ -7,7 +7,8 @@
 //!   releases, heartbeats), safety holds across the switch, tokens strictly increase in grant
 //!   order, and the lease survives.
 //! - Asynchronous replication: what the standby had not received when the primary died is lost
-//!   (measured here: every request submitted and granted after replication was cut), but no
+//!   (measured here: every request submitted and granted after replication was cut; a lease
+//!   granted then learns at its next heartbeat that it is gone), but no
 //!   fencing token is ever issued twice: the timeline in a token's high bits (schema V7) puts
 //!   every token of the new primary above every token of the old one, although its sequence has
 //!   gone back.
@@ -320,7 +321,17 @@ async fn asynchronous_failover_loses_the_unreplicated_tail_but_never_reuses_a_to
     })
     .await;
 
-    // Phase 2, not replicated: 100 grants, acknowledged to their producers with their tokens.
+    // Phase 2, not replicated: a lease, and 100 grants, acknowledged to their producers with
+    // their tokens.
+    let lease = client
+        .acquire(
+            &Request::new("fa-lease")
+                .permit("fa", 1)
+                .ttl(Duration::from_secs(10)),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
     for i in 0..100 {
         acknowledged_cycle(&client, &format!("fa-lost-{i}"), "fa", &acks).await;
     }
@@ -332,6 +343,12 @@ async fn asynchronous_failover_loses_the_unreplicated_tail_but_never_reuses_a_to
         acknowledged_cycle(&client, &format!("fa-after-{i}"), "fa", &acks).await;
     }
     worker.stop().await;
+
+    // The lease granted on the lost tail learns at its next heartbeat that it is gone.
+    let lost = tokio::time::timeout(Duration::from_secs(30), lease.lost())
+        .await
+        .expect("the lease learns it was lost within 30 s");
+    assert!(lost.contains("unknown"), "{lost}");
 
     let acks = std::mem::take(&mut *acks.lock().unwrap());
     let token_of = |prefix: &str| -> Vec<i64> {
