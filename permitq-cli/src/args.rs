@@ -155,6 +155,9 @@ pub(crate) struct WorkerArgs {
     /// Delete capacity audit rows older than this.
     #[arg(long, default_value = "30d", value_parser = parse_lease_duration, allow_hyphen_values = true)]
     pub audit_retention: Duration,
+    /// Remove instances of templates ('tenant:*') idle this long (made again when named).
+    #[arg(long, default_value = "1h", value_parser = parse_lease_duration)]
+    pub idle_instance_after: Duration,
     /// Serve /metrics, /healthz, /readyz, the JSON API and the status page on HOST:PORT.
     #[arg(long, visible_alias = "metrics-addr")]
     pub http_addr: Option<SocketAddr>,
@@ -176,6 +179,7 @@ impl WorkerArgs {
         config.maintenance.max_hold = self.max_hold;
         config.maintenance.retention = self.retention;
         config.maintenance.audit_retention = self.audit_retention;
+        config.maintenance.idle_instance_after = self.idle_instance_after;
         config
     }
 }

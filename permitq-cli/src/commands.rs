@@ -208,8 +208,13 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             } else {
                 outln!("{:<32} {:>10} {:>10}  mode", "name", "capacity", "used");
                 for s in list {
+                    let kind = match (&s.template, s.is_template) {
+                        (_, true) => "  template".to_string(),
+                        (Some(t), _) => format!("  from {t}"),
+                        (None, false) => String::new(),
+                    };
                     outln!(
-                        "{:<32} {:>10} {:>10}  {}",
+                        "{:<32} {:>10} {:>10}  {}{kind}",
                         s.name,
                         s.capacity,
                         s.used,

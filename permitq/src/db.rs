@@ -145,6 +145,8 @@ pub(crate) fn semaphore_from_row(row: &Row) -> Result<Semaphore> {
         capacity: row.try_get(1)?,
         used: row.try_get(2)?,
         fair: row.try_get(3)?,
+        is_template: row.try_get(4)?,
+        template: row.try_get(5)?,
     })
 }
 

@@ -30,6 +30,9 @@ pub struct MaintenanceConfig {
     pub retention: Duration,
     /// Delete capacity audit rows older than this.
     pub audit_retention: Duration,
+    /// Remove instances of templates that held nothing, had nobody waiting and saw no grant or
+    /// release for this long (they are made again when named).
+    pub idle_instance_after: Duration,
 }
 
 impl Default for MaintenanceConfig {
@@ -39,6 +42,7 @@ impl Default for MaintenanceConfig {
             max_hold: None,
             retention: Duration::from_secs(7 * 24 * 3600),
             audit_retention: Duration::from_secs(30 * 24 * 3600),
+            idle_instance_after: Duration::from_secs(3600),
         }
     }
 }
@@ -78,6 +82,7 @@ enum SweepLock {
     Liveness = 0x7071_0004,
     Retention = 0x7071_0005,
     AuditRetention = 0x7071_0006,
+    IdleInstances = 0x7071_0007,
 }
 
 /// What one round of sweeps did.
@@ -240,7 +245,8 @@ async fn sweep_dead_owners(pool: &Pool, hook: &dyn OwnerLiveness) -> Result<u64>
 }
 
 /// One round of retention: settled requests past `retention`, audit rows past
-/// `audit_retention`, each in batches of [`SWEEP_BATCH`] rows per transaction.
+/// `audit_retention`, idle instances of templates past `idle_instance_after`, each in batches of
+/// [`SWEEP_BATCH`] rows per transaction. Returns the requests and audit rows deleted.
 pub(crate) async fn retention_once(
     pool: &Pool,
     config: &MaintenanceConfig,
@@ -267,6 +273,20 @@ pub(crate) async fn retention_once(
     )
     .await?;
     metrics::counter!("permitq_retention_deleted_total").increment(requests);
+    let idle = sql::interval(config.idle_instance_after);
+    let instances = sweep_all(
+        pool,
+        SweepLock::IdleInstances,
+        sql::SWEEP_IDLE_INSTANCES,
+        &[&idle, &SWEEP_BATCH],
+        stop,
+        RETENTION_PAUSE,
+    )
+    .await?;
+    if instances > 0 {
+        tracing::debug!(instances, "removed idle instances of templates");
+    }
+    metrics::counter!("permitq_idle_instances_removed_total").increment(instances);
     // Rows of workers that died asleep, long ago (a handful at most).
     pool.get()
         .await?

@@ -57,6 +57,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "failover_tokens",
         sql: include_str!("../schema/V7__failover_tokens.sql"),
     },
+    Migration {
+        version: 8,
+        name: "templates",
+        sql: include_str!("../schema/V8__templates.sql"),
+    },
 ];
 
 /// V1's first statement, redundant once the bookkeeping table's schema exists.

@@ -283,6 +283,11 @@ pub struct Semaphore {
     pub used: i64,
     /// Strict FIFO with safe backfill (`true`) or greedy (`false`).
     pub fair: bool,
+    /// A template (its name ends in `*`): never granted itself; requests naming a semaphore that
+    /// does not exist get an instance made from the most specific matching template.
+    pub is_template: bool,
+    /// For an instance, the template it was made from.
+    pub template: Option<String>,
 }
 
 /// A row of `permitq.capacity_change`.

@@ -251,7 +251,7 @@ pub(super) async fn hot_cycle(url: &str, args: &BenchArgs, report: &mut Report) 
     report.line(
         "A cycle is at least two durable commits of the producer's own (submit, release), so no \
          design exceeds INSERT ÷ 2 cycles/s on this cluster; where 10× naive is above that bound, \
-         target 1's first half cannot be met here."
+         target 1's first half cannot be met here.",
     );
     report.line("\nScaling: permitq cycles/s by clients × workers");
     report.line("| clients \\ workers | 1 | 2 | 4 |\n|---:|---:|---:|---:|");

@@ -6,4 +6,5 @@ mod notifications;
 mod robustness;
 mod roles;
 mod sql_api;
+mod templates;
 mod worker;

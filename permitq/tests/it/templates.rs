@@ -1,0 +1,258 @@
+//! Semaphore templates (`tenant:*`): instances made on demand from the most specific template,
+//! once however many workers race, changed with their template, removed when idle.
+
+use permitq_test_support as common;
+
+use std::time::Duration;
+
+use common::{check_invariants, quiet_config, state_of, wait_until, TestDb};
+use permitq::{Request, State};
+
+const SOON: Duration = Duration::from_secs(10);
+
+async fn instance(client: &permitq::Client, name: &str) -> Option<permitq::Semaphore> {
+    client
+        .semaphores()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|s| s.name == name)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_without_a_semaphore_gets_one_from_the_most_specific_template() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let template = client.set_capacity("tenant:*", 2, None).await.unwrap();
+    assert!(template.is_template && template.template.is_none());
+    client
+        .set_capacity("tenant:eu:*", 1, Some(false))
+        .await
+        .unwrap();
+    let _worker = db.notified_worker("w1");
+
+    // tenant:acme: capacity 2 from `tenant:*`; the third waits.
+    for id in ["acme-1", "acme-2", "acme-3"] {
+        client
+            .submit(&Request::new(id).permit("tenant:acme", 1))
+            .await
+            .unwrap();
+    }
+    for id in ["acme-1", "acme-2"] {
+        let r = client.wait_settled(id, SOON).await.unwrap().unwrap();
+        assert_eq!(r.state, State::Acquired, "{id}");
+    }
+    let acme = instance(&client, "tenant:acme").await.expect("made");
+    assert_eq!((acme.capacity, acme.fair), (2, true));
+    assert_eq!(acme.template.as_deref(), Some("tenant:*"));
+    assert!(!acme.is_template);
+    assert_eq!(state_of(&client, "acme-3").await, "new");
+
+    // tenant:eu:x: the longer prefix wins (capacity 1, greedy).
+    client
+        .submit(&Request::new("eu-1").permit("tenant:eu:x", 1))
+        .await
+        .unwrap();
+    assert_eq!(
+        client
+            .wait_settled("eu-1", SOON)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        State::Acquired
+    );
+    let eu = instance(&client, "tenant:eu:x").await.expect("made");
+    assert_eq!((eu.capacity, eu.fair), (1, false));
+    assert_eq!(eu.template.as_deref(), Some("tenant:eu:*"));
+
+    // All-or-nothing with instances and plain semaphores together.
+    client.set_capacity("gpu", 1, None).await.unwrap();
+    client
+        .submit(
+            &Request::new("both")
+                .permit("gpu", 1)
+                .permit("tenant:beta", 1),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        client
+            .wait_settled("both", SOON)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        State::Acquired
+    );
+
+    // A template is never granted itself, and a name no template matches is unknown.
+    for (id, name) in [("literal", "tenant:*"), ("nomatch", "other:acme")] {
+        client
+            .submit(&Request::new(id).permit(name, 1))
+            .await
+            .unwrap();
+        client.wait_settled(id, SOON).await.unwrap();
+        assert_eq!(
+            state_of(&client, id).await,
+            "error/unknown_semaphore",
+            "{name}"
+        );
+    }
+    check_invariants(&db.conn().await).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changing_a_template_changes_every_instance_and_is_audited() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("job:*", 1, None).await.unwrap();
+    let _worker = db.notified_worker("w1");
+    for key in ["a", "b"] {
+        let id = format!("r-{key}");
+        client
+            .submit(&Request::new(&id).permit(format!("job:{key}"), 1))
+            .await
+            .unwrap();
+        client.wait_settled(&id, SOON).await.unwrap();
+    }
+    client.set_capacity("job:*", 4, Some(false)).await.unwrap();
+    for key in ["job:a", "job:b"] {
+        let s = instance(&client, key).await.unwrap();
+        assert_eq!((s.capacity, s.fair), (4, false), "{key}");
+        let history = client.capacity_history(key).await.unwrap();
+        assert_eq!(
+            history
+                .iter()
+                .map(|c| (c.old_capacity, c.new_capacity))
+                .collect::<Vec<_>>(),
+            vec![(None, 1), (Some(1), 4)],
+            "{key}"
+        );
+    }
+    // An instance changed on its own keeps its value until the template changes again.
+    client.set_capacity("job:a", 9, None).await.unwrap();
+    assert_eq!(instance(&client, "job:a").await.unwrap().capacity, 9);
+    assert_eq!(instance(&client, "job:b").await.unwrap().capacity, 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn workers_racing_to_make_the_same_instances_make_each_once_and_respect_it() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("key:*", 2, None).await.unwrap();
+    let workers: Vec<_> = (1..=3)
+        .map(|i| db.worker(quiet_config(&format!("w{i}"))))
+        .collect();
+    // 10 keys, 12 requests each, some naming two keys at once, all submitted together.
+    let mut ids = Vec::new();
+    for i in 0..120 {
+        let id = format!("r{i}");
+        let mut request = Request::new(&id)
+            .permit(format!("key:{}", i % 10), 1)
+            .ttl(Duration::from_millis(300));
+        if i % 3 == 0 {
+            request = request.permit(format!("key:{}", (i + 1) % 10), 1);
+        }
+        client.submit(&request).await.unwrap();
+        ids.push(id);
+    }
+    // Leases expire, so every request is eventually granted; none fails.
+    wait_until(
+        Duration::from_secs(60),
+        "every request granted once",
+        || {
+            let client = &client;
+            async move {
+                let report = common::collect(client, "r").await.unwrap();
+                report.granted == 120
+            }
+        },
+    )
+    .await;
+    let report = common::collect(&client, "r").await.unwrap();
+    assert!(
+        report.errors_by_code.is_empty(),
+        "{:?}",
+        report.errors_by_code
+    );
+    assert!(
+        report.over_capacity.is_empty(),
+        "{:?}",
+        report.over_capacity
+    );
+    let instances: Vec<_> = client
+        .semaphores()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.template.as_deref() == Some("key:*"))
+        .collect();
+    assert_eq!(instances.len(), 10);
+    for s in &instances {
+        let history = client.capacity_history(&s.name).await.unwrap();
+        assert_eq!(history.len(), 1, "{} made once: {history:?}", s.name);
+    }
+    check_invariants(&db.conn().await).await.unwrap();
+    for w in workers {
+        w.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_instances_are_removed_and_made_again_when_named() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("tmp:*", 1, None).await.unwrap();
+    let mut config = quiet_config("w1");
+    config.maintenance.idle_instance_after = Duration::from_millis(300);
+    let _worker = db.worker(config);
+
+    client
+        .submit(&Request::new("held").permit("tmp:k", 1))
+        .await
+        .unwrap();
+    client.wait_settled("held", SOON).await.unwrap();
+    client
+        .submit(&Request::new("waiting").permit("tmp:k", 1))
+        .await
+        .unwrap();
+    // Held, or waited on: never removed, however long.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(instance(&client, "tmp:k").await.is_some());
+    client.release("held").await.unwrap();
+    assert_eq!(
+        client
+            .wait_settled("waiting", SOON)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        State::Acquired
+    );
+    client.release("waiting").await.unwrap();
+
+    wait_until(Duration::from_secs(15), "the idle instance removed", || {
+        let client = &client;
+        async move { instance(client, "tmp:k").await.is_none() }
+    })
+    .await;
+    assert!(
+        instance(&client, "tmp:*").await.is_some(),
+        "the template stays"
+    );
+    client
+        .submit(&Request::new("again").permit("tmp:k", 1))
+        .await
+        .unwrap();
+    assert_eq!(
+        client
+            .wait_settled("again", SOON)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        State::Acquired
+    );
+    check_invariants(&db.conn().await).await.unwrap();
+}
