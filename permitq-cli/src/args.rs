@@ -199,6 +199,10 @@ pub(crate) enum SemaphoreCommand {
         /// Any request that fits may go first.
         #[arg(long)]
         greedy: bool,
+        /// Rate-limit it: at most CAPACITY permits granted in any window of this length
+        /// (sliding), whatever the holders do.
+        #[arg(long, value_parser = parse_lease_duration, allow_hyphen_values = true)]
+        per: Option<Duration>,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,

@@ -179,6 +179,7 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             capacity,
             fair,
             greedy,
+            per,
             json,
         } => {
             let fairness = if fair {
@@ -188,15 +189,25 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             } else {
                 None
             };
-            let s = client.set_capacity(&name, capacity, fairness).await?;
+            let s = match per {
+                Some(per) => {
+                    client
+                        .set_rate_limit(&name, capacity, per, fairness)
+                        .await?
+                }
+                None => client.set_capacity(&name, capacity, fairness).await?,
+            };
             if json {
                 outln!("{}", serde_json::to_string(&s).expect("serializable"));
                 return Ok(0);
             }
             outln!(
-                "{} capacity={} used={} {}",
+                "{} capacity={}{} used={} {}",
                 s.name,
                 s.capacity,
+                s.per
+                    .map(|p| format!(" per={}", humantime::format_duration(p)))
+                    .unwrap_or_default(),
                 s.used,
                 if s.fair { "fair" } else { "greedy" }
             );
@@ -208,11 +219,14 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             } else {
                 outln!("{:<32} {:>10} {:>10}  mode", "name", "capacity", "used");
                 for s in list {
-                    let kind = match (&s.template, s.is_template) {
+                    let mut kind = match (&s.template, s.is_template) {
                         (_, true) => "  template".to_string(),
                         (Some(t), _) => format!("  from {t}"),
                         (None, false) => String::new(),
                     };
+                    if let Some(per) = s.per {
+                        kind.push_str(&format!("  per {}", humantime::format_duration(per)));
+                    }
                     outln!(
                         "{:<32} {:>10} {:>10}  {}{kind}",
                         s.name,

@@ -56,9 +56,11 @@ pub struct RunReport {
     pub open: i64,
     /// created_at → acquired_at.
     pub latency_ms: Percentiles,
-    /// Per semaphore, the largest sum of counts held at one instant (all permits in the table).
+    /// Per semaphore, the largest sum of counts held at one instant (all permits in the table);
+    /// for a rate-limited semaphore, the most permits granted in one window of its length.
     pub peak_concurrent: BTreeMap<String, i64>,
-    /// Semaphores whose permits, at some instant, summed to more than the capacity in force:
+    /// Semaphores whose permits, at some instant (or in one window), summed to more than the
+    /// capacity in force:
     /// (name, peak, capacity). Must be empty.
     pub over_capacity: Vec<(String, i64, i64)>,
 }
@@ -99,8 +101,24 @@ pub async fn collect(client: &Client, prefix: &str) -> Result<RunReport> {
         p99: row.get::<_, Option<f64>>(1).unwrap_or(0.0),
         max: row.get::<_, Option<f64>>(2).unwrap_or(0.0),
     };
+    let rate_limited: Vec<(String, i64, i64)> = conn
+        .query(sql::WINDOW_PEAK, &[])
+        .await?
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect();
     for row in conn.query(sql::PEAK_CONCURRENT_USE, &[]).await? {
         let (name, peak, capacity): (String, i64, i64) = (row.get(0), row.get(1), row.get(2));
+        // A rate-limited semaphore bounds grants per window, not holders: checked below.
+        if rate_limited.iter().any(|(n, _, _)| *n == name) {
+            continue;
+        }
+        report.peak_concurrent.insert(name.clone(), peak);
+        if peak > capacity {
+            report.over_capacity.push((name, peak, capacity));
+        }
+    }
+    for (name, peak, capacity) in rate_limited {
         report.peak_concurrent.insert(name.clone(), peak);
         if peak > capacity {
             report.over_capacity.push((name, peak, capacity));
@@ -130,6 +148,20 @@ pub async fn invariant_violations(
     for row in conn.query(sql::INVARIANT_SNAPSHOT, &[]).await? {
         let (name, capacity, used, held): (String, i32, i32, i32) =
             (row.get(0), row.get(1), row.get(2), row.get(3));
+        let (rate_limited, in_window): (bool, i32) = (row.get(4), row.get(5));
+        if rate_limited {
+            if capacity_fixed && in_window > capacity {
+                found.push(format!(
+                    "{name}: {in_window} granted in one window > capacity {capacity}"
+                ));
+            }
+            if used < held {
+                found.push(format!(
+                    "{name}: used {used} under-counts the {held} permits held"
+                ));
+            }
+            continue;
+        }
         if capacity_fixed && held > capacity {
             found.push(format!("{name}: held {held} > capacity {capacity}"));
         }

@@ -25,5 +25,18 @@ pub(crate) const PEAK_CONCURRENT_USE: &str = include_str!("sql_peak_concurrent_u
 /// Invariants in one snapshot, per semaphore (permitq.semaphore_usage): capacity, `used` (the
 /// workers' running count) and held (the exact sum of acquired permits). Used by the tests'
 /// sampler and the chaos sampler.
+/// For a rate-limited semaphore `used` and `held` count holders (any number of windows), so its
+/// capacity bounds `in_window`, the permits granted in its current window.
 pub(crate) const INVARIANT_SNAPSHOT: &str =
-    "SELECT name, capacity, used, held FROM permitq.semaphore_usage";
+    "SELECT name, capacity, used, held, per IS NOT NULL, in_window FROM permitq.semaphore_usage";
+/// Rate-limited semaphores over the whole history: per semaphore, the most permits granted in
+/// any window of its length (each window ending at a grant), next to its highest capacity.
+pub(crate) const WINDOW_PEAK: &str = "SELECT s.name, \
+       coalesce(max((SELECT sum(p2.count) FROM permitq.permit p2 \
+                     WHERE p2.semaphore = p.semaphore \
+                       AND p2.acquired_at > p.acquired_at - s.per \
+                       AND p2.acquired_at <= p.acquired_at)), 0)::int8, \
+       greatest(s.capacity, (SELECT max(c.new_capacity) FROM permitq.capacity_change c \
+                             WHERE c.semaphore = s.name))::int8 \
+     FROM permitq.semaphore s LEFT JOIN permitq.permit p ON p.semaphore = s.name \
+     WHERE s.per IS NOT NULL GROUP BY s.name, s.capacity";

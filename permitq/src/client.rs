@@ -240,10 +240,40 @@ impl Client {
         capacity: i32,
         fair: Option<bool>,
     ) -> Result<Semaphore> {
+        self.set_semaphore(name, capacity, fair, None).await
+    }
+
+    /// Creates or changes a rate-limited semaphore: at most `grants` permits granted in any
+    /// window of length `per` (sliding, on the database clock), whether holders release early
+    /// or hold on. A name ending in `*` makes a template of rate-limited semaphores.
+    pub async fn set_rate_limit(
+        &self,
+        name: &str,
+        grants: i32,
+        per: Duration,
+        fair: Option<bool>,
+    ) -> Result<Semaphore> {
+        if per.is_zero() {
+            return Err(Error::invalid("per", "must be positive"));
+        }
+        if let Some(problem) = crate::types::duration_problem(Some(per), false) {
+            return Err(Error::invalid("per", problem));
+        }
+        self.set_semaphore(name, grants, fair, Some(per)).await
+    }
+
+    async fn set_semaphore(
+        &self,
+        name: &str,
+        capacity: i32,
+        fair: Option<bool>,
+        per: Option<Duration>,
+    ) -> Result<Semaphore> {
         let conn = self.inner.pool.get().await?;
+        let per = per.map(sql::interval);
         db::semaphore_from_row(
             &conn
-                .query_one(sql::SET_CAPACITY, &[&name, &capacity, &fair])
+                .query_one(sql::SET_CAPACITY, &[&name, &capacity, &fair, &per])
                 .await?,
         )
     }

@@ -147,6 +147,9 @@ pub(crate) fn semaphore_from_row(row: &Row) -> Result<Semaphore> {
         fair: row.try_get(3)?,
         is_template: row.try_get(4)?,
         template: row.try_get(5)?,
+        per: row
+            .try_get::<_, Option<i64>>(6)?
+            .map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))),
     })
 }
 

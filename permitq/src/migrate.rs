@@ -62,6 +62,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "templates",
         sql: include_str!("../schema/V8__templates.sql"),
     },
+    Migration {
+        version: 9,
+        name: "rate_limits",
+        sql: include_str!("../schema/V9__rate_limits.sql"),
+    },
 ];
 
 /// V1's first statement, redundant once the bookkeeping table's schema exists.

@@ -105,12 +105,13 @@ pub(crate) const REVOKE: &str = "SELECT permitq.revoke($1)";
 pub(crate) const HEARTBEAT: &str = "SELECT permitq.heartbeat($1, $2::text::interval)";
 /// Operator: create or change a semaphore.
 pub(crate) const SET_CAPACITY: &str =
-    "SELECT name, capacity::int8, used::int8, fair, is_template, template \
-     FROM permitq.set_capacity($1, $2, $3)";
+    "SELECT name, capacity::int8, used::int8, fair, is_template, template, \
+     (extract(epoch FROM per) * 1000000)::int8 \
+     FROM permitq.set_capacity($1, $2, $3, $4::text::interval)";
 /// All semaphores.
 pub(crate) const LIST_SEMAPHORES: &str =
-    "SELECT name, capacity::int8, used::int8, fair, is_template, template \
-     FROM permitq.semaphore ORDER BY name";
+    "SELECT name, capacity::int8, used::int8, fair, is_template, template, \
+     (extract(epoch FROM per) * 1000000)::int8 FROM permitq.semaphore ORDER BY name";
 /// The capacity audit of one semaphore, oldest first.
 pub(crate) const CAPACITY_HISTORY: &str =
     "SELECT semaphore, old_capacity::int8, new_capacity::int8, \
@@ -136,6 +137,9 @@ pub(crate) const TRY_SWEEP_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1)";
 pub(crate) const SWEEP_WAIT_DEADLINES: &str = "SELECT permitq.sweep_wait_deadlines($1)";
 /// Sweep: TTL leases past expires_at → released as `expired`.
 pub(crate) const SWEEP_EXPIRED: &str = "SELECT permitq.sweep_expired($1)";
+/// Worker, going to sleep: when the next window of a rate-limited semaphore with waiters opens.
+pub(crate) const NEXT_WINDOW_OPENING: &str =
+    "SELECT extract(epoch FROM permitq.next_window_opening() - clock_timestamp())::float8";
 /// Sweep: idle instances of templates, in batches (see schema/V8__templates.sql).
 pub(crate) const SWEEP_IDLE_INSTANCES: &str =
     "SELECT permitq.sweep_idle_instances($1::text::interval, $2)";
@@ -195,6 +199,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("SET_CAPACITY", SET_CAPACITY),
         ("LIST_SEMAPHORES", LIST_SEMAPHORES),
         ("SWEEP_IDLE_INSTANCES", SWEEP_IDLE_INSTANCES),
+        ("NEXT_WINDOW_OPENING", NEXT_WINDOW_OPENING),
         ("CAPACITY_HISTORY", CAPACITY_HISTORY),
         ("FENCE", FENCE),
         ("TRY_SWEEP_LOCK", TRY_SWEEP_LOCK),

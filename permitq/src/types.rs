@@ -288,6 +288,10 @@ pub struct Semaphore {
     pub is_template: bool,
     /// For an instance, the template it was made from.
     pub template: Option<String>,
+    /// For a rate-limited semaphore, the window: at most `capacity` permits are granted in any
+    /// window of this length, whatever the holders do. `None`: a concurrency semaphore.
+    #[serde(serialize_with = "ser_secs")]
+    pub per: Option<Duration>,
 }
 
 /// A row of `permitq.capacity_change`.

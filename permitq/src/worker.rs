@@ -356,12 +356,27 @@ impl Worker {
             }
             Some(_) => {}
         }
+        // Waiters on a rate-limited semaphore can go when its window slides: no notification
+        // says so, so the nap ends then at the latest.
+        let nap = match self.next_window_opening().await? {
+            Some(opens_in) => opens_in.min(self.config.poll_interval),
+            None => self.config.poll_interval,
+        };
         tokio::select! {
             _ = wake.notified() => {}
-            _ = tokio::time::sleep(self.config.poll_interval) => {}
+            _ = tokio::time::sleep(nap) => {}
             _ = stop.changed() => {}
         }
         Ok(())
+    }
+
+    /// How long until the next window of a rate-limited semaphore that has waiters opens.
+    async fn next_window_opening(&self) -> Result<Option<Duration>> {
+        let conn = self.pool.get().await?;
+        let statement = conn.prepare_cached(sql::NEXT_WINDOW_OPENING).await?;
+        let seconds: Option<f64> = conn.query_one(&statement, &[]).await?.get(0);
+        // A few ms late rather than early: at the opening the grant still counts.
+        Ok(seconds.map(|s| Duration::from_secs_f64(s.max(0.0)) + Duration::from_millis(5)))
     }
 
     /// Runs a pass; when it did work and this worker was asleep, records that it is awake (so

@@ -1,0 +1,229 @@
+//! Rate-limited semaphores (`per`): at most `capacity` permits granted in any sliding window,
+//! whatever the holders do; in all-or-nothing requests with concurrency semaphores; with
+//! templates; with `wait`.
+
+use permitq_test_support as common;
+
+use std::time::Duration;
+
+use common::{check_invariants, quiet_config, state_of, TestDb};
+use permitq::{Request, State};
+
+const WINDOW: Duration = Duration::from_millis(1500);
+
+/// acquired_at of these requests, in ms since the first, sorted.
+async fn grant_times(conn: &tokio_postgres::Client, prefix: &str) -> Vec<f64> {
+    conn.query(
+        "SELECT extract(epoch FROM acquired_at - min(acquired_at) OVER ())::float8 * 1000
+         FROM permitq.permit_request WHERE external_id LIKE $1 AND acquired_at IS NOT NULL
+         ORDER BY acquired_at",
+        &[&format!("{prefix}%")],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_most_capacity_grants_in_any_window_however_quickly_holders_release() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let api = client.set_rate_limit("api", 3, WINDOW, None).await.unwrap();
+    assert_eq!(api.per, Some(WINDOW));
+    // Two workers with a poll of two minutes: only the window's opening wakes them.
+    let _w1 = db.worker(quiet_config("w1"));
+    let _w2 = db.worker(quiet_config("w2"));
+    // One at a time, each released as soon as it is granted (releasing gives nothing back to a
+    // rate-limited semaphore), each new when a worker first sees it.
+    let started = std::time::Instant::now();
+    for i in 0..8 {
+        let id = format!("call-{i}");
+        client
+            .submit(&Request::new(&id).permit("api", 1))
+            .await
+            .unwrap();
+        let r = client
+            .wait_settled(&id, Duration::from_secs(20))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.state, State::Acquired, "{id}");
+        client.release(&id).await.unwrap();
+    }
+    // 8 grants at 3 per window take two windows at least, and not much more.
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= WINDOW * 2 && elapsed < WINDOW * 2 + Duration::from_secs(3),
+        "{elapsed:?}"
+    );
+    let conn = db.conn().await;
+    let times = grant_times(&conn, "call-").await;
+    let window_ms = WINDOW.as_secs_f64() * 1000.0;
+    for (i, t) in times.iter().enumerate() {
+        let in_window = times[..=i].iter().filter(|u| *u > &(t - window_ms)).count();
+        assert!(
+            in_window <= 3,
+            "{in_window} grants in the window ending at {t} ms: {times:?}"
+        );
+    }
+    let report = common::collect(&client, "call-").await.unwrap();
+    assert_eq!(report.peak_concurrent["api"], 3);
+    assert!(
+        report.over_capacity.is_empty(),
+        "{:?}",
+        report.over_capacity
+    );
+    check_invariants(&conn).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_and_concurrency_limits_in_one_all_or_nothing_request() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("gpu", 1, None).await.unwrap();
+    client
+        .set_rate_limit("api", 2, Duration::from_secs(60), None)
+        .await
+        .unwrap();
+    let _worker = db.notified_worker("w1");
+    for id in ["a", "b", "c"] {
+        client
+            .submit(&Request::new(id).permit("gpu", 1).permit("api", 1))
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        client
+            .wait_settled("a", Duration::from_secs(10))
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        State::Acquired
+    );
+    // b waits for the gpu; once a releases it, b takes the second grant of the window.
+    assert_eq!(state_of(&client, "b").await, "new");
+    client.release("a").await.unwrap();
+    assert_eq!(
+        client
+            .wait_settled("b", Duration::from_secs(10))
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        State::Acquired
+    );
+    client.release("b").await.unwrap();
+    // c has the gpu free but the window spent: it gets neither.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(state_of(&client, "c").await, "new");
+    let gpu_free: i64 = db
+        .conn()
+        .await
+        .query_one(
+            "SELECT count(*) FROM permitq.holders WHERE semaphore = 'gpu'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(gpu_free, 0, "all or nothing: c holds no gpu either");
+    // Fail-fast on a spent window: no_capacity.
+    client
+        .submit(&Request::new("fast").permit("api", 1).wait(Duration::ZERO))
+        .await
+        .unwrap();
+    client
+        .wait_settled("fast", Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(state_of(&client, "fast").await, "error/no_capacity");
+    check_invariants(&db.conn().await).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_template_limits_each_key_on_its_own() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client
+        .set_rate_limit("api-key:*", 1, Duration::from_secs(60), None)
+        .await
+        .unwrap();
+    let _worker = db.notified_worker("w1");
+    for id in ["k1-a", "k1-b", "k2-a"] {
+        let key = &id[..2];
+        client
+            .submit(&Request::new(id).permit(format!("api-key:{key}"), 1))
+            .await
+            .unwrap();
+    }
+    for id in ["k1-a", "k2-a"] {
+        assert_eq!(
+            client
+                .wait_settled(id, Duration::from_secs(10))
+                .await
+                .unwrap()
+                .unwrap()
+                .state,
+            State::Acquired,
+            "{id}"
+        );
+    }
+    client.release("k1-a").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(state_of(&client, "k1-b").await, "new");
+    let k1 = client
+        .semaphores()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|s| s.name == "api-key:k1")
+        .unwrap();
+    assert_eq!(k1.per, Some(Duration::from_secs(60)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_is_validated_and_can_be_removed() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    for bad in ["-1 second", "3654 days"] {
+        let err = conn
+            .query_one(
+                "SELECT permitq.set_capacity('w', 1, NULL, $1::text::interval)",
+                &[&bad],
+            )
+            .await
+            .unwrap_err();
+        let db_error = err.as_db_error().unwrap();
+        assert_eq!(db_error.code().code(), "22023");
+        assert!(
+            db_error.message().starts_with("invalid per"),
+            "{db_error:?}"
+        );
+    }
+    assert!(
+        client.semaphores().await.unwrap().is_empty(),
+        "nothing written"
+    );
+    client
+        .set_rate_limit("w", 1, Duration::from_secs(1), None)
+        .await
+        .unwrap();
+    // Capacity alone leaves the window as it is; '0' removes it.
+    assert_eq!(
+        client.set_capacity("w", 2, None).await.unwrap().per,
+        Some(Duration::from_secs(1))
+    );
+    let per: Option<String> = conn
+        .query_one(
+            "SELECT per::text FROM permitq.set_capacity('w', 2, NULL, '0')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(per, None);
+}
