@@ -125,7 +125,8 @@ pub(crate) struct ChaosArgs {
     /// Run the load without faults.
     #[arg(long)]
     pub no_faults: bool,
-    /// Plant a known bug (no-semaphore-lock, fold-twice, double-release, skip-fairness).
+    /// Plant a known bug (no-semaphore-lock, fold-twice, double-release, skip-fairness,
+    /// ignore-window).
     #[arg(long)]
     pub mutation: Option<crate::chaos::Mutation>,
     /// Run on a bed of network namespaces (needs root): PostgreSQL and each worker on a host of

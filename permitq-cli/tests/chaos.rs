@@ -132,3 +132,9 @@ fn chaos_catches_a_grant_that_skips_the_fairness_check() {
     let found = planted("skip-fairness", &[]);
     assert!(found["fairness"] > 0, "{found:?}");
 }
+
+#[test]
+fn chaos_catches_grants_past_a_rate_limit() {
+    let found = planted("ignore-window", &[]);
+    assert!(found["safety"] > 0, "{found:?}");
+}

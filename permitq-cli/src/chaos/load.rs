@@ -87,6 +87,13 @@ fn random_request(rng: &mut fastrand::Rng, external_id: String) -> Request {
             request = request.permit(*name, count);
         }
     }
+    // A key of the per-key template, and the rate-limited semaphore, in some of them.
+    if rng.u8(..5) == 0 {
+        request = request.permit(format!("c-key:k{}", rng.usize(..super::KEYS)), 1);
+    }
+    if rng.u8(..6) == 0 {
+        request = request.permit(super::RATE_LIMITED.0, 1);
+    }
     request.wait = match rng.u8(..10) {
         0 => Some(Duration::ZERO),
         1..=3 => Some(Duration::from_millis(rng.u64(100..1500))),

@@ -37,6 +37,12 @@ pub(crate) const SEMAPHORES: &[(&str, i32, bool)] = &[
 ];
 /// The semaphore of the pause-holder fault (capacity 1, fair).
 pub(crate) const FENCED: &str = "c-fenced";
+/// A template: requests name `c-key:k0`..`c-key:k3`, instances of capacity 2 made on demand.
+pub(crate) const KEY_TEMPLATE: (&str, i32) = ("c-key:*", 2);
+/// Keys of [`KEY_TEMPLATE`] the load names.
+pub(crate) const KEYS: usize = 4;
+/// A rate-limited semaphore: (name, grants, per window).
+pub(crate) const RATE_LIMITED: (&str, i32, Duration) = ("c-rate", 6, Duration::from_secs(1));
 
 /// A chaos run.
 #[derive(Debug, Clone)]
@@ -220,6 +226,12 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         client.set_capacity(name, *capacity, Some(*fair)).await?;
     }
     client.set_capacity(FENCED, 1, Some(true)).await?;
+    client
+        .set_capacity(KEY_TEMPLATE.0, KEY_TEMPLATE.1, Some(true))
+        .await?;
+    client
+        .set_rate_limit(RATE_LIMITED.0, RATE_LIMITED.1, RATE_LIMITED.2, Some(true))
+        .await?;
     if let Some(m) = config.mutation {
         permitq_test_support::try_connect(&url)
             .await?

@@ -17,10 +17,16 @@ pub(crate) enum Mutation {
     DoubleRelease,
     /// Grants ignore fairness: every semaphore is treated as greedy.
     SkipFairness,
+    /// Rate-limited semaphores are decided on their holders, not their window.
+    IgnoreWindow,
 }
 
-/// permitq.lock_and_fold as schema/V3__hot_path.sql defines it, with the places a mutation
-/// changes: `{lock}`/`{lock_skip}` (FOR UPDATE), `{new_used}` (the fold) and `{fair}`.
+/// What the decision sees as `used`: the window for a rate-limited semaphore.
+const USED: &str = "CASE WHEN s.per IS NULL THEN s.used ELSE permitq.in_window(s) END";
+
+/// permitq.lock_and_fold as schema/V9__rate_limits.sql defines it, with the places a mutation
+/// changes: `{lock}`/`{lock_skip}` (FOR UPDATE), `{new_used}` (the fold), `{used}` (what the
+/// decision sees) and `{fair}`.
 const LOCK_AND_FOLD: &str = "CREATE OR REPLACE FUNCTION permitq.lock_and_fold(names text[])
 RETURNS TABLE (id bigint, name text, capacity integer, used integer, fair boolean)
 LANGUAGE plpgsql AS $$
@@ -29,8 +35,16 @@ DECLARE
     also text[];
     announced bigint[];
 BEGIN
+    INSERT INTO permitq.semaphore (name, capacity, fair, template, per)
+    SELECT n.name, t.capacity, t.fair, t.name, t.per
+    FROM (SELECT DISTINCT x AS name FROM unnest(names) x) n
+    CROSS JOIN LATERAL permitq.template_for(n.name) t
+    WHERE t.name IS NOT NULL AND NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = n.name)
+    ORDER BY n.name
+    ON CONFLICT ON CONSTRAINT semaphore_name_key DO NOTHING;
     SELECT array_agg(l.name) INTO locked FROM (
-        SELECT s.name FROM permitq.semaphore s WHERE s.name = ANY(names) ORDER BY s.id {lock}
+        SELECT s.name FROM permitq.semaphore s WHERE s.name = ANY(names) AND NOT s.is_template
+        ORDER BY s.id {lock}
     ) l;
     SELECT array_agg(l.name) INTO also FROM (
         SELECT s.name FROM permitq.semaphore s
@@ -52,8 +66,8 @@ BEGIN
     IF announced IS NOT NULL THEN
         PERFORM permitq.notify_events(announced);
     END IF;
-    RETURN QUERY SELECT s.id, s.name, s.capacity, s.used, {fair} FROM permitq.semaphore s
-    WHERE s.name = ANY(names) ORDER BY s.id;
+    RETURN QUERY SELECT s.id, s.name, s.capacity, {used}, {fair}
+    FROM permitq.semaphore s WHERE s.name = ANY(names) AND NOT s.is_template ORDER BY s.id;
 END $$;";
 
 const CONSUME: &str = "DELETE FROM permitq.pending_release p
@@ -96,16 +110,17 @@ END $$;";
 
 impl Mutation {
     /// Every mutation.
-    pub(crate) const ALL: [Mutation; 4] = [
+    pub(crate) const ALL: [Mutation; 5] = [
         Mutation::NoSemaphoreLock,
         Mutation::FoldTwice,
         Mutation::DoubleRelease,
         Mutation::SkipFairness,
+        Mutation::IgnoreWindow,
     ];
 
     /// The SQL that plants it.
     pub(crate) fn sql(self) -> String {
-        let lock_and_fold = |lock: &str, new_used: &str, fair: &str| {
+        let lock_and_fold = |lock: &str, new_used: &str, fair: &str, used: &str| {
             let lock_skip = if lock.is_empty() {
                 ""
             } else {
@@ -116,12 +131,14 @@ impl Mutation {
                 .replace("{lock}", lock)
                 .replace("{consume}", CONSUME)
                 .replace("{new_used}", new_used)
+                .replace("{used}", used)
                 .replace("{fair}", fair)
         };
         match self {
-            Mutation::NoSemaphoreLock => lock_and_fold("", GIVE_BACK, "s.fair"),
-            Mutation::SkipFairness => lock_and_fold("FOR UPDATE", GIVE_BACK, "false"),
-            Mutation::FoldTwice => lock_and_fold("FOR UPDATE", GIVE_BACK_TWICE, "s.fair"),
+            Mutation::NoSemaphoreLock => lock_and_fold("", GIVE_BACK, "s.fair", USED),
+            Mutation::SkipFairness => lock_and_fold("FOR UPDATE", GIVE_BACK, "false", USED),
+            Mutation::FoldTwice => lock_and_fold("FOR UPDATE", GIVE_BACK_TWICE, "s.fair", USED),
+            Mutation::IgnoreWindow => lock_and_fold("FOR UPDATE", GIVE_BACK, "s.fair", "s.used"),
             Mutation::DoubleRelease => DOUBLE_RELEASE.to_string(),
         }
     }
@@ -133,6 +150,7 @@ impl Mutation {
             Mutation::FoldTwice => "fold-twice",
             Mutation::DoubleRelease => "double-release",
             Mutation::SkipFairness => "skip-fairness",
+            Mutation::IgnoreWindow => "ignore-window",
         }
     }
 }
@@ -149,6 +167,6 @@ impl FromStr for Mutation {
         Mutation::ALL
             .into_iter()
             .find(|m| m.name() == s)
-            .ok_or_else(|| format!("unknown mutation {s:?}: one of no-semaphore-lock, fold-twice, double-release, skip-fairness"))
+            .ok_or_else(|| format!("unknown mutation {s:?}: one of no-semaphore-lock, fold-twice, double-release, skip-fairness, ignore-window"))
     }
 }

@@ -46,6 +46,8 @@ pub(crate) struct FinalState {
     pub(crate) capacity: HashMap<String, Vec<(Micros, i64)>>,
     /// (name, used, fair)
     pub(crate) semaphores: Vec<(String, i64, bool)>,
+    /// Rate-limited semaphore → its window.
+    pub(crate) windows: HashMap<String, Micros>,
 }
 
 /// Reads the final state.
@@ -91,11 +93,22 @@ pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<FinalState> {
         .iter()
         .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect();
+    let windows = conn
+        .query(
+            "SELECT name, (extract(epoch FROM per) * 1000000)::int8 FROM permitq.semaphore
+             WHERE per IS NOT NULL",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
     Ok(FinalState {
         requests,
         permits,
         capacity,
         semaphores,
+        windows,
     })
 }
 
