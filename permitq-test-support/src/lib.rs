@@ -17,8 +17,9 @@ pub use report::{
     collect, invariant_violations, quantile, queue_and_grants, Percentiles, RunReport,
 };
 pub use testdb::{
-    check_invariants, connect, event_objects, init_logging, listen, quiet_config, settled_state,
-    state_of, try_connect, wait_folded, wait_until, with_dbname, RunningWorker, TestDb,
+    check_invariants, connect, event_objects, init_logging, listen, quiet_config, semaphore_locked,
+    settled_state, signal, state_of, try_connect, wait_folded, wait_until, with_dbname,
+    RunningWorker, TestDb,
 };
 
 /// Errors of test support: anything, boxed, with a message.

@@ -306,3 +306,28 @@ pub async fn wait_folded(url: &str) {
     )
     .await;
 }
+
+/// Sends `signal` (`STOP`, `CONT`, `TERM`, ...) to process `pid`; panics if `kill` fails.
+pub fn signal(pid: u32, signal: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .expect("run kill")
+        .success();
+    assert!(ok, "kill -{signal} {pid}");
+}
+
+/// True when another transaction holds the row lock of semaphore `name` (probed with NOWAIT,
+/// rolled back).
+pub async fn semaphore_locked(conn: &mut tokio_postgres::Client, name: &str) -> bool {
+    let tx = conn.transaction().await.expect("begin");
+    let locked = tx
+        .query(
+            "SELECT 1 FROM permitq.semaphore WHERE name = $1 FOR UPDATE NOWAIT",
+            &[&name],
+        )
+        .await
+        .is_err();
+    tx.rollback().await.expect("rollback");
+    locked
+}

@@ -6,7 +6,10 @@ use permitq_test_support as common;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{check_invariants, quiet_config, settled_state, state_of, wait_until, TestDb};
+use common::{
+    check_invariants, quiet_config, semaphore_locked, settled_state, signal, state_of, wait_until,
+    TestDb,
+};
 use permitq::{Client, Request, State};
 use permitq_test_support::{EmbeddedPostgres, StopMode};
 
@@ -257,30 +260,6 @@ async fn workers_ride_out_a_database_restart() {
 }
 
 /// Sends `signal` (STOP, CONT) to a process.
-fn signal(child: &Child, signal: &str) {
-    let ok = Command::new("kill")
-        .args([&format!("-{signal}"), &child.id().to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill -{signal}");
-}
-
-/// True when another transaction holds the row lock of semaphore `name` (probed with NOWAIT,
-/// rolled back).
-async fn semaphore_locked(conn: &mut tokio_postgres::Client, name: &str) -> bool {
-    let tx = conn.transaction().await.unwrap();
-    let locked = tx
-        .query(
-            "SELECT 1 FROM permitq.semaphore WHERE name = $1 FOR UPDATE NOWAIT",
-            &[&name],
-        )
-        .await
-        .is_err();
-    tx.rollback().await.unwrap();
-    locked
-}
-
 /// A worker that stops answering in the middle of a batch (SIGSTOP while it holds a semaphore's
 /// row lock: its socket stays open, nothing is sent) blocks that semaphore for at most its
 /// `idle_in_transaction_session_timeout` (5 s by default): then the server ends its session,
@@ -320,11 +299,11 @@ async fn a_paused_worker_holding_a_semaphore_lock_blocks_it_for_at_most_the_idle
             std::time::Instant::now() < deadline,
             "never caught the worker holding the lock"
         );
-        signal(&child, "STOP");
+        signal(child.id(), "STOP");
         if semaphore_locked(&mut probe, "s").await {
             break;
         }
-        signal(&child, "CONT");
+        signal(child.id(), "CONT");
         tokio::time::sleep(Duration::from_millis(3)).await;
     }
     let paused_at = std::time::Instant::now();
@@ -345,7 +324,7 @@ async fn a_paused_worker_holding_a_semaphore_lock_blocks_it_for_at_most_the_idle
         "blocked for {blocked:?}"
     );
     // Resumed, the worker finds its session gone, reconnects and grants again.
-    signal(&child, "CONT");
+    signal(child.id(), "CONT");
     client
         .submit(&Request::new("after-pause").permit("s", 1))
         .await

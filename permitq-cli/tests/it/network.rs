@@ -6,34 +6,13 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use permitq::{Client, Request, State};
-use permitq_test_support::{check_invariants, connect, wait_until, EmbeddedPostgres, NetworkBed};
+use permitq_test_support::{
+    check_invariants, connect, semaphore_locked, signal, wait_until, EmbeddedPostgres, NetworkBed,
+};
 
 const PERMITQ: &str = env!("CARGO_BIN_EXE_permitq");
 /// `WorkerConfig::idle_in_transaction_timeout`'s default.
 const IDLE_BOUND: Duration = Duration::from_secs(5);
-
-fn kill(pid: u32, signal: &str) {
-    let ok = std::process::Command::new("kill")
-        .args([&format!("-{signal}"), &pid.to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill -{signal} {pid}");
-}
-
-/// True when another transaction holds the row lock of semaphore `name` (probed with NOWAIT).
-async fn semaphore_locked(conn: &mut tokio_postgres::Client, name: &str) -> bool {
-    let tx = conn.transaction().await.unwrap();
-    let locked = tx
-        .query(
-            "SELECT 1 FROM permitq.semaphore WHERE name = $1 FOR UPDATE NOWAIT",
-            &[&name],
-        )
-        .await
-        .is_err();
-    tx.rollback().await.unwrap();
-    locked
-}
 
 /// Starts `permitq worker --id ID` on host `host`, connecting over the bed. Returns its pid.
 fn start_worker(bed: &NetworkBed, host: &str, url: &str) -> u32 {
@@ -122,7 +101,7 @@ async fn a_partitioned_worker_host_blocks_a_semaphore_for_at_most_the_idle_bound
             Instant::now() < deadline,
             "never caught w1 holding the lock"
         );
-        kill(w1, "STOP");
+        signal(w1, "STOP");
         // Still locked 100 ms into the pause: the server waits on w1 for the rest of the batch
         // (not finishing a pipelined COMMIT it already has).
         if semaphore_locked(&mut probe, "s").await && {
@@ -130,10 +109,10 @@ async fn a_partitioned_worker_host_blocks_a_semaphore_for_at_most_the_idle_bound
             semaphore_locked(&mut probe, "s").await
         } {
             bed.partition("w1").unwrap();
-            kill(w1, "CONT");
+            signal(w1, "CONT");
             break;
         }
-        kill(w1, "CONT");
+        signal(w1, "CONT");
         tokio::time::sleep(Duration::from_millis(3)).await;
     }
     let cut_at = Instant::now();
@@ -170,7 +149,7 @@ async fn a_partitioned_worker_host_blocks_a_semaphore_for_at_most_the_idle_bound
     // Healed, w1 finds its session gone, reconnects and grants again (w2 stopped, so only w1
     // can grant).
     bed.heal("w1").unwrap();
-    kill(w2, "TERM");
+    signal(w2, "TERM");
     wait_until(Duration::from_secs(20), "w2 stopped", || {
         let probe = &probe;
         async move {
