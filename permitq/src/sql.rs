@@ -119,7 +119,8 @@ pub(crate) const CAPACITY_HISTORY: &str =
      FROM permitq.capacity_change WHERE semaphore = $1 ORDER BY id";
 /// Operators: every semaphore's usage.
 pub(crate) const USAGE: &str = "SELECT name, capacity::int8, used::int8, held::int8, \
-     waiting::int8, oldest_wait_since, fair, granted FROM permitq.semaphore_usage ORDER BY name";
+     waiting::int8, oldest_wait_since, fair, granted, in_window::int8 \
+     FROM permitq.semaphore_usage ORDER BY name";
 /// Operators: the holders of one semaphore.
 pub(crate) const HOLDERS: &str = "SELECT semaphore, external_id, owner, count::int8, \
      acquired_at, expires_at, fencing_token FROM permitq.holders WHERE semaphore = $1 \

@@ -32,6 +32,9 @@ pub struct SemaphoreUsage {
     pub fair: bool,
     /// Grants so far (a counter: its rate is grants per second).
     pub granted: i64,
+    /// For a rate-limited semaphore: permits granted in its current window (at most
+    /// `capacity`); 0 otherwise.
+    pub in_window: i64,
 }
 
 /// A request holding permits of one semaphore (a row of `permitq.holders`).
@@ -143,5 +146,6 @@ fn usage_from_row(row: &Row) -> Result<SemaphoreUsage> {
         oldest_wait_since: row.try_get(5)?,
         fair: row.try_get(6)?,
         granted: row.try_get(7)?,
+        in_window: row.try_get(8)?,
     })
 }

@@ -188,23 +188,40 @@ impl NotificationCount {
 /// waiting for its grant and releasing, for `duration`. Returns cycles per second.
 async fn hot_run(url: &str, clients: usize, workers: u16, duration: Duration) -> Result<f64> {
     let client = Client::connect_with_pool_size(url, clients + 2).await?;
-    let t = tag();
-    let semaphore = format!("hot-{t}");
+    let semaphore = format!("hot-{}", tag());
     client
         .set_capacity(&semaphore, HOT_CAPACITY, Some(true))
         .await?;
-    let fleet = fleet(url, workers, &format!("bench-hot-{t}"))?;
+    cycle_run(url, &client, clients, workers, duration, |_| {
+        semaphore.clone()
+    })
+    .await
+}
+
+/// `clients` producers, client `c` cycling on the semaphore `name_of(c)` (which must exist or
+/// match a template), with `workers` workers, for `duration`. Returns cycles per second.
+pub(super) async fn cycle_run(
+    url: &str,
+    client: &Client,
+    clients: usize,
+    workers: u16,
+    duration: Duration,
+    name_of: impl Fn(usize) -> String,
+) -> Result<f64> {
+    let t = tag();
+    let fleet = fleet(url, workers, &format!("bench-cycle-{t}"))?;
     let done = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let deadline = started + duration;
     let tasks: Vec<_> = (0..clients)
         .map(|c| {
-            let (client, semaphore, done) = (client.clone(), semaphore.clone(), done.clone());
+            let (client, semaphore, done) = (client.clone(), name_of(c), done.clone());
+            let t = t.clone();
             tokio::spawn(async move {
                 let mut i = 0u64;
                 while Instant::now() < deadline {
                     i += 1;
-                    cycle(&client, &format!("{semaphore}-{c}-{i}"), &semaphore).await?;
+                    cycle(&client, &format!("{semaphore}-{t}-{c}-{i}"), &semaphore).await?;
                     done.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok::<_, CliError>(())

@@ -9,6 +9,7 @@
 
 mod baselines;
 mod deep;
+mod features;
 mod load;
 
 use std::fmt::Write as _;
@@ -45,7 +46,8 @@ pub(crate) struct BenchArgs {
     /// (only what this run creates is removed at the end).
     #[arg(long)]
     pub(crate) yes: bool,
-    /// Only these parts (comma-separated: idle, cycle, release, drain, deep); all by default.
+    /// Only these parts (comma-separated: idle, cycle, release, drain, features, deep); all by
+    /// default.
     #[arg(long, value_delimiter = ',')]
     pub(crate) only: Vec<String>,
 }
@@ -128,6 +130,9 @@ async fn measure(url: &str, args: &BenchArgs) -> Result<()> {
     }
     if args.runs("drain") {
         load::drain(&url, args, &mut report).await?;
+    }
+    if args.runs("features") {
+        features::run(&url, args, &mut report).await?;
     }
     if args.runs("deep") && args.deep_rows > 0 {
         deep::run(&url, args, &mut report).await?;
