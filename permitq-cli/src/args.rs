@@ -252,6 +252,10 @@ pub(crate) struct SubmitArgs {
     /// How long it may wait for capacity (0 = fail fast; default forever); at most 10y.
     #[arg(long, value_parser = parse_wait, allow_hyphen_values = true)]
     pub wait: Option<Duration>,
+    /// Higher first on fair semaphores, -100 to 100 (waiting adds one per 10 s).
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true,
+          value_parser = clap::value_parser!(i16).range(-100..=100))]
+    pub priority: i16,
     /// Wait for the outcome, up to DUR (default: until it settles). Exit 0 acquired, 3 error,
     /// 4 still waiting.
     #[arg(long = "await", value_name = "DUR", num_args = 0..=1, default_missing_value = "forever",

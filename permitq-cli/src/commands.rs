@@ -301,6 +301,7 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
     request.owner = args.owner;
     request.ttl = args.ttl;
     request.wait = args.wait;
+    request.priority = args.priority;
     let mut row = client.submit(&request).await?;
     let mut code = 0;
     if let Some(limit) = args.await_for {

@@ -112,6 +112,12 @@ impl Client {
         if let Some(problem) = crate::types::duration_problem(request.wait, true) {
             return Err(Error::invalid("wait", problem));
         }
+        if !crate::types::PRIORITY_RANGE.contains(&request.priority) {
+            return Err(Error::invalid(
+                "priority",
+                format!("must be between -100 and 100, got {}", request.priority),
+            ));
+        }
         let conn = self.inner.pool.get().await?;
         let statement = conn.prepare_cached(sql::SUBMIT.as_str()).await?;
         let row = conn
@@ -123,6 +129,7 @@ impl Client {
                     &request.owner,
                     &request.ttl.map(sql::interval),
                     &request.wait.map(sql::interval),
+                    &request.priority,
                 ],
             )
             .await?;

@@ -102,6 +102,7 @@ pub(crate) fn request_from_row(row: &Row) -> Result<PermitRequest> {
         owner: row.try_get("owner")?,
         ttl: micros("ttl_us")?,
         wait: micros("wait_us")?,
+        priority: row.try_get("priority")?,
         state: row.try_get::<_, String>("state")?.parse()?,
         error_code: parse_opt("error_code")?.map(|s| s.parse()).transpose()?,
         release_reason: parse_opt("release_reason")?

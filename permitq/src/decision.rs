@@ -13,15 +13,48 @@
 //! 5. otherwise `wait = 0` → `no_capacity`, else it waits.
 //!
 //! "Fits" on a semaphore means `capacity - used >= count`, and on a `fair` semaphore also that
-//! the oldest request waiting there (the head), if older than this one, keeps its room:
-//! `capacity - used - count >= head's count`. The head is the oldest of the semaphore's recorded
-//! waiters outside this batch ([`SemaphoreView::head`]) and the requests of this batch already
-//! left waiting. A waiting request is the head on every fair semaphore it names, not only the one
-//! that is full: otherwise later requests could drain the others while it waits (starvation).
+//! the request waiting there that is first in line (the head), if ahead of this one, keeps its
+//! room: `capacity - used - count >= head's count`. The head is the first in line of the
+//! semaphore's recorded waiters outside this batch ([`SemaphoreView::head`]) and the requests of
+//! this batch already left waiting. A waiting request is the head on every fair semaphore it
+//! names, not only the one that is full: otherwise later requests could drain the others while
+//! it waits (starvation).
+//!
+//! "In line" is [`Rank`]: the higher effective priority first, and among equals the older (lower
+//! id) first. The effective priority is the request's priority plus one per
+//! [`crate::types::AGING_STEP`] it has waited, so the order of two requests never changes as they
+//! wait, and a request is never overtaken by one submitted more than (their priority difference)
+//! × AGING_STEP after it. With every priority 0 the order is FIFO.
 
+use std::cmp::Ordering;
 use std::collections::BTreeMap;
 
 use crate::types::ErrorCode;
+
+/// A request's place in line: compares as "ahead" (less) when its effective priority is higher,
+/// or equal and its id lower.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Rank {
+    /// Priority plus one per aging step waited (the same instant for every request of a batch).
+    pub effective: i64,
+    /// The request's id (FIFO among equals).
+    pub id: i64,
+}
+
+impl Ord for Rank {
+    fn cmp(&self, other: &Rank) -> Ordering {
+        other
+            .effective
+            .cmp(&self.effective)
+            .then(self.id.cmp(&other.id))
+    }
+}
+
+impl PartialOrd for Rank {
+    fn partial_cmp(&self, other: &Rank) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
 
 /// A waiting request's place on one semaphore.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +63,18 @@ pub(crate) struct Waiter {
     pub request_id: i64,
     /// Its count on this semaphore.
     pub count: i64,
+    /// Its effective priority (see [`Rank`]).
+    pub effective: i64,
+}
+
+impl Waiter {
+    /// Its place in line.
+    pub(crate) fn rank(&self) -> Rank {
+        Rank {
+            effective: self.effective,
+            id: self.request_id,
+        }
+    }
 }
 
 /// A locked semaphore, as the decision sees it.
@@ -41,7 +86,7 @@ pub(crate) struct SemaphoreView {
     pub used: i64,
     /// Strict head-of-line with safe backfill, or greedy.
     pub fair: bool,
-    /// The oldest request waiting on it that is not in this batch, if any.
+    /// The first in line of the requests waiting on it that are not in this batch, if any.
     pub head: Option<Waiter>,
 }
 
@@ -54,8 +99,10 @@ impl SemaphoreView {
 /// A claimed request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Candidate {
-    /// Request id; candidates come in ascending id order.
+    /// Request id.
     pub id: i64,
+    /// Its effective priority (see [`Rank`]); candidates come in [`Rank`] order.
+    pub effective: i64,
     /// Semaphore name → count.
     pub permits: Vec<(String, i64)>,
     /// `wait = 0`: error with `no_capacity` instead of waiting.
@@ -97,17 +144,27 @@ impl Decision {
     }
 }
 
-/// Decides a batch. `candidates` must be in ascending id order.
+impl Candidate {
+    /// Its place in line.
+    pub(crate) fn rank(&self) -> Rank {
+        Rank {
+            effective: self.effective,
+            id: self.id,
+        }
+    }
+}
+
+/// Decides a batch. `candidates` must be in [`Rank`] order (first in line first).
 pub(crate) fn decide(
     semaphores: &BTreeMap<String, SemaphoreView>,
     candidates: &[Candidate],
 ) -> Decision {
     debug_assert!(
-        candidates.windows(2).all(|w| w[0].id < w[1].id),
+        candidates.windows(2).all(|w| w[0].rank() < w[1].rank()),
         "candidates out of order"
     );
     let mut sems = semaphores.clone();
-    // Per semaphore, the oldest candidate of this batch left waiting on it.
+    // Per semaphore, the first in line of this batch's candidates left waiting on it.
     let mut batch_heads: BTreeMap<&str, Waiter> = BTreeMap::new();
     let mut verdicts = Vec::with_capacity(candidates.len());
 
@@ -124,6 +181,7 @@ pub(crate) fn decide(
                     batch_heads.entry(name.as_str()).or_insert(Waiter {
                         request_id: c.id,
                         count: *count,
+                        effective: c.effective,
                     });
                 }
             }
@@ -162,7 +220,7 @@ fn verdict_for(
         let free_after = s.free() - count;
         free_after >= 0
             && (!s.fair
-                || head_before(c.id, s.head, batch_heads.get(name).copied())
+                || head_before(c.rank(), s.head, batch_heads.get(name).copied())
                     .is_none_or(|head| free_after >= head.count))
     });
     if fits {
@@ -174,14 +232,14 @@ fn verdict_for(
     }
 }
 
-/// The oldest waiter older than request `id`: the semaphore's recorded head (outside the batch)
-/// or the batch's own first waiter, whichever is older.
-fn head_before(id: i64, recorded: Option<Waiter>, batch: Option<Waiter>) -> Option<Waiter> {
+/// The first in line ahead of `rank`: the semaphore's recorded head (outside the batch) or the
+/// batch's own first waiter, whichever is ahead.
+fn head_before(rank: Rank, recorded: Option<Waiter>, batch: Option<Waiter>) -> Option<Waiter> {
     [recorded, batch]
         .into_iter()
         .flatten()
-        .filter(|w| w.request_id < id)
-        .min_by_key(|w| w.request_id)
+        .filter(|w| w.rank() < rank)
+        .min_by_key(Waiter::rank)
 }
 
 #[cfg(test)]

@@ -61,7 +61,7 @@ pub use lease::Lease;
 pub use maintenance::{MaintenanceConfig, OwnerLiveness};
 pub use types::{
     CapacityChange, ErrorCode, PermitRequest, ReleaseOutcome, ReleaseReason, Request, Semaphore,
-    State, UnknownValue, MAX_DURATION,
+    State, UnknownValue, AGING_STEP, MAX_DURATION, PRIORITY_RANGE,
 };
 pub use usage::{Holder, SemaphoreUsage, Waiter};
 pub use worker::{Worker, WorkerConfig, WorkerHealth};

@@ -67,6 +67,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "rate_limits",
         sql: include_str!("../schema/V9__rate_limits.sql"),
     },
+    Migration {
+        version: 10,
+        name: "priorities",
+        sql: include_str!("../schema/V10__priorities.sql"),
+    },
 ];
 
 /// V1's first statement, redundant once the bookkeeping table's schema exists.

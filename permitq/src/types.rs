@@ -167,7 +167,16 @@ pub struct Request {
     pub ttl: Option<Duration>,
     /// How long it may wait for capacity: `None` forever, `Some(ZERO)` fail fast.
     pub wait: Option<Duration>,
+    /// Higher first on fair semaphores (-100 to 100, default 0); see [`AGING_STEP`].
+    pub priority: i16,
 }
+
+/// Waiting raises a request's effective priority by one per step, so on a fair semaphore a
+/// request of priority p is never overtaken by one submitted more than (p' − p) steps after it.
+pub const AGING_STEP: Duration = Duration::from_secs(10);
+
+/// The lowest and highest priority a request may have.
+pub const PRIORITY_RANGE: std::ops::RangeInclusive<i16> = -100..=100;
 
 impl Request {
     /// A request with no permits yet.
@@ -178,6 +187,7 @@ impl Request {
             owner: None,
             ttl: None,
             wait: None,
+            priority: 0,
         }
     }
 
@@ -202,6 +212,12 @@ impl Request {
     /// Sets how long it may wait (`Duration::ZERO`: fail fast).
     pub fn wait(mut self, wait: Duration) -> Request {
         self.wait = Some(wait);
+        self
+    }
+
+    /// Sets its priority: higher first on fair semaphores, within [`PRIORITY_RANGE`].
+    pub fn priority(mut self, priority: i16) -> Request {
+        self.priority = priority;
         self
     }
 
@@ -234,6 +250,8 @@ pub struct PermitRequest {
     /// Wait bound, in seconds.
     #[serde(serialize_with = "ser_secs")]
     pub wait: Option<Duration>,
+    /// Its priority (higher first on fair semaphores).
+    pub priority: i16,
     /// Current state.
     pub state: State,
     /// Set when `state` is `error`.

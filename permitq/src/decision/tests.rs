@@ -16,6 +16,7 @@ fn sem(capacity: i64, used: i64, fair: bool) -> SemaphoreView {
 fn cand(id: i64, permits: &[(&str, i64)]) -> Candidate {
     Candidate {
         id,
+        effective: 0,
         permits: permits.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
         fail_fast: false,
         deadline_passed: false,
@@ -158,12 +159,55 @@ fn recorded_head_from_another_batch_is_respected_only_by_younger_requests() {
     a.head = Some(Waiter {
         request_id: 50,
         count: 4,
+        effective: 0,
     });
     let s = sems(&[("a", a)]);
     // 40 is older than the head: it is the head itself. 60 would leave 5-3=2 < 4.
     let d = decide(&s, &[cand(60, &[("a", 3)]), cand(70, &[("a", 1)])]);
     assert_eq!(verdicts(&d), [Wait, Grant]);
     let d = decide(&s, &[cand(40, &[("a", 5)])]);
+    assert_eq!(verdicts(&d), [Grant]);
+}
+
+fn ranked(id: i64, effective: i64, permits: &[(&str, i64)]) -> Candidate {
+    Candidate {
+        effective,
+        ..cand(id, permits)
+    }
+}
+
+#[test]
+fn a_higher_priority_goes_first_and_an_older_one_keeps_its_place_among_equals() {
+    // One permit left: 9 (effective 3) is ahead of 2 and 5 (effective 0), though younger.
+    let s = sems(&[("a", sem(3, 2, true))]);
+    let mut cands = vec![
+        ranked(2, 0, &[("a", 1)]),
+        ranked(5, 0, &[("a", 1)]),
+        ranked(9, 3, &[("a", 1)]),
+    ];
+    cands.sort_by_key(Candidate::rank);
+    assert_eq!(cands.iter().map(|c| c.id).collect::<Vec<_>>(), [9, 2, 5]);
+    let d = decide(&s, &cands);
+    assert_eq!(verdicts(&d), [Grant, Wait, Wait]);
+}
+
+#[test]
+fn a_recorded_head_ahead_in_line_keeps_its_room_from_an_older_request() {
+    // The recorded head (id 50, effective 2) is ahead of the older request 40 (effective 0):
+    // 40 may only take what leaves the head's 4.
+    let mut a = sem(10, 4, true);
+    a.head = Some(Waiter {
+        request_id: 50,
+        count: 4,
+        effective: 2,
+    });
+    let s = sems(&[("a", a)]);
+    let d = decide(&s, &[ranked(40, 0, &[("a", 3)])]);
+    assert_eq!(verdicts(&d), [Wait]);
+    let d = decide(&s, &[ranked(40, 0, &[("a", 2)])]);
+    assert_eq!(verdicts(&d), [Grant]);
+    // Aged past it (effective 3 > 2), 40 is ahead and takes what it needs.
+    let d = decide(&s, &[ranked(40, 3, &[("a", 3)])]);
     assert_eq!(verdicts(&d), [Grant]);
 }
 
@@ -184,13 +228,17 @@ fn arb_semaphores() -> impl Strategy<Value = BTreeMap<String, SemaphoreView>> {
         0i64..10,
         0i64..12,
         any::<bool>(),
-        proptest::option::of((0i64..40, 1i64..8)),
+        proptest::option::of((0i64..40, 1i64..8, -2i64..3)),
     );
     proptest::collection::vec(one, 4).prop_map(|v| {
         v.into_iter()
             .zip(NAMES)
             .map(|((capacity, used, fair, head), name)| {
-                let head = head.map(|(request_id, count)| Waiter { request_id, count });
+                let head = head.map(|(request_id, count, effective)| Waiter {
+                    request_id,
+                    count,
+                    effective,
+                });
                 (
                     name.to_string(),
                     SemaphoreView {
@@ -212,33 +260,42 @@ fn arb_candidates() -> impl Strategy<Value = Vec<Candidate>> {
         proptest::collection::vec(1i64..9, 3),
         prop_oneof![8 => Just(false), 1 => Just(true)],
         prop_oneof![8 => Just(false), 1 => Just(true)],
+        // Mostly equal priorities (FIFO), some ahead or behind.
+        prop_oneof![6 => Just(0i64), 1 => -2i64..3],
     );
     proptest::collection::vec(one, 0..24).prop_map(|v| {
         let mut id = 0;
-        v.into_iter()
-            .map(|(gap, names, counts, fail_fast, deadline_passed)| {
-                id += gap;
-                let permits = names
-                    .into_iter()
-                    .zip(counts)
-                    .map(|(n, c)| (n.to_string(), c))
-                    .collect();
-                Candidate {
-                    id,
-                    permits,
-                    fail_fast,
-                    deadline_passed,
-                    invalid: false,
-                }
-            })
-            .collect()
+        let mut cands: Vec<Candidate> = v
+            .into_iter()
+            .map(
+                |(gap, names, counts, fail_fast, deadline_passed, effective)| {
+                    id += gap;
+                    let permits = names
+                        .into_iter()
+                        .zip(counts)
+                        .map(|(n, c)| (n.to_string(), c))
+                        .collect();
+                    Candidate {
+                        id,
+                        effective,
+                        permits,
+                        fail_fast,
+                        deadline_passed,
+                        invalid: false,
+                    }
+                },
+            )
+            .collect();
+        cands.sort_by_key(Candidate::rank);
+        cands
     })
 }
 
-/// The oldest waiter on `name` older than `id`: the recorded head or a batch candidate that waits.
-fn oldest_waiter(
+/// The first in line waiting on `name` ahead of `before`: the recorded head or a batch candidate
+/// that waits.
+fn first_waiter(
     name: &str,
-    before: i64,
+    before: Rank,
     start: &BTreeMap<String, SemaphoreView>,
     cands: &[Candidate],
     d: &Decision,
@@ -255,13 +312,14 @@ fn oldest_waiter(
                 .map(|(_, count)| Waiter {
                     request_id: c.id,
                     count: *count,
+                    effective: c.effective,
                 })
         });
     [recorded, batch]
         .into_iter()
         .flatten()
-        .filter(|w| w.request_id < before)
-        .min_by_key(|w| w.request_id)
+        .filter(|w| w.rank() < before)
+        .min_by_key(Waiter::rank)
 }
 
 proptest! {
@@ -314,9 +372,10 @@ proptest! {
             if !s.fair {
                 continue;
             }
-            let Some(head) = oldest_waiter(name, i64::MAX, &start, &cands, &d) else { continue };
+            let last = Rank { effective: i64::MIN, id: i64::MAX };
+            let Some(head) = first_waiter(name, last, &start, &cands, &d) else { continue };
             let overtaken = cands.iter().zip(&d.verdicts).any(|(c, (_, v))| {
-                *v == Grant && c.id > head.request_id && c.permits.iter().any(|(n, _)| n == name)
+                *v == Grant && c.rank() > head.rank() && c.permits.iter().any(|(n, _)| n == name)
             });
             if overtaken {
                 let free = d.semaphores[name].capacity - d.semaphores[name].used;
@@ -340,7 +399,7 @@ proptest! {
                 let free_after = s.capacity - s.used - count;
                 free_after < 0
                     || (s.fair
-                        && oldest_waiter(name, c.id, &start, &cands, &d)
+                        && first_waiter(name, c.rank(), &start, &cands, &d)
                             .is_some_and(|h| free_after < h.count))
             });
             prop_assert!(blocked, "{:?} waited although it fits: {:?}", c, d.semaphores);

@@ -5,5 +5,6 @@
 -- on every pass, and a worker that dies simply drops its locks, leaving its rows `new`.
 -- `problem` is why an unexamined row cannot be decided (it is failed as `invalid`), else NULL.
 -- $1 cursor (the newest unexamined id this pass has claimed), $2 batch size.
-SELECT id, permits, fail_fast, deadline_passed, examined, age_seconds, problem, external_id
+SELECT id, permits, fail_fast, deadline_passed, examined, age_seconds, problem, external_id,
+       effective
 FROM permitq.claim_batch($1, $2)

@@ -3,4 +3,4 @@
 -- schema/V5__operators.sql). Sent in the same round trip as lock_semaphores.sql, after it: the
 -- server runs them in order, so the heads are read under the locks.
 -- $1 the batch's semaphore names, $2 our batch's request ids, $3 our batch's newest id.
-SELECT semaphore, request_id, count FROM permitq.semaphore_heads_named($1, $2, $3)
+SELECT semaphore, request_id, count, effective FROM permitq.semaphore_heads_named($1, $2, $3)

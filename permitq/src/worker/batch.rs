@@ -246,6 +246,7 @@ impl Worker {
             }
             candidates.push(Candidate {
                 id,
+                effective: row.try_get("effective")?,
                 permits,
                 fail_fast: row.try_get("fail_fast")?,
                 deadline_passed: row.try_get("deadline_passed")?,
@@ -287,14 +288,17 @@ impl Worker {
             let waiter = Waiter {
                 request_id: row.try_get(1)?,
                 count: row.try_get::<_, i32>(2)?.into(),
+                effective: row.try_get(3)?,
             };
             if let Some(s) = semaphores.get_mut(&name) {
-                if s.head.is_none_or(|h| waiter.request_id < h.request_id) {
+                if s.head.is_none_or(|h| waiter.rank() < h.rank()) {
                     s.head = Some(waiter);
                 }
             }
         }
 
+        // In line: the decision goes first in line first (see decision::Rank).
+        candidates.sort_by_key(Candidate::rank);
         let decision = decide(&semaphores, &candidates);
         let granted = decision.ids(|v| *v == Verdict::Grant);
         let (mut errored, mut codes) = (Vec::new(), Vec::new());

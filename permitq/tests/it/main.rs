@@ -3,6 +3,7 @@
 mod failover;
 mod leases;
 mod notifications;
+mod priorities;
 mod rate_limits;
 mod robustness;
 mod roles;
