@@ -1,6 +1,6 @@
 -- V10: priorities.
 --
--- `permitq.submit(..., priority => N)` (a smallint from -100 to 100, default 0, higher first).
+-- `permitq.submit(..., priority => N)` (an integer from -100 to 100, default 0, higher first).
 -- On a fair semaphore the head is the waiting request first in line: the highest *effective*
 -- priority, and among equals the oldest (lowest id). The effective priority is the priority plus
 -- one per 10 seconds waited (permitq.effective_priority, computed at the deciding transaction's
@@ -57,7 +57,8 @@ CREATE FUNCTION permitq.submit(
     owner text DEFAULT NULL,
     ttl interval DEFAULT NULL,
     wait interval DEFAULT NULL,
-    priority smallint DEFAULT 0
+    -- integer, so that `priority => 10` needs no cast; stored as a smallint.
+    priority integer DEFAULT 0
 ) RETURNS permitq.permit_request
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
@@ -90,7 +91,7 @@ BEGIN
     LOOP
         INSERT INTO permitq.permit_request (external_id, permits, owner, ttl, wait, priority)
         VALUES (submit.external_id, submit.permits, submit.owner, submit.ttl, submit.wait,
-                submit.priority)
+                submit.priority::smallint)
         ON CONFLICT ON CONSTRAINT permit_request_external_id_key DO NOTHING
         RETURNING * INTO existing;
         IF FOUND THEN
@@ -316,7 +317,7 @@ BEGIN
     END IF;
 END $$;
 
-ALTER FUNCTION permitq.submit(text, jsonb, text, interval, interval, smallint)
+ALTER FUNCTION permitq.submit(text, jsonb, text, interval, interval, integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION permitq.claim_batch(bigint, bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET enable_seqscan = off;
@@ -329,7 +330,7 @@ ALTER FUNCTION permitq.semaphore_heads_named(text[], bigint[], bigint)
 ALTER FUNCTION permitq.apply_decision(text, bigint[], bigint[], text[], bigint[])
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 REVOKE EXECUTE ON FUNCTION
-    permitq.submit(text, jsonb, text, interval, interval, smallint),
+    permitq.submit(text, jsonb, text, interval, interval, integer),
     permitq.claim_batch(bigint, bigint),
     permitq.claim_requests(bigint[]),
     permitq.semaphore_heads(bigint[], bigint[], bigint),
@@ -337,7 +338,7 @@ REVOKE EXECUTE ON FUNCTION
     permitq.effective_priority(smallint, timestamptz),
     permitq.waiter_levels(bigint)
     FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION permitq.submit(text, jsonb, text, interval, interval, smallint)
+GRANT EXECUTE ON FUNCTION permitq.submit(text, jsonb, text, interval, interval, integer)
     TO permitq_producer, permitq_admin;
 GRANT EXECUTE ON FUNCTION
     permitq.claim_batch(bigint, bigint),

@@ -88,7 +88,7 @@ pub(crate) const REQUEST_COLUMNS: &str = include_str!("sql/request_columns.sql")
 /// Client: submit (validates, idempotent, wakes workers). Intervals travel as text.
 pub(crate) static SUBMIT: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT {REQUEST_COLUMNS} FROM permitq.submit($1, $2, $3, $4::text::interval, $5::text::interval, $6)"
+        "SELECT {REQUEST_COLUMNS} FROM permitq.submit($1, $2, $3, $4::text::interval, $5::text::interval, $6::int2)"
     )
 });
 

@@ -131,7 +131,7 @@ async fn a_priority_is_validated_and_part_of_the_idempotency_key() {
     for bad in [101i16, -101] {
         let err = conn
             .query_one(
-                "SELECT permitq.submit('p', '{\"s\": 1}', priority => $1)",
+                "SELECT permitq.submit('p', '{\"s\": 1}', priority => $1::int2)",
                 &[&bad],
             )
             .await
