@@ -27,6 +27,9 @@ UPDATE permitq.waiter w SET created_at = r.created_at
 FROM permitq.permit_request r WHERE r.id = w.request_id;
 ALTER TABLE permitq.waiter ALTER COLUMN created_at SET NOT NULL;
 CREATE INDEX waiter_line_idx ON permitq.waiter (semaphore_id, priority DESC, request_id);
+-- Unexamined requests by priority (the heads' look at younger requests of a higher priority).
+CREATE INDEX permit_request_unexamined_priority_idx ON permitq.permit_request (priority)
+    WHERE state = 'new' AND NOT examined;
 
 -- Priority plus one per 10 s waited since `created_at`, at the transaction's start.
 CREATE FUNCTION permitq.effective_priority(priority smallint, created_at timestamptz) RETURNS bigint
@@ -197,12 +200,19 @@ LANGUAGE sql AS $$
 $$;
 
 -- The heads: per locked semaphore, the first waiter outside the batch of every priority level
--- (the caller keeps the one first in line), and the older requests no worker has examined yet.
+-- (the caller keeps the one first in line), and the requests no worker has examined yet that may
+-- be ahead of the batch's: the older ones (as before), and younger ones of a higher priority than
+-- the lowest of the batch (or than 0): a younger request of priority p can only be ahead of a
+-- candidate of priority q < p. (A batch with negative priorities thereby reads the unexamined
+-- requests of priority 0 too.)
 DROP FUNCTION permitq.semaphore_heads_named(text[], bigint[], bigint);
 DROP FUNCTION permitq.semaphore_heads(bigint[], bigint[], bigint);
 CREATE FUNCTION permitq.semaphore_heads(semaphore_ids bigint[], batch_ids bigint[], newest_id bigint)
 RETURNS TABLE (semaphore text, request_id bigint, count integer, effective bigint)
 LANGUAGE plpgsql AS $$
+DECLARE
+    floor_priority smallint := least(0, (SELECT min(r.priority) FROM permitq.permit_request r
+                                         WHERE r.id = ANY(batch_ids)));
 BEGIN
     RETURN QUERY
     SELECT s.name, w.request_id, w.count, permitq.effective_priority(w.priority, w.created_at)
@@ -226,7 +236,9 @@ BEGIN
     CROSS JOIN LATERAL jsonb_each(CASE WHEN jsonb_typeof(r.permits) = 'object'
                                        THEN r.permits ELSE '{}'::jsonb END) e
     JOIN permitq.semaphore s ON s.name = e.key
-    WHERE r.state = 'new' AND NOT r.examined AND r.id < newest_id AND r.id <> ALL(batch_ids)
+    WHERE r.state = 'new' AND NOT r.examined
+      AND (r.id < newest_id OR r.priority > floor_priority)
+      AND r.id <> ALL(batch_ids)
       AND s.id = ANY(semaphore_ids);
 END $$;
 

@@ -330,12 +330,24 @@ fn fairness(
         for (request, s, count, acquired, _, _) in
             state.permits.iter().filter(|p| p.1 == *semaphore)
         {
-            let head = naming.iter().take_while(|w| w.id < *request).find(|w| {
-                acknowledged
-                    .get(w.external_id.as_str())
-                    .is_some_and(|ack| ack + VISIBLE <= *acquired)
-                    && w.new_at(*acquired)
-            });
+            // The first in line among the visible waiters that were ahead of this grant, both
+            // at the grant and half a second before (the worker reckons effective priorities at
+            // its transaction's start, a moment earlier: a 10 s step crossed in between is not
+            // held against it).
+            let granted = by_id.get(request);
+            let ahead = |w: &Req, t: Micros| granted.is_none_or(|g| w.rank_at(t) > g.rank_at(t));
+            let head = naming
+                .iter()
+                .filter(|w| {
+                    w.id != *request
+                        && acknowledged
+                            .get(w.external_id.as_str())
+                            .is_some_and(|ack| ack + VISIBLE <= *acquired)
+                        && w.new_at(*acquired)
+                        && ahead(w, *acquired)
+                        && ahead(w, *acquired - 500_000)
+                })
+                .max_by_key(|w| w.rank_at(*acquired));
             if let Some(head) = head {
                 let need = head
                     .permits
@@ -345,7 +357,7 @@ fn fairness(
                 let held = held_after.get(&(*request, s.clone())).copied().unwrap_or(0);
                 let cap = capacity_at(state, s, *acquired);
                 if held + need > cap {
-                    v.flag("fairness", format!("{s}: request {request} took {count} leaving {} while older {} waited for {need}", cap - held, head.external_id));
+                    v.flag("fairness", format!("{s}: request {request} took {count} leaving {} while {} (ahead of it: rank {:?} vs {:?}) waited for {need}", cap - held, head.external_id, head.rank_at(*acquired), granted.map(|g| g.rank_at(*acquired))));
                 }
             }
             if let Some(r) = by_id.get(request) {
@@ -373,15 +385,17 @@ fn fairness(
                 .get(*semaphore)
                 .and_then(|c| c.first())
                 .map_or(1, |c| c.1);
+            // Higher priorities may hold it back (3 - priority) aging steps longer.
+            let allowance = 20_000_000 + (3 - r.priority).max(0) * 10_000_000;
             let starved = r.wait_us.is_none()
                 && count * 2 > cap
                 && r.new_at(us(cx.load_end))
-                && r.created < us(cx.load_end) - 20_000_000;
+                && r.created < us(cx.load_end) - allowance;
             if starved {
                 v.flag(
                     "fairness",
                     format!(
-                        "{}: large request starved for over 20s while the stream ran",
+                        "{}: large request starved past its bound while the stream ran",
                         r.external_id
                     ),
                 );

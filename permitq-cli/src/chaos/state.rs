@@ -20,6 +20,7 @@ pub(crate) struct Req {
     pub(crate) external_id: String,
     pub(crate) permits: Vec<(String, i64)>,
     pub(crate) wait_us: Option<i64>,
+    pub(crate) priority: i64,
     pub(crate) state: String,
     pub(crate) error_code: Option<String>,
     pub(crate) release_reason: Option<String>,
@@ -29,6 +30,15 @@ pub(crate) struct Req {
 }
 
 impl Req {
+    /// Its place in line at instant `t` (the worker's rule: priority plus one per 10 s waited,
+    /// then the lower id): greater is further ahead.
+    pub(crate) fn rank_at(&self, t: Micros) -> (i64, i64) {
+        (
+            self.priority + (t - self.created).div_euclid(10_000_000),
+            -self.id,
+        )
+    }
+
     /// Whether it was still waiting (new) at instant `t`.
     pub(crate) fn new_at(&self, t: Micros) -> bool {
         self.created <= t
@@ -55,7 +65,8 @@ pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<FinalState> {
     let requests = conn
         .query(
             "SELECT id, external_id, permits, (extract(epoch FROM wait) * 1000000)::int8, state, error_code,
-                    created_at, acquired_at, settled_at, release_reason FROM permitq.permit_request ORDER BY id",
+                    created_at, acquired_at, settled_at, release_reason, priority::int8
+             FROM permitq.permit_request ORDER BY id",
             &[],
         )
         .await?
@@ -71,6 +82,7 @@ pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<FinalState> {
             acquired: r.get::<_, Option<SystemTime>>(7).map(us),
             settled: r.get::<_, Option<SystemTime>>(8).map(us),
             release_reason: r.get(9),
+            priority: r.get(10),
         })
         .collect();
     let permits = conn
