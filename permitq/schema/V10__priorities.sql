@@ -3,13 +3,14 @@
 -- `permitq.submit(..., priority => N)` (an integer from -100 to 100, default 0, higher first).
 -- On a fair semaphore the head is the waiting request first in line: the highest *effective*
 -- priority, and among equals the oldest (lowest id). The effective priority is the priority plus
--- one per 10 seconds waited (permitq.effective_priority, computed at the deciding transaction's
--- start for every request alike). Comparing two requests a and b at any instant,
---     eff(a) > eff(b)  <=>  created(a) - 10 s * priority(a) < created(b) - 10 s * priority(b)
--- (up to the rounding to whole steps), so waiting never reorders two requests, and a request of
--- priority p is never overtaken by one submitted more than (p' - p) * 10 s after it: the
--- starvation bound. With every priority 0 the order is FIFO, as before. Greedy semaphores grant
--- whatever fits, first in line first among a batch.
+-- one per 10 seconds waited. Comparing two requests a and b at any instant t,
+--     p(a) + (t - created(a)) / 10 s > p(b) + (t - created(b)) / 10 s
+--     <=>  created(a) - 10 s * p(a) < created(b) - 10 s * p(b)
+-- so the order does not depend on t: permitq.effective_priority is that static key (higher
+-- first, in microseconds), waiting never reorders two requests, and a request of priority p is
+-- never overtaken by one submitted more than (p' - p) * 10 s after it: the starvation bound.
+-- With every priority 0 the order is FIFO by arrival, as before. Greedy semaphores grant whatever
+-- fits, first in line first among a batch.
 --
 -- The queue (permitq.waiter) keeps each waiter's priority and created_at, with an index in line
 -- order per priority level; the heads and the claim's "ready" part read the first waiters of each
@@ -31,10 +32,12 @@ CREATE INDEX waiter_line_idx ON permitq.waiter (semaphore_id, priority DESC, req
 CREATE INDEX permit_request_unexamined_priority_idx ON permitq.permit_request (priority)
     WHERE state = 'new' AND NOT examined;
 
--- Priority plus one per 10 s waited since `created_at`, at the transaction's start.
+-- The place in line, higher first: 10 s per priority step ahead of its arrival, in microseconds
+-- (priority * 10 s - created_at). Priority plus one per 10 s waited orders requests the same at
+-- every instant, without rounding.
 CREATE FUNCTION permitq.effective_priority(priority smallint, created_at timestamptz) RETURNS bigint
-LANGUAGE sql STABLE AS $$
-    SELECT $1 + floor(extract(epoch FROM now() - $2) / 10)::bigint
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT $1::bigint * 10000000 - (extract(epoch FROM $2) * 1000000)::bigint
 $$;
 
 -- The priority levels present in semaphore $1's queue, highest first (a loose index scan).

@@ -22,9 +22,11 @@
 //!
 //! "In line" is [`Rank`]: the higher effective priority first, and among equals the older (lower
 //! id) first. The effective priority is the request's priority plus one per
-//! [`crate::types::AGING_STEP`] it has waited, so the order of two requests never changes as they
-//! wait, and a request is never overtaken by one submitted more than (their priority difference)
-//! × AGING_STEP after it. With every priority 0 the order is FIFO.
+//! [`crate::types::AGING_STEP`] it has waited; compared at any one instant that orders requests
+//! by `priority × AGING_STEP − created_at`, the key the database computes
+//! (`permitq.effective_priority`, µs): the order never changes as they wait, and a request is
+//! never overtaken by one submitted more than (their priority difference) × AGING_STEP after it.
+//! With every priority 0 the order is FIFO.
 
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
@@ -35,7 +37,7 @@ use crate::types::ErrorCode;
 /// or equal and its id lower.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Rank {
-    /// Priority plus one per aging step waited (the same instant for every request of a batch).
+    /// `priority × AGING_STEP − created_at`, in µs: higher is ahead.
     pub effective: i64,
     /// The request's id (FIFO among equals).
     pub id: i64,

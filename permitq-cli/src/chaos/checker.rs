@@ -330,24 +330,21 @@ fn fairness(
         for (request, s, count, acquired, _, _) in
             state.permits.iter().filter(|p| p.1 == *semaphore)
         {
-            // The first in line among the visible waiters that were ahead of this grant, both
-            // at the grant and half a second before (the worker reckons effective priorities at
-            // its transaction's start, a moment earlier: a 10 s step crossed in between is not
-            // held against it).
+            // The head: the first in line among those waiting at the grant (the worker keeps
+            // room for it alone), judged only when it is ahead of this grant and had certainly
+            // been visible to the worker (a request submitted a moment ago, with a high
+            // priority, may be first in line already without any worker having seen it).
             let granted = by_id.get(request);
-            let ahead = |w: &Req, t: Micros| granted.is_none_or(|g| w.rank_at(t) > g.rank_at(t));
             let head = naming
                 .iter()
+                .filter(|w| w.id != *request && w.new_at(*acquired))
+                .max_by_key(|w| w.rank())
                 .filter(|w| {
-                    w.id != *request
+                    granted.is_none_or(|g| w.rank() > g.rank())
                         && acknowledged
                             .get(w.external_id.as_str())
                             .is_some_and(|ack| ack + VISIBLE <= *acquired)
-                        && w.new_at(*acquired)
-                        && ahead(w, *acquired)
-                        && ahead(w, *acquired - 500_000)
-                })
-                .max_by_key(|w| w.rank_at(*acquired));
+                });
             if let Some(head) = head {
                 let need = head
                     .permits
@@ -357,7 +354,7 @@ fn fairness(
                 let held = held_after.get(&(*request, s.clone())).copied().unwrap_or(0);
                 let cap = capacity_at(state, s, *acquired);
                 if held + need > cap {
-                    v.flag("fairness", format!("{s}: request {request} took {count} leaving {} while {} (ahead of it: rank {:?} vs {:?}) waited for {need}", cap - held, head.external_id, head.rank_at(*acquired), granted.map(|g| g.rank_at(*acquired))));
+                    v.flag("fairness", format!("{s}: request {request} took {count} leaving {} while {} (ahead of it: rank {:?} vs {:?}) waited for {need}", cap - held, head.external_id, head.rank(), granted.map(|g| g.rank())));
                 }
             }
             if let Some(r) = by_id.get(request) {

@@ -94,6 +94,10 @@ fn random_request(rng: &mut fastrand::Rng, external_id: String) -> Request {
     if rng.u8(..6) == 0 {
         request = request.permit(super::RATE_LIMITED.0, 1);
     }
+    // Mostly priority 0 (FIFO), some ahead or behind.
+    if rng.u8(..5) == 0 {
+        request.priority = rng.i16(-3..=3);
+    }
     request.wait = match rng.u8(..10) {
         0 => Some(Duration::ZERO),
         1..=3 => Some(Duration::from_millis(rng.u64(100..1500))),

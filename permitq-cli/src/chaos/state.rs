@@ -30,13 +30,11 @@ pub(crate) struct Req {
 }
 
 impl Req {
-    /// Its place in line at instant `t` (the worker's rule: priority plus one per 10 s waited,
-    /// then the lower id): greater is further ahead.
-    pub(crate) fn rank_at(&self, t: Micros) -> (i64, i64) {
-        (
-            self.priority + (t - self.created).div_euclid(10_000_000),
-            -self.id,
-        )
+    /// Its place in line (the worker's rule: priority plus one per 10 s waited, which orders
+    /// requests by `priority × 10 s − created` at every instant; then the lower id): greater is
+    /// further ahead.
+    pub(crate) fn rank(&self) -> (i64, i64) {
+        (self.priority * 10_000_000 - self.created, -self.id)
     }
 
     /// Whether it was still waiting (new) at instant `t`.
