@@ -17,9 +17,14 @@ const HOT_CAPACITY: i32 = 64;
 
 /// Submits, waits for the grant, releases. Returns the producer-observed latency in ms.
 pub(super) async fn cycle(client: &Client, id: &str, semaphore: &str) -> Result<f64> {
+    cycle_at(client, id, semaphore, 0).await
+}
+
+/// [`cycle`] with a priority.
+async fn cycle_at(client: &Client, id: &str, semaphore: &str, priority: i16) -> Result<f64> {
     let started = Instant::now();
     client
-        .submit(&Request::new(id).permit(semaphore, 1))
+        .submit(&Request::new(id).permit(semaphore, 1).priority(priority))
         .await?;
     let r = client.wait_settled(id, Duration::from_secs(30)).await?;
     let ms = started.elapsed().as_secs_f64() * 1000.0;
@@ -193,20 +198,21 @@ async fn hot_run(url: &str, clients: usize, workers: u16, duration: Duration) ->
         .set_capacity(&semaphore, HOT_CAPACITY, Some(true))
         .await?;
     cycle_run(url, &client, clients, workers, duration, |_| {
-        semaphore.clone()
+        (semaphore.clone(), 0)
     })
     .await
 }
 
-/// `clients` producers, client `c` cycling on the semaphore `name_of(c)` (which must exist or
-/// match a template), with `workers` workers, for `duration`. Returns cycles per second.
+/// `clients` producers, client `c` cycling on the semaphore and with the priority `name_of(c)`
+/// gives (the semaphore must exist or match a template), with `workers` workers, for
+/// `duration`. Returns cycles per second.
 pub(super) async fn cycle_run(
     url: &str,
     client: &Client,
     clients: usize,
     workers: u16,
     duration: Duration,
-    name_of: impl Fn(usize) -> String,
+    name_of: impl Fn(usize) -> (String, i16),
 ) -> Result<f64> {
     let t = tag();
     let fleet = fleet(url, workers, &format!("bench-cycle-{t}"))?;
@@ -215,13 +221,14 @@ pub(super) async fn cycle_run(
     let deadline = started + duration;
     let tasks: Vec<_> = (0..clients)
         .map(|c| {
-            let (client, semaphore, done) = (client.clone(), name_of(c), done.clone());
+            let (client, (semaphore, priority), done) = (client.clone(), name_of(c), done.clone());
             let t = t.clone();
             tokio::spawn(async move {
                 let mut i = 0u64;
                 while Instant::now() < deadline {
                     i += 1;
-                    cycle(&client, &format!("{semaphore}-{t}-{c}-{i}"), &semaphore).await?;
+                    let id = format!("{semaphore}-{t}-{c}-{i}");
+                    cycle_at(&client, &id, &semaphore, priority).await?;
                     done.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok::<_, CliError>(())
