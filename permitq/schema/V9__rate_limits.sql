@@ -290,18 +290,18 @@ BEGIN
     END IF;
 END $$;
 
--- Grants that left every window: removed by the retention sweep (with idle instances).
+-- Grants that left their window: removed by the retention sweep (with idle instances), every
+-- round (at least once a second).
 CREATE OR REPLACE FUNCTION permitq.sweep_idle_instances(idle interval, batch_size integer) RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
     n integer;
 BEGIN
+    -- All of them at once (a batch limit would let a semaphore granting faster than the sweep
+    -- runs outgrow it): per semaphore, a range of its window index.
     DELETE FROM permitq.rate_grant g
-    WHERE g.ctid = ANY(ARRAY(
-        SELECT g2.ctid FROM permitq.rate_grant g2
-        JOIN permitq.semaphore s ON s.id = g2.semaphore_id
-        WHERE g2.granted_at <= now() - coalesce(s.per, interval '0')
-        LIMIT batch_size));
+    USING permitq.semaphore s
+    WHERE s.id = g.semaphore_id AND g.granted_at <= now() - coalesce(s.per, interval '0');
     WITH doomed AS (
         SELECT s.id FROM permitq.semaphore s
         WHERE s.template IS NOT NULL AND s.updated_at < now() - idle AND s.used = 0
