@@ -27,6 +27,9 @@ CREATE TABLE permitq.rate_grant (
     count        integer NOT NULL
 );
 CREATE INDEX rate_grant_window_idx ON permitq.rate_grant (semaphore_id, granted_at);
+-- The rate-limited semaphores, few among many (template instances): found without a scan by the
+-- checks on every grant batch and every worker nap.
+CREATE INDEX semaphore_rate_limited_idx ON permitq.semaphore (id) WHERE per IS NOT NULL;
 
 -- Permits granted on `s` in the window ending at the caller's transaction start (0 for a
 -- concurrency semaphore).

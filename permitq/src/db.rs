@@ -90,10 +90,7 @@ pub(crate) async fn connect(config: &Config) -> Result<tokio_postgres::Client> {
 pub(crate) fn request_from_row(row: &Row) -> Result<PermitRequest> {
     let permits: serde_json::Value = row.try_get("permits")?;
     let permits: BTreeMap<String, i64> = permits_from_json(&permits).into_iter().collect();
-    let micros = |name: &str| -> Result<Option<Duration>> {
-        let v: Option<i64> = row.try_get(name)?;
-        Ok(v.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))))
-    };
+    let micros = |name: &str| -> Result<Option<Duration>> { Ok(from_micros(row.try_get(name)?)) };
     let parse_opt = |name: &str| -> Result<Option<String>> { Ok(row.try_get(name)?) };
     Ok(PermitRequest {
         id: row.try_get("id")?,
@@ -148,10 +145,13 @@ pub(crate) fn semaphore_from_row(row: &Row) -> Result<Semaphore> {
         fair: row.try_get(3)?,
         is_template: row.try_get(4)?,
         template: row.try_get(5)?,
-        per: row
-            .try_get::<_, Option<i64>>(6)?
-            .map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))),
+        per: from_micros(row.try_get(6)?),
     })
+}
+
+/// An interval the queries send as microseconds (`None` stays `None`; negative reads as 0).
+fn from_micros(us: Option<i64>) -> Option<Duration> {
+    us.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0)))
 }
 
 pub(crate) fn capacity_change_from_row(row: &Row) -> Result<CapacityChange> {

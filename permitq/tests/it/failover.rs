@@ -20,11 +20,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{quiet_config, wait_until, EmbeddedPostgres, RunningWorker, StopMode};
+use common::{quiet_config, wait_until, EmbeddedPostgres, RunningWorker, StopMode, TEST_SETTINGS};
 use permitq::{Client, Request, State};
 
-/// Server settings of both clusters (no OS crash is simulated: written WAL survives a kill).
-const TEST_SETTINGS: [(&str, &str); 2] = [("fsync", "off"), ("full_page_writes", "off")];
 /// What every operation of a producer may take, failover included.
 const OPERATION_DEADLINE: Duration = Duration::from_secs(60);
 const TOKEN_TIMELINE_SHIFT: u32 = 48;
