@@ -129,8 +129,8 @@ pub struct Worker {
     listen_config: tokio_postgres::Config,
     config: Arc<WorkerConfig>,
     liveness: Option<Arc<dyn OwnerLiveness>>,
-    /// When this worker (or a clone) last ran a fold-only transaction.
-    last_fold: Arc<std::sync::Mutex<Instant>>,
+    /// When this worker (or a clone) last ran a fold-only transaction, and whether one is owed.
+    fold_clock: Arc<std::sync::Mutex<batch::FoldClock>>,
     health: WorkerHealth,
 }
 
@@ -153,7 +153,7 @@ impl Worker {
             listen_config,
             config: Arc::new(config),
             liveness: None,
-            last_fold: Arc::new(std::sync::Mutex::new(Instant::now())),
+            fold_clock: Arc::default(),
             health: WorkerHealth::default(),
         }
     }
@@ -357,11 +357,15 @@ impl Worker {
             Some(_) => {}
         }
         // Waiters on a rate-limited semaphore can go when its window slides: no notification
-        // says so, so the nap ends then at the latest.
-        let nap = match self.next_window_opening().await? {
+        // says so, so the nap ends then at the latest. A fold deferred by the last pass (the
+        // releases' notification came less than FOLD_EVERY after the previous fold) ends it too.
+        let mut nap = match self.next_window_opening().await? {
             Some(opens_in) => opens_in.min(self.config.poll_interval),
             None => self.config.poll_interval,
         };
+        if let Some(fold_in) = self.fold_owed_in() {
+            nap = nap.min(fold_in);
+        }
         tokio::select! {
             _ = wake.notified() => {}
             _ = tokio::time::sleep(nap) => {}

@@ -45,17 +45,50 @@ fn caused_by_a_row(e: &Error) -> bool {
 /// How often at most a worker runs a transaction only to fold pending releases.
 const FOLD_EVERY: Duration = Duration::from_millis(10);
 
+/// When a worker last ran a fold of its own, and whether a pass has skipped one since.
+#[derive(Debug)]
+pub(crate) struct FoldClock {
+    last: Instant,
+    owed: bool,
+}
+
+impl Default for FoldClock {
+    fn default() -> Self {
+        Self {
+            last: Instant::now(),
+            owed: false,
+        }
+    }
+}
+
 impl Worker {
-    fn fold_due(&self) -> bool {
-        let mut last = self
-            .last_fold
+    fn fold_clock(&self) -> std::sync::MutexGuard<'_, FoldClock> {
+        self.fold_clock
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if last.elapsed() < FOLD_EVERY {
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether a pass that claimed nothing folds now; when not, the fold is owed.
+    fn fold_due(&self) -> bool {
+        let mut clock = self.fold_clock();
+        if clock.last.elapsed() < FOLD_EVERY {
+            clock.owed = true;
             return false;
         }
-        *last = Instant::now();
+        *clock = FoldClock {
+            last: Instant::now(),
+            owed: false,
+        };
         true
+    }
+
+    /// When a pass skipped a fold: how long until one is due. A sleeping worker wakes then,
+    /// so releases that came close together are folded within `FOLD_EVERY`, not a poll later.
+    pub(crate) fn fold_owed_in(&self) -> Option<Duration> {
+        let clock = self.fold_clock();
+        clock
+            .owed
+            .then(|| FOLD_EVERY.saturating_sub(clock.last.elapsed()))
     }
 
     /// Runs one pass, retrying each batch on transient errors. Stops early when `stop` becomes
@@ -223,6 +256,8 @@ impl Worker {
             }
             return Ok(None);
         }
+        // This batch folds the pending releases (of every semaphore no other batch holds).
+        self.fold_clock().owed = false;
         claimed.sort_by_key(|row| row.get::<_, i64>("id"));
         let last_id: i64 = claimed.last().map_or(0, |row| row.get("id"));
         let mut candidates = Vec::with_capacity(claimed.len());

@@ -241,6 +241,57 @@ async fn release_and_capacity_increase_wake_the_workers() {
     worker.stop().await;
 }
 
+/// Releases reaching a sleeping worker a few ms apart: the fold of the later ones is deferred
+/// (a worker folds at most every 10 ms), and the worker comes back for it then, not after its
+/// 120 s fallback poll. Until the fold, `used` is stale and the `released` events unsent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_close_together_are_folded_while_the_worker_sleeps() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 10, None).await.unwrap();
+    let worker = db.notified_worker("w1");
+    let conn = db.conn().await;
+    for round in 0..8 {
+        let ids: Vec<String> = (0..4).map(|i| format!("r{round}-{i}")).collect();
+        for id in &ids {
+            client
+                .submit(&Request::new(id.as_str()).permit("s", 1))
+                .await
+                .unwrap();
+        }
+        for id in &ids {
+            assert_eq!(settled_state(&client, id).await, State::Acquired);
+        }
+        wait_until(SOON, "the worker sleeps", || async {
+            conn.query_one(
+                "SELECT coalesce(bool_and(sleeping), false) FROM permitq.worker_wake",
+                &[],
+            )
+            .await
+            .is_ok_and(|row| row.get(0))
+        })
+        .await;
+        for id in &ids {
+            client.release(id).await.unwrap();
+        }
+        wait_until(
+            Duration::from_secs(5),
+            "every release folded while the worker sleeps",
+            || async {
+                conn.query_one(
+                    "SELECT NOT EXISTS (SELECT 1 FROM permitq.pending_release)",
+                    &[],
+                )
+                .await
+                .is_ok_and(|row| row.get(0))
+            },
+        )
+        .await;
+        assert_eq!(client.semaphores().await.unwrap()[0].used, 0);
+    }
+    worker.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lowering_capacity_revokes_nothing_and_holds_new_grants() {
     let db = TestDb::new().await;
