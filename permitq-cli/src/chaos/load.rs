@@ -91,7 +91,9 @@ fn random_request(rng: &mut fastrand::Rng, external_id: String) -> Request {
     if rng.u8(..5) == 0 {
         request = request.permit(format!("c-key:k{}", rng.usize(..super::KEYS)), 1);
     }
-    if rng.u8(..6) == 0 {
+    // A third name the rate-limited semaphore: demand near its limit, so its window binds
+    // (and a planted bug that ignores the window overshoots it in every run).
+    if rng.u8(..3) == 0 {
         request = request.permit(super::RATE_LIMITED.0, 1);
     }
     // Mostly priority 0 (FIFO), some ahead or behind.

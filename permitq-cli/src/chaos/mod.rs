@@ -42,7 +42,7 @@ pub(crate) const KEY_TEMPLATE: (&str, i32) = ("c-key:*", 2);
 /// Keys of [`KEY_TEMPLATE`] the load names.
 pub(crate) const KEYS: usize = 4;
 /// A rate-limited semaphore: (name, grants, per window).
-pub(crate) const RATE_LIMITED: (&str, i32, Duration) = ("c-rate", 6, Duration::from_secs(1));
+pub(crate) const RATE_LIMITED: (&str, i32, Duration) = ("c-rate", 4, Duration::from_secs(1));
 
 /// A chaos run.
 #[derive(Debug, Clone)]
