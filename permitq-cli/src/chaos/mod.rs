@@ -164,6 +164,12 @@ impl ChaosReport {
                 s += &format!("      {message}\n");
             }
         }
+        if let Some(first) = self.verdict.excused_by_link_faults.first() {
+            s += &format!(
+                "fairness: {} grant(s) overtook a head acknowledged only after a fault on the granting worker's link began (not judged), e.g. {first}\n",
+                self.verdict.excused_by_link_faults.len()
+            );
+        }
         let (lp99, lmax, sp99, smax) = self.verdict.waits_ms;
         s += &format!(
             "waits on fair semaphores: large requests p99 {lp99:.0} ms, max {lmax:.0} ms; small p99 {sp99:.0} ms, max {smax:.0} ms\n"
@@ -294,9 +300,9 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
     stop.store(true, Ordering::Relaxed);
     let load_end = SystemTime::now();
     let at_load_end = snapshot(&url).await.unwrap_or_default();
-    let (faults, outages) = match nemesis {
+    let injected = match nemesis {
         Some(n) => n.await.map_err(|e| CliError::runtime(e.to_string()))?,
-        None => (BTreeMap::new(), Vec::new()),
+        None => nemesis::Injected::default(),
     };
     for c in clients {
         let _ = c.await;
@@ -312,7 +318,8 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
     let cx = checker::Context {
         ops: &ops,
         acquired_events: &events,
-        outages: &outages,
+        outages: &injected.outages,
+        link_faults: &injected.link_faults,
         sweep_interval: config.sweep_interval,
         load_end,
     };
@@ -329,7 +336,7 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
     Ok(ChaosReport {
         config,
         ops: history.counts(),
-        faults,
+        faults: injected.counts,
         snapshots: snapshots.load(Ordering::Relaxed),
         verdict,
         at_load_end,

@@ -73,6 +73,27 @@ pub(crate) struct Outage {
     pub to: SystemTime,
 }
 
+/// A worker whose host was cut off or slowed for a while: a batch it ran then may have decided
+/// on what it read long before it wrote (the fairness checker allows for it).
+#[derive(Debug, Clone)]
+pub(crate) struct LinkFault {
+    /// The worker's id (`chaos-w<i>` on host `w<i>`).
+    pub worker: String,
+    /// When it began and ended.
+    pub during: Outage,
+}
+
+/// What the nemesis did.
+#[derive(Debug, Default)]
+pub(crate) struct Injected {
+    /// Faults injected, by kind.
+    pub counts: BTreeMap<Fault, u32>,
+    /// The stop-the-world ones.
+    pub outages: Vec<Outage>,
+    /// The ones on one worker's link.
+    pub link_faults: Vec<LinkFault>,
+}
+
 /// The worker processes, restartable.
 pub(crate) struct Workers {
     binary: PathBuf,
@@ -180,13 +201,12 @@ pub(crate) async fn run(
     bed: Option<Arc<NetworkBed>>,
     history: History,
     stop: Arc<AtomicBool>,
-) -> (BTreeMap<Fault, u32>, Vec<Outage>) {
+) -> Injected {
     let mut rng = fastrand::Rng::with_seed(seed);
     let kinds = Fault::kinds(bed.is_some());
     let mut schedule = kinds.clone();
     rng.shuffle(&mut schedule);
-    let mut injected = BTreeMap::new();
-    let mut outages = Vec::new();
+    let mut injected = Injected::default();
     let mut next = 0usize;
     while !stop.load(Ordering::Relaxed) {
         tokio::time::sleep(every).await;
@@ -199,6 +219,7 @@ pub(crate) async fn run(
             .unwrap_or_else(|| kinds[rng.usize(..kinds.len())]);
         next += 1;
         let started = SystemTime::now();
+        let mut link_of = None;
         let result = inject(
             fault,
             &mut rng,
@@ -208,24 +229,32 @@ pub(crate) async fn run(
             &workers,
             bed.as_deref(),
             &history,
+            &mut link_of,
         )
         .await;
         match result {
-            Ok(()) => *injected.entry(fault).or_insert(0) += 1,
+            Ok(()) => *injected.counts.entry(fault).or_insert(0) += 1,
             Err(e) => tracing::warn!(?fault, error = %e, "fault injection failed"),
         }
+        let during = Outage {
+            from: started,
+            to: SystemTime::now(),
+        };
         // A partitioned worker may hold a semaphore's lock until the server's idle bound.
         if matches!(
             fault,
             Fault::RestartDatabase | Fault::TimeoutBurst | Fault::Partition
         ) {
-            outages.push(Outage {
-                from: started,
-                to: SystemTime::now(),
+            injected.outages.push(during);
+        }
+        if let Some(i) = link_of {
+            injected.link_faults.push(LinkFault {
+                worker: format!("chaos-w{i}"),
+                during,
             });
         }
     }
-    (injected, outages)
+    injected
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -238,6 +267,8 @@ async fn inject(
     workers: &Workers,
     bed: Option<&NetworkBed>,
     history: &History,
+    // Set to the worker whose link a network fault hit.
+    link_of: &mut Option<usize>,
 ) -> Result<()> {
     tracing::info!(?fault, "injecting");
     match fault {
@@ -274,7 +305,9 @@ async fn inject(
         }
         Fault::Partition | Fault::SlowLink => {
             let bed = bed.ok_or_else(|| CliError::runtime("network faults need --network"))?;
-            let host = format!("w{}", rng.usize(..workers.len()));
+            let i = rng.usize(..workers.len());
+            *link_of = Some(i);
+            let host = format!("w{i}");
             if fault == Fault::Partition {
                 let cut = Duration::from_millis(rng.u64(1_000..8_000));
                 tracing::info!(%host, ?cut, "partition");

@@ -27,6 +27,8 @@ pub(crate) struct Req {
     pub(crate) created: Micros,
     pub(crate) acquired: Option<Micros>,
     pub(crate) settled: Option<Micros>,
+    /// The worker that decided it.
+    pub(crate) worker_id: Option<String>,
 }
 
 impl Req {
@@ -63,7 +65,7 @@ pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<FinalState> {
     let requests = conn
         .query(
             "SELECT id, external_id, permits, (extract(epoch FROM wait) * 1000000)::int8, state, error_code,
-                    created_at, acquired_at, settled_at, release_reason, priority::int8
+                    created_at, acquired_at, settled_at, release_reason, priority::int8, worker_id
              FROM permitq.permit_request ORDER BY id",
             &[],
         )
@@ -81,6 +83,7 @@ pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<FinalState> {
             settled: r.get::<_, Option<SystemTime>>(8).map(us),
             release_reason: r.get(9),
             priority: r.get(10),
+            worker_id: r.get(11),
         })
         .collect();
     let permits = conn
