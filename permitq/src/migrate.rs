@@ -59,18 +59,8 @@ pub const MIGRATIONS: &[Migration] = &[
     },
     Migration {
         version: 8,
-        name: "templates",
-        sql: include_str!("../schema/V8__templates.sql"),
-    },
-    Migration {
-        version: 9,
-        name: "rate_limits",
-        sql: include_str!("../schema/V9__rate_limits.sql"),
-    },
-    Migration {
-        version: 10,
-        name: "priorities",
-        sql: include_str!("../schema/V10__priorities.sql"),
+        name: "templates_rate_limits_priorities",
+        sql: include_str!("../schema/V8__templates_rate_limits_priorities.sql"),
     },
 ];
 

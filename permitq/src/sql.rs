@@ -141,7 +141,8 @@ pub(crate) const SWEEP_EXPIRED: &str = "SELECT permitq.sweep_expired($1)";
 /// Worker, going to sleep: when the next window of a rate-limited semaphore with waiters opens.
 pub(crate) const NEXT_WINDOW_OPENING: &str =
     "SELECT extract(epoch FROM permitq.next_window_opening() - clock_timestamp())::float8";
-/// Sweep: idle instances of templates, in batches (see schema/V8__templates.sql).
+/// Sweep: idle instances of templates, in batches, and grants that left their window (see
+/// schema/V8__templates_rate_limits_priorities.sql).
 pub(crate) const SWEEP_IDLE_INSTANCES: &str =
     "SELECT permitq.sweep_idle_instances($1::text::interval, $2)";
 /// Sweep: held past --max-hold → released as `stale`.

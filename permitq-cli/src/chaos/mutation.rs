@@ -24,9 +24,9 @@ pub(crate) enum Mutation {
 /// What the decision sees as `used`: the window for a rate-limited semaphore.
 const USED: &str = "CASE WHEN s.per IS NULL THEN s.used ELSE permitq.in_window(s) END";
 
-/// permitq.lock_and_fold as schema/V9__rate_limits.sql defines it, with the places a mutation
-/// changes: `{lock}`/`{lock_skip}` (FOR UPDATE), `{new_used}` (the fold), `{used}` (what the
-/// decision sees) and `{fair}`.
+/// permitq.lock_and_fold as schema/V8__templates_rate_limits_priorities.sql defines it, with the
+/// places a mutation changes: `{lock}`/`{lock_skip}` (FOR UPDATE), `{new_used}` (the fold),
+/// `{used}` (what the decision sees) and `{fair}`.
 const LOCK_AND_FOLD: &str = "CREATE OR REPLACE FUNCTION permitq.lock_and_fold(names text[])
 RETURNS TABLE (id bigint, name text, capacity integer, used integer, fair boolean)
 LANGUAGE plpgsql AS $$
