@@ -260,9 +260,6 @@ impl Client {
         per: Duration,
         fair: Option<bool>,
     ) -> Result<Semaphore> {
-        if per.is_zero() {
-            return Err(Error::invalid("per", "must be positive"));
-        }
         if let Some(problem) = crate::types::duration_problem(Some(per), false) {
             return Err(Error::invalid("per", problem));
         }

@@ -103,15 +103,26 @@ pub(crate) const RELEASE: &str = "SELECT permitq.release($1)";
 pub(crate) const REVOKE: &str = "SELECT permitq.revoke($1)";
 /// Holder: extend the lease.
 pub(crate) const HEARTBEAT: &str = "SELECT permitq.heartbeat($1, $2::text::interval)";
+/// Columns of `permitq.semaphore` as [`crate::types::Semaphore`] reads them (by position, see
+/// `db::semaphore_from_row`).
+macro_rules! semaphore_columns {
+    () => {
+        "name, capacity::int8, used::int8, fair, is_template, template, \
+         (extract(epoch FROM per) * 1000000)::int8"
+    };
+}
 /// Operator: create or change a semaphore.
-pub(crate) const SET_CAPACITY: &str =
-    "SELECT name, capacity::int8, used::int8, fair, is_template, template, \
-     (extract(epoch FROM per) * 1000000)::int8 \
-     FROM permitq.set_capacity($1, $2, $3, $4::text::interval)";
+pub(crate) const SET_CAPACITY: &str = concat!(
+    "SELECT ",
+    semaphore_columns!(),
+    " FROM permitq.set_capacity($1, $2, $3, $4::text::interval)"
+);
 /// All semaphores.
-pub(crate) const LIST_SEMAPHORES: &str =
-    "SELECT name, capacity::int8, used::int8, fair, is_template, template, \
-     (extract(epoch FROM per) * 1000000)::int8 FROM permitq.semaphore ORDER BY name";
+pub(crate) const LIST_SEMAPHORES: &str = concat!(
+    "SELECT ",
+    semaphore_columns!(),
+    " FROM permitq.semaphore ORDER BY name"
+);
 /// The capacity audit of one semaphore, oldest first.
 pub(crate) const CAPACITY_HISTORY: &str =
     "SELECT semaphore, old_capacity::int8, new_capacity::int8, \
