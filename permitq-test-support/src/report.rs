@@ -101,24 +101,18 @@ pub async fn collect(client: &Client, prefix: &str) -> Result<RunReport> {
         p99: row.get::<_, Option<f64>>(1).unwrap_or(0.0),
         max: row.get::<_, Option<f64>>(2).unwrap_or(0.0),
     };
-    let rate_limited: Vec<(String, i64, i64)> = conn
-        .query(sql::WINDOW_PEAK, &[])
-        .await?
-        .iter()
-        .map(|row| (row.get(0), row.get(1), row.get(2)))
+    let peaks = |rows: Vec<tokio_postgres::Row>| -> Vec<(String, i64, i64)> {
+        rows.iter()
+            .map(|row| (row.get(0), row.get(1), row.get(2)))
+            .collect()
+    };
+    let rate_limited = peaks(conn.query(sql::WINDOW_PEAK, &[]).await?);
+    // A rate-limited semaphore bounds grants per window, not holders: its window peak counts.
+    let concurrency: Vec<_> = peaks(conn.query(sql::PEAK_CONCURRENT_USE, &[]).await?)
+        .into_iter()
+        .filter(|(name, _, _)| !rate_limited.iter().any(|(n, _, _)| n == name))
         .collect();
-    for row in conn.query(sql::PEAK_CONCURRENT_USE, &[]).await? {
-        let (name, peak, capacity): (String, i64, i64) = (row.get(0), row.get(1), row.get(2));
-        // A rate-limited semaphore bounds grants per window, not holders: checked below.
-        if rate_limited.iter().any(|(n, _, _)| *n == name) {
-            continue;
-        }
-        report.peak_concurrent.insert(name.clone(), peak);
-        if peak > capacity {
-            report.over_capacity.push((name, peak, capacity));
-        }
-    }
-    for (name, peak, capacity) in rate_limited {
+    for (name, peak, capacity) in concurrency.into_iter().chain(rate_limited) {
         report.peak_concurrent.insert(name.clone(), peak);
         if peak > capacity {
             report.over_capacity.push((name, peak, capacity));
