@@ -53,13 +53,20 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             Ok(0)
         }
         Command::Migrate { json } => {
-            let applied = Client::connect(&need_url()?).await?.migrate().await?;
+            let migrated = Client::connect(&need_url()?).await?.migrate().await?;
             if json {
-                outln!("{}", serde_json::json!({ "applied": applied }));
+                outln!("{}", serde_json::json!({ "applied": migrated }));
+            } else if migrated.is_empty() {
+                outln!("schema is up to date");
             } else {
-                match applied.as_slice() {
-                    [] => outln!("schema is up to date"),
-                    versions => outln!("applied migrations {versions:?}"),
+                if migrated.upgraded_prerelease {
+                    outln!("upgraded a pre-release schema in place");
+                }
+                if !migrated.versions.is_empty() {
+                    outln!("applied migrations {:?}", migrated.versions);
+                }
+                if !migrated.files.is_empty() {
+                    outln!("applied schema files {}", migrated.files.join(", "));
                 }
             }
             Ok(0)

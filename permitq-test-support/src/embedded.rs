@@ -335,9 +335,10 @@ fn path_str(p: &Path) -> &str {
     p.to_str().expect("temp paths are UTF-8")
 }
 
+/// The directory of the PostgreSQL server binaries (`initdb`, `pg_ctl`, `pg_dump`, ...):
 /// `$PERMITQ_PG_BINDIR`, else the newest `/usr/lib/postgresql/*/bin`, else the directory of
 /// `initdb` on PATH.
-fn find_bin_dir() -> Result<PathBuf> {
+pub fn find_bin_dir() -> Result<PathBuf> {
     if let Some(dir) = std::env::var_os("PERMITQ_PG_BINDIR") {
         return Ok(PathBuf::from(dir));
     }

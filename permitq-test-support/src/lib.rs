@@ -10,7 +10,7 @@ mod report;
 mod sql;
 mod testdb;
 
-pub use embedded::{EmbeddedPostgres, StopMode, TEST_SETTINGS};
+pub use embedded::{find_bin_dir, EmbeddedPostgres, StopMode, TEST_SETTINGS};
 pub use fleet::{database, WorkerFleet};
 pub use netns::NetworkBed;
 pub use report::{

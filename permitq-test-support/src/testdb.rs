@@ -123,6 +123,20 @@ impl TestDb {
         }
     }
 
+    /// An empty database of its own: not migrated.
+    pub async fn empty() -> TestDb {
+        let name = format!("permitq_test_{}", uuid::Uuid::new_v4().simple());
+        connect(&server().0)
+            .await
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .expect("create an empty test database");
+        TestDb {
+            url: with_dbname(&server().0, &name),
+            name,
+        }
+    }
+
     /// A [`Client`] on it.
     pub async fn client(&self) -> Client {
         Client::connect(&self.url).await.expect("client")

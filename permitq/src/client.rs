@@ -9,6 +9,7 @@ use tokio::sync::{broadcast::error::RecvError, OnceCell};
 use crate::db;
 use crate::error::{Error, Result};
 use crate::listener::{Listener, ListenerEvent};
+use crate::rules::{duration_problem, priority_problem};
 use crate::sql;
 use crate::types::{CapacityChange, PermitRequest, ReleaseOutcome, Request, Semaphore, State};
 
@@ -82,41 +83,33 @@ impl Client {
         &self.inner.config
     }
 
-    /// Creates or upgrades the schema (see [`crate::migrate`]). Returns the versions applied.
-    pub async fn migrate(&self) -> Result<Vec<i32>> {
+    /// Creates or upgrades the schema (see [`crate::migrate`]). Returns what it applied.
+    pub async fn migrate(&self) -> Result<crate::migrate::Migrated> {
         let mut conn = db::connect(&self.inner.config).await?;
         crate::migrate::migrate(&mut conn).await
     }
 
     /// Whether the database's schema is exactly the one this build expects (every migration
-    /// applied, none newer): false when `permitq migrate` has not run yet, or another version did.
+    /// and schema file applied unchanged, none newer): false when `permitq migrate` has not run
+    /// yet, or another version did.
     pub async fn schema_is_current(&self) -> Result<bool> {
         let conn = self.inner.pool.get().await?;
-        let latest = crate::migrate::MIGRATIONS.last().map_or(0, |m| m.version);
-        match conn
-            .query_one(sql::SCHEMA_VERSION, &[])
-            .await
-            .map_err(Error::from)
-        {
-            Ok(row) => Ok(row.try_get::<_, i32>(0)? == latest),
+        match crate::migrate::is_current(&conn).await {
             Err(e) if e.is_missing_schema() => Ok(false),
-            Err(e) => Err(e),
+            other => other,
         }
     }
 
     /// Submits a request (idempotent by `external_id`) and wakes the workers.
     pub async fn submit(&self, request: &Request) -> Result<PermitRequest> {
-        if let Some(problem) = crate::types::duration_problem(request.ttl, false) {
+        if let Some(problem) = duration_problem(request.ttl, false) {
             return Err(Error::invalid("ttl", problem));
         }
-        if let Some(problem) = crate::types::duration_problem(request.wait, true) {
+        if let Some(problem) = duration_problem(request.wait, true) {
             return Err(Error::invalid("wait", problem));
         }
-        if !crate::types::PRIORITY_RANGE.contains(&request.priority) {
-            return Err(Error::invalid(
-                "priority",
-                format!("must be between -100 and 100, got {}", request.priority),
-            ));
+        if let Some(problem) = priority_problem(request.priority) {
+            return Err(Error::invalid("priority", problem));
         }
         let conn = self.inner.pool.get().await?;
         let statement = conn.prepare_cached(sql::SUBMIT.as_str()).await?;
@@ -174,7 +167,7 @@ impl Client {
         external_id: &str,
         extend: Option<Duration>,
     ) -> Result<Option<SystemTime>> {
-        if let Some(problem) = crate::types::duration_problem(extend, false) {
+        if let Some(problem) = duration_problem(extend, false) {
             return Err(Error::invalid("extend", problem));
         }
         let conn = self.inner.pool.get().await?;
@@ -260,7 +253,7 @@ impl Client {
         per: Duration,
         fair: Option<bool>,
     ) -> Result<Semaphore> {
-        if let Some(problem) = crate::types::duration_problem(Some(per), false) {
+        if let Some(problem) = duration_problem(Some(per), false) {
             return Err(Error::invalid("per", problem));
         }
         self.set_semaphore(name, grants, fair, Some(per)).await

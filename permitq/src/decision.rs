@@ -22,7 +22,7 @@
 //!
 //! "In line" is [`Rank`]: the higher effective priority first, and among equals the older (lower
 //! id) first. The effective priority is the request's priority plus one per
-//! [`crate::types::AGING_STEP`] it has waited; compared at any one instant that orders requests
+//! [`crate::AGING_STEP`] it has waited; compared at any one instant that orders requests
 //! by `priority × AGING_STEP − created_at`, the key the database computes
 //! (`permitq.effective_priority`, µs): the order never changes as they wait, and a request is
 //! never overtaken by one submitted more than (their priority difference) × AGING_STEP after it.

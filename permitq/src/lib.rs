@@ -50,6 +50,7 @@ mod lease;
 mod listener;
 mod maintenance;
 pub mod migrate;
+mod rules;
 mod sql;
 mod types;
 mod usage;
@@ -59,9 +60,12 @@ pub use client::Client;
 pub use error::{Error, Result, SqlState};
 pub use lease::Lease;
 pub use maintenance::{MaintenanceConfig, OwnerLiveness};
+pub use rules::{
+    AGING_STEP, MAX_DURATION, MAX_NAME_LENGTH, MAX_SEMAPHORES_PER_REQUEST, PRIORITY_RANGE,
+};
 pub use types::{
     CapacityChange, ErrorCode, PermitRequest, ReleaseOutcome, ReleaseReason, Request, Semaphore,
-    State, UnknownValue, AGING_STEP, MAX_DURATION, PRIORITY_RANGE,
+    State, UnknownValue,
 };
 pub use usage::{Holder, SemaphoreUsage, Waiter};
 pub use worker::{Worker, WorkerConfig, WorkerHealth};

@@ -1,16 +1,32 @@
-//! Embedded, versioned schema migrations (`schema/V<n>__<name>.sql`).
+//! The embedded schema and the run that applies it (`permitq migrate`, [`crate::Client::migrate`]).
 //!
-//! `permitq migrate` applies the ones a database lacks, each in its own transaction, under a
-//! session advisory lock: running it twice, or twice at once, is safe (the second waits, then
-//! finds nothing to do).
+//! The schema has three parts, applied in this order by one transaction, under a session
+//! advisory lock (running migrate twice, or twice at once, is safe: the second waits, then finds
+//! nothing to do):
+//!
+//! 1. the rules (`permitq.rule_*`), written from the constants of `src/rules.rs`: the versioned
+//!    migrations' constraints call them;
+//! 2. the versioned migrations, `schema/migrations/V<n>__<name>.sql`: DDL and data changes only
+//!    (tables, indexes, types, roles, grants on tables), each applied once, in order;
+//! 3. the schema files, `schema/functions/*.sql`: every function, trigger and view, each defined
+//!    in exactly one file, with its grants; a file is applied again whenever its checksum
+//!    changes, in the order of [`SCHEMA_FILES`] (dependencies first). Every function but the
+//!    rules is private (EXECUTE revoked from PUBLIC) unless its file grants it.
+//!
+//! Checksums (SHA-256, computed by the server) are recorded for both. A database whose applied
+//! migration differs from this build's file, or that has a migration this build does not know,
+//! is refused with an error that says which, and nothing is applied. A database migrated by a
+//! pre-release permitq (migrations V1 to V8) is upgraded in place once
+//! (`schema/migrations/prerelease_upgrade.sql`).
 
 use tokio_postgres::Client;
 
 use crate::error::{Error, Result, SqlState};
 use crate::sql;
 
-/// One migration file, compiled into the binary.
+/// One versioned migration, compiled into the binary.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct Migration {
     /// Version number, applied in ascending order.
     pub version: i32,
@@ -20,124 +36,244 @@ pub struct Migration {
     pub sql: &'static str,
 }
 
-/// Every migration this build knows, oldest first.
-pub const MIGRATIONS: &[Migration] = &[
-    Migration {
-        version: 1,
-        name: "core",
-        sql: include_str!("../schema/V1__core.sql"),
-    },
-    Migration {
-        version: 2,
-        name: "leases",
-        sql: include_str!("../schema/V2__leases.sql"),
-    },
-    Migration {
-        version: 3,
-        name: "hot_path",
-        sql: include_str!("../schema/V3__hot_path.sql"),
-    },
-    Migration {
-        version: 4,
-        name: "robustness",
-        sql: include_str!("../schema/V4__robustness.sql"),
-    },
-    Migration {
-        version: 5,
-        name: "operators",
-        sql: include_str!("../schema/V5__operators.sql"),
-    },
-    Migration {
-        version: 6,
-        name: "cached_plans",
-        sql: include_str!("../schema/V6__cached_plans.sql"),
-    },
-    Migration {
-        version: 7,
-        name: "failover_tokens",
-        sql: include_str!("../schema/V7__failover_tokens.sql"),
-    },
-    Migration {
-        version: 8,
-        name: "templates_rate_limits_priorities",
-        sql: include_str!("../schema/V8__templates_rate_limits_priorities.sql"),
-    },
-];
+/// Every versioned migration this build knows, oldest first.
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "baseline",
+    sql: include_str!("../schema/migrations/V1__baseline.sql"),
+}];
 
-/// V1's first statement, redundant once the bookkeeping table's schema exists.
-const V1_CREATE_SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS permitq;";
+/// One schema file: functions, triggers or views, re-applied when it changes.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct SchemaFile {
+    /// Its path under `schema/functions/`, also its key in `permitq.schema_file`.
+    pub path: &'static str,
+    /// The SQL.
+    pub sql: &'static str,
+}
+
+macro_rules! schema_files {
+    ($($path:literal,)+) => {
+        /// Every schema file, in the order they are applied: each after those it calls.
+        pub const SCHEMA_FILES: &[SchemaFile] = &[$(SchemaFile {
+            path: $path,
+            sql: include_str!(concat!("../schema/functions/", $path)),
+        },)+];
+    };
+}
+
+schema_files! {
+    "input_checks.sql",
+    "queue_order.sql",
+    "fencing_tokens.sql",
+    "templates.sql",
+    "rate_windows.sql",
+    "notifications.sql",
+    "request_triggers.sql",
+    "capacity_audit.sql",
+    "submit.sql",
+    "release.sql",
+    "heartbeat.sql",
+    "fence.sql",
+    "set_capacity.sql",
+    "claim.sql",
+    "batch_semaphores.sql",
+    "heads.sql",
+    "decision_outcome.sql",
+    "sweeps.sql",
+    "retention.sql",
+    "views.sql",
+}
+
+/// The schema file named `path`, if this build has it.
+pub fn schema_file(path: &str) -> Option<&'static SchemaFile> {
+    SCHEMA_FILES.iter().find(|f| f.path == path)
+}
+
+/// The key of the generated rules in `permitq.schema_file`.
+const RULES_PATH: &str = "rules (generated)";
+
+/// The pre-release migrations a database may still record, by version: upgraded in place.
+const PRERELEASE: [&str; 8] = [
+    "core",
+    "leases",
+    "hot_path",
+    "robustness",
+    "operators",
+    "cached_plans",
+    "failover_tokens",
+    "templates_rate_limits_priorities",
+];
 
 /// Advisory lock key taken while migrating ("permitq" in ASCII).
 const MIGRATION_LOCK_KEY: i64 = 0x0070_6572_6d69_7471;
 
-/// Applies the missing migrations and returns the versions it applied (empty: already current).
-/// Use a dedicated connection: the lock is held by the session.
-///
-/// Every applied migration's checksum (SHA-256 of its SQL) is recorded; a database whose applied
-/// migration differs from this build's file (edited after it was applied), or that has a
-/// migration this build does not know (a newer permitq migrated it), is refused with an error
-/// that says which, and nothing is applied.
-pub async fn migrate(client: &mut Client) -> Result<Vec<i32>> {
+/// What one migrate run applied.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct Migrated {
+    /// The versioned migrations applied, in order.
+    pub versions: Vec<i32>,
+    /// The schema files applied (new or changed), in order.
+    pub files: Vec<String>,
+    /// Whether a pre-release schema was upgraded in place.
+    pub upgraded_prerelease: bool,
+}
+
+impl Migrated {
+    /// True when the database was already current.
+    pub fn is_empty(&self) -> bool {
+        self.versions.is_empty() && self.files.is_empty() && !self.upgraded_prerelease
+    }
+}
+
+/// Applies what the database lacks. Use a dedicated connection: the lock is held by the session.
+pub(crate) async fn migrate(client: &mut Client) -> Result<Migrated> {
     client
         .execute(sql::MIGRATION_LOCK, &[&MIGRATION_LOCK_KEY])
         .await?;
-    let result = apply_missing(client).await.map_err(explain_privilege);
+    let result = migrate_locked(client).await.map_err(explain_privilege);
     let unlock = client
         .execute(sql::MIGRATION_UNLOCK, &[&MIGRATION_LOCK_KEY])
         .await;
-    let applied = result?;
+    let migrated = result?;
     unlock?;
-    Ok(applied)
+    Ok(migrated)
 }
 
-async fn apply_missing(client: &mut Client) -> Result<Vec<i32>> {
-    client.batch_execute(sql::MIGRATION_TABLE).await?;
-    let mut done = Vec::new();
-    for row in client.query(sql::APPLIED_MIGRATIONS, &[]).await? {
-        let (version, name, recorded): (i32, String, Option<Vec<u8>>) =
-            (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
-        let Some(m) = MIGRATIONS.iter().find(|m| m.version == version) else {
+async fn migrate_locked(client: &mut Client) -> Result<Migrated> {
+    let tx = client.transaction().await?;
+    tx.batch_execute(sql::MIGRATION_TABLES).await?;
+    let mut migrated = Migrated::default();
+    let applied = applied_versions(&tx).await?;
+    let prerelease = is_prerelease(&applied)?;
+    if !prerelease {
+        check_known(&tx, &applied).await?;
+    }
+
+    let rules = crate::rules::schema_sql();
+    apply_file_if_changed(&tx, RULES_PATH, &rules).await?;
+    if prerelease {
+        tx.batch_execute(include_str!("../schema/migrations/prerelease_upgrade.sql"))
+            .await?;
+        tx.execute(sql::FORGET_PRERELEASE_MIGRATIONS, &[]).await?;
+        let baseline = &MIGRATIONS[0];
+        tx.execute(
+            sql::RECORD_MIGRATION,
+            &[&baseline.version, &baseline.name, &baseline.sql],
+        )
+        .await?;
+        migrated.upgraded_prerelease = true;
+        tracing::info!("upgraded a pre-release schema in place");
+    }
+    let done: Vec<i32> = if prerelease {
+        vec![MIGRATIONS[0].version]
+    } else {
+        applied.iter().map(|(v, _, _)| *v).collect()
+    };
+    for m in MIGRATIONS.iter().filter(|m| !done.contains(&m.version)) {
+        tx.batch_execute(m.sql).await?;
+        tx.execute(sql::RECORD_MIGRATION, &[&m.version, &m.name, &m.sql])
+            .await?;
+        tracing::info!(version = m.version, name = m.name, "applied migration");
+        migrated.versions.push(m.version);
+    }
+    for file in SCHEMA_FILES {
+        if apply_file_if_changed(&tx, file.path, file.sql).await? {
+            tracing::info!(path = file.path, "applied schema file");
+            migrated.files.push(file.path.to_string());
+        }
+    }
+    tx.batch_execute(sql::FUNCTIONS_PRIVATE).await?;
+    tx.commit().await?;
+    Ok(migrated)
+}
+
+/// The versioned migrations the database records: (version, name, checksum).
+async fn applied_versions(
+    tx: &tokio_postgres::Transaction<'_>,
+) -> Result<Vec<(i32, String, Option<Vec<u8>>)>> {
+    tx.query(sql::APPLIED_MIGRATIONS, &[])
+        .await?
+        .iter()
+        .map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))
+        .collect()
+}
+
+/// Whether the database was migrated by a pre-release permitq (refused unless it is complete).
+fn is_prerelease(applied: &[(i32, String, Option<Vec<u8>>)]) -> Result<bool> {
+    let names: Vec<(i32, &str)> = applied.iter().map(|(v, n, _)| (*v, n.as_str())).collect();
+    if !names.contains(&(1, PRERELEASE[0])) {
+        return Ok(false);
+    }
+    let complete: Vec<(i32, &str)> = (1..).zip(PRERELEASE).collect();
+    if names == complete {
+        Ok(true)
+    } else {
+        Err(Error::config(format!(
+            "the database has an incomplete pre-release permitq schema (migrations {:?}): \
+             migrate it with the permitq release that made it first, or drop the permitq \
+             schema and migrate again",
+            names.iter().map(|(v, _)| v).collect::<Vec<_>>()
+        )))
+    }
+}
+
+/// Refuses a database with a migration this build does not know or whose file changed.
+async fn check_known(
+    tx: &tokio_postgres::Transaction<'_>,
+    applied: &[(i32, String, Option<Vec<u8>>)],
+) -> Result<()> {
+    for (version, name, recorded) in applied {
+        let Some(m) = MIGRATIONS.iter().find(|m| m.version == *version) else {
             return Err(Error::config(format!(
                 "the database has migration {version} ({name}), which this build of permitq does not know: upgrade permitq"
             )));
         };
-        let expected: Vec<u8> = client
-            .query_one(sql::MIGRATION_CHECKSUM, &[&m.sql])
-            .await?
-            .try_get(0)?;
-        match recorded {
-            // Applied before checksums were recorded: record this build's.
-            None => {
-                client
-                    .execute(sql::RECORD_MIGRATION_CHECKSUM, &[&version, &m.sql])
-                    .await?;
-            }
-            Some(recorded) if recorded != expected => {
-                return Err(Error::config(format!(
-                    "migration {version} ({name}) was edited after it was applied: its checksum in the database is {} but this build's is {}; restore the original file or migrate a fresh database",
-                    hex(&recorded),
-                    hex(&expected)
-                )));
-            }
-            Some(_) => {}
+        let expected: Vec<u8> = tx.query_one(sql::CHECKSUM, &[&m.sql]).await?.try_get(0)?;
+        if recorded.as_deref() != Some(expected.as_slice()) {
+            return Err(Error::config(format!(
+                "migration {version} ({name}) was edited after it was applied: its checksum in the database is {} but this build's is {}; restore the original file or migrate a fresh database",
+                recorded.as_deref().map_or_else(|| "missing".to_string(), hex),
+                hex(&expected)
+            )));
         }
-        done.push(version);
     }
-    let mut applied = Vec::new();
-    for m in MIGRATIONS.iter().filter(|m| !done.contains(&m.version)) {
-        let tx = client.transaction().await?;
-        // The schema exists by now (see MIGRATION_TABLE). V1's own `CREATE SCHEMA IF NOT
-        // EXISTS` would still demand CREATE on the database, so it is skipped; the checksum
-        // stays that of the file as written.
-        tx.batch_execute(&m.sql.replacen(V1_CREATE_SCHEMA, "", 1))
-            .await?;
-        tx.execute(sql::RECORD_MIGRATION, &[&m.version, &m.name, &m.sql])
-            .await?;
-        tx.commit().await?;
-        tracing::info!(version = m.version, name = m.name, "applied migration");
-        applied.push(m.version);
+    Ok(())
+}
+
+/// Runs a schema file when the database records another checksum for it (or none); true if
+/// it ran.
+async fn apply_file_if_changed(
+    tx: &tokio_postgres::Transaction<'_>,
+    path: &str,
+    body: &str,
+) -> Result<bool> {
+    let changed: bool = tx
+        .query_one(sql::SCHEMA_FILE_CHANGED, &[&path, &body])
+        .await?
+        .try_get(0)?;
+    if changed {
+        tx.batch_execute(body).await?;
+        tx.execute(sql::RECORD_SCHEMA_FILE, &[&path, &body]).await?;
     }
-    Ok(applied)
+    Ok(changed)
+}
+
+/// Whether every migration and schema file of this build is applied, unchanged, and none newer.
+pub(crate) async fn is_current(client: &tokio_postgres::Client) -> Result<bool> {
+    let versions: Vec<i32> = MIGRATIONS.iter().map(|m| m.version).collect();
+    let mut paths = vec![RULES_PATH.to_string()];
+    let mut bodies = vec![crate::rules::schema_sql()];
+    for file in SCHEMA_FILES {
+        paths.push(file.path.to_string());
+        bodies.push(file.sql.to_string());
+    }
+    Ok(client
+        .query_one(sql::SCHEMA_IS_CURRENT, &[&versions, &paths, &bodies])
+        .await?
+        .try_get(0)?)
 }
 
 /// A missing privilege, said with what migrating needs.

@@ -1,8 +1,8 @@
 //! Every query the Rust side sends, in one place. The long ones live in `src/sql/*.sql` with a
 //! comment each; the SQL API they call is in `schema/`.
 //!
-//! Lock order (see `schema/V1__core.sql`): request rows first, then semaphore rows in ascending
-//! id. [`CLAIM_BATCH`] is step 1 for the worker, [`LOCK_SEMAPHORES`] step 2.
+//! Lock order (see `schema/migrations/V1__baseline.sql`): request rows first, then semaphore rows
+//! in ascending id. [`CLAIM_BATCH`] is step 1 for the worker, [`LOCK_BATCH_SEMAPHORES`] step 2.
 
 use std::sync::LazyLock;
 
@@ -15,10 +15,11 @@ pub(crate) const EVENTS_CHANNEL: &str = "permitq_events";
 pub(crate) const MIGRATION_LOCK: &str = "SELECT pg_advisory_lock($1)";
 /// Migrations: release it.
 pub(crate) const MIGRATION_UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
-/// Migrations: the bookkeeping table (created, or given its checksum column, when missing).
-/// The schema is created only when missing: `CREATE SCHEMA IF NOT EXISTS` checks the CREATE
-/// privilege on the database first, which a role that merely owns the schema lacks.
-pub(crate) const MIGRATION_TABLE: &str = "SET client_min_messages = warning;
+/// Migrations: the bookkeeping tables, created when missing: the versioned migrations applied
+/// and the schema files applied, each with its checksum. The schema is created only when
+/// missing: `CREATE SCHEMA IF NOT EXISTS` checks the CREATE privilege on the database first,
+/// which a role that merely owns the schema lacks.
+pub(crate) const MIGRATION_TABLES: &str = "SET LOCAL client_min_messages = warning;
      DO $$ BEGIN
          IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = 'permitq') THEN
              CREATE SCHEMA permitq;
@@ -29,21 +30,51 @@ pub(crate) const MIGRATION_TABLE: &str = "SET client_min_messages = warning;
          name       text NOT NULL,
          applied_at timestamptz NOT NULL DEFAULT now()
      );
-     ALTER TABLE permitq.schema_migration ADD COLUMN IF NOT EXISTS checksum bytea;";
+     ALTER TABLE permitq.schema_migration ADD COLUMN IF NOT EXISTS checksum bytea;
+     CREATE TABLE IF NOT EXISTS permitq.schema_file (
+         path       text PRIMARY KEY,
+         checksum   bytea NOT NULL,
+         applied_at timestamptz NOT NULL DEFAULT now()
+     );";
 /// Migrations: what is applied, with the recorded checksums.
 pub(crate) const APPLIED_MIGRATIONS: &str =
     "SELECT version, name, checksum FROM permitq.schema_migration ORDER BY version";
-/// Readiness: the newest migration applied (0: none).
-pub(crate) const SCHEMA_VERSION: &str =
-    "SELECT coalesce(max(version), 0) FROM permitq.schema_migration";
-/// Migrations: the checksum of a migration's SQL (SHA-256, computed by the server).
-pub(crate) const MIGRATION_CHECKSUM: &str = "SELECT sha256(convert_to($1::text, 'UTF8'))";
+/// Migrations: the checksum of a file (SHA-256, computed by the server).
+pub(crate) const CHECKSUM: &str = "SELECT sha256(convert_to($1::text, 'UTF8'))";
 /// Migrations: record one as applied, with its checksum.
 pub(crate) const RECORD_MIGRATION: &str = "INSERT INTO permitq.schema_migration \
      (version, name, checksum) VALUES ($1, $2, sha256(convert_to($3::text, 'UTF8')))";
-/// Migrations: record the checksum of one applied before checksums were kept.
-pub(crate) const RECORD_MIGRATION_CHECKSUM: &str = "UPDATE permitq.schema_migration \
-     SET checksum = sha256(convert_to($2::text, 'UTF8')) WHERE version = $1";
+/// Migrations: forget the pre-release migrations once their schema is upgraded in place.
+pub(crate) const FORGET_PRERELEASE_MIGRATIONS: &str = "DELETE FROM permitq.schema_migration";
+/// Migrations: whether the database records another checksum for a schema file, or none.
+pub(crate) const SCHEMA_FILE_CHANGED: &str =
+    "SELECT NOT EXISTS (SELECT 1 FROM permitq.schema_file \
+     WHERE path = $1 AND checksum = sha256(convert_to($2::text, 'UTF8')))";
+/// Migrations: record a schema file as applied, with its checksum.
+pub(crate) const RECORD_SCHEMA_FILE: &str = "INSERT INTO permitq.schema_file (path, checksum) \
+     VALUES ($1, sha256(convert_to($2::text, 'UTF8'))) ON CONFLICT (path) DO UPDATE \
+     SET checksum = EXCLUDED.checksum, applied_at = now()";
+/// Migrations, last: a function is private unless its file grants it (a new function is
+/// executable by PUBLIC by default). The rules stay public: the CHECK constraints that call them
+/// run as whoever writes the table.
+pub(crate) const FUNCTIONS_PRIVATE: &str = "DO $$
+     DECLARE
+         f regprocedure;
+     BEGIN
+         FOR f IN SELECT p.oid::regprocedure FROM pg_catalog.pg_proc p
+                  WHERE p.pronamespace = 'permitq'::regnamespace AND p.proname NOT LIKE 'rule\\_%'
+         LOOP
+             EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
+         END LOOP;
+     END $$";
+/// Readiness: whether exactly these versions ($1) are applied and these files ($2, bodies $3)
+/// applied unchanged.
+pub(crate) const SCHEMA_IS_CURRENT: &str =
+    "SELECT (SELECT coalesce(array_agg(version ORDER BY version), '{}') \
+     FROM permitq.schema_migration) = $1::int4[] \
+     AND (SELECT count(*) FROM unnest($2::text[], $3::text[]) AS f(path, body) \
+          JOIN permitq.schema_file s ON s.path = f.path \
+           AND s.checksum = sha256(convert_to(f.body, 'UTF8'))) = cardinality($2::text[])";
 
 /// Worker: claim what could be granted (unexamined requests after a cursor, and the first
 /// waiters of semaphores with room), FOR UPDATE SKIP LOCKED.
@@ -53,12 +84,13 @@ pub(crate) const CLAIM_REQUESTS: &str = include_str!("sql/claim_requests.sql");
 /// Worker: settle a request that failed a batch on its own as `error` / `invalid`; returns its
 /// external_id (NULL when it is no longer `new`).
 pub(crate) const SETTLE_INVALID: &str = "SELECT permitq.settle_invalid($1)";
-/// Worker: lock the batch's semaphores in id order and fold pending releases into `used`.
-pub(crate) const LOCK_SEMAPHORES: &str = include_str!("sql/lock_semaphores.sql");
+/// Worker: make the batch's missing template instances, lock its semaphores in id order, fold
+/// pending releases into `used`, and read the semaphores as the decision sees them.
+pub(crate) const LOCK_BATCH_SEMAPHORES: &str = include_str!("sql/lock_batch_semaphores.sql");
 /// Worker, when it claimed nothing: fold pending releases (and send their events).
 pub(crate) const FOLD_RELEASES: &str = "SELECT permitq.fold_releases()";
 /// Worker: say whether it is asleep (waiting for a notification), and until when that holds
-/// if it dies (see permitq.wake_workers in schema/V3__hot_path.sql).
+/// if it dies (see permitq.wake_workers in schema/functions/notifications.sql).
 pub(crate) const WORKER_SLEEPING: &str = "INSERT INTO permitq.worker_wake AS w \
      (worker_id, sleeping, awake_by) VALUES ($1, $2, now() + $3::text::interval) \
      ON CONFLICT (worker_id) DO UPDATE SET sleeping = EXCLUDED.sleeping, awake_by = EXCLUDED.awake_by";
@@ -72,8 +104,6 @@ pub(crate) const WORKER_GONE: &str = "DELETE FROM permitq.worker_wake WHERE work
 /// flight (the wake key is free in EXCLUSIVE mode; taken and let go in one statement).
 pub(crate) const WAKE_KEY_FREE: &str =
     "SELECT CASE WHEN pg_try_advisory_lock($1) THEN pg_advisory_unlock($1) ELSE false END";
-/// The advisory key producers hold in SHARE mode while they decide whether to NOTIFY.
-pub(crate) const WAKE_KEY: i64 = 1_886_454_016;
 /// Retention: rows of workers that died asleep, long ago.
 pub(crate) const DELETE_DEAD_WORKERS: &str =
     "DELETE FROM permitq.worker_wake WHERE awake_by < now() - interval '1 hour'";
@@ -153,7 +183,7 @@ pub(crate) const SWEEP_EXPIRED: &str = "SELECT permitq.sweep_expired($1)";
 pub(crate) const NEXT_WINDOW_OPENING: &str =
     "SELECT extract(epoch FROM permitq.next_window_opening() - clock_timestamp())::float8";
 /// Sweep: idle instances of templates, in batches, and grants that left their window (see
-/// schema/V8__templates_rate_limits_priorities.sql).
+/// schema/functions/sweeps.sql).
 pub(crate) const SWEEP_IDLE_INSTANCES: &str =
     "SELECT permitq.sweep_idle_instances($1::text::interval, $2)";
 /// Sweep: held past --max-hold → released as `stale`.
@@ -178,18 +208,20 @@ pub(crate) fn interval(d: std::time::Duration) -> String {
     format!("{} microseconds", d.as_micros())
 }
 
-/// Every statement above that can be prepared, by name (the migration table setup is a batch
-/// of statements and runs on every `migrate`).
+/// Every statement above that can be prepared, by name (the bookkeeping setup and
+/// FUNCTIONS_PRIVATE are utility statements and run on every `migrate`).
 #[cfg(test)]
 fn all() -> Vec<(&'static str, String)> {
     let mut all: Vec<(&'static str, String)> = [
         ("MIGRATION_LOCK", MIGRATION_LOCK),
         ("MIGRATION_UNLOCK", MIGRATION_UNLOCK),
         ("APPLIED_MIGRATIONS", APPLIED_MIGRATIONS),
-        ("MIGRATION_CHECKSUM", MIGRATION_CHECKSUM),
+        ("CHECKSUM", CHECKSUM),
         ("RECORD_MIGRATION", RECORD_MIGRATION),
-        ("RECORD_MIGRATION_CHECKSUM", RECORD_MIGRATION_CHECKSUM),
-        ("SCHEMA_VERSION", SCHEMA_VERSION),
+        ("FORGET_PRERELEASE_MIGRATIONS", FORGET_PRERELEASE_MIGRATIONS),
+        ("SCHEMA_FILE_CHANGED", SCHEMA_FILE_CHANGED),
+        ("RECORD_SCHEMA_FILE", RECORD_SCHEMA_FILE),
+        ("SCHEMA_IS_CURRENT", SCHEMA_IS_CURRENT),
         ("SWEPT_REQUESTS", SWEPT_REQUESTS),
         ("USAGE", USAGE),
         ("HOLDERS", HOLDERS),
@@ -197,7 +229,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("CLAIM_REQUESTS", CLAIM_REQUESTS),
         ("SETTLE_INVALID", SETTLE_INVALID),
         ("CLAIM_BATCH", CLAIM_BATCH),
-        ("LOCK_SEMAPHORES", LOCK_SEMAPHORES),
+        ("LOCK_BATCH_SEMAPHORES", LOCK_BATCH_SEMAPHORES),
         ("FOLD_RELEASES", FOLD_RELEASES),
         ("WORKER_SLEEPING", WORKER_SLEEPING),
         ("WORKER_GONE", WORKER_GONE),

@@ -80,7 +80,9 @@ string_enum! {
     State {
         /// Waiting to be granted.
         New => "new",
-        /// Held by a worker's open transaction; never visible outside it.
+        /// Being decided: the row lock a worker's open transaction holds while it claims the
+        /// request. Never committed, so never read from the database (a worker that dies
+        /// leaves the request `new`); kept so the states match the SQL API's contract.
         InProgress => "in_progress",
         /// Granted: the holder owns the permits.
         Acquired => "acquired",
@@ -156,6 +158,7 @@ string_enum! {
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[must_use]
+#[non_exhaustive]
 pub struct Request {
     /// Client-chosen idempotency key, 1..=255 characters.
     pub external_id: String,
@@ -167,16 +170,9 @@ pub struct Request {
     pub ttl: Option<Duration>,
     /// How long it may wait for capacity: `None` forever, `Some(ZERO)` fail fast.
     pub wait: Option<Duration>,
-    /// Higher first on fair semaphores (-100 to 100, default 0); see [`AGING_STEP`].
+    /// Higher first on fair semaphores (-100 to 100, default 0); see [`crate::AGING_STEP`].
     pub priority: i16,
 }
-
-/// Waiting raises a request's effective priority by one per step, so on a fair semaphore a
-/// request of priority p is never overtaken by one submitted more than (p' − p) steps after it.
-pub const AGING_STEP: Duration = Duration::from_secs(10);
-
-/// The lowest and highest priority a request may have.
-pub const PRIORITY_RANGE: std::ops::RangeInclusive<i16> = -100..=100;
 
 impl Request {
     /// A request with no permits yet.
@@ -215,7 +211,7 @@ impl Request {
         self
     }
 
-    /// Sets its priority: higher first on fair semaphores, within [`PRIORITY_RANGE`].
+    /// Sets its priority: higher first on fair semaphores, within [`crate::PRIORITY_RANGE`].
     pub fn priority(mut self, priority: i16) -> Request {
         self.priority = priority;
         self
@@ -349,28 +345,5 @@ pub(crate) fn ser_time<S: Serializer>(
     match t {
         Some(t) => s.serialize_str(&humantime::format_rfc3339_micros(*t).to_string()),
         None => s.serialize_none(),
-    }
-}
-
-/// The longest `ttl`, `wait`, heartbeat `extend`, `max_hold` or retention permitq accepts:
-/// 10 years, counted as 3653 days (the database's bound is `interval '3653 days'`).
-pub const MAX_DURATION: std::time::Duration = std::time::Duration::from_secs(3653 * 86_400);
-
-/// Why `value` is out of bounds (longer than [`MAX_DURATION`], or zero where that is not
-/// allowed), or None when it is fine; the caller names the field.
-pub(crate) fn duration_problem(
-    value: Option<std::time::Duration>,
-    zero_allowed: bool,
-) -> Option<String> {
-    let value = value?;
-    if value.is_zero() && !zero_allowed {
-        Some("must be positive, got 0s".to_string())
-    } else if value > MAX_DURATION {
-        Some(format!(
-            "must be at most 10 years (3653 days), got {}s",
-            value.as_secs()
-        ))
-    } else {
-        None
     }
 }

@@ -4,7 +4,7 @@
 //! examined yet, and the first waiters of semaphores that have room. A full semaphore costs a
 //! pass nothing, however long its queue. Awake, the worker runs passes back to back while they
 //! find work. When one finds nothing it goes to sleep by the protocol of
-//! `permitq.wake_workers` (schema/V3__hot_path.sql), so that producers NOTIFY only while some
+//! `permitq.wake_workers` (schema/functions/notifications.sql), so that producers NOTIFY only while some
 //! worker sleeps: it records that it sleeps, waits until no producer that may have seen it awake
 //! is still in flight (running passes meanwhile), runs one more pass, and only then waits for a
 //! notification on `permitq_work`, a reconnect of the LISTEN connection, or the
@@ -51,7 +51,7 @@ pub struct WorkerConfig {
 impl WorkerConfig {
     /// Every value in range, or the first one that is not, by name.
     fn validate(&self) -> Result<()> {
-        use crate::types::duration_problem;
+        use crate::rules::duration_problem;
         if !(1..=10_000).contains(&self.batch_size) {
             return Err(Error::invalid(
                 "batch_size",
@@ -427,7 +427,7 @@ impl Worker {
             .pool
             .get()
             .await?
-            .query_one(sql::WAKE_KEY_FREE, &[&sql::WAKE_KEY])
+            .query_one(sql::WAKE_KEY_FREE, &[&crate::rules::WAKE_LOCK_KEY])
             .await?
             .get(0))
     }

@@ -239,9 +239,10 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         .set_rate_limit(RATE_LIMITED.0, RATE_LIMITED.1, RATE_LIMITED.2, Some(true))
         .await?;
     if let Some(m) = config.mutation {
+        let planted = m.sql().map_err(CliError::Runtime)?;
         permitq_test_support::try_connect(&url)
             .await?
-            .batch_execute(&m.sql())
+            .batch_execute(&planted)
             .await?;
     }
 

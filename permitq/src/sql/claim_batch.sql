@@ -1,4 +1,4 @@
--- Claim what could be granted now (see permitq.claim_batch in schema/V4__robustness.sql): pending
+-- Claim what could be granted now (see permitq.claim_batch in schema/functions/claim.sql): pending
 -- requests no worker has examined yet after the cursor, in id order, and the first waiters of
 -- semaphores that have room. Lock order step 1, FOR UPDATE SKIP LOCKED: rows another worker holds
 -- are passed over, not waited for. The row lock is the claim: waiting requests are not rewritten

@@ -297,7 +297,7 @@ impl Worker {
 
         // Lock (and fold), then read the heads: two statements, one round trip.
         let batch_ids: Vec<i64> = candidates.iter().map(|c| c.id).collect();
-        let lock = conn.prepare_cached(sql::LOCK_SEMAPHORES).await?;
+        let lock = conn.prepare_cached(sql::LOCK_BATCH_SEMAPHORES).await?;
         let heads = conn.prepare_cached(sql::SEMAPHORE_HEADS).await?;
         let lock_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&names];
         let head_params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =

@@ -7,6 +7,7 @@ mod priorities;
 mod rate_limits;
 mod robustness;
 mod roles;
+mod schema;
 mod sql_api;
 mod templates;
 mod worker;

@@ -161,7 +161,7 @@ async fn a_non_superuser_that_owns_the_database_or_the_schema_migrates_it() {
     let client = Client::connect(&url).await.unwrap();
     // The roles exist (cluster-wide) already, so it needs no CREATEROLE.
     let applied = client.migrate().await.unwrap();
-    assert_eq!(applied.len(), permitq::migrate::MIGRATIONS.len());
+    assert_eq!(applied.versions.len(), permitq::migrate::MIGRATIONS.len());
     assert!(client.migrate().await.unwrap().is_empty());
     client.set_capacity("x", 1, None).await.unwrap();
     drop(client);
@@ -194,7 +194,7 @@ async fn a_non_superuser_that_owns_the_database_or_the_schema_migrates_it() {
         .await
         .unwrap();
     let applied = nothing.migrate().await.unwrap();
-    assert_eq!(applied.len(), permitq::migrate::MIGRATIONS.len());
+    assert_eq!(applied.versions.len(), permitq::migrate::MIGRATIONS.len());
     drop(nothing);
 
     // Leave nothing behind on the shared cluster.
@@ -231,8 +231,8 @@ async fn without_createrole_and_without_the_roles_migrate_says_what_a_dba_must_r
             && message.contains("CREATEROLE"),
         "{message}"
     );
-    // Each migration is one transaction: those before the roles are applied, the one that
-    // needs them is not (nothing half-done), and the schema is not current.
+    // The run is one transaction: nothing is applied (nothing half-done), and the schema is
+    // not current.
     assert!(!client.schema_is_current().await.unwrap());
     // Once a DBA created the roles, the same owner migrates.
     admin

@@ -540,22 +540,31 @@ async fn migrate_refuses_a_database_whose_applied_migration_was_edited_or_is_unk
         permitq::migrate::MIGRATIONS.len(),
         "every applied migration has its checksum"
     );
-    assert_eq!(client.migrate().await.unwrap(), Vec::<i32>::new());
+    assert!(client.migrate().await.unwrap().is_empty());
 
     conn.batch_execute("UPDATE permitq.schema_migration SET checksum = '\\x00' WHERE version = 1")
         .await
         .unwrap();
     let err = client.migrate().await.unwrap_err().to_string();
     assert!(
-        err.contains("migration 1 (core) was edited after it was applied"),
+        err.contains("migration 1 (baseline) was edited after it was applied"),
         "{err}"
     );
-
-    // Before checksums were kept: the column is NULL, and migrate records this build's.
-    conn.batch_execute("UPDATE permitq.schema_migration SET checksum = NULL")
+    conn.batch_execute("UPDATE permitq.schema_migration SET checksum = NULL WHERE version = 1")
         .await
         .unwrap();
-    assert_eq!(client.migrate().await.unwrap(), Vec::<i32>::new());
+    let err = client.migrate().await.unwrap_err().to_string();
+    assert!(
+        err.contains("its checksum in the database is missing"),
+        "{err}"
+    );
+    conn.execute(
+        "UPDATE permitq.schema_migration SET checksum = sha256(convert_to($1::text, 'UTF8'))",
+        &[&permitq::migrate::MIGRATIONS[0].sql],
+    )
+    .await
+    .unwrap();
+    assert!(client.migrate().await.unwrap().is_empty());
 
     conn.batch_execute(
         "INSERT INTO permitq.schema_migration (version, name) VALUES (999, 'future')",
@@ -567,4 +576,38 @@ async fn migrate_refuses_a_database_whose_applied_migration_was_edited_or_is_unk
         err.contains("migration 999 (future), which this build of permitq does not know"),
         "{err}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_schema_file_is_applied_again_and_only_it() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    // A function edited by hand, and its file's recorded checksum no longer this build's.
+    conn.batch_execute(
+        "CREATE OR REPLACE FUNCTION permitq.fence(resource text, token bigint) RETURNS boolean \
+         LANGUAGE sql AS $$ SELECT false $$; \
+         UPDATE permitq.schema_file SET checksum = '\\x00' WHERE path = 'fence.sql';",
+    )
+    .await
+    .unwrap();
+    assert!(!client.schema_is_current().await.unwrap());
+    let migrated = client.migrate().await.unwrap();
+    assert_eq!(migrated.files, vec!["fence.sql".to_string()]);
+    assert!(migrated.versions.is_empty());
+    assert!(client.schema_is_current().await.unwrap());
+    assert!(
+        client.fence("res", 1).await.unwrap(),
+        "the file's fence is back"
+    );
+    // Still private to the roles its file grants it to.
+    let public: bool = conn
+        .query_one(
+            "SELECT has_function_privilege('public', 'permitq.fence(text, bigint)', 'EXECUTE')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!public);
 }

@@ -1,0 +1,92 @@
+-- Worker step 2 (lock order step 2): the semaphores of a claimed batch, locked in ascending id,
+-- with the pending releases folded into `used`, as the decision sees them.
+
+-- Folds pending releases (functions/release.sql) into `used`: those of the semaphores in
+-- `locked` (the caller holds their locks), and of every other semaphore it can lock without
+-- waiting (FOR UPDATE SKIP LOCKED, in id order: whoever holds one folds it), plus the cancels.
+-- Deletes what it folds and sends the events of the requests the rows announce.
+CREATE OR REPLACE FUNCTION permitq.fold_pending_releases(locked text[]) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    also text[];
+    announced bigint[];
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM permitq.pending_release) THEN
+        RETURN;
+    END IF;
+    SELECT array_agg(l.name) INTO also FROM (
+        SELECT s.name FROM permitq.semaphore s
+        WHERE s.name IN (SELECT p.semaphore FROM permitq.pending_release p
+                         WHERE p.semaphore IS NOT NULL)
+          AND s.name <> ALL(locked)
+        ORDER BY s.id
+        FOR UPDATE SKIP LOCKED
+    ) l;
+    locked := locked || coalesce(also, '{}');
+
+    WITH folded AS (
+        DELETE FROM permitq.pending_release p
+        WHERE p.semaphore = ANY(locked)
+           OR p.id IN (SELECT c.id FROM permitq.pending_release c
+                       WHERE c.semaphore IS NULL FOR UPDATE SKIP LOCKED)
+        RETURNING p.request_id, p.semaphore, p.count, p.announce
+    ),
+    give_back AS (
+        UPDATE permitq.semaphore s
+        SET used = s.used - t.total, updated_at = now()
+        FROM (SELECT f.semaphore, sum(f.count) AS total FROM folded f
+              WHERE f.semaphore IS NOT NULL GROUP BY f.semaphore) t
+        WHERE s.name = t.semaphore
+    )
+    SELECT array_agg(f.request_id) FILTER (WHERE f.announce) INTO announced FROM folded f;
+
+    IF announced IS NOT NULL THEN
+        PERFORM permitq.notify_events(announced);
+    END IF;
+END $$;
+
+-- The worker's step 2 for a batch naming `names`, in one call:
+--   1. make the missing template instances (functions/templates.sql), before any lock;
+--   2. lock the named semaphores FOR UPDATE in ascending id (the row locks are taken above the
+--      sort, so in this order); templates are never locked nor returned, so a request naming
+--      one is `unknown_semaphore`;
+--   3. fold the pending releases of these and of every semaphore no one else holds;
+--   4. return the named semaphores as the decision sees them: `used` is the permits held, or
+--      for a rate-limited semaphore the permits granted in its window.
+-- The rows are the latest committed versions, exact for as long as the caller's transaction
+-- runs.
+CREATE OR REPLACE FUNCTION permitq.lock_batch_semaphores(names text[])
+RETURNS TABLE (id bigint, name text, capacity integer, used integer, fair boolean)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+DECLARE
+    locked text[];
+BEGIN
+    PERFORM permitq.make_instances(names);
+
+    SELECT array_agg(l.name) INTO locked FROM (
+        SELECT s.name FROM permitq.semaphore s
+        WHERE s.name = ANY(names) AND NOT s.is_template
+        ORDER BY s.id
+        FOR UPDATE
+    ) l;
+
+    PERFORM permitq.fold_pending_releases(coalesce(locked, '{}'));
+
+    RETURN QUERY
+    SELECT s.id, s.name, s.capacity,
+           CASE WHEN s.per IS NULL THEN s.used ELSE permitq.in_window(s) END,
+           s.fair
+    FROM permitq.semaphore s
+    WHERE s.name = ANY(names) AND NOT s.is_template
+    ORDER BY s.id;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.lock_batch_semaphores(text[]) TO permitq_worker;
+
+-- Worker, when it claimed nothing: fold the pending releases (and send their events), so `used`
+-- and the producers waiting for `released` do not wait for the next grant.
+CREATE OR REPLACE FUNCTION permitq.fold_releases() RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+BEGIN
+    PERFORM permitq.fold_pending_releases('{}');
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.fold_releases() TO permitq_worker;

@@ -1,0 +1,18 @@
+-- The capacity audit: creation and every UPDATE that sets capacity or fair (set_capacity, a
+-- template's change reaching its instances, or a hand-written UPDATE), even when the value stays
+-- the same. Changes to `used` are not audited.
+
+CREATE OR REPLACE FUNCTION permitq.audit_capacity() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+BEGIN
+    INSERT INTO permitq.capacity_change (semaphore, old_capacity, new_capacity, old_fair, new_fair)
+    VALUES (NEW.name,
+            CASE WHEN TG_OP = 'UPDATE' THEN OLD.capacity END, NEW.capacity,
+            CASE WHEN TG_OP = 'UPDATE' THEN OLD.fair END, NEW.fair);
+    RETURN NULL;
+END $$;
+
+CREATE OR REPLACE TRIGGER semaphore_created AFTER INSERT ON permitq.semaphore
+    FOR EACH ROW EXECUTE FUNCTION permitq.audit_capacity();
+CREATE OR REPLACE TRIGGER semaphore_capacity_changed AFTER UPDATE OF capacity, fair ON permitq.semaphore
+    FOR EACH ROW EXECUTE FUNCTION permitq.audit_capacity();

@@ -1,0 +1,95 @@
+-- Worker step 1 (lock order step 1): claim what could be granted now, FOR UPDATE SKIP LOCKED.
+-- The row lock is the claim: waiting requests are not rewritten on every pass, and a worker
+-- that dies simply drops its locks, leaving its rows `new` (so the `in_progress` state is never
+-- committed). Each row comes with what the decision needs: `problem` (why an unexamined row
+-- cannot be decided, else NULL: it fails as `invalid`) and `effective`, its place in line
+-- (functions/queue_order.sql).
+
+-- A pass's batch, in two parts:
+--   fresh: pending requests no worker has examined yet, in id order after the pass's cursor
+--          (a line in the sand: rows another worker holds are passed over, not waited for);
+--   ready: the first waiters of every priority level of each semaphore that has room now
+--          (capacity - used + releases not folded yet, or what a rate window leaves), at most
+--          min(batch_size, free) per level, whose count there fits. A full semaphore
+--          contributes nothing, however many wait on it.
+-- Rows come back in id order within each part; the caller sorts the union.
+CREATE OR REPLACE FUNCTION permitq.claim_batch(cursor bigint, batch_size bigint)
+RETURNS TABLE (id bigint, permits jsonb, fail_fast boolean, deadline_passed boolean,
+               examined boolean, age_seconds float8, problem text, external_id text,
+               effective bigint)
+LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET enable_seqscan = off AS $$
+DECLARE
+    ready bigint[];
+BEGIN
+    RETURN QUERY
+    SELECT r.id, r.permits, coalesce(r.wait = interval '0', false),
+           coalesce(r.wait_until <= now(), false), r.examined,
+           extract(epoch FROM clock_timestamp() - r.created_at)::float8,
+           permitq.request_problem(r), r.external_id,
+           permitq.effective_priority(r.priority, r.created_at)
+    FROM permitq.permit_request r
+    WHERE r.state = 'new' AND NOT r.examined AND r.id > cursor
+    ORDER BY r.id
+    LIMIT batch_size
+    FOR UPDATE SKIP LOCKED;
+
+    IF NOT EXISTS (SELECT 1 FROM permitq.waiter) THEN
+        RETURN;
+    END IF;
+    WITH room AS (
+        SELECT s.id,
+               CASE WHEN s.per IS NOT NULL THEN s.capacity - permitq.in_window(s)
+                    ELSE s.capacity - s.used
+                         + coalesce((SELECT sum(p.count) FROM permitq.pending_release p
+                                     WHERE p.semaphore = s.name), 0) END AS free
+        FROM permitq.semaphore s
+        WHERE (SELECT true FROM permitq.waiter w WHERE w.semaphore_id = s.id LIMIT 1)
+    )
+    SELECT array_agg(DISTINCT w.request_id) INTO ready
+    FROM room
+    -- Every priority level of its queue, and the first waiters of each (the decision puts them
+    -- in line).
+    CROSS JOIN LATERAL permitq.waiter_levels(room.id) AS level(priority)
+    CROSS JOIN LATERAL (
+        SELECT wt.request_id, wt.count FROM permitq.waiter wt
+        WHERE wt.semaphore_id = room.id AND wt.priority = level.priority
+        ORDER BY wt.semaphore_id, wt.priority DESC, wt.request_id   -- waiter_line_idx
+        -- Each grant takes at least one permit: no more than `free` of them can go now.
+        LIMIT least(batch_size, room.free)
+    ) w
+    WHERE room.free > 0 AND w.count <= room.free;
+    IF ready IS NULL THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    SELECT r.id, r.permits, coalesce(r.wait = interval '0', false),
+           coalesce(r.wait_until <= now(), false), r.examined,
+           extract(epoch FROM clock_timestamp() - r.created_at)::float8,
+           NULL::text, r.external_id,
+           permitq.effective_priority(r.priority, r.created_at)
+    FROM permitq.permit_request r
+    WHERE r.id = ANY(ready) AND r.state = 'new' AND r.examined
+    ORDER BY r.id
+    FOR UPDATE SKIP LOCKED;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.claim_batch(bigint, bigint) TO permitq_worker;
+
+-- Isolating a failed batch: claim exactly these requests (still `new`), with the columns of
+-- claim_batch.
+CREATE OR REPLACE FUNCTION permitq.claim_requests(ids bigint[])
+RETURNS TABLE (id bigint, permits jsonb, fail_fast boolean, deadline_passed boolean,
+               examined boolean, age_seconds float8, problem text, external_id text,
+               effective bigint)
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+    SELECT r.id, r.permits, coalesce(r.wait = interval '0', false),
+           coalesce(r.wait_until <= now(), false), r.examined,
+           extract(epoch FROM clock_timestamp() - r.created_at)::float8,
+           CASE WHEN NOT r.examined THEN permitq.request_problem(r) END, r.external_id,
+           permitq.effective_priority(r.priority, r.created_at)
+    FROM permitq.permit_request r
+    WHERE r.id = ANY(ids) AND r.state = 'new'
+    ORDER BY r.id
+    FOR UPDATE SKIP LOCKED
+$$;
+GRANT EXECUTE ON FUNCTION permitq.claim_requests(bigint[]) TO permitq_worker;

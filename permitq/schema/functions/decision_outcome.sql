@@ -1,0 +1,104 @@
+-- Worker step 3: write what the decision said, set-based, and send the outcomes.
+
+-- A batch's outcome. Precondition: the caller's transaction holds the row locks of all these
+-- requests (claimed FOR UPDATE SKIP LOCKED) and, in id order, the locks of every semaphore they
+-- name (lock_batch_semaphores).
+CREATE OR REPLACE FUNCTION permitq.apply_decision(
+    worker text,
+    granted bigint[],
+    errored bigint[],
+    error_codes text[],
+    waiting bigint[]
+) RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+DECLARE
+    -- The high bits of this batch's tokens (functions/fencing_tokens.sql).
+    epoch bigint := CASE WHEN cardinality(granted) > 0 THEN permitq.token_epoch() ELSE 0 END;
+BEGIN
+    -- Failures first: their settled_at then precedes the batch's acquired_at, so a history
+    -- checker never mistakes a request failed in this batch for one still waiting at the grants.
+    IF cardinality(errored) > 0 THEN
+        UPDATE permitq.permit_request r
+        SET state = 'error', error_code = e.code, settled_at = clock_timestamp(), worker_id = worker
+        FROM unnest(errored, error_codes) AS e(id, code)
+        WHERE r.id = e.id;
+    END IF;
+
+    IF cardinality(granted) > 0 THEN
+        -- Tokens and timestamps are drawn in id order, after the locks are held, so token order,
+        -- acquired_at order and FIFO order agree (volatile output columns are computed after the
+        -- ORDER BY).
+        WITH g AS (
+            SELECT id, epoch | nextval('permitq.fencing_token_seq') AS token, clock_timestamp() AS at
+            FROM unnest(granted) AS id
+            ORDER BY id
+        ),
+        done AS (
+            UPDATE permitq.permit_request r
+            SET state = 'acquired', fencing_token = g.token, acquired_at = g.at,
+                expires_at = g.at + r.ttl, worker_id = worker
+            FROM g
+            WHERE r.id = g.id
+            RETURNING r.permits
+        )
+        UPDATE permitq.semaphore s
+        SET used = s.used + t.total, granted = s.granted + t.grants, updated_at = now()
+        FROM (SELECT e.key AS semaphore, sum(e.value::int) AS total, count(*) AS grants
+              FROM done CROSS JOIN LATERAL jsonb_each(done.permits) e GROUP BY e.key) t
+        WHERE s.name = t.semaphore;
+
+        -- Grants on rate-limited semaphores count in their windows (functions/rate_windows.sql).
+        IF EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.per IS NOT NULL) THEN
+            INSERT INTO permitq.rate_grant (semaphore_id, granted_at, count)
+            SELECT s.id, r.acquired_at, e.value::int
+            FROM permitq.permit_request r
+            CROSS JOIN LATERAL jsonb_each(r.permits) e
+            JOIN permitq.semaphore s ON s.name = e.key
+            WHERE r.id = ANY(apply_decision.granted) AND s.per IS NOT NULL;
+        END IF;
+    END IF;
+
+    IF cardinality(waiting) > 0 THEN
+        -- Requests left waiting for the first time take their place in each semaphore's queue.
+        INSERT INTO permitq.waiter (semaphore_id, request_id, count, priority, created_at)
+        SELECT s.id, r.id, e.value::int, r.priority, r.created_at
+        FROM permitq.permit_request r
+        CROSS JOIN LATERAL jsonb_each(r.permits) e
+        JOIN permitq.semaphore s ON s.name = e.key
+        WHERE r.id = ANY(waiting) AND NOT r.examined
+        ON CONFLICT DO NOTHING;
+
+        UPDATE permitq.permit_request r SET examined = true
+        WHERE r.id = ANY(waiting) AND NOT r.examined;
+    END IF;
+
+    IF cardinality(granted) + cardinality(errored) > 0 THEN
+        -- They wait no more.
+        DELETE FROM permitq.waiter w WHERE w.request_id = ANY(granted || errored);
+        PERFORM permitq.notify_events(granted || errored);
+    END IF;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.apply_decision(text, bigint[], bigint[], text[], bigint[])
+    TO permitq_worker;
+
+-- A request that failed a batch on its own: ends it as `error` / `invalid` (out-of-bound
+-- intervals are cleared so that the row satisfies the constraints), drops its waiter rows, sends
+-- its event. Takes only the request's row lock. Returns its external_id (NULL if no longer new).
+CREATE OR REPLACE FUNCTION permitq.settle_invalid(request_id bigint) RETURNS text
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+DECLARE
+    settled text;
+BEGIN
+    UPDATE permitq.permit_request r
+    SET state = 'error', error_code = 'invalid', settled_at = clock_timestamp(),
+        ttl = CASE WHEN permitq.interval_problem(r.ttl, false) IS NULL THEN r.ttl END,
+        wait = CASE WHEN permitq.interval_problem(r.wait, true) IS NULL THEN r.wait END
+    WHERE r.id = request_id AND r.state = 'new'
+    RETURNING r.external_id INTO settled;
+    IF settled IS NOT NULL THEN
+        DELETE FROM permitq.waiter w WHERE w.request_id = settle_invalid.request_id;
+        PERFORM permitq.notify_events(ARRAY[request_id]);
+    END IF;
+    RETURN settled;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.settle_invalid(bigint) TO permitq_worker;

@@ -1,0 +1,23 @@
+-- Fencing for downstream writes kept in this database (table permitq.fence_token).
+
+-- permitq.fence: true, and remembered, when `token` >= the highest token seen for `resource`;
+-- false otherwise. One statement: atomic under concurrency.
+CREATE OR REPLACE FUNCTION permitq.fence(resource text, token bigint) RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+#variable_conflict use_column
+DECLARE
+    accepted boolean;
+BEGIN
+    IF fence.resource IS NULL OR fence.resource = '' THEN
+        RAISE EXCEPTION 'invalid resource: must not be empty' USING ERRCODE = '22023';
+    END IF;
+    IF fence.token IS NULL THEN
+        RAISE EXCEPTION 'invalid token: must not be null' USING ERRCODE = '22023';
+    END IF;
+    INSERT INTO permitq.fence_token AS f (resource, token) VALUES ($1, $2)
+    ON CONFLICT (resource) DO UPDATE SET token = EXCLUDED.token, updated_at = now()
+        WHERE f.token <= EXCLUDED.token
+    RETURNING true INTO accepted;
+    RETURN coalesce(accepted, false);
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.fence(text, bigint) TO permitq_producer, permitq_admin;

@@ -1,0 +1,39 @@
+-- Retention, in small batches so that production traffic never queues behind a long delete.
+
+-- Deletes up to batch_size settled requests (and their waiter rows, by cascade) that settled
+-- more than older_than ago.
+CREATE OR REPLACE FUNCTION permitq.delete_settled(older_than interval, batch_size integer) RETURNS integer
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
+    SET plan_cache_mode = force_custom_plan SET enable_sort = off AS $$
+DECLARE
+    n integer;
+BEGIN
+    WITH doomed AS (
+        SELECT id FROM permitq.permit_request
+        WHERE state IN ('released', 'error') AND settled_at < now() - older_than
+        ORDER BY settled_at
+        LIMIT batch_size
+        FOR UPDATE SKIP LOCKED
+    )
+    DELETE FROM permitq.permit_request r USING doomed WHERE r.id = doomed.id;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    RETURN n;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.delete_settled(interval, integer) TO permitq_worker, permitq_admin;
+
+-- The capacity audit's retention, in batches like delete_settled.
+CREATE OR REPLACE FUNCTION permitq.delete_capacity_changes(older_than interval, batch_size integer)
+RETURNS integer
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
+    SET plan_cache_mode = force_custom_plan SET enable_sort = off AS $$
+DECLARE
+    n integer;
+BEGIN
+    DELETE FROM permitq.capacity_change c
+    WHERE c.id IN (SELECT id FROM permitq.capacity_change
+                   WHERE changed_at < now() - older_than
+                   ORDER BY changed_at LIMIT batch_size);
+    GET DIAGNOSTICS n = ROW_COUNT;
+    RETURN n;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.delete_capacity_changes(interval, integer) TO permitq_worker, permitq_admin;

@@ -1,0 +1,56 @@
+-- The operator's entry: create or change a semaphore, a template, or a rate limit.
+
+-- permitq.set_capacity: create or change a semaphore and wake the workers. Lowering capacity
+-- below `used` revokes nothing; new grants wait until `used` drops below the new capacity.
+-- A name ending in `*` makes a template (functions/templates.sql): its instances follow its
+-- changes. `per`: NULL keeps the semaphore's window (none for a new one); a positive interval
+-- makes it rate-limited (functions/rate_windows.sql); '0' makes it a concurrency semaphore
+-- again.
+CREATE OR REPLACE FUNCTION permitq.set_capacity(name text, capacity integer, fair boolean DEFAULT NULL,
+                                                per interval DEFAULT NULL)
+RETURNS permitq.semaphore
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+#variable_conflict use_column
+DECLARE
+    result permitq.semaphore;
+    problem text;
+BEGIN
+    IF set_capacity.name IS NULL OR set_capacity.name = '' THEN
+        RAISE EXCEPTION 'invalid name: must not be empty' USING ERRCODE = '22023';
+    END IF;
+    IF length(set_capacity.name) > permitq.rule_max_name_length() THEN
+        RAISE EXCEPTION 'invalid name: must be at most % characters', permitq.rule_max_name_length()
+            USING ERRCODE = '22023';
+    END IF;
+    IF set_capacity.name = '*' THEN
+        RAISE EXCEPTION 'invalid name: a template needs a prefix before its *' USING ERRCODE = '22023';
+    END IF;
+    IF set_capacity.capacity IS NULL OR set_capacity.capacity < 0 THEN
+        RAISE EXCEPTION 'invalid capacity: must be a non-negative integer, got %',
+            coalesce(set_capacity.capacity::text, 'NULL') USING ERRCODE = '22023';
+    END IF;
+    problem := permitq.interval_problem(set_capacity.per, true);
+    IF problem IS NOT NULL THEN
+        RAISE EXCEPTION 'invalid per: %', problem USING ERRCODE = '22023';
+    END IF;
+    INSERT INTO permitq.semaphore AS s (name, capacity, fair, is_template, per)
+    VALUES (set_capacity.name, set_capacity.capacity, coalesce(set_capacity.fair, true),
+            right(set_capacity.name, 1) = '*', nullif(set_capacity.per, interval '0'))
+    ON CONFLICT ON CONSTRAINT semaphore_name_key DO UPDATE
+        SET capacity = EXCLUDED.capacity,
+            fair = coalesce(set_capacity.fair, s.fair),
+            per = CASE WHEN set_capacity.per IS NULL THEN s.per
+                       ELSE nullif(set_capacity.per, interval '0') END,
+            updated_at = now()
+    RETURNING * INTO result;
+    IF result.is_template THEN
+        -- Its instances follow (in id order, the lock order of semaphore rows).
+        PERFORM 1 FROM permitq.semaphore s WHERE s.template = result.name ORDER BY s.id FOR UPDATE;
+        UPDATE permitq.semaphore s
+        SET capacity = result.capacity, fair = result.fair, per = result.per, updated_at = now()
+        WHERE s.template = result.name;
+    END IF;
+    PERFORM pg_notify('permitq_work', '');
+    RETURN result;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.set_capacity(text, integer, boolean, interval) TO permitq_admin;

@@ -1,0 +1,82 @@
+-- The producer's entry: submit a request, read it back.
+
+-- permitq.submit: validate, insert idempotently by external_id, wake a sleeping worker (the
+-- insert trigger does that). The same external_id with the same parameters returns the existing
+-- row unchanged; with different parameters it raises 23505. Never two rows: the unique key
+-- decides. `priority` is an integer so that `priority => 10` needs no cast; stored as smallint.
+CREATE OR REPLACE FUNCTION permitq.submit(
+    external_id text,
+    permits jsonb,
+    owner text DEFAULT NULL,
+    ttl interval DEFAULT NULL,
+    wait interval DEFAULT NULL,
+    priority integer DEFAULT 0
+) RETURNS permitq.permit_request
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+#variable_conflict use_column
+DECLARE
+    problem text;
+    existing permitq.permit_request;
+BEGIN
+    IF submit.external_id IS NULL OR submit.external_id = '' THEN
+        RAISE EXCEPTION 'invalid external_id: must not be empty' USING ERRCODE = '22023';
+    END IF;
+    IF length(submit.external_id) > permitq.rule_max_name_length() THEN
+        RAISE EXCEPTION 'invalid external_id: must be at most % characters, got %',
+            permitq.rule_max_name_length(), length(submit.external_id) USING ERRCODE = '22023';
+    END IF;
+    problem := permitq.permits_problem(submit.permits);
+    IF problem IS NOT NULL THEN
+        RAISE EXCEPTION 'invalid permits: %', problem USING ERRCODE = '22023';
+    END IF;
+    problem := permitq.interval_problem(submit.ttl, false);
+    IF problem IS NOT NULL THEN
+        RAISE EXCEPTION 'invalid ttl: %', problem USING ERRCODE = '22023';
+    END IF;
+    IF submit.priority IS NULL
+       OR submit.priority NOT BETWEEN permitq.rule_priority_min() AND permitq.rule_priority_max() THEN
+        RAISE EXCEPTION 'invalid priority: must be between % and %, got %',
+            permitq.rule_priority_min(), permitq.rule_priority_max(),
+            coalesce(submit.priority::text, 'NULL') USING ERRCODE = '22023';
+    END IF;
+    problem := permitq.interval_problem(submit.wait, true);
+    IF problem IS NOT NULL THEN
+        RAISE EXCEPTION 'invalid wait: %', problem USING ERRCODE = '22023';
+    END IF;
+    LOOP
+        INSERT INTO permitq.permit_request (external_id, permits, owner, ttl, wait, priority)
+        VALUES (submit.external_id, submit.permits, submit.owner, submit.ttl, submit.wait,
+                submit.priority::smallint)
+        ON CONFLICT ON CONSTRAINT permit_request_external_id_key DO NOTHING
+        RETURNING * INTO existing;
+        IF FOUND THEN
+            RETURN existing;
+        END IF;
+        SELECT * INTO existing FROM permitq.permit_request r WHERE r.external_id = submit.external_id;
+        IF FOUND THEN
+            IF existing.permits = submit.permits
+               AND existing.owner IS NOT DISTINCT FROM submit.owner
+               AND existing.ttl IS NOT DISTINCT FROM submit.ttl
+               AND existing.wait IS NOT DISTINCT FROM submit.wait
+               AND existing.priority = submit.priority THEN
+                RETURN existing;
+            END IF;
+            RAISE EXCEPTION 'external_id % already exists with different parameters', submit.external_id
+                USING ERRCODE = '23505',
+                      DETAIL = format('existing: permits=%s owner=%s ttl=%s wait=%s priority=%s',
+                          existing.permits, existing.owner, existing.ttl, existing.wait,
+                          existing.priority);
+        END IF;
+        -- The conflicting row was deleted (retention) between the two statements: insert again.
+    END LOOP;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.submit(text, jsonb, text, interval, interval, integer)
+    TO permitq_producer, permitq_admin;
+
+-- permitq.status: the request row; no row for an unknown external_id.
+CREATE OR REPLACE FUNCTION permitq.status(external_id text) RETURNS SETOF permitq.permit_request
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM permitq.permit_request r WHERE r.external_id = status.external_id;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.status(text) TO permitq_producer, permitq_worker, permitq_admin;

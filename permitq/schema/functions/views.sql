@@ -1,0 +1,59 @@
+-- What operators and producers read: granted permits, exact usage, holders and waiters.
+-- CREATE OR REPLACE VIEW may only add columns at the end; a change that does more drops the
+-- view first, here.
+
+-- One row per semaphore of a granted request (held, or released since).
+CREATE OR REPLACE VIEW permitq.permit AS
+SELECT r.id AS request_id,
+       e.key AS semaphore,
+       e.value::int AS count,
+       CASE WHEN r.state = 'acquired' THEN 'acquired' ELSE 'released' END AS state,
+       r.acquired_at,
+       r.released_at
+FROM permitq.permit_request r
+CROSS JOIN LATERAL jsonb_each(r.permits) e
+WHERE r.acquired_at IS NOT NULL;
+
+-- Exact figures per semaphore: capacity, `used` (the workers' running count, which may run
+-- ahead until releases are folded), held (the sum of acquired permits), how many requests wait
+-- on it and since when the oldest waits, grants so far, and for a rate-limited semaphore its
+-- window and the permits granted in it.
+CREATE OR REPLACE VIEW permitq.semaphore_usage AS
+SELECT s.name,
+       s.capacity,
+       s.used,
+       coalesce(h.held, 0)::integer AS held,
+       coalesce(w.waiting, 0)::integer AS waiting,
+       w.oldest_wait_since,
+       s.fair,
+       s.granted,
+       s.per,
+       -- permitq.in_window, written out: the view's owner reads rate_grant, not its caller.
+       CASE WHEN s.per IS NULL THEN 0 ELSE
+           (SELECT coalesce(sum(g.count), 0)::integer FROM permitq.rate_grant g
+            WHERE g.semaphore_id = s.id AND g.granted_at > now() - s.per) END AS in_window
+FROM permitq.semaphore s
+LEFT JOIN (SELECT e.key AS name, sum(e.value::int) AS held
+           FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
+           WHERE r.state = 'acquired' GROUP BY e.key) h ON h.name = s.name
+LEFT JOIN (SELECT e.key AS name, count(*) AS waiting, min(r.created_at) AS oldest_wait_since
+           FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
+           WHERE r.state = 'new' GROUP BY e.key) w ON w.name = s.name;
+
+-- Who holds what.
+CREATE OR REPLACE VIEW permitq.holders AS
+SELECT e.key AS semaphore, r.external_id, r.owner, e.value::int AS count, r.acquired_at,
+       r.expires_at, r.fencing_token
+FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
+WHERE r.state = 'acquired';
+
+-- Who waits, in each semaphore's queue order (position 1 is the head).
+CREATE OR REPLACE VIEW permitq.waiters AS
+SELECT e.key AS semaphore, r.external_id, r.owner, e.value::int AS count,
+       row_number() OVER (PARTITION BY e.key ORDER BY r.id) AS position,
+       r.created_at AS waiting_since, r.wait_until AS deadline
+FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
+WHERE r.state = 'new';
+
+GRANT SELECT ON permitq.permit, permitq.semaphore_usage, permitq.holders, permitq.waiters
+    TO permitq_producer, permitq_worker, permitq_admin;
