@@ -135,30 +135,61 @@ pub(crate) struct ChaosArgs {
     pub network: bool,
 }
 
-/// `permitq worker` options.
+/// A duration as `--help` shows a default (`1s`, `7days`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HumanDuration(pub Duration);
+
+impl std::fmt::Display for HumanDuration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", humantime::format_duration(self.0))
+    }
+}
+
+/// [`parse_duration`] for an option whose default is shown.
+fn human_duration(s: &str) -> std::result::Result<HumanDuration, String> {
+    parse_duration(s).map(HumanDuration)
+}
+
+/// [`parse_lease_duration`] for an option whose default is shown.
+fn human_lease_duration(s: &str) -> std::result::Result<HumanDuration, String> {
+    parse_lease_duration(s).map(HumanDuration)
+}
+
+/// The library's defaults, which the worker's options show and start from.
+fn worker_defaults() -> WorkerConfig {
+    WorkerConfig::default()
+}
+
+/// `permitq worker` options. Their defaults are [`WorkerConfig::default`]'s.
 #[derive(Debug, Args)]
 pub(crate) struct WorkerArgs {
     /// Requests claimed per transaction.
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=10000))]
+    #[arg(long, default_value_t = worker_defaults().batch_size,
+          value_parser = clap::value_parser!(i64).range(1..=10000))]
     pub batch_size: i64,
     /// Fallback pass interval when no notification arrives.
-    #[arg(long, default_value = "1s", value_parser = parse_duration)]
-    pub poll_interval: Duration,
+    #[arg(long, default_value_t = HumanDuration(worker_defaults().poll_interval),
+          value_parser = human_duration)]
+    pub poll_interval: HumanDuration,
     /// How often leases, wait deadlines and --max-hold are enforced.
-    #[arg(long, default_value = "1s", value_parser = parse_duration)]
-    pub sweep_interval: Duration,
+    #[arg(long, default_value_t = HumanDuration(worker_defaults().maintenance.sweep_interval),
+          value_parser = human_duration)]
+    pub sweep_interval: HumanDuration,
     /// Release anything held longer than this (release_reason = stale). Off by default.
     #[arg(long, value_parser = parse_lease_duration, allow_hyphen_values = true)]
     pub max_hold: Option<Duration>,
     /// Delete settled requests older than this, in small batches.
-    #[arg(long, default_value = "7d", value_parser = parse_lease_duration, allow_hyphen_values = true)]
-    pub retention: Duration,
+    #[arg(long, default_value_t = HumanDuration(worker_defaults().maintenance.retention),
+          value_parser = human_lease_duration, allow_hyphen_values = true)]
+    pub retention: HumanDuration,
     /// Delete capacity audit rows older than this.
-    #[arg(long, default_value = "30d", value_parser = parse_lease_duration, allow_hyphen_values = true)]
-    pub audit_retention: Duration,
+    #[arg(long, default_value_t = HumanDuration(worker_defaults().maintenance.audit_retention),
+          value_parser = human_lease_duration, allow_hyphen_values = true)]
+    pub audit_retention: HumanDuration,
     /// Remove instances of templates ('tenant:*') idle this long (made again when named).
-    #[arg(long, default_value = "1h", value_parser = parse_lease_duration)]
-    pub idle_instance_after: Duration,
+    #[arg(long, default_value_t = HumanDuration(worker_defaults().maintenance.idle_instance_after),
+          value_parser = human_lease_duration)]
+    pub idle_instance_after: HumanDuration,
     /// Serve /metrics, /healthz, /readyz, the JSON API and the status page on HOST:PORT.
     #[arg(long, visible_alias = "metrics-addr")]
     pub http_addr: Option<SocketAddr>,
@@ -170,17 +201,17 @@ pub(crate) struct WorkerArgs {
 impl WorkerArgs {
     /// The worker configuration these options describe.
     pub(crate) fn config(&self) -> WorkerConfig {
-        let mut config = WorkerConfig::default();
+        let mut config = worker_defaults();
         if let Some(id) = &self.id {
             config.id = id.clone();
         }
         config.batch_size = self.batch_size;
-        config.poll_interval = self.poll_interval;
-        config.maintenance.sweep_interval = self.sweep_interval;
+        config.poll_interval = self.poll_interval.0;
+        config.maintenance.sweep_interval = self.sweep_interval.0;
         config.maintenance.max_hold = self.max_hold;
-        config.maintenance.retention = self.retention;
-        config.maintenance.audit_retention = self.audit_retention;
-        config.maintenance.idle_instance_after = self.idle_instance_after;
+        config.maintenance.retention = self.retention.0;
+        config.maintenance.audit_retention = self.audit_retention.0;
+        config.maintenance.idle_instance_after = self.idle_instance_after.0;
         config
     }
 }
@@ -252,9 +283,11 @@ pub(crate) struct SubmitArgs {
     /// How long it may wait for capacity (0 = fail fast; default forever); at most 10y.
     #[arg(long, value_parser = parse_wait, allow_hyphen_values = true)]
     pub wait: Option<Duration>,
-    /// Higher first on fair semaphores, -100 to 100 (waiting adds one per 10 s).
+    /// Higher first on fair semaphores, within permitq's priority range (-100 to 100); waiting
+    /// adds one per aging step (10 s).
     #[arg(long, default_value_t = 0, allow_hyphen_values = true,
-          value_parser = clap::value_parser!(i16).range(-100..=100))]
+          value_parser = clap::value_parser!(i16)
+              .range(i64::from(*permitq::PRIORITY_RANGE.start())..=i64::from(*permitq::PRIORITY_RANGE.end())))]
     pub priority: i16,
     /// Wait for the outcome, up to DUR (default: until it settles). Exit 0 acquired, 3 error,
     /// 4 still waiting.
@@ -277,7 +310,10 @@ pub(crate) fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
 fn parse_wait(s: &str) -> std::result::Result<Duration, String> {
     let d = parse_duration(s)?;
     if d > permitq::MAX_DURATION {
-        return Err(format!("must be at most 10y (3653 days), got {s}"));
+        return Err(format!(
+            "must be at most {}, got {s}",
+            humantime::format_duration(permitq::MAX_DURATION)
+        ));
     }
     Ok(d)
 }

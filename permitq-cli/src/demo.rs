@@ -1,6 +1,6 @@
 //! `permitq demo`: the whole system on an embedded default.
 //!
-//! With no database URL it starts a throwaway PostgreSQL (see [`permitq_test_support::EmbeddedPostgres`]) and removes
+//! With no database URL it starts a throwaway PostgreSQL (see [`permitq_embedded_pg::EmbeddedPostgres`]) and removes
 //! it afterwards. It migrates, creates three semaphores, runs several in-process workers plus
 //! simulated producers and holders (some of which "crash" and leave their lease to expire),
 //! shows a live view, and ends with a summary checked against the database.
@@ -16,8 +16,9 @@ use clap::Args;
 use crate::error::{CliError, Result};
 use permitq::Client;
 use permitq::{Request, State};
-use permitq_test_support::{self as report, RunReport};
-use permitq_test_support::{EmbeddedPostgres, WorkerFleet};
+use permitq_embedded_pg::EmbeddedPostgres;
+use permitq_fleet::WorkerFleet;
+use permitq_fleet::{self as report, RunReport};
 
 /// `permitq demo` options.
 #[derive(Debug, Clone, Args)]
@@ -77,16 +78,17 @@ async fn demo(url: &str, args: &DemoArgs) -> Result<()> {
         })
         .collect();
 
-    let peaks = live_view(&client, &prefix, deadline, started).await?;
+    let reader = permitq_embedded_pg::try_connect(&url).await?;
+    let peaks = live_view(&client, &reader, &prefix, deadline, started).await?;
     for p in producers {
         let _ = p.await;
     }
     // Let the last holders' leases and releases settle before the summary.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let report = report::collect(&client, &prefix).await?;
+    let report = report::collect(&reader, &prefix).await?;
     workers.stop().await;
     print_summary(&report, &peaks, started.elapsed());
-    drop(client); // its LISTEN connection first, then the server
+    drop((client, reader)); // the connections first, then the server
     if report.over_capacity.is_empty() {
         Ok(())
     } else {
@@ -137,6 +139,7 @@ async fn producer(client: Client, prefix: String, counter: Arc<AtomicU64>, deadl
 /// Refreshes a view every second until `deadline`; returns the peak `used` seen per semaphore.
 async fn live_view(
     client: &Client,
+    reader: &tokio_postgres::Client,
     prefix: &str,
     deadline: Instant,
     started: Instant,
@@ -155,7 +158,7 @@ async fn live_view(
         if last_tick.elapsed() < Duration::from_secs(1) && Instant::now() < deadline {
             continue;
         }
-        let (depth, grants) = report::queue_and_grants(client, prefix).await?;
+        let (depth, grants) = report::queue_and_grants(reader, prefix).await?;
         let rate = (grants - last_grants) as f64 / last_tick.elapsed().as_secs_f64();
         last_grants = grants;
         last_tick = Instant::now();

@@ -92,8 +92,8 @@ impl From<permitq::Error> for CliError {
     }
 }
 
-impl From<permitq_test_support::Error> for CliError {
-    fn from(e: permitq_test_support::Error) -> CliError {
+impl From<permitq_embedded_pg::Error> for CliError {
+    fn from(e: permitq_embedded_pg::Error) -> CliError {
         match e.downcast::<permitq::Error>() {
             Ok(e) => CliError::Permitq(*e),
             Err(e) => CliError::Runtime(e.to_string()),

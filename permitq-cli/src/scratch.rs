@@ -5,7 +5,7 @@
 //! requests that name only those, the `bench` schema, and the permitq schema itself if the run
 //! created it). Semaphores that existed before are left as they are.
 
-use permitq_test_support::EmbeddedPostgres;
+use permitq_embedded_pg::EmbeddedPostgres;
 
 use crate::error::{CliError, Result};
 
@@ -62,7 +62,7 @@ pub(crate) async fn open(
     named: Option<&str>,
     yes: bool,
     tool: &str,
-    start_cluster: impl FnOnce() -> permitq_test_support::Result<EmbeddedPostgres> + Send + 'static,
+    start_cluster: impl FnOnce() -> permitq_fleet::Result<EmbeddedPostgres> + Send + 'static,
 ) -> Result<Scratch> {
     let Some(url) = named else {
         errln!("no database named with --database-url: starting a throwaway PostgreSQL...");
@@ -79,7 +79,7 @@ pub(crate) async fn open(
             mark: None,
         });
     };
-    let conn = permitq_test_support::try_connect(url).await?;
+    let conn = permitq_embedded_pg::try_connect(url).await?;
     let schema_existed: bool = conn.query_one(EXISTING_DATA, &[]).await?.get(0);
     let (mut semaphores, mut requests, mut semaphore_id, mut request_id) = (0i64, 0i64, 0, 0);
     if schema_existed {
@@ -114,7 +114,7 @@ impl Scratch {
         let Some(mark) = &self.mark else {
             return Ok(());
         };
-        let mut conn = permitq_test_support::try_connect(&self.url).await?;
+        let mut conn = permitq_embedded_pg::try_connect(&self.url).await?;
         let tx = conn.transaction().await?;
         tx.batch_execute(DROP_SCHEMAS).await?;
         if mark.schema_existed {

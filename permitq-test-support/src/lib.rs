@@ -1,33 +1,19 @@
-//! Test support for permitq (not published): a throwaway PostgreSQL from the system's binaries,
-//! a freshly migrated database per test, in-process worker fleets, run reports and the
-//! invariant queries every concurrency test and the chaos sampler check. Used by the library's
-//! and the CLI's tests and by `permitq demo`, `bench` and `chaos`.
+//! Test support for permitq (not published, used only by tests): one PostgreSQL per test binary
+//! and a freshly migrated database per test, in-process workers, waiting on a condition with a
+//! deadline, and the invariant check every concurrency test runs. Re-exports the throwaway
+//! cluster (`permitq-embedded-pg`) and the run reports (`permitq-fleet`) the tests also use.
 
-mod embedded;
-mod fleet;
-mod netns;
-mod report;
-mod sql;
 mod testdb;
 
-pub use embedded::{find_bin_dir, EmbeddedPostgres, StopMode, TEST_SETTINGS};
-pub use fleet::{database, WorkerFleet};
-pub use netns::NetworkBed;
-pub use report::{
-    collect, invariant_violations, quantile, queue_and_grants, Percentiles, RunReport,
+pub use permitq_embedded_pg::{
+    error, find_bin_dir, try_connect, EmbeddedPostgres, Error, NetworkBed, Result, StopMode,
+    THROWAWAY_SETTINGS,
+};
+pub use permitq_fleet::{
+    collect, database, invariant_violations, listen, quantile, queue_and_grants, Percentiles,
+    RunReport, WorkerFleet,
 };
 pub use testdb::{
-    check_invariants, connect, event_objects, init_logging, listen, quiet_config, semaphore_locked,
-    settled_state, signal, state_of, try_connect, wait_folded, wait_until, with_dbname,
-    RunningWorker, TestDb,
+    check_invariants, connect, event_objects, init_logging, quiet_config, semaphore_locked,
+    settled_state, signal, state_of, wait_folded, wait_until, with_dbname, RunningWorker, TestDb,
 };
-
-/// Errors of test support: anything, boxed, with a message.
-pub type Error = Box<dyn std::error::Error + Send + Sync>;
-/// Results of test support.
-pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-/// An error with `message`.
-pub fn error(message: impl Into<String>) -> Error {
-    message.into().into()
-}

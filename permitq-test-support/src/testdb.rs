@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use permitq::{Client, Worker, WorkerConfig};
 use tokio::sync::{watch, OnceCell};
 
-use crate::embedded::EmbeddedPostgres;
+use permitq_embedded_pg::{try_connect, EmbeddedPostgres};
 
 /// The server all tests of this binary share: (admin URL, the cluster if we started it).
 fn server() -> &'static (String, Option<EmbeddedPostgres>) {
@@ -75,16 +75,6 @@ async fn template() -> &'static str {
 /// A plain connection (driven on a task); panics when it cannot connect.
 pub async fn connect(url: &str) -> tokio_postgres::Client {
     try_connect(url).await.expect("connect")
-}
-
-/// A plain connection to `url` (a `postgres://` URL or `key=value` string), driven on a task.
-pub async fn try_connect(url: &str) -> crate::Result<tokio_postgres::Client> {
-    let config: tokio_postgres::Config = url.parse()?;
-    let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    Ok(client)
 }
 
 /// A freshly migrated, empty database of its own.
@@ -252,44 +242,13 @@ pub async fn state_of(client: &Client, id: &str) -> String {
 /// over capacity, `used` equal to the sum of acquired permits, and permits acquired exactly when
 /// their request is.
 pub async fn check_invariants(conn: &tokio_postgres::Client) -> Result<(), String> {
-    let found = crate::report::invariant_violations(conn, true)
+    let found = permitq_fleet::invariant_violations(conn, true)
         .await
         .map_err(|e| e.to_string())?;
     match found.first() {
         None => Ok(()),
         Some(first) => Err(first.clone()),
     }
-}
-
-/// A dedicated connection LISTENing on `channel`; yields every payload, in commit order.
-pub async fn listen(
-    url: &str,
-    channel: &str,
-) -> (
-    tokio_postgres::Client,
-    tokio::sync::mpsc::UnboundedReceiver<String>,
-) {
-    use futures_util::StreamExt;
-    let (client, mut connection) = url
-        .parse::<tokio_postgres::Config>()
-        .unwrap()
-        .connect(tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut stream = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-        while let Some(Ok(msg)) = stream.next().await {
-            if let tokio_postgres::AsyncMessage::Notification(n) = msg {
-                let _ = tx.send(n.payload().to_string());
-            }
-        }
-    });
-    client
-        .batch_execute(&format!("LISTEN {channel}"))
-        .await
-        .unwrap();
-    (client, rx)
 }
 
 /// The outcomes in one `permitq_events` payload: a JSON array of objects (or one object).

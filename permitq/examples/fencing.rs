@@ -22,6 +22,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use permitq::{Client, Request};
+
+/// Any error, boxed.
+type AnyError = Box<dyn std::error::Error + Send + Sync>;
 use permitq_test_support::{database, WorkerFleet};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -29,7 +32,7 @@ use tokio::net::{TcpListener, TcpStream};
 const RESOURCE: &str = "fencing-demo-file";
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+async fn main() -> Result<(), AnyError> {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("holder") {
         return Ok(holder(&args[2], &args[3]).await?);
@@ -102,7 +105,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 }
 
 /// Holder A: acquire, report the token, "work" briefly (it is paused here), then write.
-async fn holder(url: &str, store: &str) -> permitq::Result<()> {
+async fn holder(url: &str, store: &str) -> Result<(), AnyError> {
     let client = Client::connect(url).await?;
     let request = Request::new(format!("holder-a-{}", std::process::id()))
         .permit(RESOURCE, 1)
@@ -117,7 +120,7 @@ async fn holder(url: &str, store: &str) -> permitq::Result<()> {
 }
 
 /// The storage service: accepts `WRITE <token> <data>` only if token >= the highest seen.
-async fn start_store() -> permitq::Result<String> {
+async fn start_store() -> Result<String, AnyError> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?.to_string();
     let highest = Arc::new(AtomicI64::new(i64::MIN));
@@ -148,7 +151,7 @@ async fn start_store() -> permitq::Result<String> {
     Ok(addr)
 }
 
-async fn write(store: &str, token: i64, data: &str) -> permitq::Result<String> {
+async fn write(store: &str, token: i64, data: &str) -> Result<String, AnyError> {
     let mut socket = TcpStream::connect(store).await?;
     socket
         .write_all(format!("WRITE {token} {data}\n").as_bytes())
@@ -157,7 +160,7 @@ async fn write(store: &str, token: i64, data: &str) -> permitq::Result<String> {
     Ok(lines.next_line().await?.unwrap_or_default())
 }
 
-async fn signal(sig: &str, pid: &str) -> permitq::Result<()> {
+async fn signal(sig: &str, pid: &str) -> Result<(), AnyError> {
     tokio::process::Command::new("kill")
         .args([sig, pid])
         .status()

@@ -1,4 +1,5 @@
-//! The producer and holder side: submit, wait, heartbeat, release; plus semaphore admin.
+//! [`Client`], every operation of the SQL API from Rust: producers and holders (submit, wait,
+//! heartbeat, release), operators (capacity, revoke, usage, holders, waiters) and fencing.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -8,10 +9,12 @@ use tokio::sync::{broadcast::error::RecvError, OnceCell};
 
 use crate::db;
 use crate::error::{Error, Result};
+use crate::lease::Lease;
 use crate::listener::{Listener, ListenerEvent};
 use crate::rules::{duration_problem, priority_problem};
 use crate::sql;
 use crate::types::{CapacityChange, PermitRequest, ReleaseOutcome, Request, Semaphore, State};
+use crate::usage::{self, Holder, SemaphoreUsage, Waiter};
 
 /// How often [`Client::wait_settled`] re-reads the status when no notification arrives.
 const STATUS_POLL: Duration = Duration::from_millis(250);
@@ -62,8 +65,8 @@ impl Client {
         Ok(Client::new(pool, config))
     }
 
-    /// A client over an existing pool; `config` is used for the LISTEN connection.
-    pub fn new(pool: Pool, config: tokio_postgres::Config) -> Client {
+    /// A client over `pool`; `config` is used for the LISTEN connection.
+    fn new(pool: Pool, config: tokio_postgres::Config) -> Client {
         Client {
             inner: Arc::new(Inner {
                 pool,
@@ -71,16 +74,6 @@ impl Client {
                 events: OnceCell::new(),
             }),
         }
-    }
-
-    /// The pool.
-    pub fn pool(&self) -> &Pool {
-        &self.inner.pool
-    }
-
-    /// The connection configuration.
-    pub fn config(&self) -> &tokio_postgres::Config {
-        &self.inner.config
     }
 
     /// Creates or upgrades the schema (see [`crate::migrate`]). Returns what it applied.
@@ -129,6 +122,31 @@ impl Client {
         let submitted = db::request_from_row(&row)?;
         tracing::debug!(external_id = %submitted.external_id, state = %submitted.state, "submitted");
         Ok(submitted)
+    }
+
+    /// Submits `request` and waits up to `timeout` for it to be granted, returning a [`Lease`]
+    /// that heartbeats in the background (when the request has a TTL). If it ends in `error`, or
+    /// is still waiting at the timeout (it is then cancelled), the error's
+    /// [`Error::not_granted`] holds the request as it ended.
+    pub async fn acquire(&self, request: &Request, timeout: Duration) -> Result<Lease> {
+        self.submit(request).await?;
+        let settled = self.wait_settled(&request.external_id, timeout).await?;
+        let settled = match settled {
+            Some(r) if r.state == State::New => {
+                // Give up: cancel, unless it was granted in the meantime.
+                self.release(&request.external_id).await?;
+                self.status(&request.external_id).await?
+            }
+            other => other,
+        };
+        match settled {
+            Some(r) if r.state == State::Acquired => Ok(Lease::start(self.clone(), r)),
+            Some(r) => Err(Error::refused(r)),
+            None => Err(Error::config(format!(
+                "request {} vanished",
+                request.external_id
+            ))),
+        }
     }
 
     /// The request with this `external_id`, if any.
@@ -292,6 +310,39 @@ impl Client {
             .await?
             .iter()
             .map(db::capacity_change_from_row)
+            .collect()
+    }
+
+    /// Every semaphore with its exact use, waiting count and oldest wait, by name.
+    pub async fn usage(&self) -> Result<Vec<SemaphoreUsage>> {
+        let conn = self.inner.pool.get().await?;
+        let statement = conn.prepare_cached(sql::USAGE).await?;
+        conn.query(&statement, &[])
+            .await?
+            .iter()
+            .map(usage::usage_from_row)
+            .collect()
+    }
+
+    /// Who holds permits of `semaphore`, oldest grant first.
+    pub async fn holders(&self, semaphore: &str) -> Result<Vec<Holder>> {
+        let conn = self.inner.pool.get().await?;
+        let statement = conn.prepare_cached(sql::HOLDERS).await?;
+        conn.query(&statement, &[&semaphore])
+            .await?
+            .iter()
+            .map(usage::holder_from_row)
+            .collect()
+    }
+
+    /// The first `limit` requests waiting on `semaphore`, in queue order.
+    pub async fn waiters(&self, semaphore: &str, limit: i64) -> Result<Vec<Waiter>> {
+        let conn = self.inner.pool.get().await?;
+        let statement = conn.prepare_cached(sql::WAITERS).await?;
+        conn.query(&statement, &[&semaphore, &limit])
+            .await?
+            .iter()
+            .map(usage::waiter_from_row)
             .collect()
     }
 

@@ -58,9 +58,10 @@ impl PartialOrd for Rank {
     }
 }
 
-/// A waiting request's place on one semaphore.
+/// A semaphore's head: the waiting request first in line there, that a fair semaphore keeps
+/// room for (or a candidate for that place).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Waiter {
+pub(crate) struct Head {
     /// The request's id (its FIFO position).
     pub request_id: i64,
     /// Its count on this semaphore.
@@ -69,7 +70,7 @@ pub(crate) struct Waiter {
     pub effective: i64,
 }
 
-impl Waiter {
+impl Head {
     /// Its place in line.
     pub(crate) fn rank(&self) -> Rank {
         Rank {
@@ -89,7 +90,7 @@ pub(crate) struct SemaphoreView {
     /// Strict head-of-line with safe backfill, or greedy.
     pub fair: bool,
     /// The first in line of the requests waiting on it that are not in this batch, if any.
-    pub head: Option<Waiter>,
+    pub head: Option<Head>,
 }
 
 impl SemaphoreView {
@@ -167,7 +168,7 @@ pub(crate) fn decide(
     );
     let mut sems = semaphores.clone();
     // Per semaphore, the first in line of this batch's candidates left waiting on it.
-    let mut batch_heads: BTreeMap<&str, Waiter> = BTreeMap::new();
+    let mut batch_heads: BTreeMap<&str, Head> = BTreeMap::new();
     let mut verdicts = Vec::with_capacity(candidates.len());
 
     for c in candidates {
@@ -180,7 +181,7 @@ pub(crate) fn decide(
             }
             Verdict::Wait => {
                 for (name, count) in &c.permits {
-                    batch_heads.entry(name.as_str()).or_insert(Waiter {
+                    batch_heads.entry(name.as_str()).or_insert(Head {
                         request_id: c.id,
                         count: *count,
                         effective: c.effective,
@@ -200,7 +201,7 @@ pub(crate) fn decide(
 fn verdict_for(
     c: &Candidate,
     sems: &BTreeMap<String, SemaphoreView>,
-    batch_heads: &BTreeMap<&str, Waiter>,
+    batch_heads: &BTreeMap<&str, Head>,
 ) -> Verdict {
     if c.invalid {
         return Verdict::Fail(ErrorCode::Invalid);
@@ -236,12 +237,12 @@ fn verdict_for(
 
 /// The first in line ahead of `rank`: the semaphore's recorded head (outside the batch) or the
 /// batch's own first waiter, whichever is ahead.
-fn head_before(rank: Rank, recorded: Option<Waiter>, batch: Option<Waiter>) -> Option<Waiter> {
+fn head_before(rank: Rank, recorded: Option<Head>, batch: Option<Head>) -> Option<Head> {
     [recorded, batch]
         .into_iter()
         .flatten()
         .filter(|w| w.rank() < rank)
-        .min_by_key(Waiter::rank)
+        .min_by_key(Head::rank)
 }
 
 #[cfg(test)]

@@ -23,7 +23,6 @@ enum Kind {
         message: String,
     },
     Config(String),
-    Io(std::io::Error),
     NotGranted(Box<crate::types::PermitRequest>),
 }
 
@@ -88,7 +87,6 @@ impl Error {
     pub fn is_connection(&self) -> bool {
         match &self.kind {
             Kind::Pool(deadpool_postgres::PoolError::Timeout(_)) => true,
-            Kind::Io(_) => true,
             _ => match self.as_postgres() {
                 Some(e) => {
                     e.is_closed()
@@ -144,7 +142,6 @@ impl fmt::Display for Error {
         match &self.kind {
             Kind::InvalidInput { field, message } => write!(f, "invalid {field}: {message}"),
             Kind::Config(m) => write!(f, "{m}"),
-            Kind::Io(e) => write!(f, "{e}"),
             Kind::NotGranted(r) => match r.error_code {
                 Some(code) => write!(f, "request {} was not granted: {code}", r.external_id),
                 None => write!(f, "request {} was not granted ({})", r.external_id, r.state),
@@ -187,7 +184,6 @@ impl std::error::Error for Error {
         match &self.kind {
             Kind::Db(e) => Some(e),
             Kind::Pool(e) => Some(e),
-            Kind::Io(e) => Some(e),
             _ => None,
         }
     }
@@ -204,12 +200,6 @@ impl From<deadpool_postgres::PoolError> for Error {
         Error {
             kind: Kind::Pool(e),
         }
-    }
-}
-
-impl From<std::io::Error> for Error {
-    fn from(e: std::io::Error) -> Error {
-        Error { kind: Kind::Io(e) }
     }
 }
 

@@ -6,8 +6,8 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::client::Client;
-use crate::error::{Error, Result, SqlState};
-use crate::types::{PermitRequest, ReleaseOutcome, Request, State};
+use crate::error::{Result, SqlState};
+use crate::types::{PermitRequest, ReleaseOutcome};
 
 /// Heartbeats are sent every `ttl / HEARTBEAT_FRACTION`.
 const HEARTBEAT_FRACTION: u32 = 3;
@@ -145,35 +145,6 @@ async fn heartbeat_loop(
                 }
                 tracing::warn!(%external_id, error = %e, "heartbeat failed; retrying");
             }
-        }
-    }
-}
-
-// `Client::acquire` lives here, beside the guard it returns, so that the client module does not
-// depend on this one (no import cycle: lease → client only).
-impl Client {
-    /// Submits `request` and waits up to `timeout` for it to be granted, returning a [`Lease`]
-    /// that heartbeats in the background (when the request has a TTL). If it ends in `error`, or
-    /// is still waiting at the timeout (it is then cancelled), the error's
-    /// [`Error::not_granted`] holds the request as it ended.
-    pub async fn acquire(&self, request: &Request, timeout: Duration) -> Result<Lease> {
-        self.submit(request).await?;
-        let settled = self.wait_settled(&request.external_id, timeout).await?;
-        let settled = match settled {
-            Some(r) if r.state == State::New => {
-                // Give up: cancel, unless it was granted in the meantime.
-                self.release(&request.external_id).await?;
-                self.status(&request.external_id).await?
-            }
-            other => other,
-        };
-        match settled {
-            Some(r) if r.state == State::Acquired => Ok(Lease::start(self.clone(), r)),
-            Some(r) => Err(Error::refused(r)),
-            None => Err(Error::config(format!(
-                "request {} vanished",
-                request.external_id
-            ))),
         }
     }
 }

@@ -12,12 +12,16 @@
 //!
 //! | item | for |
 //! |---|---|
-//! | [`Client`] | producers, holders and operators: submit, status, wait, acquire, release, revoke, heartbeat, capacity, fencing |
+//! | [`Client`] | producers, holders and operators: submit, status, wait, acquire, release, revoke, heartbeat, capacity, usage, holders, waiters, fencing |
 //! | [`Lease`] | a held request that heartbeats itself and tells you when it is lost |
-//! | [`Request`], [`PermitRequest`], [`State`], [`ErrorCode`], [`ReleaseReason`], [`ReleaseOutcome`], [`Semaphore`], [`CapacityChange`] | what goes in and comes out |
-//! | [`Worker`], [`WorkerConfig`], [`MaintenanceConfig`], [`OwnerLiveness`] | embedding a worker in your own process (or run `permitq worker`) |
-//! | [`migrate`] | the embedded, checksummed schema migrations |
-//! | [`Error`], [`Result`], [`SqlState`] | one opaque error that tells you its SQLSTATE and whether to retry |
+//! | [`Request`] | a request to submit, built with its methods |
+//! | [`PermitRequest`], [`State`], [`ErrorCode`], [`ReleaseReason`], [`ReleaseOutcome`] | a request as stored, where it is in its life and how it ended |
+//! | [`Semaphore`], [`CapacityChange`] | a semaphore, and its capacity audit |
+//! | [`SemaphoreUsage`], [`Holder`], [`Waiter`] | what operators watch: exact use, who holds, who waits |
+//! | [`Worker`], [`WorkerConfig`], [`WorkerHealth`], [`MaintenanceConfig`], [`OwnerLiveness`] | embedding a worker in your own process (or run `permitq worker`) |
+//! | [`PRIORITY_RANGE`], [`AGING_STEP`], [`MAX_DURATION`], [`MAX_NAME_LENGTH`], [`MAX_SEMAPHORES_PER_REQUEST`] | the bounds and rules the schema shares, stated once |
+//! | [`migrate`] | the embedded schema: versioned migrations and schema files, applied by checksum |
+//! | [`Error`], [`Result`], [`SqlState`], [`UnknownValue`] | one opaque error that tells you its SQLSTATE and whether to retry; a string that names no enum value |
 //!
 //! ```no_run
 //! use std::time::Duration;

@@ -6,9 +6,7 @@ use std::time::SystemTime;
 use serde::Serialize;
 use tokio_postgres::Row;
 
-use crate::client::Client;
 use crate::error::Result;
-use crate::sql;
 use crate::types::ser_time;
 
 /// One semaphore as operators see it (a row of `permitq.semaphore_usage`).
@@ -81,62 +79,34 @@ pub struct Waiter {
     pub deadline: Option<SystemTime>,
 }
 
-impl Client {
-    /// Every semaphore with its exact use, waiting count and oldest wait, by name.
-    pub async fn usage(&self) -> Result<Vec<SemaphoreUsage>> {
-        let conn = self.pool().get().await?;
-        let statement = conn.prepare_cached(sql::USAGE).await?;
-        conn.query(&statement, &[])
-            .await?
-            .iter()
-            .map(usage_from_row)
-            .collect()
-    }
-
-    /// Who holds permits of `semaphore`, oldest grant first.
-    pub async fn holders(&self, semaphore: &str) -> Result<Vec<Holder>> {
-        let conn = self.pool().get().await?;
-        let statement = conn.prepare_cached(sql::HOLDERS).await?;
-        conn.query(&statement, &[&semaphore])
-            .await?
-            .iter()
-            .map(|row| {
-                Ok(Holder {
-                    semaphore: row.try_get(0)?,
-                    external_id: row.try_get(1)?,
-                    owner: row.try_get(2)?,
-                    count: row.try_get(3)?,
-                    acquired_at: row.try_get(4)?,
-                    expires_at: row.try_get(5)?,
-                    fencing_token: row.try_get(6)?,
-                })
-            })
-            .collect()
-    }
-
-    /// The first `limit` requests waiting on `semaphore`, in queue order.
-    pub async fn waiters(&self, semaphore: &str, limit: i64) -> Result<Vec<Waiter>> {
-        let conn = self.pool().get().await?;
-        let statement = conn.prepare_cached(sql::WAITERS).await?;
-        conn.query(&statement, &[&semaphore, &limit])
-            .await?
-            .iter()
-            .map(|row| {
-                Ok(Waiter {
-                    semaphore: row.try_get(0)?,
-                    external_id: row.try_get(1)?,
-                    owner: row.try_get(2)?,
-                    count: row.try_get(3)?,
-                    position: row.try_get(4)?,
-                    waiting_since: row.try_get(5)?,
-                    deadline: row.try_get(6)?,
-                })
-            })
-            .collect()
-    }
+/// A row of `permitq.holders` as [`crate::sql::HOLDERS`] selects it.
+pub(crate) fn holder_from_row(row: &Row) -> Result<Holder> {
+    Ok(Holder {
+        semaphore: row.try_get(0)?,
+        external_id: row.try_get(1)?,
+        owner: row.try_get(2)?,
+        count: row.try_get(3)?,
+        acquired_at: row.try_get(4)?,
+        expires_at: row.try_get(5)?,
+        fencing_token: row.try_get(6)?,
+    })
 }
 
-fn usage_from_row(row: &Row) -> Result<SemaphoreUsage> {
+/// A row of `permitq.waiters` as [`crate::sql::WAITERS`] selects it.
+pub(crate) fn waiter_from_row(row: &Row) -> Result<Waiter> {
+    Ok(Waiter {
+        semaphore: row.try_get(0)?,
+        external_id: row.try_get(1)?,
+        owner: row.try_get(2)?,
+        count: row.try_get(3)?,
+        position: row.try_get(4)?,
+        waiting_since: row.try_get(5)?,
+        deadline: row.try_get(6)?,
+    })
+}
+
+/// A row of `permitq.semaphore_usage` as [`crate::sql::USAGE`] selects it.
+pub(crate) fn usage_from_row(row: &Row) -> Result<SemaphoreUsage> {
     Ok(SemaphoreUsage {
         name: row.try_get(0)?,
         capacity: row.try_get(1)?,

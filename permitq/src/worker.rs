@@ -147,7 +147,7 @@ impl Worker {
     /// A worker over `pool` that LISTENs through its own connection made from `listen_config`.
     /// The pool's connections should carry the settings [`Worker::connect`] gives them
     /// (`lock_timeout`, `idle_in_transaction_session_timeout`) in their `options`.
-    pub fn new(pool: Pool, listen_config: tokio_postgres::Config, config: WorkerConfig) -> Worker {
+    fn new(pool: Pool, listen_config: tokio_postgres::Config, config: WorkerConfig) -> Worker {
         Worker {
             pool,
             listen_config,

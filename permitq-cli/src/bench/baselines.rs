@@ -50,7 +50,7 @@ where
     let done = Arc::new(AtomicU64::new(0));
     let mut conns = Vec::with_capacity(clients);
     for _ in 0..clients {
-        conns.push(Arc::new(permitq_test_support::try_connect(url).await?));
+        conns.push(Arc::new(permitq_embedded_pg::try_connect(url).await?));
     }
     let started = Instant::now();
     let deadline = started + duration;
@@ -93,7 +93,7 @@ pub(super) async fn naive_cycle(
     duration: Duration,
 ) -> Result<f64> {
     let name = format!("naive-{}", super::tag());
-    let conn = permitq_test_support::try_connect(url).await?;
+    let conn = permitq_embedded_pg::try_connect(url).await?;
     conn.execute(
         "INSERT INTO bench.naive_semaphore (name, capacity) VALUES ($1, $2)",
         &[&name, &capacity],
@@ -161,7 +161,7 @@ pub(super) async fn counter_cycle(
     duration: Duration,
 ) -> Result<f64> {
     let name = format!("counter-{}", super::tag());
-    let conn = permitq_test_support::try_connect(url).await?;
+    let conn = permitq_embedded_pg::try_connect(url).await?;
     conn.execute(
         "INSERT INTO bench.counter (name, capacity, used) VALUES ($1, $2, 0)",
         &[&name, &capacity],
@@ -205,7 +205,7 @@ pub(super) async fn insert_rate(url: &str, clients: usize, duration: Duration) -
 /// A plain batched `FOR UPDATE SKIP LOCKED` drain of `rows` queued rows by `workers`
 /// connections, 100 rows per transaction. Rows per second.
 pub(super) async fn skip_locked_drain(url: &str, rows: i64, workers: usize) -> Result<f64> {
-    let conn = permitq_test_support::try_connect(url).await?;
+    let conn = permitq_embedded_pg::try_connect(url).await?;
     conn.batch_execute("TRUNCATE bench.queue").await?;
     conn.execute(
         "INSERT INTO bench.queue (payload) SELECT 'job-' || i FROM generate_series(1, $1::int8) i",
@@ -215,7 +215,7 @@ pub(super) async fn skip_locked_drain(url: &str, rows: i64, workers: usize) -> R
     conn.batch_execute("ANALYZE bench.queue").await?;
     let mut conns = Vec::new();
     for _ in 0..workers {
-        conns.push(permitq_test_support::try_connect(url).await?);
+        conns.push(permitq_embedded_pg::try_connect(url).await?);
     }
     let started = Instant::now();
     let tasks: Vec<_> = conns

@@ -6,7 +6,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use permitq::{Client, Request, State};
-use permitq_test_support::Percentiles;
+use permitq_fleet::Percentiles;
 
 use super::load::{cycle, db_latency, hand_off};
 use super::{ms, tag, BenchArgs, Report};
@@ -16,7 +16,7 @@ use crate::error::{CliError, Result};
 pub(super) async fn run(url: &str, args: &BenchArgs, report: &mut Report) -> Result<()> {
     let t = tag();
     let client = Client::connect(url).await?;
-    let conn = permitq_test_support::try_connect(url).await?;
+    let conn = permitq_embedded_pg::try_connect(url).await?;
     let idle = format!("deep-idle-{t}");
     client.set_capacity(&idle, 1_000_000, Some(true)).await?;
     let full = [format!("deep-full-a-{t}"), format!("deep-full-b-{t}")];

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use permitq::{Client, Request, State};
-use permitq_test_support::Percentiles;
+use permitq_fleet::Percentiles;
 
 use super::baselines::{self, rate};
 use super::{fleet, ms, stop, tag, BenchArgs, Report};
@@ -81,7 +81,7 @@ pub(super) async fn hand_off(
 /// Idle submit → acquired, one request at a time, and release → next waiter granted.
 pub(super) async fn idle(url: &str, args: &BenchArgs, report: &mut Report) -> Result<()> {
     let client = Client::connect(url).await?;
-    let conn = permitq_test_support::try_connect(url).await?;
+    let conn = permitq_embedded_pg::try_connect(url).await?;
     let t = tag();
     let idle = format!("idle-{t}");
     client.set_capacity(&idle, 1_000_000, Some(true)).await?;
@@ -154,9 +154,8 @@ impl NotificationCount {
             Arc::new(AtomicU64::new(0)),
             Arc::new(AtomicU64::new(0)),
         );
-        let (work_conn, mut work_rx) = permitq_test_support::listen(url, "permitq_work").await;
-        let (events_conn, mut events_rx) =
-            permitq_test_support::listen(url, "permitq_events").await;
+        let (work_conn, mut work_rx) = permitq_fleet::listen(url, "permitq_work").await;
+        let (events_conn, mut events_rx) = permitq_fleet::listen(url, "permitq_events").await;
         let w = work.clone();
         tokio::spawn(async move {
             while work_rx.recv().await.is_some() {
@@ -310,7 +309,7 @@ pub(super) async fn release(url: &str, report: &mut Report) -> Result<()> {
             client
                 .set_capacity(&semaphore, 1_000_000, Some(true))
                 .await?;
-            let conn = permitq_test_support::try_connect(url).await?;
+            let conn = permitq_embedded_pg::try_connect(url).await?;
             let granting = fleet(url, 2, &format!("bench-rel-{t}"))?;
             conn.execute(
                 "INSERT INTO permitq.permit_request (external_id, permits)
@@ -412,7 +411,7 @@ pub(super) async fn drain(url: &str, args: &BenchArgs, report: &mut Report) -> R
     ));
     report.line("| workers | permitq grants/s | plain SKIP LOCKED drain rows/s | ratio |\n|---:|---:|---:|---:|");
     let client = Client::connect(url).await?;
-    let conn = permitq_test_support::try_connect(url).await?;
+    let conn = permitq_embedded_pg::try_connect(url).await?;
     for workers in [1u16, 2, 4] {
         let semaphore = format!("drain-{}", tag());
         client

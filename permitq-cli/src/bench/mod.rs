@@ -17,7 +17,8 @@ use std::time::Duration;
 
 use clap::Args;
 use permitq::Client;
-use permitq_test_support::{EmbeddedPostgres, Percentiles, WorkerFleet};
+use permitq_embedded_pg::EmbeddedPostgres;
+use permitq_fleet::{Percentiles, WorkerFleet};
 
 use crate::error::Result;
 
@@ -94,7 +95,7 @@ async fn measure(url: &str, args: &BenchArgs) -> Result<()> {
     let url = url.to_string();
     let client = Client::connect(&url).await?;
     client.migrate().await?;
-    let conn = permitq_test_support::try_connect(&url).await?;
+    let conn = permitq_embedded_pg::try_connect(&url).await?;
     baselines::create_tables(&conn).await?;
     if args.profile {
         conn.batch_execute(

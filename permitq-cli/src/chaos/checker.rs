@@ -432,8 +432,8 @@ fn fairness(
     let p99 = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         (
-            permitq_test_support::quantile(v, 990),
-            permitq_test_support::quantile(v, 1000),
+            permitq_fleet::quantile(v, 990),
+            permitq_fleet::quantile(v, 1000),
         )
     };
     let (lp99, lmax) = p99(&mut large);

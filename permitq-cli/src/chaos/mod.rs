@@ -23,7 +23,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crate::error::{CliError, Result};
 use permitq::Client;
-use permitq_test_support::{EmbeddedPostgres, NetworkBed};
+use permitq_embedded_pg::{EmbeddedPostgres, NetworkBed};
 
 pub(crate) use mutation::Mutation;
 pub(crate) use nemesis::Fault;
@@ -240,7 +240,7 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         .await?;
     if let Some(m) = config.mutation {
         let planted = m.sql().map_err(CliError::Runtime)?;
-        permitq_test_support::try_connect(&url)
+        permitq_embedded_pg::try_connect(&url)
             .await?
             .batch_execute(&planted)
             .await?;
@@ -312,7 +312,7 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
     workers.stop().await;
     let _ = sampler.await;
 
-    let conn = permitq_test_support::try_connect(&url).await?;
+    let conn = permitq_embedded_pg::try_connect(&url).await?;
     let state = state::load(&conn).await?;
     let ops = history.ops();
     let events = acquired_events.0.lock().expect("events").clone();
@@ -410,13 +410,12 @@ async fn sample(
     snapshots: Arc<AtomicU64>,
 ) {
     while !stop.load(Ordering::Relaxed) {
-        let Ok(conn) = permitq_test_support::try_connect(&url).await else {
+        let Ok(conn) = permitq_embedded_pg::try_connect(&url).await else {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
         while !stop.load(Ordering::Relaxed) {
-            let Ok(violations) = permitq_test_support::invariant_violations(&conn, false).await
-            else {
+            let Ok(violations) = permitq_fleet::invariant_violations(&conn, false).await else {
                 break;
             };
             snapshots.fetch_add(1, Ordering::Relaxed);
@@ -431,7 +430,7 @@ async fn sample(
 }
 
 async fn snapshot(url: &str) -> Result<Vec<(String, i32, i32, i64, i64, f64)>> {
-    let conn = permitq_test_support::try_connect(url).await?;
+    let conn = permitq_embedded_pg::try_connect(url).await?;
     let rows = conn
         .query(
             "SELECT s.name, s.capacity, s.used,
@@ -455,7 +454,7 @@ async fn snapshot(url: &str) -> Result<Vec<(String, i32, i32, i64, i64, f64)>> {
 async fn drain(url: &str) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {
-        let Ok(conn) = permitq_test_support::try_connect(url).await else {
+        let Ok(conn) = permitq_embedded_pg::try_connect(url).await else {
             tokio::time::sleep(Duration::from_millis(200)).await;
             continue;
         };

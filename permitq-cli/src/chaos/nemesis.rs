@@ -17,7 +17,7 @@ use super::history::{History, Op, OpKind, Outcome};
 use super::{FENCED, SEMAPHORES};
 use permitq::Client;
 use permitq::Request;
-use permitq_test_support::{EmbeddedPostgres, NetworkBed, StopMode};
+use permitq_embedded_pg::{EmbeddedPostgres, NetworkBed, StopMode};
 
 /// The kinds of fault, each injected at least once per run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -327,7 +327,7 @@ async fn inject(
 }
 
 async fn admin(url: &str, sql: &str) -> Result<()> {
-    let conn = permitq_test_support::try_connect(url).await?;
+    let conn = permitq_embedded_pg::try_connect(url).await?;
     conn.batch_execute(sql).await?;
     Ok(())
 }

@@ -181,7 +181,8 @@ async fn a_partitioned_worker_host_blocks_a_semaphore_for_at_most_the_idle_bound
     );
     assert_eq!(granted.worker_id.as_deref(), Some("w1"));
     check_invariants(&probe).await.unwrap();
-    let report = permitq_test_support::collect(&observer, "").await.unwrap();
+    let conn = permitq_test_support::connect(&pg.socket_config("postgres")).await;
+    let report = permitq_test_support::collect(&conn, "").await.unwrap();
     assert!(
         report.over_capacity.is_empty(),
         "{:?}",

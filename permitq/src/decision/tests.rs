@@ -156,7 +156,7 @@ fn a_waiting_request_reserves_every_fair_semaphore_it_names() {
 #[test]
 fn recorded_head_from_another_batch_is_respected_only_by_younger_requests() {
     let mut a = sem(10, 5, true);
-    a.head = Some(Waiter {
+    a.head = Some(Head {
         request_id: 50,
         count: 4,
         effective: 0,
@@ -196,7 +196,7 @@ fn a_recorded_head_ahead_in_line_keeps_its_room_from_an_older_request() {
     // The recorded head (id 50, effective 2) is ahead of the older request 40 (effective 0):
     // 40 may only take what leaves the head's 4.
     let mut a = sem(10, 4, true);
-    a.head = Some(Waiter {
+    a.head = Some(Head {
         request_id: 50,
         count: 4,
         effective: 2,
@@ -234,7 +234,7 @@ fn arb_semaphores() -> impl Strategy<Value = BTreeMap<String, SemaphoreView>> {
         v.into_iter()
             .zip(NAMES)
             .map(|((capacity, used, fair, head), name)| {
-                let head = head.map(|(request_id, count, effective)| Waiter {
+                let head = head.map(|(request_id, count, effective)| Head {
                     request_id,
                     count,
                     effective,
@@ -299,7 +299,7 @@ fn first_waiter(
     start: &BTreeMap<String, SemaphoreView>,
     cands: &[Candidate],
     d: &Decision,
-) -> Option<Waiter> {
+) -> Option<Head> {
     let recorded = start[name].head;
     let batch = cands
         .iter()
@@ -309,7 +309,7 @@ fn first_waiter(
             c.permits
                 .iter()
                 .find(|(n, _)| n == name)
-                .map(|(_, count)| Waiter {
+                .map(|(_, count)| Head {
                     request_id: c.id,
                     count: *count,
                     effective: c.effective,
@@ -319,7 +319,7 @@ fn first_waiter(
         .into_iter()
         .flatten()
         .filter(|w| w.rank() < before)
-        .min_by_key(Waiter::rank)
+        .min_by_key(Head::rank)
 }
 
 proptest! {

@@ -21,7 +21,7 @@ use tracing::Instrument;
 
 use super::{PassOutcome, Worker};
 use crate::db::Backoff;
-use crate::decision::{decide, Candidate, SemaphoreView, Verdict, Waiter};
+use crate::decision::{decide, Candidate, Decision, Head, SemaphoreView, Verdict};
 use crate::error::{Error, Result};
 use crate::sql;
 use crate::types::ErrorCode;
@@ -119,34 +119,33 @@ impl Worker {
 
     /// One batch after `cursor`; when it fails on a data error, its requests one at a time.
     async fn run_batch_isolating(&self, cursor: i64) -> Result<Option<(i64, PassOutcome)>> {
-        let mut claimed = Vec::new();
-        let error = match self
-            .run_batch_retrying(Claim::After(cursor), &mut claimed)
-            .await
-        {
-            Err(e) if caused_by_a_row(&e) && !claimed.is_empty() => e,
-            other => return other,
+        let failed = match self.run_batch_retrying(Claim::After(cursor)).await {
+            Ok(done) => return Ok(done),
+            Err(failed) if caused_by_a_row(&failed.error) && !failed.claimed.is_empty() => failed,
+            Err(failed) => return Err(failed.error),
         };
+        let FailedBatch { error, claimed } = failed;
         metrics::counter!("permitq_failed_batches_total").increment(1);
         tracing::warn!(%error, requests = claimed.len(), "batch failed; deciding its requests one at a time");
         let mut total = PassOutcome::default();
         for (id, _) in &claimed {
-            let mut one = Vec::new();
-            match self.run_batch_retrying(Claim::Only(&[*id]), &mut one).await {
+            match self.run_batch_retrying(Claim::Only(&[*id])).await {
                 Ok(Some((_, outcome))) => total.add(outcome),
                 Ok(None) => {}
-                Err(e) if caused_by_a_row(&e) => match self.settle_invalid(*id, &e).await {
-                    Ok(true) => total.add(PassOutcome {
-                        batches: 1,
-                        errored: 1,
-                        ..PassOutcome::default()
-                    }),
-                    Ok(false) => {}
-                    // It stays `new` and is passed over until the next pass; the rest flows.
-                    Err(settle_error) => tracing::error!(request_id = id, %e, %settle_error,
-                        "request failed a batch on its own and cannot be settled; skipped"),
-                },
-                Err(e) => return Err(e),
+                Err(FailedBatch { error: e, .. }) if caused_by_a_row(&e) => {
+                    match self.settle_invalid(*id, &e).await {
+                        Ok(true) => total.add(PassOutcome {
+                            batches: 1,
+                            errored: 1,
+                            ..PassOutcome::default()
+                        }),
+                        Ok(false) => {}
+                        // It stays `new` and is passed over until the next pass; the rest flows.
+                        Err(settle_error) => tracing::error!(request_id = id, %e, %settle_error,
+                            "request failed a batch on its own and cannot be settled; skipped"),
+                    }
+                }
+                Err(failed) => return Err(failed.error),
             }
         }
         let newest_fresh = claimed
@@ -173,18 +172,14 @@ impl Worker {
         Ok(true)
     }
 
-    async fn run_batch_retrying(
-        &self,
-        claim: Claim<'_>,
-        claimed: &mut Vec<(i64, bool)>,
-    ) -> Result<Option<(i64, PassOutcome)>> {
+    /// [`Worker::run_batch`], again on transient errors (with backoff, up to 8 times).
+    async fn run_batch_retrying(&self, claim: Claim<'_>) -> BatchResult {
         let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(500));
         loop {
-            claimed.clear();
-            match self.run_batch(claim, claimed).await {
-                Err(e) if e.is_retryable() && backoff.attempts() < 8 => {
+            match self.run_batch(claim).await {
+                Err(failed) if failed.error.is_retryable() && backoff.attempts() < 8 => {
                     metrics::counter!("permitq_batch_retries_total").increment(1);
-                    tracing::debug!(error = %e, "batch failed; retrying");
+                    tracing::debug!(error = %failed.error, "batch failed; retrying");
                     tokio::time::sleep(backoff.next_delay()).await;
                 }
                 other => return other,
@@ -192,150 +187,254 @@ impl Worker {
         }
     }
 
-    /// One batch transaction. Returns `None` when nothing could be claimed (after folding the
-    /// pending releases), else the newest unexamined id it claimed and what it did.
+    /// One batch transaction. `None` when nothing could be claimed (after folding the pending
+    /// releases), else the newest unexamined id it claimed and what it did.
     ///
     /// Statements are prepared once per connection, and BEGIN travels with the claim and COMMIT
     /// with the outcome (pipelined). A connection whose batch failed is not returned to the pool:
     /// it may still be inside the transaction.
-    async fn run_batch(
-        &self,
-        claim: Claim<'_>,
-        claimed: &mut Vec<(i64, bool)>,
-    ) -> Result<Option<(i64, PassOutcome)>> {
-        let conn = self.pool.get().await?;
-        let result = self.batch_on(&conn, claim, claimed).await;
-        if result.is_err() {
+    async fn run_batch(&self, claim: Claim<'_>) -> BatchResult {
+        let started = Instant::now();
+        let conn = self.pool.get().await.map_err(|e| FailedBatch {
+            error: e.into(),
+            claimed: Vec::new(),
+        })?;
+        let mut claimed = Vec::new();
+        let result = match claim_rows(&conn, claim, self.config.batch_size).await {
+            Ok(rows) => {
+                claimed = rows
+                    .iter()
+                    .map(|row| (row.get("id"), row.get("examined")))
+                    .collect();
+                self.decide_claimed(&conn, &rows, started).await
+            }
+            Err(e) => Err(e),
+        };
+        result.map_err(|error| {
             drop(deadpool_postgres::Object::take(conn));
-        }
-        result
+            FailedBatch { error, claimed }
+        })
     }
 
-    async fn batch_on(
+    /// Steps 2 and 3 of a batch whose claim returned `rows`, to the commit.
+    async fn decide_claimed(
         &self,
         conn: &deadpool_postgres::Object,
-        claim: Claim<'_>,
-        claimed_ids: &mut Vec<(i64, bool)>,
+        rows: &[tokio_postgres::Row],
+        started: Instant,
     ) -> Result<Option<(i64, PassOutcome)>> {
-        let started = Instant::now();
-        let rows = match claim {
-            Claim::After(cursor) => {
-                let statement = conn.prepare_cached(sql::CLAIM_BATCH).await?;
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] =
-                    [&cursor, &self.config.batch_size];
-                let (begun, rows) =
-                    tokio::join!(conn.batch_execute("BEGIN"), conn.query(&statement, &params));
-                begun?;
-                rows
-            }
-            Claim::Only(ids) => {
-                let statement = conn.prepare_cached(sql::CLAIM_REQUESTS).await?;
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&ids];
-                let (begun, rows) =
-                    tokio::join!(conn.batch_execute("BEGIN"), conn.query(&statement, &params));
-                begun?;
-                rows
-            }
-        };
-        let mut claimed = rows?;
-        for row in &claimed {
-            claimed_ids.push((row.try_get("id")?, row.try_get("examined")?));
-        }
-        if claimed.is_empty() {
-            // Releases are folded by every grant anyway; a fold of its own (for the `released`
-            // events and an exact `used`) runs at most every FOLD_EVERY, because it takes the
-            // semaphore locks that grants need.
-            if self.fold_due() {
-                let fold = conn.prepare_cached(sql::FOLD_RELEASES).await?;
-                let (folded, committed) =
-                    tokio::join!(conn.execute(&fold, &[]), conn.batch_execute("COMMIT"));
-                folded?;
-                committed?;
-            } else {
-                conn.batch_execute("COMMIT").await?;
-            }
+        if rows.is_empty() {
+            self.commit_idle(conn).await?;
             return Ok(None);
         }
         // This batch folds the pending releases (of every semaphore no other batch holds).
         self.fold_clock().owed = false;
-        claimed.sort_by_key(|row| row.get::<_, i64>("id"));
-        let last_id: i64 = claimed.last().map_or(0, |row| row.get("id"));
-        let mut candidates = Vec::with_capacity(claimed.len());
-        let mut unexamined = BTreeSet::new();
-        let mut ages = BTreeMap::new();
-        let mut external_ids = BTreeMap::new();
-        for row in &claimed {
+        let mut batch = ClaimedBatch::from_rows(rows)?;
+        let semaphores = lock_semaphores_and_heads(conn, &batch).await?;
+        // In line: the decision goes first in line first (see decision::Rank).
+        batch.candidates.sort_by_key(Candidate::rank);
+        let outcome = Outcome::of(&decide(&semaphores, &batch.candidates), &batch.unexamined);
+        self.apply_and_commit(conn, &outcome).await?;
+        let done = outcome.counts(batch.candidates.len());
+        record(started, &done, &outcome, &batch);
+        let newest_fresh = batch.unexamined.last().copied().unwrap_or(0);
+        Ok(Some((newest_fresh, done)))
+    }
+
+    /// A batch that claimed nothing: commits, folding the pending releases (for the `released`
+    /// events and an exact `used`) at most every [`FOLD_EVERY`], because the fold takes the
+    /// semaphore locks that grants need. Grants fold anyway.
+    async fn commit_idle(&self, conn: &deadpool_postgres::Object) -> Result<()> {
+        if self.fold_due() {
+            let fold = conn.prepare_cached(sql::FOLD_RELEASES).await?;
+            let (folded, committed) =
+                tokio::join!(conn.execute(&fold, &[]), conn.batch_execute("COMMIT"));
+            folded?;
+            committed?;
+        } else {
+            conn.batch_execute("COMMIT").await?;
+        }
+        Ok(())
+    }
+
+    /// Writes the outcome (if it changes anything) and commits, in one round trip.
+    async fn apply_and_commit(
+        &self,
+        conn: &deadpool_postgres::Object,
+        outcome: &Outcome,
+    ) -> Result<()> {
+        if outcome.granted.is_empty() && outcome.errored.is_empty() && outcome.queued.is_empty() {
+            conn.batch_execute("COMMIT").await?;
+            return Ok(());
+        }
+        let apply = conn.prepare_cached(sql::APPLY_DECISION).await?;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [
+            &self.config.id,
+            &outcome.granted,
+            &outcome.errored,
+            &outcome.codes,
+            &outcome.queued,
+        ];
+        let (applied, committed) =
+            tokio::join!(conn.execute(&apply, &params), conn.batch_execute("COMMIT"));
+        applied?;
+        committed?;
+        Ok(())
+    }
+}
+
+/// What [`Worker::run_batch`] returns.
+type BatchResult = std::result::Result<Option<(i64, PassOutcome)>, FailedBatch>;
+
+/// A batch that failed, with the (id, examined) of the requests it had claimed.
+struct FailedBatch {
+    error: Error,
+    claimed: Vec<(i64, bool)>,
+}
+
+/// Step 1, lock order step 1: BEGIN and claim (`FOR UPDATE SKIP LOCKED`), in one round trip.
+async fn claim_rows(
+    conn: &deadpool_postgres::Object,
+    claim: Claim<'_>,
+    batch_size: i64,
+) -> Result<Vec<tokio_postgres::Row>> {
+    let rows = match claim {
+        Claim::After(cursor) => {
+            let statement = conn.prepare_cached(sql::CLAIM_BATCH).await?;
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&cursor, &batch_size];
+            let (begun, rows) =
+                tokio::join!(conn.batch_execute("BEGIN"), conn.query(&statement, &params));
+            begun?;
+            rows
+        }
+        Claim::Only(ids) => {
+            let statement = conn.prepare_cached(sql::CLAIM_REQUESTS).await?;
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&ids];
+            let (begun, rows) =
+                tokio::join!(conn.batch_execute("BEGIN"), conn.query(&statement, &params));
+            begun?;
+            rows
+        }
+    };
+    let mut rows = rows?;
+    rows.sort_by_key(|row| row.get::<_, i64>("id"));
+    Ok(rows)
+}
+
+/// The claimed requests, read for the decision.
+struct ClaimedBatch {
+    candidates: Vec<Candidate>,
+    /// The ones no worker had examined yet.
+    unexamined: BTreeSet<i64>,
+    /// Seconds since each was submitted.
+    ages: BTreeMap<i64, f64>,
+    external_ids: BTreeMap<i64, String>,
+    /// The newest id claimed.
+    last_id: i64,
+}
+
+impl ClaimedBatch {
+    fn from_rows(rows: &[tokio_postgres::Row]) -> Result<ClaimedBatch> {
+        let mut batch = ClaimedBatch {
+            candidates: Vec::with_capacity(rows.len()),
+            unexamined: BTreeSet::new(),
+            ages: BTreeMap::new(),
+            external_ids: BTreeMap::new(),
+            last_id: rows.last().map_or(0, |row| row.get("id")),
+        };
+        for row in rows {
             let id: i64 = row.try_get("id")?;
-            external_ids.insert(id, row.try_get::<_, String>("external_id")?);
-            let permits: serde_json::Value = row.try_get("permits")?;
-            let permits = crate::db::permits_from_json(&permits);
+            let external_id: String = row.try_get("external_id")?;
             if !row.try_get::<_, bool>("examined")? {
-                unexamined.insert(id);
+                batch.unexamined.insert(id);
             }
-            ages.insert(id, row.try_get::<_, f64>("age_seconds")?);
+            batch.ages.insert(id, row.try_get::<_, f64>("age_seconds")?);
             let problem: Option<String> = row.try_get("problem")?;
             if let Some(problem) = &problem {
-                let external_id: String = row.try_get("external_id")?;
                 tracing::warn!(%external_id, request_id = id, %problem,
                     "request cannot be decided; failing it as error/invalid");
             }
-            candidates.push(Candidate {
+            let permits: serde_json::Value = row.try_get("permits")?;
+            batch.candidates.push(Candidate {
                 id,
                 effective: row.try_get("effective")?,
-                permits,
+                permits: crate::db::permits_from_json(&permits),
                 fail_fast: row.try_get("fail_fast")?,
                 deadline_passed: row.try_get("deadline_passed")?,
                 invalid: problem.is_some(),
             });
+            batch.external_ids.insert(id, external_id);
         }
-        let names: Vec<&str> = candidates
+        Ok(batch)
+    }
+
+    /// Every semaphore the batch names, once, by name.
+    fn semaphore_names(&self) -> Vec<&str> {
+        self.candidates
             .iter()
             .flat_map(|c| c.permits.iter().map(|(n, _)| n.as_str()))
             .collect::<BTreeSet<_>>()
             .into_iter()
-            .collect();
+            .collect()
+    }
+}
 
-        // Lock (and fold), then read the heads: two statements, one round trip.
-        let batch_ids: Vec<i64> = candidates.iter().map(|c| c.id).collect();
-        let lock = conn.prepare_cached(sql::LOCK_BATCH_SEMAPHORES).await?;
-        let heads = conn.prepare_cached(sql::SEMAPHORE_HEADS).await?;
-        let lock_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&names];
-        let head_params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
-            [&names, &batch_ids, &last_id];
-        let (locked, head_rows) = tokio::join!(
-            conn.query(&lock, &lock_params),
-            conn.query(&heads, &head_params)
+/// Step 2, lock order step 2: lock the batch's semaphores (and fold), then read the heads, in
+/// one round trip; the semaphores as the decision sees them, each with its head.
+async fn lock_semaphores_and_heads(
+    conn: &deadpool_postgres::Object,
+    batch: &ClaimedBatch,
+) -> Result<BTreeMap<String, SemaphoreView>> {
+    let names = batch.semaphore_names();
+    let batch_ids: Vec<i64> = batch.candidates.iter().map(|c| c.id).collect();
+    let lock = conn.prepare_cached(sql::LOCK_BATCH_SEMAPHORES).await?;
+    let heads = conn.prepare_cached(sql::SEMAPHORE_HEADS).await?;
+    let lock_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&names];
+    let head_params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+        [&names, &batch_ids, &batch.last_id];
+    let (locked, head_rows) = tokio::join!(
+        conn.query(&lock, &lock_params),
+        conn.query(&heads, &head_params)
+    );
+    let mut semaphores = BTreeMap::new();
+    for row in locked? {
+        semaphores.insert(
+            row.try_get::<_, String>("name")?,
+            SemaphoreView {
+                capacity: row.try_get::<_, i32>("capacity")?.into(),
+                used: row.try_get::<_, i32>("used")?.into(),
+                fair: row.try_get("fair")?,
+                head: None,
+            },
         );
-        let mut semaphores = BTreeMap::new();
-        for row in locked? {
-            semaphores.insert(
-                row.try_get::<_, String>("name")?,
-                SemaphoreView {
-                    capacity: row.try_get::<_, i32>("capacity")?.into(),
-                    used: row.try_get::<_, i32>("used")?.into(),
-                    fair: row.try_get("fair")?,
-                    head: None,
-                },
-            );
-        }
-        for row in head_rows? {
-            let name: String = row.try_get(0)?;
-            let waiter = Waiter {
-                request_id: row.try_get(1)?,
-                count: row.try_get::<_, i32>(2)?.into(),
-                effective: row.try_get(3)?,
-            };
-            if let Some(s) = semaphores.get_mut(&name) {
-                if s.head.is_none_or(|h| waiter.rank() < h.rank()) {
-                    s.head = Some(waiter);
-                }
+    }
+    for row in head_rows? {
+        let name: String = row.try_get(0)?;
+        let head = Head {
+            request_id: row.try_get(1)?,
+            count: row.try_get::<_, i32>(2)?.into(),
+            effective: row.try_get(3)?,
+        };
+        if let Some(s) = semaphores.get_mut(&name) {
+            if s.head.is_none_or(|h| head.rank() < h.rank()) {
+                s.head = Some(head);
             }
         }
+    }
+    Ok(semaphores)
+}
 
-        // In line: the decision goes first in line first (see decision::Rank).
-        candidates.sort_by_key(Candidate::rank);
-        let decision = decide(&semaphores, &candidates);
-        let granted = decision.ids(|v| *v == Verdict::Grant);
+/// Step 3: the decision as the database takes it.
+struct Outcome {
+    granted: Vec<i64>,
+    errored: Vec<i64>,
+    codes: Vec<&'static str>,
+    /// Left waiting for the first time: they join the semaphores' queues.
+    queued: Vec<i64>,
+}
+
+impl Outcome {
+    fn of(decision: &Decision, unexamined: &BTreeSet<i64>) -> Outcome {
         let (mut errored, mut codes) = (Vec::new(), Vec::new());
         for (id, v) in &decision.verdicts {
             if let Verdict::Fail(code) = v {
@@ -343,49 +442,48 @@ impl Worker {
                 codes.push(code.as_str());
             }
         }
-        let waiting: Vec<i64> = decision
-            .ids(|v| *v == Verdict::Wait)
-            .into_iter()
-            .filter(|id| unexamined.contains(id))
-            .collect();
-        if !granted.is_empty() || !errored.is_empty() || !waiting.is_empty() {
-            let apply = conn.prepare_cached(sql::APPLY_DECISION).await?;
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-                [&self.config.id, &granted, &errored, &codes, &waiting];
-            let (applied, committed) =
-                tokio::join!(conn.execute(&apply, &params), conn.batch_execute("COMMIT"));
-            applied?;
-            committed?;
-        } else {
-            conn.batch_execute("COMMIT").await?;
+        Outcome {
+            granted: decision.ids(|v| *v == Verdict::Grant),
+            errored,
+            codes,
+            queued: decision
+                .ids(|v| *v == Verdict::Wait)
+                .into_iter()
+                .filter(|id| unexamined.contains(id))
+                .collect(),
         }
-
-        let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
-        let outcome = PassOutcome {
-            batches: 1,
-            granted: count(granted.len()),
-            errored: count(errored.len()),
-            waiting: count(candidates.len() - granted.len() - errored.len()),
-            queued: count(waiting.len()),
-        };
-        metrics::histogram!("permitq_batch_seconds").record(started.elapsed().as_secs_f64());
-        metrics::counter!("permitq_grants_total").increment(outcome.granted);
-        for id in &granted {
-            metrics::histogram!("permitq_grant_wait_seconds").record(ages[id]);
-        }
-        for code in &codes {
-            metrics::counter!("permitq_request_errors_total", "code" => *code).increment(1);
-        }
-        if tracing::enabled!(tracing::Level::DEBUG) {
-            for id in &granted {
-                tracing::debug!(external_id = %external_ids[id], request_id = id, "granted");
-            }
-            for (id, code) in errored.iter().zip(&codes) {
-                tracing::debug!(external_id = %external_ids[id], request_id = id, code, "failed");
-            }
-        }
-        tracing::trace!(?outcome, "batch committed");
-        let newest_fresh = unexamined.last().copied().unwrap_or(0);
-        Ok(Some((newest_fresh, outcome)))
     }
+
+    /// What the batch did, out of `candidates` requests.
+    fn counts(&self, candidates: usize) -> PassOutcome {
+        let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+        PassOutcome {
+            batches: 1,
+            granted: count(self.granted.len()),
+            errored: count(self.errored.len()),
+            waiting: count(candidates - self.granted.len() - self.errored.len()),
+            queued: count(self.queued.len()),
+        }
+    }
+}
+
+/// Metrics and logs of a committed batch.
+fn record(started: Instant, done: &PassOutcome, outcome: &Outcome, batch: &ClaimedBatch) {
+    metrics::histogram!("permitq_batch_seconds").record(started.elapsed().as_secs_f64());
+    metrics::counter!("permitq_grants_total").increment(done.granted);
+    for id in &outcome.granted {
+        metrics::histogram!("permitq_grant_wait_seconds").record(batch.ages[id]);
+    }
+    for code in &outcome.codes {
+        metrics::counter!("permitq_request_errors_total", "code" => *code).increment(1);
+    }
+    if tracing::enabled!(tracing::Level::DEBUG) {
+        for id in &outcome.granted {
+            tracing::debug!(external_id = %batch.external_ids[id], request_id = id, "granted");
+        }
+        for (id, code) in outcome.errored.iter().zip(&outcome.codes) {
+            tracing::debug!(external_id = %batch.external_ids[id], request_id = id, code, "failed");
+        }
+    }
+    tracing::trace!(?done, "batch committed");
 }

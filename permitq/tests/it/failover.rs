@@ -20,7 +20,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{quiet_config, wait_until, EmbeddedPostgres, RunningWorker, StopMode, TEST_SETTINGS};
+use common::{
+    quiet_config, wait_until, EmbeddedPostgres, RunningWorker, StopMode, THROWAWAY_SETTINGS,
+};
 use permitq::{Client, Request, State};
 
 /// What every operation of a producer may take, failover included.
@@ -38,10 +40,10 @@ fn multi_host_url(primary: &EmbeddedPostgres, standby: &EmbeddedPostgres) -> Str
 
 /// A primary with settings `primary_extra` and a streaming standby of it.
 fn replicated_pair(primary_extra: &[(&str, &str)]) -> (EmbeddedPostgres, EmbeddedPostgres) {
-    let mut settings = TEST_SETTINGS.to_vec();
+    let mut settings = THROWAWAY_SETTINGS.to_vec();
     settings.extend_from_slice(primary_extra);
     let primary = EmbeddedPostgres::start_with(&settings).expect("primary");
-    let standby = primary.start_standby(&TEST_SETTINGS).expect("standby");
+    let standby = primary.start_standby(&THROWAWAY_SETTINGS).expect("standby");
     (primary, standby)
 }
 
@@ -237,7 +239,7 @@ async fn synchronous_failover_loses_nothing_acknowledged_and_tokens_keep_increas
     );
 
     // Safety over the whole history, on the new primary.
-    let report = common::collect(&client, "fo-").await.unwrap();
+    let report = common::collect(&conn, "fo-").await.unwrap();
     assert!(
         report.over_capacity.is_empty(),
         "{:?}",

@@ -68,7 +68,7 @@ async fn at_most_capacity_grants_in_any_window_however_quickly_holders_release()
             "{in_window} grants in the window ending at {t} ms: {times:?}"
         );
     }
-    let report = common::collect(&client, "call-").await.unwrap();
+    let report = common::collect(&conn, "call-").await.unwrap();
     assert_eq!(report.peak_concurrent["api"], 3);
     assert!(
         report.over_capacity.is_empty(),

@@ -46,9 +46,9 @@ async fn planted_rows_fail_alone_as_invalid_and_other_semaphores_keep_granting()
          SET session_replication_role = DEFAULT;
          ALTER TABLE permitq.permit_request
              ADD CONSTRAINT permit_request_ttl_valid
-                 CHECK (ttl > interval '0' AND ttl <= interval '3653 days') NOT VALID,
+                 CHECK (ttl > interval '0' AND ttl <= permitq.rule_max_duration()) NOT VALID,
              ADD CONSTRAINT permit_request_wait_valid
-                 CHECK (wait >= interval '0' AND wait <= interval '3653 days') NOT VALID;",
+                 CHECK (wait >= interval '0' AND wait <= permitq.rule_max_duration()) NOT VALID;",
     )
     .await
     .unwrap();
@@ -253,8 +253,11 @@ fn calls() -> impl proptest::strategy::Strategy<Value = Vec<Call>> {
         (1i64..50).prop_map(|n| format!("{n} years -3 days")),
         Just("292270 years".to_string()),
         Just("1000000 years".to_string()),
-        Just("3653 days".to_string()),
-        Just("3654 days".to_string()),
+        Just(format!("{} days", permitq::MAX_DURATION.as_secs() / 86_400)),
+        Just(format!(
+            "{} days",
+            permitq::MAX_DURATION.as_secs() / 86_400 + 1
+        )),
         Just("1 month -40 days".to_string()),
         Just("9223372036854775807 microseconds".to_string()),
         Just("soon".to_string()),

@@ -158,19 +158,20 @@ async fn workers_racing_to_make_the_same_instances_make_each_once_and_respect_it
         ids.push(id);
     }
     // Leases expire, so every request is eventually granted; none fails.
+    let conn = db.conn().await;
     wait_until(
         Duration::from_secs(60),
         "every request granted once",
         || {
-            let client = &client;
+            let conn = &conn;
             async move {
-                let report = common::collect(client, "r").await.unwrap();
+                let report = common::collect(conn, "r").await.unwrap();
                 report.granted == 120
             }
         },
     )
     .await;
-    let report = common::collect(&client, "r").await.unwrap();
+    let report = common::collect(&conn, "r").await.unwrap();
     assert!(
         report.errors_by_code.is_empty(),
         "{:?}",

@@ -540,7 +540,7 @@ async fn three_workers_under_random_load_keep_every_invariant() {
 
     let conn = db.conn().await;
     check_invariants(&conn).await.unwrap();
-    let report = common::collect(&client, "h").await.unwrap();
+    let report = common::collect(&conn, "h").await.unwrap();
     assert_eq!(
         report.submitted,
         i64::try_from(HOLDERS * PER_HOLDER).unwrap(),

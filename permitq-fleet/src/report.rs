@@ -4,8 +4,6 @@
 
 use std::collections::BTreeMap;
 
-use permitq::Client;
-
 use crate::sql;
 use crate::Result;
 
@@ -66,8 +64,7 @@ pub struct RunReport {
 }
 
 /// Reads the report for requests whose external_id starts with `prefix`.
-pub async fn collect(client: &Client, prefix: &str) -> Result<RunReport> {
-    let conn = client.pool().get().await?;
+pub async fn collect(conn: &tokio_postgres::Client, prefix: &str) -> Result<RunReport> {
     let pattern = format!("{}%", like_escape(prefix));
     let mut report = RunReport::default();
     for row in conn.query(sql::RUN_OUTCOMES, &[&pattern]).await? {
@@ -122,8 +119,7 @@ pub async fn collect(client: &Client, prefix: &str) -> Result<RunReport> {
 }
 
 /// Queue depth and grants so far, for requests whose external_id starts with `prefix`.
-pub async fn queue_and_grants(client: &Client, prefix: &str) -> Result<(i64, i64)> {
-    let conn = client.pool().get().await?;
+pub async fn queue_and_grants(conn: &tokio_postgres::Client, prefix: &str) -> Result<(i64, i64)> {
     let row = conn
         .query_one(sql::RUN_PROGRESS, &[&format!("{}%", like_escape(prefix))])
         .await?;

@@ -5,8 +5,8 @@ use tokio::sync::watch;
 
 use permitq::{Worker, WorkerConfig};
 
-use crate::embedded::EmbeddedPostgres;
 use crate::Result;
+use permitq_embedded_pg::EmbeddedPostgres;
 use std::io::Write as _;
 
 /// Starts a throwaway cluster when `url` is None; returns it (to keep alive) and the URL to use.

@@ -17,7 +17,7 @@ use crate::Result;
 
 /// The server settings of test clusters: no flushes (no OS crash is simulated, so WAL written
 /// survives a kill; synchronous commit stays on).
-pub const TEST_SETTINGS: [(&str, &str); 2] = [("fsync", "off"), ("full_page_writes", "off")];
+pub const THROWAWAY_SETTINGS: [(&str, &str); 2] = [("fsync", "off"), ("full_page_writes", "off")];
 
 /// How to stop the server (`pg_ctl stop -m`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,7 +48,7 @@ impl EmbeddedPostgres {
     /// Creates and starts a cluster on a free loopback port (blocking; a few seconds), with
     /// `fsync=off` (see [`EmbeddedPostgres::start_server`]): for tests.
     pub fn start() -> Result<EmbeddedPostgres> {
-        EmbeddedPostgres::start_with(&TEST_SETTINGS)
+        EmbeddedPostgres::start_with(&THROWAWAY_SETTINGS)
     }
 
     /// Like [`EmbeddedPostgres::start`], with these server settings instead of the test ones
@@ -61,7 +61,7 @@ impl EmbeddedPostgres {
     /// Like [`EmbeddedPostgres::start`], in network namespace `namespace`, listening on
     /// `address` (and on its Unix socket: [`EmbeddedPostgres::socket_config`]).
     pub fn start_in_namespace(namespace: &str, address: &str) -> Result<EmbeddedPostgres> {
-        let mut pg = EmbeddedPostgres::prepare(&TEST_SETTINGS)?;
+        let mut pg = EmbeddedPostgres::prepare(&THROWAWAY_SETTINGS)?;
         pg.namespace = Some(namespace.to_string());
         pg.listen = address.to_string();
         pg.init_and_start()
