@@ -35,7 +35,7 @@ const RESOURCE: &str = "fencing-demo-file";
 async fn main() -> Result<(), AnyError> {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("holder") {
-        return Ok(holder(&args[2], &args[3]).await?);
+        return holder(&args[2], &args[3]).await;
     }
     let url = std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty());
     let (embedded, url) = database(url.as_deref()).await?;
