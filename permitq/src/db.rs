@@ -113,6 +113,8 @@ pub(crate) fn request_from_row(row: &Row) -> Result<PermitRequest> {
         heartbeat_at: row.try_get("heartbeat_at")?,
         released_at: row.try_get("released_at")?,
         settled_at: row.try_get("settled_at")?,
+        examined_at: row.try_get("examined_at")?,
+        decided_at: row.try_get("decided_at")?,
     })
 }
 

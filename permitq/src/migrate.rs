@@ -37,11 +37,18 @@ pub struct Migration {
 }
 
 /// Every versioned migration this build knows, oldest first.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "baseline",
-    sql: include_str!("../schema/migrations/V1__baseline.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "baseline",
+        sql: include_str!("../schema/migrations/V1__baseline.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "decision_times",
+        sql: include_str!("../schema/migrations/V2__decision_times.sql"),
+    },
+];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.
 #[derive(Debug, Clone, Copy)]

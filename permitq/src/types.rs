@@ -276,6 +276,12 @@ pub struct PermitRequest {
     /// When it reached `error` or `released`.
     #[serde(serialize_with = "ser_time")]
     pub settled_at: Option<SystemTime>,
+    /// When a worker first examined it (granted, failed, or left it waiting in line).
+    #[serde(serialize_with = "ser_time")]
+    pub examined_at: Option<SystemTime>,
+    /// When the worker transaction that granted or failed it began.
+    #[serde(serialize_with = "ser_time")]
+    pub decided_at: Option<SystemTime>,
 }
 
 impl PermitRequest {

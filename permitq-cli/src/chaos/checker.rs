@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, SystemTime};
 
 use super::history::{Op, OpKind, Outcome};
-use super::nemesis::{LinkFault, Outage};
+use super::nemesis::Outage;
 use super::state::{us, FinalState, Micros, Req};
 
 /// Violations by checker, and the fairness figures.
@@ -20,9 +20,6 @@ pub(crate) struct Verdict {
     pub granted: usize,
     /// How requests ended: `released/<reason>` or `error/<code>`.
     pub endings: BTreeMap<String, usize>,
-    /// Grants the fairness checker would flag but for a fault on the granting worker's link
-    /// (the head was acknowledged after the fault began): what they were.
-    pub excused_by_link_faults: Vec<String>,
 }
 
 impl Verdict {
@@ -35,16 +32,47 @@ impl Verdict {
 pub(crate) struct Context<'a> {
     /// The recorded history.
     pub ops: &'a [Op],
-    /// external_id → number of `acquired` events seen on `permitq_events`.
-    pub acquired_events: &'a HashMap<String, u32>,
-    /// Stop-the-world faults, for the "nothing lost" deadline.
-    pub outages: &'a [Outage],
-    /// Faults on one worker's link, for the fairness checker's visibility.
-    pub link_faults: &'a [LinkFault],
+    /// external_id → the fencing tokens of the `acquired` events seen on `permitq_events`.
+    pub acquired_events: &'a HashMap<String, Vec<Option<i64>>>,
+    /// Every fault, for the liveness bounds (a worker or a semaphore may be held up by any).
+    pub faults: &'a [Outage],
     /// The workers' sweep interval.
     pub sweep_interval: Duration,
     /// When the load stopped.
     pub load_end: SystemTime,
+}
+
+/// How soon a worker must first examine a request (plus faults).
+const EXAMINE_BOUND: Micros = 10_000_000;
+/// How soon a request first in line on every semaphore it names (all fair) must be granted once
+/// it is (plus faults and a rate window): holders hold for at most 0.4 s, or to a TTL of at most
+/// 1.5 s when they die.
+const HEAD_BOUND: Micros = 10_000_000;
+/// The least share of the decided requests the load's mix grants (runs see 70–80 %).
+const GRANTED_FLOOR: f64 = 0.5;
+/// How much longer than its span a fault may hold things up: a partitioned worker keeps its
+/// locks until the server's idle bound (5 s).
+const FAULT_AFTERMATH: Micros = 6_000_000;
+
+impl Context<'_> {
+    /// `bound` from `from`, extended by every fault that began before the deadline.
+    fn deadline(&self, from: Micros, bound: Micros) -> Micros {
+        let mut deadline = from + bound;
+        let mut faults: Vec<&Outage> = self.faults.iter().collect();
+        faults.sort_by_key(|f| f.from);
+        for f in faults {
+            let (start, end) = (us(f.from), us(f.to));
+            if start <= deadline && end + FAULT_AFTERMATH >= from {
+                deadline += (end - start) + FAULT_AFTERMATH;
+            }
+        }
+        deadline
+    }
+
+    /// The sweeps' slack: two intervals and a second and a half.
+    fn sweep_slack(&self) -> Micros {
+        2 * i64::try_from(self.sweep_interval.as_micros()).unwrap_or(i64::MAX / 4) + 1_500_000
+    }
 }
 
 /// Runs every checker.
@@ -72,6 +100,8 @@ pub(crate) fn check(state: &FinalState, cx: &Context) -> Verdict {
     no_double_grant(state, cx, &mut v);
     fencing(state, cx, &mut v);
     nothing_lost(state, cx, &mut v);
+    liveness(state, cx, &mut v);
+    outcomes(state, cx, &mut v);
     for (name, used, _) in &state.semaphores {
         if *used != 0 {
             v.flag(
@@ -139,27 +169,46 @@ fn safety(state: &FinalState, v: &mut Verdict) -> HashMap<(i64, String), i64> {
     held_after
 }
 
+/// A request granted twice shows up three ways, each checked: a second `acquired` event, an
+/// event whose token is not the request's, and a semaphore's `granted` counter (kept by the
+/// grant's own UPDATE) above the number of requests granted on it.
 fn no_double_grant(state: &FinalState, cx: &Context, v: &mut Verdict) {
-    for (id, n) in cx.acquired_events {
-        if *n > 1 {
-            v.flag("no double grant", format!("{id}: {n} acquired events"));
-        }
-    }
-    let mut permit_rows: HashMap<i64, usize> = HashMap::new();
-    for p in &state.permits {
-        *permit_rows.entry(p.0).or_default() += 1;
-    }
-    for r in &state.requests {
-        let rows = permit_rows.get(&r.id).copied().unwrap_or(0);
-        let expected = if r.acquired.is_some() {
-            r.permits.len()
-        } else {
-            0
-        };
-        if rows != expected {
+    let by_key: HashMap<&str, &Req> = state
+        .requests
+        .iter()
+        .map(|r| (r.external_id.as_str(), r))
+        .collect();
+    for (id, tokens) in cx.acquired_events {
+        if tokens.len() > 1 {
             v.flag(
                 "no double grant",
-                format!("{}: {rows} permit rows, expected {expected}", r.external_id),
+                format!("{id}: {} acquired events", tokens.len()),
+            );
+        }
+        let stored = by_key.get(id.as_str()).and_then(|r| r.token);
+        for token in tokens {
+            if *token != stored {
+                v.flag(
+                    "no double grant",
+                    format!(
+                        "{id}: an acquired event with token {token:?}, the request has {stored:?}"
+                    ),
+                );
+            }
+        }
+    }
+    let mut granted_on: HashMap<&str, i64> = HashMap::new();
+    for r in state.requests.iter().filter(|r| r.acquired.is_some()) {
+        for (name, _) in &r.permits {
+            *granted_on.entry(name).or_default() += 1;
+        }
+    }
+    for (name, counter) in &state.granted_counter {
+        let granted = granted_on.get(name.as_str()).copied().unwrap_or(0);
+        if *counter != granted {
+            v.flag(
+                "no double grant",
+                format!("{name}: its granted counter is {counter}, {granted} requests were granted on it"),
             );
         }
     }
@@ -257,63 +306,217 @@ fn nothing_lost(state: &FinalState, cx: &Context, v: &mut Verdict) {
             Some(_) => {}
         }
     }
-    let slack =
-        2 * i64::try_from(cx.sweep_interval.as_micros()).unwrap_or(i64::MAX / 4) + 1_500_000;
+}
+
+/// Judged on what the database recorded, never on a client's patience:
+/// - every request is first examined by a worker within [`EXAMINE_BOUND`] (plus faults), unless
+///   it ended before that;
+/// - a request with a `wait` is granted or timed out by `wait` plus the sweeps' slack;
+/// - a lease is released by its expiry plus the sweeps' slack;
+/// - a request whose semaphores are all fair is granted within [`HEAD_BOUND`] (plus faults, plus
+///   a rate window) of becoming first in line on every one of them: no head starves.
+///
+/// Deadlines past the end of the load are not judged (the run's drain is not a stream).
+fn liveness(state: &FinalState, cx: &Context, v: &mut Verdict) {
+    let load_end = us(cx.load_end);
     for r in &state.requests {
-        let Some(wait) = r.wait_us.filter(|w| *w > 0) else {
-            continue;
-        };
-        let decided = if r.error_code.as_deref() == Some("timeout") {
-            r.settled
-        } else {
-            r.acquired
-        };
-        let Some(decided) = decided else { continue };
-        let mut allowed = wait + slack;
-        for o in cx.outages {
-            let (from, to) = (us(o.from), us(o.to));
-            if from <= r.created + allowed && to >= r.created {
-                allowed += (to - from) + 6_000_000;
+        let by = cx.deadline(r.created, EXAMINE_BOUND);
+        let examined_in_time = r.examined.is_some_and(|e| e <= by);
+        let ended_first = r.left().is_some_and(|l| l <= by);
+        if by < load_end && !examined_in_time && !ended_first {
+            v.flag(
+                "liveness",
+                format!(
+                    "{}: never examined by a worker within {} ms (examined at {:?})",
+                    r.external_id,
+                    (by - r.created) / 1000,
+                    r.examined.map(|e| (e - r.created) / 1000)
+                ),
+            );
+        }
+        if let Some(wait) = r.wait_us.filter(|w| *w > 0) {
+            let by = cx.deadline(r.created + wait, cx.sweep_slack());
+            if by < load_end && r.left().is_none_or(|l| l > by) {
+                v.flag(
+                    "liveness",
+                    format!(
+                        "{}: wait {} ms, still new {} ms after it was submitted",
+                        r.external_id,
+                        wait / 1000,
+                        (by - r.created) / 1000
+                    ),
+                );
             }
         }
-        if decided - r.created > allowed {
+        if let Some(expires) = r.expires {
+            let by = cx.deadline(expires, cx.sweep_slack());
+            if by < load_end && r.released.is_none_or(|rel| rel > by) {
+                v.flag(
+                    "liveness",
+                    format!(
+                        "{}: lease held past its expiry (released {:?} ms after it)",
+                        r.external_id,
+                        r.released.map(|rel| (rel - expires) / 1000)
+                    ),
+                );
+            }
+        }
+    }
+    heads_are_granted(state, cx, v);
+}
+
+/// A request whose semaphores are all fair must be granted within [`HEAD_BOUND`] of becoming
+/// first in line on all of them: the moment every request ranked ahead of it there, and waiting
+/// with it, has left the line.
+fn heads_are_granted(state: &FinalState, cx: &Context, v: &mut Verdict) {
+    let fair: HashMap<&str, bool> = state
+        .semaphores
+        .iter()
+        .map(|(name, _, fair)| (name.as_str(), *fair))
+        .collect();
+    let load_end = us(cx.load_end);
+    let mut naming: HashMap<&str, Vec<&Req>> = HashMap::new();
+    for r in &state.requests {
+        for (name, _) in &r.permits {
+            naming.entry(name).or_default().push(r);
+        }
+    }
+    for r in &state.requests {
+        if !r
+            .permits
+            .iter()
+            .all(|(n, _)| fair.get(n.as_str()) == Some(&true))
+        {
+            continue;
+        }
+        let mut first_in_line = r.created;
+        for (name, _) in &r.permits {
+            for w in naming.get(name.as_str()).into_iter().flatten() {
+                let overlaps = w.created < r.left().unwrap_or(Micros::MAX)
+                    && w.left().is_none_or(|l| l > r.created);
+                if w.id != r.id && overlaps && w.rank() > r.rank() {
+                    first_in_line = first_in_line.max(w.left().unwrap_or(Micros::MAX));
+                }
+            }
+        }
+        if first_in_line == Micros::MAX {
+            continue; // something ahead of it never left: that one is judged instead
+        }
+        let window = r
+            .permits
+            .iter()
+            .filter_map(|(n, _)| state.windows.get(n))
+            .max()
+            .copied()
+            .unwrap_or(0);
+        let by = cx.deadline(first_in_line, HEAD_BOUND + window);
+        if by < load_end && r.left().is_none_or(|l| l > by) {
             v.flag(
-                "nothing lost",
+                "liveness",
                 format!(
-                    "{}: wait {}ms decided after {}ms",
+                    "{}: first in line on {:?} for {} ms and not granted (a starved head)",
                     r.external_id,
-                    wait / 1000,
-                    (decided - r.created) / 1000
+                    r.permits
+                        .iter()
+                        .map(|(n, _)| n.as_str())
+                        .collect::<Vec<_>>(),
+                    (by - first_in_line) / 1000
                 ),
             );
         }
     }
 }
 
-/// On fair semaphores: at every grant, the oldest request still waiting there (older than the
-/// granted one, and visible to the worker: its submit was acknowledged, so committed, at least
-/// 200 ms before the grant) must still fit in what is left. Also reports waits of large and small
-/// requests, and flags starvation.
-///
-/// Visibility is judged by the acknowledgement, not by `created_at`: ids (the FIFO order) are
-/// drawn at insert, but a request exists for workers only from its commit, and on a loaded
-/// machine a submit's commit can come long after a younger one's. A worker decides on what it
-/// read when its batch took the semaphore locks, and writes `acquired_at` when it applies: a
-/// batch that a partition or a slow link (on its worker's host) stretched may have read long
-/// before it wrote. For the grants of a worker whose link had a fault up to 10 s
-/// before the grant (`LINK_RESUME`), only requests acknowledged before the fault began (less twice the margin)
-/// were certainly visible.
+/// Every ending must be one the request allowed, and the load's mix must mostly be granted:
+/// `no_capacity` only for fail-fast requests, `timeout` only after the request's `wait`,
+/// `exceeds_capacity` only for a count above the capacity then in force, `cancelled` only when
+/// the client cancelled, `expired` only with a TTL, and never `invalid`, `unknown_semaphore`,
+/// `stale` or `revoked` (the load sends valid requests, sets no --max-hold and revokes nothing).
+fn outcomes(state: &FinalState, cx: &Context, v: &mut Verdict) {
+    let cancelled_by_client: std::collections::HashSet<&str> = cx
+        .ops
+        .iter()
+        .filter(|o| o.kind == OpKind::Release && !matches!(o.outcome, Outcome::Fail(_)))
+        .map(|o| o.key.as_str())
+        .collect();
+    let mut decided = 0usize;
+    for r in &state.requests {
+        let wrong = match (
+            r.state.as_str(),
+            r.error_code.as_deref(),
+            r.release_reason.as_deref(),
+        ) {
+            ("error", Some("no_capacity"), _) => (r.wait_us != Some(0)).then(|| {
+                format!(
+                    "no_capacity for a request that may wait ({:?} us)",
+                    r.wait_us
+                )
+            }),
+            ("error", Some("timeout"), _) => match (r.wait_us, r.settled) {
+                (Some(wait), Some(settled)) if wait > 0 && settled - r.created >= wait => None,
+                _ => Some(format!(
+                    "timeout after {:?} ms for wait {:?} ms",
+                    r.settled.map(|s| (s - r.created) / 1000),
+                    r.wait_us.map(|w| w / 1000)
+                )),
+            },
+            ("error", Some("exceeds_capacity"), _) => {
+                let at = r.settled.unwrap_or(r.created);
+                let over = r
+                    .permits
+                    .iter()
+                    .any(|(n, c)| *c > capacity_at(state, n, at));
+                (!over).then(|| "exceeds_capacity though every count fit its capacity".to_string())
+            }
+            ("error", Some("cancelled"), _) => (!cancelled_by_client
+                .contains(r.external_id.as_str()))
+            .then(|| "cancelled, but the client never cancelled it".to_string()),
+            ("released", _, Some("released")) | ("acquired", _, _) | ("new", _, _) => None,
+            ("released", _, Some("expired")) => r
+                .expires
+                .is_none()
+                .then(|| "expired without a lease".to_string()),
+            (state, code, reason) => Some(format!("ended {state} {code:?} {reason:?}")),
+        };
+        if let Some(what) = wrong {
+            v.flag("outcomes", format!("{}: {what}", r.external_id));
+        }
+        if r.state != "new" {
+            decided += 1;
+        }
+    }
+    let share = v.granted as f64 / decided.max(1) as f64;
+    if decided >= 20 && share < GRANTED_FLOOR {
+        v.flag(
+            "outcomes",
+            format!(
+                "only {} of {decided} decided requests were granted ({:.0} %, the floor is {:.0} %)",
+                v.granted,
+                share * 100.0,
+                GRANTED_FLOOR * 100.0
+            ),
+        );
+    }
+}
+
+/// On fair semaphores: at every grant, the request first in line among those waiting there, as
+/// the granting transaction saw them, must still fit in what is left. Exact, with no margin and
+/// no excuse. The transaction began at `decided_at` and read the heads before it wrote
+/// `acquired_at`; so a request whose submit was acknowledged before `decided_at` and that still
+/// waited at `acquired_at` was certainly seen, and one created after `acquired_at`, or gone
+/// before `decided_at`, certainly not. Between the two (submitted, or settled, while the
+/// transaction ran) it may have been: then every first in line the transaction could have seen
+/// is tried, and the grant is a violation only if it leaves too little for each of them. Also
+/// reports waits of large and small requests.
 fn fairness(
     state: &FinalState,
     held_after: &HashMap<(i64, String), i64>,
     cx: &Context,
     v: &mut Verdict,
 ) {
-    const VISIBLE: Micros = 200_000;
-    // After a heal, a stalled connection resumes at TCP's next retransmission (seconds).
-    const LINK_RESUME: Micros = 10_000_000;
     // Rate-limited semaphores' room is their window, which this model of held counts does not
-    // follow: their fairness is left to the decision's property tests.
+    // follow: their fairness is left to the decision's property tests (their liveness is
+    // checked).
     let fair: Vec<&str> = state
         .semaphores
         .iter()
@@ -334,58 +537,53 @@ fn fairness(
     }
     let (mut large, mut small) = (Vec::new(), Vec::new());
     for semaphore in &fair {
-        let naming: Vec<&Req> = state
+        let mut naming: Vec<&Req> = state
             .requests
             .iter()
             .filter(|r| r.permits.iter().any(|(n, _)| n == semaphore))
             .collect();
+        // First in line first.
+        naming.sort_by_key(|r| std::cmp::Reverse(r.rank()));
         for (request, s, count, acquired, _, _) in
             state.permits.iter().filter(|p| p.1 == *semaphore)
         {
-            // The head: the first in line among those waiting at the grant (the worker keeps
-            // room for it alone), judged only when it is ahead of this grant and had certainly
-            // been visible to the worker (a request submitted a moment ago, with a high
-            // priority, may be first in line already without any worker having seen it).
-            let granted = by_id.get(request);
-            let read_by =
-                granted
-                    .and_then(|g| g.worker_id.as_deref())
-                    .map_or(*acquired, |worker| {
-                        cx.link_faults
-                            .iter()
-                            .filter(|f| {
-                                f.worker == worker
-                                    && us(f.during.from) <= *acquired
-                                    && us(f.during.to) + LINK_RESUME >= *acquired
-                            })
-                            .map(|f| us(f.during.from) - VISIBLE)
-                            .fold(*acquired, Micros::min)
-                    });
-            let head = naming
-                .iter()
-                .filter(|w| w.id != *request && w.new_at(*acquired))
-                .max_by_key(|w| w.rank())
-                .filter(|w| granted.is_none_or(|g| w.rank() > g.rank()));
-            let acknowledged_head =
-                head.and_then(|h| Some((h, *acknowledged.get(h.external_id.as_str())?)));
-            if let Some((head, ack)) = acknowledged_head {
-                let need = head
-                    .permits
-                    .iter()
-                    .find(|(n, _)| n == semaphore)
-                    .map_or(0, |p| p.1);
-                let held = held_after.get(&(*request, s.clone())).copied().unwrap_or(0);
-                let cap = capacity_at(state, s, *acquired);
-                if held + need > cap && ack + VISIBLE <= *acquired {
-                    let by = granted.and_then(|g| g.worker_id.as_deref()).unwrap_or("?");
-                    let what = format!("{s}: request {request} took {count} leaving {} while {} (ahead of it: rank {:?} vs {:?}) waited for {need}; granted by {by} at {acquired} µs, the head acknowledged at {ack} µs", cap - held, head.external_id, head.rank(), granted.map(|g| g.rank()));
-                    if ack + VISIBLE <= read_by {
-                        v.flag("fairness", what);
-                    } else {
-                        // Visible 200 ms before the grant, not before the fault on its link.
-                        v.excused_by_link_faults.push(what);
-                    }
+            let Some(granted) = by_id.get(request) else {
+                continue;
+            };
+            let Some(started) = granted.decided else {
+                v.flag(
+                    "fairness",
+                    format!("{s}: request {request} was granted with no decided_at"),
+                );
+                continue;
+            };
+            let held = held_after.get(&(*request, s.clone())).copied().unwrap_or(0);
+            let cap = capacity_at(state, s, *acquired);
+            // The requests ahead of it the transaction may have seen waiting, first in line
+            // first, up to and with the first it certainly saw.
+            let mut seen_first = Vec::new();
+            let mut certain = false;
+            for w in naming.iter().filter(|w| w.rank() > granted.rank()) {
+                let waiting_then = w.created < *acquired && w.left().is_none_or(|l| l > started);
+                if !waiting_then {
+                    continue;
                 }
+                seen_first.push(*w);
+                let ack = acknowledged.get(w.external_id.as_str());
+                if ack.is_some_and(|ack| *ack < started) && w.left().is_none_or(|l| l > *acquired) {
+                    certain = true;
+                    break;
+                }
+            }
+            let too_little = |w: &&Req| held + w.count_on(semaphore) > cap;
+            if certain && seen_first.iter().all(too_little) {
+                let head = seen_first.last().expect("certain");
+                let by = granted.worker_id.as_deref().unwrap_or("?");
+                v.flag("fairness", format!(
+                    "{s}: request {request} took {count} leaving {} while {} (ahead of it: rank {:?} vs {:?}) waited for {}; granted by {by} in a transaction begun at {started} µs, the head acknowledged at {} µs",
+                    cap - held, head.external_id, head.rank(), granted.rank(), head.count_on(semaphore),
+                    acknowledged[head.external_id.as_str()]
+                ));
             }
             if let Some(r) = by_id.get(request) {
                 let wait_ms = (acquired - r.created) as f64 / 1000.0;
@@ -399,33 +597,6 @@ fn fairness(
                 } else {
                     small.push(wait_ms)
                 }
-            }
-        }
-        for r in &naming {
-            let count = r
-                .permits
-                .iter()
-                .find(|(n, _)| n == semaphore)
-                .map_or(0, |p| p.1);
-            let cap = state
-                .capacity
-                .get(*semaphore)
-                .and_then(|c| c.first())
-                .map_or(1, |c| c.1);
-            // Higher priorities may hold it back (3 - priority) aging steps longer.
-            let allowance = 20_000_000 + (3 - r.priority).max(0) * 10_000_000;
-            let starved = r.wait_us.is_none()
-                && count * 2 > cap
-                && r.new_at(us(cx.load_end))
-                && r.created < us(cx.load_end) - allowance;
-            if starved {
-                v.flag(
-                    "fairness",
-                    format!(
-                        "{}: large request starved past its bound while the stream ran",
-                        r.external_id
-                    ),
-                );
             }
         }
     }

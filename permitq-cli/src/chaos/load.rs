@@ -1,5 +1,11 @@
 //! The chaos load: clients with their own connections submitting random requests, holding,
-//! heartbeating and releasing, with racing duplicate submits. Every operation is recorded.
+//! heartbeating and releasing, with racing duplicate submits and some deliberate cancels. Every
+//! operation is recorded.
+//!
+//! A client never gives up on a request by itself: it waits until the request is granted or
+//! fails (a `wait` runs out in the database), so the checkers judge liveness and starvation on
+//! what the database did, not on a client's patience. When the load stops, requests still
+//! waiting are left to the run's drain.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -46,29 +52,63 @@ pub(crate) async fn client_loop(
         if !(first || second) {
             continue; // definitely not submitted
         }
-        // From here on the request may exist: it is released (or cancelled) in every case, or
-        // deliberately abandoned to its TTL, so no permit leaks out of the run.
-        let limit = request
-            .wait
-            .map_or(Duration::from_secs(20), |w| w + Duration::from_secs(2));
-        match wait_known(&client, &request.external_id, limit).await {
-            Some(State::Acquired) => {
+        // From here on the request may exist: it is released once granted, cancelled when the
+        // client changes its mind, or deliberately abandoned to its TTL, so no permit leaks out
+        // of the run.
+        let cancel_after = (request.wait.is_none() && rng.u8(..20) == 0)
+            .then(|| Duration::from_millis(rng.u64(50..500)));
+        match wait_settled(&client, &request.external_id, cancel_after, &stop).await {
+            Waited::Settled(State::Acquired) => {
                 hold_and_release(&client, id, &request, &history, &mut rng).await
             }
-            _ => release_until_known(&client, id, &request.external_id, &history).await,
+            Waited::Settled(_) => {
+                // Failed: releasing it must change nothing (it says `not_acquired`).
+                release_until_known(&client, id, &request.external_id, &history).await
+            }
+            Waited::CancelDue => {
+                release_until_known(&client, id, &request.external_id, &history).await
+            }
+            Waited::LoadStopped => return,
         }
     }
 }
 
-/// Waits for the request to settle, riding out connection errors, up to `limit`.
-async fn wait_known(client: &Client, external_id: &str, limit: Duration) -> Option<State> {
-    let deadline = std::time::Instant::now() + limit;
+/// How waiting for a request ended.
+enum Waited {
+    /// It left `new` in this state (or is unknown: `Error`, never granted).
+    Settled(State),
+    /// The client's deliberate cancel is due.
+    CancelDue,
+    /// The load stopped first.
+    LoadStopped,
+}
+
+/// Waits until the request leaves `new`, riding out connection errors, until a deliberate
+/// cancel is due or the load stops.
+async fn wait_settled(
+    client: &Client,
+    external_id: &str,
+    cancel_after: Option<Duration>,
+    stop: &AtomicBool,
+) -> Waited {
+    let started = std::time::Instant::now();
     loop {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        match client.wait_settled(external_id, left).await {
-            Ok(r) => return r.map(|r| r.state),
-            Err(_) if !left.is_zero() => tokio::time::sleep(Duration::from_millis(100)).await,
-            Err(_) => return None,
+        if stop.load(Ordering::Relaxed) {
+            return Waited::LoadStopped;
+        }
+        let mut slice = Duration::from_millis(500);
+        if let Some(after) = cancel_after {
+            let left = after.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return Waited::CancelDue;
+            }
+            slice = slice.min(left);
+        }
+        match client.wait_settled(external_id, slice).await {
+            Ok(Some(r)) if r.state != State::New => return Waited::Settled(r.state),
+            Ok(Some(_)) => {}
+            Ok(None) => return Waited::Settled(State::Error),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
     }
 }

@@ -22,6 +22,21 @@ pub(crate) enum Mutation {
     SkipFairness,
     /// Rate-limited semaphores are decided on their holders, not their window.
     IgnoreWindow,
+    /// The claim skips every request whose id ends in 7: they are never examined.
+    NeverClaimed,
+    /// A grant of a request whose id ends in 3 is dropped from the batch's write, as if rolled
+    /// back, every time: the request is lost in `new`.
+    LostRequest,
+    /// The lease sweep releases nothing: leases never expire.
+    LeasesNeverExpire,
+    /// The token sequence cycles through 40 values: grants collide on the unique token index.
+    TokensReused,
+    /// Some grant batches draw tokens without the timeline's high bits: a token below an earlier
+    /// one.
+    TokensBackwards,
+    /// The claim never reconsiders a waiter that needs more than one permit: such a head
+    /// starves.
+    StarveHead,
 }
 
 /// One replacement in a schema file: `find` must occur exactly once.
@@ -30,19 +45,73 @@ struct Patch {
     replace: &'static str,
 }
 
+/// How a bug is planted.
+enum Plant {
+    /// Patches of the current text of one schema file, which is then run.
+    File(&'static str, &'static [Patch]),
+    /// A statement on a table or sequence of the migrations.
+    Statement(&'static str),
+}
+
 impl Mutation {
     /// Every mutation.
-    pub(crate) const ALL: [Mutation; 5] = [
+    pub(crate) const ALL: [Mutation; 11] = [
         Mutation::NoSemaphoreLock,
         Mutation::FoldTwice,
         Mutation::DoubleRelease,
         Mutation::SkipFairness,
         Mutation::IgnoreWindow,
+        Mutation::NeverClaimed,
+        Mutation::LostRequest,
+        Mutation::LeasesNeverExpire,
+        Mutation::TokensReused,
+        Mutation::TokensBackwards,
+        Mutation::StarveHead,
     ];
 
-    /// The schema file it patches, and how.
-    fn patches(self) -> (&'static str, &'static [Patch]) {
-        match self {
+    /// How it is planted.
+    fn plant(self) -> Plant {
+        let (path, patches) = match self {
+            Mutation::TokensReused => {
+                return Plant::Statement(
+                    "ALTER SEQUENCE permitq.fencing_token_seq MAXVALUE 40 CYCLE",
+                )
+            }
+            Mutation::NeverClaimed => (
+                "claim.sql",
+                &[Patch {
+                    find: "WHERE r.state = 'new' AND NOT r.examined AND r.id > cursor",
+                    replace: "WHERE r.state = 'new' AND NOT r.examined AND r.id > cursor AND r.id % 10 <> 7",
+                }][..],
+            ),
+            Mutation::StarveHead => (
+                "claim.sql",
+                &[Patch {
+                    find: "WHERE room.free > 0 AND w.count <= room.free;",
+                    replace: "WHERE room.free > 0 AND w.count <= room.free AND w.count = 1;",
+                }][..],
+            ),
+            Mutation::LostRequest => (
+                "decision_outcome.sql",
+                &[Patch {
+                    find: "            FROM unnest(granted) AS id\n",
+                    replace: "            FROM unnest(granted) AS id WHERE id % 10 <> 3\n",
+                }][..],
+            ),
+            Mutation::LeasesNeverExpire => (
+                "sweeps.sql",
+                &[Patch {
+                    find: "SELECT coalesce(permitq.release_locked(array_agg(id), 'expired'), 0)",
+                    replace: "SELECT (0 * count(*))::integer",
+                }][..],
+            ),
+            Mutation::TokensBackwards => (
+                "fencing_tokens.sql",
+                &[Patch {
+                    find: "    SELECT permitq.wal_timeline() << 48\n",
+                    replace: "    SELECT CASE WHEN random() < 0.3 THEN 0 ELSE permitq.wal_timeline() << 48 END\n",
+                }][..],
+            ),
             Mutation::NoSemaphoreLock => (
                 "batch_semaphores.sql",
                 &[
@@ -54,14 +123,14 @@ impl Mutation {
                         find: "        ORDER BY s.id\n        FOR UPDATE SKIP LOCKED\n    ) l;",
                         replace: "        ORDER BY s.id\n    ) l;",
                     },
-                ],
+                ][..],
             ),
             Mutation::SkipFairness => (
                 "batch_semaphores.sql",
                 &[Patch {
                     find: "           s.fair\n    FROM permitq.semaphore s",
                     replace: "           false\n    FROM permitq.semaphore s",
-                }],
+                }][..],
             ),
             Mutation::FoldTwice => (
                 "batch_semaphores.sql",
@@ -69,14 +138,14 @@ impl Mutation {
                     find: "SET used = s.used - t.total,",
                     // Floored at 0, so the CHECK on `used` does not stop it.
                     replace: "SET used = greatest(s.used - 2 * t.total, 0),",
-                }],
+                }][..],
             ),
             Mutation::IgnoreWindow => (
                 "batch_semaphores.sql",
                 &[Patch {
                     find: "CASE WHEN s.per IS NULL THEN s.used ELSE permitq.in_window(s) END",
                     replace: "s.used",
-                }],
+                }][..],
             ),
             Mutation::DoubleRelease => (
                 "release.sql",
@@ -87,14 +156,18 @@ impl Mutation {
             SELECT request.id, e.key, e.value::int, false FROM jsonb_each(request.permits) e;
             PERFORM permitq.wake_workers();
             RETURN 'released';",
-                }],
+                }][..],
             ),
-        }
+        };
+        Plant::File(path, patches)
     }
 
-    /// The SQL that plants it: its schema file with the patches applied.
+    /// The SQL that plants it: its schema file with the patches applied (or its statement).
     pub(crate) fn sql(self) -> Result<String, String> {
-        let (path, patches) = self.patches();
+        let (path, patches) = match self.plant() {
+            Plant::Statement(sql) => return Ok(sql.to_string()),
+            Plant::File(path, patches) => (path, patches),
+        };
         let file = permitq::migrate::schema_file(path)
             .ok_or_else(|| format!("mutation {self}: no schema file {path}"))?;
         let mut sql = file.sql.to_string();
@@ -120,6 +193,12 @@ impl Mutation {
             Mutation::DoubleRelease => "double-release",
             Mutation::SkipFairness => "skip-fairness",
             Mutation::IgnoreWindow => "ignore-window",
+            Mutation::NeverClaimed => "never-claimed",
+            Mutation::LostRequest => "lost-request",
+            Mutation::LeasesNeverExpire => "leases-never-expire",
+            Mutation::TokensReused => "tokens-reused",
+            Mutation::TokensBackwards => "tokens-backwards",
+            Mutation::StarveHead => "starve-head",
         }
     }
 }
@@ -151,10 +230,11 @@ mod tests {
     #[test]
     fn every_mutation_applies_to_the_current_schema_files() {
         for m in Mutation::ALL {
-            let (path, _) = m.patches();
             let sql = m.sql().unwrap_or_else(|e| panic!("{e}"));
-            let original = permitq::migrate::schema_file(path).unwrap().sql;
-            assert_ne!(sql, original, "{m} changes {path}");
+            if let super::Plant::File(path, _) = m.plant() {
+                let original = permitq::migrate::schema_file(path).unwrap().sql;
+                assert_ne!(sql, original, "{m} changes {path}");
+            }
         }
     }
 }

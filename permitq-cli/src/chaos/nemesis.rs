@@ -63,8 +63,8 @@ impl Fault {
     }
 }
 
-/// A fault that stopped the world for a while (no sweeps could run): the "nothing lost"
-/// deadline allows for it.
+/// The span of a fault: the liveness deadlines allow for it (and for its aftermath: a
+/// partitioned worker keeps its locks until the server's idle bound).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Outage {
     /// When it began.
@@ -73,25 +73,13 @@ pub(crate) struct Outage {
     pub to: SystemTime,
 }
 
-/// A worker whose host was cut off or slowed for a while: a batch it ran then may have decided
-/// on what it read long before it wrote (the fairness checker allows for it).
-#[derive(Debug, Clone)]
-pub(crate) struct LinkFault {
-    /// The worker's id (`chaos-w<i>` on host `w<i>`).
-    pub worker: String,
-    /// When it began and ended.
-    pub during: Outage,
-}
-
 /// What the nemesis did.
 #[derive(Debug, Default)]
 pub(crate) struct Injected {
     /// Faults injected, by kind.
     pub counts: BTreeMap<Fault, u32>,
-    /// The stop-the-world ones.
-    pub outages: Vec<Outage>,
-    /// The ones on one worker's link.
-    pub link_faults: Vec<LinkFault>,
+    /// Every fault's span.
+    pub faults: Vec<Outage>,
 }
 
 /// The worker processes, restartable.
@@ -219,7 +207,6 @@ pub(crate) async fn run(
             .unwrap_or_else(|| kinds[rng.usize(..kinds.len())]);
         next += 1;
         let started = SystemTime::now();
-        let mut link_of = None;
         let result = inject(
             fault,
             &mut rng,
@@ -229,7 +216,6 @@ pub(crate) async fn run(
             &workers,
             bed.as_deref(),
             &history,
-            &mut link_of,
         )
         .await;
         match result {
@@ -240,19 +226,7 @@ pub(crate) async fn run(
             from: started,
             to: SystemTime::now(),
         };
-        // A partitioned worker may hold a semaphore's lock until the server's idle bound.
-        if matches!(
-            fault,
-            Fault::RestartDatabase | Fault::TimeoutBurst | Fault::Partition
-        ) {
-            injected.outages.push(during);
-        }
-        if let Some(i) = link_of {
-            injected.link_faults.push(LinkFault {
-                worker: format!("chaos-w{i}"),
-                during,
-            });
-        }
+        injected.faults.push(during);
     }
     injected
 }
@@ -267,8 +241,6 @@ async fn inject(
     workers: &Workers,
     bed: Option<&NetworkBed>,
     history: &History,
-    // Set to the worker whose link a network fault hit.
-    link_of: &mut Option<usize>,
 ) -> Result<()> {
     tracing::info!(?fault, "injecting");
     match fault {
@@ -306,7 +278,6 @@ async fn inject(
         Fault::Partition | Fault::SlowLink => {
             let bed = bed.ok_or_else(|| CliError::runtime("network faults need --network"))?;
             let i = rng.usize(..workers.len());
-            *link_of = Some(i);
             let host = format!("w{i}");
             if fault == Fault::Partition {
                 let cut = Duration::from_millis(rng.u64(1_000..8_000));

@@ -29,21 +29,41 @@ pub(crate) struct Req {
     pub(crate) settled: Option<Micros>,
     /// The worker that decided it.
     pub(crate) worker_id: Option<String>,
+    /// When a worker first examined it.
+    pub(crate) examined: Option<Micros>,
+    /// When the worker transaction that granted or failed it began.
+    pub(crate) decided: Option<Micros>,
+    /// Its lease's end as last extended (TTL requests that were granted).
+    pub(crate) expires: Option<Micros>,
+    /// When it was released.
+    pub(crate) released: Option<Micros>,
+    /// Its fencing token, once granted.
+    pub(crate) token: Option<i64>,
 }
 
 impl Req {
-    /// Its place in line (the worker's rule: priority plus one per 10 s waited, which orders
-    /// requests by `priority × 10 s − created` at every instant; then the lower id): greater is
-    /// further ahead.
+    /// Its place in line (the worker's rule: priority plus one per aging step waited, which
+    /// orders requests by `priority × step − created` at every instant; then the lower id):
+    /// greater is further ahead.
     pub(crate) fn rank(&self) -> (i64, i64) {
-        (self.priority * 10_000_000 - self.created, -self.id)
+        let step = i64::try_from(permitq::AGING_STEP.as_micros()).unwrap_or(i64::MAX);
+        (self.priority * step - self.created, -self.id)
     }
 
-    /// Whether it was still waiting (new) at instant `t`.
-    pub(crate) fn new_at(&self, t: Micros) -> bool {
-        self.created <= t
-            && self.acquired.is_none_or(|a| a > t)
-            && self.settled.is_none_or(|s| s > t)
+    /// When it stopped waiting (granted, failed or cancelled), if it did.
+    pub(crate) fn left(&self) -> Option<Micros> {
+        match (self.acquired, self.settled) {
+            (Some(a), Some(s)) => Some(a.min(s)),
+            (a, s) => a.or(s),
+        }
+    }
+
+    /// Its count on `semaphore` (0 if it does not name it).
+    pub(crate) fn count_on(&self, semaphore: &str) -> i64 {
+        self.permits
+            .iter()
+            .find(|(n, _)| n == semaphore)
+            .map_or(0, |p| p.1)
     }
 }
 
@@ -58,6 +78,8 @@ pub(crate) struct FinalState {
     pub(crate) semaphores: Vec<(String, i64, bool)>,
     /// Rate-limited semaphore → its window.
     pub(crate) windows: HashMap<String, Micros>,
+    /// Semaphore → its `granted` counter.
+    pub(crate) granted_counter: HashMap<String, i64>,
 }
 
 /// Reads the final state.
@@ -65,7 +87,8 @@ pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<FinalState> {
     let requests = conn
         .query(
             "SELECT id, external_id, permits, (extract(epoch FROM wait) * 1000000)::int8, state, error_code,
-                    created_at, acquired_at, settled_at, release_reason, priority::int8, worker_id
+                    created_at, acquired_at, settled_at, release_reason, priority::int8, worker_id,
+                    examined_at, decided_at, expires_at, released_at, fencing_token
              FROM permitq.permit_request ORDER BY id",
             &[],
         )
@@ -84,6 +107,11 @@ pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<FinalState> {
             release_reason: r.get(9),
             priority: r.get(10),
             worker_id: r.get(11),
+            examined: r.get::<_, Option<SystemTime>>(12).map(us),
+            decided: r.get::<_, Option<SystemTime>>(13).map(us),
+            expires: r.get::<_, Option<SystemTime>>(14).map(us),
+            released: r.get::<_, Option<SystemTime>>(15).map(us),
+            token: r.get(16),
         })
         .collect();
     let permits = conn
@@ -100,12 +128,17 @@ pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<FinalState> {
     for r in conn.query("SELECT semaphore, new_capacity::int8, changed_at FROM permitq.capacity_change ORDER BY id", &[]).await? {
         capacity.entry(r.get(0)).or_default().push((us(r.get(2)), r.get(1)));
     }
-    let semaphores = conn
-        .query("SELECT name, used::int8, fair FROM permitq.semaphore", &[])
-        .await?
+    let rows = conn
+        .query(
+            "SELECT name, used::int8, fair, granted FROM permitq.semaphore WHERE NOT is_template",
+            &[],
+        )
+        .await?;
+    let semaphores = rows
         .iter()
         .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect();
+    let granted_counter = rows.iter().map(|r| (r.get(0), r.get(3))).collect();
     let windows = conn
         .query(
             "SELECT name, (extract(epoch FROM per) * 1000000)::int8 FROM permitq.semaphore
@@ -122,6 +155,7 @@ pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<FinalState> {
         capacity,
         semaphores,
         windows,
+        granted_counter,
     })
 }
 

@@ -17,9 +17,12 @@ DECLARE
 BEGIN
     -- Failures first: their settled_at then precedes the batch's acquired_at, so a history
     -- checker never mistakes a request failed in this batch for one still waiting at the grants.
+    -- decided_at is the transaction's start: every request committed before it was visible to
+    -- the batch's reads of the heads.
     IF cardinality(errored) > 0 THEN
         UPDATE permitq.permit_request r
-        SET state = 'error', error_code = e.code, settled_at = clock_timestamp(), worker_id = worker
+        SET state = 'error', error_code = e.code, settled_at = clock_timestamp(), worker_id = worker,
+            examined_at = coalesce(r.examined_at, now()), decided_at = now()
         FROM unnest(errored, error_codes) AS e(id, code)
         WHERE r.id = e.id;
     END IF;
@@ -36,7 +39,8 @@ BEGIN
         done AS (
             UPDATE permitq.permit_request r
             SET state = 'acquired', fencing_token = g.token, acquired_at = g.at,
-                expires_at = g.at + r.ttl, worker_id = worker
+                expires_at = g.at + r.ttl, worker_id = worker,
+                examined_at = coalesce(r.examined_at, now()), decided_at = now()
             FROM g
             WHERE r.id = g.id
             RETURNING r.permits
@@ -68,7 +72,7 @@ BEGIN
         WHERE r.id = ANY(waiting) AND NOT r.examined
         ON CONFLICT DO NOTHING;
 
-        UPDATE permitq.permit_request r SET examined = true
+        UPDATE permitq.permit_request r SET examined = true, examined_at = now()
         WHERE r.id = ANY(waiting) AND NOT r.examined;
     END IF;
 
@@ -91,6 +95,7 @@ DECLARE
 BEGIN
     UPDATE permitq.permit_request r
     SET state = 'error', error_code = 'invalid', settled_at = clock_timestamp(),
+        examined_at = coalesce(r.examined_at, now()), decided_at = now(),
         ttl = CASE WHEN permitq.interval_problem(r.ttl, false) IS NULL THEN r.ttl END,
         wait = CASE WHEN permitq.interval_problem(r.wait, true) IS NULL THEN r.wait END
     WHERE r.id = request_id AND r.state = 'new'

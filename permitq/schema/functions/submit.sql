@@ -1,7 +1,7 @@
 -- The producer's entry: submit a request, read it back.
 
--- permitq.submit: validate, insert idempotently by external_id, wake a sleeping worker (the
--- insert trigger does that). The same external_id with the same parameters returns the existing
+-- permitq.submit: validate, insert idempotently by external_id, wake a sleeping worker. The
+-- insert trigger (functions/request_triggers.sql) checks ttl and wait and wakes the worker. The same external_id with the same parameters returns the existing
 -- row unchanged; with different parameters it raises 23505. Never two rows: the unique key
 -- decides. `priority` is an integer so that `priority => 10` needs no cast; stored as smallint.
 CREATE OR REPLACE FUNCTION permitq.submit(
@@ -29,19 +29,11 @@ BEGIN
     IF problem IS NOT NULL THEN
         RAISE EXCEPTION 'invalid permits: %', problem USING ERRCODE = '22023';
     END IF;
-    problem := permitq.interval_problem(submit.ttl, false);
-    IF problem IS NOT NULL THEN
-        RAISE EXCEPTION 'invalid ttl: %', problem USING ERRCODE = '22023';
-    END IF;
     IF submit.priority IS NULL
        OR submit.priority NOT BETWEEN permitq.rule_priority_min() AND permitq.rule_priority_max() THEN
         RAISE EXCEPTION 'invalid priority: must be between % and %, got %',
             permitq.rule_priority_min(), permitq.rule_priority_max(),
             coalesce(submit.priority::text, 'NULL') USING ERRCODE = '22023';
-    END IF;
-    problem := permitq.interval_problem(submit.wait, true);
-    IF problem IS NOT NULL THEN
-        RAISE EXCEPTION 'invalid wait: %', problem USING ERRCODE = '22023';
     END IF;
     LOOP
         INSERT INTO permitq.permit_request (external_id, permits, owner, ttl, wait, priority)
