@@ -162,12 +162,14 @@ pub fn quiet_config(id: &str) -> WorkerConfig {
 pub struct RunningWorker {
     stop: watch::Sender<bool>,
     task: Option<tokio::task::JoinHandle<permitq::Result<()>>>,
+    health: permitq::WorkerHealth,
 }
 
 impl RunningWorker {
     /// Starts a worker on `url`.
     pub fn start(url: &str, config: WorkerConfig) -> RunningWorker {
         let worker = Worker::connect(url, config).expect("worker");
+        let health = worker.health();
         let (stop, mut rx) = watch::channel(false);
         let task = tokio::spawn(worker.run(async move {
             let _ = rx.wait_for(|s| *s).await;
@@ -175,7 +177,16 @@ impl RunningWorker {
         RunningWorker {
             stop,
             task: Some(task),
+            health,
         }
+    }
+
+    /// Waits (at most 10 s) until the worker has completed a pass after `instant`.
+    pub async fn wait_for_pass_after(&self, instant: std::time::SystemTime) {
+        wait_until(Duration::from_secs(10), "a worker pass", || async {
+            self.health.last_pass().is_some_and(|t| t > instant)
+        })
+        .await;
     }
 
     /// Stops it and waits (at most 10 s) for it to finish cleanly.

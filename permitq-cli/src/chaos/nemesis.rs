@@ -128,6 +128,8 @@ impl Workers {
                 cmd
             }
         };
+        // The workers' logs, on this process's stderr: PERMITQ_CHAOS_WORKER_LOG=warn (a filter).
+        let log = std::env::var("PERMITQ_CHAOS_WORKER_LOG").unwrap_or_else(|_| "off".to_string());
         Ok(cmd
             .args([
                 "worker",
@@ -141,10 +143,14 @@ impl Workers {
                 &format!("{}ms", self.sweep_interval.as_millis()),
             ])
             .env("DATABASE_URL", &self.url)
-            .env("RUST_LOG", "off")
+            .env("RUST_LOG", &log)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(if log == "off" {
+                Stdio::null()
+            } else {
+                Stdio::inherit()
+            })
             .kill_on_drop(true)
             .spawn()?)
     }

@@ -5,7 +5,6 @@
 use permitq_test_support as common;
 
 use std::process::Command;
-use std::time::{Duration, Instant};
 
 use common::{quiet_config, TestDb};
 
@@ -34,11 +33,16 @@ fn marked_blocks(readme: &str) -> Vec<(String, String)> {
     blocks
 }
 
-/// SQL statements of a block: comments dropped, split at a `;` that ends a line.
-fn statements(code: &str) -> Vec<String> {
+/// SQL statements of a block, split at a `;` that ends a line (comments dropped), each with the
+/// result its line documents after `-- => ` (columns joined by ` | `, rows by `; `; anything
+/// after two spaces is prose).
+fn statements(code: &str) -> Vec<(String, Option<String>)> {
     let mut out = Vec::new();
     let mut current = String::new();
     for line in code.lines() {
+        let expected = line
+            .split_once("-- => ")
+            .map(|(_, result)| result.split("  ").next().unwrap_or("").trim().to_string());
         let line = line.split("--").next().unwrap_or("").trim_end();
         if line.trim().is_empty() {
             continue;
@@ -46,7 +50,7 @@ fn statements(code: &str) -> Vec<String> {
         current.push_str(line);
         current.push('\n');
         if line.ends_with(';') {
-            out.push(std::mem::take(&mut current));
+            out.push((std::mem::take(&mut current), expected));
         }
     }
     assert!(
@@ -54,6 +58,23 @@ fn statements(code: &str) -> Vec<String> {
         "unterminated statement: {current}"
     );
     out
+}
+
+/// The rows of a simple query as the README writes them: columns joined by ` | `, rows by `; `.
+fn result_text(messages: &[tokio_postgres::SimpleQueryMessage]) -> String {
+    let rows: Vec<String> = messages
+        .iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => Some(
+                (0..row.len())
+                    .map(|i| row.get(i).unwrap_or("NULL"))
+                    .collect::<Vec<_>>()
+                    .join(" | "),
+            ),
+            _ => None,
+        })
+        .collect();
+    rows.join("; ")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -73,28 +94,18 @@ async fn the_readme_blocks_run_top_to_bottom_on_a_fresh_database() {
         bin.display(),
         std::env::var("PATH").unwrap_or_default()
     );
-    let mut ran = 0;
+    let (mut ran, mut compared) = (0, 0);
     for (language, code) in &blocks {
         match language.as_str() {
             "sql" => {
-                for statement in statements(code) {
-                    // A statement about a grant may come a few milliseconds before the worker
-                    // made it (55000, lease not held yet): retried for a while.
-                    let deadline = Instant::now() + Duration::from_secs(10);
-                    loop {
-                        match conn.batch_execute(&statement).await {
-                            Ok(()) => break,
-                            Err(e)
-                                if e.code()
-                                    == Some(
-                                        &permitq::SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE,
-                                    )
-                                    && Instant::now() < deadline =>
-                            {
-                                tokio::time::sleep(Duration::from_millis(20)).await;
-                            }
-                            Err(e) => panic!("README SQL failed: {statement}: {e:?}"),
-                        }
+                for (statement, expected) in statements(code) {
+                    let messages = conn
+                        .simple_query(&statement)
+                        .await
+                        .unwrap_or_else(|e| panic!("README SQL failed: {statement}: {e:?}"));
+                    if let Some(expected) = expected {
+                        assert_eq!(result_text(&messages), expected, "README SQL: {statement}");
+                        compared += 1;
                     }
                     ran += 1;
                 }
@@ -130,7 +141,8 @@ async fn the_readme_blocks_run_top_to_bottom_on_a_fresh_database() {
             other => panic!("a marked block must be sql or sh, not {other:?}"),
         }
     }
-    eprintln!("README: {ran} statements and commands ran");
+    eprintln!("README: {ran} statements and commands ran, {compared} results compared");
+    assert!(compared >= 10, "the README's SQL documents its results");
     worker.stop().await;
     common::check_invariants(&conn).await.unwrap();
 }

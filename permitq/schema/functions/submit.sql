@@ -72,3 +72,33 @@ BEGIN
     RETURN QUERY SELECT * FROM permitq.permit_request r WHERE r.external_id = status.external_id;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.status(text) TO permitq_producer, permitq_worker, permitq_admin;
+
+-- permitq.await_settled: waits until the request leaves `new` or `timeout` passes (at most an
+-- hour), polling every 10 ms, and returns the row as it is then; no row for an unknown id. For
+-- clients that cannot LISTEN. Each poll sees what committed before it only in READ COMMITTED,
+-- and never the caller's own uncommitted submit: call it in a transaction of its own.
+CREATE OR REPLACE FUNCTION permitq.await_settled(external_id text, timeout interval DEFAULT '30 seconds')
+RETURNS SETOF permitq.permit_request
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+DECLARE
+    deadline timestamptz;
+    problem text := permitq.interval_problem(timeout, true);
+    request permitq.permit_request;
+BEGIN
+    IF problem IS NOT NULL THEN
+        RAISE EXCEPTION 'invalid timeout: %', problem USING ERRCODE = '22023';
+    END IF;
+    deadline := clock_timestamp() + least(timeout, interval '1 hour');
+    LOOP
+        SELECT * INTO request FROM permitq.permit_request r
+        WHERE r.external_id = await_settled.external_id;
+        IF NOT FOUND THEN
+            RETURN;
+        END IF;
+        EXIT WHEN request.state <> 'new' OR clock_timestamp() >= deadline;
+        PERFORM pg_sleep(0.01);
+    END LOOP;
+    RETURN NEXT request;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.await_settled(text, interval)
+    TO permitq_producer, permitq_worker, permitq_admin;

@@ -6,7 +6,7 @@ use permitq_test_support as common;
 
 use std::time::Duration;
 
-use common::{check_invariants, quiet_config, state_of, TestDb};
+use common::{check_invariants, quiet_config, state_of, wait_folded, TestDb};
 use permitq::{Request, State};
 
 const WINDOW: Duration = Duration::from_millis(1500);
@@ -105,7 +105,7 @@ async fn rate_and_concurrency_limits_in_one_all_or_nothing_request() {
         .set_rate_limit("api", 2, Duration::from_secs(60), None)
         .await
         .unwrap();
-    let _worker = db.notified_worker("w1");
+    let worker = db.notified_worker("w1");
     for id in ["a", "b", "c"] {
         client
             .submit(&Request::new(id).permit("gpu", 1).permit("api", 1))
@@ -133,9 +133,12 @@ async fn rate_and_concurrency_limits_in_one_all_or_nothing_request() {
             .state,
         State::Acquired
     );
+    // c has the gpu free but the window spent: it gets neither. The pass that folds b's release
+    // claims c (a claim counts releases not folded yet as room) and decides it with the gpu free.
+    let released = std::time::SystemTime::now();
     client.release("b").await.unwrap();
-    // c has the gpu free but the window spent: it gets neither.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_folded(&db.url).await;
+    worker.wait_for_pass_after(released).await;
     assert_eq!(state_of(&client, "c").await, "new");
     let gpu_free: i64 = db
         .conn()
@@ -169,7 +172,7 @@ async fn a_rate_limited_template_limits_each_key_on_its_own() {
         .set_rate_limit("api-key:*", 1, Duration::from_secs(60), None)
         .await
         .unwrap();
-    let _worker = db.notified_worker("w1");
+    let worker = db.notified_worker("w1");
     for id in ["k1-a", "k1-b", "k2-a"] {
         let key = &id[..2];
         client
@@ -189,8 +192,12 @@ async fn a_rate_limited_template_limits_each_key_on_its_own() {
             "{id}"
         );
     }
+    // The pass that folds k1-a's release decides k1-b with its key's holder gone: its window is
+    // spent, so it waits.
+    let released = std::time::SystemTime::now();
     client.release("k1-a").await.unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_folded(&db.url).await;
+    worker.wait_for_pass_after(released).await;
     assert_eq!(state_of(&client, "k1-b").await, "new");
     let k1 = client
         .semaphores()

@@ -218,8 +218,18 @@ async fn idle_instances_are_removed_and_made_again_when_named() {
         .submit(&Request::new("waiting").permit("tmp:k", 1))
         .await
         .unwrap();
-    // Held, or waited on: never removed, however long.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // Held, or waited on: never removed, however long. Proof that the sweep ran past the idle
+    // bound meanwhile: an idle instance beside it goes.
+    client
+        .submit(&Request::new("idle").permit("tmp:idle", 1))
+        .await
+        .unwrap();
+    client.wait_settled("idle", SOON).await.unwrap();
+    client.release("idle").await.unwrap();
+    wait_until(SOON, "the idle instance removed", || async {
+        instance(&client, "tmp:idle").await.is_none()
+    })
+    .await;
     assert!(instance(&client, "tmp:k").await.is_some());
     client.release("held").await.unwrap();
     assert_eq!(
