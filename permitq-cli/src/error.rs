@@ -74,7 +74,10 @@ impl fmt::Display for CliError {
         match self {
             CliError::Permitq(e) if e.is_missing_schema() => write!(
                 f,
-                "the permitq schema is missing or out of date: run `permitq migrate`"
+                "the permitq schema is missing or out of date: run `permitq migrate` ({})",
+                e.as_postgres()
+                    .and_then(|p| p.as_db_error())
+                    .map_or_else(String::new, |db| db.message().to_string())
             ),
             CliError::Permitq(e) => write!(f, "{e}"),
             CliError::Usage { field, message } => write!(f, "invalid {field}: {message}"),

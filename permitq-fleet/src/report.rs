@@ -136,9 +136,9 @@ pub async fn invariant_violations(
 ) -> std::result::Result<Vec<String>, tokio_postgres::Error> {
     let mut found = Vec::new();
     for row in conn.query(sql::INVARIANT_SNAPSHOT, &[]).await? {
-        let (name, capacity, used, held): (String, i32, i32, i32) =
+        let (name, capacity, used, held): (String, i64, i64, i64) =
             (row.get(0), row.get(1), row.get(2), row.get(3));
-        let (rate_limited, in_window): (bool, i32) = (row.get(4), row.get(5));
+        let (rate_limited, in_window): (bool, i64) = (row.get(4), row.get(5));
         if rate_limited {
             if capacity_fixed && in_window > capacity {
                 found.push(format!(

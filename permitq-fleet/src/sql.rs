@@ -28,7 +28,8 @@ pub(crate) const PEAK_CONCURRENT_USE: &str = include_str!("sql_peak_concurrent_u
 /// For a rate-limited semaphore `used` and `held` count holders (any number of windows), so its
 /// capacity bounds `in_window`, the permits granted in its current window.
 pub(crate) const INVARIANT_SNAPSHOT: &str =
-    "SELECT name, capacity, used, held, per IS NOT NULL, in_window FROM permitq.semaphore_usage";
+    "SELECT name, capacity::int8, used, held, per IS NOT NULL, in_window::int8 \
+     FROM permitq.semaphore_usage";
 /// Rate-limited semaphores over the whole history: per semaphore, the most permits granted in
 /// any window of its length (each window ending at a grant), next to its highest capacity.
 pub(crate) const WINDOW_PEAK: &str = "SELECT s.name, \

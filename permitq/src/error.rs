@@ -134,9 +134,13 @@ impl Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.is_missing_schema() {
+            let detail = self
+                .as_postgres()
+                .and_then(|p| p.as_db_error())
+                .map_or_else(String::new, |db| db.message().to_string());
             return write!(
                 f,
-                "the permitq schema is missing or out of date: apply the migrations first"
+                "the permitq schema is missing or out of date: apply the migrations first ({detail})"
             );
         }
         match &self.kind {

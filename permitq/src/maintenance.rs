@@ -1,8 +1,11 @@
 //! Maintenance the workers run beside the claim loop: the sweeps (wait deadlines, expired
 //! leases, `--max-hold`, the owner-liveness hook) and retention.
 //!
-//! Every sweep runs in its own transaction behind a transaction-scoped advisory lock, so with N
-//! workers one of them does each sweep at a time; the others skip it. Each sweep is also safe to
+//! Every sweep runs in its own transaction holding its task's turn (a row of
+//! `permitq.maintenance_turn`, locked FOR UPDATE SKIP LOCKED: only roles of the permitq schema can
+//! take one), so with N workers one of them does each sweep at a time; the others skip it. Skips
+//! are counted (`permitq_maintenance_skipped_total`), and a task skipped for longer than
+//! [`SKIPPED_TOO_LONG`] sweep intervals is logged at warn. Each sweep is also safe to
 //! run twice: it locks its rows `FOR UPDATE SKIP LOCKED`, re-checks its condition on the locked
 //! version and releases through `permitq.release_locked`, which takes the semaphore locks in id
 //! order.
@@ -72,17 +75,65 @@ pub trait OwnerLiveness: Send + Sync + 'static {
     fn dead_owners<'a>(&'a self, owners: &'a [String]) -> BoxFuture<'a, Vec<String>>;
 }
 
-/// Advisory lock keys, one per sweep kind.
-#[derive(Debug, Clone, Copy)]
-#[repr(i64)]
-enum SweepLock {
-    WaitDeadlines = 0x7071_0001,
-    Expired = 0x7071_0002,
-    Stale = 0x7071_0003,
-    Liveness = 0x7071_0004,
-    Retention = 0x7071_0005,
-    AuditRetention = 0x7071_0006,
-    IdleInstances = 0x7071_0007,
+/// The maintenance tasks, one turn (a row of `permitq.maintenance_turn`) each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Task {
+    WaitDeadlines,
+    Expired,
+    Stale,
+    Liveness,
+    Retention,
+    AuditRetention,
+    IdleInstances,
+}
+
+impl Task {
+    /// Its row's key.
+    fn name(self) -> &'static str {
+        match self {
+            Task::WaitDeadlines => "wait_deadlines",
+            Task::Expired => "expired",
+            Task::Stale => "stale",
+            Task::Liveness => "liveness",
+            Task::Retention => "retention",
+            Task::AuditRetention => "audit_retention",
+            Task::IdleInstances => "idle_instances",
+        }
+    }
+}
+
+/// After how many sweep intervals of skipping a task in a row a worker warns.
+const SKIPPED_TOO_LONG: u32 = 5;
+
+/// Since when each task was skipped without a break, because another session held its turn.
+#[derive(Debug, Default)]
+pub(crate) struct Skips {
+    since: std::sync::Mutex<std::collections::HashMap<Task, std::time::Instant>>,
+}
+
+impl Skips {
+    fn record(&self, task: Task, ran: bool, interval: Duration) {
+        let mut since = self
+            .since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if ran {
+            since.remove(&task);
+            return;
+        }
+        metrics::counter!("permitq_maintenance_skipped_total", "task" => task.name()).increment(1);
+        let first = *since.entry(task).or_insert_with(std::time::Instant::now);
+        let skipped = first.elapsed();
+        if skipped > interval * SKIPPED_TOO_LONG {
+            tracing::warn!(
+                task = task.name(),
+                skipped_for = ?skipped,
+                "maintenance task skipped: another session holds its turn (a row of \
+                 permitq.maintenance_turn) all this time; a worker stuck in it, or a session \
+                 of a permitq role holding the row, stops it"
+            );
+        }
+    }
 }
 
 /// What one round of sweeps did.
@@ -98,24 +149,21 @@ pub(crate) struct SweepOutcome {
     pub revoked: u64,
 }
 
-/// Takes the sweep's transaction-scoped advisory lock; false when another worker holds it.
-async fn try_sweep_lock(tx: &deadpool_postgres::Transaction<'_>, lock: SweepLock) -> Result<bool> {
-    Ok(tx
-        .query_one(sql::TRY_SWEEP_LOCK, &[&(lock as i64)])
-        .await?
-        .get(0))
+/// Takes the task's turn for this transaction; false when another session holds it.
+async fn take_turn(tx: &deadpool_postgres::Transaction<'_>, task: Task) -> Result<bool> {
+    Ok(tx.query_one(sql::TAKE_TURN, &[&task.name()]).await?.get(0))
 }
 
-/// Runs one batch of a sweep under its advisory lock. `None`: another worker holds the lock.
+/// Runs one batch of a sweep in its task's turn. `None`: another session holds the turn.
 async fn locked_batch(
     pool: &Pool,
-    lock: SweepLock,
+    lock: Task,
     query: &str,
     params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
 ) -> Result<Option<u64>> {
     let mut conn = pool.get().await?;
     let tx = conn.transaction().await?;
-    if !try_sweep_lock(&tx, lock).await? {
+    if !take_turn(&tx, lock).await? {
         return Ok(None);
     }
     let n: i32 = tx.query_one(query, params).await?.get(0);
@@ -131,24 +179,58 @@ async fn locked_batch(
     Ok(Some(u64::try_from(n).unwrap_or(0)))
 }
 
-/// Runs a sweep in batches until a batch comes back short (or the lock is busy), pausing
-/// `pause` between batches.
+/// How a sweep runs: its task, statement and parameters, between-batch pause and stop signal.
+struct Sweep<'a> {
+    task: Task,
+    query: &'a str,
+    params: &'a [&'a (dyn tokio_postgres::types::ToSql + Sync)],
+    stop: Option<&'a watch::Receiver<bool>>,
+    pause: Duration,
+}
+
+impl<'a> Sweep<'a> {
+    /// A sweep whose batches run back to back.
+    fn new(
+        task: Task,
+        query: &'a str,
+        params: &'a [&'a (dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Sweep<'a> {
+        Sweep {
+            task,
+            query,
+            params,
+            stop: None,
+            pause: Duration::ZERO,
+        }
+    }
+
+    /// The same, pausing [`RETENTION_PAUSE`] between batches and stopping on `stop`.
+    fn paced(mut self, stop: Option<&'a watch::Receiver<bool>>) -> Sweep<'a> {
+        self.stop = stop;
+        self.pause = RETENTION_PAUSE;
+        self
+    }
+}
+
+/// Runs a sweep in batches until a batch comes back short (or its turn is taken), pausing
+/// between batches; records in `skips` whether it got its turn.
 async fn sweep_all(
     pool: &Pool,
-    lock: SweepLock,
-    query: &str,
-    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-    stop: Option<&watch::Receiver<bool>>,
-    pause: Duration,
+    sweep: Sweep<'_>,
+    skips: &Skips,
+    interval: Duration,
 ) -> Result<u64> {
     let mut total = 0;
-    while let Some(n) = locked_batch(pool, lock, query, params).await? {
+    let mut ran = false;
+    while let Some(n) = locked_batch(pool, sweep.task, sweep.query, sweep.params).await? {
+        ran = true;
         total += n;
-        if n < SWEEP_BATCH as u64 || stop.is_some_and(|s| *s.borrow()) {
+        if n < SWEEP_BATCH as u64 || sweep.stop.is_some_and(|s| *s.borrow()) {
             break;
         }
-        tokio::time::sleep(pause).await;
+        tokio::time::sleep(sweep.pause).await;
     }
+    skips.record(sweep.task, ran, interval);
     Ok(total)
 }
 
@@ -157,24 +239,26 @@ pub(crate) async fn sweep_once(
     pool: &Pool,
     config: &MaintenanceConfig,
     liveness: Option<&dyn OwnerLiveness>,
+    skips: &Skips,
 ) -> Result<SweepOutcome> {
+    let interval = config.sweep_interval;
     let mut out = SweepOutcome {
         timed_out: sweep_all(
             pool,
-            SweepLock::WaitDeadlines,
-            sql::SWEEP_WAIT_DEADLINES,
-            &[&SWEEP_BATCH],
-            None,
-            Duration::ZERO,
+            Sweep::new(
+                Task::WaitDeadlines,
+                sql::SWEEP_WAIT_DEADLINES,
+                &[&SWEEP_BATCH],
+            ),
+            skips,
+            interval,
         )
         .await?,
         expired: sweep_all(
             pool,
-            SweepLock::Expired,
-            sql::SWEEP_EXPIRED,
-            &[&SWEEP_BATCH],
-            None,
-            Duration::ZERO,
+            Sweep::new(Task::Expired, sql::SWEEP_EXPIRED, &[&SWEEP_BATCH]),
+            skips,
+            interval,
         )
         .await?,
         ..SweepOutcome::default()
@@ -183,16 +267,14 @@ pub(crate) async fn sweep_once(
         let max_hold = sql::interval(max_hold);
         out.stale = sweep_all(
             pool,
-            SweepLock::Stale,
-            sql::SWEEP_STALE,
-            &[&max_hold, &SWEEP_BATCH],
-            None,
-            Duration::ZERO,
+            Sweep::new(Task::Stale, sql::SWEEP_STALE, &[&max_hold, &SWEEP_BATCH]),
+            skips,
+            interval,
         )
         .await?;
     }
     if let Some(hook) = liveness {
-        out.revoked = sweep_dead_owners(pool, hook).await?;
+        out.revoked = sweep_dead_owners(pool, hook, skips, interval).await?;
     }
     metrics::counter!("permitq_timeouts_total").increment(out.timed_out);
     for (reason, n) in [
@@ -205,10 +287,17 @@ pub(crate) async fn sweep_once(
     Ok(out)
 }
 
-async fn sweep_dead_owners(pool: &Pool, hook: &dyn OwnerLiveness) -> Result<u64> {
+async fn sweep_dead_owners(
+    pool: &Pool,
+    hook: &dyn OwnerLiveness,
+    skips: &Skips,
+    interval: Duration,
+) -> Result<u64> {
     let mut conn = pool.get().await?;
     let tx = conn.transaction().await?;
-    if !try_sweep_lock(&tx, SweepLock::Liveness).await? {
+    let ran = take_turn(&tx, Task::Liveness).await?;
+    skips.record(Task::Liveness, ran, interval);
+    if !ran {
         return Ok(0);
     }
     let owners: Vec<String> = tx
@@ -251,36 +340,47 @@ pub(crate) async fn retention_once(
     pool: &Pool,
     config: &MaintenanceConfig,
     stop: Option<&watch::Receiver<bool>>,
+    skips: &Skips,
 ) -> Result<(u64, u64)> {
+    let interval = config.sweep_interval.max(Duration::from_secs(1));
     let retention = sql::interval(config.retention);
     let requests = sweep_all(
         pool,
-        SweepLock::Retention,
-        sql::DELETE_SETTLED,
-        &[&retention, &SWEEP_BATCH],
-        stop,
-        RETENTION_PAUSE,
+        Sweep::new(
+            Task::Retention,
+            sql::DELETE_SETTLED,
+            &[&retention, &SWEEP_BATCH],
+        )
+        .paced(stop),
+        skips,
+        interval,
     )
     .await?;
     let audit_retention = sql::interval(config.audit_retention);
     let audit = sweep_all(
         pool,
-        SweepLock::AuditRetention,
-        sql::DELETE_CAPACITY_CHANGES,
-        &[&audit_retention, &SWEEP_BATCH],
-        stop,
-        RETENTION_PAUSE,
+        Sweep::new(
+            Task::AuditRetention,
+            sql::DELETE_CAPACITY_CHANGES,
+            &[&audit_retention, &SWEEP_BATCH],
+        )
+        .paced(stop),
+        skips,
+        interval,
     )
     .await?;
     metrics::counter!("permitq_retention_deleted_total").increment(requests);
     let idle = sql::interval(config.idle_instance_after);
     let instances = sweep_all(
         pool,
-        SweepLock::IdleInstances,
-        sql::SWEEP_IDLE_INSTANCES,
-        &[&idle, &SWEEP_BATCH],
-        stop,
-        RETENTION_PAUSE,
+        Sweep::new(
+            Task::IdleInstances,
+            sql::SWEEP_IDLE_INSTANCES,
+            &[&idle, &SWEEP_BATCH],
+        )
+        .paced(stop),
+        skips,
+        interval,
     )
     .await?;
     if instances > 0 {
@@ -316,10 +416,12 @@ pub(crate) async fn run_sweeps(
     liveness: Option<Arc<dyn OwnerLiveness>>,
     stop: watch::Receiver<bool>,
 ) {
+    let skips = Arc::new(Skips::default());
     every(config.sweep_interval, stop, move || {
         let (pool, config, liveness) = (pool.clone(), config.clone(), liveness.clone());
+        let skips = skips.clone();
         Box::pin(async move {
-            match sweep_once(&pool, &config, liveness.as_deref()).await {
+            match sweep_once(&pool, &config, liveness.as_deref(), &skips).await {
                 Ok(out) if out != SweepOutcome::default() => tracing::info!(?out, "sweep"),
                 Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "sweep failed"),
@@ -337,10 +439,12 @@ pub(crate) async fn run_retention(
 ) {
     let interval = config.sweep_interval.max(Duration::from_secs(1));
     let stop_inner = stop.clone();
+    let skips = Arc::new(Skips::default());
     every(interval, stop, move || {
         let (pool, config, stop) = (pool.clone(), config.clone(), stop_inner.clone());
+        let skips = skips.clone();
         Box::pin(async move {
-            match retention_once(&pool, &config, Some(&stop)).await {
+            match retention_once(&pool, &config, Some(&stop), &skips).await {
                 Ok((0, 0)) => {}
                 Ok((requests, audit)) => tracing::info!(requests, audit, "retention deleted"),
                 Err(e) => tracing::warn!(error = %e, "retention failed"),

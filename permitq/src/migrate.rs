@@ -48,6 +48,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "decision_times",
         sql: include_str!("../schema/migrations/V2__decision_times.sql"),
     },
+    Migration {
+        version: 3,
+        name: "trust",
+        sql: include_str!("../schema/migrations/V3__trust.sql"),
+    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.
@@ -72,6 +77,7 @@ macro_rules! schema_files {
 
 schema_files! {
     "input_checks.sql",
+    "ownership.sql",
     "queue_order.sql",
     "fencing_tokens.sql",
     "templates.sql",
@@ -193,6 +199,7 @@ async fn migrate_locked(client: &mut Client) -> Result<Migrated> {
         }
     }
     tx.batch_execute(sql::FUNCTIONS_PRIVATE).await?;
+    tx.execute(sql::RAISE_TOKEN_EPOCH, &[]).await?;
     tx.commit().await?;
     Ok(migrated)
 }

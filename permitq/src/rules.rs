@@ -30,9 +30,10 @@ pub const MAX_NAME_LENGTH: usize = 255;
 /// The most semaphores one request may name.
 pub const MAX_SEMAPHORES_PER_REQUEST: usize = 64;
 
-/// The advisory key producers hold in SHARE mode while they decide whether to wake a sleeping
-/// worker (schema/functions/notifications.sql).
-pub(crate) const WAKE_LOCK_KEY: i64 = 0x7071_0100;
+/// How full the cluster's NOTIFY queue may be before permitq stops notifying (its commits would
+/// fail once it is full): a fraction, overridden by the setting `permitq.notify_queue_limit`
+/// (schema/functions/notifications.sql).
+pub const NOTIFY_QUEUE_LIMIT: f64 = 0.5;
 
 /// [`MAX_DURATION`] as messages say it.
 fn max_duration_text() -> String {
@@ -110,9 +111,9 @@ pub(crate) fn schema_sql() -> String {
             MAX_SEMAPHORES_PER_REQUEST.to_string(),
         ),
         (
-            "wake_lock_key",
-            "bigint",
-            format!("{WAKE_LOCK_KEY}::bigint"),
+            "notify_queue_limit",
+            "float8",
+            format!("{NOTIFY_QUEUE_LIMIT}::float8"),
         ),
         (
             "states",

@@ -67,6 +67,9 @@ pub(crate) const FUNCTIONS_PRIVATE: &str = "DO $$
              EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
          END LOOP;
      END $$";
+/// Migrations and worker start-up: move the fencing token epoch past every token issued, should
+/// the timeline or the sequence have gone back (a restore, `pg_upgrade`, logical replication).
+pub(crate) const RAISE_TOKEN_EPOCH: &str = "SELECT permitq.raise_token_epoch()";
 /// Readiness: whether exactly these versions ($1) are applied and these files ($2, bodies $3)
 /// applied unchanged.
 pub(crate) const SCHEMA_IS_CURRENT: &str =
@@ -101,9 +104,8 @@ pub(crate) const WORK_WAITING: &str = "SELECT EXISTS (SELECT 1 FROM permitq.perm
 /// Worker, stopping: forget its row.
 pub(crate) const WORKER_GONE: &str = "DELETE FROM permitq.worker_wake WHERE worker_id = $1";
 /// Worker, before sleeping: true when no producer that may have seen it awake is still in
-/// flight (the wake key is free in EXCLUSIVE mode; taken and let go in one statement).
-pub(crate) const WAKE_KEY_FREE: &str =
-    "SELECT CASE WHEN pg_try_advisory_lock($1) THEN pg_advisory_unlock($1) ELSE false END";
+/// flight (the wake gate is free in EXCLUSIVE mode; taken and let go with this statement).
+pub(crate) const WAKE_GATE_FREE: &str = "SELECT permitq.wake_gate_free()";
 /// Retention: rows of workers that died asleep, long ago.
 pub(crate) const DELETE_DEAD_WORKERS: &str =
     "DELETE FROM permitq.worker_wake WHERE awake_by < now() - interval '1 hour'";
@@ -173,8 +175,9 @@ pub(crate) const WAITERS: &str = "SELECT semaphore, external_id, owner, count::i
 /// Downstream fencing check.
 pub(crate) const FENCE: &str = "SELECT permitq.fence($1, $2)";
 
-/// Sweeps: each takes a transaction-scoped advisory lock first, so one worker at a time runs it.
-pub(crate) const TRY_SWEEP_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1)";
+/// Sweeps: each takes its task's turn for its transaction first, so one worker at a time runs
+/// it; false when another session holds it.
+pub(crate) const TAKE_TURN: &str = "SELECT permitq.take_turn($1)";
 /// Sweep: wait deadlines → `timeout`.
 pub(crate) const SWEEP_WAIT_DEADLINES: &str = "SELECT permitq.sweep_wait_deadlines($1)";
 /// Sweep: TTL leases past expires_at → released as `expired`.
@@ -234,7 +237,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("WORKER_SLEEPING", WORKER_SLEEPING),
         ("WORKER_GONE", WORKER_GONE),
         ("WORK_WAITING", WORK_WAITING),
-        ("WAKE_KEY_FREE", WAKE_KEY_FREE),
+        ("WAKE_GATE_FREE", WAKE_GATE_FREE),
         ("DELETE_DEAD_WORKERS", DELETE_DEAD_WORKERS),
         ("SEMAPHORE_HEADS", SEMAPHORE_HEADS),
         ("APPLY_DECISION", APPLY_DECISION),
@@ -247,7 +250,8 @@ fn all() -> Vec<(&'static str, String)> {
         ("NEXT_WINDOW_OPENING", NEXT_WINDOW_OPENING),
         ("CAPACITY_HISTORY", CAPACITY_HISTORY),
         ("FENCE", FENCE),
-        ("TRY_SWEEP_LOCK", TRY_SWEEP_LOCK),
+        ("TAKE_TURN", TAKE_TURN),
+        ("RAISE_TOKEN_EPOCH", RAISE_TOKEN_EPOCH),
         ("SWEEP_WAIT_DEADLINES", SWEEP_WAIT_DEADLINES),
         ("SWEEP_EXPIRED", SWEEP_EXPIRED),
         ("SWEEP_STALE", SWEEP_STALE),

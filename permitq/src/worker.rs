@@ -212,7 +212,8 @@ impl Worker {
     /// transaction, as the running worker does every sweep interval. Returns (requests, audit
     /// rows) deleted.
     pub async fn run_retention_once(&self) -> Result<(u64, u64)> {
-        maintenance::retention_once(&self.pool, &self.config.maintenance, None).await
+        let skips = maintenance::Skips::default();
+        maintenance::retention_once(&self.pool, &self.config.maintenance, None, &skips).await
     }
 
     /// Runs until `shutdown` resolves, then finishes the transaction in flight and returns.
@@ -227,6 +228,18 @@ impl Worker {
             let _ = stop_tx.send(true);
         });
 
+        // Tokens never go backwards: past every token issued, should this cluster have been
+        // restored or upgraded (grants also check the timeline themselves).
+        match self.pool.get().await {
+            Ok(conn) => {
+                if let Err(e) = conn.execute(sql::RAISE_TOKEN_EPOCH, &[]).await {
+                    tracing::warn!(error = %Error::from(e), "could not check the fencing token epoch at start-up");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %Error::from(e), "could not check the fencing token epoch at start-up")
+            }
+        }
         let listener = Listener::start(self.listen_config.clone(), &[sql::WORK_CHANNEL]);
         let wake = Arc::new(Notify::new());
         let mut events = listener.subscribe();
@@ -338,7 +351,7 @@ impl Worker {
                 *asleep_since = Some(Instant::now());
                 // A producer that read `sleeping = false` holds the wake key until its commit
                 // is visible. While one is in flight, poll with passes instead of sleeping.
-                while !self.wake_key_free().await? {
+                while !self.wake_gate_free().await? {
                     tokio::time::sleep(BUSY_POLL).await;
                     if *stop.borrow() || self.pass_did_work(stop, asleep_since).await? {
                         return Ok(());
@@ -422,12 +435,12 @@ impl Worker {
     }
 
     /// Whether no producer that may have seen this worker awake is still in flight.
-    async fn wake_key_free(&self) -> Result<bool> {
+    async fn wake_gate_free(&self) -> Result<bool> {
         Ok(self
             .pool
             .get()
             .await?
-            .query_one(sql::WAKE_KEY_FREE, &[&crate::rules::WAKE_LOCK_KEY])
+            .query_one(sql::WAKE_GATE_FREE, &[])
             .await?
             .get(0))
     }

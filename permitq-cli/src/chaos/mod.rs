@@ -82,7 +82,7 @@ pub(crate) struct ChaosReport {
     pub verdict: checker::Verdict,
     /// Each semaphore when the load stopped: (name, capacity, used, waiting, held without TTL,
     /// oldest waiting age in seconds). A stall shows up here.
-    pub at_load_end: Vec<(String, i32, i32, i64, i64, f64)>,
+    pub at_load_end: Vec<(String, i32, i64, i64, i64, f64)>,
 }
 
 /// Checker names, in report order.
@@ -429,7 +429,7 @@ async fn sample(
                     capacity: row.get(1),
                     used: row.get(2),
                     held: row.get(3),
-                    in_window: row.get::<_, Option<i32>>(4),
+                    in_window: row.get::<_, Option<i64>>(4),
                     window_since_change: row.get(5),
                     epoch: row.get(6),
                 };
@@ -448,8 +448,8 @@ async fn sample(
 /// One semaphore in one snapshot: (name, capacity, used, held, permits granted in the current
 /// window for a rate-limited one, whether no capacity change fell in that window, the id of the
 /// latest capacity change).
-const SAMPLE: &str = "SELECT u.name, u.capacity, u.used, u.held,
-        CASE WHEN u.per IS NOT NULL THEN u.in_window END,
+const SAMPLE: &str = "SELECT u.name, u.capacity::int8, u.used, u.held,
+        CASE WHEN u.per IS NOT NULL THEN u.in_window::int8 END,
         coalesce((SELECT max(c.changed_at) FROM permitq.capacity_change c
                   WHERE c.semaphore = u.name) <= now() - u.per, true),
         (SELECT max(c.id) FROM permitq.capacity_change c WHERE c.semaphore = u.name)
@@ -458,10 +458,10 @@ const SAMPLE: &str = "SELECT u.name, u.capacity, u.used, u.held,
 /// A semaphore as the sampler saw it.
 struct Snapshot {
     name: String,
-    capacity: i32,
-    used: i32,
-    held: i32,
-    in_window: Option<i32>,
+    capacity: i64,
+    used: i64,
+    held: i64,
+    in_window: Option<i64>,
     window_since_change: bool,
     epoch: Option<i64>,
 }
@@ -473,7 +473,7 @@ struct Snapshot {
 #[derive(Default)]
 struct CapacityEpochs {
     /// semaphore → (epoch, least held seen in it)
-    least_held: HashMap<String, (Option<i64>, i32)>,
+    least_held: HashMap<String, (Option<i64>, i64)>,
 }
 
 impl CapacityEpochs {
@@ -512,7 +512,7 @@ impl CapacityEpochs {
     }
 }
 
-async fn snapshot(url: &str) -> Result<Vec<(String, i32, i32, i64, i64, f64)>> {
+async fn snapshot(url: &str) -> Result<Vec<(String, i32, i64, i64, i64, f64)>> {
     let conn = permitq_embedded_pg::try_connect(url).await?;
     let rows = conn
         .query(

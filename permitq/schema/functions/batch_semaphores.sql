@@ -56,7 +56,7 @@ END $$;
 -- The rows are the latest committed versions, exact for as long as the caller's transaction
 -- runs.
 CREATE OR REPLACE FUNCTION permitq.lock_batch_semaphores(names text[])
-RETURNS TABLE (id bigint, name text, capacity integer, used integer, fair boolean)
+RETURNS TABLE (id bigint, name text, capacity integer, used bigint, fair boolean)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 DECLARE
     locked text[];

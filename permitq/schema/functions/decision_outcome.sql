@@ -2,29 +2,38 @@
 
 -- A batch's outcome. Precondition: the caller's transaction holds the row locks of all these
 -- requests (claimed FOR UPDATE SKIP LOCKED) and, in id order, the locks of every semaphore they
--- name (lock_batch_semaphores).
+-- name (lock_batch_semaphores). Acts only on requests still `new`: one already decided is left
+-- as it is (no second token, nothing counted twice). Returns false when the outcomes' events
+-- could not be sent (see permitq.notify): the outcomes are written all the same.
 CREATE OR REPLACE FUNCTION permitq.apply_decision(
     worker text,
     granted bigint[],
     errored bigint[],
     error_codes text[],
     waiting bigint[]
-) RETURNS void
+) RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 DECLARE
     -- The high bits of this batch's tokens (functions/fencing_tokens.sql).
     epoch bigint := CASE WHEN cardinality(granted) > 0 THEN permitq.token_epoch() ELSE 0 END;
+    settled bigint[] := '{}';
+    now_granted bigint[];
 BEGIN
     -- Failures first: their settled_at then precedes the batch's acquired_at, so a history
     -- checker never mistakes a request failed in this batch for one still waiting at the grants.
     -- decided_at is the transaction's start: every request committed before it was visible to
     -- the batch's reads of the heads.
     IF cardinality(errored) > 0 THEN
-        UPDATE permitq.permit_request r
-        SET state = 'error', error_code = e.code, settled_at = clock_timestamp(), worker_id = worker,
-            examined_at = coalesce(r.examined_at, now()), decided_at = now()
-        FROM unnest(errored, error_codes) AS e(id, code)
-        WHERE r.id = e.id;
+        WITH failed AS (
+            UPDATE permitq.permit_request r
+            SET state = 'error', error_code = e.code, settled_at = clock_timestamp(),
+                worker_id = worker, examined_at = coalesce(r.examined_at, now()),
+                decided_at = now()
+            FROM unnest(errored, error_codes) AS e(id, code)
+            WHERE r.id = e.id AND r.state = 'new'
+            RETURNING r.id
+        )
+        SELECT coalesce(array_agg(id), '{}') INTO settled FROM failed;
     END IF;
 
     IF cardinality(granted) > 0 THEN
@@ -42,24 +51,28 @@ BEGIN
                 expires_at = g.at + r.ttl, worker_id = worker,
                 examined_at = coalesce(r.examined_at, now()), decided_at = now()
             FROM g
-            WHERE r.id = g.id
-            RETURNING r.permits
-        )
-        UPDATE permitq.semaphore s
-        SET used = s.used + t.total, granted = s.granted + t.grants, updated_at = now()
-        FROM (SELECT e.key AS semaphore, sum(e.value::int) AS total, count(*) AS grants
-              FROM done CROSS JOIN LATERAL jsonb_each(done.permits) e GROUP BY e.key) t
-        WHERE s.name = t.semaphore;
-
+            WHERE r.id = g.id AND r.state = 'new'
+            RETURNING r.id, r.permits, r.acquired_at
+        ),
+        counted AS (
+            UPDATE permitq.semaphore s
+            SET used = s.used + t.total, granted = s.granted + t.grants, updated_at = now()
+            FROM (SELECT e.key AS semaphore, sum(e.value::int) AS total, count(*) AS grants
+                  FROM done CROSS JOIN LATERAL jsonb_each(done.permits) e GROUP BY e.key) t
+            WHERE s.name = t.semaphore
+            RETURNING s.id
+        ),
         -- Grants on rate-limited semaphores count in their windows (functions/rate_windows.sql).
-        IF EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.per IS NOT NULL) THEN
+        windows AS (
             INSERT INTO permitq.rate_grant (semaphore_id, granted_at, count)
-            SELECT s.id, r.acquired_at, e.value::int
-            FROM permitq.permit_request r
-            CROSS JOIN LATERAL jsonb_each(r.permits) e
+            SELECT s.id, done.acquired_at, e.value::int
+            FROM done
+            CROSS JOIN LATERAL jsonb_each(done.permits) e
             JOIN permitq.semaphore s ON s.name = e.key
-            WHERE r.id = ANY(apply_decision.granted) AND s.per IS NOT NULL;
-        END IF;
+            WHERE s.per IS NOT NULL
+        )
+        SELECT array_agg(id) INTO now_granted FROM done;
+        settled := settled || coalesce(now_granted, '{}');
     END IF;
 
     IF cardinality(waiting) > 0 THEN
@@ -69,18 +82,19 @@ BEGIN
         FROM permitq.permit_request r
         CROSS JOIN LATERAL jsonb_each(r.permits) e
         JOIN permitq.semaphore s ON s.name = e.key
-        WHERE r.id = ANY(waiting) AND NOT r.examined
+        WHERE r.id = ANY(waiting) AND NOT r.examined AND r.state = 'new'
         ON CONFLICT DO NOTHING;
 
         UPDATE permitq.permit_request r SET examined = true, examined_at = now()
-        WHERE r.id = ANY(waiting) AND NOT r.examined;
+        WHERE r.id = ANY(waiting) AND NOT r.examined AND r.state = 'new';
     END IF;
 
-    IF cardinality(granted) + cardinality(errored) > 0 THEN
+    IF cardinality(settled) > 0 THEN
         -- They wait no more.
-        DELETE FROM permitq.waiter w WHERE w.request_id = ANY(granted || errored);
-        PERFORM permitq.notify_events(granted || errored);
+        DELETE FROM permitq.waiter w WHERE w.request_id = ANY(settled);
+        RETURN permitq.notify_events(settled);
     END IF;
+    RETURN true;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.apply_decision(text, bigint[], bigint[], text[], bigint[])
     TO permitq_worker;

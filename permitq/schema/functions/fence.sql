@@ -1,7 +1,10 @@
 -- Fencing for downstream writes kept in this database (table permitq.fence_token).
 
--- permitq.fence: true, and remembered, when `token` >= the highest token seen for `resource`;
--- false otherwise. One statement: atomic under concurrency.
+-- permitq.fence: true, and remembered, when `token` was issued by permitq to a request that holds
+-- its permits now (acquired, lease not run out) and is >= the highest token seen for `resource`;
+-- false otherwise, and then nothing is recorded. So a stale, released, expired or forged token
+-- changes nothing (a forged high token locks nobody out), and a holder whose lease ran out is
+-- fenced even before anyone else writes. One statement: atomic under concurrency.
 CREATE OR REPLACE FUNCTION permitq.fence(resource text, token bigint) RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 #variable_conflict use_column
@@ -14,7 +17,11 @@ BEGIN
     IF fence.token IS NULL THEN
         RAISE EXCEPTION 'invalid token: must not be null' USING ERRCODE = '22023';
     END IF;
-    INSERT INTO permitq.fence_token AS f (resource, token) VALUES ($1, $2)
+    INSERT INTO permitq.fence_token AS f (resource, token)
+    SELECT $1, $2
+    WHERE EXISTS (SELECT 1 FROM permitq.permit_request r
+                  WHERE r.fencing_token = fence.token AND r.state = 'acquired'
+                    AND (r.expires_at IS NULL OR r.expires_at > now()))
     ON CONFLICT (resource) DO UPDATE SET token = EXCLUDED.token, updated_at = now()
         WHERE f.token <= EXCLUDED.token
     RETURNING true INTO accepted;

@@ -1,13 +1,17 @@
--- Fencing tokens that never go backwards across a promotion. A token is
+-- Fencing tokens that never go backwards: across a promotion, `pg_upgrade`, a dump and restore
+-- into a new cluster, and an upgrade by logical replication. A token is
 --
---     timeline << 48  |  nextval(fencing_token_seq)
+--     epoch << 48  |  nextval(fencing_token_seq)
 --
--- where `timeline` is the WAL timeline the server writes on. A promotion starts a new, higher
--- timeline, so every token issued after it exceeds every token issued before it on any server
--- of the cluster, whatever a standby's copy of the sequence says. Within a timeline the order is
--- the sequence's, drawn in grant order under the semaphore locks (functions/apply_decision.sql).
--- 48 bits leave 2.8 * 10^14 grants per timeline; tokens stay below 2^53, exact in a JSON double,
--- up to timeline 31.
+-- drawn in grant order under the semaphore locks (functions/apply_decision.sql). The epoch is
+-- the row of permitq.token_epoch plus the WAL timelines begun since it was written: a promotion
+-- starts a higher timeline, so every token issued after it exceeds every token issued before it
+-- on any server, whatever a standby's copy of the sequence says. `pg_upgrade` and a restore
+-- start again at timeline 1, and logical replication copies rows but not the sequence:
+-- permitq.raise_token_epoch (run by `migrate` and by every worker at start-up) then moves the
+-- epoch past every token already issued. 48 bits leave 2.8 * 10^14 grants per epoch; epochs run
+-- to 32767 (each promotion, upgrade or restore uses one), so tokens stay positive, and exact in
+-- a JSON double up to epoch 31.
 
 -- The timeline WAL is being written on: the first 8 hex digits of the current WAL file's name.
 -- (Fails during recovery, where nothing is granted anyway.)
@@ -16,8 +20,48 @@ LANGUAGE sql VOLATILE AS $$
     SELECT ('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_insert_lsn()), 1, 8))::bit(32)::bigint
 $$;
 
--- The high bits of the tokens a grant batch draws now.
+-- The high bits of the tokens a grant batch draws now. A timeline below the recorded one (the
+-- cluster was upgraded or restored under a running worker) raises the epoch first.
 CREATE OR REPLACE FUNCTION permitq.token_epoch() RETURNS bigint
-LANGUAGE sql VOLATILE AS $$
-    SELECT permitq.wal_timeline() << 48
-$$;
+LANGUAGE plpgsql AS $$
+DECLARE
+    recorded permitq.token_epoch;
+    current_timeline bigint := permitq.wal_timeline();
+    epoch_now bigint;
+BEGIN
+    SELECT * INTO recorded FROM permitq.token_epoch;
+    IF current_timeline < recorded.timeline THEN
+        PERFORM permitq.raise_token_epoch();
+        SELECT * INTO recorded FROM permitq.token_epoch;
+    END IF;
+    epoch_now := recorded.epoch + (current_timeline - recorded.timeline);
+    IF epoch_now > 32767 THEN
+        RAISE EXCEPTION 'fencing token epoch % is past 32767: tokens would overflow', epoch_now
+            USING ERRCODE = '54000';
+    END IF;
+    RETURN epoch_now << 48;
+END $$;
+
+-- Moves the epoch past every token already issued when the sequence or the timeline went back
+-- (a restore, `pg_upgrade`, logical replication), else records the current timeline's epoch.
+-- Returns the epoch in force.
+CREATE OR REPLACE FUNCTION permitq.raise_token_epoch() RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+DECLARE
+    recorded permitq.token_epoch;
+    current_timeline bigint := permitq.wal_timeline();
+    highest bigint := (SELECT max(r.fencing_token) FROM permitq.permit_request r);
+    sequence_at bigint := (SELECT s.last_value FROM permitq.fencing_token_seq s);
+    new_epoch bigint;
+BEGIN
+    SELECT * INTO recorded FROM permitq.token_epoch FOR UPDATE;
+    new_epoch := recorded.epoch + greatest(current_timeline - recorded.timeline, 0);
+    -- A token issued past what this epoch and the sequence drew last.
+    IF highest IS NOT NULL AND highest > (new_epoch << 48) + sequence_at
+       OR current_timeline < recorded.timeline THEN
+        new_epoch := greatest(new_epoch, coalesce(highest >> 48, 0)) + 1;
+    END IF;
+    UPDATE permitq.token_epoch t SET epoch = new_epoch, timeline = current_timeline;
+    RETURN new_epoch;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.raise_token_epoch() TO permitq_worker;

@@ -19,6 +19,7 @@ BEGIN
     IF NOT FOUND THEN
         RAISE EXCEPTION 'lease lost: request % is unknown', $1 USING ERRCODE = '55000';
     END IF;
+    PERFORM permitq.check_owner(request, 'heartbeat it');
     IF request.state <> 'acquired' THEN
         RAISE EXCEPTION 'lease lost: request % is %', $1,
             concat_ws(' ', request.state, request.error_code, request.release_reason)

@@ -3,16 +3,40 @@
 -- Wake-ups are coalesced: workers record in permitq.worker_wake whether they sleep, and
 -- producers NOTIFY only when one does (PostgreSQL serializes the commits of notifying
 -- transactions, so a NOTIFY per request would cap the commit rate). The protocol, with the
--- advisory key rule_wake_lock_key():
---   caller: takes the key in SHARE mode (held to the end of its transaction, after its commit
---           is visible), then reads worker_wake in a fresh snapshot; NOTIFYs only if a worker
---           sleeps.
---   worker, before sleeping: commits sleeping = true, then takes the key in EXCLUSIVE mode
---           without waiting and lets it go at once, then runs one more pass. Getting the key
---           means every caller that could have read sleeping = false has finished, so that pass
---           sees its rows; callers after the commit read true and notify. When the key is busy
---           the worker does not sleep: it polls (producers are active).
+-- gate permitq.wake_gate (a table lock: only roles that may use the permitq schema can take
+-- one, unlike an advisory key, which any login can hold):
+--   caller: locks the gate in ROW SHARE mode (held to the end of its transaction, after its
+--           commit is visible), then reads worker_wake in a fresh snapshot; NOTIFYs only if a
+--           worker sleeps.
+--   worker, before sleeping: commits sleeping = true, then locks the gate in EXCLUSIVE mode
+--           without waiting and lets it go at once (permitq.wake_gate_free), then runs one more
+--           pass. Getting the lock means every caller that could have read sleeping = false has
+--           finished, so that pass sees its rows; callers after the commit read true and
+--           notify. When the gate is busy the worker does not sleep: it polls (producers are
+--           active).
 -- Callers in REPEATABLE READ or SERIALIZABLE read an older snapshot, so they always notify.
+--
+-- Grants never depend on a notification: the NOTIFY queue is one per cluster, and when it is
+-- full every commit that notifies fails. permitq.notify sends nothing while the queue is more
+-- than rule_notify_queue_limit() full (or the setting permitq.notify_queue_limit) and counts
+-- what it skipped in permitq.notify_skipped; producers still see outcomes by polling `status`,
+-- and workers poll.
+
+-- pg_notify, unless the queue is filling up: then counts the skip and returns false.
+CREATE OR REPLACE FUNCTION permitq.notify(channel text, payload text) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    setting text := current_setting('permitq.notify_queue_limit', true);
+BEGIN
+    IF pg_notification_queue_usage()
+       >= coalesce(nullif(setting, '')::float8, permitq.rule_notify_queue_limit()) THEN
+        INSERT INTO permitq.notify_skipped AS n (channel, skipped) VALUES (notify.channel, 1)
+        ON CONFLICT (channel) DO UPDATE SET skipped = n.skipped + 1;
+        RETURN false;
+    END IF;
+    PERFORM pg_notify(channel, payload);
+    RETURN true;
+END $$;
 
 -- Wakes the workers if any is asleep. Called by every transaction that may make work for them
 -- (submit, plain INSERT, release, cancel).
@@ -20,23 +44,37 @@ CREATE OR REPLACE FUNCTION permitq.wake_workers() RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        PERFORM pg_notify('permitq_work', '');
+        PERFORM permitq.notify('permitq_work', '');
         RETURN;
     END IF;
-    PERFORM pg_advisory_xact_lock_shared(permitq.rule_wake_lock_key());
+    LOCK TABLE permitq.wake_gate IN ROW SHARE MODE;
     IF EXISTS (SELECT 1 FROM permitq.worker_wake WHERE sleeping AND awake_by > now()) THEN
-        PERFORM pg_notify('permitq_work', '');
+        PERFORM permitq.notify('permitq_work', '');
     END IF;
 END $$;
+
+-- Worker, before sleeping: true when no caller that may have seen it awake is still in flight
+-- (the gate is free in EXCLUSIVE mode). Run it as a statement of its own: the lock is let go at
+-- its commit.
+CREATE OR REPLACE FUNCTION permitq.wake_gate_free() RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+BEGIN
+    LOCK TABLE permitq.wake_gate IN EXCLUSIVE MODE NOWAIT;
+    RETURN true;
+EXCEPTION WHEN lock_not_available THEN
+    RETURN false;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.wake_gate_free() TO permitq_worker;
 
 -- Sends the outcomes of these requests on permitq_events as JSON arrays, chunked by size: a
 -- notification's payload must stay under 8000 bytes. A chunk starts before 6000 bytes and one
 -- event is at most ~1,700 (a 255-character external_id, each character escaped as \uXXXX), so
--- every chunk fits.
-CREATE OR REPLACE FUNCTION permitq.notify_events(request_ids bigint[]) RETURNS void
+-- every chunk fits. False when a chunk was not sent (see permitq.notify).
+CREATE OR REPLACE FUNCTION permitq.notify_events(request_ids bigint[]) RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
     payload text;
+    sent boolean := true;
 BEGIN
     FOR payload IN
         SELECT '[' || string_agg(e.event, ',' ORDER BY e.id) || ']'
@@ -53,6 +91,7 @@ BEGIN
                     FROM permitq.permit_request r WHERE r.id = ANY(request_ids)) e) e
         GROUP BY e.chunk
     LOOP
-        PERFORM pg_notify('permitq_events', payload);
+        sent := permitq.notify('permitq_events', payload) AND sent;
     END LOOP;
+    RETURN sent;
 END $$;

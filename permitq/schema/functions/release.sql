@@ -38,7 +38,8 @@ END $$;
 
 -- Ends one request for its holder or an operator: gives the permits back when it is acquired
 -- (recording `reason`), cancels it when it is still waiting. Returns released | already_released
--- | cancelled | not_acquired | unknown. Idempotent. Locks only the request's own row.
+-- | cancelled | not_acquired | unknown. Idempotent. Locks only the request's own row. Only the
+-- request's owner or an admin (functions/ownership.sql) may, except a revoke (admins only).
 CREATE OR REPLACE FUNCTION permitq.release_request(external_id text, reason text) RETURNS text
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -49,6 +50,9 @@ BEGIN
     SELECT * INTO request FROM permitq.permit_request r WHERE r.external_id = $1 FOR UPDATE;
     IF NOT FOUND THEN
         RETURN 'unknown';
+    END IF;
+    IF reason <> 'revoked' THEN
+        PERFORM permitq.check_owner(request, 'release or cancel it');
     END IF;
     CASE request.state
         WHEN 'acquired' THEN

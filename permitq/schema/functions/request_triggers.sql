@@ -34,6 +34,7 @@ BEGIN
             USING ERRCODE = '22023';
     END IF;
     NEW.created_at := clock_timestamp();
+    NEW.submitted_by := session_user;
     -- wait = 0 is fail fast, decided when a worker first sees it: no deadline to sweep.
     NEW.wait_until := CASE WHEN NEW.wait > interval '0' THEN NEW.created_at + NEW.wait END;
     RETURN NEW;

@@ -50,7 +50,7 @@ BEGIN
         SET capacity = result.capacity, fair = result.fair, per = result.per, updated_at = now()
         WHERE s.template = result.name;
     END IF;
-    PERFORM pg_notify('permitq_work', '');
+    PERFORM permitq.notify('permitq_work', '');
     RETURN result;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.set_capacity(text, integer, boolean, interval) TO permitq_admin;

@@ -25,6 +25,10 @@ BEGIN
         RAISE EXCEPTION 'invalid external_id: must be at most % characters, got %',
             permitq.rule_max_name_length(), length(submit.external_id) USING ERRCODE = '22023';
     END IF;
+    IF length(submit.owner) > permitq.rule_max_name_length() THEN
+        RAISE EXCEPTION 'invalid owner: must be at most % characters, got %',
+            permitq.rule_max_name_length(), length(submit.owner) USING ERRCODE = '22023';
+    END IF;
     problem := permitq.permits_problem(submit.permits);
     IF problem IS NOT NULL THEN
         RAISE EXCEPTION 'invalid permits: %', problem USING ERRCODE = '22023';
@@ -46,6 +50,10 @@ BEGIN
         END IF;
         SELECT * INTO existing FROM permitq.permit_request r WHERE r.external_id = submit.external_id;
         IF FOUND THEN
+            IF NOT permitq.may_act_on(existing.submitted_by) THEN
+                RAISE EXCEPTION 'external_id % already exists', submit.external_id
+                    USING ERRCODE = '23505';
+            END IF;
             IF existing.permits = submit.permits
                AND existing.owner IS NOT DISTINCT FROM submit.owner
                AND existing.ttl IS NOT DISTINCT FROM submit.ttl
@@ -65,11 +73,14 @@ END $$;
 GRANT EXECUTE ON FUNCTION permitq.submit(text, jsonb, text, interval, interval, integer)
     TO permitq_producer, permitq_admin;
 
--- permitq.status: the request row; no row for an unknown external_id.
+-- permitq.status: the request row; no row for an unknown external_id, nor for another role's
+-- request unless the session reads every request (functions/ownership.sql).
 CREATE OR REPLACE FUNCTION permitq.status(external_id text) RETURNS SETOF permitq.permit_request
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 BEGIN
-    RETURN QUERY SELECT * FROM permitq.permit_request r WHERE r.external_id = status.external_id;
+    RETURN QUERY SELECT * FROM permitq.permit_request r
+    WHERE r.external_id = status.external_id
+      AND (r.submitted_by = session_user OR permitq.reads_every_request());
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.status(text) TO permitq_producer, permitq_worker, permitq_admin;
 
@@ -91,7 +102,8 @@ BEGIN
     deadline := clock_timestamp() + least(timeout, interval '1 hour');
     LOOP
         SELECT * INTO request FROM permitq.permit_request r
-        WHERE r.external_id = await_settled.external_id;
+        WHERE r.external_id = await_settled.external_id
+          AND (r.submitted_by = session_user OR permitq.reads_every_request());
         IF NOT FOUND THEN
             RETURN;
         END IF;

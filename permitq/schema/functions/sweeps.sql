@@ -8,6 +8,16 @@
 -- planner would otherwise sort every candidate to pick the oldest) and plan each call
 -- (force_custom_plan): their now()-relative ranges make selectivity matter.
 
+-- A worker's turn at a maintenance task for its transaction (a row of
+-- permitq.maintenance_turn, locked without waiting); false when another session holds it.
+CREATE OR REPLACE FUNCTION permitq.take_turn(task text) RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+BEGIN
+    PERFORM 1 FROM permitq.maintenance_turn t WHERE t.task = take_turn.task FOR UPDATE SKIP LOCKED;
+    RETURN FOUND;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.take_turn(text) TO permitq_worker, permitq_admin;
+
 -- Waiting requests whose `wait` ran out: error_code = 'timeout'. Rows a worker is deciding
 -- right now are skipped; that worker applies the same deadline itself. Sends their events and
 -- wakes the others (a timed-out head of a fair semaphore no longer holds capacity back).
@@ -36,7 +46,7 @@ BEGIN
     END IF;
     DELETE FROM permitq.waiter w WHERE w.request_id = ANY(ids);
     PERFORM permitq.notify_events(ids);
-    PERFORM pg_notify('permitq_work', '');
+    PERFORM permitq.notify('permitq_work', '');
     RETURN cardinality(ids);
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.sweep_wait_deadlines(integer) TO permitq_worker;

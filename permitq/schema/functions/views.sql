@@ -22,7 +22,7 @@ CREATE OR REPLACE VIEW permitq.semaphore_usage AS
 SELECT s.name,
        s.capacity,
        s.used,
-       coalesce(h.held, 0)::integer AS held,
+       coalesce(h.held, 0)::bigint AS held,
        coalesce(w.waiting, 0)::integer AS waiting,
        w.oldest_wait_since,
        s.fair,

@@ -402,7 +402,7 @@ async fn lock_semaphores_and_heads(
             row.try_get::<_, String>("name")?,
             SemaphoreView {
                 capacity: row.try_get::<_, i32>("capacity")?.into(),
-                used: row.try_get::<_, i32>("used")?.into(),
+                used: row.try_get("used")?,
                 fair: row.try_get("fair")?,
                 head: None,
             },

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::TestDb;
 use futures_util::future::join_all;
-use permitq::SqlState;
+use permitq::{Request, SqlState};
 
 async fn request_count(conn: &tokio_postgres::Client) -> i64 {
     conn.query_one("SELECT count(*) FROM permitq.permit_request", &[])
@@ -480,34 +480,60 @@ async fn set_capacity_creates_changes_and_audits() {
     assert!(!history[1].new_fair);
 }
 
-#[tokio::test]
+/// Grants `n` requests (`prefix-0`..) on a semaphore of room enough and returns their tokens
+/// (the requests stay held).
+async fn held_tokens(db: &TestDb, prefix: &str, n: usize, ttl: Option<Duration>) -> Vec<i64> {
+    let client = db.client().await;
+    client.set_capacity("fenced", 1000, None).await.unwrap();
+    let worker = db.notified_worker(&format!("{prefix}-w"));
+    let mut tokens = Vec::new();
+    for i in 0..n {
+        let mut request = Request::new(format!("{prefix}-{i}")).permit("fenced", 1);
+        if let Some(ttl) = ttl {
+            request = request.ttl(ttl);
+        }
+        client.submit(&request).await.unwrap();
+        let granted = client
+            .wait_settled(&request.external_id, Duration::from_secs(10))
+            .await
+            .unwrap()
+            .unwrap();
+        tokens.push(granted.fencing_token.expect("granted"));
+    }
+    worker.stop().await;
+    tokens
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fence_accepts_equal_or_higher_tokens_atomically() {
     let db = TestDb::new().await;
     let client = db.client().await;
-    assert!(client.fence("file", 5).await.unwrap());
+    let t = held_tokens(&db, "f", 4, None).await;
+    assert!(client.fence("file", t[1]).await.unwrap());
     assert!(
-        client.fence("file", 5).await.unwrap(),
+        client.fence("file", t[1]).await.unwrap(),
         "the same token again is the same holder"
     );
-    assert!(!client.fence("file", 4).await.unwrap());
+    assert!(!client.fence("file", t[0]).await.unwrap());
     assert!(
-        client.fence("other", 1).await.unwrap(),
+        client.fence("other", t[0]).await.unwrap(),
         "resources are independent"
     );
-    assert!(client.fence("file", 9).await.unwrap());
-    assert!(!client.fence("file", 5).await.unwrap());
+    assert!(client.fence("file", t[3]).await.unwrap());
+    assert!(!client.fence("file", t[2]).await.unwrap());
 
     // Concurrent fences: the survivor is the highest token, and no lower token is accepted
     // after a higher one (checked in commit order through the returned flags).
-    let tokens: Vec<i64> = (100..140).rev().collect();
-    let results = join_all(tokens.iter().map(|t| {
+    let tokens = held_tokens(&db, "race", 20, None).await;
+    let highest = *tokens.iter().max().unwrap();
+    let results = join_all(tokens.iter().rev().map(|t| {
         let client = client.clone();
         let t = *t;
         async move { (t, client.fence("race", t).await.unwrap()) }
     }))
     .await;
     assert!(
-        results.iter().any(|(t, ok)| *t == 139 && *ok),
+        results.iter().any(|(t, ok)| *t == highest && *ok),
         "the highest token is always accepted"
     );
     let conn = db.conn().await;
@@ -519,7 +545,53 @@ async fn fence_accepts_equal_or_higher_tokens_atomically() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(stored, 139);
+    assert_eq!(stored, highest);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fence_refuses_forged_released_and_expired_tokens_and_records_nothing() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let t = held_tokens(&db, "h", 2, None).await;
+    let conn = db.conn().await;
+    let stored = || async {
+        conn.query_one(
+            "SELECT coalesce((SELECT token FROM permitq.fence_token WHERE resource = 'db'), 0)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0)
+    };
+    // A forged token, however high, is refused and locks nobody out.
+    assert!(!client.fence("db", i64::MAX).await.unwrap());
+    assert_eq!(stored().await, 0, "nothing recorded");
+    assert!(client.fence("db", t[0]).await.unwrap());
+    // A released holder's token is refused, even above the highest seen.
+    client.release("h-1").await.unwrap();
+    assert!(!client.fence("db", t[1]).await.unwrap());
+    assert_eq!(stored().await, t[0]);
+    // A holder whose lease ran out is fenced before anyone else writes, and before any sweep
+    // releases it (no worker runs now): its request is still `acquired`.
+    let e = held_tokens(&db, "e", 1, Some(Duration::from_millis(300))).await;
+    let expires = client
+        .status("e-0")
+        .await
+        .unwrap()
+        .unwrap()
+        .expires_at
+        .unwrap();
+    common::wait_until(Duration::from_secs(10), "the lease runs out", || async {
+        std::time::SystemTime::now() > expires + Duration::from_millis(50)
+    })
+    .await;
+    assert!(!client.fence("db", e[0]).await.unwrap());
+    assert_eq!(
+        client.status("e-0").await.unwrap().unwrap().state,
+        permitq::State::Acquired
+    );
+    assert_eq!(stored().await, t[0]);
+    client.release("h-0").await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -559,7 +631,8 @@ async fn migrate_refuses_a_database_whose_applied_migration_was_edited_or_is_unk
         "{err}"
     );
     conn.execute(
-        "UPDATE permitq.schema_migration SET checksum = sha256(convert_to($1::text, 'UTF8'))",
+        "UPDATE permitq.schema_migration SET checksum = sha256(convert_to($1::text, 'UTF8')) \
+         WHERE version = 1",
         &[&permitq::migrate::MIGRATIONS[0].sql],
     )
     .await
@@ -596,9 +669,17 @@ async fn a_changed_schema_file_is_applied_again_and_only_it() {
     assert_eq!(migrated.files, vec!["fence.sql".to_string()]);
     assert!(migrated.versions.is_empty());
     assert!(client.schema_is_current().await.unwrap());
+    let definition: String = conn
+        .query_one(
+            "SELECT pg_get_functiondef('permitq.fence(text, bigint)'::regprocedure)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
     assert!(
-        client.fence("res", 1).await.unwrap(),
-        "the file's fence is back"
+        definition.contains("fence_token") && !definition.contains("SELECT false"),
+        "the file's fence is back: {definition}"
     );
     // Still private to the roles its file grants it to.
     let public: bool = conn

@@ -1,0 +1,29 @@
+-- Ownership: a request belongs to the login role that submitted it (`submitted_by`, the
+-- session's role). Only that role, or a member of permitq_admin, may release, cancel or
+-- heartbeat it, and producers read only their own requests (row-level security, migration V3).
+-- Applications that share one login role share ownership of their requests.
+
+-- Whether the session may act on a request submitted by `submitted_by`.
+CREATE OR REPLACE FUNCTION permitq.may_act_on(submitted_by text) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT submitted_by = session_user
+        OR pg_catalog.pg_has_role(session_user, 'permitq_admin', 'MEMBER')
+$$;
+
+-- Whether the session reads every request (admins and workers), not only its own.
+CREATE OR REPLACE FUNCTION permitq.reads_every_request() RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT pg_catalog.pg_has_role(session_user, 'permitq_admin', 'MEMBER')
+        OR pg_catalog.pg_has_role(session_user, 'permitq_worker', 'MEMBER')
+$$;
+
+-- Raises 42501 unless the session may act on `request`.
+CREATE OR REPLACE FUNCTION permitq.check_owner(request permitq.permit_request, action text)
+RETURNS void
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF NOT permitq.may_act_on(request.submitted_by) THEN
+        RAISE EXCEPTION 'permission denied: request % belongs to another role; only it or permitq_admin may %',
+            request.external_id, action USING ERRCODE = '42501';
+    END IF;
+END $$;
