@@ -105,6 +105,62 @@ impl EmbeddedPostgres {
         Ok(pg)
     }
 
+    /// Upgrades this cluster with `pg_upgrade` into a new one of the same binaries (a new data
+    /// directory, `initdb` afresh, so a new system identifier and WAL starting again at timeline
+    /// 1, as a major-version upgrade would), stops this one and starts the new one, which is
+    /// returned (removed on drop like any other).
+    pub fn upgrade(&self) -> Result<EmbeddedPostgres> {
+        let new = EmbeddedPostgres::prepare(&self.settings_pairs())?;
+        new.run(
+            "initdb",
+            &[
+                "-D",
+                new.data_str(),
+                "-U",
+                "postgres",
+                "-A",
+                "trust",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "--no-sync",
+            ],
+        )?;
+        self.stop(StopMode::Fast)?;
+        let (old_bin, new_bin) = (path_str(&self.bin), path_str(&new.bin));
+        let (old_port, new_port) = (self.port.to_string(), new.port.to_string());
+        new.run(
+            "pg_upgrade",
+            &[
+                "-b",
+                old_bin,
+                "-B",
+                new_bin,
+                "-p",
+                &old_port,
+                "-P",
+                &new_port,
+                "-d",
+                self.data_str(),
+                "-D",
+                new.data_str(),
+                "-U",
+                "postgres",
+                "--no-sync",
+            ],
+        )?;
+        new.start_server()?;
+        Ok(new)
+    }
+
+    /// This cluster's server settings, as `prepare` takes them.
+    fn settings_pairs(&self) -> Vec<(&str, &str)> {
+        self.settings
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect()
+    }
+
     /// Creates and starts a streaming standby of this cluster (`pg_basebackup -R`: it follows
     /// this server through `primary_conninfo`) on its own port, with these server settings. It
     /// is removed on drop like any other; [`EmbeddedPostgres::promote`] makes it a primary.

@@ -91,6 +91,9 @@ pub(crate) struct SemaphoreView {
     pub fair: bool,
     /// The first in line of the requests waiting on it that are not in this batch, if any.
     pub head: Option<Head>,
+    /// An instance its template may not make (it has as many as it may): requests naming it
+    /// fail with `too_many_instances`.
+    pub refused: bool,
 }
 
 impl SemaphoreView {
@@ -212,6 +215,9 @@ fn verdict_for(
             Some(s) => views.push((name.as_str(), *count, s)),
             None => return Verdict::Fail(ErrorCode::UnknownSemaphore),
         }
+    }
+    if views.iter().any(|(_, _, s)| s.refused) {
+        return Verdict::Fail(ErrorCode::TooManyInstances);
     }
     if views.iter().any(|(_, count, s)| *count > s.capacity) {
         return Verdict::Fail(ErrorCode::ExceedsCapacity);

@@ -14,10 +14,13 @@ const HEARTBEAT_FRACTION: u32 = 3;
 
 /// A granted request held by this process, from [`Client::acquire`].
 ///
-/// When the request has a TTL, a background task heartbeats every third of it. If a heartbeat
-/// is refused (SQLSTATE 55000: the lease expired, was revoked or released) or none has succeeded
-/// for a whole TTL, the lease is *lost*: [`Lease::is_lost`] turns true and [`Lease::lost`]
-/// resolves. A holder must then stop touching the protected resource; use
+/// When the request has a TTL, a background task heartbeats every third of it. Each confirmed
+/// heartbeat extends the lease to at least the time it was *sent* plus the TTL (the database
+/// extends it from when it runs the heartbeat, later). A watchdog declares the lease *lost* a
+/// safety margin (a tenth of the TTL, at least 20 ms) before that confirmed end, without waiting
+/// for a heartbeat call that hangs on a dead link; so does a refused heartbeat (SQLSTATE 55000:
+/// the lease expired, was revoked or released). Then [`Lease::is_lost`] turns true and
+/// [`Lease::lost`] resolves. A holder must then stop touching the protected resource; use
 /// [`Lease::fencing_token`] with downstream stores so that a write it still sends is rejected.
 ///
 /// **Drop:** dropping a lease stops the heartbeats and, if it was not released explicitly and a
@@ -49,7 +52,20 @@ impl Lease {
         let (lost_tx, lost) = watch::channel(None);
         let heartbeat = request.ttl.map(|ttl| {
             let (client, external_id) = (client.clone(), request.external_id.clone());
-            tokio::spawn(heartbeat_loop(client, external_id, ttl, lost_tx))
+            // The grant's lease runs to acquired_at + ttl, on the database's clock: what of it is
+            // left, read on this host's clock (a grant "in the future" counts from now).
+            let since_grant = request
+                .acquired_at
+                .and_then(|at| std::time::SystemTime::now().duration_since(at).ok())
+                .unwrap_or_default();
+            let confirmed_until = Instant::now() + ttl.saturating_sub(since_grant);
+            tokio::spawn(heartbeat_loop(
+                client,
+                external_id,
+                ttl,
+                confirmed_until,
+                lost_tx,
+            ))
         });
         Lease {
             client,
@@ -122,28 +138,55 @@ impl Drop for Lease {
     }
 }
 
+/// How long before the confirmed end of a lease of `ttl` the watchdog declares it lost.
+fn safety_margin(ttl: Duration) -> Duration {
+    (ttl / 10).max(Duration::from_millis(20)).min(ttl / 2)
+}
+
+/// Heartbeats every `ttl / HEARTBEAT_FRACTION` and keeps the watchdog: the lease is lost at
+/// `confirmed_until - safety_margin(ttl)` unless a heartbeat sent before then was confirmed,
+/// whether or not a call is still waiting for the database.
 async fn heartbeat_loop(
     client: Client,
     external_id: String,
     ttl: Duration,
+    mut confirmed_until: Instant,
     lost: watch::Sender<Option<String>>,
 ) {
     let every = (ttl / HEARTBEAT_FRACTION).max(Duration::from_millis(10));
-    let mut confirmed_until = Instant::now() + ttl;
+    let margin = safety_margin(ttl);
+    let give_up = |lost: &watch::Sender<Option<String>>, why: String| {
+        tracing::warn!(%external_id, reason = %why, "lease lost");
+        lost.send_replace(Some(why));
+    };
     loop {
-        tokio::time::sleep(every).await;
-        match client.heartbeat(&external_id, None).await {
-            Ok(_) => confirmed_until = Instant::now() + ttl,
-            Err(e) if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE) => {
-                lost.send_replace(Some(e.to_string()));
-                return;
+        let watchdog = tokio::time::sleep_until(
+            confirmed_until
+                .checked_sub(margin)
+                .unwrap_or(confirmed_until)
+                .into(),
+        );
+        tokio::pin!(watchdog);
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            () = &mut watchdog => {
+                return give_up(&lost, "no heartbeat confirmed in time: the lease may run out".into());
             }
-            Err(e) => {
-                if Instant::now() >= confirmed_until {
-                    lost.send_replace(Some(format!("no heartbeat succeeded for a whole TTL: {e}")));
-                    return;
+        }
+        let sent = Instant::now();
+        tokio::select! {
+            result = client.heartbeat(&external_id, None) => match result {
+                Ok(_) => confirmed_until = sent + ttl,
+                Err(e) if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE) => {
+                    return give_up(&lost, e.to_string());
                 }
-                tracing::warn!(%external_id, error = %e, "heartbeat failed; retrying");
+                Err(e) => tracing::warn!(%external_id, error = %e, "heartbeat failed; retrying"),
+            },
+            () = &mut watchdog => {
+                return give_up(
+                    &lost,
+                    "no heartbeat confirmed in time: the database did not answer".into(),
+                );
             }
         }
     }

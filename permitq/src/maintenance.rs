@@ -409,6 +409,27 @@ async fn every(
     }
 }
 
+/// How full the cluster's NOTIFY queue is, and what permitq skipped because of it: gauge
+/// `permitq_notify_queue_usage` (alert well before 0.5, where permitq stops notifying), counter
+/// `permitq_notifications_skipped_total`, and a warning whenever more were skipped since the
+/// last look. Returns the skipped total.
+pub(crate) async fn watch_notify_queue(pool: &Pool, seen: u64) -> Result<u64> {
+    let row = pool.get().await?.query_one(sql::NOTIFY_HEALTH, &[]).await?;
+    let (usage, skipped): (f64, i64) = (row.try_get(0)?, row.try_get(1)?);
+    let skipped = u64::try_from(skipped).unwrap_or(0);
+    metrics::gauge!("permitq_notify_queue_usage").set(usage);
+    if skipped > seen {
+        metrics::counter!("permitq_notifications_skipped_total").increment(skipped - seen);
+        tracing::warn!(
+            usage,
+            skipped = skipped - seen,
+            "the cluster's NOTIFY queue is filling up (a session LISTENs and stays idle in a \
+             transaction?): notifications skipped; producers and workers poll meanwhile"
+        );
+    }
+    Ok(skipped)
+}
+
 /// The worker's sweep task: [`sweep_once`] every `sweep_interval` until `stop`.
 pub(crate) async fn run_sweeps(
     pool: Pool,
@@ -417,14 +438,27 @@ pub(crate) async fn run_sweeps(
     stop: watch::Receiver<bool>,
 ) {
     let skips = Arc::new(Skips::default());
+    let notifications_skipped = Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX));
     every(config.sweep_interval, stop, move || {
         let (pool, config, liveness) = (pool.clone(), config.clone(), liveness.clone());
-        let skips = skips.clone();
+        let (skips, notifications_skipped) = (skips.clone(), notifications_skipped.clone());
         Box::pin(async move {
             match sweep_once(&pool, &config, liveness.as_deref(), &skips).await {
-                Ok(out) if out != SweepOutcome::default() => tracing::info!(?out, "sweep"),
+                Ok(out) if out != SweepOutcome::default() => tracing::info!(
+                    timed_out = out.timed_out,
+                    expired = out.expired,
+                    stale = out.stale,
+                    revoked = out.revoked,
+                    "sweep"
+                ),
                 Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "sweep failed"),
+            }
+            // The first look only learns where the count stands.
+            let seen = notifications_skipped.load(std::sync::atomic::Ordering::Relaxed);
+            match watch_notify_queue(&pool, seen).await {
+                Ok(now) => notifications_skipped.store(now, std::sync::atomic::Ordering::Relaxed),
+                Err(e) => tracing::warn!(error = %e, "NOTIFY queue check failed"),
             }
         })
     })

@@ -30,6 +30,10 @@ pub const MAX_NAME_LENGTH: usize = 255;
 /// The most semaphores one request may name.
 pub const MAX_SEMAPHORES_PER_REQUEST: usize = 64;
 
+/// The most instances a template makes, unless it says otherwise (`max_instances`): a request
+/// that would need one more fails with `too_many_instances`.
+pub const MAX_INSTANCES: u32 = 10_000;
+
 /// How full the cluster's NOTIFY queue may be before permitq stops notifying (its commits would
 /// fail once it is full): a fraction, overridden by the setting `permitq.notify_queue_limit`
 /// (schema/functions/notifications.sql).
@@ -78,7 +82,7 @@ pub(crate) fn schema_sql() -> String {
         let quoted: Vec<String> = values.iter().map(|v| format!("'{v}'")).collect();
         format!("ARRAY[{}]::text[]", quoted.join(", "))
     };
-    let rules: [(&str, &str, String); 11] = [
+    let rules: [(&str, &str, String); 12] = [
         (
             "priority_min",
             "smallint",
@@ -110,6 +114,7 @@ pub(crate) fn schema_sql() -> String {
             "integer",
             MAX_SEMAPHORES_PER_REQUEST.to_string(),
         ),
+        ("max_instances", "integer", MAX_INSTANCES.to_string()),
         (
             "notify_queue_limit",
             "float8",

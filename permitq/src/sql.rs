@@ -178,6 +178,10 @@ pub(crate) const FENCE: &str = "SELECT permitq.fence($1, $2)";
 /// Sweeps: each takes its task's turn for its transaction first, so one worker at a time runs
 /// it; false when another session holds it.
 pub(crate) const TAKE_TURN: &str = "SELECT permitq.take_turn($1)";
+/// Worker, each sweep round: how full the cluster's NOTIFY queue is (0 to 1), and the
+/// notifications permitq skipped so far because it was filling up.
+pub(crate) const NOTIFY_HEALTH: &str = "SELECT pg_notification_queue_usage(), \
+     (SELECT coalesce(sum(skipped), 0)::int8 FROM permitq.notify_skipped)";
 /// Sweep: wait deadlines → `timeout`.
 pub(crate) const SWEEP_WAIT_DEADLINES: &str = "SELECT permitq.sweep_wait_deadlines($1)";
 /// Sweep: TTL leases past expires_at → released as `expired`.
@@ -251,6 +255,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("CAPACITY_HISTORY", CAPACITY_HISTORY),
         ("FENCE", FENCE),
         ("TAKE_TURN", TAKE_TURN),
+        ("NOTIFY_HEALTH", NOTIFY_HEALTH),
         ("RAISE_TOKEN_EPOCH", RAISE_TOKEN_EPOCH),
         ("SWEEP_WAIT_DEADLINES", SWEEP_WAIT_DEADLINES),
         ("SWEEP_EXPIRED", SWEEP_EXPIRED),

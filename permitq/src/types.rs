@@ -110,6 +110,9 @@ string_enum! {
         /// an object of positive counts, a ttl or wait out of bounds) or failed a worker's batch
         /// on its own. Settled so that it cannot stall the queue.
         Invalid => "invalid",
+        /// It names a semaphore that would be a new instance of a template that already has as
+        /// many instances as it may (`max_instances`, else [`crate::MAX_INSTANCES`]).
+        TooManyInstances => "too_many_instances",
     }
 }
 

@@ -259,6 +259,7 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
     let stop = Arc::new(AtomicBool::new(false));
     let history = history::History::default();
     let acquired_events = record_acquired_events(url.clone());
+    let stranger = tokio::spawn(stranger(url.clone()));
     let sampler_findings = Arc::new(Mutex::new(Vec::new()));
     let snapshots = Arc::new(AtomicU64::new(0));
     let sampler = tokio::spawn(sample(
@@ -328,6 +329,7 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
             .push(finding);
     }
     acquired_events.1.abort();
+    stranger.abort();
     drop((conn, client));
     Ok(ChaosReport {
         config,
@@ -337,6 +339,70 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         verdict,
         at_load_end,
     })
+}
+
+/// Every advisory key permitq ever took (wake key, sweep keys, migration key): a stranger holds
+/// them all through the run.
+const OLD_ADVISORY_KEYS: [i64; 9] = [
+    0x7071_0100,
+    0x7071_0001,
+    0x7071_0002,
+    0x7071_0003,
+    0x7071_0004,
+    0x7071_0005,
+    0x7071_0006,
+    0x7071_0007,
+    0x0070_6572_6d69_7471,
+];
+
+/// A stranger beside the load: a login with no permitq grant that holds every advisory key
+/// permitq ever used and LISTENs while idle in a transaction (the NOTIFY queue cannot empty
+/// past it). Reconnects after a restart; runs until aborted.
+async fn stranger(url: String) {
+    let Ok(admin) = permitq_embedded_pg::try_connect(&url).await else {
+        return;
+    };
+    let _ = admin
+        .batch_execute(
+            "DO $$ BEGIN CREATE ROLE chaos_stranger LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$",
+        )
+        .await;
+    drop(admin);
+    let Ok(mut config) = url.parse::<tokio_postgres::Config>() else {
+        return;
+    };
+    config.user("chaos_stranger");
+    loop {
+        let connect = || async {
+            let (client, connection) = config.connect(tokio_postgres::NoTls).await.ok()?;
+            tokio::spawn(async move {
+                let _ = connection.await;
+            });
+            Some(client)
+        };
+        if let (Some(keys), Some(listener)) = (connect().await, connect().await) {
+            let held = keys
+                .query(
+                    "SELECT pg_advisory_lock(k) FROM unnest($1::int8[]) k",
+                    &[&&OLD_ADVISORY_KEYS[..]],
+                )
+                .await
+                .is_ok();
+            let listening = listener
+                .batch_execute("LISTEN chaos_stranger")
+                .await
+                .is_ok()
+                && listener.batch_execute("BEGIN; SELECT 1").await.is_ok();
+            if held && listening {
+                tracing::info!("a stranger holds permitq's old advisory keys and LISTENs idle in a transaction");
+                // Until the server goes away (a restart fault): then again.
+                while keys.simple_query("SELECT 1").await.is_ok() {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 type EventCounts = (

@@ -45,32 +45,54 @@ BEGIN
     END IF;
 END $$;
 
--- The worker's step 2 for a batch naming `names`, in one call:
---   1. make the missing template instances (functions/templates.sql), before any lock;
---   2. lock the named semaphores FOR UPDATE in ascending id (the row locks are taken above the
---      sort, so in this order); templates are never locked nor returned, so a request naming
---      one is `unknown_semaphore`;
---   3. fold the pending releases of these and of every semaphore no one else holds;
---   4. return the named semaphores as the decision sees them: `used` is the permits held, or
---      for a rate-limited semaphore the permits granted in its window.
--- The rows are the latest committed versions, exact for as long as the caller's transaction
--- runs.
-CREATE OR REPLACE FUNCTION permitq.lock_batch_semaphores(names text[])
-RETURNS TABLE (id bigint, name text, capacity integer, used bigint, fair boolean)
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+-- Locks the semaphores named (templates excepted) FOR UPDATE in ascending id: the row locks are
+-- taken above the sort, so in this order, the lock order of semaphore rows everywhere. Returns
+-- the names it locked.
+CREATE OR REPLACE FUNCTION permitq.lock_named(names text[]) RETURNS text[]
+LANGUAGE plpgsql AS $$
 DECLARE
     locked text[];
 BEGIN
-    PERFORM permitq.make_instances(names);
-
     SELECT array_agg(l.name) INTO locked FROM (
         SELECT s.name FROM permitq.semaphore s
         WHERE s.name = ANY(names) AND NOT s.is_template
         ORDER BY s.id
         FOR UPDATE
     ) l;
+    RETURN coalesce(locked, '{}');
+END $$;
 
-    PERFORM permitq.fold_pending_releases(coalesce(locked, '{}'));
+-- The worker's step 2 for a batch naming `names`, in one call:
+--   1. make the missing template instances (functions/templates.sql), before any semaphore lock;
+--   2. lock the named semaphores (permitq.lock_named); templates are never locked nor returned,
+--      so a request naming one is `unknown_semaphore`. An instance the idle sweep removed
+--      between 1 and 2 (it held the row) is made again and locked (a newest id, so still in
+--      ascending order; its template is locked after the instances, so a change of that
+--      template at that very moment may end in a deadlock, which the worker retries);
+--   3. fold the pending releases of these and of every semaphore no one else holds;
+--   4. return the named semaphores as the decision sees them: `used` is the permits held, or
+--      for a rate-limited semaphore the permits granted in its window; and a row with NULL
+--      capacity for each name refused because its template has as many instances as it may.
+-- The rows are the latest committed versions, exact for as long as the caller's transaction
+-- runs.
+CREATE OR REPLACE FUNCTION permitq.lock_batch_semaphores(names text[])
+RETURNS TABLE (id bigint, name text, capacity integer, used bigint, fair boolean)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+DECLARE
+    refused text[] := permitq.make_instances(names);
+    locked text[] := permitq.lock_named(names);
+    gone text[];
+BEGIN
+    IF refused IS NOT NULL THEN
+        SELECT array_agg(n) INTO gone FROM unnest(names) n
+        WHERE n <> ALL(locked) AND n <> ALL(refused) AND (permitq.template_for(n)).name IS NOT NULL;
+        IF gone IS NOT NULL THEN
+            refused := refused || permitq.make_instances(gone);
+            locked := locked || permitq.lock_named(gone);
+        END IF;
+    END IF;
+
+    PERFORM permitq.fold_pending_releases(locked);
 
     RETURN QUERY
     SELECT s.id, s.name, s.capacity,
@@ -78,7 +100,9 @@ BEGIN
            s.fair
     FROM permitq.semaphore s
     WHERE s.name = ANY(names) AND NOT s.is_template
-    ORDER BY s.id;
+    UNION ALL
+    SELECT NULL, r, NULL, NULL, NULL FROM unnest(refused) r
+    ORDER BY 1;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.lock_batch_semaphores(text[]) TO permitq_worker;
 

@@ -31,7 +31,7 @@ BEGIN
     IF pg_notification_queue_usage()
        >= coalesce(nullif(setting, '')::float8, permitq.rule_notify_queue_limit()) THEN
         INSERT INTO permitq.notify_skipped AS n (channel, skipped) VALUES (notify.channel, 1)
-        ON CONFLICT (channel) DO UPDATE SET skipped = n.skipped + 1;
+        ON CONFLICT ON CONSTRAINT notify_skipped_pkey DO UPDATE SET skipped = n.skipped + 1;
         RETURN false;
     END IF;
     PERFORM pg_notify(channel, payload);

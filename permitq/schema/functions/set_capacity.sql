@@ -5,9 +5,11 @@
 -- A name ending in `*` makes a template (functions/templates.sql): its instances follow its
 -- changes. `per`: NULL keeps the semaphore's window (none for a new one); a positive interval
 -- makes it rate-limited (functions/rate_windows.sql); '0' makes it a concurrency semaphore
--- again.
+-- again. `max_instances` (templates only; NULL keeps it) bounds the instances a template makes
+-- (default rule_max_instances()).
 CREATE OR REPLACE FUNCTION permitq.set_capacity(name text, capacity integer, fair boolean DEFAULT NULL,
-                                                per interval DEFAULT NULL)
+                                                per interval DEFAULT NULL,
+                                                max_instances integer DEFAULT NULL)
 RETURNS permitq.semaphore
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 #variable_conflict use_column
@@ -29,18 +31,28 @@ BEGIN
         RAISE EXCEPTION 'invalid capacity: must be a non-negative integer, got %',
             coalesce(set_capacity.capacity::text, 'NULL') USING ERRCODE = '22023';
     END IF;
+    IF set_capacity.max_instances IS NOT NULL AND right(set_capacity.name, 1) <> '*' THEN
+        RAISE EXCEPTION 'invalid max_instances: only a template (a name ending in *) makes instances'
+            USING ERRCODE = '22023';
+    END IF;
+    IF set_capacity.max_instances < 0 THEN
+        RAISE EXCEPTION 'invalid max_instances: must not be negative, got %', set_capacity.max_instances
+            USING ERRCODE = '22023';
+    END IF;
     problem := permitq.interval_problem(set_capacity.per, true);
     IF problem IS NOT NULL THEN
         RAISE EXCEPTION 'invalid per: %', problem USING ERRCODE = '22023';
     END IF;
-    INSERT INTO permitq.semaphore AS s (name, capacity, fair, is_template, per)
+    INSERT INTO permitq.semaphore AS s (name, capacity, fair, is_template, per, max_instances)
     VALUES (set_capacity.name, set_capacity.capacity, coalesce(set_capacity.fair, true),
-            right(set_capacity.name, 1) = '*', nullif(set_capacity.per, interval '0'))
+            right(set_capacity.name, 1) = '*', nullif(set_capacity.per, interval '0'),
+            set_capacity.max_instances)
     ON CONFLICT ON CONSTRAINT semaphore_name_key DO UPDATE
         SET capacity = EXCLUDED.capacity,
             fair = coalesce(set_capacity.fair, s.fair),
             per = CASE WHEN set_capacity.per IS NULL THEN s.per
                        ELSE nullif(set_capacity.per, interval '0') END,
+            max_instances = coalesce(set_capacity.max_instances, s.max_instances),
             updated_at = now()
     RETURNING * INTO result;
     IF result.is_template THEN
@@ -53,4 +65,5 @@ BEGIN
     PERFORM permitq.notify('permitq_work', '');
     RETURN result;
 END $$;
-GRANT EXECUTE ON FUNCTION permitq.set_capacity(text, integer, boolean, interval) TO permitq_admin;
+GRANT EXECUTE ON FUNCTION permitq.set_capacity(text, integer, boolean, interval, integer)
+    TO permitq_admin;

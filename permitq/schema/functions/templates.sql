@@ -17,22 +17,45 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- Worker, before locking a batch's semaphores: makes the missing instances of `names`, with
--- their template's capacity, fairness and window. In name order, with ON CONFLICT DO NOTHING:
--- two workers making the same instance end with one row (the second waits for the first's
--- insert, then locks the committed row), and no request naming an instance gets
--- `unknown_semaphore`.
-CREATE OR REPLACE FUNCTION permitq.make_instances(names text[]) RETURNS void
+-- their template's capacity, fairness and window. The templates are locked first (FOR NO KEY
+-- UPDATE, in id order): a change of a template's capacity (functions/set_capacity.sql) waits for
+-- an instance being made, or the instance waits and takes the new capacity; and the count of a
+-- template's instances is exact against its bound (`max_instances`, else
+-- rule_max_instances()). Instances are made in name order, ON CONFLICT DO NOTHING: two workers
+-- making the same one end with one row. Returns the names refused because their template has
+-- as many instances as it may; NULL when there is no template at all.
+CREATE OR REPLACE FUNCTION permitq.make_instances(names text[]) RETURNS text[]
 LANGUAGE plpgsql AS $$
+DECLARE
+    missing record;
+    refused text[] := '{}';
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM permitq.semaphore t WHERE t.is_template) THEN
-        RETURN;
+        RETURN NULL;
     END IF;
-    INSERT INTO permitq.semaphore (name, capacity, fair, template, per)
-    SELECT n.name, t.capacity, t.fair, t.name, t.per
-    FROM (SELECT DISTINCT x AS name FROM unnest(names) x) n
-    CROSS JOIN LATERAL permitq.template_for(n.name) t
-    WHERE t.name IS NOT NULL
-      AND NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = n.name)
-    ORDER BY n.name
-    ON CONFLICT ON CONSTRAINT semaphore_name_key DO NOTHING;
+    PERFORM 1 FROM permitq.semaphore t
+    WHERE t.id IN (SELECT (permitq.template_for(n)).id FROM unnest(names) n
+                   WHERE NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = n))
+    ORDER BY t.id
+    FOR NO KEY UPDATE;
+    FOR missing IN
+        SELECT n.name AS instance, t.name AS template, t.capacity, t.fair, t.per,
+               coalesce(t.max_instances, permitq.rule_max_instances()) AS bound
+        FROM (SELECT DISTINCT x AS name FROM unnest(names) x) n
+        CROSS JOIN LATERAL permitq.template_for(n.name) t
+        WHERE t.name IS NOT NULL
+          AND NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = n.name)
+        ORDER BY n.name
+    LOOP
+        IF (SELECT count(*) FROM (SELECT 1 FROM permitq.semaphore s
+                                  WHERE s.template = missing.template LIMIT missing.bound) i)
+           >= missing.bound THEN
+            refused := refused || missing.instance;
+            CONTINUE;
+        END IF;
+        INSERT INTO permitq.semaphore (name, capacity, fair, template, per)
+        VALUES (missing.instance, missing.capacity, missing.fair, missing.template, missing.per)
+        ON CONFLICT ON CONSTRAINT semaphore_name_key DO NOTHING;
+    END LOOP;
+    RETURN refused;
 END $$;

@@ -13,6 +13,8 @@ DROP VIEW IF EXISTS permitq.semaphore_usage;
 DROP FUNCTION IF EXISTS permitq.apply_decision(text, bigint[], bigint[], text[], bigint[]);
 DROP FUNCTION IF EXISTS permitq.notify_events(bigint[]);
 DROP FUNCTION IF EXISTS permitq.lock_batch_semaphores(text[]);
+DROP FUNCTION IF EXISTS permitq.make_instances(text[]);
+DROP FUNCTION IF EXISTS permitq.set_capacity(text, integer, boolean, interval);
 
 -- Held counts of a rate-limited semaphore are not bounded by its capacity (it bounds grants per
 -- window): 64-bit, like `granted`.
@@ -60,9 +62,10 @@ CREATE UNLOGGED TABLE permitq.notify_skipped (
     channel text PRIMARY KEY,
     skipped bigint NOT NULL DEFAULT 0
 );
+GRANT SELECT ON permitq.notify_skipped, permitq.token_epoch
+    TO permitq_producer, permitq_worker, permitq_admin;
 
--- Instances per template: bounded (settable on the template), counted on the template's row.
+-- Instances per template: bounded, settable on the template (NULL: rule_max_instances()).
 ALTER TABLE permitq.semaphore
     ADD COLUMN max_instances integer
-        CONSTRAINT semaphore_max_instances_valid CHECK (max_instances >= 0),
-    ADD COLUMN instances integer NOT NULL DEFAULT 0;
+        CONSTRAINT semaphore_max_instances_valid CHECK (max_instances >= 0);

@@ -10,6 +10,7 @@ fn sem(capacity: i64, used: i64, fair: bool) -> SemaphoreView {
         used,
         fair,
         head: None,
+        refused: false,
     }
 }
 
@@ -246,6 +247,7 @@ fn arb_semaphores() -> impl Strategy<Value = BTreeMap<String, SemaphoreView>> {
                         used,
                         fair,
                         head,
+                        refused: false,
                     },
                 )
             })

@@ -398,13 +398,16 @@ async fn lock_semaphores_and_heads(
     );
     let mut semaphores = BTreeMap::new();
     for row in locked? {
+        // No capacity: an instance its template may not make.
+        let capacity: Option<i32> = row.try_get("capacity")?;
         semaphores.insert(
             row.try_get::<_, String>("name")?,
             SemaphoreView {
-                capacity: row.try_get::<_, i32>("capacity")?.into(),
-                used: row.try_get("used")?,
-                fair: row.try_get("fair")?,
+                capacity: capacity.unwrap_or(0).into(),
+                used: row.try_get::<_, Option<i64>>("used")?.unwrap_or(0),
+                fair: row.try_get::<_, Option<bool>>("fair")?.unwrap_or(false),
                 head: None,
+                refused: capacity.is_none(),
             },
         );
     }

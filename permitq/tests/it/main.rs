@@ -10,4 +10,5 @@ mod roles;
 mod schema;
 mod sql_api;
 mod templates;
+mod trust;
 mod worker;

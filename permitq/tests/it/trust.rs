@@ -1,0 +1,699 @@
+//! Trust: the guarantees hold beside strangers (a login with no permitq grant), other producers,
+//! a full NOTIFY queue, restores and upgrades, races with template maintenance, and a database
+//! that stops answering a lease holder.
+
+use permitq_test_support as common;
+
+use std::time::{Duration, SystemTime};
+
+use common::{quiet_config, wait_until, EmbeddedPostgres, TestDb};
+use permitq::{Client, ErrorCode, Request, SqlState, State};
+
+const SOON: Duration = Duration::from_secs(10);
+
+/// `url` logging in as `user` with password `pw`.
+fn as_user(url: &str, user: &str) -> String {
+    let (scheme, rest) = url.split_once("://").expect("a postgres:// URL");
+    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{user}:pw@{host}")
+}
+
+/// A login role unique to this test database, member of `role` (or of nothing).
+async fn login(db: &TestDb, name: &str, role: Option<&str>) -> String {
+    let user = format!("{name}_{}", &db.name[db.name.len() - 8..]);
+    let member = role.map_or(String::new(), |r| format!(" IN ROLE {r}"));
+    db.conn()
+        .await
+        .batch_execute(&format!("CREATE ROLE {user} LOGIN PASSWORD 'pw'{member}"))
+        .await
+        .unwrap();
+    as_user(&db.url, &user)
+}
+
+async fn state(client: &Client, id: &str) -> State {
+    client.status(id).await.unwrap().expect("known").state
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_holding_advisory_keys_blocks_nothing() {
+    let db = TestDb::new().await;
+    let stranger = common::connect(&login(&db, "stranger", None).await).await;
+    // Every key permitq ever used, and a lock on permitq's own tables, which it cannot take.
+    stranger
+        .batch_execute(
+            "SELECT pg_advisory_lock(k) FROM unnest(ARRAY[1886454016, 1886453761, 1886453762, \
+             1886453763, 1886453764, 1886453765, 1886453766, 1886453767, \
+             31653311848445041]::bigint[]) k",
+        )
+        .await
+        .unwrap();
+    let err = stranger
+        .batch_execute("BEGIN; LOCK TABLE permitq.wake_gate IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{err}");
+
+    let client = db.client().await;
+    client.migrate().await.unwrap();
+    client.set_capacity("s", 1, None).await.unwrap();
+    let _worker = db.worker(quiet_config("w"));
+    // Grants, releases, the lease sweep and the wait-deadline sweep all go on.
+    client
+        .submit(
+            &Request::new("held")
+                .permit("s", 1)
+                .ttl(Duration::from_millis(300)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        client
+            .wait_settled("held", SOON)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        State::Acquired
+    );
+    client
+        .submit(
+            &Request::new("waits")
+                .permit("s", 1)
+                .wait(Duration::from_secs(30)),
+        )
+        .await
+        .unwrap();
+    client
+        .submit(
+            &Request::new("times-out")
+                .permit("s", 1)
+                .wait(Duration::from_millis(100)),
+        )
+        .await
+        .unwrap();
+    wait_until(
+        SOON,
+        "the lease expires and the next waiter is granted",
+        || async { state(&client, "waits").await == State::Acquired },
+    )
+    .await;
+    let held = client.status("held").await.unwrap().unwrap();
+    assert_eq!(held.release_reason, Some(permitq::ReleaseReason::Expired));
+    let timed_out = client.status("times-out").await.unwrap().unwrap();
+    assert_eq!(timed_out.error_code, Some(ErrorCode::Timeout));
+    client.release("waits").await.unwrap();
+    drop(stranger);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grants_go_on_when_the_notify_queue_fills_up() {
+    let db = TestDb::new().await;
+    let admin = db.conn().await;
+    // A queue that counts as full almost at once: the limit far below what the filler writes.
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {} SET permitq.notify_queue_limit = '0.000000001'",
+            db.name
+        ))
+        .await
+        .unwrap();
+    // A listener idle in a transaction keeps the queue from emptying; a filler writes to it
+    // (distinct payloads: a transaction's identical notifications are sent once).
+    let listener = common::connect(&db.url).await;
+    listener.batch_execute("LISTEN filler").await.unwrap();
+    listener.batch_execute("BEGIN; SELECT 1").await.unwrap();
+    let filler = common::connect(&db.url).await;
+    filler
+        .batch_execute(
+            "SELECT pg_notify('filler', i || repeat('x', 4000)) FROM generate_series(1, 3000) i",
+        )
+        .await
+        .unwrap();
+    let usage: f64 = admin
+        .query_one("SELECT pg_notification_queue_usage()", &[])
+        .await
+        .unwrap()
+        .get(0);
+
+    assert!(
+        usage > 0.000000001,
+        "the queue holds the filler's notifications: {usage}"
+    );
+
+    let client = db.client().await;
+    client.set_capacity("s", 10, None).await.unwrap();
+    let _worker = db.worker(quiet_config("w"));
+    for i in 0..5 {
+        client
+            .submit(&Request::new(format!("r{i}")).permit("s", 1))
+            .await
+            .unwrap();
+    }
+    // Producers see their outcomes by polling status (wait_settled polls too).
+    for i in 0..5 {
+        let r = client
+            .wait_settled(&format!("r{i}"), SOON)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.state, State::Acquired);
+    }
+    let skipped: i64 = admin
+        .query_one(
+            "SELECT coalesce(sum(skipped), 0)::int8 FROM permitq.notify_skipped",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(skipped > 0, "the skipped notifications are counted");
+    for i in 0..5 {
+        client.release(&format!("r{i}")).await.unwrap();
+    }
+    drop((listener, filler));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_cannot_act_on_or_read_another_producers_requests() {
+    let db = TestDb::new().await;
+    let a = Client::connect(&login(&db, "prod_a", Some("permitq_producer")).await)
+        .await
+        .unwrap();
+    let b_url = login(&db, "prod_b", Some("permitq_producer")).await;
+    let b = Client::connect(&b_url).await.unwrap();
+    let admin = Client::connect(&login(&db, "adm", Some("permitq_admin")).await)
+        .await
+        .unwrap();
+    admin.set_capacity("s", 2, None).await.unwrap();
+    let _worker = db.worker(quiet_config("w"));
+
+    a.submit(
+        &Request::new("a-1")
+            .permit("s", 1)
+            .ttl(Duration::from_secs(60)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        a.wait_settled("a-1", SOON).await.unwrap().unwrap().state,
+        State::Acquired
+    );
+    a.submit(
+        &Request::new("a-2")
+            .permit("s", 1)
+            .ttl(Duration::from_millis(300)),
+    )
+    .await
+    .unwrap();
+    for refused in [b.release("a-1").await, b.revoke("a-1").await] {
+        assert_eq!(
+            refused.unwrap_err().code(),
+            Some(&SqlState::INSUFFICIENT_PRIVILEGE)
+        );
+    }
+    let err = b.heartbeat("a-1", None).await.unwrap_err();
+    assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{err}");
+    let conn_b = common::connect(&b_url).await;
+    let err = conn_b
+        .batch_execute("SELECT permitq.cancel('a-1')")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{err}");
+    // Nothing changed, and B reads none of A's requests.
+    assert_eq!(state(&a, "a-1").await, State::Acquired);
+    assert!(b.status("a-1").await.unwrap().is_none());
+    let visible: i64 = conn_b
+        .query_one("SELECT count(*) FROM permitq.permit_request", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(visible, 0);
+    let none: i64 = conn_b
+        .query_one("SELECT count(*) FROM permitq.status('a-1')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(none, 0);
+    // Nor may it take A's external_id.
+    let err = b
+        .submit(
+            &Request::new("a-1")
+                .permit("s", 1)
+                .ttl(Duration::from_secs(60)),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(&SqlState::UNIQUE_VIOLATION), "{err}");
+    // The owner and admins may; the workers' sweeps are unaffected (a-2's lease expires).
+    a.heartbeat("a-1", None).await.unwrap();
+    wait_until(SOON, "a-2 granted, then its lease expired", || async {
+        state(&a, "a-2").await == State::Released
+    })
+    .await;
+    assert_eq!(
+        admin.release("a-1").await.unwrap(),
+        permitq::ReleaseOutcome::Released
+    );
+    // An owner is bounded like an external_id.
+    let err = a
+        .submit(&Request::new("a-3").permit("s", 1).owner("o".repeat(300)))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(&SqlState::INVALID_PARAMETER_VALUE),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_decision_changes_nothing_on_a_request_that_is_not_new() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 5, None).await.unwrap();
+    let worker = db.worker(quiet_config("w"));
+    for id in ["held", "gone", "failed"] {
+        let wait = if id == "failed" {
+            Duration::ZERO
+        } else {
+            Duration::from_secs(10)
+        };
+        let count = if id == "failed" { 9 } else { 1 };
+        client
+            .submit(&Request::new(id).permit("s", count).wait(wait))
+            .await
+            .unwrap();
+        client.wait_settled(id, SOON).await.unwrap();
+    }
+    client.release("gone").await.unwrap();
+    common::wait_folded(&db.url).await;
+    worker.stop().await;
+    let conn = db.conn().await;
+    let snapshot = || async {
+        conn.query(
+            "SELECT external_id, state, fencing_token, acquired_at, settled_at, \
+                    (SELECT used FROM permitq.semaphore WHERE name = 's'), \
+                    (SELECT granted FROM permitq.semaphore WHERE name = 's') \
+             FROM permitq.permit_request ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| {
+            format!(
+                "{:?}",
+                (
+                    r.get::<_, String>(0),
+                    r.get::<_, String>(1),
+                    r.get::<_, Option<i64>>(2),
+                    r.get::<_, Option<SystemTime>>(3),
+                    r.get::<_, Option<SystemTime>>(4),
+                    r.get::<_, i64>(5),
+                    r.get::<_, i64>(6)
+                )
+            )
+        })
+        .collect::<Vec<_>>()
+    };
+    let before = snapshot().await;
+    conn.batch_execute(
+        "SELECT permitq.apply_decision('intruder', array_agg(id), '{}', '{}', '{}') \
+         FROM permitq.permit_request;
+         SELECT permitq.apply_decision('intruder', '{}', array_agg(id), \
+                array_agg('timeout'::text), '{}') FROM permitq.permit_request;
+         SELECT permitq.apply_decision('intruder', '{}', '{}', '{}', array_agg(id)) \
+         FROM permitq.permit_request;",
+    )
+    .await
+    .unwrap();
+    assert_eq!(snapshot().await, before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_semaphore_holds_more_than_an_int_without_overflow() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client
+        .set_rate_limit("big", 2_000_000_000, Duration::from_millis(500), None)
+        .await
+        .unwrap();
+    let _worker = db.worker(quiet_config("w"));
+    for id in ["a", "b"] {
+        client
+            .submit(&Request::new(id).permit("big", 1_500_000_000))
+            .await
+            .unwrap();
+    }
+    for id in ["a", "b"] {
+        assert_eq!(
+            client.wait_settled(id, SOON).await.unwrap().unwrap().state,
+            State::Acquired,
+            "{id}: granted once a window has room"
+        );
+    }
+    let usage = client.usage().await.unwrap();
+    let big = usage.iter().find(|u| u.name == "big").unwrap();
+    assert_eq!(big.held, 3_000_000_000);
+}
+
+/// The instance `tmp:k` of template `tmp:*`, if it exists.
+async fn instance(client: &Client, name: &str) -> Option<permitq::Semaphore> {
+    client
+        .semaphores()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|s| s.name == name)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_removed_while_its_request_is_decided_is_made_again() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("tmp:*", 1, None).await.unwrap();
+    client
+        .submit(&Request::new("first").permit("tmp:k", 1))
+        .await
+        .unwrap();
+    let worker = db.worker(quiet_config("w"));
+    client.wait_settled("first", SOON).await.unwrap();
+    client.release("first").await.unwrap();
+    common::wait_folded(&db.url).await;
+    worker.stop().await;
+    assert!(instance(&client, "tmp:k").await.is_some());
+    // The idle sweep's transaction, held open: it has locked and deleted the instance.
+    let mut sweep = db.conn().await;
+    let tx = sweep.transaction().await.unwrap();
+    tx.batch_execute("DELETE FROM permitq.semaphore WHERE name = 'tmp:k'")
+        .await
+        .unwrap();
+    client
+        .submit(&Request::new("second").permit("tmp:k", 1))
+        .await
+        .unwrap();
+    let _worker = db.worker(quiet_config("w2"));
+    let conn = db.conn().await;
+    wait_until(SOON, "the worker waits for the sweep's lock", || async {
+        conn.query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE application_name = 'permitq w2' \
+             AND wait_event_type = 'Lock')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, bool>(0)
+    })
+    .await;
+    tx.commit().await.unwrap();
+    let second = client.wait_settled("second", SOON).await.unwrap().unwrap();
+    assert_eq!(second.state, State::Acquired, "{second:?}");
+    assert!(instance(&client, "tmp:k").await.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_change_reaches_an_instance_made_at_the_same_moment() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("tmp:*", 1, None).await.unwrap();
+    // The template's change, held open.
+    let mut admin = db.conn().await;
+    let tx = admin.transaction().await.unwrap();
+    tx.batch_execute("SELECT permitq.set_capacity('tmp:*', 5)")
+        .await
+        .unwrap();
+    client
+        .submit(&Request::new("r").permit("tmp:k", 1))
+        .await
+        .unwrap();
+    let _worker = db.worker(quiet_config("w"));
+    let conn = db.conn().await;
+    wait_until(SOON, "the worker waits for the template's lock", || async {
+        conn.query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE application_name = 'permitq w' \
+             AND wait_event_type = 'Lock')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, bool>(0)
+    })
+    .await;
+    tx.commit().await.unwrap();
+    client.wait_settled("r", SOON).await.unwrap();
+    assert_eq!(instance(&client, "tmp:k").await.unwrap().capacity, 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_makes_at_most_its_bound_of_instances() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    db.conn()
+        .await
+        .batch_execute("SELECT permitq.set_capacity('tenant:*', 1, max_instances => 3)")
+        .await
+        .unwrap();
+    let _worker = db.worker(quiet_config("w"));
+    for i in 0..5 {
+        client
+            .submit(&Request::new(format!("t{i}")).permit(format!("tenant:{i}"), 1))
+            .await
+            .unwrap();
+    }
+    let mut codes = Vec::new();
+    for i in 0..5 {
+        let r = client
+            .wait_settled(&format!("t{i}"), SOON)
+            .await
+            .unwrap()
+            .unwrap();
+        codes.push(r.error_code);
+    }
+    assert_eq!(
+        codes.iter().filter(|c| c.is_none()).count(),
+        3,
+        "three instances: {codes:?}"
+    );
+    assert!(
+        codes
+            .iter()
+            .flatten()
+            .all(|c| *c == ErrorCode::TooManyInstances),
+        "{codes:?}"
+    );
+    let err = db
+        .conn()
+        .await
+        .batch_execute("SELECT permitq.set_capacity('plain', 1, max_instances => 3)")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(&SqlState::INVALID_PARAMETER_VALUE));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_is_lost_before_it_runs_out_when_the_database_stops_answering() {
+    let db = TestDb::new().await;
+    let url = format!("{}?application_name=stalled-holder", db.url);
+    let holder = Client::connect(&url).await.unwrap();
+    holder.set_capacity("s", 1, None).await.unwrap();
+    let _worker = db.worker(quiet_config("w"));
+    let ttl = Duration::from_secs(2);
+    let lease = holder
+        .acquire(&Request::new("h").permit("s", 1).ttl(ttl), SOON)
+        .await
+        .unwrap();
+    // Let one heartbeat through, then stop every backend of the holder's connections.
+    let conn = db.conn().await;
+    let heartbeat_at = || async {
+        conn.query_one(
+            "SELECT heartbeat_at FROM permitq.permit_request WHERE external_id = 'h'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, Option<SystemTime>>(0)
+    };
+    wait_until(SOON, "a first heartbeat", || async {
+        heartbeat_at().await.is_some()
+    })
+    .await;
+    let pids: Vec<i32> = conn
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = 'stalled-holder'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(!pids.is_empty());
+    for pid in &pids {
+        common::signal(u32::try_from(*pid).unwrap(), "STOP");
+    }
+    let expires: SystemTime = conn
+        .query_one(
+            "SELECT expires_at FROM permitq.permit_request WHERE external_id = 'h'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let reason = tokio::time::timeout(SOON, lease.lost()).await;
+    let lost_at = SystemTime::now();
+    for pid in &pids {
+        common::signal(u32::try_from(*pid).unwrap(), "CONT");
+    }
+    let reason = reason.expect("the watchdog declares the lease lost");
+    assert!(
+        reason.contains("no heartbeat confirmed in time"),
+        "{reason}"
+    );
+    assert!(
+        lost_at < expires,
+        "lost at {lost_at:?}, before the lease's end {expires:?}"
+    );
+    drop(lease);
+}
+
+/// Grants one request on `url`'s database and returns its token.
+async fn grant_one(url: &str, id: &str) -> i64 {
+    let client = Client::connect(url).await.unwrap();
+    client.set_capacity("t", 100, None).await.unwrap();
+    let worker = common::RunningWorker::start(url, quiet_config(&format!("w-{id}")));
+    client
+        .submit(&Request::new(id).permit("t", 1))
+        .await
+        .unwrap();
+    let r = client.wait_settled(id, SOON).await.unwrap().unwrap();
+    worker.stop().await;
+    r.fencing_token.expect("granted")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_never_go_back_after_a_restore_into_a_new_cluster_or_a_sequence_reset() {
+    // The source: a cluster promoted to timeline 2, with grants on both timelines.
+    let primary = EmbeddedPostgres::start().expect("primary");
+    let standby = primary
+        .start_standby(&common::THROWAWAY_SETTINGS)
+        .expect("standby");
+    let url = primary.url("postgres");
+    Client::connect(&url)
+        .await
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let before = grant_one(&url, "tl1").await;
+    primary.stop(common::StopMode::Immediate).unwrap();
+    standby.promote().unwrap();
+    let url2 = standby.url("postgres");
+    wait_until(
+        Duration::from_secs(30),
+        "the standby accepts writes",
+        || async {
+            common::try_connect(&url2).await.is_ok_and(|c| {
+                drop(c);
+                true
+            })
+        },
+    )
+    .await;
+    let on_timeline_2 = grant_one(&url2, "tl2").await;
+    assert!(on_timeline_2 > before);
+
+    // Dump it, restore it into a fresh cluster (timeline 1), migrate, grant.
+    let bin = common::find_bin_dir().unwrap();
+    let dump = std::env::temp_dir().join(format!("permitq-dump-{}", std::process::id()));
+    let out = std::process::Command::new(bin.join("pg_dump"))
+        .args(["--format=custom", "--file"])
+        .arg(&dump)
+        .args(["--dbname", &url2])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let fresh = EmbeddedPostgres::start().expect("fresh cluster");
+    let restored = fresh.url("postgres");
+    // Roles are the cluster's, not the dump's: an operator creates them first.
+    common::connect(&restored)
+        .await
+        .batch_execute(
+            "CREATE ROLE permitq_producer NOLOGIN; CREATE ROLE permitq_worker NOLOGIN; \
+             CREATE ROLE permitq_admin NOLOGIN;",
+        )
+        .await
+        .unwrap();
+    let out = std::process::Command::new(bin.join("pg_restore"))
+        .args(["--no-owner", "--dbname", &restored])
+        .arg(&dump)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&dump);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Client::connect(&restored)
+        .await
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let after_restore = grant_one(&restored, "restored").await;
+    assert!(
+        after_restore > on_timeline_2,
+        "{after_restore} after {on_timeline_2}"
+    );
+
+    // Logical replication copies rows but not the sequence: a reset sequence, then a worker
+    // starts (it raises the epoch).
+    common::connect(&restored)
+        .await
+        .batch_execute("SELECT setval('permitq.fencing_token_seq', 1)")
+        .await
+        .unwrap();
+    let after_reset = grant_one(&restored, "reset").await;
+    assert!(
+        after_reset > after_restore,
+        "{after_reset} after {after_restore}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_never_go_back_after_pg_upgrade() {
+    // A cluster promoted to timeline 2, as in production after a failover.
+    let primary = EmbeddedPostgres::start().expect("primary");
+    let standby = primary
+        .start_standby(&common::THROWAWAY_SETTINGS)
+        .expect("standby");
+    Client::connect(&primary.url("postgres"))
+        .await
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    primary.stop(common::StopMode::Fast).unwrap();
+    standby.promote().unwrap();
+    let url = standby.url("postgres");
+    wait_until(
+        Duration::from_secs(30),
+        "the standby accepts writes",
+        || async { common::try_connect(&url).await.is_ok() },
+    )
+    .await;
+    let before = grant_one(&url, "before").await;
+    assert_eq!(before >> 48, 2, "timeline 2's epoch");
+    // pg_upgrade into a new cluster, which writes WAL on timeline 1 again.
+    let new = tokio::task::spawn_blocking(move || standby.upgrade())
+        .await
+        .unwrap()
+        .expect("pg_upgrade");
+    let url = new.url("postgres");
+    let after = grant_one(&url, "after").await;
+    assert!(after > before, "{after} after {before}");
+}
