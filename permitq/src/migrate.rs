@@ -1,8 +1,9 @@
 //! The embedded schema and the run that applies it (`permitq migrate`, [`crate::Client::migrate`]).
 //!
-//! The schema has three parts, applied in this order by one transaction, under a session
-//! advisory lock (running migrate twice, or twice at once, is safe: the second waits, then finds
-//! nothing to do):
+//! The schema has three parts, applied in this order by one transaction that first locks the
+//! bookkeeping table `permitq.schema_migration` (SHARE ROW EXCLUSIVE: running migrate twice, or
+//! twice at once, is safe: the second waits, then finds nothing to do; a role without permitq
+//! grants cannot hold that lock):
 //!
 //! 1. the rules (`permitq.rule_*`), written from the constants of `src/rules.rs`: the versioned
 //!    migrations' constraints call them;
@@ -119,9 +120,6 @@ const PRERELEASE: [&str; 8] = [
     "templates_rate_limits_priorities",
 ];
 
-/// Advisory lock key taken while migrating ("permitq" in ASCII).
-const MIGRATION_LOCK_KEY: i64 = 0x0070_6572_6d69_7471;
-
 /// What one migrate run applied.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
@@ -141,23 +139,33 @@ impl Migrated {
     }
 }
 
-/// Applies what the database lacks. Use a dedicated connection: the lock is held by the session.
+/// Applies what the database lacks, in one transaction.
 pub(crate) async fn migrate(client: &mut Client) -> Result<Migrated> {
-    client
-        .execute(sql::MIGRATION_LOCK, &[&MIGRATION_LOCK_KEY])
-        .await?;
-    let result = migrate_locked(client).await.map_err(explain_privilege);
-    let unlock = client
-        .execute(sql::MIGRATION_UNLOCK, &[&MIGRATION_LOCK_KEY])
-        .await;
-    let migrated = result?;
-    unlock?;
-    Ok(migrated)
+    match migrate_locked(client).await {
+        // Two first runs made the schema or the bookkeeping tables at the same moment: the
+        // second, again, finds them.
+        Err(e)
+            if e.code().is_some_and(|c| {
+                [
+                    SqlState::UNIQUE_VIOLATION,
+                    SqlState::DUPLICATE_SCHEMA,
+                    SqlState::DUPLICATE_TABLE,
+                    SqlState::DUPLICATE_OBJECT,
+                ]
+                .contains(c)
+            }) =>
+        {
+            migrate_locked(client).await
+        }
+        other => other,
+    }
+    .map_err(explain_privilege)
 }
 
 async fn migrate_locked(client: &mut Client) -> Result<Migrated> {
     let tx = client.transaction().await?;
     tx.batch_execute(sql::MIGRATION_TABLES).await?;
+    tx.batch_execute(sql::MIGRATION_LOCK).await?;
     let mut migrated = Migrated::default();
     let applied = applied_versions(&tx).await?;
     let prerelease = is_prerelease(&applied)?;

@@ -11,10 +11,10 @@ pub(crate) const WORK_CHANNEL: &str = "permitq_work";
 /// The channel producers wait on: outcomes of requests (acquired, error, released).
 pub(crate) const EVENTS_CHANNEL: &str = "permitq_events";
 
-/// Migrations: the session advisory lock that serializes `migrate` runs.
-pub(crate) const MIGRATION_LOCK: &str = "SELECT pg_advisory_lock($1)";
-/// Migrations: release it.
-pub(crate) const MIGRATION_UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
+/// Migrations: the lock that serializes `migrate` runs, to the end of the run's transaction
+/// (self-conflicting; readers of the table are not blocked).
+pub(crate) const MIGRATION_LOCK: &str =
+    "LOCK TABLE permitq.schema_migration IN SHARE ROW EXCLUSIVE MODE";
 /// Migrations: the bookkeeping tables, created when missing: the versioned migrations applied
 /// and the schema files applied, each with its checksum. The schema is created only when
 /// missing: `CREATE SCHEMA IF NOT EXISTS` checks the CREATE privilege on the database first,
@@ -220,8 +220,6 @@ pub(crate) fn interval(d: std::time::Duration) -> String {
 #[cfg(test)]
 fn all() -> Vec<(&'static str, String)> {
     let mut all: Vec<(&'static str, String)> = [
-        ("MIGRATION_LOCK", MIGRATION_LOCK),
-        ("MIGRATION_UNLOCK", MIGRATION_UNLOCK),
         ("APPLIED_MIGRATIONS", APPLIED_MIGRATIONS),
         ("CHECKSUM", CHECKSUM),
         ("RECORD_MIGRATION", RECORD_MIGRATION),

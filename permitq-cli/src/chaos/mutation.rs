@@ -31,7 +31,7 @@ pub(crate) enum Mutation {
     LeasesNeverExpire,
     /// The token sequence cycles through 40 values: grants collide on the unique token index.
     TokensReused,
-    /// Some grant batches draw tokens without the timeline's high bits: a token below an earlier
+    /// Some grant batches draw tokens without the epoch's high bits: a token below an earlier
     /// one.
     TokensBackwards,
     /// The claim never reconsiders a waiter that needs more than one permit: such a head
@@ -108,8 +108,8 @@ impl Mutation {
             Mutation::TokensBackwards => (
                 "fencing_tokens.sql",
                 &[Patch {
-                    find: "    SELECT permitq.wal_timeline() << 48\n",
-                    replace: "    SELECT CASE WHEN random() < 0.3 THEN 0 ELSE permitq.wal_timeline() << 48 END\n",
+                    find: "    RETURN epoch_now << 48;",
+                    replace: "    RETURN CASE WHEN random() < 0.3 THEN 0 ELSE epoch_now << 48 END;",
                 }][..],
             ),
             Mutation::NoSemaphoreLock => (
