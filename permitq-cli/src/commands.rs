@@ -42,6 +42,12 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             };
             let report = crate::chaos::run(config).await?;
             out!("{}", report.summary());
+            // Every violation, on stderr (the summary shows the first few of each checker).
+            for (checker, messages) in &report.verdict.violations {
+                for message in messages {
+                    errln!("violation: {checker}: {message}");
+                }
+            }
             Ok(if report.violations() == 0 {
                 0
             } else {

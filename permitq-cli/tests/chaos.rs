@@ -118,7 +118,7 @@ fn the_load_of_the_planted_bugs_passes_without_them() {
 }
 
 /// Runs [`PLANTED_LOAD`] with a planted bug (and these extra arguments) and returns the
-/// violations found, with the summary.
+/// violations found by checker, and the summary with every violation's message.
 fn planted(mutation: &str, extra: &[&str]) -> (BTreeMap<String, u64>, String) {
     let mut args = PLANTED_LOAD.to_vec();
     args.extend(["--mutation", mutation]);
@@ -130,7 +130,9 @@ fn planted(mutation: &str, extra: &[&str]) -> (BTreeMap<String, u64>, String) {
         "the planted bug {mutation} went unnoticed:\n{summary}"
     );
     assert!(summary.contains("result: FAIL"));
-    (violations(&summary), summary)
+    // The summary, and every violation (printed on stderr).
+    let all = format!("{summary}\n{}", String::from_utf8_lossy(&out.stderr));
+    (violations(&summary), all)
 }
 
 #[test]

@@ -77,13 +77,13 @@ impl EmbeddedPostgres {
         )
     }
 
-    fn init_and_start(self) -> Result<EmbeddedPostgres> {
-        let pg = self;
-        pg.run(
+    /// A new, empty cluster in the data directory.
+    fn initdb(&self) -> Result<()> {
+        self.run(
             "initdb",
             &[
                 "-D",
-                pg.data_str(),
+                self.data_str(),
                 "-U",
                 "postgres",
                 "-A",
@@ -93,7 +93,12 @@ impl EmbeddedPostgres {
                 "--locale=C",
                 "--no-sync",
             ],
-        )?;
+        )
+    }
+
+    fn init_and_start(self) -> Result<EmbeddedPostgres> {
+        let pg = self;
+        pg.initdb()?;
         if pg.namespace.is_some() {
             // The bed's hosts connect from their own addresses (only the bed reaches this one).
             let mut hba = std::fs::OpenOptions::new()
@@ -111,21 +116,7 @@ impl EmbeddedPostgres {
     /// returned (removed on drop like any other).
     pub fn upgrade(&self) -> Result<EmbeddedPostgres> {
         let new = EmbeddedPostgres::prepare(&self.settings_pairs())?;
-        new.run(
-            "initdb",
-            &[
-                "-D",
-                new.data_str(),
-                "-U",
-                "postgres",
-                "-A",
-                "trust",
-                "-E",
-                "UTF8",
-                "--locale=C",
-                "--no-sync",
-            ],
-        )?;
+        new.initdb()?;
         self.stop(StopMode::Fast)?;
         let (old_bin, new_bin) = (path_str(&self.bin), path_str(&new.bin));
         let (old_port, new_port) = (self.port.to_string(), new.port.to_string());

@@ -14,6 +14,7 @@ pub use permitq_fleet::{
     RunReport, WorkerFleet,
 };
 pub use testdb::{
-    check_invariants, connect, event_objects, init_logging, quiet_config, semaphore_locked,
-    settled_state, signal, state_of, wait_folded, wait_until, with_dbname, RunningWorker, TestDb,
+    check_invariants, connect, event_objects, init_logging, quiet_config, semaphore,
+    semaphore_locked, settled_state, signal, state_of, wait_folded, wait_until, with_dbname,
+    RunningWorker, TestDb,
 };

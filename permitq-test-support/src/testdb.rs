@@ -208,6 +208,16 @@ impl Drop for RunningWorker {
     }
 }
 
+/// The semaphore named `name`, if it exists.
+pub async fn semaphore(client: &Client, name: &str) -> Option<permitq::Semaphore> {
+    client
+        .semaphores()
+        .await
+        .expect("list semaphores")
+        .into_iter()
+        .find(|s| s.name == name)
+}
+
 /// Polls `cond` every 20 ms until it is true; panics with `what` after `timeout`.
 pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut cond: F)
 where

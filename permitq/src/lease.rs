@@ -155,6 +155,7 @@ async fn heartbeat_loop(
 ) {
     let every = (ttl / HEARTBEAT_FRACTION).max(Duration::from_millis(10));
     let margin = safety_margin(ttl);
+    let mut first = true;
     let give_up = |lost: &watch::Sender<Option<String>>, why: String| {
         tracing::warn!(%external_id, reason = %why, "lease lost");
         lost.send_replace(Some(why));
@@ -167,10 +168,14 @@ async fn heartbeat_loop(
                 .into(),
         );
         tokio::pin!(watchdog);
-        tokio::select! {
-            () = tokio::time::sleep(every) => {}
-            () = &mut watchdog => {
-                return give_up(&lost, "no heartbeat confirmed in time: the lease may run out".into());
+        // The first heartbeat goes at once: from then on the lease's end is counted on this
+        // host's clock alone (the grant's end mixes in the database's).
+        if !std::mem::replace(&mut first, false) {
+            tokio::select! {
+                () = tokio::time::sleep(every) => {}
+                () = &mut watchdog => {
+                    return give_up(&lost, "no heartbeat confirmed in time: the lease may run out".into());
+                }
             }
         }
         let sent = Instant::now();

@@ -139,8 +139,35 @@ impl Migrated {
     }
 }
 
+/// How often a run that waited too long for a lock (another session holds one it needs) is tried
+/// again.
+const LOCK_RETRIES: u32 = 5;
+
 /// Applies what the database lacks, in one transaction.
 pub(crate) async fn migrate(client: &mut Client) -> Result<Migrated> {
+    let mut attempt = 0;
+    loop {
+        match migrate_once(client).await {
+            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) && attempt < LOCK_RETRIES => {
+                attempt += 1;
+                tracing::warn!(attempt, error = %e, "migrate waited too long for a lock; trying again");
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+                return Err(Error::config(format!(
+                    "cannot migrate: another session holds a lock on a permitq table for longer \
+                     than migrate waits ({e}; tried {} times): look for long or idle \
+                     transactions in pg_stat_activity",
+                    LOCK_RETRIES + 1
+                )));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// One run, retried once when a concurrent first run made the bookkeeping at the same moment.
+async fn migrate_once(client: &mut Client) -> Result<Migrated> {
     match migrate_locked(client).await {
         // Two first runs made the schema or the bookkeeping tables at the same moment: the
         // second, again, finds them.

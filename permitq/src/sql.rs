@@ -19,7 +19,11 @@ pub(crate) const MIGRATION_LOCK: &str =
 /// and the schema files applied, each with its checksum. The schema is created only when
 /// missing: `CREATE SCHEMA IF NOT EXISTS` checks the CREATE privilege on the database first,
 /// which a role that merely owns the schema lacks.
+/// DDL runs only when something is missing: an ALTER that finds nothing to do would still wait
+/// for every reader of the table. `lock_timeout` bounds how long the run waits for a lock (and
+/// how long traffic queues behind a migration that waits): it is retried.
 pub(crate) const MIGRATION_TABLES: &str = "SET LOCAL client_min_messages = warning;
+     SET LOCAL lock_timeout = '5s';
      DO $$ BEGIN
          IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = 'permitq') THEN
              CREATE SCHEMA permitq;
@@ -28,9 +32,16 @@ pub(crate) const MIGRATION_TABLES: &str = "SET LOCAL client_min_messages = warni
      CREATE TABLE IF NOT EXISTS permitq.schema_migration (
          version    integer PRIMARY KEY,
          name       text NOT NULL,
-         applied_at timestamptz NOT NULL DEFAULT now()
+         applied_at timestamptz NOT NULL DEFAULT now(),
+         checksum   bytea
      );
-     ALTER TABLE permitq.schema_migration ADD COLUMN IF NOT EXISTS checksum bytea;
+     DO $$ BEGIN
+         IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
+                        WHERE attrelid = 'permitq.schema_migration'::regclass
+                          AND attname = 'checksum' AND NOT attisdropped) THEN
+             ALTER TABLE permitq.schema_migration ADD COLUMN checksum bytea;
+         END IF;
+     END $$;
      CREATE TABLE IF NOT EXISTS permitq.schema_file (
          path       text PRIMARY KEY,
          checksum   bytea NOT NULL,
@@ -181,7 +192,7 @@ pub(crate) const TAKE_TURN: &str = "SELECT permitq.take_turn($1)";
 /// Worker, each sweep round: how full the cluster's NOTIFY queue is (0 to 1), and the
 /// notifications permitq skipped so far because it was filling up.
 pub(crate) const NOTIFY_HEALTH: &str = "SELECT pg_notification_queue_usage(), \
-     (SELECT coalesce(sum(skipped), 0)::int8 FROM permitq.notify_skipped)";
+     (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM permitq.notify_skipped_seq)";
 /// Sweep: wait deadlines → `timeout`.
 pub(crate) const SWEEP_WAIT_DEADLINES: &str = "SELECT permitq.sweep_wait_deadlines($1)";
 /// Sweep: TTL leases past expires_at → released as `expired`.

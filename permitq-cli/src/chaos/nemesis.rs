@@ -67,6 +67,8 @@ impl Fault {
 /// partitioned worker keeps its locks until the server's idle bound).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Outage {
+    /// Which fault.
+    pub kind: Fault,
     /// When it began.
     pub from: SystemTime,
     /// When it ended.
@@ -229,6 +231,7 @@ pub(crate) async fn run(
             Err(e) => tracing::warn!(?fault, error = %e, "fault injection failed"),
         }
         let during = Outage {
+            kind: fault,
             from: started,
             to: SystemTime::now(),
         };

@@ -39,10 +39,11 @@ fn marked_blocks(readme: &str) -> Vec<(String, String)> {
 fn statements(code: &str) -> Vec<(String, Option<String>)> {
     let mut out = Vec::new();
     let mut current = String::new();
+    let mut expected = None;
     for line in code.lines() {
-        let expected = line
-            .split_once("-- => ")
-            .map(|(_, result)| result.split("  ").next().unwrap_or("").trim().to_string());
+        if let Some((_, result)) = line.split_once("-- => ") {
+            expected = Some(result.split("  ").next().unwrap_or("").trim().to_string());
+        }
         let line = line.split("--").next().unwrap_or("").trim_end();
         if line.trim().is_empty() {
             continue;
@@ -50,7 +51,7 @@ fn statements(code: &str) -> Vec<(String, Option<String>)> {
         current.push_str(line);
         current.push('\n');
         if line.ends_with(';') {
-            out.push((std::mem::take(&mut current), expected));
+            out.push((std::mem::take(&mut current), expected.take()));
         }
     }
     assert!(

@@ -3,13 +3,15 @@
 --
 --     epoch << 48  |  nextval(fencing_token_seq)
 --
--- drawn in grant order under the semaphore locks (functions/apply_decision.sql). The epoch is
+-- drawn in grant order under the semaphore locks (functions/decision_outcome.sql). The epoch is
 -- the row of permitq.token_epoch plus the WAL timelines begun since it was written: a promotion
 -- starts a higher timeline, so every token issued after it exceeds every token issued before it
--- on any server, whatever a standby's copy of the sequence says. `pg_upgrade` and a restore
--- start again at timeline 1, and logical replication copies rows but not the sequence:
--- permitq.raise_token_epoch (run by `migrate` and by every worker at start-up) then moves the
--- epoch past every token already issued. 48 bits leave 2.8 * 10^14 grants per epoch; epochs run
+-- on any server, whatever a standby's copy of the sequence says. `pg_upgrade`, a restore and a
+-- cutover by logical replication land on another cluster (another system identifier), at
+-- timeline 1, possibly with a sequence gone back: permitq.raise_token_epoch (run by `migrate`,
+-- by every worker at start-up, and by the first grant batch that notices) then moves the epoch
+-- past every token issued, stored in a request or remembered by a fence. 48 bits leave
+-- 2.8 * 10^14 grants per epoch; epochs run
 -- to 32767 (each promotion, upgrade or restore uses one), so tokens stay positive, and exact in
 -- a JSON double up to epoch 31.
 
@@ -20,8 +22,15 @@ LANGUAGE sql VOLATILE AS $$
     SELECT ('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_insert_lsn()), 1, 8))::bit(32)::bigint
 $$;
 
--- The high bits of the tokens a grant batch draws now. A timeline below the recorded one (the
--- cluster was upgraded or restored under a running worker) raises the epoch first.
+-- The cluster this is (pg_upgrade, initdb and a new cluster replicated into give another).
+CREATE OR REPLACE FUNCTION permitq.system_id() RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT system_identifier FROM pg_catalog.pg_control_system()
+$$;
+
+-- The high bits of the tokens a grant batch draws now. On another cluster than the one the epoch
+-- was recorded on, or on an older timeline (restored, upgraded, replicated into, under a running
+-- worker), the epoch is raised first.
 CREATE OR REPLACE FUNCTION permitq.token_epoch() RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -30,7 +39,7 @@ DECLARE
     epoch_now bigint;
 BEGIN
     SELECT * INTO recorded FROM permitq.token_epoch;
-    IF current_timeline < recorded.timeline THEN
+    IF current_timeline < recorded.timeline OR recorded.system_id <> permitq.system_id() THEN
         PERFORM permitq.raise_token_epoch();
         SELECT * INTO recorded FROM permitq.token_epoch;
     END IF;
@@ -42,26 +51,29 @@ BEGIN
     RETURN epoch_now << 48;
 END $$;
 
--- Moves the epoch past every token already issued when the sequence or the timeline went back
--- (a restore, `pg_upgrade`, logical replication), else records the current timeline's epoch.
--- Returns the epoch in force.
+-- Moves the epoch past every token issued (stored in a request, or remembered by a fence) when
+-- the cluster, the timeline or the sequence went back (a restore, `pg_upgrade`, logical
+-- replication), else records the current timeline's epoch. Returns the epoch in force.
 CREATE OR REPLACE FUNCTION permitq.raise_token_epoch() RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 DECLARE
     recorded permitq.token_epoch;
     current_timeline bigint := permitq.wal_timeline();
-    highest bigint := (SELECT max(r.fencing_token) FROM permitq.permit_request r);
+    highest bigint := greatest((SELECT max(r.fencing_token) FROM permitq.permit_request r),
+                               (SELECT max(f.token) FROM permitq.fence_token f));
     sequence_at bigint := (SELECT s.last_value FROM permitq.fencing_token_seq s);
     new_epoch bigint;
 BEGIN
     SELECT * INTO recorded FROM permitq.token_epoch FOR UPDATE;
     new_epoch := recorded.epoch + greatest(current_timeline - recorded.timeline, 0);
-    -- A token issued past what this epoch and the sequence drew last.
+    -- A token issued past what this epoch and the sequence drew last, or another cluster.
     IF highest IS NOT NULL AND highest > (new_epoch << 48) + sequence_at
-       OR current_timeline < recorded.timeline THEN
+       OR current_timeline < recorded.timeline
+       OR recorded.system_id <> permitq.system_id() THEN
         new_epoch := greatest(new_epoch, coalesce(highest >> 48, 0)) + 1;
     END IF;
-    UPDATE permitq.token_epoch t SET epoch = new_epoch, timeline = current_timeline;
+    UPDATE permitq.token_epoch t
+    SET epoch = new_epoch, timeline = current_timeline, system_id = permitq.system_id();
     RETURN new_epoch;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.raise_token_epoch() TO permitq_worker;

@@ -19,7 +19,7 @@
 -- Grants never depend on a notification: the NOTIFY queue is one per cluster, and when it is
 -- full every commit that notifies fails. permitq.notify sends nothing while the queue is more
 -- than rule_notify_queue_limit() full (or the setting permitq.notify_queue_limit) and counts
--- what it skipped in permitq.notify_skipped; producers still see outcomes by polling `status`,
+-- what it skipped in permitq.notify_skipped_seq; producers still see outcomes by polling `status`,
 -- and workers poll.
 
 -- pg_notify, unless the queue is filling up: then counts the skip and returns false.
@@ -30,8 +30,7 @@ DECLARE
 BEGIN
     IF pg_notification_queue_usage()
        >= coalesce(nullif(setting, '')::float8, permitq.rule_notify_queue_limit()) THEN
-        INSERT INTO permitq.notify_skipped AS n (channel, skipped) VALUES (notify.channel, 1)
-        ON CONFLICT ON CONSTRAINT notify_skipped_pkey DO UPDATE SET skipped = n.skipped + 1;
+        PERFORM nextval('permitq.notify_skipped_seq');
         RETURN false;
     END IF;
     PERFORM pg_notify(channel, payload);

@@ -5,8 +5,9 @@
 -- heartbeat or cancel it, and producers read only their own (row-level security below).
 ALTER TABLE permitq.permit_request
     ADD COLUMN submitted_by text NOT NULL DEFAULT session_user,
+    -- NOT VALID: a request stored before the bound keeps its owner; new ones are bounded.
     ADD CONSTRAINT permit_request_owner_valid
-        CHECK (length(owner) <= permitq.rule_max_name_length());
+        CHECK (length(owner) <= permitq.rule_max_name_length()) NOT VALID;
 
 -- Functions and views whose signature changes here; their files make them again.
 DROP VIEW IF EXISTS permitq.semaphore_usage;
@@ -45,24 +46,31 @@ INSERT INTO permitq.maintenance_turn (task) VALUES
     ('wait_deadlines'), ('expired'), ('stale'), ('liveness'), ('retention'), ('audit_retention'),
     ('idle_instances');
 
--- The epoch of fencing tokens (functions/fencing_tokens.sql): one row.
+-- The epoch of fencing tokens (functions/fencing_tokens.sql): one row. Tokens issued before it
+-- had the timeline as their epoch, so it starts at the timeline (or above every token still
+-- stored or remembered by a fence), and the sequence goes on.
 CREATE TABLE permitq.token_epoch (
     one         boolean PRIMARY KEY DEFAULT true CHECK (one),
     -- The epoch in force at timeline `timeline`; each later timeline adds one.
     epoch       bigint NOT NULL CHECK (epoch BETWEEN 1 AND 32767),
-    timeline    bigint NOT NULL
+    timeline    bigint NOT NULL,
+    -- The cluster it was recorded on: another one (restored, upgraded, replicated into) moves
+    -- the epoch on.
+    system_id   bigint NOT NULL
 );
-INSERT INTO permitq.token_epoch (epoch, timeline)
-SELECT greatest(1, coalesce((SELECT max(fencing_token) >> 48 FROM permitq.permit_request), 0) + 1),
-       (SELECT ('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_insert_lsn()), 1, 8))::bit(32)::bigint);
+INSERT INTO permitq.token_epoch (epoch, timeline, system_id)
+SELECT greatest(tl.id,
+                coalesce((SELECT max(fencing_token) >> 48 FROM permitq.permit_request), 0),
+                coalesce((SELECT max(token) >> 48 FROM permitq.fence_token), 0)),
+       tl.id,
+       (SELECT system_identifier FROM pg_catalog.pg_control_system())
+FROM (SELECT ('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_insert_lsn()), 1, 8))::bit(32)::bigint AS id) tl;
 
 -- Notifications not sent because the cluster's NOTIFY queue was filling up (see
--- functions/notifications.sql): counted, for the workers' metrics. Unlogged: a count, not data.
-CREATE UNLOGGED TABLE permitq.notify_skipped (
-    channel text PRIMARY KEY,
-    skipped bigint NOT NULL DEFAULT 0
-);
-GRANT SELECT ON permitq.notify_skipped, permitq.token_epoch
+-- functions/notifications.sql), counted for the workers' metrics: a sequence, which counts
+-- without locking anything (a row would serialize every skipping transaction behind it).
+CREATE SEQUENCE permitq.notify_skipped_seq AS bigint;
+GRANT SELECT ON permitq.notify_skipped_seq, permitq.token_epoch
     TO permitq_producer, permitq_worker, permitq_admin;
 
 -- Instances per template: bounded, settable on the template (NULL: rule_max_instances()).

@@ -9,7 +9,7 @@
 //! - Asynchronous replication: what the standby had not received when the primary died is lost
 //!   (measured here: every request submitted and granted after replication was cut; a lease
 //!   granted then learns at its next heartbeat that it is gone), but no
-//!   fencing token is ever issued twice: the timeline in a token's high bits (schema V7) puts
+//!   fencing token is ever issued twice: the epoch in a token's high bits (one more per timeline) puts
 //!   every token of the new primary above every token of the old one, although its sequence has
 //!   gone back.
 

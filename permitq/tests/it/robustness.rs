@@ -1,7 +1,8 @@
 //! Failure isolation: whatever a stored row contains, the worker settles it alone and everything
 //! else keeps flowing. Rows are planted past the constraints, as a superuser can: triggers off
-//! (`session_replication_role = replica`), a CHECK dropped and re-added `NOT VALID` (a row from
-//! before V4), and a trigger that makes one request's grant fail (an unforeseen write error).
+//! (`session_replication_role = replica`), a CHECK dropped and re-added `NOT VALID` (a row written
+//! before the constraint existed), and a trigger that makes one request's grant fail (an unforeseen
+//! write error).
 
 use permitq_test_support as common;
 

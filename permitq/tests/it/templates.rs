@@ -10,15 +10,6 @@ use permitq::{Request, State};
 
 const SOON: Duration = Duration::from_secs(10);
 
-async fn instance(client: &permitq::Client, name: &str) -> Option<permitq::Semaphore> {
-    client
-        .semaphores()
-        .await
-        .unwrap()
-        .into_iter()
-        .find(|s| s.name == name)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_without_a_semaphore_gets_one_from_the_most_specific_template() {
     let db = TestDb::new().await;
@@ -42,7 +33,9 @@ async fn a_key_without_a_semaphore_gets_one_from_the_most_specific_template() {
         let r = client.wait_settled(id, SOON).await.unwrap().unwrap();
         assert_eq!(r.state, State::Acquired, "{id}");
     }
-    let acme = instance(&client, "tenant:acme").await.expect("made");
+    let acme = common::semaphore(&client, "tenant:acme")
+        .await
+        .expect("made");
     assert_eq!((acme.capacity, acme.fair), (2, true));
     assert_eq!(acme.template.as_deref(), Some("tenant:*"));
     assert!(!acme.is_template);
@@ -62,7 +55,9 @@ async fn a_key_without_a_semaphore_gets_one_from_the_most_specific_template() {
             .state,
         State::Acquired
     );
-    let eu = instance(&client, "tenant:eu:x").await.expect("made");
+    let eu = common::semaphore(&client, "tenant:eu:x")
+        .await
+        .expect("made");
     assert_eq!((eu.capacity, eu.fair), (1, false));
     assert_eq!(eu.template.as_deref(), Some("tenant:eu:*"));
 
@@ -118,7 +113,7 @@ async fn changing_a_template_changes_every_instance_and_is_audited() {
     }
     client.set_capacity("job:*", 4, Some(false)).await.unwrap();
     for key in ["job:a", "job:b"] {
-        let s = instance(&client, key).await.unwrap();
+        let s = common::semaphore(&client, key).await.unwrap();
         assert_eq!((s.capacity, s.fair), (4, false), "{key}");
         let history = client.capacity_history(key).await.unwrap();
         assert_eq!(
@@ -132,8 +127,14 @@ async fn changing_a_template_changes_every_instance_and_is_audited() {
     }
     // An instance changed on its own keeps its value until the template changes again.
     client.set_capacity("job:a", 9, None).await.unwrap();
-    assert_eq!(instance(&client, "job:a").await.unwrap().capacity, 9);
-    assert_eq!(instance(&client, "job:b").await.unwrap().capacity, 4);
+    assert_eq!(
+        common::semaphore(&client, "job:a").await.unwrap().capacity,
+        9
+    );
+    assert_eq!(
+        common::semaphore(&client, "job:b").await.unwrap().capacity,
+        4
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -227,10 +228,10 @@ async fn idle_instances_are_removed_and_made_again_when_named() {
     client.wait_settled("idle", SOON).await.unwrap();
     client.release("idle").await.unwrap();
     wait_until(SOON, "the idle instance removed", || async {
-        instance(&client, "tmp:idle").await.is_none()
+        common::semaphore(&client, "tmp:idle").await.is_none()
     })
     .await;
-    assert!(instance(&client, "tmp:k").await.is_some());
+    assert!(common::semaphore(&client, "tmp:k").await.is_some());
     client.release("held").await.unwrap();
     assert_eq!(
         client
@@ -245,11 +246,11 @@ async fn idle_instances_are_removed_and_made_again_when_named() {
 
     wait_until(Duration::from_secs(15), "the idle instance removed", || {
         let client = &client;
-        async move { instance(client, "tmp:k").await.is_none() }
+        async move { common::semaphore(client, "tmp:k").await.is_none() }
     })
     .await;
     assert!(
-        instance(&client, "tmp:*").await.is_some(),
+        common::semaphore(&client, "tmp:*").await.is_some(),
         "the template stays"
     );
     client

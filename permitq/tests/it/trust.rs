@@ -160,7 +160,7 @@ async fn grants_go_on_when_the_notify_queue_fills_up() {
     }
     let skipped: i64 = admin
         .query_one(
-            "SELECT coalesce(sum(skipped), 0)::int8 FROM permitq.notify_skipped",
+            "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM permitq.notify_skipped_seq",
             &[],
         )
         .await
@@ -357,14 +357,25 @@ async fn a_rate_limited_semaphore_holds_more_than_an_int_without_overflow() {
     assert_eq!(big.held, 3_000_000_000);
 }
 
-/// The instance `tmp:k` of template `tmp:*`, if it exists.
-async fn instance(client: &Client, name: &str) -> Option<permitq::Semaphore> {
-    client
-        .semaphores()
-        .await
-        .unwrap()
-        .into_iter()
-        .find(|s| s.name == name)
+/// Waits until worker `id` waits for a lock (the test holds it).
+async fn waits_for_a_lock(db: &TestDb, id: &str) {
+    let conn = db.conn().await;
+    let name = format!("permitq {id}");
+    wait_until(
+        SOON,
+        "the worker waits for a lock the test holds",
+        || async {
+            conn.query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE application_name = $1 \
+             AND wait_event_type = 'Lock')",
+                &[&name],
+            )
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+        },
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -381,7 +392,7 @@ async fn an_instance_removed_while_its_request_is_decided_is_made_again() {
     client.release("first").await.unwrap();
     common::wait_folded(&db.url).await;
     worker.stop().await;
-    assert!(instance(&client, "tmp:k").await.is_some());
+    assert!(common::semaphore(&client, "tmp:k").await.is_some());
     // The idle sweep's transaction, held open: it has locked and deleted the instance.
     let mut sweep = db.conn().await;
     let tx = sweep.transaction().await.unwrap();
@@ -393,22 +404,11 @@ async fn an_instance_removed_while_its_request_is_decided_is_made_again() {
         .await
         .unwrap();
     let _worker = db.worker(quiet_config("w2"));
-    let conn = db.conn().await;
-    wait_until(SOON, "the worker waits for the sweep's lock", || async {
-        conn.query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE application_name = 'permitq w2' \
-             AND wait_event_type = 'Lock')",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get::<_, bool>(0)
-    })
-    .await;
+    waits_for_a_lock(&db, "w2").await;
     tx.commit().await.unwrap();
     let second = client.wait_settled("second", SOON).await.unwrap().unwrap();
     assert_eq!(second.state, State::Acquired, "{second:?}");
-    assert!(instance(&client, "tmp:k").await.is_some());
+    assert!(common::semaphore(&client, "tmp:k").await.is_some());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -427,21 +427,13 @@ async fn a_template_change_reaches_an_instance_made_at_the_same_moment() {
         .await
         .unwrap();
     let _worker = db.worker(quiet_config("w"));
-    let conn = db.conn().await;
-    wait_until(SOON, "the worker waits for the template's lock", || async {
-        conn.query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE application_name = 'permitq w' \
-             AND wait_event_type = 'Lock')",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get::<_, bool>(0)
-    })
-    .await;
+    waits_for_a_lock(&db, "w").await;
     tx.commit().await.unwrap();
     client.wait_settled("r", SOON).await.unwrap();
-    assert_eq!(instance(&client, "tmp:k").await.unwrap().capacity, 5);
+    assert_eq!(
+        common::semaphore(&client, "tmp:k").await.unwrap().capacity,
+        5
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
