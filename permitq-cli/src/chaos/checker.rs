@@ -493,9 +493,10 @@ fn outcomes(state: &FinalState, cx: &Context, v: &mut Verdict) {
                 (!over).then(|| "exceeds_capacity though every count fit its capacity".to_string())
             }
             ("error", Some("cancelled"), _) => {
-                let asked = release_asked.get(r.external_id.as_str());
-                (!asked.is_some_and(|at| r.settled.is_some_and(|s| *at <= s)))
-                    .then(|| "cancelled, but the client had not cancelled it".to_string())
+                let asked_first = release_asked
+                    .get(r.external_id.as_str())
+                    .is_some_and(|at| r.settled.is_some_and(|s| *at <= s));
+                (!asked_first).then(|| "cancelled, but the client had not cancelled it".to_string())
             }
             ("released", _, Some("released")) | ("acquired", _, _) | ("new", _, _) => None,
             ("released", _, Some("expired")) => {
