@@ -206,6 +206,12 @@ fn chaos_catches_a_fencing_token_below_an_earlier_one() {
 }
 
 #[test]
+fn chaos_catches_a_request_granted_twice() {
+    let (found, summary) = planted("grant-twice", &[]);
+    assert!(found["no double grant"] > 0, "{summary}");
+}
+
+#[test]
 fn chaos_catches_a_starved_head() {
     let (found, summary) = planted("starve-head", &[]);
     assert!(found["liveness"] > 0, "{summary}");

@@ -34,6 +34,9 @@ pub(crate) enum Mutation {
     /// Some grant batches draw tokens without the epoch's high bits: a token below an earlier
     /// one.
     TokensBackwards,
+    /// The claim takes granted requests again and the grant overwrites them: a second grant
+    /// of one request.
+    GrantTwice,
     /// The claim never reconsiders a waiter that needs more than one permit: such a head
     /// starves.
     StarveHead,
@@ -49,13 +52,15 @@ struct Patch {
 enum Plant {
     /// Patches of the current text of one schema file, which is then run.
     File(&'static str, &'static [Patch]),
+    /// The same for two files.
+    Files([(&'static str, &'static [Patch]); 2]),
     /// A statement on a table or sequence of the migrations.
     Statement(&'static str),
 }
 
 impl Mutation {
     /// Every mutation.
-    pub(crate) const ALL: [Mutation; 11] = [
+    pub(crate) const ALL: [Mutation; 12] = [
         Mutation::NoSemaphoreLock,
         Mutation::FoldTwice,
         Mutation::DoubleRelease,
@@ -66,6 +71,7 @@ impl Mutation {
         Mutation::LeasesNeverExpire,
         Mutation::TokensReused,
         Mutation::TokensBackwards,
+        Mutation::GrantTwice,
         Mutation::StarveHead,
     ];
 
@@ -76,6 +82,24 @@ impl Mutation {
                 return Plant::Statement(
                     "ALTER SEQUENCE permitq.fencing_token_seq MAXVALUE 40 CYCLE",
                 )
+            }
+            Mutation::GrantTwice => {
+                return Plant::Files([
+                    (
+                        "claim.sql",
+                        &[Patch {
+                            find: "WHERE r.state = 'new' AND NOT r.examined AND r.id > cursor",
+                            replace: "WHERE r.state IN ('new', 'acquired') AND NOT r.examined AND r.id > cursor",
+                        }],
+                    ),
+                    (
+                        "decision_outcome.sql",
+                        &[Patch {
+                            find: "            WHERE r.id = g.id AND r.state = 'new'\n",
+                            replace: "            WHERE r.id = g.id\n",
+                        }],
+                    ),
+                ])
             }
             Mutation::NeverClaimed => (
                 "claim.sql",
@@ -162,12 +186,21 @@ impl Mutation {
         Plant::File(path, patches)
     }
 
-    /// The SQL that plants it: its schema file with the patches applied (or its statement).
+    /// The SQL that plants it: its schema files with the patches applied (or its statement).
     pub(crate) fn sql(self) -> Result<String, String> {
-        let (path, patches) = match self.plant() {
-            Plant::Statement(sql) => return Ok(sql.to_string()),
-            Plant::File(path, patches) => (path, patches),
-        };
+        match self.plant() {
+            Plant::Statement(sql) => Ok(sql.to_string()),
+            Plant::File(path, patches) => self.patched(path, patches),
+            Plant::Files(files) => Ok(format!(
+                "{}\n{}",
+                self.patched(files[0].0, files[0].1)?,
+                self.patched(files[1].0, files[1].1)?
+            )),
+        }
+    }
+
+    /// Schema file `path` with `patches` applied to its current text.
+    fn patched(self, path: &str, patches: &[Patch]) -> Result<String, String> {
         let file = permitq::migrate::schema_file(path)
             .ok_or_else(|| format!("mutation {self}: no schema file {path}"))?;
         let mut sql = file.sql.to_string();
@@ -198,6 +231,7 @@ impl Mutation {
             Mutation::LeasesNeverExpire => "leases-never-expire",
             Mutation::TokensReused => "tokens-reused",
             Mutation::TokensBackwards => "tokens-backwards",
+            Mutation::GrantTwice => "grant-twice",
             Mutation::StarveHead => "starve-head",
         }
     }
@@ -235,6 +269,7 @@ mod tests {
                 let original = permitq::migrate::schema_file(path).unwrap().sql;
                 assert_ne!(sql, original, "{m} changes {path}");
             }
+            assert!(!sql.is_empty(), "{m}");
         }
     }
 }
