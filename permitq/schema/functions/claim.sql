@@ -54,7 +54,7 @@ BEGIN
     CROSS JOIN LATERAL (
         SELECT wt.request_id, wt.count FROM permitq.waiter wt
         WHERE wt.semaphore_id = room.id AND wt.priority = level.priority
-        ORDER BY wt.semaphore_id, wt.priority DESC, wt.request_id   -- waiter_line_idx
+        ORDER BY wt.semaphore_id, wt.priority DESC, wt.created_at, wt.request_id -- waiter_line_idx
         -- Each grant takes at least one permit: no more than `free` of them can go now.
         LIMIT least(batch_size, room.free)
     ) w

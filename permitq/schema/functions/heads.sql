@@ -29,7 +29,7 @@ BEGIN
         SELECT wt.request_id, wt.count, wt.priority, wt.created_at FROM permitq.waiter wt
         WHERE wt.semaphore_id = locked.id AND wt.priority = level.priority
           AND wt.request_id <> ALL(batch_ids)
-        ORDER BY wt.semaphore_id, wt.priority DESC, wt.request_id   -- waiter_line_idx
+        ORDER BY wt.semaphore_id, wt.priority DESC, wt.created_at, wt.request_id -- waiter_line_idx
         LIMIT 1
     ) w;
     RETURN QUERY

@@ -9,6 +9,12 @@ ALTER TABLE permitq.permit_request
     ADD CONSTRAINT permit_request_owner_valid
         CHECK (length(owner) <= permitq.rule_max_name_length()) NOT VALID;
 
+-- The queue within a priority level in place-in-line order (functions/queue_order.sql):
+-- created_at, then id. An id is drawn a moment before created_at, so two concurrent inserts can
+-- have them in opposite orders; the decision ranks by created_at, and so must the heads.
+DROP INDEX permitq.waiter_line_idx;
+CREATE INDEX waiter_line_idx ON permitq.waiter (semaphore_id, priority DESC, created_at, request_id);
+
 -- Functions and views whose signature changes here; their files make them again.
 DROP VIEW IF EXISTS permitq.semaphore_usage;
 DROP FUNCTION IF EXISTS permitq.apply_decision(text, bigint[], bigint[], text[], bigint[]);
