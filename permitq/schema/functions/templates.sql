@@ -27,25 +27,31 @@ $$;
 CREATE OR REPLACE FUNCTION permitq.make_instances(names text[]) RETURNS text[]
 LANGUAGE plpgsql AS $$
 DECLARE
+    wanted text[];
     missing record;
     refused text[] := '{}';
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM permitq.semaphore t WHERE t.is_template) THEN
         RETURN NULL;
     END IF;
+    SELECT array_agg(DISTINCT n) INTO wanted FROM unnest(names) n
+    WHERE NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = n);
+    IF wanted IS NULL THEN
+        RETURN refused;
+    END IF;
     PERFORM 1 FROM permitq.semaphore t
-    WHERE t.id IN (SELECT (permitq.template_for(n)).id FROM unnest(names) n
-                   WHERE NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = n))
+    WHERE t.id IN (SELECT (permitq.template_for(n)).id FROM unnest(wanted) n)
     ORDER BY t.id
     FOR NO KEY UPDATE;
+    -- Read after the locks: a template's new values, and instances another worker made meanwhile.
     FOR missing IN
-        SELECT n.name AS instance, t.name AS template, t.capacity, t.fair, t.per,
+        SELECT n AS instance, t.name AS template, t.capacity, t.fair, t.per,
                coalesce(t.max_instances, permitq.rule_max_instances()) AS bound
-        FROM (SELECT DISTINCT x AS name FROM unnest(names) x) n
-        CROSS JOIN LATERAL permitq.template_for(n.name) t
+        FROM unnest(wanted) n
+        CROSS JOIN LATERAL permitq.template_for(n) t
         WHERE t.name IS NOT NULL
-          AND NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = n.name)
-        ORDER BY n.name
+          AND NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = n)
+        ORDER BY n
     LOOP
         IF (SELECT count(*) FROM (SELECT 1 FROM permitq.semaphore s
                                   WHERE s.template = missing.template LIMIT missing.bound) i)
