@@ -24,7 +24,7 @@
 //! id) first. The effective priority is the request's priority plus one per
 //! [`crate::AGING_STEP`] it has waited; compared at any one instant that orders requests
 //! by `priority × AGING_STEP − created_at`, the key the database computes
-//! (`permitq.effective_priority`, µs): the order never changes as they wait, and a request is
+//! (`permitq.rule_place_in_line`, µs): the order never changes as they wait, and a request is
 //! never overtaken by one submitted more than (their priority difference) × AGING_STEP after it.
 //! With every priority 0 the order is FIFO.
 

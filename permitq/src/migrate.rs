@@ -54,6 +54,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "trust",
         sql: include_str!("../schema/migrations/V3__trust.sql"),
     },
+    Migration {
+        version: 4,
+        name: "flat_cost",
+        sql: include_str!("../schema/migrations/V4__flat_cost.sql"),
+    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.

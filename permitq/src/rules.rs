@@ -137,15 +137,29 @@ pub(crate) fn schema_sql() -> String {
         ),
     ];
     let mut sql = String::from(
-        "-- The rules shared with Rust, written by `permitq migrate` from permitq/src/rules.rs.\n",
+        "-- The rules shared with Rust, written by `permitq migrate` from permitq/src/rules.rs.\n\
+         -- PL/pgSQL, not SQL: a constraint or query calling one folds it to a constant when it is\n\
+         -- planned, and PostgreSQL would parse a SQL function's body again every time.\n",
     );
     for (name, returns, value) in rules {
         let _ = writeln!(
             sql,
             "CREATE OR REPLACE FUNCTION permitq.rule_{name}() RETURNS {returns}\n\
-             LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT {value} $$;"
+             LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$ BEGIN RETURN {value}; END $$;"
         );
     }
+    // The place in line (schema/functions/queue_order.sql): SQL, so that queries inline it, and
+    // immutable (the epoch of a difference of two timestamptz does not depend on the time zone),
+    // so that the unexamined requests are indexed by it. A change of AGING_STEP needs a migration
+    // that rebuilds permit_request_unexamined_place_idx.
+    let _ = writeln!(
+        sql,
+        "CREATE OR REPLACE FUNCTION permitq.rule_place_in_line(priority smallint, created_at timestamptz)\n\
+         RETURNS bigint LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$\n    \
+         SELECT priority::bigint * {}::bigint\n        \
+         - (extract(epoch FROM created_at - timestamptz '1970-01-01 00:00:00+00') * 1000000)::bigint\n$$;",
+        AGING_STEP.as_micros()
+    );
     sql
 }
 
@@ -179,9 +193,9 @@ mod tests {
             "{sql}"
         );
         let min = PRIORITY_RANGE.start();
-        assert!(sql.contains(&format!("SELECT ({min})::smallint")), "{sql}");
+        assert!(sql.contains(&format!("RETURN ({min})::smallint")), "{sql}");
         let step = AGING_STEP.as_micros();
-        assert!(sql.contains(&format!("SELECT {step}::bigint")), "{sql}");
+        assert!(sql.contains(&format!("RETURN {step}::bigint")), "{sql}");
         assert!(
             sql.contains("'unknown_semaphore', 'exceeds_capacity'"),
             "{sql}"

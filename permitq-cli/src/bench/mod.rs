@@ -11,6 +11,7 @@ mod baselines;
 mod deep;
 mod features;
 mod load;
+mod targets;
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -47,8 +48,12 @@ pub(crate) struct BenchArgs {
     /// (only what this run creates is removed at the end).
     #[arg(long)]
     pub(crate) yes: bool,
-    /// Only these parts (comma-separated: idle, cycle, release, drain, features, deep); all by
-    /// default.
+    /// Each drain of the flat-cost targets this many times (the median counts).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) repeat: u32,
+    /// Only these parts (comma-separated: targets (or some of them: hot, priorities, depth, rate,
+    /// templates), hot-cycle, idle, cycle, release, drain, features, deep);
+    /// all by default.
     #[arg(long, value_delimiter = ',')]
     pub(crate) only: Vec<String>,
 }
@@ -120,6 +125,13 @@ async fn measure(url: &str, args: &BenchArgs) -> Result<()> {
         args.duration
     ));
 
+    // For profiling only: not part of a full run.
+    if args.only.iter().any(|p| p == "hot-cycle") {
+        targets::hot(&url, args, &mut report).await?;
+    }
+    if args.runs("targets") || targets::PARTS.iter().any(|p| args.runs(p)) {
+        targets::run(&url, args, &mut report).await?;
+    }
     if args.runs("idle") {
         load::idle(&url, args, &mut report).await?;
     }

@@ -88,8 +88,8 @@ impl Mutation {
                     (
                         "claim.sql",
                         &[Patch {
-                            find: "WHERE r.state = 'new' AND NOT r.examined AND r.id > cursor",
-                            replace: "WHERE r.state IN ('new', 'acquired') AND NOT r.examined AND r.id > cursor",
+                            find: "WHERE r.state = 'new' AND NOT r.examined\n      AND permitq.rule_place_in_line(r.priority, r.created_at) < cursor",
+                            replace: "WHERE r.state IN ('new', 'acquired') AND NOT r.examined\n      AND permitq.rule_place_in_line(r.priority, r.created_at) < cursor",
                         }],
                     ),
                     (
@@ -104,8 +104,8 @@ impl Mutation {
             Mutation::NeverClaimed => (
                 "claim.sql",
                 &[Patch {
-                    find: "WHERE r.state = 'new' AND NOT r.examined AND r.id > cursor",
-                    replace: "WHERE r.state = 'new' AND NOT r.examined AND r.id > cursor AND r.id % 10 <> 7",
+                    find: "WHERE r.state = 'new' AND NOT r.examined\n      AND permitq.rule_place_in_line(r.priority, r.created_at) < cursor",
+                    replace: "WHERE r.state = 'new' AND NOT r.examined AND r.id % 10 <> 7\n      AND permitq.rule_place_in_line(r.priority, r.created_at) < cursor",
                 }][..],
             ),
             Mutation::StarveHead => (

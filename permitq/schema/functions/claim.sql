@@ -6,13 +6,18 @@
 -- (functions/queue_order.sql).
 
 -- A pass's batch, in two parts:
---   fresh: pending requests no worker has examined yet, in id order after the pass's cursor
---          (a line in the sand: rows another worker holds are passed over, not waited for);
---   ready: the first waiters of every priority level of each semaphore that has room now
+--   fresh: pending requests no worker has examined yet, best placed first
+--          (permit_request_unexamined_place_idx), after the pass's cursor, the place in line of
+--          the last one claimed (a line in the sand: rows another worker holds are passed over,
+--          not waited for). In place order, a backlog of mixed priorities is examined in the
+--          order it is granted in, and nothing unclaimed is ahead of the batch but what other
+--          workers hold (functions/heads.sql);
+--   ready: the first waiters of every priority level of each semaphore that has waiters and room
+--          now (found per semaphore that has waiters, however many semaphores there are)
 --          (capacity - used + releases not folded yet, or what a rate window leaves), at most
 --          min(batch_size, free) per level, whose count there fits. A full semaphore
 --          contributes nothing, however many wait on it.
--- Rows come back in id order within each part; the caller sorts the union.
+-- The caller sorts the rows.
 CREATE OR REPLACE FUNCTION permitq.claim_batch(cursor bigint, batch_size bigint)
 RETURNS TABLE (id bigint, permits jsonb, fail_fast boolean, deadline_passed boolean,
                examined boolean, age_seconds float8, problem text, external_id text,
@@ -27,10 +32,11 @@ BEGIN
            coalesce(r.wait_until <= now(), false), r.examined,
            extract(epoch FROM clock_timestamp() - r.created_at)::float8,
            permitq.request_problem(r), r.external_id,
-           permitq.effective_priority(r.priority, r.created_at)
+           permitq.rule_place_in_line(r.priority, r.created_at)
     FROM permitq.permit_request r
-    WHERE r.state = 'new' AND NOT r.examined AND r.id > cursor
-    ORDER BY r.id
+    WHERE r.state = 'new' AND NOT r.examined
+      AND permitq.rule_place_in_line(r.priority, r.created_at) < cursor
+    ORDER BY permitq.rule_place_in_line(r.priority, r.created_at) DESC
     LIMIT batch_size
     FOR UPDATE SKIP LOCKED;
 
@@ -43,8 +49,8 @@ BEGIN
                     ELSE s.capacity - s.used
                          + coalesce((SELECT sum(p.count) FROM permitq.pending_release p
                                      WHERE p.semaphore = s.name), 0) END AS free
-        FROM permitq.semaphore s
-        WHERE (SELECT true FROM permitq.waiter w WHERE w.semaphore_id = s.id LIMIT 1)
+        FROM permitq.waited_semaphores() AS waited(id)
+        JOIN permitq.semaphore s ON s.id = waited.id
     )
     SELECT array_agg(DISTINCT w.request_id) INTO ready
     FROM room
@@ -67,7 +73,7 @@ BEGIN
            coalesce(r.wait_until <= now(), false), r.examined,
            extract(epoch FROM clock_timestamp() - r.created_at)::float8,
            NULL::text, r.external_id,
-           permitq.effective_priority(r.priority, r.created_at)
+           permitq.rule_place_in_line(r.priority, r.created_at)
     FROM permitq.permit_request r
     WHERE r.id = ANY(ready) AND r.state = 'new' AND r.examined
     ORDER BY r.id
@@ -86,7 +92,7 @@ LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = of
            coalesce(r.wait_until <= now(), false), r.examined,
            extract(epoch FROM clock_timestamp() - r.created_at)::float8,
            CASE WHEN NOT r.examined THEN permitq.request_problem(r) END, r.external_id,
-           permitq.effective_priority(r.priority, r.created_at)
+           permitq.rule_place_in_line(r.priority, r.created_at)
     FROM permitq.permit_request r
     WHERE r.id = ANY(ids) AND r.state = 'new'
     ORDER BY r.id

@@ -62,14 +62,17 @@ BEGIN
             WHERE s.name = t.semaphore
             RETURNING s.id
         ),
-        -- Grants on rate-limited semaphores count in their windows (functions/rate_windows.sql).
+        -- Grants on rate-limited semaphores count in their windows' buckets
+        -- (functions/rate_windows.sql).
         windows AS (
-            INSERT INTO permitq.rate_grant (semaphore_id, granted_at, count)
-            SELECT s.id, done.acquired_at, e.value::int
+            INSERT INTO permitq.rate_bucket AS b (semaphore_id, ends_at, count)
+            SELECT s.id, permitq.rate_bucket_end(done.acquired_at, s.per), sum(e.value::int)
             FROM done
             CROSS JOIN LATERAL jsonb_each(done.permits) e
             JOIN permitq.semaphore s ON s.name = e.key
             WHERE s.per IS NOT NULL
+            GROUP BY 1, 2
+            ON CONFLICT (semaphore_id, ends_at) DO UPDATE SET count = b.count + EXCLUDED.count
         )
         SELECT array_agg(id) INTO now_granted FROM done;
         settled := settled || coalesce(now_granted, '{}');

@@ -17,16 +17,19 @@
 
 -- The timeline WAL is being written on: the first 8 hex digits of the current WAL file's name.
 -- (Fails during recovery, where nothing is granted anyway.)
+-- (Both PL/pgSQL: a grant batch calls them, and a SQL function would be parsed at every call.)
 CREATE OR REPLACE FUNCTION permitq.wal_timeline() RETURNS bigint
-LANGUAGE sql VOLATILE AS $$
-    SELECT ('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_insert_lsn()), 1, 8))::bit(32)::bigint
-$$;
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN ('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_insert_lsn()), 1, 8))::bit(32)::bigint;
+END $$;
 
 -- The cluster this is (pg_upgrade, initdb and a new cluster replicated into give another).
 CREATE OR REPLACE FUNCTION permitq.system_id() RETURNS bigint
-LANGUAGE sql STABLE AS $$
-    SELECT system_identifier FROM pg_catalog.pg_control_system()
-$$;
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN (SELECT system_identifier FROM pg_catalog.pg_control_system());
+END $$;
 
 -- The high bits of the tokens a grant batch draws now. On another cluster than the one the epoch
 -- was recorded on, or on an older timeline (restored, upgraded, replicated into, under a running

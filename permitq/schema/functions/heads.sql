@@ -1,64 +1,75 @@
--- Worker, after step 2: the heads, the waiters outside the caller's batch that fair semaphores
--- keep room for. The head of a fair semaphore is its waiter first in line
+-- Worker, after step 2: the heads, the waiting requests outside the caller's batch that fair
+-- semaphores keep room for. The head of a fair semaphore is its waiting request first in line
 -- (functions/queue_order.sql): a later request may take capacity there only if what remains
--- still covers the head's count. Read as its own statement after the locks are held, so that
--- in READ COMMITTED it sees everything the previous holders of those locks committed.
-
--- Per locked semaphore, the first waiter outside the batch of every priority level (the caller
--- keeps the one first in line), and the requests no worker has examined yet that may be ahead
--- of the batch's (another worker holds them right now, or they were committed after the
--- caller's claim): the older ones, and younger ones of a higher priority than the lowest of the
--- batch (or than 0), since a younger request of priority p can only be ahead of a candidate of
--- priority q < p. Until someone examines them they count as waiting, so a concurrent batch
--- cannot slip past a request it has not seen. Unexamined rows are read defensively: one of
--- them may hold anything.
-CREATE OR REPLACE FUNCTION permitq.semaphore_heads(semaphore_ids bigint[], batch_ids bigint[], newest_id bigint)
+-- still covers the head's count. Read as its own statement after the locks are held, so that in
+-- READ COMMITTED it sees everything the previous holders of those locks committed.
+--
+-- Waiting requests are of two kinds:
+--   recorded: examined and left waiting (permitq.waiter). Per semaphore, the first outside the
+--             batch of every priority level (the caller keeps the one first in line);
+--   unexamined: committed but not examined yet (another worker holds them right now, or they
+--             were committed after the caller's claim, or the backlog is longer than a batch).
+--             Until someone examines them they count as waiting, so a batch cannot slip past a
+--             request it has not seen. Only those that can be ahead of the batch matter: per
+--             semaphore, those placed ahead of the batch's last request there, or level with it
+--             (`bounds`, the lowest rule_place_in_line of the batch's requests on each of
+--             `names`; among equals the lower id is ahead, and the decision compares exactly). They are
+--             read from permit_request_unexamined_place_idx, best placed first, at most
+--             `scan_limit` of them for the whole batch: work per batch does not grow with the
+--             backlog. Where the scan stopped short of a semaphore's bound, what lies beyond is
+--             unknown, and the semaphore gets a stand-in head there (request 0, count
+--             2147483647): nothing of the batch behind that place is granted on it now. It is
+--             examined, joins the queue, and goes when the requests ahead of it have been
+--             examined in turn. Unexamined rows are read defensively: one may hold anything.
+CREATE OR REPLACE FUNCTION permitq.semaphore_heads(names text[], bounds bigint[], batch_ids bigint[])
 RETURNS TABLE (semaphore text, request_id bigint, count integer, effective bigint)
 LANGUAGE plpgsql
 SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET enable_seqscan = off AS $$
 DECLARE
-    floor_priority smallint := least(0, (SELECT min(r.priority) FROM permitq.permit_request r
-                                         WHERE r.id = ANY(batch_ids)));
+    scan_limit constant integer := 1000;
+    floor_place bigint := (SELECT min(b) FROM unnest(bounds) b);
 BEGIN
     RETURN QUERY
-    SELECT s.name, w.request_id, w.count, permitq.effective_priority(w.priority, w.created_at)
-    FROM unnest(semaphore_ids) AS locked(id)
-    JOIN permitq.semaphore s ON s.id = locked.id
-    CROSS JOIN LATERAL permitq.waiter_levels(locked.id) AS level(priority)
+    SELECT s.name, w.request_id, w.count, permitq.rule_place_in_line(w.priority, w.created_at)
+    FROM unnest(names) AS n(name)
+    JOIN permitq.semaphore s ON s.name = n.name AND s.fair AND NOT s.is_template
+    CROSS JOIN LATERAL permitq.waiter_levels(s.id) AS level(priority)
     CROSS JOIN LATERAL (
         SELECT wt.request_id, wt.count, wt.priority, wt.created_at FROM permitq.waiter wt
-        WHERE wt.semaphore_id = locked.id AND wt.priority = level.priority
+        WHERE wt.semaphore_id = s.id AND wt.priority = level.priority
           AND wt.request_id <> ALL(batch_ids)
         ORDER BY wt.semaphore_id, wt.priority DESC, wt.created_at, wt.request_id -- waiter_line_idx
         LIMIT 1
     ) w;
-    RETURN QUERY
-    SELECT e.key, r.id,
-           CASE WHEN jsonb_typeof(e.value) = 'number'
-                     AND e.value::numeric BETWEEN 1 AND 2147483647
-                THEN e.value::numeric::int ELSE 1 END,
-           permitq.effective_priority(r.priority, r.created_at)
-    FROM permitq.permit_request r
-    CROSS JOIN LATERAL jsonb_each(CASE WHEN jsonb_typeof(r.permits) = 'object'
-                                       THEN r.permits ELSE '{}'::jsonb END) e
-    JOIN permitq.semaphore s ON s.name = e.key
-    WHERE r.state = 'new' AND NOT r.examined
-      AND (r.id < newest_id OR r.priority > floor_priority)
-      AND r.id <> ALL(batch_ids)
-      AND s.id = ANY(semaphore_ids);
-END $$;
-GRANT EXECUTE ON FUNCTION permitq.semaphore_heads(bigint[], bigint[], bigint) TO permitq_worker;
 
--- The same by semaphore name, so that the worker sends it in the same round trip as
--- lock_batch_semaphores (the server runs them in order: the heads are read after the locks).
-CREATE OR REPLACE FUNCTION permitq.semaphore_heads_named(names text[], batch_ids bigint[], newest_id bigint)
-RETURNS TABLE (semaphore text, request_id bigint, count integer, effective bigint)
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
-BEGIN
     RETURN QUERY
-    SELECT h.semaphore, h.request_id, h.count, h.effective
-    FROM permitq.semaphore_heads(
-        ARRAY(SELECT s.id FROM permitq.semaphore s WHERE s.name = ANY(names) ORDER BY s.id),
-        batch_ids, newest_id) h;
+    WITH ahead AS (
+        SELECT r.id, r.permits, permitq.rule_place_in_line(r.priority, r.created_at) AS place,
+               row_number() OVER (ORDER BY permitq.rule_place_in_line(r.priority, r.created_at) DESC) AS n
+        FROM permitq.permit_request r
+        WHERE r.state = 'new' AND NOT r.examined
+          AND permitq.rule_place_in_line(r.priority, r.created_at) >= floor_place
+        ORDER BY permitq.rule_place_in_line(r.priority, r.created_at) DESC -- unexamined_place_idx
+        LIMIT scan_limit
+    ),
+    stopped_short AS (
+        SELECT a.place FROM ahead a WHERE a.n = scan_limit
+    )
+    SELECT DISTINCT ON (b.name) b.name, h.id, h.count, h.place
+    FROM unnest(names, bounds) AS b(name, bound)
+    JOIN permitq.semaphore s ON s.name = b.name AND s.fair AND NOT s.is_template
+    CROSS JOIN LATERAL (
+        SELECT a.id,
+               CASE WHEN jsonb_typeof(a.permits -> b.name) = 'number'
+                         AND (a.permits ->> b.name)::numeric BETWEEN 1 AND 2147483647
+                    THEN (a.permits ->> b.name)::numeric::int ELSE 1 END AS count,
+               a.place
+        FROM ahead a
+        WHERE a.place >= b.bound AND a.id <> ALL(batch_ids)
+          AND jsonb_typeof(a.permits) = 'object' AND a.permits ? b.name
+        UNION ALL
+        SELECT 0, 2147483647, c.place FROM stopped_short c WHERE c.place >= b.bound
+    ) h
+    ORDER BY b.name, h.place DESC, h.id;
 END $$;
-GRANT EXECUTE ON FUNCTION permitq.semaphore_heads_named(text[], bigint[], bigint) TO permitq_worker;
+GRANT EXECUTE ON FUNCTION permitq.semaphore_heads(text[], bigint[], bigint[]) TO permitq_worker;

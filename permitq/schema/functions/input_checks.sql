@@ -46,16 +46,19 @@ END $$;
 
 -- A ttl, wait, extend or per: positive (or zero, where zero_allowed) and at most
 -- rule_max_duration(). NULL itself is fine: a default.
+-- (PL/pgSQL keeps its plans per session; a SQL function that cannot be inlined, as this one,
+-- calling format(), is parsed again by every statement that calls it.)
 CREATE OR REPLACE FUNCTION permitq.interval_problem(value interval, zero_allowed boolean) RETURNS text
-LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-    SELECT CASE
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+BEGIN
+    RETURN CASE
         WHEN value IS NULL THEN NULL
         WHEN zero_allowed AND value < interval '0' THEN format('must not be negative, got %s', value)
         WHEN NOT zero_allowed AND value <= interval '0' THEN format('must be positive, got %s', value)
         WHEN value > permitq.rule_max_duration()
             THEN format('must be at most %s, got %s', permitq.rule_max_duration_text(), value)
-    END
-$$;
+    END;
+END $$;
 
 -- A stored request the worker cannot decide: what it checks on every request it has not
 -- examined yet, rows written past the constraints (triggers off) included.

@@ -1,32 +1,53 @@
 -- Rate-limited semaphores: `set_capacity('api', 100, per => '1 minute')` grants at most 100
 -- permits in any window of one minute (sliding), whatever the holders do: a grant counts from its
--- `acquired_at` for `per`, released early or held longer. Each grant on such a semaphore is
--- logged in permitq.rate_grant (functions/apply_decision.sql), and the worker's view of the
--- semaphore has `used` = the permits granted in the window ending now
--- (functions/batch_semaphores.sql), so the pure decision, fairness, all-or-nothing and `wait`
--- apply unchanged.
+-- `acquired_at` for `per`, released early or held longer. The worker's view of such a semaphore
+-- has `used` = the permits granted in the window ending now (functions/batch_semaphores.sql), so
+-- the pure decision, fairness, all-or-nothing and `wait` apply unchanged. `used` itself keeps
+-- counting held permits.
 --
--- The window is measured on the database clock from the worker's transaction start, before any
--- of its grants: a grant may count a moment longer than needed, never shorter, so no window of
--- length `per` ever holds more than the capacity. `used` itself keeps counting held permits.
+-- Grants are counted in buckets (permitq.rate_bucket, written by functions/decision_outcome.sql):
+-- a grant at t adds its permits to its semaphore's bucket that ends at the first multiple of
+-- per / 64 at or after t, and a bucket counts while `ends_at > now() - per`. So a grant counts
+-- for at least `per`, never shorter (no window of length `per` ever holds more than the
+-- capacity), and at most per + per / 64; and a window is at most 65 rows however many grants it
+-- holds: the cost of a decision does not grow with them. The window is measured on the database
+-- clock from the worker's transaction start, before any of its grants.
+
+-- The end of the bucket of a grant at `granted_at` on a semaphore with window `per`.
+CREATE OR REPLACE FUNCTION permitq.rate_bucket_end(granted_at timestamptz, per interval)
+RETURNS timestamptz
+LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    at_us bigint := (extract(epoch FROM granted_at - timestamptz '1970-01-01 00:00:00+00') * 1000000)::bigint;
+    width_us bigint := greatest(1, (extract(epoch FROM per) * 1000000)::bigint / 64);
+BEGIN
+    RETURN timestamptz '1970-01-01 00:00:00+00'
+        + ((at_us + width_us - 1) / width_us * width_us) * interval '1 microsecond';
+END $$;
 
 -- Permits granted on `s` in the window ending at the caller's transaction start (0 for a
 -- concurrency semaphore).
-CREATE OR REPLACE FUNCTION permitq.in_window(s permitq.semaphore) RETURNS integer
-LANGUAGE sql STABLE AS $$
-    SELECT CASE WHEN s.per IS NULL THEN 0 ELSE
-        (SELECT coalesce(sum(g.count), 0)::integer FROM permitq.rate_grant g
-         WHERE g.semaphore_id = s.id AND g.granted_at > now() - s.per) END
-$$;
+CREATE OR REPLACE FUNCTION permitq.in_window(s permitq.semaphore) RETURNS bigint
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF s.per IS NULL THEN
+        RETURN 0;
+    END IF;
+    RETURN (SELECT coalesce(sum(b.count), 0) FROM permitq.rate_bucket b
+            WHERE b.semaphore_id = s.id AND b.ends_at > now() - s.per);
+END $$;
+-- The semaphore_usage view calls it as its reader.
+GRANT EXECUTE ON FUNCTION permitq.in_window(permitq.semaphore)
+    TO permitq_producer, permitq_worker, permitq_admin;
 
 -- When the next window of a rate-limited semaphore that has waiters opens (a worker going to
 -- sleep wakes then, not a poll interval later). NULL: none.
 CREATE OR REPLACE FUNCTION permitq.next_window_opening() RETURNS timestamptz
 LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
-    SELECT min(g.granted_at + s.per)
-    FROM permitq.semaphore s
-    JOIN permitq.rate_grant g ON g.semaphore_id = s.id
-    WHERE s.per IS NOT NULL AND g.granted_at > now() - s.per
-      AND EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = s.id)
+    SELECT min(b.ends_at + s.per)
+    FROM permitq.waited_semaphores() AS waited(id)
+    JOIN permitq.semaphore s ON s.id = waited.id
+    JOIN permitq.rate_bucket b ON b.semaphore_id = s.id
+    WHERE s.per IS NOT NULL AND b.ends_at > now() - s.per
 $$;
 GRANT EXECUTE ON FUNCTION permitq.next_window_opening() TO permitq_worker;

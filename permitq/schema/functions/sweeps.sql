@@ -100,9 +100,10 @@ DECLARE
 BEGIN
     -- All of them at once (a batch limit would let a semaphore granting faster than the sweep
     -- runs outgrow it): per semaphore, a range of its window index.
-    DELETE FROM permitq.rate_grant g
+    DELETE FROM permitq.rate_bucket b
     USING permitq.semaphore s
-    WHERE s.id = g.semaphore_id AND g.granted_at <= now() - coalesce(s.per, interval '0');
+    -- Those permitq.in_window no longer counts.
+    WHERE s.id = b.semaphore_id AND b.ends_at <= now() - coalesce(s.per, interval '0');
     WITH doomed AS (
         SELECT s.id FROM permitq.semaphore s
         WHERE s.template IS NOT NULL AND s.updated_at < now() - idle AND s.used = 0
@@ -115,8 +116,7 @@ BEGIN
       AND NOT EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = s.id)
       AND NOT EXISTS (SELECT 1 FROM permitq.pending_release p WHERE p.semaphore = s.name)
       -- A rate-limited instance also waits for its window to empty.
-      AND NOT EXISTS (SELECT 1 FROM permitq.rate_grant g WHERE g.semaphore_id = s.id
-                      AND g.granted_at > now() - s.per);
+      AND permitq.in_window(s) = 0;
     GET DIAGNOSTICS n = ROW_COUNT;
     RETURN n;
 END $$;

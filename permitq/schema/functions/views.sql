@@ -28,10 +28,7 @@ SELECT s.name,
        s.fair,
        s.granted,
        s.per,
-       -- permitq.in_window, written out: the view's owner reads rate_grant, not its caller.
-       CASE WHEN s.per IS NULL THEN 0 ELSE
-           (SELECT coalesce(sum(g.count), 0)::integer FROM permitq.rate_grant g
-            WHERE g.semaphore_id = s.id AND g.granted_at > now() - s.per) END AS in_window
+       permitq.in_window(s) AS in_window
 FROM permitq.semaphore s
 LEFT JOIN (SELECT e.key AS name, sum(e.value::int) AS held
            FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e

@@ -3,8 +3,9 @@
 //! Each batch is one transaction: claim what could be granted (`FOR UPDATE SKIP LOCKED`, lock
 //! order step 1), lock the union of the batch's semaphores and of those with pending releases in
 //! id order and fold the releases into `used` (step 2), read the heads of the fair ones,
-//! [`decide`], write the outcome set-based and commit. The cursor moves past the newest
-//! unexamined request claimed: rows another worker holds are left behind (a line in the sand).
+//! [`decide`], write the outcome set-based and commit. Unexamined requests are claimed in place
+//! in line order, best placed first, and the cursor moves past the last one claimed: rows
+//! another worker holds are left behind (a line in the sand).
 //! A pass ends with a batch that claims nothing or changes nothing.
 //!
 //! Failure isolation: a request the database reports as undecidable (`problem`) fails as
@@ -98,12 +99,13 @@ impl Worker {
         async {
             let started = Instant::now();
             let mut total = PassOutcome::default();
-            let mut cursor = 0i64;
+            // The line in the sand: the place in line of the last unexamined request claimed.
+            let mut cursor = i64::MAX;
             while !*stop.borrow() {
-                let Some((newest_fresh, outcome)) = self.run_batch_isolating(cursor).await? else {
+                let Some((last_place, outcome)) = self.run_batch_isolating(cursor).await? else {
                     break;
                 };
-                cursor = cursor.max(newest_fresh);
+                cursor = cursor.min(last_place);
                 total.add(outcome);
                 if !outcome.did_work() {
                     break;
@@ -148,13 +150,12 @@ impl Worker {
                 Err(failed) => return Err(failed.error),
             }
         }
-        let newest_fresh = claimed
+        let last_place = claimed
             .iter()
-            .filter(|(_, examined)| !examined)
-            .map(|(id, _)| *id)
-            .max()
-            .unwrap_or(0);
-        Ok(Some((newest_fresh, total)))
+            .filter_map(|(_, unexamined_place)| *unexamined_place)
+            .min()
+            .unwrap_or(i64::MAX);
+        Ok(Some((last_place, total)))
     }
 
     /// Ends a request that failed a batch on its own as `error` / `invalid`; true if it did.
@@ -188,7 +189,8 @@ impl Worker {
     }
 
     /// One batch transaction. `None` when nothing could be claimed (after folding the pending
-    /// releases), else the newest unexamined id it claimed and what it did.
+    /// releases), else the place in line of the last unexamined request it claimed
+    /// ([`i64::MAX`] if none) and what it did.
     ///
     /// Statements are prepared once per connection, and BEGIN travels with the claim and COMMIT
     /// with the outcome (pipelined). A connection whose batch failed is not returned to the pool:
@@ -204,7 +206,11 @@ impl Worker {
             Ok(rows) => {
                 claimed = rows
                     .iter()
-                    .map(|row| (row.get("id"), row.get("examined")))
+                    .map(|row| {
+                        let examined = row.try_get::<_, bool>("examined").unwrap_or(true);
+                        let place = row.try_get::<_, i64>("effective").ok();
+                        (row.get("id"), place.filter(|_| !examined))
+                    })
                     .collect();
                 self.decide_claimed(&conn, &rows, started).await
             }
@@ -237,8 +243,7 @@ impl Worker {
         self.apply_and_commit(conn, &outcome).await?;
         let done = outcome.counts(batch.candidates.len());
         record(started, &done, &outcome, &batch);
-        let newest_fresh = batch.unexamined.last().copied().unwrap_or(0);
-        Ok(Some((newest_fresh, done)))
+        Ok(Some((batch.last_unexamined_place(), done)))
     }
 
     /// A batch that claimed nothing: commits, folding the pending releases (for the `released`
@@ -286,10 +291,11 @@ impl Worker {
 /// What [`Worker::run_batch`] returns.
 type BatchResult = std::result::Result<Option<(i64, PassOutcome)>, FailedBatch>;
 
-/// A batch that failed, with the (id, examined) of the requests it had claimed.
+/// A batch that failed, with the id of each request it had claimed and, if no worker had
+/// examined it yet, its place in line.
 struct FailedBatch {
     error: Error,
-    claimed: Vec<(i64, bool)>,
+    claimed: Vec<(i64, Option<i64>)>,
 }
 
 /// Step 1, lock order step 1: BEGIN and claim (`FOR UPDATE SKIP LOCKED`), in one round trip.
@@ -329,8 +335,6 @@ struct ClaimedBatch {
     /// Seconds since each was submitted.
     ages: BTreeMap<i64, f64>,
     external_ids: BTreeMap<i64, String>,
-    /// The newest id claimed.
-    last_id: i64,
 }
 
 impl ClaimedBatch {
@@ -340,7 +344,6 @@ impl ClaimedBatch {
             unexamined: BTreeSet::new(),
             ages: BTreeMap::new(),
             external_ids: BTreeMap::new(),
-            last_id: rows.last().map_or(0, |row| row.get("id")),
         };
         for row in rows {
             let id: i64 = row.try_get("id")?;
@@ -368,14 +371,28 @@ impl ClaimedBatch {
         Ok(batch)
     }
 
-    /// Every semaphore the batch names, once, by name.
-    fn semaphore_names(&self) -> Vec<&str> {
+    /// The place in line of the last unexamined request claimed ([`i64::MAX`] if none).
+    fn last_unexamined_place(&self) -> i64 {
         self.candidates
             .iter()
-            .flat_map(|c| c.permits.iter().map(|(n, _)| n.as_str()))
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect()
+            .filter(|c| self.unexamined.contains(&c.id))
+            .map(|c| c.effective)
+            .min()
+            .unwrap_or(i64::MAX)
+    }
+
+    /// Every semaphore the batch names, once, by name, and beside each the place in line of the
+    /// batch's last request there (the lowest `effective`): only waiting requests ahead of that
+    /// can be heads that matter to the batch.
+    fn semaphores_and_last_places(&self) -> (Vec<&str>, Vec<i64>) {
+        let mut last: BTreeMap<&str, i64> = BTreeMap::new();
+        for c in &self.candidates {
+            for (name, _) in &c.permits {
+                let place = last.entry(name.as_str()).or_insert(c.effective);
+                *place = (*place).min(c.effective);
+            }
+        }
+        last.into_iter().unzip()
     }
 }
 
@@ -385,13 +402,13 @@ async fn lock_semaphores_and_heads(
     conn: &deadpool_postgres::Object,
     batch: &ClaimedBatch,
 ) -> Result<BTreeMap<String, SemaphoreView>> {
-    let names = batch.semaphore_names();
+    let (names, bounds) = batch.semaphores_and_last_places();
     let batch_ids: Vec<i64> = batch.candidates.iter().map(|c| c.id).collect();
     let lock = conn.prepare_cached(sql::LOCK_BATCH_SEMAPHORES).await?;
     let heads = conn.prepare_cached(sql::SEMAPHORE_HEADS).await?;
     let lock_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&names];
     let head_params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
-        [&names, &batch_ids, &batch.last_id];
+        [&names, &bounds, &batch_ids];
     let (locked, head_rows) = tokio::join!(
         conn.query(&lock, &lock_params),
         conn.query(&heads, &head_params)

@@ -159,3 +159,134 @@ async fn a_priority_is_validated_and_part_of_the_idempotency_key() {
         .unwrap_err();
     assert_eq!(err.code().map(|c| c.code()), Some("23505"));
 }
+
+/// A backlog queued while no worker runs, on a fair semaphore of capacity 1 (no room to backfill
+/// beside the head), with three priority levels: it is granted strictly in place order (every
+/// level-2 request before any level-1 one, arrival order within a level), although the worker
+/// claims it in batches smaller than it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mixed_priority_backlog_is_granted_in_place_order() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 1, None).await.unwrap();
+    let conn = db.conn().await;
+    // 60 requests, ids in arrival order, priorities 0, 1, 2 interleaved.
+    conn.execute(
+        "INSERT INTO permitq.permit_request (external_id, permits, priority, ttl)
+         SELECT 'b-' || i, '{\"s\": 1}', (i % 3)::int2, interval '1 hour'
+         FROM generate_series(1, 60) i",
+        &[],
+    )
+    .await
+    .unwrap();
+    let mut config = common::quiet_config("w1");
+    config.batch_size = 7;
+    let worker = db.worker(config);
+    // Each time the semaphore is full, release its holder to make room for the next.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let granted_order: Vec<(i16, i64)> = loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "backlog not granted in time"
+        );
+        let rows = conn
+            .query(
+                "SELECT priority, id, state FROM permitq.permit_request
+                 WHERE fencing_token IS NOT NULL ORDER BY fencing_token",
+                &[],
+            )
+            .await
+            .unwrap();
+        if rows.len() == 60 {
+            break rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+        }
+        let held = rows
+            .iter()
+            .filter(|r| r.get::<_, String>(2) == "acquired")
+            .count();
+        if held == 1 {
+            conn.execute(
+                "SELECT count(permitq.release(external_id)) FROM permitq.permit_request
+                 WHERE state = 'acquired'",
+                &[],
+            )
+            .await
+            .unwrap();
+        } else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    worker.stop().await;
+    let mut expected = granted_order.clone();
+    expected.sort_by_key(|(p, id)| (-p, *id));
+    assert_eq!(granted_order, expected, "grants out of place order");
+    check_invariants(&conn).await.unwrap();
+}
+
+/// The heads a batch reads among requests no worker has examined yet: the best placed one on
+/// each semaphore ahead of the batch's last there; and where more than the scan's bound lie
+/// ahead, a stand-in (request 0, count 2147483647) that holds the semaphore for them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_unexamined_heads_are_read_in_bounded_work() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    for name in ["s", "t"] {
+        client.set_capacity(name, 5, None).await.unwrap();
+    }
+    let conn = db.conn().await;
+    let heads = |bound: i64| {
+        let conn = &conn;
+        async move {
+            conn.query(
+                "SELECT semaphore, request_id, count FROM permitq.semaphore_heads(ARRAY['s'], ARRAY[$1::int8], '{}')",
+                &[&bound],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1), r.get::<_, i32>(2)))
+            .collect::<Vec<_>>()
+        }
+    };
+    // The place in line of a priority-0 request submitted now: every request below is ahead.
+    let bound: i64 = conn
+        .query_one(
+            "SELECT permitq.rule_place_in_line(0::int2, clock_timestamp())",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(heads(bound).await, vec![]);
+
+    // 999 requests ahead on another semaphore: read, none is a head of s.
+    let backlog = |from: i32, to: i32| {
+        let conn = &conn;
+        async move {
+            conn.execute(
+                "INSERT INTO permitq.permit_request (external_id, permits, priority)
+                 SELECT 't-' || i, '{\"t\": 1}', 5 FROM generate_series($1::int4, $2::int4) i",
+                &[&from, &to],
+            )
+            .await
+            .unwrap();
+        }
+    };
+    backlog(1, 999).await;
+    assert_eq!(heads(bound).await, vec![]);
+
+    // One more: the scan stops short of the bound, so s is held for what lies beyond.
+    backlog(1000, 1000).await;
+    assert_eq!(
+        heads(bound).await,
+        vec![("s".to_string(), 0, 2_147_483_647)]
+    );
+
+    // A request on s placed ahead of all of them is the head, with its count.
+    client
+        .submit(&Request::new("first").permit("s", 2).priority(9))
+        .await
+        .unwrap();
+    let first = client.status("first").await.unwrap().unwrap();
+    assert_eq!(heads(bound).await, vec![("s".to_string(), first.id, 2)]);
+}

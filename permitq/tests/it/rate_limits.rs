@@ -76,15 +76,15 @@ async fn at_most_capacity_grants_in_any_window_however_quickly_holders_release()
         report.over_capacity
     );
     check_invariants(&conn).await.unwrap();
-    // The grant log keeps only what is still in a window: the workers' retention round (every
-    // second) removes the rest.
+    // The window's buckets keep only what is still in a window: the workers' retention round
+    // (every second) removes the rest.
     common::wait_until(Duration::from_secs(15), "expired grants removed", || {
         let conn = &conn;
         async move {
             let left: i64 = conn
                 .query_one(
-                    "SELECT count(*) FROM permitq.rate_grant
-                     WHERE granted_at <= now() - interval '1.5 seconds'",
+                    "SELECT count(*) FROM permitq.rate_bucket
+                     WHERE ends_at <= now() - interval '1.5 seconds'",
                     &[],
                 )
                 .await
