@@ -9,11 +9,17 @@ use permitq::{Client, Request, State};
 use permitq_fleet::Percentiles;
 
 use super::load::{cycle, db_latency, hand_off};
+use super::targets::Targets;
 use super::{ms, tag, BenchArgs, Report};
 use crate::error::{CliError, Result};
 
 /// Runs the deep-queue measurements.
-pub(super) async fn run(url: &str, args: &BenchArgs, report: &mut Report) -> Result<()> {
+pub(super) async fn run(
+    url: &str,
+    args: &BenchArgs,
+    report: &mut Report,
+    targets: &mut Targets,
+) -> Result<()> {
     let t = tag();
     let client = Client::connect(url).await?;
     let conn = permitq_embedded_pg::try_connect(url).await?;
@@ -64,6 +70,26 @@ pub(super) async fn run(url: &str, args: &BenchArgs, report: &mut Report) -> Res
         "| release on the full semaphore → its head granted, p50 / p99 ms | | {} | | ≤ 5 (p50) |",
         ms(m.head)
     ));
+    targets.at_most(
+        8,
+        &format!(
+            "deep queue ({} waiting): p50 elsewhere with ÷ without",
+            args.deep_rows
+        ),
+        format!("{:.2} vs {:.2} ms", m.after.p50, m.before.p50),
+        m.after.p50 / m.before.p50.max(1e-9),
+        1.5,
+    );
+    targets.at_most(
+        8,
+        &format!(
+            "deep queue ({} waiting): p99 elsewhere with ÷ without",
+            args.deep_rows
+        ),
+        format!("{:.2} vs {:.2} ms", m.after.p99, m.before.p99),
+        m.after.p99 / m.before.p99.max(1e-9),
+        2.0,
+    );
     report.line(format!(
         "| worker peak RSS (VmHWM) | | {:.1} MiB | | < 64 MiB |",
         m.peak_rss_kib / 1024.0

@@ -9,6 +9,7 @@ use permitq::{Client, Request, State};
 use permitq_fleet::Percentiles;
 
 use super::baselines::{self, rate};
+use super::targets::Targets;
 use super::{fleet, ms, stop, tag, BenchArgs, Report};
 use crate::error::{CliError, Result};
 
@@ -243,7 +244,12 @@ pub(super) async fn cycle_run(
 }
 
 /// The full cycle on one hot semaphore against the baselines, and the clients × workers table.
-pub(super) async fn hot_cycle(url: &str, args: &BenchArgs, report: &mut Report) -> Result<()> {
+pub(super) async fn hot_cycle(
+    url: &str,
+    args: &BenchArgs,
+    report: &mut Report,
+    targets: &mut Targets,
+) -> Result<()> {
     let d = args.duration;
     let counts = NotificationCount::start(url).await;
     report.line(format!(
@@ -260,6 +266,14 @@ pub(super) async fn hot_cycle(url: &str, args: &BenchArgs, report: &mut Report) 
                 / cycles.max(1.0)
         };
         let (work, events) = (per_cycle(&counts.work), per_cycle(&counts.events));
+        // No NOTIFY per request: wake-ups per cycle, at most one in a hundred.
+        targets.at_most(
+            8,
+            &format!("no NOTIFY per request: wake-up notifications per cycle, {clients} clients"),
+            format!("{work:.3} (events: {events:.3} notifications per cycle, batched)"),
+            work,
+            0.01,
+        );
         let naive = baselines::naive_cycle(url, clients, HOT_CAPACITY, d).await?;
         let counter = baselines::counter_cycle(url, clients, HOT_CAPACITY, d).await?;
         let insert = baselines::insert_rate(url, clients, d).await?;
@@ -293,7 +307,7 @@ pub(super) async fn hot_cycle(url: &str, args: &BenchArgs, report: &mut Report) 
 
 /// Release throughput: `clients` holders releasing pre-granted requests as fast as they can,
 /// with and without workers running.
-pub(super) async fn release(url: &str, report: &mut Report) -> Result<()> {
+pub(super) async fn release(url: &str, report: &mut Report, targets: &mut Targets) -> Result<()> {
     const HELD: i64 = 4_000;
     report.line(format!(
         "\n## Release throughput ({HELD} granted requests released by N clients)"
@@ -353,6 +367,15 @@ pub(super) async fn release(url: &str, report: &mut Report) -> Result<()> {
         results[1][0] / results[0][0].max(1e-9),
         results[1][1] / results[0][1].max(1e-9)
     ));
+    for (i, workers) in [0, 2].iter().enumerate() {
+        targets.at_least(
+            8,
+            &format!("releases scale: 8 clients ÷ 1, {workers} workers running"),
+            format!("{:.0} vs {:.0}/s", results[1][i], results[0][i]),
+            results[1][i] / results[0][i].max(1e-9),
+            3.0,
+        );
+    }
     Ok(())
 }
 

@@ -129,17 +129,18 @@ async fn measure(url: &str, args: &BenchArgs) -> Result<()> {
     if args.only.iter().any(|p| p == "hot-cycle") {
         targets::hot(&url, args, &mut report).await?;
     }
+    let mut summary = targets::Targets::default();
     if args.runs("targets") || targets::PARTS.iter().any(|p| args.runs(p)) {
-        targets::run(&url, args, &mut report).await?;
+        targets::run(&url, args, &mut report, &mut summary).await?;
     }
     if args.runs("idle") {
         load::idle(&url, args, &mut report).await?;
     }
     if args.runs("cycle") {
-        load::hot_cycle(&url, args, &mut report).await?;
+        load::hot_cycle(&url, args, &mut report, &mut summary).await?;
     }
     if args.runs("release") {
-        load::release(&url, &mut report).await?;
+        load::release(&url, &mut report, &mut summary).await?;
     }
     // Before the drain: what the drain leaves behind (20,000 settled rows, dead tuples) would
     // weigh on whichever of its rows ran first.
@@ -150,11 +151,12 @@ async fn measure(url: &str, args: &BenchArgs) -> Result<()> {
         load::drain(&url, args, &mut report).await?;
     }
     if args.runs("deep") && args.deep_rows > 0 {
-        deep::run(&url, args, &mut report).await?;
+        deep::run(&url, args, &mut report, &mut summary).await?;
     }
     if args.profile {
         profile(&conn, &mut report).await?;
     }
+    summary.print(&mut report);
     outln!("{}", report.text);
     Ok(())
 }

@@ -29,3 +29,14 @@ DROP TABLE permitq.rate_grant;
 DROP FUNCTION IF EXISTS permitq.semaphore_heads_named(text[], bigint[], bigint);
 DROP FUNCTION IF EXISTS permitq.semaphore_heads(bigint[], bigint[], bigint);
 DROP FUNCTION IF EXISTS permitq.effective_priority(smallint, timestamptz);
+
+-- Queue tables: a request's partial-index entries (pending, unexamined) die when it is decided,
+-- and scans of those indexes read them until a vacuum removes them. Vacuum them after a bounded
+-- number of changes, not after a fifth of the table (the default), which grows with history.
+ALTER TABLE permitq.permit_request
+    SET (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 2000,
+         autovacuum_vacuum_insert_scale_factor = 0.01, autovacuum_vacuum_insert_threshold = 2000);
+ALTER TABLE permitq.waiter
+    SET (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000);
+ALTER TABLE permitq.pending_release
+    SET (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000);
