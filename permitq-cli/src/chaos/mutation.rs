@@ -144,7 +144,7 @@ impl Mutation {
                         replace: "        ORDER BY s.id\n    ) l;",
                     },
                     Patch {
-                        find: "        ORDER BY s.id\n        FOR UPDATE SKIP LOCKED\n    ) l;",
+                        find: "        ORDER BY s.id\n        FOR UPDATE OF s SKIP LOCKED\n    ) l;",
                         replace: "        ORDER BY s.id\n    ) l;",
                     },
                 ][..],

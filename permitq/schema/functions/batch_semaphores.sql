@@ -6,7 +6,7 @@
 -- waiting (FOR UPDATE SKIP LOCKED, in id order: whoever holds one folds it), plus the cancels.
 -- Deletes what it folds and sends the events of the requests the rows announce.
 CREATE OR REPLACE FUNCTION permitq.fold_pending_releases(locked text[]) RETURNS void
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
     also text[];
     announced bigint[];
@@ -14,22 +14,31 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM permitq.pending_release) THEN
         RETURN;
     END IF;
+    -- Driven by the pending rows (pending_release_semaphore_idx), never by the semaphores:
+    -- work per release, not per semaphore.
     SELECT array_agg(l.name) INTO also FROM (
-        SELECT s.name FROM permitq.semaphore s
-        WHERE s.name IN (SELECT p.semaphore FROM permitq.pending_release p
-                         WHERE p.semaphore IS NOT NULL)
-          AND s.name <> ALL(locked)
+        SELECT s.name
+        FROM (SELECT DISTINCT p.semaphore FROM permitq.pending_release p
+              WHERE p.semaphore IS NOT NULL AND p.semaphore <> ALL(locked)) w
+        JOIN permitq.semaphore s ON s.name = w.semaphore
         ORDER BY s.id
-        FOR UPDATE SKIP LOCKED
+        FOR UPDATE OF s SKIP LOCKED
     ) l;
     locked := locked || coalesce(also, '{}');
 
-    WITH folded AS (
+    WITH named AS (
         DELETE FROM permitq.pending_release p
         WHERE p.semaphore = ANY(locked)
-           OR p.id IN (SELECT c.id FROM permitq.pending_release c
+        RETURNING p.request_id, p.semaphore, p.count, p.announce
+    ),
+    cancels AS (
+        DELETE FROM permitq.pending_release p
+        WHERE p.id IN (SELECT c.id FROM permitq.pending_release c
                        WHERE c.semaphore IS NULL FOR UPDATE SKIP LOCKED)
         RETURNING p.request_id, p.semaphore, p.count, p.announce
+    ),
+    folded AS (
+        SELECT * FROM named UNION ALL SELECT * FROM cancels
     ),
     give_back AS (
         UPDATE permitq.semaphore s
