@@ -179,11 +179,12 @@ fn chaos_catches_requests_that_are_never_claimed() {
 
 #[test]
 fn chaos_catches_a_request_lost_in_new() {
+    // The lost requests are examined (they queue behind one another) before their grant is
+    // lost, so whether a liveness bound also runs out within the load depends on the timing;
+    // the end state never lies.
     let (found, summary) = planted("lost-request", &[]);
-    assert!(
-        found["liveness"] > 0 && found["nothing lost"] > 0,
-        "{summary}"
-    );
+    assert!(found["nothing lost"] > 0, "{summary}");
+    assert!(summary.contains("still new at the end"), "{summary}");
 }
 
 #[test]
