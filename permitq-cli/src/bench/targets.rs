@@ -83,7 +83,7 @@ pub(super) struct Targets {
 }
 
 impl Targets {
-    #[allow(clippy::too_many_arguments)]
+    /// A ratio that must reach `goal`.
     pub(super) fn at_least(
         &mut self,
         number: u8,
@@ -92,16 +92,17 @@ impl Targets {
         ratio: f64,
         goal: f64,
     ) {
-        self.rows.push(Target {
+        self.push(
             number,
-            what: what.to_string(),
+            what,
             measured,
             ratio,
-            goal: format!("≥ {goal}×"),
-            met: ratio >= goal,
-        });
+            format!("≥ {goal}×"),
+            ratio >= goal,
+        );
     }
 
+    /// A ratio that must stay within `goal`.
     pub(super) fn at_most(
         &mut self,
         number: u8,
@@ -110,26 +111,45 @@ impl Targets {
         ratio: f64,
         goal: f64,
     ) {
+        self.push(
+            number,
+            what,
+            measured,
+            ratio,
+            format!("≤ {goal}×"),
+            ratio <= goal,
+        );
+    }
+
+    fn push(
+        &mut self,
+        number: u8,
+        what: &str,
+        measured: String,
+        ratio: f64,
+        goal: String,
+        met: bool,
+    ) {
         self.rows.push(Target {
             number,
             what: what.to_string(),
             measured,
             ratio,
-            goal: format!("≤ {goal}×"),
-            met: ratio <= goal,
+            goal,
+            met,
         });
     }
 
     /// A figure the run reports rather than a ratio with a goal.
     pub(super) fn reported(&mut self, number: u8, what: &str, measured: String) {
-        self.rows.push(Target {
+        self.push(
             number,
-            what: what.to_string(),
+            what,
             measured,
-            ratio: f64::NAN,
-            goal: "reported".to_string(),
-            met: true,
-        });
+            f64::NAN,
+            "reported".to_string(),
+            true,
+        );
     }
 
     pub(super) fn print(&self, report: &mut Report) {
