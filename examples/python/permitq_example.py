@@ -6,8 +6,11 @@ heartbeats while "working", then releases.
 
     DATABASE_URL=postgres://app@db/app python3 examples/python/permitq_example.py
 
-A worker must be running (`permitq worker`) and the semaphores must exist (`permitq semaphore
-set gpu 4`, `permitq semaphore set licence 2`; this script creates them when it may).
+Needs Python 3 with psycopg 3 (Debian: python3-psycopg; pip: psycopg[binary]), a running worker
+(`permitq worker`), and the semaphores `gpu` and `licence`. Create them with `permitq semaphore
+set gpu 4` and `permitq semaphore set licence 2`, or set PERMITQ_EXAMPLE_SETUP=1 and the script
+creates them itself (the login then needs the permitq_admin role). Each run uses a new request id.
+Exits 0 when the request was granted and released; otherwise 1 with one line on stderr.
 """
 
 import json
@@ -41,7 +44,9 @@ def wait_settled(conn, external_id, timeout):
 
 
 def main():
-    url = os.environ["DATABASE_URL"]
+    url = os.environ.get("DATABASE_URL")
+    if not url:
+        raise SystemExit("permitq_example: set DATABASE_URL")
     external_id = f"py-{uuid.uuid4().hex[:8]}"
     with psycopg.connect(url, autocommit=True) as conn:
         if os.environ.get("PERMITQ_EXAMPLE_SETUP") == "1":
@@ -55,9 +60,13 @@ def main():
         )
         print(f"submitted {external_id}")
         row = wait_settled(conn, external_id, timeout=30)
-        if row is None or row[0] != "acquired":
-            print(f"not granted: {row}", file=sys.stderr)
-            return 3
+        if row is None:
+            raise SystemExit(f"permitq_example: {external_id} not granted in 30 s (is a worker running?)")
+        if row[0] != "acquired":
+            hint = ""
+            if row[1] == "unknown_semaphore":
+                hint = " (create them: permitq semaphore set gpu 4; permitq semaphore set licence 2)"
+            raise SystemExit(f"permitq_example: {external_id} ended {row[0]}: {row[1]}{hint}")
         print(f"acquired with fencing token {row[2]}")
         for _ in range(2):  # the work, heartbeating every ttl/3 in real life
             (expires,) = conn.execute("SELECT permitq.heartbeat(%s)", (external_id,)).fetchone()
@@ -68,4 +77,8 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except psycopg.Error as e:
+        message = " ".join(str(e).split())
+        raise SystemExit(f"permitq_example: {message}")

@@ -9,7 +9,13 @@ use permitq::WorkerConfig;
 
 /// permitq: a distributed counting semaphore served through a PostgreSQL work queue.
 #[derive(Debug, Parser)]
-#[command(name = "permitq", version, about, propagate_version = true)]
+#[command(
+    name = "permitq",
+    version,
+    about,
+    propagate_version = true,
+    arg_required_else_help = true
+)]
 pub(crate) struct Cli {
     /// PostgreSQL URL, e.g. postgres://user:pass@host:5432/db.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
@@ -41,8 +47,8 @@ pub(crate) enum Command {
     },
     /// Serve the status page, the JSON API, /metrics, /healthz and /readyz (read-only).
     Serve {
-        /// Where to listen.
-        #[arg(long, default_value = "127.0.0.1:9187")]
+        /// Where to listen, HOST:PORT (a host name or an address).
+        #[arg(long, default_value = SERVE_ADDR, value_parser = parse_addr)]
         http_addr: SocketAddr,
     },
     /// Manage semaphores.
@@ -136,6 +142,37 @@ pub(crate) struct ChaosArgs {
     pub network: bool,
 }
 
+/// Where `permitq serve` listens by default. Workers serve their endpoints only when asked,
+/// conventionally on [`WORKER_PORT`], so that both can run on one host.
+pub(crate) const SERVE_ADDR: &str = "127.0.0.1:9188";
+/// The port the README, deploy/ and `worker --help` use for a worker's endpoints.
+pub(crate) const WORKER_PORT: u16 = 9187;
+
+/// HOST:PORT, where HOST is an IP address or a name (`localhost:9999`); the first address the
+/// name resolves to.
+fn parse_addr(s: &str) -> std::result::Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    let expected = || {
+        format!("expected HOST:PORT (for example 0.0.0.0:{WORKER_PORT} or localhost:{WORKER_PORT}), got {s:?}")
+    };
+    if s.rsplit_once(':')
+        .is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err())
+    {
+        return Err(expected());
+    }
+    // An IPv4 address first: `localhost` then binds where IPv4 clients look for it.
+    let addrs: Vec<SocketAddr> = s
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve {s:?}: {e}"))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(expected)
+}
+
 /// A duration as `--help` shows a default (`1s`, `7days`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct HumanDuration(pub Duration);
@@ -191,8 +228,9 @@ pub(crate) struct WorkerArgs {
     #[arg(long, default_value_t = HumanDuration(worker_defaults().maintenance.idle_instance_after),
           value_parser = human_lease_duration)]
     pub idle_instance_after: HumanDuration,
-    /// Serve /metrics, /healthz, /readyz, the JSON API and the status page on HOST:PORT.
-    #[arg(long, visible_alias = "metrics-addr")]
+    /// Serve /metrics, /healthz, /readyz, the JSON API and the status page on HOST:PORT
+    /// (a host name or an address; conventionally port 9187, e.g. 0.0.0.0:9187).
+    #[arg(long, visible_alias = "metrics-addr", value_parser = parse_addr)]
     pub http_addr: Option<SocketAddr>,
     /// Worker name (logs, worker_id, application_name).
     #[arg(long)]
@@ -224,7 +262,9 @@ pub(crate) enum SemaphoreCommand {
     Set {
         /// Name.
         name: String,
-        /// How many permits may be held at once.
+        /// How many permits may be held at once (or granted per window, with --per).
+        #[arg(allow_negative_numbers = true,
+              value_parser = clap::value_parser!(i32).range(0..))]
         capacity: i32,
         /// Strict FIFO with safe backfill (the default for new semaphores).
         #[arg(long, conflicts_with = "greedy")]
@@ -233,8 +273,8 @@ pub(crate) enum SemaphoreCommand {
         #[arg(long)]
         greedy: bool,
         /// Rate-limit it: at most CAPACITY permits granted in any window of this length
-        /// (sliding), whatever the holders do.
-        #[arg(long, value_parser = parse_lease_duration, allow_hyphen_values = true)]
+        /// (sliding), whatever the holders do. `--per 0` removes the window.
+        #[arg(long, value_parser = parse_wait, allow_hyphen_values = true)]
         per: Option<Duration>,
         /// Print one JSON object.
         #[arg(long)]

@@ -80,7 +80,12 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
         Command::Worker(args) => {
             let url = need_url()?;
             let client = Client::connect(&url).await?;
-            wait_for_schema(&client).await?;
+            // SIGTERM/SIGINT before the worker runs (waiting for the database or the schema)
+            // is a clean stop too: exit 0, as in every later state.
+            tokio::select! {
+                ready = wait_for_schema(&client) => ready?,
+                () = shutdown_signal() => return Ok(0),
+            }
             let worker = Worker::connect(&url, args.config())?;
             if let Some(addr) = args.http_addr {
                 let bound = crate::http::serve(addr, client, Some(worker.health())).await?;
@@ -343,7 +348,13 @@ fn print_request(r: &PermitRequest, json: bool) {
         (State::Acquired, _, _, Some(token)) => format!(" fencing_token={token}"),
         _ => String::new(),
     };
-    outln!("{} {}{detail}", r.external_id, r.state);
+    let lease = match (r.state, r.expires_at) {
+        (State::Acquired, Some(t)) => {
+            format!(" expires_at={}", humantime::format_rfc3339_seconds(t))
+        }
+        _ => String::new(),
+    };
+    outln!("{} {}{detail}{lease}", r.external_id, r.state);
 }
 
 async fn shutdown_signal() {

@@ -195,12 +195,29 @@ fn print_summary(r: &RunReport, peaks: &BTreeMap<String, (i64, i64)>, elapsed: D
         "\n=== permitq demo summary ({:.1}s) ===",
         elapsed.as_secs_f64()
     );
+    let list = |m: &BTreeMap<String, i64>| {
+        if m.is_empty() {
+            "none".to_string()
+        } else {
+            m.iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    };
+    let released: i64 = r.released_by_reason.values().sum();
     outln!("requests submitted   {}", r.submitted);
-    outln!("granted              {}", r.granted);
-    outln!("released by reason   {:?}", r.released_by_reason);
-    outln!("errors by code       {:?}", r.errors_by_code);
     outln!(
-        "submit->acquired     p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        "granted              {} ({} released since, {} still held when the demo stopped)",
+        r.granted,
+        released,
+        r.granted - released
+    );
+    outln!("released by reason   {}", list(&r.released_by_reason));
+    outln!("errors by code       {}", list(&r.errors_by_code));
+    outln!(
+        "submit->acquired     p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms (includes waiting for \
+         capacity: the semaphores are kept full on purpose)",
         r.latency_ms.p50,
         r.latency_ms.p99,
         r.latency_ms.max

@@ -61,16 +61,14 @@ fn main() -> ExitCode {
     let (cli, matches) = match parsed {
         Ok(parsed) => parsed,
         Err(e) if e.use_stderr() => {
-            // One line naming what is wrong (clap's first line), not a page of usage.
-            let rendered = e.render().to_string();
-            errln!(
-                "permitq: {}",
-                rendered
-                    .lines()
-                    .next()
-                    .unwrap_or("invalid arguments")
-                    .trim_start_matches("error: ")
-            );
+            // clap's whole message: what is wrong or missing, suggestions ("did you mean"), the
+            // usage line, or the command list when no command is given.
+            let styled = if std::io::stderr().is_terminal() {
+                e.render().ansi().to_string()
+            } else {
+                e.render().to_string()
+            };
+            errln!("{}", styled.trim_end());
             return ExitCode::from(EXIT_USAGE);
         }
         Err(e) => {

@@ -19,6 +19,37 @@ pub(crate) fn ago(t: Option<SystemTime>) -> String {
     }
 }
 
+/// How long until `t`, shortly (`in 12.3s`); `now` once it passed.
+pub(crate) fn until(t: SystemTime) -> String {
+    match t.duration_since(SystemTime::now()) {
+        Ok(d) => format!("in {}", ago(SystemTime::now().checked_sub(d))),
+        Err(_) => "now".to_string(),
+    }
+}
+
+/// What kind of semaphore it is, in a few words: `template`, `from tenant:*`, and for a rate
+/// limit its window, the permits granted in it and when a spent window opens.
+pub(crate) fn kind(u: &permitq::SemaphoreUsage) -> String {
+    let mut kind = match (&u.template, u.is_template) {
+        (_, true) => vec!["template".to_string()],
+        (Some(t), false) => vec![format!("from {t}")],
+        (None, false) => Vec::new(),
+    };
+    if let Some(per) = u.per {
+        let mut window = format!(
+            "{} / {} granted per {}",
+            u.in_window,
+            u.capacity,
+            humantime::format_duration(per)
+        );
+        if let Some(opens) = u.window_opens_at {
+            window.push_str(&format!(", window spent: opens {}", until(opens)));
+        }
+        kind.push(window);
+    }
+    kind.join("; ")
+}
+
 /// Prints usage, holders, waiters and recent capacity changes.
 pub(crate) fn print(d: &Detail) {
     let u = &d.usage;
@@ -32,6 +63,10 @@ pub(crate) fn print(d: &Detail) {
         ago(u.oldest_wait_since),
         if u.fair { "fair" } else { "greedy" }
     );
+    let kind = kind(u);
+    if !kind.is_empty() {
+        outln!("  {kind}");
+    }
     outln!("\nholders ({}):", d.holders.len());
     if !d.holders.is_empty() {
         outln!(
@@ -53,24 +88,30 @@ pub(crate) fn print(d: &Detail) {
             h.fencing_token.map_or("-".to_string(), |t| t.to_string())
         );
     }
-    outln!("\nwaiters ({} of {}):", d.waiters.len(), u.waiting);
+    outln!(
+        "\nwaiters ({} of {}, in the order the workers grant them):",
+        d.waiters.len(),
+        u.waiting
+    );
     if !d.waiters.is_empty() {
         outln!(
-            "  {:>4} {:<32} {:<16} {:>6} {:>10}",
+            "  {:>4} {:<32} {:<16} {:>6} {:>8} {:>10}",
             "pos",
             "external_id",
             "owner",
             "count",
+            "priority",
             "waiting"
         );
     }
     for w in &d.waiters {
         outln!(
-            "  {:>4} {:<32} {:<16} {:>6} {:>10}",
+            "  {:>4} {:<32} {:<16} {:>6} {:>8} {:>10}",
             w.position,
             w.external_id,
             w.owner.as_deref().unwrap_or("-"),
             w.count,
+            w.priority,
             ago(w.waiting_since)
         );
     }

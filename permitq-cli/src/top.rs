@@ -1,7 +1,8 @@
 //! `permitq top`: a live terminal view of a database, like `htop` for semaphores.
 //!
-//! Every semaphore with a bar, held/capacity, waiting, oldest wait and grants per second; ↑/↓
-//! (or j/k) select one, Enter shows its holders and waiters below, `q` (or Esc, Ctrl-C) quits.
+//! Every semaphore with a bar, held/capacity, waiting, oldest wait, grants per second and its
+//! kind (template, instance, rate window); ↑/↓ (or j/k) select one, Enter shows its holders and
+//! waiters (in place-in-line order, with priorities) below, `q` (or Esc, Ctrl-C) quits.
 //! Plain ASCII-safe drawing that fits 80×24 and works over SSH.
 
 use std::collections::HashMap;
@@ -173,7 +174,7 @@ fn draw(frame: &mut Frame, view: &mut View) {
     let rows = view.usage.iter().map(|s| {
         Row::new(vec![
             s.name.clone(),
-            bar(s.held, s.capacity, 16),
+            bar(s.held, s.capacity, 12),
             format!("{}/{}", s.held, s.capacity),
             s.waiting.to_string(),
             if s.waiting > 0 {
@@ -182,17 +183,19 @@ fn draw(frame: &mut Frame, view: &mut View) {
                 "-".to_string()
             },
             format!("{:.1}", view.rates.get(&s.name).copied().unwrap_or(0.0)),
+            crate::show::kind(s),
         ])
     });
     let table = Table::new(
         rows,
         [
-            Constraint::Min(12),
-            Constraint::Length(18),
-            Constraint::Length(11),
-            Constraint::Length(8),
-            Constraint::Length(8),
+            Constraint::Min(10),
+            Constraint::Length(12),
             Constraint::Length(9),
+            Constraint::Length(7),
+            Constraint::Length(7),
+            Constraint::Length(8),
+            Constraint::Min(12),
         ],
     )
     .header(
@@ -203,6 +206,7 @@ fn draw(frame: &mut Frame, view: &mut View) {
             "waiting",
             "oldest",
             "grants/s",
+            "kind, window",
         ])
         .style(Style::new().add_modifier(Modifier::BOLD)),
     )
@@ -246,6 +250,7 @@ fn draw(frame: &mut Frame, view: &mut View) {
                 w.position.to_string(),
                 w.external_id.clone(),
                 w.count.to_string(),
+                w.priority.to_string(),
                 ago(w.waiting_since),
             ])
         });
@@ -256,11 +261,12 @@ fn draw(frame: &mut Frame, view: &mut View) {
                     Constraint::Length(4),
                     Constraint::Min(10),
                     Constraint::Length(6),
+                    Constraint::Length(4),
                     Constraint::Length(8),
                 ],
             )
             .header(
-                Row::new(["pos", "waiter", "count", "waiting"])
+                Row::new(["pos", "waiter", "count", "pri", "waiting"])
                     .style(Style::new().add_modifier(Modifier::BOLD)),
             )
             .block(

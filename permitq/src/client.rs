@@ -263,7 +263,8 @@ impl Client {
 
     /// Creates or changes a rate-limited semaphore: at most `grants` permits granted in any
     /// window of length `per` (sliding, on the database clock), whether holders release early
-    /// or hold on. A name ending in `*` makes a template of rate-limited semaphores.
+    /// or hold on. A name ending in `*` makes a template of rate-limited semaphores. `per` zero
+    /// removes the window: a concurrency semaphore of capacity `grants` again.
     pub async fn set_rate_limit(
         &self,
         name: &str,
@@ -271,7 +272,7 @@ impl Client {
         per: Duration,
         fair: Option<bool>,
     ) -> Result<Semaphore> {
-        if let Some(problem) = duration_problem(Some(per), false) {
+        if let Some(problem) = duration_problem(Some(per), true) {
             return Err(Error::invalid("per", problem));
         }
         self.set_semaphore(name, grants, fair, Some(per)).await

@@ -14,11 +14,16 @@ use crate::types::{CapacityChange, PermitRequest, Semaphore};
 /// Unless the URL sets them, connections use TCP keepalives (idle 10 s, then every 5 s, 3
 /// probes) and `tcp_user_timeout` 30 s: a server that vanishes without closing the socket (a
 /// partition) is noticed in well under a minute instead of the kernel's two hours. Workers ask
-/// the server for the same on its side ([`SERVER_KEEPALIVES`]).
+/// the server for the same on its side ([`SERVER_KEEPALIVES`]). Unless the URL sets it,
+/// `application_name` is `permitq`, so the capacity audit and `pg_stat_activity` show who
+/// connected. A URL that does not parse is invalid input (field `database URL`).
 pub(crate) fn parse_config(url: &str) -> Result<Config> {
     let mut config = url
         .parse::<Config>()
-        .map_err(|e| Error::config(format!("invalid database URL: {e}")))?;
+        .map_err(|e| Error::invalid("database URL", e.to_string()))?;
+    if config.get_application_name().is_none() {
+        config.application_name("permitq");
+    }
     if !url.contains("keepalives") {
         config
             .keepalives(true)
@@ -152,7 +157,7 @@ pub(crate) fn semaphore_from_row(row: &Row) -> Result<Semaphore> {
 }
 
 /// An interval the queries send as microseconds (`None` stays `None`; negative reads as 0).
-fn from_micros(us: Option<i64>) -> Option<Duration> {
+pub(crate) fn from_micros(us: Option<i64>) -> Option<Duration> {
     us.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0)))
 }
 

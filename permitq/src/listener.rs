@@ -137,7 +137,7 @@ async fn listen_once(
                 backoff.reset();
                 connected.send_replace(true);
                 let _ = events.send(ListenerEvent::Connected);
-                tracing::debug!(?channels, "listening");
+                tracing::debug!(channels = channels.join(","), "listening");
             }
         }
     }

@@ -127,7 +127,7 @@ impl Skips {
         if skipped > interval * SKIPPED_TOO_LONG {
             tracing::warn!(
                 task = task.name(),
-                skipped_for = ?skipped,
+                skipped_for_s = skipped.as_secs_f64(),
                 "maintenance task skipped: another session holds its turn (a row of \
                  permitq.maintenance_turn) all this time; a worker stuck in it, or a session \
                  of a permitq role holding the row, stops it"
@@ -326,7 +326,7 @@ async fn sweep_dead_owners(
     }
     tx.commit().await?;
     tracing::info!(
-        ?dead,
+        dead_owners = dead.join(","),
         released = total,
         "released the requests of dead owners"
     );

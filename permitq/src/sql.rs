@@ -173,15 +173,16 @@ pub(crate) const CAPACITY_HISTORY: &str =
      FROM permitq.capacity_change WHERE semaphore = $1 ORDER BY id";
 /// Operators: every semaphore's usage.
 pub(crate) const USAGE: &str = "SELECT name, capacity::int8, used::int8, held::int8, \
-     waiting::int8, oldest_wait_since, fair, granted, in_window::int8 \
+     waiting::int8, oldest_wait_since, fair, granted, in_window::int8, \
+     (extract(epoch FROM per) * 1000000)::int8, window_opens_at, is_template, template \
      FROM permitq.semaphore_usage ORDER BY name";
 /// Operators: the holders of one semaphore.
 pub(crate) const HOLDERS: &str = "SELECT semaphore, external_id, owner, count::int8, \
      acquired_at, expires_at, fencing_token FROM permitq.holders WHERE semaphore = $1 \
      ORDER BY acquired_at, external_id";
-/// Operators: the first waiters of one semaphore, in queue order.
+/// Operators: the first waiters of one semaphore, in queue order (the workers' place in line).
 pub(crate) const WAITERS: &str = "SELECT semaphore, external_id, owner, count::int8, \
-     position, waiting_since, deadline FROM permitq.waiters WHERE semaphore = $1 \
+     position, waiting_since, deadline, priority FROM permitq.waiters WHERE semaphore = $1 \
      ORDER BY position LIMIT $2";
 /// Downstream fencing check.
 pub(crate) const FENCE: &str = "SELECT permitq.fence($1, $2)";

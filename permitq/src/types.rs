@@ -340,7 +340,10 @@ pub struct CapacityChange {
     pub application_name: Option<String>,
 }
 
-fn ser_secs<S: Serializer>(d: &Option<Duration>, s: S) -> std::result::Result<S::Ok, S::Error> {
+pub(crate) fn ser_secs<S: Serializer>(
+    d: &Option<Duration>,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
     match d {
         Some(d) => s.serialize_f64(d.as_secs_f64()),
         None => s.serialize_none(),

@@ -1,13 +1,14 @@
 //! What operators look at: per-semaphore usage, holders and waiters (the views
 //! `permitq.semaphore_usage`, `permitq.holders` and `permitq.waiters`).
 
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 use tokio_postgres::Row;
 
+use crate::db::from_micros;
 use crate::error::Result;
-use crate::types::ser_time;
+use crate::types::{ser_secs, ser_time};
 
 /// One semaphore as operators see it (a row of `permitq.semaphore_usage`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -33,6 +34,18 @@ pub struct SemaphoreUsage {
     /// For a rate-limited semaphore: permits granted in its current window (at most
     /// `capacity`); 0 otherwise.
     pub in_window: i64,
+    /// For a rate-limited semaphore, its window (seconds in JSON); `None`: a concurrency
+    /// semaphore.
+    #[serde(serialize_with = "ser_secs")]
+    pub per: Option<Duration>,
+    /// When a spent window next has room (its oldest counted grant leaves it); `None` when it
+    /// has room now or is no rate limit.
+    #[serde(serialize_with = "ser_time")]
+    pub window_opens_at: Option<SystemTime>,
+    /// A template (its name ends in `*`): never granted itself.
+    pub is_template: bool,
+    /// For an instance, the template it was made from.
+    pub template: Option<String>,
 }
 
 /// A request holding permits of one semaphore (a row of `permitq.holders`).
@@ -69,7 +82,8 @@ pub struct Waiter {
     pub owner: Option<String>,
     /// How many permits of this semaphore it wants.
     pub count: i64,
-    /// Its place in the semaphore's queue, 1 = the head.
+    /// Its place in the semaphore's queue as the workers rank it (priority, aging, then
+    /// arrival): 1 = the head.
     pub position: i64,
     /// Submitted at.
     #[serde(serialize_with = "ser_time")]
@@ -77,6 +91,8 @@ pub struct Waiter {
     /// When its `wait` runs out (None: waits indefinitely).
     #[serde(serialize_with = "ser_time")]
     pub deadline: Option<SystemTime>,
+    /// Its priority (-100 to 100; aging raises its place in line as it waits).
+    pub priority: i16,
 }
 
 /// A row of `permitq.holders` as [`crate::sql::HOLDERS`] selects it.
@@ -102,6 +118,7 @@ pub(crate) fn waiter_from_row(row: &Row) -> Result<Waiter> {
         position: row.try_get(4)?,
         waiting_since: row.try_get(5)?,
         deadline: row.try_get(6)?,
+        priority: row.try_get(7)?,
     })
 }
 
@@ -117,5 +134,9 @@ pub(crate) fn usage_from_row(row: &Row) -> Result<SemaphoreUsage> {
         fair: row.try_get(6)?,
         granted: row.try_get(7)?,
         in_window: row.try_get(8)?,
+        per: from_micros(row.try_get(9)?),
+        window_opens_at: row.try_get(10)?,
+        is_template: row.try_get(11)?,
+        template: row.try_get(12)?,
     })
 }

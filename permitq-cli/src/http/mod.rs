@@ -8,10 +8,12 @@
 //!   this build expects, and (on a worker) the LISTEN connection is up; else 503 with the reason.
 //! - `GET /api/semaphores`, `GET /api/semaphores/{name}` (usage, holders, the first 100 waiters,
 //!   the last 20 capacity changes): JSON, read-only (see [`api`]).
-//! - `GET /`: a status page (one self-contained HTML file compiled into the binary) that polls
-//!   the JSON API every second.
+//! - `GET /`: a status page (one self-contained HTML file compiled into the binary), its table
+//!   rendered on the server; `GET /rows` is that table, which the page fetches every second (see
+//!   [`page`]).
 
 mod api;
+mod page;
 
 pub(crate) use api::{detail, Detail};
 
@@ -53,6 +55,7 @@ pub(crate) async fn serve(
         .map_err(|e| CliError::runtime(format!("bad histogram buckets: {e}")))?
         .install_recorder()
         .map_err(|e| CliError::runtime(format!("cannot install metrics recorder: {e}")))?;
+    describe_metrics();
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| CliError::runtime(format!("cannot listen on {addr} for HTTP: {e}")))?;
@@ -70,9 +73,111 @@ pub(crate) async fn serve(
     Ok(bound)
 }
 
+/// `# HELP` text for every metric family the worker and these endpoints record.
+fn describe_metrics() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_gauge!(
+        "permitq_semaphore_capacity",
+        "How many permits the semaphore allows at once (per window, for a rate limit)."
+    );
+    describe_gauge!("permitq_semaphore_used", "The workers' running count of permits in use; may run ahead of held until releases are folded.");
+    describe_gauge!("permitq_semaphore_held", "Permits held now, exactly.");
+    describe_gauge!(
+        "permitq_semaphore_waiting",
+        "Requests waiting on the semaphore."
+    );
+    describe_gauge!(
+        "permitq_semaphore_oldest_wait_seconds",
+        Unit::Seconds,
+        "How long the semaphore's oldest waiter has waited (0: none)."
+    );
+    describe_counter!(
+        "permitq_semaphore_grants_total",
+        "Grants on the semaphore so far, read from the database."
+    );
+    describe_gauge!(
+        "permitq_database_up",
+        "1 when the last scrape could read the database, else 0."
+    );
+    describe_gauge!(
+        "permitq_worker_last_pass_age_seconds",
+        Unit::Seconds,
+        "Time since this worker's last completed pass (-1: none yet)."
+    );
+    describe_gauge!(
+        "permitq_worker_listener_connected",
+        "1 while this worker's LISTEN connection is up."
+    );
+    describe_gauge!(
+        "permitq_notify_queue_usage",
+        "How full the cluster's NOTIFY queue is, 0 to 1."
+    );
+    describe_counter!(
+        "permitq_notifications_skipped_total",
+        "Notifications permitq did not send because the NOTIFY queue was filling up."
+    );
+    describe_counter!("permitq_grants_total", "Requests this worker granted.");
+    describe_counter!(
+        "permitq_request_errors_total",
+        "Requests this worker settled in error, by error code."
+    );
+    describe_counter!(
+        "permitq_timeouts_total",
+        "Requests whose wait ran out (error code timeout)."
+    );
+    describe_counter!(
+        "permitq_sweep_released_total",
+        "Permits released by a sweep, by reason (expired, stale)."
+    );
+    describe_counter!(
+        "permitq_retention_deleted_total",
+        "Settled requests deleted after their retention."
+    );
+    describe_counter!(
+        "permitq_idle_instances_removed_total",
+        "Idle template instances removed."
+    );
+    describe_counter!(
+        "permitq_maintenance_skipped_total",
+        "Maintenance rounds skipped because another worker had the turn, by task."
+    );
+    describe_counter!(
+        "permitq_listener_reconnects_total",
+        "Times this worker reconnected its LISTEN connection."
+    );
+    describe_counter!(
+        "permitq_failed_batches_total",
+        "Batches that failed and were rolled back."
+    );
+    describe_counter!(
+        "permitq_batch_retries_total",
+        "Batches retried after a serialization failure or deadlock."
+    );
+    describe_counter!(
+        "permitq_failed_passes_total",
+        "Passes that failed (the worker retries after a pause)."
+    );
+    describe_histogram!(
+        "permitq_pass_seconds",
+        Unit::Seconds,
+        "Duration of a worker pass (claim batches until none is left)."
+    );
+    describe_histogram!(
+        "permitq_batch_seconds",
+        Unit::Seconds,
+        "Duration of one batch transaction."
+    );
+    describe_histogram!(
+        "permitq_grant_wait_seconds",
+        Unit::Seconds,
+        "Time from submit to grant, for requests this worker granted."
+    );
+}
+
 fn router(state: State) -> Router {
     Router::new()
-        .route("/", get(|| async { page() }))
+        .route("/", get(status_page))
+        .route("/rows", get(status_rows))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -81,12 +186,27 @@ fn router(state: State) -> Router {
         .with_state(state)
 }
 
-fn page() -> Response {
-    (
-        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
-        include_str!("page.html"),
-    )
-        .into_response()
+/// The status page, with every semaphore's row rendered for the first paint (on a database
+/// error, the page with the error; its script keeps trying).
+async fn status_page(axum::extract::State(state): axum::extract::State<State>) -> Response {
+    let usage = state.client.usage().await.unwrap_or_default();
+    html(page::page(&usage))
+}
+
+/// The status page's table body, for its refresh: one request covers every semaphore.
+async fn status_rows(axum::extract::State(state): axum::extract::State<State>) -> Response {
+    match state.client.usage().await {
+        Ok(usage) => html(page::rows(&usage)),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            crate::error::one_line(&e.to_string()),
+        )
+            .into_response(),
+    }
+}
+
+fn html(body: String) -> Response {
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], body).into_response()
 }
 
 async fn readyz(axum::extract::State(state): axum::extract::State<State>) -> Response {

@@ -1,34 +1,26 @@
-//! The documentation runs: the README's blocks marked `<!-- readme-test: run -->` (SQL and
-//! shell), top to bottom on a fresh database with a worker, and the Python example. (The
-//! README's Rust example is compiled as a doctest of the library.)
+//! The documentation runs: every block of the README, as written and in order, on a fresh
+//! database (the `sh` and `sql` blocks here; the Rust block is compiled as a doctest of the
+//! library), the Python example, and the command lines of `deploy/`.
 
 use permitq_test_support as common;
 
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 
 use common::{quiet_config, TestDb};
 
-const MARK: &str = "<!-- readme-test: run -->";
-
-/// (language, code) of every marked block, in order.
-fn marked_blocks(readme: &str) -> Vec<(String, String)> {
+/// (language, code) of every fenced block, in order.
+fn blocks(readme: &str) -> Vec<(String, String)> {
     let mut blocks = Vec::new();
     let mut lines = readme.lines();
     while let Some(line) = lines.next() {
-        if line.trim() != MARK {
+        let Some(language) = line.strip_prefix("```") else {
             continue;
-        }
-        let fence = lines.next().expect("a block after the mark");
-        let language = fence.trim_start_matches("```").to_string();
-        assert!(
-            fence.starts_with("```"),
-            "the mark is followed by a fenced block"
-        );
+        };
         let code: Vec<&str> = lines
             .by_ref()
             .take_while(|l| !l.starts_with("```"))
             .collect();
-        blocks.push((language, code.join("\n")));
+        blocks.push((language.to_string(), code.join("\n")));
     }
     blocks
 }
@@ -78,23 +70,75 @@ fn result_text(messages: &[tokio_postgres::SimpleQueryMessage]) -> String {
     rows.join("; ")
 }
 
+/// The login roles the README's SQL creates (cluster-wide, so removed before and after).
+fn created_roles(readme: &str) -> Vec<String> {
+    readme
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("CREATE ROLE "))
+        .filter_map(|rest| rest.split_whitespace().next())
+        .map(String::from)
+        .collect()
+}
+
+async fn drop_roles(conn: &tokio_postgres::Client, roles: &[String]) {
+    for role in roles {
+        conn.batch_execute(&format!("DROP ROLE IF EXISTS {role}"))
+            .await
+            .unwrap();
+    }
+}
+
+/// Background processes a block started (`command &`), stopped when the test ends.
+struct Background(Vec<Child>);
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Every `sh` and `sql` block of the README runs as written, top to bottom, on one fresh
+/// database: the tutorial's `permitq worker &` is the worker the later blocks rely on, and the
+/// tutorial waits for its grant with `--await`, so nothing here retries or sleeps. Three lines
+/// cannot run inside a test and are checked instead: `cargo run --release -- ARGS` runs the
+/// binary under test with ARGS (the same code), `cargo install --path DIR` must name the crate
+/// of that binary, and `scripts/test` (the command running this test) must be executable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_readme_blocks_run_top_to_bottom_on_a_fresh_database() {
+async fn every_readme_block_runs_as_written_top_to_bottom_on_a_fresh_database() {
     let readme = include_str!("../../../README.md");
-    let blocks = marked_blocks(readme);
-    assert!(blocks.iter().any(|b| b.0 == "sql") && blocks.iter().any(|b| b.0 == "sh"));
-    let db = TestDb::new().await;
-    let worker = db.worker(quiet_config("readme"));
-    let conn = db.conn().await;
-    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_permitq"))
-        .parent()
-        .unwrap()
-        .to_path_buf();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let blocks = blocks(readme);
+    for (language, _) in &blocks {
+        assert!(
+            ["sh", "sql", "rust,no_run"].contains(&language.as_str()),
+            "a README block the test cannot run: {language:?}"
+        );
+    }
+    let db = TestDb::empty().await;
+    let admin = common::connect(&common::with_dbname(&db.url, "postgres")).await;
+    let roles = created_roles(readme);
+    drop_roles(&admin, &roles).await;
+    let conn = common::connect(&db.url).await;
+    let binary = std::path::Path::new(env!("CARGO_BIN_EXE_permitq"));
     let path = format!(
         "{}:{}",
-        bin.display(),
+        binary.parent().unwrap().display(),
         std::env::var("PATH").unwrap_or_default()
     );
+    let shell = |command: &str| {
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", command])
+            .current_dir(&root)
+            .env("PATH", &path)
+            .env("DATABASE_URL", &db.url)
+            .env("RUST_LOG", "off")
+            .stdin(Stdio::null());
+        cmd
+    };
+    let mut background = Background(Vec::new());
     let (mut ran, mut compared) = (0, 0);
     for (language, code) in &blocks {
         match language.as_str() {
@@ -117,35 +161,54 @@ async fn the_readme_blocks_run_top_to_bottom_on_a_fresh_database() {
                     if command.is_empty() || command.starts_with('#') {
                         continue;
                     }
-                    let (command_line, path, url) =
-                        (command.to_string(), path.clone(), db.url.clone());
-                    let out = tokio::task::spawn_blocking(move || {
-                        Command::new("sh")
-                            .args(["-c", &command_line])
-                            .env("PATH", path)
-                            .env("DATABASE_URL", url)
-                            .env("RUST_LOG", "off")
-                            .output()
-                            .unwrap()
-                    })
-                    .await
-                    .unwrap();
+                    ran += 1;
+                    if let Some(dir) = command.strip_prefix("cargo install --path ") {
+                        let manifest =
+                            std::fs::read_to_string(root.join(dir).join("Cargo.toml")).unwrap();
+                        assert!(manifest.contains("name = \"permitq\""), "{command}");
+                        continue;
+                    }
+                    if command == "scripts/test" {
+                        use std::os::unix::fs::PermissionsExt;
+                        let mode = std::fs::metadata(root.join(command)).unwrap().permissions();
+                        assert!(mode.mode() & 0o111 != 0, "{command} is executable");
+                        continue;
+                    }
+                    let command = match command.strip_prefix("cargo run --release -- ") {
+                        Some(args) => format!("permitq {args}"),
+                        None => command.to_string(),
+                    };
+                    if let Some(command) = command.strip_suffix('&') {
+                        let child = shell(&format!("exec {}", command.trim()))
+                            .stdout(Stdio::null())
+                            .stderr(Stdio::null())
+                            .spawn()
+                            .unwrap();
+                        background.0.push(child);
+                        continue;
+                    }
+                    let mut cmd = shell(&command);
+                    let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
+                        .await
+                        .unwrap();
                     assert!(
                         out.status.success(),
                         "README command failed: {command}: {}{}",
                         String::from_utf8_lossy(&out.stdout),
                         String::from_utf8_lossy(&out.stderr)
                     );
-                    ran += 1;
                 }
             }
-            other => panic!("a marked block must be sql or sh, not {other:?}"),
+            _ => {}
         }
     }
     eprintln!("README: {ran} statements and commands ran, {compared} results compared");
     assert!(compared >= 10, "the README's SQL documents its results");
-    worker.stop().await;
+    assert!(!background.0.is_empty(), "the tutorial starts a worker");
+    drop(background);
     common::check_invariants(&conn).await.unwrap();
+    drop(conn);
+    drop_roles(&admin, &roles).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -163,17 +226,26 @@ async fn the_python_example_submits_waits_heartbeats_and_releases() {
         .expect("python3 with psycopg (Debian's python3-psycopg, installed by .ci/run)");
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../examples/python/permitq_example.py");
-    let url = db.url.clone();
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new(python)
-            .arg(script)
-            .env("DATABASE_URL", url)
-            .env("PERMITQ_EXAMPLE_SETUP", "1")
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
+    let run = |setup: &str| {
+        let (url, script, setup) = (db.url.clone(), script.clone(), setup.to_string());
+        tokio::task::spawn_blocking(move || {
+            Command::new(python)
+                .arg(script)
+                .env("DATABASE_URL", url)
+                .env("PERMITQ_EXAMPLE_SETUP", setup)
+                .output()
+                .unwrap()
+        })
+    };
+    // Without its semaphores: exit 1, one line saying how to make them.
+    let out = run("0").await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("permitq semaphore set gpu"), "{stderr}");
+    // It runs twice: each run submits a request of its own.
+    assert!(run("1").await.unwrap().status.success());
+    let out = run("1").await.unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -194,8 +266,9 @@ async fn the_python_example_submits_waits_heartbeats_and_releases() {
 }
 
 /// Every command line in `deploy/` (Kubernetes `args`, the Dockerfile's CMD, the systemd unit's
-/// ExecStart) is one the CLI accepts: it gets past argument parsing (exit code 2 is a usage
-/// error) and stops at the database URL given here on purpose.
+/// ExecStart) is one the CLI accepts: it gets past argument parsing and stops at the database
+/// URL given here on purpose (exit code 2, naming the URL; a usage error would print clap's
+/// usage instead).
 #[test]
 fn the_deploy_files_invoke_commands_the_cli_accepts() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
@@ -233,10 +306,51 @@ fn the_deploy_files_invoke_commands_the_cli_accepts() {
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(!stderr.contains("Usage:"), "{args:?}: {stderr}");
         assert!(
             stderr.contains("invalid database URL"),
             "{args:?}: {stderr}"
         );
     }
+}
+
+/// deploy/ agrees with the README: the Secret's logins are the ones the README's Permissions
+/// block creates (plus the owner that migrates), `serve` runs as the producer login, every image
+/// has a pull policy and the version of this build, and the build context leaves out `target/`.
+#[test]
+fn the_deploy_files_use_the_readmes_logins_a_pinned_image_and_a_dockerignore() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let secret = std::fs::read_to_string(root.join("deploy/k8s/secret.example.yaml")).unwrap();
+    let logins: Vec<&str> = secret
+        .lines()
+        .filter_map(|l| l.split("postgres://").nth(1))
+        .filter_map(|rest| rest.split(':').next())
+        .collect();
+    assert_eq!(logins.len(), 4, "{secret}");
+    for login in logins {
+        assert!(
+            login == "permitq_owner" || readme.contains(&format!("CREATE ROLE {login} LOGIN")),
+            "{login} is not created in the README"
+        );
+    }
+    assert!(readme.contains("permitq_owner") || readme.contains("owns the database"));
+    let serve = std::fs::read_to_string(root.join("deploy/k8s/serve.yaml")).unwrap();
+    assert!(serve.contains("key: producer-url"), "{serve}");
+    for entry in std::fs::read_dir(root.join("deploy/k8s")).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        let images = text.matches("image: ").count();
+        assert_eq!(
+            images,
+            text.matches("imagePullPolicy: IfNotPresent").count()
+        );
+        assert_eq!(
+            images,
+            text.matches(&format!("image: permitq:{}", env!("CARGO_PKG_VERSION")))
+                .count()
+        );
+    }
+    let ignore = std::fs::read_to_string(root.join(".dockerignore")).unwrap();
+    assert!(ignore.lines().any(|l| l.trim() == "target/"), "{ignore}");
 }

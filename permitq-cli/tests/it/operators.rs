@@ -117,13 +117,19 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
 }
 
 /// Checks Prometheus text format line by line: comments, or `name{labels} value` with a float
-/// value; every histogram has buckets, a `+Inf` bucket, `_sum` and `_count`.
+/// value; every family has a `# HELP` line; every histogram has buckets, a `+Inf` bucket, `_sum`
+/// and `_count`.
 fn check_prometheus_text(text: &str) {
     let mut histograms = Vec::new();
     for line in text.lines().filter(|l| !l.is_empty()) {
         if let Some(rest) = line.strip_prefix("# TYPE ") {
             let mut parts = rest.split_whitespace();
             let (name, kind) = (parts.next().unwrap(), parts.next().unwrap());
+            assert!(
+                text.lines()
+                    .any(|l| l.starts_with(&format!("# HELP {name} ")) && l.len() > name.len() + 12),
+                "{name} has no # HELP line"
+            );
             assert!(
                 ["counter", "gauge", "histogram"].contains(&kind),
                 "{line}: no summaries"
@@ -246,7 +252,7 @@ async fn serve_is_not_ready_without_the_schema_and_a_worker_waits_for_it() {
         .unwrap();
     let url = db.url.clone();
     let (mut serve, addr) = tokio::task::spawn_blocking(move || {
-        spawn_server(&url, &["serve", "--http-addr", "127.0.0.1:0"])
+        spawn_server(&url, &["serve", "--http-addr", "localhost:0"])
     })
     .await
     .unwrap();
@@ -340,7 +346,7 @@ impl Browser {
             "args": ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                      "--no-first-run", "--disable-background-networking",
                      "--disable-component-update", "--disable-sync",
-                     "--window-size=1200,900",
+                     "--window-size=1280,1024",
                      format!("--user-data-dir={}", profile.display())]
         }}}});
         let (status, body) = request(addr, "POST", "/session", Some(&capabilities.to_string()));
@@ -424,16 +430,50 @@ fn decode_base64(s: &str) -> Vec<u8> {
         .collect()
 }
 
+/// The status page, in headless Chromium, with 50 semaphores: the first paint comes from the
+/// server (the HTML holds every row before any script runs), all 50 fit on one 1280×1024 screen,
+/// a refresh is one request for all of them, the search box filters, a selected semaphore shows
+/// its holders and its waiters in line order with priorities, times are relative, and the page
+/// follows a capacity change on its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_status_page_shows_holders_and_waiters_and_follows_a_capacity_change() {
+async fn the_status_page_shows_50_semaphores_on_one_screen_and_follows_a_capacity_change() {
     let db = TestDb::new().await;
     let (client, worker) = populated(&db).await;
+    client
+        .set_rate_limit("api", 2, Duration::from_secs(60), None)
+        .await
+        .unwrap();
+    client.set_capacity("tenant:*", 3, None).await.unwrap();
+    for i in 0..45 {
+        client
+            .set_capacity(&format!("pool-{i:02}"), 10, None)
+            .await
+            .unwrap();
+    }
+    client
+        .submit(&Request::new("t-acme").permit("tenant:acme", 1))
+        .await
+        .unwrap();
+    assert_eq!(
+        common::settled_state(&client, "t-acme").await,
+        State::Acquired
+    );
+    assert_eq!(client.usage().await.unwrap().len(), 50);
     let url = db.url.clone();
     let (mut serve, addr) = tokio::task::spawn_blocking(move || {
         spawn_server(&url, &["serve", "--http-addr", "127.0.0.1:0"])
     })
     .await
     .unwrap();
+    // The first paint is the server's: every row is in the HTML itself.
+    let (status, html) = tokio::task::spawn_blocking(move || get(addr, "/"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(html.matches("<tr class=\"sem\"").count(), 50, "{html}");
+    assert!(html.contains("data-name=\"tenant:acme\"") && html.contains("from tenant:*"));
+    assert!(html.contains("0 / 2 per 1m"), "the rate window is shown");
+
     let browser = tokio::task::spawn_blocking(Browser::start).await.unwrap();
     let browser = std::sync::Arc::new(browser);
     let page = format!("http://{addr}/");
@@ -451,12 +491,68 @@ async fn the_status_page_shows_holders_and_waiters_and_follows_a_capacity_change
                 .unwrap()
         }
     };
-    let ids = "return [...document.querySelectorAll('#sem-gpu tr.holder, #sem-gpu tr.waiter')]\
-               .map(r => r.className + ':' + r.dataset.externalId).join(' ')";
-    wait_until(SOON, "the page lists gpu's holders and waiters", || async {
-        eval(ids).await.as_str().unwrap_or("")
-            == "holder:train-1 holder:train-2 waiter:train-3 waiter:train-4"
+    // All 50 rows on one screen, and refreshed by the script.
+    wait_until(SOON, "the script refreshed the rows", || async {
+        eval("return document.body.dataset.updated || ''")
+            .await
+            .as_str()
+            != Some("")
     })
+    .await;
+    let on_screen = eval(
+        "return [...document.querySelectorAll('tr.sem')]\
+         .filter(r => r.getBoundingClientRect().bottom <= window.innerHeight).length",
+    )
+    .await;
+    assert_eq!(on_screen, 50, "every semaphore fits on one screen");
+    // One request per refresh while no semaphore is selected: no per-semaphore requests.
+    let per_semaphore = eval(
+        "return performance.getEntriesByType('resource')\
+         .filter(e => e.name.includes('/api/semaphores/')).length",
+    )
+    .await;
+    assert_eq!(per_semaphore, 0);
+
+    // Search, then select gpu: its holders, and its waiters in line order with priorities.
+    eval(
+        "const s = document.getElementById('search'); s.value = 'gpu'; \
+          s.dispatchEvent(new Event('input')); return 0",
+    )
+    .await;
+    let visible = eval(
+        "return [...document.querySelectorAll('tr.sem')].filter(r => !r.hidden)\
+         .map(r => r.dataset.name).join(' ')",
+    )
+    .await;
+    assert_eq!(visible, "gpu");
+    eval("document.querySelector('tr.sem[data-name=\"gpu\"]').click(); return 0").await;
+    let ids = "return [...document.querySelectorAll('#detail tr.holder, #detail tr.waiter')]\
+               .map(r => r.className + ':' + r.dataset.externalId).join(' ')";
+    wait_until(
+        SOON,
+        "the details list gpu's holders and waiters",
+        || async {
+            eval(ids).await.as_str().unwrap_or("")
+                == "holder:train-1 holder:train-2 waiter:train-3 waiter:train-4"
+        },
+    )
+    .await;
+    let texts = eval("return document.getElementById('detail').innerText").await;
+    let texts = texts.as_str().unwrap();
+    assert!(
+        texts.contains("priority") && texts.contains(" ago"),
+        "{texts}"
+    );
+    let iso_date = texts
+        .as_bytes()
+        .windows(5)
+        .any(|w| w[..4].iter().all(u8::is_ascii_digit) && w[4] == b'-');
+    assert!(!iso_date, "relative times only, no timestamps: {texts}");
+    // The screenshot of all 50 (search cleared, gpu's details open).
+    eval(
+        "const s = document.getElementById('search'); s.value = ''; \
+          s.dispatchEvent(new Event('input')); return 0",
+    )
     .await;
     let png = {
         let b = browser.clone();
@@ -470,9 +566,9 @@ async fn the_status_page_shows_holders_and_waiters_and_follows_a_capacity_change
     // Raise gpu's capacity: the waiters are granted, and the page follows on its own.
     client.set_capacity("gpu", 4, None).await.unwrap();
     wait_until(SOON, "the page shows 4/4 held and no waiter", || async {
-        eval("const s = document.querySelector('#sem-gpu'); return s && \
-              s.querySelector('.held').textContent + '/' + s.querySelector('.capacity').textContent \
-              + ' ' + s.querySelectorAll('tr.waiter').length")
+        eval("const r = document.querySelector('tr.sem[data-name=\"gpu\"]'); return r && \
+              r.querySelector('.held').textContent + '/' + r.querySelector('.capacity').textContent \
+              + ' ' + document.querySelectorAll('#detail tr.waiter').length")
             .await
             .as_str()
             .unwrap_or("")

@@ -40,6 +40,21 @@ END $$;
 GRANT EXECUTE ON FUNCTION permitq.in_window(permitq.semaphore)
     TO permitq_producer, permitq_worker, permitq_admin;
 
+-- When the window of `s` next has room: NULL when it has room now or is no rate limit; else
+-- when its oldest counted bucket leaves the window.
+CREATE OR REPLACE FUNCTION permitq.window_opens_at(s permitq.semaphore) RETURNS timestamptz
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF s.per IS NULL OR permitq.in_window(s) < s.capacity THEN
+        RETURN NULL;
+    END IF;
+    RETURN (SELECT min(b.ends_at) + s.per FROM permitq.rate_bucket b
+            WHERE b.semaphore_id = s.id AND b.ends_at > now() - s.per);
+END $$;
+-- The semaphore_usage view calls it as its reader.
+GRANT EXECUTE ON FUNCTION permitq.window_opens_at(permitq.semaphore)
+    TO permitq_producer, permitq_worker, permitq_admin;
+
 -- When the next window of a rate-limited semaphore that has waiters opens (a worker going to
 -- sleep wakes then, not a poll interval later). NULL: none.
 CREATE OR REPLACE FUNCTION permitq.next_window_opening() RETURNS timestamptz

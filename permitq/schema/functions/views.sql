@@ -17,7 +17,8 @@ WHERE r.acquired_at IS NOT NULL;
 -- Exact figures per semaphore: capacity, `used` (the workers' running count, which may run
 -- ahead until releases are folded), held (the sum of acquired permits), how many requests wait
 -- on it and since when the oldest waits, grants so far, and for a rate-limited semaphore its
--- window and the permits granted in it.
+-- window, the permits granted in it and when the window next has room, and whether it is a
+-- template or made from one.
 CREATE OR REPLACE VIEW permitq.semaphore_usage AS
 SELECT s.name,
        s.capacity,
@@ -28,7 +29,10 @@ SELECT s.name,
        s.fair,
        s.granted,
        s.per,
-       permitq.in_window(s) AS in_window
+       permitq.in_window(s) AS in_window,
+       permitq.window_opens_at(s) AS window_opens_at,
+       s.is_template,
+       s.template
 FROM permitq.semaphore s
 LEFT JOIN (SELECT e.key AS name, sum(e.value::int) AS held
            FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
@@ -44,11 +48,15 @@ SELECT e.key AS semaphore, r.external_id, r.owner, e.value::int AS count, r.acqu
 FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
 WHERE r.state = 'acquired';
 
--- Who waits, in each semaphore's queue order (position 1 is the head).
+-- Who waits, in each semaphore's queue order as the workers rank it: position 1 is the head,
+-- the request first in line by priority and aging (permitq.rule_place_in_line, the rule of
+-- functions/queue_order.sql), then by id.
 CREATE OR REPLACE VIEW permitq.waiters AS
 SELECT e.key AS semaphore, r.external_id, r.owner, e.value::int AS count,
-       row_number() OVER (PARTITION BY e.key ORDER BY r.id) AS position,
-       r.created_at AS waiting_since, r.wait_until AS deadline
+       row_number() OVER (PARTITION BY e.key
+                          ORDER BY permitq.rule_place_in_line(r.priority, r.created_at) DESC, r.id)
+           AS position,
+       r.created_at AS waiting_since, r.wait_until AS deadline, r.priority
 FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
 WHERE r.state = 'new';
 

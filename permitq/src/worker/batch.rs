@@ -112,7 +112,15 @@ impl Worker {
                 }
             }
             metrics::histogram!("permitq_pass_seconds").record(started.elapsed().as_secs_f64());
-            tracing::debug!(?total, elapsed = ?started.elapsed(), "pass done");
+            tracing::debug!(
+                batches = total.batches,
+                granted = total.granted,
+                errored = total.errored,
+                waiting = total.waiting,
+                queued = total.queued,
+                elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
+                "pass done"
+            );
             Ok(total)
         }
         .instrument(span)
@@ -505,5 +513,10 @@ fn record(started: Instant, done: &PassOutcome, outcome: &Outcome, batch: &Claim
             tracing::debug!(external_id = %batch.external_ids[id], request_id = id, code, "failed");
         }
     }
-    tracing::trace!(?done, "batch committed");
+    tracing::trace!(
+        granted = done.granted,
+        errored = done.errored,
+        waiting = done.waiting,
+        "batch committed"
+    );
 }

@@ -474,3 +474,55 @@ async fn a_holder_paused_past_its_ttl_has_its_fenced_write_rejected() {
         "A's lease was released as expired: {stdout}"
     );
 }
+
+/// examples/producer.rs runs twice in a row (its id is unique per run), and on failure exits 1
+/// with one line that says what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_producer_example_runs_twice_and_fails_in_one_line() {
+    let example = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/producer");
+    assert!(example.exists(), "cargo test builds examples");
+    let db = TestDb::new().await;
+    let run = |url: String| {
+        let example = example.clone();
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(example)
+                .env("DATABASE_URL", url)
+                .env("RUST_LOG", "off")
+                .output()
+                .unwrap()
+        })
+    };
+    // No semaphore yet: one line naming the fix, exit 1.
+    let worker = db.notified_worker("producer-example");
+    let out = run(db.url.clone()).await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("unknown_semaphore") && stderr.contains("permitq semaphore set example"),
+        "{stderr}"
+    );
+    db.client()
+        .await
+        .set_capacity("example", 1, None)
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        let out = run(db.url.clone()).await.unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("release: released"), "{stdout}");
+    }
+    worker.stop().await;
+}

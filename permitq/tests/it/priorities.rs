@@ -290,3 +290,63 @@ async fn the_unexamined_heads_are_read_in_bounded_work() {
     let first = client.status("first").await.unwrap().unwrap();
     assert_eq!(heads(bound).await, vec![("s".to_string(), first.id, 2)]);
 }
+
+/// The views show the real queue: `permitq.waiters` (and `Client::waiters`, which the CLI, `top`
+/// and the status page read) numbers waiters in the order the workers grant them, priorities and
+/// aging included, and position 1 is always the request granted next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn position_1_in_the_waiters_view_is_the_request_granted_next() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 1, None).await.unwrap();
+    let _worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("holder").permit("s", 1))
+        .await
+        .unwrap();
+    granted(&client, "holder").await;
+    queue(&db, &client, "first-0", 0).await;
+    queue(&db, &client, "second-3", 3).await;
+    queue(&db, &client, "third-minus-2", -2).await;
+    queue(&db, &client, "fourth-3", 3).await;
+    queue(&db, &client, "aged-0", 0).await;
+    // aged-0 has waited 70 s: 0 + 7 steps puts it ahead of the priority-3 requests.
+    db.conn()
+        .await
+        .batch_execute(
+            "UPDATE permitq.permit_request SET created_at = created_at - interval '70 seconds'
+             WHERE external_id = 'aged-0';
+             UPDATE permitq.waiter w SET created_at = r.created_at FROM permitq.permit_request r
+             WHERE r.id = w.request_id AND r.external_id = 'aged-0';",
+        )
+        .await
+        .unwrap();
+    let ids = ["first-0", "second-3", "third-minus-2", "fourth-3", "aged-0"];
+    let shown = client.waiters("s", 10).await.unwrap();
+    let listed: Vec<(&str, i16, i64)> = shown
+        .iter()
+        .map(|w| (w.external_id.as_str(), w.priority, w.position))
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("aged-0", 0, 1),
+            ("second-3", 3, 2),
+            ("fourth-3", 3, 3),
+            ("first-0", 0, 4),
+            ("third-minus-2", -2, 5)
+        ]
+    );
+    let mut order = Vec::new();
+    let mut holder = "holder".to_string();
+    for _ in 0..ids.len() {
+        let head = client.waiters("s", 1).await.unwrap().remove(0);
+        assert_eq!(head.position, 1);
+        client.release(&holder).await.unwrap();
+        let next = next_granted(&client, &ids, &order).await;
+        assert_eq!(next, head.external_id, "position 1 was {head:?}");
+        order.push(next.clone());
+        holder = next;
+    }
+    check_invariants(&db.conn().await).await.unwrap();
+}

@@ -207,6 +207,38 @@ async fn a_rate_limited_template_limits_each_key_on_its_own() {
         .find(|s| s.name == "api-key:k1")
         .unwrap();
     assert_eq!(k1.per, Some(Duration::from_secs(60)));
+
+    // What operators see (permitq.semaphore_usage, and the CLI, `top`, the status page and the
+    // API through it): the window, the permits granted in it and when the spent one opens, and
+    // which semaphores are templates or instances.
+    let usage = client.usage().await.unwrap();
+    let find = |name: &str| usage.iter().find(|u| u.name == name).unwrap().clone();
+    let (template, k1) = (find("api-key:*"), find("api-key:k1"));
+    assert!(template.is_template && template.template.is_none());
+    assert!(!k1.is_template);
+    assert_eq!(k1.template.as_deref(), Some("api-key:*"));
+    assert_eq!(k1.per, Some(Duration::from_secs(60)));
+    assert_eq!((k1.in_window, k1.held, k1.waiting), (1, 0, 1));
+    let opens = k1
+        .window_opens_at
+        .expect("a spent window says when it opens");
+    let in_secs = opens
+        .duration_since(std::time::SystemTime::now())
+        .unwrap()
+        .as_secs_f64();
+    assert!((50.0..=62.0).contains(&in_secs), "opens in {in_secs}s");
+    // A window with room has no opening time; a concurrency semaphore has no window.
+    client.release("k1-b").await.unwrap();
+    client
+        .set_rate_limit("api-key:k1", 2, Duration::from_secs(60), None)
+        .await
+        .unwrap();
+    let usage = client.usage().await.unwrap();
+    let k1 = usage.iter().find(|u| u.name == "api-key:k1").unwrap();
+    assert_eq!(k1.window_opens_at, None, "{k1:?}");
+    let json = serde_json::to_value(k1).unwrap();
+    assert_eq!(json["per"], 60.0);
+    assert_eq!(json["template"], "api-key:*");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

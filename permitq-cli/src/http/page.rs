@@ -1,0 +1,121 @@
+//! The status page: one self-contained HTML file (page.html, no CDN) whose semaphore table is
+//! rendered here, on the server, for the first paint and for every refresh (`GET /rows`, one
+//! request for all semaphores). The page's script swaps the rows in, filters them by the search
+//! box, and fetches one semaphore's holders and waiters (`/api/semaphores/{name}`) only while
+//! its details are open. Every time is shown relative, in one format ([`crate::show::ago`]).
+
+use std::fmt::Write as _;
+
+use permitq::SemaphoreUsage;
+
+/// Where the rows go in page.html.
+const ROWS_MARK: &str = "<!--rows-->";
+
+/// The whole page with `usage` rendered into its table.
+pub(crate) fn page(usage: &[SemaphoreUsage]) -> String {
+    include_str!("page.html").replacen(ROWS_MARK, &rows(usage), 1)
+}
+
+/// The page's table body: one row per semaphore, or one row saying there are none.
+pub(crate) fn rows(usage: &[SemaphoreUsage]) -> String {
+    let mut html = String::from("<tbody id=\"rows\">");
+    if usage.is_empty() {
+        html.push_str(
+            "<tr class=\"none\"><td colspan=\"7\">no semaphores yet: \
+             permitq semaphore set NAME CAPACITY</td></tr>",
+        );
+    }
+    for u in usage {
+        let pct = if u.capacity > 0 {
+            (100 * u.held.clamp(0, u.capacity)) / u.capacity
+        } else {
+            100
+        };
+        let level = if u.held >= u.capacity {
+            "full"
+        } else if pct >= 75 {
+            "busy"
+        } else {
+            "ok"
+        };
+        let oldest = if u.waiting > 0 {
+            format!("{} ago", crate::show::ago(u.oldest_wait_since))
+        } else {
+            String::new()
+        };
+        let window = match u.per {
+            Some(per) => {
+                let mut w = format!(
+                    "{} / {} per {}",
+                    u.in_window,
+                    u.capacity,
+                    humantime::format_duration(per)
+                );
+                if let Some(opens) = u.window_opens_at {
+                    let _ = write!(w, ", opens {}", crate::show::until(opens));
+                }
+                w
+            }
+            None => String::new(),
+        };
+        let mut kind = match (&u.template, u.is_template) {
+            (_, true) => "template".to_string(),
+            (Some(t), false) => format!("from {t}"),
+            (None, false) => String::new(),
+        };
+        if !u.fair {
+            kind.push_str(if kind.is_empty() {
+                "greedy"
+            } else {
+                ", greedy"
+            });
+        }
+        let _ = write!(
+            html,
+            "<tr class=\"sem\" data-name=\"{name}\">\
+             <td class=\"name\">{name}</td>\
+             <td><div class=\"bar\"><div class=\"fill {level}\" style=\"width:{pct}%\"></div></div></td>\
+             <td class=\"num\"><span class=\"held\">{held}</span> / <span class=\"capacity\">{capacity}</span></td>\
+             <td class=\"num waiting\">{waiting}</td>\
+             <td class=\"num\">{oldest}</td>\
+             <td class=\"window\">{window}</td>\
+             <td class=\"kind\">{kind}</td></tr>",
+            name = escape(&u.name),
+            held = u.held,
+            capacity = u.capacity,
+            waiting = u.waiting,
+            oldest = escape(&oldest),
+            window = escape(&window),
+            kind = escape(&kind),
+        );
+    }
+    html.push_str("</tbody>");
+    html
+}
+
+/// `s` safe inside HTML text and double-quoted attributes.
+fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn names_are_escaped() {
+        assert_eq!(
+            super::escape("<a href=\"x\">&'"),
+            "&lt;a href=&quot;x&quot;&gt;&amp;&#39;"
+        );
+    }
+}
