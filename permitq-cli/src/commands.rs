@@ -78,20 +78,21 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             Ok(0)
         }
         Command::Worker(args) => {
+            // SIGTERM/SIGINT before the worker runs (connecting, waiting for the schema) is a
+            // clean stop too: exit 0, as in every later state.
+            let shutdown = Shutdown::install();
             let url = need_url()?;
             let client = Client::connect(&url).await?;
-            // SIGTERM/SIGINT before the worker runs (waiting for the database or the schema)
-            // is a clean stop too: exit 0, as in every later state.
             tokio::select! {
                 ready = wait_for_schema(&client) => ready?,
-                () = shutdown_signal() => return Ok(0),
+                () = shutdown.signalled() => return Ok(0),
             }
             let worker = Worker::connect(&url, args.config())?;
             if let Some(addr) = args.http_addr {
                 let bound = crate::http::serve(addr, client, Some(worker.health())).await?;
-                tracing::info!("serving http://{bound}/");
+                tracing::info!(addr = %bound, "serving http://{bound}/");
             }
-            worker.run(shutdown_signal()).await?;
+            worker.run(shutdown.signalled()).await?;
             Ok(0)
         }
         Command::Top { interval } => {
@@ -99,10 +100,11 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             Ok(0)
         }
         Command::Serve { http_addr } => {
+            let shutdown = Shutdown::install();
             let client = Client::connect(&need_url()?).await?;
             let bound = crate::http::serve(http_addr, client, None).await?;
             errln!("permitq: serving http://{bound}/ (Ctrl-C to stop)");
-            shutdown_signal().await;
+            shutdown.signalled().await;
             Ok(0)
         }
         Command::Semaphore(cmd) => semaphore(&Client::connect(&need_url()?).await?, cmd).await,
@@ -175,7 +177,7 @@ async fn wait_for_schema(client: &Client) -> Result<()> {
         if std::time::Instant::now() >= deadline {
             return Err(CliError::runtime(format!("gave up after 2 minutes: {why}")));
         }
-        tracing::warn!("{why}; retrying in 1s");
+        tracing::warn!(reason = %why, retry_in_s = 1, "{why}; retrying in 1s");
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
@@ -357,18 +359,41 @@ fn print_request(r: &PermitRequest, json: bool) {
     outln!("{} {}{detail}{lease}", r.external_id, r.state);
 }
 
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
+/// SIGTERM or SIGINT, listened for from the moment a long-running command starts, so that a
+/// signal in any state (connecting, waiting for the schema, running) is a clean stop, never the
+/// default disposition's exit by signal.
+struct Shutdown(tokio::sync::watch::Receiver<bool>);
+
+impl Shutdown {
+    /// Installs the handlers now (the streams register them when created) and watches them.
+    fn install() -> Shutdown {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let term = signal(SignalKind::terminate());
+        let int = signal(SignalKind::interrupt());
+        tokio::spawn(async move {
+            match (term, int) {
+                (Ok(mut term), Ok(mut int)) => {
+                    tokio::select! {
+                        _ = term.recv() => {}
+                        _ = int.recv() => {}
+                    }
+                }
+                _ => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
+            tracing::info!("shutting down: finishing the transaction in flight");
+            let _ = tx.send(true);
+        });
+        Shutdown(rx)
+    }
+
+    /// Resolves once a signal arrived (at once if one already did).
+    fn signalled(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.0.clone();
+        async move {
+            let _ = rx.wait_for(|stopped| *stopped).await;
         }
     }
-    tracing::info!("shutting down: finishing the transaction in flight");
 }

@@ -1,9 +1,13 @@
 //! Test support for permitq (not published, used only by tests): one PostgreSQL per test binary
 //! and a freshly migrated database per test, in-process workers, waiting on a condition with a
-//! deadline, and the invariant check every concurrency test runs. Re-exports the throwaway
+//! deadline, the invariant check every concurrency test runs, and PgBouncer in front of the
+//! server. Re-exports the throwaway
 //! cluster (`permitq-embedded-pg`) and the run reports (`permitq-fleet`) the tests also use.
 
+mod pgbouncer;
 mod testdb;
+
+pub use pgbouncer::PgBouncer;
 
 pub use permitq_embedded_pg::{
     error, find_bin_dir, try_connect, EmbeddedPostgres, Error, NetworkBed, Result, StopMode,
@@ -14,7 +18,7 @@ pub use permitq_fleet::{
     RunReport, WorkerFleet,
 };
 pub use testdb::{
-    check_invariants, connect, event_objects, init_logging, quiet_config, semaphore,
+    as_user, check_invariants, connect, event_objects, init_logging, quiet_config, semaphore,
     semaphore_locked, settled_state, signal, state_of, wait_folded, wait_until, with_dbname,
     RunningWorker, TestDb,
 };

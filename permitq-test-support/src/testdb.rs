@@ -72,6 +72,13 @@ async fn template() -> &'static str {
         .await
 }
 
+/// `url` logging in as `user` with `password`.
+pub fn as_user(url: &str, user: &str, password: &str) -> String {
+    let (scheme, rest) = url.split_once("://").expect("a postgres:// URL");
+    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{user}:{password}@{host}")
+}
+
 /// A plain connection (driven on a task); panics when it cannot connect.
 pub async fn connect(url: &str) -> tokio_postgres::Client {
     try_connect(url).await.expect("connect")
@@ -125,6 +132,20 @@ impl TestDb {
             url: with_dbname(&server().0, &name),
             name,
         }
+    }
+
+    /// The URL of a new login role that is a member of `role` (a permitq role), unique to
+    /// this database, password `pw`.
+    pub async fn login(&self, role: &str) -> String {
+        let user = format!("{}_{}", role, &self.name[self.name.len() - 8..]);
+        self.conn()
+            .await
+            .batch_execute(&format!(
+                "CREATE ROLE {user} LOGIN PASSWORD 'pw' IN ROLE {role}"
+            ))
+            .await
+            .expect("create a login role");
+        as_user(&self.url, &user, "pw")
     }
 
     /// A [`Client`] on it.

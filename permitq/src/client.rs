@@ -1,11 +1,18 @@
 //! [`Client`], every operation of the SQL API from Rust: producers and holders (submit, wait,
 //! heartbeat, release), operators (capacity, revoke, usage, holders, waiters) and fencing.
+//!
+//! Every statement here runs as the *unnamed* statement with its parameter types given
+//! (`query_typed`): one round trip, and no named prepared statement left on the server
+//! connection. So a `Client` works through a transaction-mode pooler (PgBouncer), where the next
+//! transaction may run on another server connection that already has, or lacks, a statement of
+//! that name (`prepared statement "s0" already exists`, 42P05).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use deadpool_postgres::Pool;
 use tokio::sync::{broadcast::error::RecvError, OnceCell};
+use tokio_postgres::types::Type;
 
 use crate::db;
 use crate::error::{Error, Result};
@@ -105,17 +112,16 @@ impl Client {
             return Err(Error::invalid("priority", problem));
         }
         let conn = self.inner.pool.get().await?;
-        let statement = conn.prepare_cached(sql::SUBMIT.as_str()).await?;
         let row = conn
-            .query_one(
-                &statement,
+            .query_typed_one(
+                sql::SUBMIT.as_str(),
                 &[
-                    &request.external_id,
-                    &request.permits_json(),
-                    &request.owner,
-                    &request.ttl.map(sql::interval),
-                    &request.wait.map(sql::interval),
-                    &request.priority,
+                    (&request.external_id, Type::TEXT),
+                    (&request.permits_json(), Type::JSONB),
+                    (&request.owner, Type::TEXT),
+                    (&request.ttl.map(sql::interval), Type::TEXT),
+                    (&request.wait.map(sql::interval), Type::TEXT),
+                    (&request.priority, Type::INT2),
                 ],
             )
             .await?;
@@ -152,8 +158,7 @@ impl Client {
     /// The request with this `external_id`, if any.
     pub async fn status(&self, external_id: &str) -> Result<Option<PermitRequest>> {
         let conn = self.inner.pool.get().await?;
-        let statement = conn.prepare_cached(sql::STATUS.as_str()).await?;
-        conn.query_opt(&statement, &[&external_id])
+        conn.query_typed_opt(sql::STATUS.as_str(), &[(&external_id, Type::TEXT)])
             .await?
             .as_ref()
             .map(db::request_from_row)
@@ -172,8 +177,10 @@ impl Client {
 
     async fn outcome(&self, query: &str, external_id: &str) -> Result<ReleaseOutcome> {
         let conn = self.inner.pool.get().await?;
-        let statement = conn.prepare_cached(query).await?;
-        let text: String = conn.query_one(&statement, &[&external_id]).await?.get(0);
+        let text: String = conn
+            .query_typed_one(query, &[(&external_id, Type::TEXT)])
+            .await?
+            .get(0);
         tracing::debug!(%external_id, outcome = %text, "released");
         Ok(text.parse()?)
     }
@@ -189,9 +196,14 @@ impl Client {
             return Err(Error::invalid("extend", problem));
         }
         let conn = self.inner.pool.get().await?;
-        let statement = conn.prepare_cached(sql::HEARTBEAT).await?;
         Ok(conn
-            .query_one(&statement, &[&external_id, &extend.map(sql::interval)])
+            .query_typed_one(
+                sql::HEARTBEAT,
+                &[
+                    (&external_id, Type::TEXT),
+                    (&extend.map(sql::interval), Type::TEXT),
+                ],
+            )
             .await?
             .get(0))
     }
@@ -289,7 +301,15 @@ impl Client {
         let per = per.map(sql::interval);
         db::semaphore_from_row(
             &conn
-                .query_one(sql::SET_CAPACITY, &[&name, &capacity, &fair, &per])
+                .query_typed_one(
+                    sql::SET_CAPACITY,
+                    &[
+                        (&name, Type::TEXT),
+                        (&capacity, Type::INT4),
+                        (&fair, Type::BOOL),
+                        (&per, Type::TEXT),
+                    ],
+                )
                 .await?,
         )
     }
@@ -297,7 +317,7 @@ impl Client {
     /// Every semaphore, by name.
     pub async fn semaphores(&self) -> Result<Vec<Semaphore>> {
         let conn = self.inner.pool.get().await?;
-        conn.query(sql::LIST_SEMAPHORES, &[])
+        conn.query_typed(sql::LIST_SEMAPHORES, &[])
             .await?
             .iter()
             .map(db::semaphore_from_row)
@@ -307,7 +327,7 @@ impl Client {
     /// The capacity audit of one semaphore, oldest first.
     pub async fn capacity_history(&self, name: &str) -> Result<Vec<CapacityChange>> {
         let conn = self.inner.pool.get().await?;
-        conn.query(sql::CAPACITY_HISTORY, &[&name])
+        conn.query_typed(sql::CAPACITY_HISTORY, &[(&name, Type::TEXT)])
             .await?
             .iter()
             .map(db::capacity_change_from_row)
@@ -317,8 +337,7 @@ impl Client {
     /// Every semaphore with its exact use, waiting count and oldest wait, by name.
     pub async fn usage(&self) -> Result<Vec<SemaphoreUsage>> {
         let conn = self.inner.pool.get().await?;
-        let statement = conn.prepare_cached(sql::USAGE).await?;
-        conn.query(&statement, &[])
+        conn.query_typed(sql::USAGE, &[])
             .await?
             .iter()
             .map(usage::usage_from_row)
@@ -328,8 +347,7 @@ impl Client {
     /// Who holds permits of `semaphore`, oldest grant first.
     pub async fn holders(&self, semaphore: &str) -> Result<Vec<Holder>> {
         let conn = self.inner.pool.get().await?;
-        let statement = conn.prepare_cached(sql::HOLDERS).await?;
-        conn.query(&statement, &[&semaphore])
+        conn.query_typed(sql::HOLDERS, &[(&semaphore, Type::TEXT)])
             .await?
             .iter()
             .map(usage::holder_from_row)
@@ -339,12 +357,14 @@ impl Client {
     /// The first `limit` requests waiting on `semaphore`, in queue order.
     pub async fn waiters(&self, semaphore: &str, limit: i64) -> Result<Vec<Waiter>> {
         let conn = self.inner.pool.get().await?;
-        let statement = conn.prepare_cached(sql::WAITERS).await?;
-        conn.query(&statement, &[&semaphore, &limit])
-            .await?
-            .iter()
-            .map(usage::waiter_from_row)
-            .collect()
+        conn.query_typed(
+            sql::WAITERS,
+            &[(&semaphore, Type::TEXT), (&limit, Type::INT8)],
+        )
+        .await?
+        .iter()
+        .map(usage::waiter_from_row)
+        .collect()
     }
 
     /// Fencing check for a downstream write kept in this database: true (and remembered) when
@@ -352,7 +372,7 @@ impl Client {
     pub async fn fence(&self, resource: &str, token: i64) -> Result<bool> {
         let conn = self.inner.pool.get().await?;
         Ok(conn
-            .query_one(sql::FENCE, &[&resource, &token])
+            .query_typed_one(sql::FENCE, &[(&resource, Type::TEXT), (&token, Type::INT8)])
             .await?
             .get(0))
     }

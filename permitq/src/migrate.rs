@@ -325,7 +325,14 @@ pub(crate) async fn is_current(client: &tokio_postgres::Client) -> Result<bool> 
         bodies.push(file.sql.to_string());
     }
     Ok(client
-        .query_one(sql::SCHEMA_IS_CURRENT, &[&versions, &paths, &bodies])
+        .query_typed_one(
+            sql::SCHEMA_IS_CURRENT,
+            &[
+                (&versions, tokio_postgres::types::Type::INT4_ARRAY),
+                (&paths, tokio_postgres::types::Type::TEXT_ARRAY),
+                (&bodies, tokio_postgres::types::Type::TEXT_ARRAY),
+            ],
+        )
         .await?
         .try_get(0)?)
 }

@@ -186,11 +186,20 @@ fn router(state: State) -> Router {
         .with_state(state)
 }
 
-/// The status page, with every semaphore's row rendered for the first paint (on a database
-/// error, the page with the error; its script keeps trying).
+/// The status page, with every semaphore's row rendered for the first paint. On a database
+/// error: 503, and the page says so in its table (its script keeps trying).
 async fn status_page(axum::extract::State(state): axum::extract::State<State>) -> Response {
-    let usage = state.client.usage().await.unwrap_or_default();
-    html(page::page(&usage))
+    match state.client.usage().await {
+        Ok(usage) => html(page::page(&usage)),
+        Err(e) => {
+            let why = crate::error::one_line(&e.to_string());
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                html(page::page_unavailable(&why)),
+            )
+                .into_response()
+        }
+    }
 }
 
 /// The status page's table body, for its refresh: one request covers every semaphore.

@@ -16,6 +16,15 @@ pub(crate) fn page(usage: &[SemaphoreUsage]) -> String {
     include_str!("page.html").replacen(ROWS_MARK, &rows(usage), 1)
 }
 
+/// The whole page when the database cannot be read: one row saying why.
+pub(crate) fn page_unavailable(why: &str) -> String {
+    let row = format!(
+        "<tbody id=\"rows\"><tr class=\"none\"><td colspan=\"7\">cannot reach the database: {}</td></tr></tbody>",
+        escape(why)
+    );
+    include_str!("page.html").replacen(ROWS_MARK, &row, 1)
+}
+
 /// The page's table body: one row per semaphore, or one row saying there are none.
 pub(crate) fn rows(usage: &[SemaphoreUsage]) -> String {
     let mut html = String::from("<tbody id=\"rows\">");

@@ -157,7 +157,7 @@ fn usage_errors_show_the_whole_message() {
     let o = permitq(None, &["semaphore", "set", "gpu", "-3"]);
     assert_eq!(code(&o), 2);
     assert!(
-        stderr(&o).contains("'-3'") && stderr(&o).contains("<CAPACITY>"),
+        stderr(&o).contains("invalid value '-3' for '<CAPACITY>'"),
         "{}",
         stderr(&o)
     );

@@ -8,3 +8,4 @@ mod faults;
 mod http;
 mod network;
 mod operators;
+mod pooler;

@@ -444,12 +444,17 @@ async fn the_status_page_shows_50_semaphores_on_one_screen_and_follows_a_capacit
         .await
         .unwrap();
     client.set_capacity("tenant:*", 3, None).await.unwrap();
-    for i in 0..45 {
+    for i in 0..44 {
         client
             .set_capacity(&format!("pool-{i:02}"), 10, None)
             .await
             .unwrap();
     }
+    // Producers name instances (through templates), so names are escaped on the page.
+    client
+        .set_capacity("<b>\"pool\"&'44'</b>", 10, None)
+        .await
+        .unwrap();
     client
         .submit(&Request::new("t-acme").permit("tenant:acme", 1))
         .await
@@ -473,6 +478,11 @@ async fn the_status_page_shows_50_semaphores_on_one_screen_and_follows_a_capacit
     assert_eq!(html.matches("<tr class=\"sem\"").count(), 50, "{html}");
     assert!(html.contains("data-name=\"tenant:acme\"") && html.contains("from tenant:*"));
     assert!(html.contains("0 / 2 per 1m"), "the rate window is shown");
+    assert!(
+        html.contains("&lt;b&gt;&quot;pool&quot;&amp;&#39;44&#39;&lt;/b&gt;")
+            && !html.contains("<b>\"pool"),
+        "names are escaped"
+    );
 
     let browser = tokio::task::spawn_blocking(Browser::start).await.unwrap();
     let browser = std::sync::Arc::new(browser);
@@ -500,18 +510,39 @@ async fn the_status_page_shows_50_semaphores_on_one_screen_and_follows_a_capacit
     })
     .await;
     let on_screen = eval(
-        "return [...document.querySelectorAll('tr.sem')]\
-         .filter(r => r.getBoundingClientRect().bottom <= window.innerHeight).length",
+        "return [...document.querySelectorAll('tr.sem')].filter(r => { \
+           const b = r.getBoundingClientRect(); \
+           return !r.hidden && b.height > 0 && b.top >= 0 && b.bottom <= window.innerHeight; \
+         }).length",
     )
     .await;
     assert_eq!(on_screen, 50, "every semaphore fits on one screen");
-    // One request per refresh while no semaphore is selected: no per-semaphore requests.
-    let per_semaphore = eval(
+    // One request per refresh while no semaphore is selected: every request the page made is
+    // for the rows, about one a second.
+    wait_until(SOON, "three more refreshes", || async {
+        eval("return performance.getEntriesByType('resource').length")
+            .await
+            .as_u64()
+            .unwrap_or(0)
+            >= 4
+    })
+    .await;
+    let requests = eval(
         "return performance.getEntriesByType('resource')\
-         .filter(e => e.name.includes('/api/semaphores/')).length",
+         .map(e => new URL(e.name).pathname).join(' ')",
     )
     .await;
-    assert_eq!(per_semaphore, 0);
+    let requests = requests.as_str().unwrap();
+    assert!(
+        requests.split(' ').all(|path| path == "/rows"),
+        "only /rows: {requests}"
+    );
+    let count = requests.split(' ').count();
+    let since_load_s = eval("return performance.now()").await.as_f64().unwrap() / 1000.0;
+    assert!(
+        count as f64 <= since_load_s + 1.0,
+        "one request a second: {count} in {since_load_s:.1}s"
+    );
 
     // Search, then select gpu: its holders, and its waiters in line order with priorities.
     eval(
@@ -576,6 +607,47 @@ async fn the_status_page_shows_50_semaphores_on_one_screen_and_follows_a_capacit
     })
     .await;
     drop(browser);
+    let _ = serve.kill();
+    let _ = serve.wait();
+    worker.stop().await;
+}
+
+/// `serve` needs nothing more than the producer role (deploy/ runs it so): every page and
+/// endpoint answers when it logs in as a member of `permitq_producer` only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_runs_as_a_producer_login() {
+    let db = TestDb::new().await;
+    let (client, worker) = populated(&db).await;
+    client
+        .set_rate_limit("api", 2, Duration::from_secs(60), None)
+        .await
+        .unwrap();
+    let producer = db.login("permitq_producer").await;
+    let (mut serve, addr) = tokio::task::spawn_blocking(move || {
+        spawn_server(&producer, &["serve", "--http-addr", "127.0.0.1:0"])
+    })
+    .await
+    .unwrap();
+    for path in [
+        "/",
+        "/rows",
+        "/api/semaphores",
+        "/api/semaphores/gpu",
+        "/api/semaphores/api",
+        "/metrics",
+        "/readyz",
+    ] {
+        let (status, body) = tokio::task::spawn_blocking(move || get(addr, path))
+            .await
+            .unwrap();
+        assert_eq!(status, 200, "{path}: {body}");
+        if path == "/api/semaphores/gpu" {
+            assert!(
+                body.contains("train-1") && body.contains("train-3"),
+                "{body}"
+            );
+        }
+    }
     let _ = serve.kill();
     let _ = serve.wait();
     worker.stop().await;

@@ -40,16 +40,23 @@ END $$;
 GRANT EXECUTE ON FUNCTION permitq.in_window(permitq.semaphore)
     TO permitq_producer, permitq_worker, permitq_admin;
 
--- When the window of `s` next has room: NULL when it has room now or is no rate limit; else
--- when its oldest counted bucket leaves the window.
+-- When the window of `s` next has room for one permit: NULL when it has room now or is no rate
+-- limit; else when enough of its oldest buckets have left the window that fewer than
+-- `capacity` permits remain in it (after a capacity was lowered, that may take several).
 CREATE OR REPLACE FUNCTION permitq.window_opens_at(s permitq.semaphore) RETURNS timestamptz
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    granted bigint := permitq.in_window(s);
 BEGIN
-    IF s.per IS NULL OR permitq.in_window(s) < s.capacity THEN
+    IF s.per IS NULL OR granted < s.capacity THEN
         RETURN NULL;
     END IF;
-    RETURN (SELECT min(b.ends_at) + s.per FROM permitq.rate_bucket b
-            WHERE b.semaphore_id = s.id AND b.ends_at > now() - s.per);
+    RETURN (SELECT min(leaving.ends_at) + s.per
+            FROM (SELECT b.ends_at,
+                         sum(b.count) OVER (ORDER BY b.ends_at) AS gone
+                  FROM permitq.rate_bucket b
+                  WHERE b.semaphore_id = s.id AND b.ends_at > now() - s.per) leaving
+            WHERE granted - leaving.gone < s.capacity);
 END $$;
 -- The semaphore_usage view calls it as its reader.
 GRANT EXECUTE ON FUNCTION permitq.window_opens_at(permitq.semaphore)

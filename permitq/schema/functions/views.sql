@@ -50,7 +50,8 @@ WHERE r.state = 'acquired';
 
 -- Who waits, in each semaphore's queue order as the workers rank it: position 1 is the head,
 -- the request first in line by priority and aging (permitq.rule_place_in_line, the rule of
--- functions/queue_order.sql), then by id.
+-- functions/queue_order.sql), then by id. On a fair semaphore only backfill that leaves the
+-- head's room goes before it; a greedy one grants whatever fits.
 CREATE OR REPLACE VIEW permitq.waiters AS
 SELECT e.key AS semaphore, r.external_id, r.owner, e.value::int AS count,
        row_number() OVER (PARTITION BY e.key

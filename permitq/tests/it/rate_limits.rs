@@ -284,3 +284,55 @@ async fn a_window_is_validated_and_can_be_removed() {
         .get(0);
     assert_eq!(per, None);
 }
+
+/// A spent window says when it next has room for a permit: when enough of its oldest grants have
+/// left it, which after a capacity was lowered below what the window holds is more than the
+/// oldest alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spent_window_opens_when_enough_of_its_grants_have_left_it() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client
+        .set_rate_limit("w", 3, Duration::from_secs(60), None)
+        .await
+        .unwrap();
+    // Two grants of 2, 30 s and 10 s ago: 4 in the window.
+    conn.batch_execute(
+        "INSERT INTO permitq.rate_bucket (semaphore_id, ends_at, count)
+         SELECT id, now() - interval '30 seconds', 2 FROM permitq.semaphore WHERE name = 'w'
+         UNION ALL
+         SELECT id, now() - interval '10 seconds', 2 FROM permitq.semaphore WHERE name = 'w'",
+    )
+    .await
+    .unwrap();
+    let opens_in = |capacity: i32| {
+        let conn = &conn;
+        async move {
+            conn.query_one(
+                "SELECT extract(epoch FROM window_opens_at - now())::float8 FROM permitq.semaphore_usage
+                 WHERE name = 'w' AND in_window = 4 AND capacity = $1",
+                &[&capacity],
+            )
+            .await
+            .unwrap()
+            .get::<_, Option<f64>>(0)
+        }
+    };
+    // Capacity 3: room again once the older grant leaves (4 - 2 < 3), in 30 s.
+    let at_3 = opens_in(3).await.expect("spent");
+    assert!((29.0..=31.0).contains(&at_3), "{at_3}");
+    // Capacity 1: both must leave (4 - 2 is not below 1), in 50 s.
+    client
+        .set_rate_limit("w", 1, Duration::from_secs(60), None)
+        .await
+        .unwrap();
+    let at_1 = opens_in(1).await.expect("spent");
+    assert!((49.0..=51.0).contains(&at_1), "{at_1}");
+    // Capacity 5: room now, so no opening time.
+    client
+        .set_rate_limit("w", 5, Duration::from_secs(60), None)
+        .await
+        .unwrap();
+    assert_eq!(opens_in(5).await, None);
+}

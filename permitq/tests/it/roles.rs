@@ -5,27 +5,12 @@ use permitq_test_support as common;
 
 use std::time::Duration;
 
-use common::{quiet_config, RunningWorker, TestDb};
+use common::{as_user, quiet_config, RunningWorker, TestDb};
 use permitq::{Client, Request, SqlState, State};
-
-/// `url` logging in as `user` with `password`.
-fn as_user(url: &str, user: &str, password: &str) -> String {
-    let (scheme, rest) = url.split_once("://").expect("a postgres:// URL");
-    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
-    format!("{scheme}://{user}:{password}@{host}")
-}
 
 /// A login role in `role`, unique to this test database.
 async fn login(db: &TestDb, role: &str) -> String {
-    let user = format!("{}_{}", role, &db.name[db.name.len() - 8..]);
-    db.conn()
-        .await
-        .batch_execute(&format!(
-            "CREATE ROLE {user} LOGIN PASSWORD 'pw' IN ROLE {role}"
-        ))
-        .await
-        .unwrap();
-    as_user(&db.url, &user, "pw")
+    db.login(role).await
 }
 
 /// Runs `sql` and expects permission denied (42501).
