@@ -16,13 +16,26 @@ use crate::types::{CapacityChange, PermitRequest, Semaphore};
 /// partition) is noticed in well under a minute instead of the kernel's two hours. Workers ask
 /// the server for the same on its side ([`SERVER_KEEPALIVES`]). Unless the URL sets it,
 /// `application_name` is `permitq`, so the capacity audit and `pg_stat_activity` show who
-/// connected. A URL that does not parse is invalid input (field `database URL`).
+/// connected. A URL without a host (`postgres:///app`) uses the local server's Unix socket. A
+/// URL that does not parse is invalid input (field `database URL`).
 pub(crate) fn parse_config(url: &str) -> Result<Config> {
     let mut config = url
         .parse::<Config>()
         .map_err(|e| Error::invalid("database URL", e.to_string()))?;
     if config.get_application_name().is_none() {
         config.application_name("permitq");
+    }
+    if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
+        // As libpq does: the local server's Unix socket, else localhost (`postgres:///app`).
+        let port = config.get_ports().first().copied().unwrap_or(5432);
+        match DEFAULT_SOCKET_DIRS.iter().find(|dir| {
+            std::path::Path::new(dir)
+                .join(format!(".s.PGSQL.{port}"))
+                .exists()
+        }) {
+            Some(dir) => config.host_path(dir),
+            None => config.host("localhost"),
+        };
     }
     if !url.contains("keepalives") {
         config
@@ -36,6 +49,10 @@ pub(crate) fn parse_config(url: &str) -> Result<Config> {
     }
     Ok(config)
 }
+
+/// Where a URL without a host looks for the local server's socket (Debian's, then the
+/// upstream default), before falling back to localhost.
+const DEFAULT_SOCKET_DIRS: [&str; 2] = ["/var/run/postgresql", "/tmp"];
 
 /// Server-side keepalives and `tcp_user_timeout` (ms) for worker sessions, so that the server
 /// also drops the session of a worker host that vanished (sent as startup options, which
@@ -211,5 +228,18 @@ impl Backoff {
     /// Back to `base` after a success.
     pub(crate) fn reset(&mut self) {
         self.attempt = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_url_without_a_host_gets_the_local_server() {
+        let config = super::parse_config("postgres:///app").unwrap();
+        assert_eq!(config.get_hosts().len(), 1);
+        assert_eq!(config.get_dbname(), Some("app"));
+        assert_eq!(config.get_application_name(), Some("permitq"));
+        let config = super::parse_config("postgres://h/app?application_name=mine").unwrap();
+        assert_eq!(config.get_application_name(), Some("mine"));
     }
 }
