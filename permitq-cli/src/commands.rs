@@ -177,7 +177,7 @@ async fn wait_for_schema(client: &Client) -> Result<()> {
         if std::time::Instant::now() >= deadline {
             return Err(CliError::runtime(format!("gave up after 2 minutes: {why}")));
         }
-        tracing::warn!(reason = %why, retry_in_s = 1, "{why}; retrying in 1s");
+        tracing::warn!(retry_in_s = 1, "{why}");
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }

@@ -16,7 +16,8 @@ use crate::types::{CapacityChange, PermitRequest, Semaphore};
 /// partition) is noticed in well under a minute instead of the kernel's two hours. Workers ask
 /// the server for the same on its side ([`SERVER_KEEPALIVES`]). Unless the URL sets it,
 /// `application_name` is `permitq`, so the capacity audit and `pg_stat_activity` show who
-/// connected. A URL without a host (`postgres:///app`) uses the local server's Unix socket. A
+/// connected. A URL without a host (`postgres:///app`) uses the local server's Unix socket, and
+/// one without a password takes `PGPASSWORD` when it is set. A
 /// URL that does not parse is invalid input (field `database URL`).
 pub(crate) fn parse_config(url: &str) -> Result<Config> {
     let mut config = url
@@ -24,6 +25,12 @@ pub(crate) fn parse_config(url: &str) -> Result<Config> {
         .map_err(|e| Error::invalid("database URL", e.to_string()))?;
     if config.get_application_name().is_none() {
         config.application_name("permitq");
+    }
+    if config.get_password().is_none() {
+        // As libpq does: a password the URL leaves out may come from the environment.
+        if let Some(password) = std::env::var_os("PGPASSWORD") {
+            config.password(password.as_encoded_bytes());
+        }
     }
     if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
         // As libpq does: the local server's Unix socket, else localhost (`postgres:///app`).
@@ -241,5 +248,16 @@ mod tests {
         assert_eq!(config.get_application_name(), Some("permitq"));
         let config = super::parse_config("postgres://h/app?application_name=mine").unwrap();
         assert_eq!(config.get_application_name(), Some("mine"));
+    }
+
+    #[test]
+    fn a_password_the_url_leaves_out_comes_from_pgpassword() {
+        // The only test in this binary that reads or writes PGPASSWORD.
+        std::env::set_var("PGPASSWORD", "from-env");
+        let without = super::parse_config("postgres://u@h/app").unwrap();
+        let with = super::parse_config("postgres://u:in-url@h/app").unwrap();
+        std::env::remove_var("PGPASSWORD");
+        assert_eq!(without.get_password(), Some(&b"from-env"[..]));
+        assert_eq!(with.get_password(), Some(&b"in-url"[..]));
     }
 }

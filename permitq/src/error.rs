@@ -173,6 +173,13 @@ fn fmt_postgres(e: &tokio_postgres::Error, f: &mut fmt::Formatter<'_>) -> fmt::R
             write!(f, ": {s}")?;
             source = s.source();
         }
+        if e.to_string().contains("password missing") {
+            write!(
+                f,
+                " (the server asks for a password: put it in the URL, \
+                 postgres://user:password@host/db, or set PGPASSWORD)"
+            )?;
+        }
         Ok(())
     }
 }

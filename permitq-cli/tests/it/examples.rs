@@ -95,7 +95,7 @@ impl Drop for Background {
 /// database: the tutorial's `permitq worker &` is the worker the later blocks rely on, and the
 /// tutorial waits for its grant with `--await`, so nothing here retries or sleeps. Three lines
 /// cannot run inside a test and are checked instead: `cargo run --release -- ARGS` runs the
-/// binary under test with ARGS (the same code), `cargo install --path DIR` must name the crate
+/// binary under test with ARGS (the same code), `cargo install --locked --path DIR` must name the crate
 /// of that binary, and `scripts/test` (the command running this test) must be executable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_readme_block_runs_as_written_top_to_bottom_on_a_fresh_database() {
@@ -179,7 +179,7 @@ async fn every_readme_block_runs_as_written_top_to_bottom_on_a_fresh_database() 
                         continue;
                     }
                     ran += 1;
-                    if let Some(dir) = command.strip_prefix("cargo install --path ") {
+                    if let Some(dir) = command.strip_prefix("cargo install --locked --path ") {
                         let manifest =
                             std::fs::read_to_string(root.join(dir).join("Cargo.toml")).unwrap();
                         assert!(manifest.contains("name = \"permitq\""), "{command}");

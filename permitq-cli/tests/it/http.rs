@@ -92,7 +92,7 @@ pub(crate) fn get(addr: SocketAddr, path: &str) -> (u16, String) {
     clippy::zombie_processes,
     reason = "the caller owns the child and waits for it"
 )]
-pub(crate) fn spawn_server(url: &str, args: &[&str]) -> (Child, SocketAddr) {
+pub(crate) fn spawn_server(url: &str, args: &[&str]) -> (Server, SocketAddr) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_permitq"))
         .args(args)
         .env("DATABASE_URL", url)
@@ -119,8 +119,32 @@ pub(crate) fn spawn_server(url: &str, args: &[&str]) -> (Child, SocketAddr) {
                 .unwrap();
             let addr = addr.trim_end_matches('/').parse().expect("an address");
             std::thread::spawn(move || drain(stderr));
-            return (child, addr);
+            return (Server(child), addr);
         }
+    }
+}
+
+/// A spawned `permitq serve` or `worker`: killed when dropped, so a failing test leaves no
+/// server behind.
+pub(crate) struct Server(Child);
+
+impl std::ops::Deref for Server {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Server {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
