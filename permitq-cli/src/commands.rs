@@ -13,11 +13,9 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
     let url = cli.database_url;
     let named = if explicit_url { url.as_deref() } else { None };
     let need_url = || {
-        url.clone().ok_or_else(|| {
-            CliError::usage(
-                "database-url",
-                "no database: pass --database-url or set DATABASE_URL",
-            )
+        url.clone().ok_or_else(|| CliError::Missing {
+            field: "database URL",
+            hint: "pass --database-url or set DATABASE_URL".to_string(),
         })
     };
     match cli.command {
@@ -142,7 +140,7 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
                         "expires_at": expiry.map(|t| humantime::format_rfc3339_micros(t).to_string()),
                     })
                 ),
-                Ok(Some(t)) => outln!("expires_at {}", humantime::format_rfc3339_micros(t)),
+                Ok(Some(t)) => outln!("expires_at {}", humantime::format_rfc3339_seconds(t)),
                 Ok(None) => outln!("acquired, no expiry"),
                 Err(e) if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE) => {
                     if client.status(&external_id).await?.is_none() {

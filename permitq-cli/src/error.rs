@@ -25,6 +25,8 @@ pub(crate) enum CliError {
         field: &'static str,
         message: String,
     },
+    /// A required input that was not given (exit 2, like an invalid one).
+    Missing { field: &'static str, hint: String },
     /// No request or semaphore by that name.
     NotFound { what: &'static str, name: String },
     /// Anything else at run time (demo, bench and chaos tooling, I/O).
@@ -56,7 +58,7 @@ impl CliError {
     /// not found, else 1.
     pub(crate) fn exit_code(&self) -> u8 {
         match self {
-            CliError::Usage { .. } => EXIT_USAGE,
+            CliError::Usage { .. } | CliError::Missing { .. } => EXIT_USAGE,
             CliError::NotFound { .. } => EXIT_NOT_FOUND,
             CliError::Permitq(e)
                 if e.invalid_field().is_some()
@@ -81,6 +83,7 @@ impl fmt::Display for CliError {
             ),
             CliError::Permitq(e) => write!(f, "{e}"),
             CliError::Usage { field, message } => write!(f, "invalid {field}: {message}"),
+            CliError::Missing { field, hint } => write!(f, "no {field} given: {hint}"),
             CliError::NotFound { what, name } => write!(f, "no {what} named {name:?}"),
             CliError::Runtime(m) => write!(f, "{m}"),
         }
