@@ -1,12 +1,14 @@
 //! Test support for permitq (not published, used only by tests): one PostgreSQL per test binary
 //! and a freshly migrated database per test, in-process workers, waiting on a condition with a
-//! deadline, the invariant check every concurrency test runs, and PgBouncer in front of the
-//! server. Re-exports the throwaway
+//! deadline, the invariant check every concurrency test runs, PgBouncer in front of the
+//! server, and a Patroni + etcd cluster. Re-exports the throwaway
 //! cluster (`permitq-embedded-pg`) and the run reports (`permitq-fleet`) the tests also use.
 
+mod patroni;
 mod pgbouncer;
 mod testdb;
 
+pub use patroni::PatroniCluster;
 pub use pgbouncer::PgBouncer;
 
 pub use permitq_embedded_pg::{

@@ -107,7 +107,7 @@ impl Drop for PgBouncer {
 }
 
 /// The uid and gid of the `postgres` OS user, when this process runs as root.
-fn postgres_user_when_root() -> Option<(u32, u32)> {
+pub(crate) fn postgres_user_when_root() -> Option<(u32, u32)> {
     let id = |flag: &str| -> Option<u32> {
         let out = Command::new("id").args([flag, "postgres"]).output().ok()?;
         String::from_utf8_lossy(&out.stdout).trim().parse().ok()

@@ -3,6 +3,7 @@
 mod failover;
 mod leases;
 mod notifications;
+mod patroni;
 mod priorities;
 mod rate_limits;
 mod robustness;

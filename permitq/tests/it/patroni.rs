@@ -1,0 +1,206 @@
+//! High availability on real tools: Patroni (with etcd) runs three PostgreSQL members with
+//! `synchronous_mode`, workers and producers use the multi-host URL with
+//! `target_session_attrs=read-write`, and under load the leader is killed outright, or handed
+//! over with `patronictl switchover`. Patroni promotes the synchronous standby on its own; nothing acknowledged is lost, capacity is never
+//! exceeded, fencing tokens keep increasing in grant order across the promotion, and grants
+//! resume within a bound.
+
+use permitq_test_support as common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{check_invariants, quiet_config, PatroniCluster, RunningWorker};
+use permitq::{Client, Request, State};
+
+/// What the producers were told: submits acknowledged, and grants (with when they were seen).
+#[derive(Default)]
+struct Acknowledged {
+    submitted: Vec<String>,
+    granted: Vec<(String, Instant)>,
+}
+
+/// Retries `op` (an idempotent call) until it succeeds: during the failover calls fail.
+async fn retried<T, F, Fut>(mut op: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = permitq::Result<T>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        match op().await {
+            Ok(v) => return v,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "still failing after 90 s: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// One producer: submit, wait for the grant, release; again, until `stop`.
+async fn producer(
+    client: Client,
+    n: usize,
+    log: Arc<Mutex<Acknowledged>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) {
+    let mut i = 0;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let id = format!("p{n}-{i}");
+        i += 1;
+        let request = Request::new(&id)
+            .permit("gpu", 1)
+            .ttl(Duration::from_secs(60));
+        retried(|| client.submit(&request)).await;
+        log.lock().unwrap().submitted.push(id.clone());
+        loop {
+            let row = retried(|| client.wait_settled(&id, Duration::from_secs(5))).await;
+            match row.map(|r| r.state) {
+                Some(State::Acquired) => break,
+                Some(State::New) => continue,
+                other => panic!("{id} ended {other:?}"),
+            }
+        }
+        log.lock()
+            .unwrap()
+            .granted
+            .push((id.clone(), Instant::now()));
+        retried(|| client.release(&id)).await;
+    }
+}
+
+/// How the leader goes away.
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    /// SIGKILL of its Patroni and its PostgreSQL: its leader key runs out (ttl 10 s).
+    KillLeader,
+    /// `patronictl switchover`: a planned handover.
+    Switchover,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_patroni_failover_under_load_loses_nothing_and_tokens_keep_increasing() {
+    under_load(Fault::KillLeader).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_patroni_switchover_under_load_loses_nothing_and_tokens_keep_increasing() {
+    under_load(Fault::Switchover).await;
+}
+
+async fn under_load(fault: Fault) {
+    let mut cluster = tokio::task::spawn_blocking(|| PatroniCluster::start(true))
+        .await
+        .unwrap();
+    let url = cluster.url("postgres");
+    let client = Client::connect(&url).await.unwrap();
+    client.migrate().await.unwrap();
+    client.set_capacity("gpu", 2, None).await.unwrap();
+    client.set_capacity("probe", 1, None).await.unwrap();
+    let workers = [
+        RunningWorker::start(&url, quiet_config("ha-1")),
+        RunningWorker::start(&url, quiet_config("ha-2")),
+    ];
+    let log = Arc::new(Mutex::new(Acknowledged::default()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let producers: Vec<_> = (0..4)
+        .map(|n| {
+            let client = client.clone();
+            tokio::spawn(producer(client, n, log.clone(), stop.clone()))
+        })
+        .collect();
+    common::wait_until(
+        Duration::from_secs(30),
+        "grants before the fault",
+        || async { log.lock().unwrap().granted.len() >= 20 },
+    )
+    .await;
+
+    let killed_at = Instant::now();
+    let old_leader = cluster.leader().expect("a leader");
+    tokio::task::block_in_place(|| match fault {
+        Fault::KillLeader => cluster.kill_member(old_leader),
+        Fault::Switchover => cluster.switchover(),
+    });
+    // Grants resume: a request submitted after the fault (on a semaphore of its own, so the
+    // load does not delay it) is granted.
+    let probe = Request::new("probe").permit("probe", 1);
+    retried(|| client.submit(&probe)).await;
+    loop {
+        let row = retried(|| client.wait_settled("probe", Duration::from_secs(5))).await;
+        if row.is_some_and(|r| r.state == State::Acquired) {
+            break;
+        }
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(60),
+            "no grant after the fault"
+        );
+    }
+    let resumed_after = killed_at.elapsed();
+    let before = log.lock().unwrap().granted.len();
+    common::wait_until(
+        Duration::from_secs(60),
+        "the load goes on after the fault",
+        || async { log.lock().unwrap().granted.len() >= before + 20 },
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let new_leader = loop {
+        match cluster.leader() {
+            Some(leader) if leader != old_leader => break leader,
+            _ => {
+                assert!(
+                    Instant::now() < deadline,
+                    "no other member leads: {}",
+                    cluster.logs()
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for p in producers {
+        p.await.unwrap();
+    }
+    eprintln!(
+        "patroni {fault:?}: leader m{} gone; m{} promoted; grants resumed after {:.1} s",
+        old_leader + 1,
+        new_leader + 1,
+        resumed_after.as_secs_f64()
+    );
+    assert!(resumed_after < Duration::from_secs(45), "{resumed_after:?}");
+
+    // On the new leader: every acknowledged submit and grant is there (synchronous_mode), all
+    // released, and the tokens increase in grant order across the promotion.
+    let conn = common::connect(&url).await;
+    let (submitted, granted) = {
+        let log = log.lock().unwrap();
+        (log.submitted.clone(), log.granted.len())
+    };
+    client.release("probe").await.unwrap();
+    for id in &submitted {
+        let row = retried(|| client.status(id)).await;
+        let row = row.unwrap_or_else(|| panic!("acknowledged submit {id} was lost"));
+        assert_eq!(row.state, State::Released, "{id}");
+    }
+    let tokens: Vec<i64> = conn
+        .query(
+            "SELECT fencing_token FROM permitq.permit_request ORDER BY acquired_at, fencing_token",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(tokens.len() >= granted);
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "tokens increase in grant order: {tokens:?}"
+    );
+    check_invariants(&conn).await.unwrap();
+    for w in workers {
+        w.stop().await;
+    }
+}
