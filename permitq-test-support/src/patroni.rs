@@ -1,6 +1,7 @@
 //! A high-availability cluster run by real tools: etcd (one member) and Patroni managing three
-//! PostgreSQL members on loopback, each with its own port and REST API. Patroni decides on
-//! promotion, fences the old leader and manages `synchronous_mode` itself; the tests only
+//! PostgreSQL members on loopback, each with its own port and REST API (and a scope of its own,
+//! so clusters never meet in etcd). Patroni decides on promotion and manages
+//! `synchronous_mode` itself; the tests only
 //! inject faults (SIGKILL of a member's Patroni and PostgreSQL, a switchover) and read the
 //! cluster through the REST API. Debian's `patroni` (3.0) and `etcd-server` (3.4).
 
@@ -58,6 +59,18 @@ fn as_postgres(cmd: &mut Command, dir: &std::path::Path) {
             .status();
         cmd.uid(uid).gid(gid);
     }
+}
+
+/// The pid in `data`'s postmaster.pid, if that process is alive and still works in `data`
+/// (so a pid the system reused is never taken for it).
+fn postmaster_of(data: &std::path::Path) -> Option<u32> {
+    let text = std::fs::read_to_string(data.join("postmaster.pid")).ok()?;
+    let pid: u32 = text.lines().next()?.trim().parse().ok()?;
+    if pid < 2 {
+        return None;
+    }
+    let cwd = std::fs::read_link(format!("/proc/{pid}/cwd")).ok()?;
+    (cwd == std::fs::canonicalize(data).ok()?).then_some(pid)
 }
 
 /// `GET path` on 127.0.0.1:`port`: the status code (0 when nothing answers).
@@ -155,7 +168,7 @@ impl PatroniCluster {
     fn write_config(&self, m: &Member) {
         let data = self.dir.join(format!("data-{}", m.name));
         let config = format!(
-            "scope: permitq\n\
+            "scope: permitq-{etcd}\n\
              name: {name}\n\
              restapi:\n  listen: 127.0.0.1:{rest}\n  connect_address: 127.0.0.1:{rest}\n\
              etcd3:\n  hosts: 127.0.0.1:{etcd}\n\
@@ -280,23 +293,21 @@ impl PatroniCluster {
             kill_group(pgid);
             let _ = child.wait();
         }
-        // The postmaster may have left the group (it does not), and its children die with it;
-        // make sure nothing of it listens any more.
-        let pid_file = self
-            .dir
-            .join(format!("data-{}", self.members[i].name))
-            .join("postmaster.pid");
-        if let Some(pid) = std::fs::read_to_string(pid_file)
-            .ok()
-            .and_then(|s| s.lines().next().map(str::to_string))
-        {
-            if pid.trim().parse::<u32>().is_ok_and(|pid| pid > 1) {
-                let _ = Command::new("kill")
-                    .args(["-s", "KILL", "--", pid.trim()])
-                    .stderr(Stdio::null())
-                    .status();
+        // Patroni starts the postmaster in a session of its own (setsid), so it outlives its
+        // Patroni: kill it by its pid file, but only while that pid is still this member's
+        // postmaster (its working directory is the data directory), never a reused pid.
+        let data = self.dir.join(format!("data-{}", self.members[i].name));
+        if let Some(pid) = postmaster_of(&data) {
+            let _ = Command::new("kill")
+                .args(["-s", "KILL", "--", &pid.to_string()])
+                .stderr(Stdio::null())
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while postmaster_of(&data) == Some(pid) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
             }
         }
+        let _ = std::fs::remove_file(data.join("postmaster.pid"));
     }
 
     /// Starts member `i` again (it rejoins as a replica, rewound if needed).
@@ -307,7 +318,7 @@ impl PatroniCluster {
     /// `patronictl switchover` from the leader to another member (the synchronous standby with
     /// `synchronous_mode`), forced (no prompt); panics unless Patroni reports success.
     pub fn switchover(&self) {
-        let leader = self.leader().expect("a leader");
+        let leader = self.wait_for_leader(Duration::from_secs(30));
         // With synchronous_mode, Patroni hands over only to the synchronous standby.
         let candidate = (0..self.members.len())
             .find(|&i| {
