@@ -45,18 +45,19 @@ GRANT EXECUTE ON FUNCTION permitq.in_window(permitq.semaphore)
 -- `capacity` permits remain in it (after a capacity was lowered, that may take several).
 CREATE OR REPLACE FUNCTION permitq.window_opens_at(s permitq.semaphore) RETURNS timestamptz
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-DECLARE
-    granted bigint := permitq.in_window(s);
 BEGIN
-    IF s.per IS NULL OR granted < s.capacity THEN
+    IF s.per IS NULL THEN
         RETURN NULL;
     END IF;
+    -- One pass over the window's buckets, oldest first: `granted` is what the window holds
+    -- (in_window's figure), `gone` what has left it once each bucket has.
     RETURN (SELECT min(leaving.ends_at) + s.per
             FROM (SELECT b.ends_at,
+                         sum(b.count) OVER () AS granted,
                          sum(b.count) OVER (ORDER BY b.ends_at) AS gone
                   FROM permitq.rate_bucket b
                   WHERE b.semaphore_id = s.id AND b.ends_at > now() - s.per) leaving
-            WHERE granted - leaving.gone < s.capacity);
+            WHERE leaving.granted >= s.capacity AND leaving.granted - leaving.gone < s.capacity);
 END $$;
 -- The semaphore_usage view calls it as its reader.
 GRANT EXECUTE ON FUNCTION permitq.window_opens_at(permitq.semaphore)
