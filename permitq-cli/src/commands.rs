@@ -237,11 +237,9 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             } else {
                 outln!("{:<32} {:>10} {:>10}  mode", "name", "capacity", "used");
                 for s in list {
-                    let mut kind = match (&s.template, s.is_template) {
-                        (_, true) => "  template".to_string(),
-                        (Some(t), _) => format!("  from {t}"),
-                        (None, false) => String::new(),
-                    };
+                    let mut kind = crate::show::origin(s.is_template, s.template.as_deref())
+                        .map(|o| format!("  {o}"))
+                        .unwrap_or_default();
                     if let Some(per) = s.per {
                         kind.push_str(&format!("  per {}", humantime::format_duration(per)));
                     }

@@ -27,27 +27,39 @@ pub(crate) fn until(t: SystemTime) -> String {
     }
 }
 
-/// What kind of semaphore it is, in a few words: `template`, `from tenant:*`, and for a rate
-/// limit its window, the permits granted in it and when a spent window opens.
-pub(crate) fn kind(u: &permitq::SemaphoreUsage) -> String {
-    let mut kind = match (&u.template, u.is_template) {
-        (_, true) => vec!["template".to_string()],
-        (Some(t), false) => vec![format!("from {t}")],
-        (None, false) => Vec::new(),
-    };
-    if let Some(per) = u.per {
-        let mut window = format!(
-            "{} / {} granted per {}",
-            u.in_window,
-            u.capacity,
-            humantime::format_duration(per)
-        );
-        if let Some(opens) = u.window_opens_at {
-            window.push_str(&format!(", window spent: opens {}", until(opens)));
-        }
-        kind.push(window);
+/// Where a semaphore comes from: `template` for a template, `from tenant:*` for an instance made
+/// from one, nothing for a plain semaphore.
+pub(crate) fn origin(is_template: bool, template: Option<&str>) -> Option<String> {
+    match (is_template, template) {
+        (true, _) => Some("template".to_string()),
+        (false, Some(t)) => Some(format!("from {t}")),
+        (false, None) => None,
     }
-    kind.join("; ")
+}
+
+/// A rate-limited semaphore's window: the permits granted in it, and when a spent one opens
+/// (`3 / 3 granted per 1m, window spent: opens in 41.0s`); nothing for a concurrency semaphore.
+pub(crate) fn window(u: &permitq::SemaphoreUsage) -> Option<String> {
+    let per = u.per?;
+    let mut window = format!(
+        "{} / {} granted per {}",
+        u.in_window,
+        u.capacity,
+        humantime::format_duration(per)
+    );
+    if let Some(opens) = u.window_opens_at {
+        window.push_str(&format!(", window spent: opens {}", until(opens)));
+    }
+    Some(window)
+}
+
+/// What kind of semaphore it is, in a few words: its [`origin`] and its [`window`].
+pub(crate) fn kind(u: &permitq::SemaphoreUsage) -> String {
+    [origin(u.is_template, u.template.as_deref()), window(u)]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// Prints usage, holders, waiters and recent capacity changes.

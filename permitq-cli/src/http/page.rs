@@ -52,26 +52,9 @@ pub(crate) fn rows(usage: &[SemaphoreUsage]) -> String {
         } else {
             String::new()
         };
-        let window = match u.per {
-            Some(per) => {
-                let mut w = format!(
-                    "{} / {} per {}",
-                    u.in_window,
-                    u.capacity,
-                    humantime::format_duration(per)
-                );
-                if let Some(opens) = u.window_opens_at {
-                    let _ = write!(w, ", opens {}", crate::show::until(opens));
-                }
-                w
-            }
-            None => String::new(),
-        };
-        let mut kind = match (&u.template, u.is_template) {
-            (_, true) => "template".to_string(),
-            (Some(t), false) => format!("from {t}"),
-            (None, false) => String::new(),
-        };
+        let window = crate::show::window(u).unwrap_or_default();
+        let mut kind =
+            crate::show::origin(u.is_template, u.template.as_deref()).unwrap_or_default();
         if !u.fair {
             kind.push_str(if kind.is_empty() {
                 "greedy"

@@ -171,7 +171,7 @@ async fn worker_http_serves_health_readiness_metrics_and_the_json_api() {
     let db = TestDb::new().await;
     let (client, worker) = populated(&db).await;
     let url = db.url.clone();
-    let (mut child, addr) = tokio::task::spawn_blocking(move || {
+    let (child, addr) = tokio::task::spawn_blocking(move || {
         spawn_server(
             &url,
             &["worker", "--id", "http", "--http-addr", "127.0.0.1:0"],
@@ -238,8 +238,7 @@ async fn worker_http_serves_health_readiness_metrics_and_the_json_api() {
     assert_eq!(gpu["waiters"][0]["external_id"], "train-3");
     assert_eq!(gpu["waiters"][0]["position"], 1);
     assert_eq!(get("/api/semaphores/nope").await.unwrap().0, 404);
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -251,7 +250,7 @@ async fn serve_is_not_ready_without_the_schema_and_a_worker_waits_for_it() {
         .await
         .unwrap();
     let url = db.url.clone();
-    let (mut serve, addr) = tokio::task::spawn_blocking(move || {
+    let (serve, addr) = tokio::task::spawn_blocking(move || {
         spawn_server(&url, &["serve", "--http-addr", "localhost:0"])
     })
     .await
@@ -307,10 +306,9 @@ async fn serve_is_not_ready_without_the_schema_and_a_worker_waits_for_it() {
         .await
         .unwrap();
     assert_eq!(status, 200);
-    for child in [&mut serve, &mut worker] {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
+    drop(serve);
+    let _ = worker.kill();
+    let _ = worker.wait();
 }
 
 /// A WebDriver session on chromedriver, headless Chromium with the flags this machine needs.
@@ -465,7 +463,7 @@ async fn the_status_page_shows_50_semaphores_on_one_screen_and_follows_a_capacit
     );
     assert_eq!(client.usage().await.unwrap().len(), 50);
     let url = db.url.clone();
-    let (mut serve, addr) = tokio::task::spawn_blocking(move || {
+    let (serve, addr) = tokio::task::spawn_blocking(move || {
         spawn_server(&url, &["serve", "--http-addr", "127.0.0.1:0"])
     })
     .await
@@ -477,7 +475,10 @@ async fn the_status_page_shows_50_semaphores_on_one_screen_and_follows_a_capacit
     assert_eq!(status, 200);
     assert_eq!(html.matches("<tr class=\"sem\"").count(), 50, "{html}");
     assert!(html.contains("data-name=\"tenant:acme\"") && html.contains("from tenant:*"));
-    assert!(html.contains("0 / 2 per 1m"), "the rate window is shown");
+    assert!(
+        html.contains("0 / 2 granted per 1m"),
+        "the rate window is shown"
+    );
     assert!(
         html.contains("&lt;b&gt;&quot;pool&quot;&amp;&#39;44&#39;&lt;/b&gt;")
             && !html.contains("<b>\"pool"),
@@ -607,8 +608,7 @@ async fn the_status_page_shows_50_semaphores_on_one_screen_and_follows_a_capacit
     })
     .await;
     drop(browser);
-    let _ = serve.kill();
-    let _ = serve.wait();
+    drop(serve);
     worker.stop().await;
 }
 
@@ -623,7 +623,7 @@ async fn serve_runs_as_a_producer_login() {
         .await
         .unwrap();
     let producer = db.login("permitq_producer").await;
-    let (mut serve, addr) = tokio::task::spawn_blocking(move || {
+    let (serve, addr) = tokio::task::spawn_blocking(move || {
         spawn_server(&producer, &["serve", "--http-addr", "127.0.0.1:0"])
     })
     .await
@@ -648,7 +648,6 @@ async fn serve_runs_as_a_producer_login() {
             );
         }
     }
-    let _ = serve.kill();
-    let _ = serve.wait();
+    drop(serve);
     worker.stop().await;
 }
