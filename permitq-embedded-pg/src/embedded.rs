@@ -196,14 +196,7 @@ impl EmbeddedPostgres {
     /// A root directory, a free port and the cleanup guard; no cluster yet.
     fn prepare(settings: &[(&str, &str)]) -> Result<EmbeddedPostgres> {
         let bin = find_bin_dir()?;
-        let run_as = if std::fs::metadata("/proc/self")
-            .map(|m| m.uid() == 0)
-            .unwrap_or(false)
-        {
-            Some(lookup_user("postgres")?)
-        } else {
-            None
-        };
+        let run_as = server_user()?;
         let root =
             std::env::temp_dir().join(format!("permitq-pg-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&root)?;
@@ -415,6 +408,19 @@ pub fn find_bin_dir() -> Result<PathBuf> {
         })
 }
 
+/// The OS user (uid, gid) that server processes run as: `postgres` when this process is root
+/// (PostgreSQL, PgBouncer and Patroni refuse root), `None` (this process's own) otherwise.
+pub fn server_user() -> Result<Option<(u32, u32)>> {
+    let root = std::fs::metadata("/proc/self")
+        .map(|m| m.uid() == 0)
+        .unwrap_or(false);
+    if root {
+        lookup_user("postgres").map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
 fn lookup_user(name: &str) -> Result<(u32, u32)> {
     let passwd = std::fs::read_to_string("/etc/passwd")?;
     passwd
@@ -429,7 +435,8 @@ fn lookup_user(name: &str) -> Result<(u32, u32)> {
         })
 }
 
-fn free_port() -> Result<u16> {
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+pub fn free_port() -> Result<u16> {
     let socket = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(socket.local_addr()?.port())
 }

@@ -5,7 +5,9 @@
 mod embedded;
 mod netns;
 
-pub use embedded::{find_bin_dir, EmbeddedPostgres, StopMode, THROWAWAY_SETTINGS};
+pub use embedded::{
+    find_bin_dir, free_port, server_user, EmbeddedPostgres, StopMode, THROWAWAY_SETTINGS,
+};
 pub use netns::NetworkBed;
 
 /// Errors: anything, boxed, with a message.

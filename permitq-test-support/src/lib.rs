@@ -6,6 +6,7 @@
 
 mod patroni;
 mod pgbouncer;
+mod server_user;
 mod testdb;
 
 pub use patroni::PatroniCluster;

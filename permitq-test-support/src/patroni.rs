@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::pgbouncer::postgres_user_when_root;
+use crate::server_user::as_server_user;
 
 /// One Patroni member: its process (group), and its PostgreSQL and REST ports.
 #[derive(Debug)]
@@ -44,21 +44,7 @@ fn kill_group(pgid: u32) {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn as_postgres(cmd: &mut Command, dir: &std::path::Path) {
-    if let Some((uid, gid)) = postgres_user_when_root() {
-        let _ = Command::new("chown")
-            .args(["-R", &format!("{uid}:{gid}")])
-            .arg(dir)
-            .status();
-        cmd.uid(uid).gid(gid);
-    }
+    permitq_embedded_pg::free_port().expect("a free port")
 }
 
 /// The pid in `data`'s postmaster.pid, if that process is alive and still works in `data`
@@ -123,7 +109,7 @@ impl PatroniCluster {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .process_group(0);
-        as_postgres(&mut cmd, &dir);
+        as_server_user(&mut cmd, &dir);
         let etcd = cmd
             .spawn()
             .expect("etcd (Debian's etcd-server, installed by scripts/test)");
@@ -207,7 +193,7 @@ impl PatroniCluster {
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .process_group(0);
-        as_postgres(&mut cmd, &self.dir);
+        as_server_user(&mut cmd, &self.dir);
         self.members[i].child = Some(
             cmd.spawn()
                 .expect("patroni (Debian's patroni, installed by scripts/test)"),
@@ -342,7 +328,7 @@ impl PatroniCluster {
             "--force",
         ])
         .stdin(Stdio::null());
-        as_postgres(&mut cmd, &self.dir);
+        as_server_user(&mut cmd, &self.dir);
         let out = cmd.output().expect("patronictl");
         assert!(
             out.status.success() && String::from_utf8_lossy(&out.stdout).contains("Successfully"),

@@ -2,7 +2,7 @@
 //! PostgreSQL offerings put in front of applications. Debian's `pgbouncer` (1.18: no prepared
 //! statements across transactions in this mode).
 
-use std::os::unix::process::CommandExt;
+use std::os::unix::process::CommandExt as _;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -35,11 +35,7 @@ impl PgBouncer {
             .get_password()
             .map(|p| format!(" password={}", String::from_utf8_lossy(p)))
             .unwrap_or_default();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = permitq_embedded_pg::free_port().expect("a free port");
         let dir = std::env::temp_dir().join(format!("permitq-pgbouncer-{port}"));
         std::fs::create_dir_all(&dir).unwrap();
         let config = format!(
@@ -67,13 +63,7 @@ impl PgBouncer {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .process_group(0);
-        if let Some((uid, gid)) = postgres_user_when_root() {
-            let _ = Command::new("chown")
-                .args(["-R", &format!("{uid}:{gid}")])
-                .arg(&dir)
-                .status();
-            cmd.uid(uid).gid(gid);
-        }
+        crate::server_user::as_server_user(&mut cmd, &dir);
         let child = cmd
             .spawn()
             .expect("pgbouncer (Debian's pgbouncer package, installed by scripts/test)");
@@ -104,17 +94,4 @@ impl Drop for PgBouncer {
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-/// The uid and gid of the `postgres` OS user, when this process runs as root.
-pub(crate) fn postgres_user_when_root() -> Option<(u32, u32)> {
-    let id = |flag: &str| -> Option<u32> {
-        let out = Command::new("id").args([flag, "postgres"]).output().ok()?;
-        String::from_utf8_lossy(&out.stdout).trim().parse().ok()
-    };
-    let me = Command::new("id").arg("-u").output().ok()?;
-    if String::from_utf8_lossy(&me.stdout).trim() != "0" {
-        return None;
-    }
-    Some((id("-u")?, id("-g")?))
 }

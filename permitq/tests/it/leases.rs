@@ -430,17 +430,23 @@ async fn with_three_workers_each_expired_lease_is_released_exactly_once() {
     }
 }
 
+/// The binary of `permitq/examples/NAME.rs`, which `cargo test` builds beside the test binary.
+fn built_example(name: &str) -> std::path::PathBuf {
+    std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_paused_past_its_ttl_has_its_fenced_write_rejected() {
     // examples/fencing.rs: holder A (a child process) is SIGSTOPped past its TTL, B acquires
     // and writes, A resumes and its write is rejected by a store that checks tokens.
-    let example = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/fencing");
+    let example = built_example("fencing");
     assert!(
         example.exists(),
         "cargo test builds examples: {}",
@@ -479,13 +485,7 @@ async fn a_holder_paused_past_its_ttl_has_its_fenced_write_rejected() {
 /// with one line that says what to do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_producer_example_runs_twice_and_fails_in_one_line() {
-    let example = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/producer");
+    let example = built_example("producer");
     assert!(example.exists(), "cargo test builds examples");
     let db = TestDb::new().await;
     let run = |url: String| {

@@ -40,6 +40,35 @@ async fn queue(db: &TestDb, client: &permitq::Client, id: &str, p: i16) {
     .await;
 }
 
+/// Semaphore `s` (capacity 1), a worker, and `holder` holding `s`: later requests wait.
+async fn held_by_holder(db: &TestDb) -> (permitq::Client, common::RunningWorker) {
+    let client = db.client().await;
+    client.set_capacity("s", 1, None).await.unwrap();
+    let worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("holder").permit("s", 1))
+        .await
+        .unwrap();
+    granted(&client, "holder").await;
+    (client, worker)
+}
+
+/// Makes waiting request `id` `secs` seconds older (its row and its place in the queue), as if
+/// it had waited that long.
+async fn backdate(db: &TestDb, id: &str, secs: i32) {
+    db.conn()
+        .await
+        .execute(
+            "WITH r AS (UPDATE permitq.permit_request
+                        SET created_at = created_at - make_interval(secs => $2)
+                        WHERE external_id = $1 RETURNING id, created_at)
+             UPDATE permitq.waiter w SET created_at = r.created_at FROM r WHERE w.request_id = r.id",
+            &[&id, &f64::from(secs)],
+        )
+        .await
+        .unwrap();
+}
+
 /// Waits until one of `ids` not in `done` is acquired, and returns it (panics after 10 s, or if
 /// two are).
 async fn next_granted(client: &permitq::Client, ids: &[&str], done: &[String]) -> String {
@@ -66,14 +95,7 @@ async fn next_granted(client: &permitq::Client, ids: &[&str], done: &[String]) -
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_highest_priority_waiter_goes_first_and_equals_go_in_order() {
     let db = TestDb::new().await;
-    let client = db.client().await;
-    client.set_capacity("s", 1, None).await.unwrap();
-    let _worker = db.notified_worker("w1");
-    client
-        .submit(&Request::new("holder").permit("s", 1))
-        .await
-        .unwrap();
-    granted(&client, "holder").await;
+    let (client, _worker) = held_by_holder(&db).await;
     queue(&db, &client, "low-1", 0).await;
     queue(&db, &client, "low-2", 0).await;
     queue(&db, &client, "high", 5).await;
@@ -95,26 +117,10 @@ async fn the_highest_priority_waiter_goes_first_and_equals_go_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_waited_long_enough_goes_ahead_of_a_higher_priority() {
     let db = TestDb::new().await;
-    let client = db.client().await;
-    client.set_capacity("s", 1, None).await.unwrap();
-    let _worker = db.notified_worker("w1");
-    client
-        .submit(&Request::new("holder").permit("s", 1))
-        .await
-        .unwrap();
-    granted(&client, "holder").await;
+    let (client, _worker) = held_by_holder(&db).await;
     queue(&db, &client, "old-low", 0).await;
     // It has waited a minute: effective priority 0 + 60 s / 10 s = 6, ahead of a new 5.
-    db.conn()
-        .await
-        .batch_execute(
-            "UPDATE permitq.permit_request SET created_at = created_at - interval '60 seconds'
-             WHERE external_id = 'old-low';
-             UPDATE permitq.waiter w SET created_at = r.created_at FROM permitq.permit_request r
-             WHERE r.id = w.request_id AND r.external_id = 'old-low';",
-        )
-        .await
-        .unwrap();
+    backdate(&db, "old-low", 60).await;
     queue(&db, &client, "new-high", 5).await;
     client.release("holder").await.unwrap();
     granted(&client, "old-low").await;
@@ -297,30 +303,14 @@ async fn the_unexamined_heads_are_read_in_bounded_work() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn position_1_in_the_waiters_view_is_the_request_granted_next() {
     let db = TestDb::new().await;
-    let client = db.client().await;
-    client.set_capacity("s", 1, None).await.unwrap();
-    let _worker = db.notified_worker("w1");
-    client
-        .submit(&Request::new("holder").permit("s", 1))
-        .await
-        .unwrap();
-    granted(&client, "holder").await;
+    let (client, _worker) = held_by_holder(&db).await;
     queue(&db, &client, "first-0", 0).await;
     queue(&db, &client, "second-3", 3).await;
     queue(&db, &client, "third-minus-2", -2).await;
     queue(&db, &client, "fourth-3", 3).await;
     queue(&db, &client, "aged-0", 0).await;
     // aged-0 has waited 70 s: 0 + 7 steps puts it ahead of the priority-3 requests.
-    db.conn()
-        .await
-        .batch_execute(
-            "UPDATE permitq.permit_request SET created_at = created_at - interval '70 seconds'
-             WHERE external_id = 'aged-0';
-             UPDATE permitq.waiter w SET created_at = r.created_at FROM permitq.permit_request r
-             WHERE r.id = w.request_id AND r.external_id = 'aged-0';",
-        )
-        .await
-        .unwrap();
+    backdate(&db, "aged-0", 70).await;
     let ids = ["first-0", "second-3", "third-minus-2", "fourth-3", "aged-0"];
     let shown = client.waiters("s", 10).await.unwrap();
     let listed: Vec<(&str, i16, i64)> = shown
