@@ -1,14 +1,17 @@
-//! A throwaway PostgreSQL cluster from the system's binaries ([`EmbeddedPostgres`]), and a bed
-//! of network namespaces ([`NetworkBed`]) to run it and permitq workers on hosts of their own.
-//! `permitq demo`, `bench` and `chaos` start them, and so do the tests.
+//! A throwaway PostgreSQL cluster from the system's binaries ([`EmbeddedPostgres`]), a bed of
+//! network namespaces ([`NetworkBed`]) to run it and permitq workers on hosts of their own, and a
+//! Patroni + etcd cluster ([`PatroniCluster`]), on loopback or on a bed. `permitq demo`, `bench`
+//! and `chaos` start them, and so do the tests.
 
 mod embedded;
 mod netns;
+mod patroni;
 
 pub use embedded::{
     find_bin_dir, free_port, server_user, EmbeddedPostgres, StopMode, THROWAWAY_SETTINGS,
 };
 pub use netns::NetworkBed;
+pub use patroni::{PatroniCluster, PatroniOptions, PATRONI_TTL};
 
 /// Errors: anything, boxed, with a message.
 pub type Error = Box<dyn std::error::Error + Send + Sync>;

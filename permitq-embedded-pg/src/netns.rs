@@ -3,7 +3,8 @@
 //! the bed's traffic never reaches this machine's own network namespace or its interfaces.
 //!
 //! Hosts talk over their bed addresses; the test itself reaches PostgreSQL over its Unix socket
-//! (a file, which namespaces do not separate). A partition takes a host's link to the bridge
+//! (a file, which namespaces do not separate), or joins the bed as a host of its own
+//! ([`NetworkBed::link_here`]: producers on a host that a partition of another host cuts off). A partition takes a host's link to the bridge
 //! down: its packets are dropped both ways and its sockets stay open, as when a cable or a
 //! switch port dies. Processes started on a host are killed and every namespace and interface
 //! is removed when the bed is dropped (a panicking test included); a bed left behind by a
@@ -23,6 +24,8 @@ const SUBNET: &str = "198.18.";
 #[derive(Debug)]
 pub struct NetworkBed {
     tag: String,
+    /// The bed's subnet prefix, `198.18.N.`.
+    subnet: String,
     hosts: Vec<Host>,
     children: Mutex<Vec<Child>>,
 }
@@ -47,6 +50,7 @@ impl NetworkBed {
         let subnet = format!("{SUBNET}{}.", 1 + (std::process::id() * 7 + n) % 250);
         let mut bed = NetworkBed {
             tag: tag.clone(),
+            subnet: subnet.clone(),
             hosts: Vec::new(),
             children: Mutex::new(Vec::new()),
         };
@@ -137,6 +141,44 @@ impl NetworkBed {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push(child);
         Ok(pid)
+    }
+
+    /// Links this process's own network namespace to the bed as one more host, at address
+    /// `198.18.N.250` (returned): this process then reaches every host by its bed address, and
+    /// a partition of a host cuts it off from this process too. The link lives in the hub's
+    /// namespace and is removed with it, so it never outlives the bed.
+    pub fn link_here(&self) -> Result<String> {
+        let n = self.tag.rsplit('x').next().unwrap_or("0");
+        let (here, hub_end) = (
+            format!("pql{}x{n}", std::process::id()),
+            format!("pqh{n}xl"),
+        );
+        let address = format!("{}250", self.subnet);
+        ip(&[
+            "link",
+            "add",
+            &here,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &hub_end,
+            "netns",
+            &self.hub(),
+        ])?;
+        ip(&[
+            "-n",
+            &self.hub(),
+            "link",
+            "set",
+            &hub_end,
+            "master",
+            "br0",
+            "up",
+        ])?;
+        ip(&["addr", "add", &format!("{address}/24"), "dev", &here])?;
+        ip(&["link", "set", &here, "up"])?;
+        Ok(address)
     }
 
     /// Cuts host `name` off the bridge: every packet to and from it is dropped from now on;

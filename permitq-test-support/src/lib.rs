@@ -1,20 +1,18 @@
 //! Test support for permitq (not published, used only by tests): one PostgreSQL per test binary
 //! and a freshly migrated database per test, in-process workers, waiting on a condition with a
-//! deadline, the invariant check every concurrency test runs, PgBouncer in front of the
-//! server, and a Patroni + etcd cluster. Re-exports the throwaway
-//! cluster (`permitq-embedded-pg`) and the run reports (`permitq-fleet`) the tests also use.
+//! deadline, the invariant check every concurrency test runs, and PgBouncer in front of the
+//! server. Re-exports the throwaway cluster and the Patroni + etcd cluster
+//! (`permitq-embedded-pg`) and the run reports (`permitq-fleet`) the tests also use.
 
-mod patroni;
 mod pgbouncer;
 mod server_user;
 mod testdb;
 
-pub use patroni::PatroniCluster;
 pub use pgbouncer::PgBouncer;
 
 pub use permitq_embedded_pg::{
-    error, find_bin_dir, try_connect, EmbeddedPostgres, Error, NetworkBed, Result, StopMode,
-    THROWAWAY_SETTINGS,
+    error, find_bin_dir, try_connect, EmbeddedPostgres, Error, NetworkBed, PatroniCluster,
+    PatroniOptions, Result, StopMode, PATRONI_TTL, THROWAWAY_SETTINGS,
 };
 pub use permitq_fleet::{
     collect, database, invariant_violations, listen, quantile, queue_and_grants, Percentiles,

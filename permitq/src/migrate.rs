@@ -59,6 +59,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "flat_cost",
         sql: include_str!("../schema/migrations/V4__flat_cost.sql"),
     },
+    Migration {
+        version: 5,
+        name: "lease_grace",
+        sql: include_str!("../schema/migrations/V5__lease_grace.sql"),
+    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.

@@ -21,7 +21,8 @@ BEGIN
     SELECT $1, $2
     WHERE EXISTS (SELECT 1 FROM permitq.permit_request r
                   WHERE r.fencing_token = fence.token AND r.state = 'acquired'
-                    AND (r.expires_at IS NULL OR r.expires_at > now()))
+                    AND NOT coalesce(permitq.lease_run_out(r.expires_at, r.ttl,
+                                                           permitq.lease_grace_since()), false))
     ON CONFLICT (resource) DO UPDATE SET token = EXCLUDED.token, updated_at = now()
         WHERE f.token <= EXCLUDED.token
     RETURNING true INTO accepted;

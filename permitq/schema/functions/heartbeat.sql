@@ -1,5 +1,43 @@
 -- Leases: a holder with a ttl heartbeats to keep its permits.
 
+-- A promotion (or a restore into another cluster) leaves holders a grace of one ttl: no lease runs
+-- out before one ttl after permitq first saw the new timeline, as etcd extends its leases when
+-- its leader changes. Holders could not heartbeat while there was no primary, and with an
+-- asynchronous standby their last heartbeats may be gone; so the lease a holder was last told
+-- (at most one ttl past the moment it was told, which is before the promotion) is always
+-- honoured. Extending a lease grants nothing: safety is untouched, and a holder that did die
+-- keeps its permits at most one ttl longer.
+
+-- When the grace began: the moment permitq first saw this timeline and cluster (recorded here,
+-- by the first caller after a promotion), '-infinity' when none is due.
+CREATE OR REPLACE FUNCTION permitq.lease_grace_since() RETURNS timestamptz
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+DECLARE
+    recorded permitq.lease_grace;
+    current_timeline bigint := permitq.wal_timeline();
+    current_system bigint := permitq.system_id();
+BEGIN
+    SELECT * INTO recorded FROM permitq.lease_grace;
+    IF recorded.timeline = current_timeline AND recorded.system_id = current_system THEN
+        RETURN recorded.since;
+    END IF;
+    UPDATE permitq.lease_grace g SET timeline = current_timeline, system_id = current_system,
+                                     since = now()
+    WHERE g.timeline <> current_timeline OR g.system_id <> current_system;
+    RETURN (SELECT g.since FROM permitq.lease_grace g);
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.lease_grace_since() TO permitq_producer, permitq_worker, permitq_admin;
+
+-- The rule: a lease has run out when its expires_at has passed and so has the grace since
+-- `grace_since` (permitq.lease_grace_since(), read once by the caller). NULL expires_at: no
+-- lease, never runs out.
+CREATE OR REPLACE FUNCTION permitq.lease_run_out(expires_at timestamptz, ttl interval,
+                                                 grace_since timestamptz) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT expires_at <= now()
+       AND now() >= grace_since + least(coalesce(ttl, interval '0'), permitq.rule_max_duration())
+$$;
+
 -- permitq.heartbeat: pushes expires_at to now() + (extend, else the request's ttl). Raises 55000
 -- when the request is not acquired or its lease has already run out: the holder has lost its
 -- permits and must stop.
@@ -25,7 +63,8 @@ BEGIN
             concat_ws(' ', request.state, request.error_code, request.release_reason)
             USING ERRCODE = '55000';
     END IF;
-    IF request.expires_at IS NOT NULL AND request.expires_at <= now() THEN
+    IF coalesce(permitq.lease_run_out(request.expires_at, request.ttl,
+                                      permitq.lease_grace_since()), false) THEN
         RAISE EXCEPTION 'lease lost: request % expired at %', $1, request.expires_at
             USING ERRCODE = '55000';
     END IF;

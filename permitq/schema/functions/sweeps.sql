@@ -51,15 +51,16 @@ BEGIN
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.sweep_wait_deadlines(integer) TO permitq_worker;
 
--- Leases whose expires_at has passed (TTL with no heartbeat): release_reason = 'expired'. The
--- condition is re-checked on the locked row version, so a heartbeat that committed a moment ago
--- wins over the sweep.
+-- Leases that ran out (TTL with no heartbeat, past the grace after a promotion:
+-- permitq.lease_run_out): release_reason = 'expired'. The condition is re-checked on the locked
+-- row version, so a heartbeat that committed a moment ago wins over the sweep.
 CREATE OR REPLACE FUNCTION permitq.sweep_expired(batch_size integer) RETURNS integer
 LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
     SET plan_cache_mode = force_custom_plan SET enable_sort = off AS $$
     SELECT coalesce(permitq.release_locked(array_agg(id), 'expired'), 0)
     FROM (SELECT id FROM permitq.permit_request
           WHERE state = 'acquired' AND expires_at <= now()
+            AND permitq.lease_run_out(expires_at, ttl, (SELECT permitq.lease_grace_since()))
           ORDER BY expires_at LIMIT batch_size
           FOR UPDATE SKIP LOCKED) due
 $$;

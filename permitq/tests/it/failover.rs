@@ -411,3 +411,79 @@ async fn asynchronous_failover_loses_the_unreplicated_tail_but_never_reuses_a_to
     let all: BTreeSet<i64> = kept.iter().chain(&lost).chain(&after).copied().collect();
     assert_eq!(all.len(), 220, "no token issued twice");
 }
+
+/// A lease whose expiry passes while there is no primary is not lost at the promotion: it runs
+/// out no sooner than one ttl after the new primary is first seen (the grace, as etcd gives its
+/// leases when its leader changes), so the holder's next heartbeat, and a fenced write, are
+/// accepted there. Without heartbeats it then runs out and the next request is granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_that_expires_during_a_failover_gets_one_ttl_of_grace_after_the_promotion() {
+    common::init_logging();
+    let (primary, standby) = replicated_pair(&[("synchronous_standby_names", "walreceiver")]);
+    let url = multi_host_url(&primary, &standby);
+    let client = Client::connect(&url).await.unwrap();
+    client.migrate().await.unwrap();
+    client.set_capacity("grace", 1, None).await.unwrap();
+    let worker = RunningWorker::start(&url, quiet_config("grace-w"));
+    let ttl = Duration::from_secs(3);
+    let holder = Request::new("grace-holder").permit("grace", 1).ttl(ttl);
+    client.submit(&holder).await.unwrap();
+    let held = retrying("the grant", || async {
+        match client
+            .wait_settled("grace-holder", Duration::from_secs(5))
+            .await
+        {
+            Ok(Some(r)) if r.state == State::Acquired => Ok(r),
+            other => Err(format!("not granted yet: {other:?}")),
+        }
+    })
+    .await;
+    let expires_at = client
+        .heartbeat("grace-holder", None)
+        .await
+        .unwrap()
+        .expect("a lease");
+
+    // The primary dies; the outage lasts past the lease's expiry.
+    primary.stop(StopMode::Immediate).expect("kill the primary");
+    wait_until(
+        Duration::from_secs(20),
+        "the lease's expiry passes",
+        || async { std::time::SystemTime::now() > expires_at + Duration::from_millis(500) },
+    )
+    .await;
+    standby.promote().expect("promote the standby");
+
+    // The holder heartbeats on the new primary: the lease is kept, its token still fences.
+    retrying("a heartbeat after the promotion", || {
+        client.heartbeat("grace-holder", Some(Duration::from_millis(10)))
+    })
+    .await;
+    let token = held.fencing_token.unwrap();
+    assert!(client.fence("grace-resource", token).await.unwrap());
+    assert_eq!(
+        client.status("grace-holder").await.unwrap().unwrap().state,
+        State::Acquired
+    );
+    // Then it stops heartbeating: the lease runs out once the grace is over, and the waiting
+    // request gets the permit.
+    client
+        .submit(&Request::new("grace-next").permit("grace", 1))
+        .await
+        .unwrap();
+    let next = retrying("the next grant", || async {
+        match client
+            .wait_settled("grace-next", Duration::from_secs(5))
+            .await
+        {
+            Ok(Some(r)) if r.state == State::Acquired => Ok(r),
+            other => Err(format!("not granted yet: {other:?}")),
+        }
+    })
+    .await;
+    let ended = client.status("grace-holder").await.unwrap().unwrap();
+    assert_eq!(ended.release_reason, Some(permitq::ReleaseReason::Expired));
+    assert!(next.fencing_token.unwrap() > token);
+    assert!(!client.fence("grace-resource", token).await.unwrap());
+    worker.stop().await;
+}

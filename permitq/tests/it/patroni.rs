@@ -5,14 +5,15 @@
 //! Checked on the new leader: every acknowledged submit, grant (with the token the producer was
 //! shown) and release is there; no semaphore was ever over capacity (from the permit
 //! intervals); fencing tokens increase in grant order on each semaphore, and every token issued
-//! after the promotion is above every token issued before it; grants resume within a bound.
+//! after the promotion is above every token issued before it; grants resume within a bound; a
+//! lease longer than the failover, heartbeating through it, is kept.
 
 use permitq_test_support as common;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{check_invariants, quiet_config, PatroniCluster, RunningWorker};
+use common::{check_invariants, quiet_config, PatroniCluster, PatroniOptions, RunningWorker};
 use permitq::{Client, ReleaseOutcome, Request, State};
 
 /// What the producers were told: submits acknowledged, and grants with their tokens.
@@ -102,14 +103,17 @@ async fn a_patroni_switchover_under_load_loses_nothing_and_tokens_keep_increasin
 
 async fn under_load(fault: Fault) {
     let _one = ONE_CLUSTER.lock().await;
-    let mut cluster = tokio::task::spawn_blocking(|| PatroniCluster::start(true))
-        .await
-        .unwrap();
+    let mut cluster =
+        tokio::task::spawn_blocking(|| PatroniCluster::start(PatroniOptions::new(true), None))
+            .await
+            .unwrap()
+            .expect("a Patroni cluster (scripts/test installs patroni and etcd-server)");
     let url = cluster.url("postgres");
     let client = Client::connect(&url).await.unwrap();
     client.migrate().await.unwrap();
     client.set_capacity("gpu", 2, None).await.unwrap();
     client.set_capacity("probe", 1, None).await.unwrap();
+    client.set_capacity("lease", 1, None).await.unwrap();
     // synchronous_mode is in force: the leader has a synchronous standby.
     let sync: i64 = common::connect(&url)
         .await
@@ -140,7 +144,17 @@ async fn under_load(fault: Fault) {
     )
     .await;
 
-    let old_leader = cluster.wait_for_leader(Duration::from_secs(30));
+    // A holder with a lease longer than the failover, heartbeating in the background.
+    let lease = client
+        .acquire(
+            &Request::new("ha-lease")
+                .permit("lease", 1)
+                .ttl(Duration::from_secs(30)),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    let old_leader = cluster.wait_for_leader(Duration::from_secs(30)).unwrap();
     let highest_before: i64 = common::connect(&url)
         .await
         .query_one("SELECT max(fencing_token) FROM permitq.permit_request", &[])
@@ -148,9 +162,10 @@ async fn under_load(fault: Fault) {
         .unwrap()
         .get(0);
     let killed_at = Instant::now();
+    let killed_wall = std::time::SystemTime::now();
     tokio::task::block_in_place(|| match fault {
         Fault::KillLeader => cluster.kill_member(old_leader),
-        Fault::Switchover => cluster.switchover(),
+        Fault::Switchover => cluster.switchover().unwrap(),
     });
     // Grants resume: a request submitted after the fault (on a semaphore of its own, so the
     // load does not delay it) is granted.
@@ -205,6 +220,35 @@ async fn under_load(fault: Fault) {
         probe_token >> 48 > highest_before >> 48 && probe_token > highest_before,
         "token {probe_token} after the promotion, {highest_before} before"
     );
+
+    // The lease survived: a heartbeat reached the new leader (it heartbeats every 10 s), it
+    // was never lost, and it still fences.
+    common::wait_until(
+        Duration::from_secs(30),
+        "a heartbeat of the lease on the new leader",
+        || async {
+            let Ok(conn) = common::try_connect(&url).await else {
+                return false;
+            };
+            let at: Option<std::time::SystemTime> = conn
+                .query_one(
+                    "SELECT heartbeat_at FROM permitq.permit_request WHERE external_id = 'ha-lease'",
+                    &[],
+                )
+                .await
+                .map_or(None, |row| row.get(0));
+            at.is_some_and(|at| at > killed_wall)
+        },
+    )
+    .await;
+    let lease_kept = !lease.is_lost()
+        && client
+            .fence("ha-resource", lease.fencing_token())
+            .await
+            .unwrap();
+    eprintln!("patroni {fault:?}: a 30 s lease heartbeating through it kept: {lease_kept}");
+    assert!(lease_kept, "the lease was lost");
+    lease.release().await.unwrap();
 
     // On the new leader: every acknowledged submit, grant and release.
     client.release("probe").await.unwrap();
