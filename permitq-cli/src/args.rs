@@ -140,6 +140,18 @@ pub(crate) struct ChaosArgs {
     /// its own, and the network faults (partition, slow link) join the schedule.
     #[arg(long)]
     pub network: bool,
+    /// Run under Patroni and etcd (needs root; implies --network): three PostgreSQL members,
+    /// etcd, workers and this process each on a host of its own, and the HA faults (kill the
+    /// leader's PostgreSQL, kill its Patroni, partition its host, switchover, restart a
+    /// replica) join the schedule, with figures for each.
+    #[arg(long)]
+    pub ha: bool,
+    /// With --ha: Patroni's synchronous_mode off (asynchronous replication).
+    #[arg(long, requires = "ha")]
+    pub asynchronous: bool,
+    /// With --ha: etcd members.
+    #[arg(long, default_value_t = 1, requires = "ha", value_parser = clap::builder::TypedValueParser::map(clap::builder::PossibleValuesParser::new(["1", "3"]), |s: String| s.parse::<usize>().unwrap_or(1)))]
+    pub etcd_members: usize,
 }
 
 /// Where `permitq serve` listens by default. Workers serve their endpoints only when asked,

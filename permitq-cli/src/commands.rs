@@ -37,6 +37,10 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
                 mutation: args.mutation,
                 binary: std::env::current_exe()?,
                 network: args.network,
+                ha: args.ha.then_some(crate::chaos::ha::HaConfig {
+                    synchronous: !args.asynchronous,
+                    etcd_members: args.etcd_members,
+                }),
             };
             let report = crate::chaos::run(config).await?;
             out!("{}", report.summary());

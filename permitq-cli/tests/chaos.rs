@@ -2,7 +2,10 @@
 //! injected, and each planted bug makes the checker that guards against it fail, on a seed whose
 //! unmutated run passes.
 //!
-//! The long run is `permitq chaos --network --duration 10m --seed N` (see the README).
+//! A short run under Patroni and etcd injects every HA fault and passes every checker too.
+//!
+//! The long runs are `permitq chaos --network --duration 10m --seed N` and `permitq chaos --ha
+//! --etcd-members 3 --duration 10m --seed N` (see docs/chaos.md).
 
 use std::collections::BTreeMap;
 use std::process::{Command, Output, Stdio};
@@ -82,6 +85,73 @@ fn a_short_seeded_chaos_run_with_every_fault_passes_every_checker() {
         fence_checks >= 2 * pauses,
         "{fence_checks} fence checks for {pauses} paused holders: {summary}"
     );
+    assert!(summary.contains("result: PASS"), "{summary}");
+}
+
+#[test]
+fn a_short_chaos_run_under_patroni_with_every_ha_fault_passes_every_checker() {
+    // Three members, one etcd, synchronous_mode: nothing acknowledged may be lost.
+    let (out, summary) = chaos(&[
+        "--ha",
+        "--duration",
+        "150s",
+        "--fault-every",
+        "4s",
+        "--seed",
+        "7",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{summary}\n{stderr}");
+    let found = violations(&summary);
+    assert_eq!(found.len(), 10, "every checker reported: {summary}");
+    assert!(found.values().all(|n| *n == 0), "{summary}");
+    let faults = summary
+        .lines()
+        .find(|l| l.starts_with("faults injected:"))
+        .expect("faults line");
+    let ha = [
+        "KillLeaderPostgres",
+        "KillLeaderPatroni",
+        "PartitionLeader",
+        "Switchover",
+        "RestartReplica",
+    ];
+    for kind in ha {
+        assert!(
+            fault_count(faults, kind) >= 1,
+            "{kind} was not injected: {faults}"
+        );
+    }
+    // Each HA fault's figures: nothing acknowledged lost, tokens above every earlier one, the
+    // lease (ttl 30 s) kept, grants paused for less than a minute.
+    for kind in ha {
+        let row: Vec<&str> = summary
+            .lines()
+            .find(|l| l.starts_with(&format!("{kind} ")))
+            .unwrap_or_else(|| panic!("no figures for {kind}: {summary}"))
+            .split_whitespace()
+            .collect();
+        let [_, n, _, max, lost, _, rose, kept] = row[..] else {
+            panic!("{kind}: {row:?}");
+        };
+        assert_eq!(lost, "0", "{kind} lost acknowledged operations: {summary}");
+        assert!(max.parse::<f64>().unwrap() < 60.0, "{kind}: {summary}");
+        assert_eq!(
+            kept,
+            format!("{n}/{n}"),
+            "{kind}: a lease was lost: {summary}"
+        );
+        let (up, judged) = rose.split_once('/').unwrap();
+        assert_eq!(up, judged, "{kind}: a token went back: {summary}");
+    }
+    // A promotion shows in the tokens: a switchover starts a new epoch.
+    let switchover: Vec<&str> = summary
+        .lines()
+        .find(|l| l.starts_with("Switchover "))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert!(switchover[5].parse::<u32>().unwrap() >= 1, "{summary}");
     assert!(summary.contains("result: PASS"), "{summary}");
 }
 

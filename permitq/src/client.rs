@@ -195,8 +195,10 @@ impl Client {
         if let Some(problem) = duration_problem(extend, false) {
             return Err(Error::invalid("extend", problem));
         }
-        let conn = self.inner.pool.get().await?;
-        Ok(conn
+        // A heartbeat abandoned midway (the lease's attempt timed out on a dead link) must not
+        // leave its connection in the pool for the next one to hang on.
+        let mut conn = Checkout(Some(self.inner.pool.get().await?));
+        let row = conn
             .query_typed_one(
                 sql::HEARTBEAT,
                 &[
@@ -204,8 +206,9 @@ impl Client {
                     (&extend.map(sql::interval), Type::TEXT),
                 ],
             )
-            .await?
-            .get(0))
+            .await;
+        conn.finished();
+        Ok(row?.get(0))
     }
 
     /// Waits until the request leaves `new`, or `timeout` passes, and returns it as it is then
@@ -387,5 +390,33 @@ fn event_is_for(payload: &str, external_id: &str) -> bool {
         Ok(serde_json::Value::Array(items)) => items.iter().any(is_for),
         Ok(v) => is_for(&v),
         Err(_) => true,
+    }
+}
+
+/// A pooled connection that goes back to the pool only if the call using it finished
+/// ([`Checkout::finished`]). Dropped before that (the call's future was abandoned, say by a
+/// timeout, maybe on a link that died without a word), it is taken out of the pool and closed.
+struct Checkout(Option<deadpool_postgres::Object>);
+
+impl Checkout {
+    /// The call finished: the connection goes back to the pool.
+    fn finished(&mut self) {
+        self.0.take();
+    }
+}
+
+impl std::ops::Deref for Checkout {
+    type Target = deadpool_postgres::Object;
+
+    fn deref(&self) -> &Self::Target {
+        self.0.as_ref().expect("a connection until finished")
+    }
+}
+
+impl Drop for Checkout {
+    fn drop(&mut self) {
+        if let Some(abandoned) = self.0.take() {
+            drop(deadpool_postgres::Object::take(abandoned));
+        }
     }
 }

@@ -143,9 +143,24 @@ fn safety_margin(ttl: Duration) -> Duration {
     (ttl / 10).max(Duration::from_millis(20)).min(ttl / 2)
 }
 
+/// How long one heartbeat may take before it is abandoned and sent again on another
+/// connection: half the time between heartbeats, at least a second.
+fn attempt_limit(every: Duration) -> Duration {
+    (every / 2).max(Duration::from_secs(1))
+}
+
+/// How soon a failed heartbeat is sent again: a tenth of the time between heartbeats, between
+/// 100 ms and a second.
+fn retry_pause(every: Duration) -> Duration {
+    (every / 10).clamp(Duration::from_millis(100), Duration::from_secs(1))
+}
+
 /// Heartbeats every `ttl / HEARTBEAT_FRACTION` and keeps the watchdog: the lease is lost at
 /// `confirmed_until - safety_margin(ttl)` unless a heartbeat sent before then was confirmed,
-/// whether or not a call is still waiting for the database.
+/// whether or not a call is still waiting for the database. A heartbeat that fails, or does
+/// not answer within [`attempt_limit`] (a link that died without a word, a primary gone in a
+/// failover), is sent again soon on another connection, so a failover shorter than the ttl
+/// costs no lease.
 async fn heartbeat_loop(
     client: Client,
     external_id: String,
@@ -155,7 +170,9 @@ async fn heartbeat_loop(
 ) {
     let every = (ttl / HEARTBEAT_FRACTION).max(Duration::from_millis(10));
     let margin = safety_margin(ttl);
-    let mut first = true;
+    // The first heartbeat goes at once: from then on the lease's end is counted on this host's
+    // clock alone (the grant's end mixes in the database's).
+    let mut pause = Duration::ZERO;
     let give_up = |lost: &watch::Sender<Option<String>>, why: String| {
         tracing::warn!(%external_id, reason = %why, "lease lost");
         lost.send_replace(Some(why));
@@ -168,24 +185,32 @@ async fn heartbeat_loop(
                 .into(),
         );
         tokio::pin!(watchdog);
-        // The first heartbeat goes at once: from then on the lease's end is counted on this
-        // host's clock alone (the grant's end mixes in the database's).
-        if !std::mem::replace(&mut first, false) {
-            tokio::select! {
-                () = tokio::time::sleep(every) => {}
-                () = &mut watchdog => {
-                    return give_up(&lost, "no heartbeat confirmed in time: the lease may run out".into());
-                }
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            () = &mut watchdog => {
+                return give_up(&lost, "no heartbeat confirmed in time: the lease may run out".into());
             }
         }
         let sent = Instant::now();
+        let attempt =
+            tokio::time::timeout(attempt_limit(every), client.heartbeat(&external_id, None));
         tokio::select! {
-            result = client.heartbeat(&external_id, None) => match result {
-                Ok(_) => confirmed_until = sent + ttl,
-                Err(e) if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE) => {
+            result = attempt => match result {
+                Ok(Ok(_)) => {
+                    confirmed_until = sent + ttl;
+                    pause = every;
+                }
+                Ok(Err(e)) if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE) => {
                     return give_up(&lost, e.to_string());
                 }
-                Err(e) => tracing::warn!(%external_id, error = %e, "heartbeat failed; retrying"),
+                Ok(Err(e)) => {
+                    tracing::warn!(%external_id, error = %e, "heartbeat failed; retrying");
+                    pause = retry_pause(every);
+                }
+                Err(_) => {
+                    tracing::warn!(%external_id, "heartbeat did not answer; retrying on another connection");
+                    pause = Duration::ZERO;
+                }
             },
             () = &mut watchdog => {
                 return give_up(

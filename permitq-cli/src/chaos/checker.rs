@@ -59,6 +59,13 @@ fn aftermath(kind: Fault) -> Micros {
         Fault::RestartDatabase => 3_000_000,
         Fault::KillWorker | Fault::TerminateConnections | Fault::SlowLink => 2_000_000,
         Fault::PauseHolder | Fault::LowerCapacity | Fault::TimeoutBurst => 1_000_000,
+        // The fault ends once the cluster is healthy; workers and producers then find the new
+        // leader (connect_timeout 2 s per dead host), and leases have their grace.
+        Fault::KillLeaderPostgres
+        | Fault::KillLeaderPatroni
+        | Fault::PartitionLeader
+        | Fault::Switchover
+        | Fault::RestartReplica => 6_000_000,
     }
 }
 
@@ -291,41 +298,56 @@ fn fencing(state: &FinalState, cx: &Context, v: &mut Verdict) {
     }
 }
 
-fn nothing_lost(state: &FinalState, cx: &Context, v: &mut Verdict) {
+/// What the database lost of what clients were told: a submit acknowledged (`ok`) with no row
+/// at the end, and a release acknowledged as `released` whose row is not released. With when
+/// the client was told, to put each loss beside the fault that caused it.
+pub(crate) fn lost_acknowledged(state: &FinalState, ops: &[Op]) -> Vec<(SystemTime, String)> {
     let by_key: HashMap<&str, &Req> = state
         .requests
         .iter()
         .map(|r| (r.external_id.as_str(), r))
         .collect();
-    let mut submitted: Vec<&str> = cx
-        .ops
-        .iter()
-        .filter(|o| o.kind == OpKind::Submit && !matches!(o.outcome, Outcome::Fail(_)))
-        .map(|o| o.key.as_str())
-        .collect();
-    submitted.sort();
-    submitted.dedup();
-    for key in submitted {
-        match by_key.get(key) {
-            None => {
-                let ok = cx
-                    .ops
-                    .iter()
-                    .any(|o| o.key == key && matches!(o.outcome, Outcome::Ok(_)));
-                if ok {
-                    v.flag(
-                        "nothing lost",
-                        format!("{key}: submit returned ok but there is no row"),
-                    );
-                }
+    let mut lost = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for o in ops {
+        let row = by_key.get(o.key.as_str());
+        let what = match (o.kind, &o.outcome, row) {
+            (OpKind::Submit, Outcome::Ok(_), None) => {
+                format!("{}: submit returned ok but there is no row", o.key)
             }
-            Some(r) if r.state == "new" || r.state == "in_progress" => {
+            (OpKind::Release, Outcome::Ok(said), Some(r))
+                if said == "released" && r.state != "released" =>
+            {
+                format!(
+                    "{}: release returned released but the request is {}",
+                    o.key, r.state
+                )
+            }
+            _ => continue,
+        };
+        if seen.insert(what.clone()) {
+            lost.push((o.completed, what));
+        }
+    }
+    lost
+}
+
+fn nothing_lost(state: &FinalState, cx: &Context, v: &mut Verdict) {
+    for (_, what) in lost_acknowledged(state, cx.ops) {
+        v.flag("nothing lost", what);
+    }
+    for r in &state.requests {
+        if r.state == "new" || r.state == "in_progress" {
+            let submitted = cx
+                .ops
+                .iter()
+                .any(|o| o.key == r.external_id && o.kind == OpKind::Submit);
+            if submitted {
                 v.flag(
                     "nothing lost",
-                    format!("{key}: still {} at the end", r.state),
+                    format!("{}: still {} at the end", r.external_id, r.state),
                 );
             }
-            Some(_) => {}
         }
     }
 }

@@ -9,6 +9,7 @@
 //! and the history. [`mutation`] plants known bugs to prove the checkers catch them.
 
 pub(crate) mod checker;
+pub(crate) mod ha;
 pub(crate) mod history;
 pub(crate) mod load;
 pub(crate) mod mutation;
@@ -65,6 +66,8 @@ pub(crate) struct ChaosConfig {
     pub binary: PathBuf,
     /// On a bed of network namespaces, with the network faults.
     pub network: bool,
+    /// Under Patroni (on the bed), with the HA faults.
+    pub ha: Option<ha::HaConfig>,
 }
 
 /// What a run did and found.
@@ -83,6 +86,8 @@ pub(crate) struct ChaosReport {
     /// Each semaphore when the load stopped: (name, capacity, used, waiting, held without TTL,
     /// oldest waiting age in seconds). A stall shows up here.
     pub at_load_end: Vec<(String, i32, i64, i64, i64, f64)>,
+    /// Under Patroni: each fault and what it did.
+    pub ha: Vec<ha::FaultFigures>,
 }
 
 /// Checker names, in report order.
@@ -136,8 +141,15 @@ impl ChaosReport {
                 n("info")
             );
         }
+        if let Some(h) = c.ha {
+            s += &format!(
+                "under Patroni: 3 members on hosts of their own, etcd {} member(s), synchronous_mode {}\n",
+                h.etcd_members,
+                if h.synchronous { "on" } else { "off" }
+            );
+        }
         s += "faults injected:";
-        for fault in Fault::kinds(c.network) {
+        for fault in Fault::kinds(c.network, c.ha.is_some()) {
             s += &format!(
                 " {fault:?} {}",
                 self.faults.get(&fault).copied().unwrap_or(0)
@@ -166,6 +178,14 @@ impl ChaosReport {
                 s += &format!("      {message}\n");
             }
         }
+        if !self.ha.is_empty() {
+            s += &format!(
+                "each fault: longest pause between grants of a probe around it, acknowledged operations lost,\n\
+                 first probe token after it in a higher epoch, above every token before it, a {}s lease heartbeating through it kept\n",
+                ha::KEEPER_TTL.as_secs()
+            );
+            s += &ha::table(&self.ha);
+        }
         let (lp99, lmax, sp99, smax) = self.verdict.waits_ms;
         s += &format!(
             "waits on fair semaphores: large requests p99 {lp99:.0} ms, max {lmax:.0} ms; small p99 {sp99:.0} ms, max {smax:.0} ms\n"
@@ -187,10 +207,22 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
     // With --network: PostgreSQL on host `db`, worker i on host `w<i>`, each its own network
     // namespace; this process (producers, sampler, nemesis) reaches PostgreSQL over its Unix
     // socket, the workers over the bed.
-    let bed = if config.network {
-        let hosts: Vec<String> = std::iter::once("db".to_string())
-            .chain((0..config.workers).map(|i| format!("w{i}")))
-            .collect();
+    // With --network: PostgreSQL on host `db` (under --ha: Patroni members on `pg1`..`pg3` and
+    // etcd on `etcd1`..), worker i on host `w<i>`, each its own network namespace. This process
+    // (producers, sampler, nemesis) reaches a single server over its Unix socket; under --ha it
+    // joins the bed as a host of its own and uses the multi-host URL, like the workers.
+    let network = config.network || config.ha.is_some();
+    let options = config.ha.map(|h| {
+        permitq_embedded_pg::PatroniOptions::new(h.synchronous).etcd_members(h.etcd_members)
+    });
+    let bed = if network {
+        let hosts: Vec<String> = match &options {
+            None => vec!["db".to_string()],
+            Some(o) => o.hosts(),
+        }
+        .into_iter()
+        .chain((0..config.workers).map(|i| format!("w{i}")))
+        .collect();
         Some(Arc::new(
             NetworkBed::new(&hosts.iter().map(String::as_str).collect::<Vec<_>>())
                 .map_err(|e| CliError::runtime(format!("--network: {e}")))?,
@@ -198,29 +230,49 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
     } else {
         None
     };
-    let pg = {
-        let placement = bed
-            .as_ref()
-            .map(|b| (b.namespace("db").to_string(), b.address("db").to_string()));
-        Arc::new(
-            tokio::task::spawn_blocking(move || match placement {
-                None => EmbeddedPostgres::start(),
-                Some((ns, address)) => EmbeddedPostgres::start_in_namespace(&ns, &address),
+    let (db, url, worker_url) = match options {
+        Some(options) => {
+            let bed = bed.clone().expect("a bed");
+            bed.link_here()
+                .map_err(|e| CliError::runtime(format!("--ha: {e}")))?;
+            let cluster = tokio::task::spawn_blocking(move || {
+                permitq_embedded_pg::PatroniCluster::start(options, Some(bed))
             })
             .await
-            .map_err(|e| CliError::runtime(e.to_string()))??,
-        )
-    };
-    let (url, worker_url) = match &bed {
-        None => (pg.url("postgres"), pg.url("postgres")),
-        Some(b) => (
-            pg.socket_config("postgres"),
-            format!(
-                "postgres://postgres@{}:{}/postgres",
-                b.address("db"),
-                pg.port()
-            ),
-        ),
+            .map_err(|e| CliError::runtime(e.to_string()))?
+            .map_err(|e| CliError::runtime(format!("--ha: {e}")))?;
+            let url = cluster.url("postgres");
+            (
+                Arc::new(ha::Database::Patroni(Mutex::new(cluster))),
+                url.clone(),
+                url,
+            )
+        }
+        None => {
+            let placement = bed
+                .as_ref()
+                .map(|b| (b.namespace("db").to_string(), b.address("db").to_string()));
+            let pg = Arc::new(
+                tokio::task::spawn_blocking(move || match placement {
+                    None => EmbeddedPostgres::start(),
+                    Some((ns, address)) => EmbeddedPostgres::start_in_namespace(&ns, &address),
+                })
+                .await
+                .map_err(|e| CliError::runtime(e.to_string()))??,
+            );
+            let (url, worker_url) = match &bed {
+                None => (pg.url("postgres"), pg.url("postgres")),
+                Some(b) => (
+                    pg.socket_config("postgres"),
+                    format!(
+                        "postgres://postgres@{}:{}/postgres",
+                        b.address("db"),
+                        pg.port()
+                    ),
+                ),
+            };
+            (Arc::new(ha::Database::Single(pg)), url, worker_url)
+        }
     };
     let client = Client::connect(&url).await?;
     client.migrate().await?;
@@ -234,6 +286,10 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
     client
         .set_rate_limit(RATE_LIMITED.0, RATE_LIMITED.1, RATE_LIMITED.2, Some(true))
         .await?;
+    if config.ha.is_some() {
+        client.set_capacity(ha::PROBE, 100, Some(false)).await?;
+        client.set_capacity(ha::KEEPER, 1, Some(true)).await?;
+    }
     if let Some(m) = config.mutation {
         let planted = m.sql().map_err(CliError::Runtime)?;
         permitq_embedded_pg::try_connect(&url)
@@ -269,6 +325,12 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         snapshots.clone(),
     ));
 
+    let (watch, watchers) = if config.ha.is_some() {
+        let (watch, tasks) = ha::Watch::start(&url, &stop);
+        (Some(watch), tasks)
+    } else {
+        (None, Vec::new())
+    };
     let clients: Vec<_> = (0..config.clients)
         .map(|i| {
             tokio::spawn(load::client_loop(
@@ -284,7 +346,7 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         tokio::spawn(nemesis::run(
             config.seed,
             every,
-            pg.clone(),
+            db.clone(),
             url.clone(),
             config.binary.clone(),
             workers.clone(),
@@ -302,7 +364,7 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         Some(n) => n.await.map_err(|e| CliError::runtime(e.to_string()))?,
         None => nemesis::Injected::default(),
     };
-    for c in clients {
+    for c in clients.into_iter().chain(watchers) {
         let _ = c.await;
     }
     drain(&url).await?;
@@ -321,6 +383,24 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         load_end,
     };
     let mut verdict = checker::check(&state, &cx);
+    let ha_figures = match &watch {
+        Some(watch) => {
+            let lost = checker::lost_acknowledged(&state, &ops);
+            let figures = ha::figures(&injected.faults, watch, &lost, load_end);
+            for f in figures.iter().filter(|f| f.tokens_rose == Some(false)) {
+                verdict
+                    .violations
+                    .entry("fencing")
+                    .or_default()
+                    .push(format!(
+                        "the probe's first token after {:?} is not above every token before it",
+                        f.outage.kind
+                    ));
+            }
+            figures
+        }
+        None => Vec::new(),
+    };
     for finding in sampler_findings.lock().expect("findings").drain(..) {
         verdict
             .violations
@@ -338,6 +418,7 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         snapshots: snapshots.load(Ordering::Relaxed),
         verdict,
         at_load_end,
+        ha: ha_figures,
     })
 }
 

@@ -13,11 +13,12 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::Mutex;
 
+use super::ha::Database;
 use super::history::{History, Op, OpKind, Outcome};
 use super::{FENCED, SEMAPHORES};
 use permitq::Client;
 use permitq::Request;
-use permitq_embedded_pg::{EmbeddedPostgres, NetworkBed, StopMode};
+use permitq_embedded_pg::{NetworkBed, StopMode};
 
 /// The kinds of fault, each injected at least once per run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -40,6 +41,17 @@ pub(crate) enum Fault {
     /// (--network) A worker's link throttled to 64-512 kbit/s for 3 s (queueing delay that
     /// varies with its traffic, drops past a second of queue).
     SlowLink,
+    /// (--ha) SIGKILL of the leader's PostgreSQL; its Patroni restarts it.
+    KillLeaderPostgres,
+    /// (--ha) SIGKILL of the leader's Patroni; its PostgreSQL runs on until the Patroni,
+    /// restarted once another member leads, demotes it.
+    KillLeaderPatroni,
+    /// (--ha) The leader's host cut off until another member leads, then reconnected.
+    PartitionLeader,
+    /// (--ha) `patronictl switchover`.
+    Switchover,
+    /// (--ha) A replica's Patroni and PostgreSQL killed and started again.
+    RestartReplica,
 }
 
 impl Fault {
@@ -53,9 +65,28 @@ impl Fault {
         Fault::TimeoutBurst,
     ];
 
-    /// Every kind a run injects: the local ones, and with `network` the network ones.
-    pub(crate) fn kinds(network: bool) -> Vec<Fault> {
-        let mut kinds = Fault::LOCAL.to_vec();
+    /// The kinds of a run under Patroni. A restart of the database is Patroni's to make, and
+    /// `ALTER SYSTEM` (the timeout burst) changes one member only.
+    const HA: [Fault; 9] = [
+        Fault::KillWorker,
+        Fault::PauseHolder,
+        Fault::TerminateConnections,
+        Fault::LowerCapacity,
+        Fault::KillLeaderPostgres,
+        Fault::KillLeaderPatroni,
+        Fault::PartitionLeader,
+        Fault::Switchover,
+        Fault::RestartReplica,
+    ];
+
+    /// Every kind a run injects: the local ones (or with `ha` those of a Patroni cluster), and
+    /// with `network` the network ones.
+    pub(crate) fn kinds(network: bool, ha: bool) -> Vec<Fault> {
+        let mut kinds = if ha {
+            Fault::HA.to_vec()
+        } else {
+            Fault::LOCAL.to_vec()
+        };
         if network {
             kinds.extend([Fault::Partition, Fault::SlowLink]);
         }
@@ -190,7 +221,7 @@ impl Workers {
 pub(crate) async fn run(
     seed: u64,
     every: Duration,
-    pg: Arc<EmbeddedPostgres>,
+    db: Arc<Database>,
     url: String,
     binary: PathBuf,
     workers: Arc<Workers>,
@@ -199,7 +230,7 @@ pub(crate) async fn run(
     stop: Arc<AtomicBool>,
 ) -> Injected {
     let mut rng = fastrand::Rng::with_seed(seed);
-    let kinds = Fault::kinds(bed.is_some());
+    let kinds = Fault::kinds(bed.is_some(), db.is_ha());
     let mut schedule = kinds.clone();
     rng.shuffle(&mut schedule);
     let mut injected = Injected::default();
@@ -218,11 +249,11 @@ pub(crate) async fn run(
         let result = inject(
             fault,
             &mut rng,
-            &pg,
+            &db,
             &url,
             &binary,
             &workers,
-            bed.as_deref(),
+            bed.as_ref(),
             &history,
         )
         .await;
@@ -244,11 +275,11 @@ pub(crate) async fn run(
 async fn inject(
     fault: Fault,
     rng: &mut fastrand::Rng,
-    pg: &Arc<EmbeddedPostgres>,
+    db: &Arc<Database>,
     url: &str,
     binary: &PathBuf,
     workers: &Workers,
-    bed: Option<&NetworkBed>,
+    bed: Option<&Arc<NetworkBed>>,
     history: &History,
 ) -> Result<()> {
     tracing::info!(?fault, "injecting");
@@ -259,6 +290,9 @@ async fn inject(
             admin(url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name LIKE 'permitq chaos-w%'").await
         }
         Fault::RestartDatabase => {
+            let Database::Single(pg) = &**db else {
+                return Err(CliError::runtime("under Patroni, Patroni restarts PostgreSQL"));
+            };
             let pg = pg.clone();
             tokio::task::spawn_blocking(move || {
                 pg.stop(StopMode::Immediate)?;
@@ -268,6 +302,16 @@ async fn inject(
             .await
             .map_err(|e| crate::error::CliError::runtime(e.to_string()))?
             .map_err(CliError::from)
+        }
+        Fault::KillLeaderPostgres
+        | Fault::KillLeaderPatroni
+        | Fault::PartitionLeader
+        | Fault::Switchover
+        | Fault::RestartReplica => {
+            let (db, bed, pick) = (db.clone(), bed.cloned(), rng.usize(..64));
+            tokio::task::spawn_blocking(move || super::ha::inject(fault, &db, bed.as_deref(), pick))
+                .await
+                .map_err(|e| CliError::runtime(e.to_string()))?
         }
         Fault::LowerCapacity => {
             let (name, capacity, _) = SEMAPHORES.iter().filter(|s| s.2).nth(rng.usize(..2)).expect("fair semaphores");

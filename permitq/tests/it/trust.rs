@@ -485,9 +485,19 @@ async fn a_template_makes_at_most_its_bound_of_instances() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_is_lost_before_it_runs_out_when_the_database_stops_answering() {
     let db = TestDb::new().await;
-    let url = format!("{}?application_name=stalled-holder", db.url);
+    db.client().await.set_capacity("s", 1, None).await.unwrap();
+    // The holder logs in as a role of its own, so that new connections can be refused to it.
+    let login = db.login("permitq_producer").await;
+    let user = login
+        .split("://")
+        .nth(1)
+        .unwrap()
+        .split(':')
+        .next()
+        .unwrap()
+        .to_string();
+    let url = format!("{login}?application_name=stalled-holder");
     let holder = Client::connect(&url).await.unwrap();
-    holder.set_capacity("s", 1, None).await.unwrap();
     let _worker = db.worker(quiet_config("w"));
     let ttl = Duration::from_secs(2);
     let lease = holder
@@ -520,6 +530,11 @@ async fn a_lease_is_lost_before_it_runs_out_when_the_database_stops_answering() 
         .map(|r| r.get(0))
         .collect();
     assert!(!pids.is_empty());
+    // Its sessions stop answering, and it cannot open new ones (a heartbeat that hangs is sent
+    // again on another connection).
+    conn.batch_execute(&format!("ALTER ROLE {user} NOLOGIN"))
+        .await
+        .unwrap();
     for pid in &pids {
         common::signal(u32::try_from(*pid).unwrap(), "STOP");
     }

@@ -1,0 +1,372 @@
+//! `permitq chaos --ha`: PostgreSQL run by Patroni and etcd on a bed of network namespaces,
+//! each member on a host of its own, workers on theirs, and this process (producers, sampler,
+//! nemesis) on a host of its own too, all through the multi-host URL with
+//! `target_session_attrs=read-write`. The nemesis adds the HA faults ([`inject`]); a probe
+//! measures how long grants stop around each fault, and a holder with a lease longer than a
+//! failover heartbeats through them all ([`Watch`]). [`figures`] puts each fault beside what it
+//! did: time until grants resume, acknowledged operations lost, tokens across it, the lease.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::error::{CliError, Result};
+use permitq::{Client, Request};
+use permitq_embedded_pg::{EmbeddedPostgres, NetworkBed, PatroniCluster};
+
+use super::nemesis::{Fault, Outage};
+
+/// The shape of the Patroni cluster of a run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HaConfig {
+    /// Patroni's `synchronous_mode`.
+    pub synchronous: bool,
+    /// etcd members (1 or 3).
+    pub etcd_members: usize,
+}
+
+/// The database of a run: one server, or a Patroni cluster.
+pub(crate) enum Database {
+    /// One throwaway server (the nemesis restarts it).
+    Single(Arc<EmbeddedPostgres>),
+    /// Three members under Patroni.
+    Patroni(Mutex<PatroniCluster>),
+}
+
+impl Database {
+    /// Whether Patroni runs it.
+    pub(crate) fn is_ha(&self) -> bool {
+        matches!(self, Database::Patroni(_))
+    }
+}
+
+/// The probe's semaphore: nothing else uses it, so a probe waits for nothing but the system.
+pub(crate) const PROBE: &str = "c-probe";
+/// The semaphore of the lease held through the faults.
+pub(crate) const KEEPER: &str = "c-keeper";
+/// That lease's ttl: longer than a failover takes.
+pub(crate) const KEEPER_TTL: Duration = Duration::from_secs(30);
+/// How long a fault may take to be over: until the cluster is healthy again.
+const RECOVERY: Duration = Duration::from_secs(90);
+
+fn cluster_of(db: &Database) -> Result<&Mutex<PatroniCluster>> {
+    match db {
+        Database::Patroni(c) => Ok(c),
+        Database::Single(_) => Err(CliError::runtime("HA faults need --ha")),
+    }
+}
+
+/// Injects HA fault `fault` (blocking) and returns once the cluster is healthy again: a
+/// leader, every member replicating and, with `synchronous_mode`, a synchronous standby.
+/// `pick` chooses the replica to restart.
+pub(crate) fn inject(
+    fault: Fault,
+    db: &Database,
+    bed: Option<&NetworkBed>,
+    pick: usize,
+) -> Result<()> {
+    let runtime = |e: permitq_embedded_pg::Error| CliError::runtime(e.to_string());
+    let mut cluster = cluster_of(db)?
+        .lock()
+        .map_err(|_| CliError::runtime("the cluster's lock is poisoned"))?;
+    let leader = cluster.wait_for_leader(RECOVERY).map_err(runtime)?;
+    tracing::info!(?fault, leader = leader + 1, "HA fault");
+    match fault {
+        Fault::KillLeaderPostgres => cluster.kill_postgres(leader),
+        Fault::KillLeaderPatroni => {
+            cluster.kill_patroni(leader);
+            let promoted = another_leader(&cluster, leader);
+            std::thread::sleep(Duration::from_secs(2));
+            cluster.restart_member(leader).map_err(runtime)?;
+            promoted?;
+        }
+        Fault::PartitionLeader => {
+            let bed = bed.ok_or_else(|| CliError::runtime("a partition needs the bed"))?;
+            let host = cluster
+                .host(leader)
+                .ok_or_else(|| CliError::runtime("the members are not on the bed"))?
+                .to_string();
+            bed.partition(&host)?;
+            let promoted = another_leader(&cluster, leader);
+            std::thread::sleep(Duration::from_secs(2));
+            bed.heal(&host)?;
+            promoted?;
+        }
+        Fault::Switchover => cluster.switchover().map_err(runtime)?,
+        Fault::RestartReplica => {
+            let replicas: Vec<usize> = (0..cluster.len())
+                .filter(|&i| i != leader && cluster.is_running(i))
+                .collect();
+            let Some(&replica) = replicas.get(pick % replicas.len().max(1)) else {
+                return Err(CliError::runtime("no replica runs"));
+            };
+            cluster.kill_member(replica);
+            std::thread::sleep(Duration::from_secs(1));
+            cluster.restart_member(replica).map_err(runtime)?;
+        }
+        other => return Err(CliError::runtime(format!("{other:?} is not an HA fault"))),
+    }
+    let deadline = Instant::now() + RECOVERY;
+    while !cluster.healthy() {
+        if Instant::now() > deadline {
+            return Err(CliError::runtime(format!(
+                "the cluster was not healthy again within {RECOVERY:?}: {}",
+                cluster.logs()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(())
+}
+
+/// Waits until a member other than `old` leads.
+fn another_leader(cluster: &PatroniCluster, old: usize) -> Result<usize> {
+    let deadline = Instant::now() + RECOVERY;
+    loop {
+        match cluster.leader() {
+            Some(new) if new != old => return Ok(new),
+            _ if Instant::now() > deadline => {
+                return Err(CliError::runtime(format!(
+                    "no other member leads: {}",
+                    cluster.logs()
+                )))
+            }
+            _ => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}
+
+/// What the probe and the lease holder saw.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Watch {
+    /// Every probe grant: when the probe learnt of it, and its token.
+    pub grants: Arc<Mutex<Vec<(SystemTime, i64)>>>,
+    /// When the lease held through the faults was lost, and why.
+    pub lease_losses: Arc<Mutex<Vec<(SystemTime, String)>>>,
+}
+
+impl Watch {
+    /// Starts the probe and the lease holder; they run until `stop`.
+    pub(crate) fn start(
+        url: &str,
+        stop: &Arc<AtomicBool>,
+    ) -> (Watch, Vec<tokio::task::JoinHandle<()>>) {
+        let watch = Watch::default();
+        let tasks = vec![
+            tokio::spawn(probe(url.to_string(), stop.clone(), watch.grants.clone())),
+            tokio::spawn(hold_lease(
+                url.to_string(),
+                stop.clone(),
+                watch.lease_losses.clone(),
+            )),
+        ];
+        (watch, tasks)
+    }
+}
+
+/// Submits a request on [`PROBE`], waits for its grant, releases it; again every 100 ms. A
+/// call that hangs (on a server that went away without a word) is given up after 10 s and the
+/// client made anew.
+async fn probe(url: String, stop: Arc<AtomicBool>, grants: Arc<Mutex<Vec<(SystemTime, i64)>>>) {
+    let mut n = 0u64;
+    let mut client = None;
+    while !stop.load(Ordering::Relaxed) {
+        let c = match &client {
+            Some(c) => c,
+            None => match Client::connect(&url).await {
+                Ok(c) => client.insert(c),
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+            },
+        };
+        n += 1;
+        let id = format!("probe-{n}");
+        let request = Request::new(&id).permit(PROBE, 1);
+        let acquired = tokio::time::timeout(
+            Duration::from_secs(10),
+            c.acquire(&request, Duration::from_secs(9)),
+        )
+        .await;
+        match acquired {
+            Ok(Ok(lease)) => {
+                let token = lease.fencing_token();
+                grants
+                    .lock()
+                    .expect("grants")
+                    .push((SystemTime::now(), token));
+                let _ = tokio::time::timeout(Duration::from_secs(10), lease.release()).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            _ => {
+                // Maybe submitted: the run's drain releases it.
+                client = None;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// Holds a lease on [`KEEPER`] with a ttl of [`KEEPER_TTL`], heartbeating (the client's own
+/// lease task) through every fault; records each loss and takes a new lease.
+async fn hold_lease(
+    url: String,
+    stop: Arc<AtomicBool>,
+    losses: Arc<Mutex<Vec<(SystemTime, String)>>>,
+) {
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let Ok(client) = Client::connect(&url).await else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        n += 1;
+        let request = Request::new(format!("keeper-{n}"))
+            .permit(KEEPER, 1)
+            .ttl(KEEPER_TTL);
+        let acquired = tokio::time::timeout(
+            Duration::from_secs(60),
+            client.acquire(&request, Duration::from_secs(55)),
+        )
+        .await;
+        let Ok(Ok(lease)) = acquired else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        loop {
+            tokio::select! {
+                reason = lease.lost() => {
+                    losses.lock().expect("losses").push((SystemTime::now(), reason));
+                    break;
+                }
+                () = tokio::time::sleep(Duration::from_millis(200)) => {
+                    if stop.load(Ordering::Relaxed) {
+                        let _ = tokio::time::timeout(Duration::from_secs(10), lease.release()).await;
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One fault and what it did.
+#[derive(Debug, Clone)]
+pub(crate) struct FaultFigures {
+    /// Which fault, and when.
+    pub outage: Outage,
+    /// The longest time without a probe grant around it.
+    pub grants_paused: Duration,
+    /// Acknowledged operations lost, told to the client during or after it (before the next).
+    pub lost: usize,
+    /// Whether the first probe token after it is above every one before it (None: no grant on
+    /// one side).
+    pub tokens_rose: Option<bool>,
+    /// Whether the first probe token after it is in a higher epoch (a promotion).
+    pub new_epoch: bool,
+    /// Whether the lease held through it survived.
+    pub lease_kept: bool,
+}
+
+/// Puts each fault beside the probe's grants, the losses and the lease.
+pub(crate) fn figures(
+    faults: &[Outage],
+    watch: &Watch,
+    lost: &[(SystemTime, String)],
+    load_end: SystemTime,
+) -> Vec<FaultFigures> {
+    let mut grants = watch.grants.lock().expect("grants").clone();
+    grants.sort_unstable();
+    let losses = watch.lease_losses.lock().expect("losses").clone();
+    let mut sorted: Vec<Outage> = faults.to_vec();
+    sorted.sort_by_key(|f| f.from);
+    let settle = Duration::from_secs(5);
+    sorted
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let next = sorted.get(i + 1).map_or(load_end, |n| n.from);
+            // Gaps between consecutive grants that overlap the fault (or its settling).
+            let mut paused = Duration::ZERO;
+            let mut previous = grants.iter().rev().find(|g| g.0 <= f.from).map(|g| g.0);
+            for g in grants.iter().filter(|g| g.0 > f.from) {
+                if let Some(p) = previous {
+                    if p > f.to + settle {
+                        break;
+                    }
+                    paused = paused.max(g.0.duration_since(p).unwrap_or_default());
+                }
+                previous = Some(g.0);
+            }
+            let after = grants.iter().find(|g| g.0 > f.to);
+            if after.is_none() {
+                // No grant after it: paused until the load ended.
+                let since = previous.unwrap_or(f.from);
+                paused = paused.max(load_end.duration_since(since).unwrap_or_default());
+            }
+            let before = grants.iter().filter(|g| g.0 <= f.from).map(|g| g.1).max();
+            let tokens_rose = match (before, after) {
+                (Some(b), Some(a)) => Some(a.1 > b),
+                _ => None,
+            };
+            let new_epoch = matches!((before, after), (Some(b), Some(a)) if a.1 >> 48 > b >> 48);
+            FaultFigures {
+                outage: *f,
+                grants_paused: paused,
+                lost: lost
+                    .iter()
+                    .filter(|(at, _)| *at >= f.from && *at < next)
+                    .count(),
+                tokens_rose,
+                new_epoch,
+                lease_kept: !losses.iter().any(|(at, _)| *at >= f.from && *at < next),
+            }
+        })
+        .collect()
+}
+
+/// The per-fault table of a run's summary: for each kind, how many, grants paused (p50 and
+/// max), acknowledged operations lost, promotions seen in the tokens, tokens above all before,
+/// leases kept.
+pub(crate) fn table(figures: &[FaultFigures]) -> String {
+    let mut by_kind: BTreeMap<Fault, Vec<&FaultFigures>> = BTreeMap::new();
+    for f in figures {
+        by_kind.entry(f.outage.kind).or_default().push(f);
+    }
+    let mut s = format!(
+        "{:<22} {:>3} {:>13} {:>13} {:>5} {:>10} {:>11} {:>11}\n",
+        "per fault",
+        "n",
+        "paused p50 s",
+        "paused max s",
+        "lost",
+        "new epoch",
+        "tokens rose",
+        "lease kept"
+    );
+    for (kind, list) in by_kind {
+        let mut paused: Vec<f64> = list.iter().map(|f| f.grants_paused.as_secs_f64()).collect();
+        paused.sort_by(f64::total_cmp);
+        let p50 = paused[paused.len() / 2];
+        let max = paused.last().copied().unwrap_or(0.0);
+        let judged: Vec<bool> = list.iter().filter_map(|f| f.tokens_rose).collect();
+        s += &format!(
+            "{:<22} {:>3} {:>13.1} {:>13.1} {:>5} {:>10} {:>11} {:>11}\n",
+            format!("{kind:?}"),
+            list.len(),
+            p50,
+            max,
+            list.iter().map(|f| f.lost).sum::<usize>(),
+            list.iter().filter(|f| f.new_epoch).count(),
+            format!("{}/{}", judged.iter().filter(|r| **r).count(), judged.len()),
+            format!(
+                "{}/{}",
+                list.iter().filter(|f| f.lease_kept).count(),
+                list.len()
+            ),
+        );
+    }
+    s
+}
