@@ -122,6 +122,8 @@ fn a_short_chaos_run_under_patroni_with_every_ha_fault_passes_every_checker() {
             "{kind} was not injected: {faults}"
         );
     }
+    // Every fault was injected as meant, and the cluster was healthy again after each.
+    assert!(!summary.contains("injection failed"), "{summary}");
     // Each HA fault's figures: nothing acknowledged lost, tokens above every earlier one, the
     // lease (ttl 30 s) kept, grants paused for less than a minute.
     for kind in ha {

@@ -44,6 +44,24 @@ impl PatroniOptions {
         self
     }
 
+    /// The `bootstrap:` section of the members' Patroni configuration (YAML): the cluster-wide
+    /// settings Patroni writes to etcd, `synchronous_mode` among them.
+    #[must_use]
+    pub fn bootstrap(&self) -> String {
+        format!(
+            "bootstrap:\n  dcs:\n    ttl: {PATRONI_TTL}\n    loop_wait: {LOOP_WAIT}\n\
+             \x20   retry_timeout: {RETRY_TIMEOUT}\n    synchronous_mode: {sync}\n\
+             \x20   maximum_lag_on_failover: 1048576\n\
+             \x20   postgresql:\n      use_pg_rewind: true\n      parameters:\n\
+             \x20       max_connections: 200\n        wal_log_hints: 'on'\n\
+             \x20       max_wal_senders: 10\n        max_replication_slots: 10\n\
+             \x20 initdb:\n    - encoding: UTF8\n    - auth: trust\n\
+             \x20 pg_hba:\n    - local all all trust\n    - host all all 0.0.0.0/0 trust\n\
+             \x20   - host replication all 0.0.0.0/0 trust\n",
+            sync = self.synchronous
+        )
+    }
+
     /// The bed hosts a cluster of this shape runs on: `pg1`..`pg3`, then `etcd1`...
     #[must_use]
     pub fn hosts(&self) -> Vec<String> {
@@ -301,15 +319,7 @@ impl PatroniCluster {
              name: {name}\n\
              restapi:\n  listen: {addr}:{rest}\n  connect_address: {addr}:{rest}\n\
              etcd3:\n  hosts: {etcd}\n\
-             bootstrap:\n  dcs:\n    ttl: {ttl}\n    loop_wait: {loop_wait}\n\
-             \x20   retry_timeout: {retry}\n\
-             \x20   maximum_lag_on_failover: 1048576\n    synchronous_mode: {sync}\n\
-             \x20   postgresql:\n      use_pg_rewind: true\n      parameters:\n\
-             \x20       max_connections: 200\n        wal_log_hints: 'on'\n\
-             \x20       max_wal_senders: 10\n        max_replication_slots: 10\n\
-             \x20 initdb:\n    - encoding: UTF8\n    - auth: trust\n\
-             \x20 pg_hba:\n    - local all all trust\n    - host all all 0.0.0.0/0 trust\n\
-             \x20   - host replication all 0.0.0.0/0 trust\n\
+             {bootstrap}\
              postgresql:\n  listen: {addr}:{pg}\n  connect_address: {addr}:{pg}\n\
              \x20 data_dir: {data}\n  bin_dir: {bin}\n  pgpass: {dir}/pgpass-{name}\n\
              \x20 authentication:\n    replication:\n      username: postgres\n\
@@ -320,10 +330,7 @@ impl PatroniCluster {
             addr = m.address,
             rest = m.rest_port,
             etcd = etcd.join(","),
-            ttl = PATRONI_TTL,
-            loop_wait = LOOP_WAIT,
-            retry = RETRY_TIMEOUT,
-            sync = self.options.synchronous,
+            bootstrap = self.options.bootstrap(),
             pg = m.pg_port,
             data = self.data_dir(i).display(),
             bin = find_bin_dir()?.display(),

@@ -165,6 +165,42 @@ impl Client {
             .transpose()
     }
 
+    /// [`Client::status`], and once the request has left `new`, a commit on the same
+    /// connection that reaches the synchronous standbys, if the server has any
+    /// ([`sql::DURABILITY_BARRIER`]), before the row is returned.
+    async fn durable_status(
+        &self,
+        external_id: &str,
+        deadline: Instant,
+    ) -> Result<Option<PermitRequest>> {
+        // Abandoned while the barrier waits (a primary without its standby), the connection
+        // leaves the pool.
+        let mut conn = Checkout(Some(self.inner.pool.get().await?));
+        let row = conn
+            .query_typed_opt(sql::STATUS.as_str(), &[(&external_id, Type::TEXT)])
+            .await?
+            .as_ref()
+            .map(db::request_from_row)
+            .transpose()?;
+        if row
+            .as_ref()
+            .is_some_and(|r| r.state != State::New && r.state != State::InProgress)
+        {
+            let until = deadline.max(Instant::now() + Duration::from_secs(1));
+            // The simple protocol: it answers after the commit (the extended one may hand over
+            // the row before the commit waits for the standby).
+            let barrier = conn.batch_execute(sql::DURABILITY_BARRIER);
+            match tokio::time::timeout_at(until.into(), barrier).await {
+                Ok(done) => {
+                    done?;
+                }
+                Err(_) => return Err(Error::unconfirmed(external_id)),
+            }
+        }
+        conn.finished();
+        Ok(row)
+    }
+
     /// Gives a held request's permits back, or cancels it while it waits. Idempotent.
     pub async fn release(&self, external_id: &str) -> Result<ReleaseOutcome> {
         self.outcome(sql::RELEASE, external_id).await
@@ -214,6 +250,12 @@ impl Client {
     /// Waits until the request leaves `new`, or `timeout` passes, and returns it as it is then
     /// (still `new` on timeout; `None` for an unknown id). Listens on `permitq_events` and also
     /// re-reads the status every 250 ms, so a lost notification only costs latency.
+    ///
+    /// With synchronous replication, an outcome is returned only once it has reached the
+    /// synchronous standby: on a primary that lost its standby in a failover, a grant can be
+    /// visible locally and then be discarded when the primary is demoted. Such an outcome is
+    /// never reported; once `timeout` passes (at least a second for the confirmation) the call
+    /// fails with a connection error ([`Error::is_connection`]): ask again.
     pub async fn wait_settled(
         &self,
         external_id: &str,
@@ -235,7 +277,7 @@ impl Client {
         }
         loop {
             // Subscribed before reading: a change after this read is also a notification.
-            let current = self.status(external_id).await?;
+            let current = self.durable_status(external_id, deadline).await?;
             match &current {
                 Some(r) if r.state == State::New || r.state == State::InProgress => {}
                 _ => return Ok(current),

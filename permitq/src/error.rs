@@ -24,6 +24,8 @@ enum Kind {
     },
     Config(String),
     NotGranted(Box<crate::types::PermitRequest>),
+    /// An outcome read on a primary that did not confirm it reached the synchronous standby.
+    Unconfirmed(String),
 }
 
 /// Shorthand for results in this crate.
@@ -42,6 +44,12 @@ impl Error {
     pub(crate) fn config(message: impl Into<String>) -> Error {
         Error {
             kind: Kind::Config(message.into()),
+        }
+    }
+
+    pub(crate) fn unconfirmed(external_id: &str) -> Error {
+        Error {
+            kind: Kind::Unconfirmed(external_id.to_string()),
         }
     }
 
@@ -84,9 +92,11 @@ impl Error {
 
     /// True when the connection to the database failed or was lost: the operation may or may not
     /// have taken effect if it was a commit, and a retry needs a new connection.
+    /// So is an outcome the server did not confirm as replicated to its synchronous standby
+    /// (a primary cut off in a failover): ask again, on the new primary.
     pub fn is_connection(&self) -> bool {
         match &self.kind {
-            Kind::Pool(deadpool_postgres::PoolError::Timeout(_)) => true,
+            Kind::Pool(deadpool_postgres::PoolError::Timeout(_)) | Kind::Unconfirmed(_) => true,
             _ => match self.as_postgres() {
                 Some(e) => {
                     e.is_closed()
@@ -157,6 +167,11 @@ impl fmt::Display for Error {
                 fmt_postgres(e, f)
             }
             Kind::Pool(e) => write!(f, "database pool: {e}"),
+            Kind::Unconfirmed(id) => write!(
+                f,
+                "the outcome of request {id} did not reach the synchronous standby in time: this \
+                 primary may have lost its standby in a failover; ask again"
+            ),
         }
     }
 }

@@ -140,6 +140,15 @@ pub(crate) static STATUS: LazyLock<String> = LazyLock::new(|| {
     format!("SELECT {REQUEST_COLUMNS} FROM permitq.permit_request WHERE external_id = $1")
 });
 
+/// After reading an outcome (a status, or a notification on `permitq_events`), run this on the
+/// same connection before acting on it, as a simple query (`batch_execute`; with the extended
+/// protocol the row may arrive before the implicit commit has waited): `permitq.confirm_durable`,
+/// whose commit waits until the synchronous standbys, if any, have everything the read saw. On
+/// a primary that lost its standby in a failover, where a grant can be visible and then be
+/// discarded when the primary is demoted, it never returns successfully.
+/// [`crate::Client::wait_settled`] (and so `acquire`) runs it itself.
+pub const DURABILITY_BARRIER: &str = "SELECT permitq.confirm_durable()";
+
 /// Client: release (or cancel) by external_id.
 pub(crate) const RELEASE: &str = "SELECT permitq.release($1)";
 /// Operator: revoke by external_id.
@@ -274,6 +283,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("REVOKE_OWNERS", REVOKE_OWNERS),
         ("DELETE_SETTLED", DELETE_SETTLED),
         ("DELETE_CAPACITY_CHANGES", DELETE_CAPACITY_CHANGES),
+        ("DURABILITY_BARRIER", DURABILITY_BARRIER),
     ]
     .into_iter()
     .map(|(name, sql)| (name, sql.to_string()))

@@ -88,6 +88,10 @@ pub(crate) struct ChaosReport {
     pub at_load_end: Vec<(String, i32, i64, i64, i64, f64)>,
     /// Under Patroni: each fault and what it did.
     pub ha: Vec<ha::FaultFigures>,
+    /// Fault injections that failed, and why.
+    pub failed_injections: Vec<(Fault, String)>,
+    /// Every fault's span, to place a violation on the timeline.
+    pub timeline: Vec<nemesis::Outage>,
 }
 
 /// Checker names, in report order.
@@ -155,6 +159,9 @@ impl ChaosReport {
                 self.faults.get(&fault).copied().unwrap_or(0)
             );
         }
+        for (fault, why) in &self.failed_injections {
+            s += &format!("\ninjection failed: {fault:?}: {why}");
+        }
         s += &format!(
             "\nrequests {}, granted {}, sampler snapshots {}\n",
             self.verdict.requests, self.verdict.granted, self.snapshots
@@ -190,6 +197,18 @@ impl ChaosReport {
         s += &format!(
             "waits on fair semaphores: large requests p99 {lp99:.0} ms, max {lmax:.0} ms; small p99 {sp99:.0} ms, max {smax:.0} ms\n"
         );
+        if self.violations() > 0 {
+            // Where the violations' times (µs since the epoch) fall among the faults.
+            s += "faults (from, to, in s since the epoch):\n";
+            for f in &self.timeline {
+                let secs = |t: SystemTime| {
+                    t.duration_since(std::time::UNIX_EPOCH)
+                        .unwrap_or_default()
+                        .as_secs_f64()
+                };
+                s += &format!("  {:?} {:.3} {:.3}\n", f.kind, secs(f.from), secs(f.to));
+            }
+        }
         s += &format!(
             "result: {}\n",
             if self.violations() == 0 {
@@ -415,10 +434,12 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         config,
         ops: history.counts(),
         faults: injected.counts,
+        timeline: injected.faults.clone(),
         snapshots: snapshots.load(Ordering::Relaxed),
         verdict,
         at_load_end,
         ha: ha_figures,
+        failed_injections: injected.failed,
     })
 }
 
@@ -492,8 +513,9 @@ type EventCounts = (
 );
 
 /// Records the fencing token of every `acquired` event per external_id (a second grant would show
-/// up as a second event, or a token that is not the request's). LISTENs on its own connection
-/// and reconnects when the database restarts.
+/// up as a second event, or a token that is not the request's), once it is durable
+/// ([`permitq::DURABILITY_BARRIER`]). LISTENs on its own connection and reconnects when the
+/// database restarts.
 fn record_acquired_events(url: String) -> EventCounts {
     let counts = Arc::new(Mutex::new(HashMap::new()));
     let sink = counts.clone();
@@ -514,7 +536,17 @@ fn record_acquired_events(url: String) -> EventCounts {
                     }
                 });
                 if client.batch_execute("LISTEN permitq_events").await.is_ok() {
+                    // As a client must: an event counts once the durability barrier says the
+                    // grant reached the synchronous standby (an old primary, cut off in a
+                    // failover, can notify a grant that its demotion discards).
                     while let Some(payload) = rx.recv().await {
+                        if client
+                            .simple_query(permitq::DURABILITY_BARRIER)
+                            .await
+                            .is_err()
+                        {
+                            break;
+                        }
                         count_acquired(&sink, &payload);
                     }
                 }

@@ -113,6 +113,8 @@ pub(crate) struct Injected {
     pub counts: BTreeMap<Fault, u32>,
     /// Every fault's span.
     pub faults: Vec<Outage>,
+    /// Injections that failed, and why (the fault may have happened in part).
+    pub failed: Vec<(Fault, String)>,
 }
 
 /// The worker processes, restartable.
@@ -259,7 +261,10 @@ pub(crate) async fn run(
         .await;
         match result {
             Ok(()) => *injected.counts.entry(fault).or_insert(0) += 1,
-            Err(e) => tracing::warn!(?fault, error = %e, "fault injection failed"),
+            Err(e) => {
+                tracing::warn!(?fault, error = %e, "fault injection failed");
+                injected.failed.push((fault, e.to_string()));
+            }
         }
         let during = Outage {
             kind: fault,

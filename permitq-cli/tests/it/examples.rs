@@ -93,7 +93,8 @@ impl Drop for Background {
 
 /// Every `sh` and `sql` block of the README runs as written, top to bottom, on one fresh
 /// database: the tutorial's `permitq worker &` is the worker the later blocks rely on, and the
-/// tutorial waits for its grant with `--await`, so nothing here retries or sleeps. Three lines
+/// tutorial waits for its grant with `--await`, so nothing here retries or sleeps. A YAML block
+/// (the Patroni settings) must hold only settings the HA test bed runs with. Three lines
 /// cannot run inside a test and are checked instead: `cargo run --release -- ARGS` runs the
 /// binary under test with ARGS (the same code), `cargo install --locked --path DIR` must name the crate
 /// of that binary, and `scripts/test` (the command running this test) must be executable.
@@ -104,9 +105,21 @@ async fn every_readme_block_runs_as_written_top_to_bottom_on_a_fresh_database() 
     let blocks = blocks(readme);
     for (language, _) in &blocks {
         assert!(
-            ["sh", "sql", "rust,no_run"].contains(&language.as_str()),
+            ["sh", "sql", "rust,no_run", "yaml"].contains(&language.as_str()),
             "a README block the test cannot run: {language:?}"
         );
+    }
+    // A YAML block is Patroni configuration: every setting in it is one the HA tests run with.
+    let tested = common::PatroniOptions::new(true).bootstrap();
+    let tested: Vec<&str> = tested.lines().map(str::trim).collect();
+    for (_, block) in blocks.iter().filter(|(language, _)| language == "yaml") {
+        for line in block.lines() {
+            let setting = line.split(" #").next().unwrap_or_default().trim();
+            assert!(
+                tested.contains(&setting),
+                "README's Patroni setting {setting:?} is not what the tests run with: {tested:?}"
+            );
+        }
     }
     let db = TestDb::empty().await;
     let conn = common::connect(&db.url).await;

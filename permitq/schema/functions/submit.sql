@@ -84,6 +84,25 @@ BEGIN
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.status(text) TO permitq_producer, permitq_worker, permitq_admin;
 
+-- permitq.confirm_durable: run it after reading an outcome (`status`, `await_settled`, an event
+-- on permitq_events), on the same connection and in a transaction of its own, before acting on
+-- the outcome. With synchronous standbys configured, its commit waits until they have its WAL
+-- message, and so everything this server committed before it: what the read saw. A primary cut
+-- off from its standby in a failover can show a grant that its demotion then discards; there
+-- this never returns successfully. Without synchronous standbys it writes nothing. Send it as a
+-- simple query (psql does) or end its transaction with COMMIT: through the extended protocol
+-- the result may arrive before the implicit commit has waited.
+CREATE OR REPLACE FUNCTION permitq.confirm_durable() RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+BEGIN
+    IF current_setting('synchronous_standby_names') <> ''
+       AND current_setting('synchronous_commit') NOT IN ('off', 'local') THEN
+        PERFORM pg_catalog.pg_logical_emit_message(true, 'permitq', '');
+    END IF;
+    RETURN true;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.confirm_durable() TO permitq_producer, permitq_worker, permitq_admin;
+
 -- permitq.await_settled: waits until the request leaves `new` or `timeout` passes (at most an
 -- hour), polling every 10 ms, and returns the row as it is then; no row for an unknown id. For
 -- clients that cannot LISTEN. Each poll sees what committed before it only in READ COMMITTED,

@@ -487,3 +487,90 @@ async fn a_lease_that_expires_during_a_failover_gets_one_ttl_of_grace_after_the_
     assert!(!client.fence("grace-resource", token).await.unwrap());
     worker.stop().await;
 }
+
+/// The hazard of a primary that lost its synchronous standby (an old primary in a failover):
+/// a grant whose wait for the standby is cancelled (as a demotion cancels it) is committed
+/// locally and visible there, yet the standby never had it. `wait_settled` does not report it:
+/// its confirmation (`DURABILITY_BARRIER`) cannot reach the standby, and the call fails as a
+/// connection error would, to be asked again. Once the standby is back, the outcome is
+/// reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_outcome_that_did_not_reach_the_synchronous_standby_is_not_reported() {
+    common::init_logging();
+    let (primary, standby) = replicated_pair(&[("synchronous_standby_names", "walreceiver")]);
+    let url = primary.url("postgres");
+    let admin = Client::connect(&url).await.unwrap();
+    admin.migrate().await.unwrap();
+    admin.set_capacity("sync", 1, None).await.unwrap();
+    // A producer login: the confirmation needs no privilege beyond the producer role's.
+    common::connect(&url)
+        .await
+        .batch_execute("CREATE ROLE sync_producer LOGIN PASSWORD 'pw' IN ROLE permitq_producer")
+        .await
+        .unwrap();
+    let client = Client::connect(&common::as_user(&url, "sync_producer", "pw"))
+        .await
+        .unwrap();
+    client
+        .submit(&Request::new("unconfirmed").permit("sync", 1))
+        .await
+        .unwrap();
+    // The standby goes away: every commit now waits for it.
+    standby.stop(StopMode::Immediate).expect("stop the standby");
+    let worker = RunningWorker::start(&url, quiet_config("sync-w"));
+    let conn = common::connect(&url).await;
+    wait_until(
+        Duration::from_secs(20),
+        "the grant's commit waits for the standby",
+        || async {
+            conn.query_one(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE wait_event = 'SyncRep' AND application_name LIKE 'permitq sync-w%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+                > 0
+        },
+    )
+    .await;
+    // Cancel the waits, as a demotion does: the grant is committed locally, visible here.
+    let acquired = || async {
+        conn.batch_execute(
+            "SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE wait_event = 'SyncRep'",
+        )
+        .await
+        .unwrap();
+        conn.query_one(
+            "SELECT state FROM permitq.permit_request WHERE external_id = 'unconfirmed'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, String>(0)
+            == "acquired"
+    };
+    wait_until(
+        Duration::from_secs(20),
+        "the grant visible on the primary",
+        acquired,
+    )
+    .await;
+    let err = client
+        .wait_settled("unconfirmed", Duration::from_secs(2))
+        .await
+        .expect_err("a grant the standby never had is not reported");
+    assert!(err.is_connection() && err.is_retryable(), "{err}");
+    assert!(err.to_string().contains("synchronous standby"), "{err}");
+
+    // The standby back, the grant reaches it and is reported.
+    standby.start_server().expect("the standby again");
+    let row = retrying("the confirmed outcome", || {
+        client.wait_settled("unconfirmed", Duration::from_secs(5))
+    })
+    .await
+    .unwrap();
+    assert_eq!(row.state, State::Acquired);
+    worker.stop().await;
+}
