@@ -64,6 +64,15 @@ pub(crate) enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Why a request waits: per semaphore what is free and missing, its place in line, who
+    /// holds the permits, the rule that holds it back, an estimated wait; or its outcome.
+    Explain {
+        /// The request's external_id.
+        external_id: String,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Release a held request (or cancel a waiting one).
     Release {
         /// The request's external_id.

@@ -122,6 +122,23 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             }
             Ok(0)
         }
+        Command::Explain { external_id, json } => {
+            let client = Client::connect(&need_url()?).await?;
+            let Some(explanation) = client.explain(&external_id).await? else {
+                return Err(CliError::not_found("request", &external_id));
+            };
+            if json {
+                outln!(
+                    "{}",
+                    serde_json::to_string(&explanation).expect("serializable")
+                );
+            } else {
+                for line in crate::show::explanation(&explanation) {
+                    outln!("{line}");
+                }
+            }
+            Ok(0)
+        }
         Command::Release { external_id, json } => {
             let client = Client::connect(&need_url()?).await?;
             outcome(client.release(&external_id).await?, &external_id, json)

@@ -127,6 +127,12 @@ pub(crate) fn print(d: &Detail) {
             ago(w.waiting_since)
         );
     }
+    if let Some(e) = &d.first_in_line {
+        outln!("\nwhy the first in line waits:");
+        for line in explanation(e) {
+            outln!("  {line}");
+        }
+    }
     outln!("\ncapacity changes (latest {}):", d.capacity_history.len());
     for c in &d.capacity_history {
         outln!(
@@ -139,4 +145,52 @@ pub(crate) fn print(d: &Detail) {
             c.changed_by
         );
     }
+}
+
+/// Why a request waits, as lines of text: per semaphore what is free and missing, its place in
+/// line, the rule that holds it back, the holders and the estimated wait; or its outcome.
+pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
+    if e.semaphores.is_empty() {
+        let outcome = e.outcome.clone().unwrap_or_else(|| e.state.to_string());
+        return vec![format!("{} is not waiting: {outcome}", e.external_id)];
+    }
+    let mut lines = vec![format!("{} waits ({})", e.external_id, e.state)];
+    for s in &e.semaphores {
+        let room = match (s.free, s.capacity, s.shortfall) {
+            (Some(free), Some(capacity), Some(short)) if short > 0 => {
+                format!("{free} free of {capacity}, short {short}")
+            }
+            (Some(free), Some(capacity), _) => format!("{free} free of {capacity}"),
+            _ => "no such semaphore".to_string(),
+        };
+        let place = match (s.position, s.permits_ahead) {
+            (Some(p), Some(a)) => format!("; position {p}, {a} permits ahead"),
+            _ => String::new(),
+        };
+        lines.push(format!("{}: needs {}, {room}{place}", s.semaphore, s.needs));
+        lines.push(format!("  {}", s.reason));
+        if !s.holders.is_empty() {
+            let holders: Vec<String> = s
+                .holders
+                .iter()
+                .map(|h| {
+                    let lease = h
+                        .expires_at
+                        .map_or(String::new(), |t| format!(", lease ends {}", until(t)));
+                    format!(
+                        "{} ({} for {:.1}s{lease})",
+                        h.external_id, h.count, h.held_for_s
+                    )
+                })
+                .collect();
+            lines.push(format!("  held by {}", holders.join(", ")));
+        }
+        if let Some(wait) = s.estimated_wait {
+            lines.push(format!(
+                "  estimated wait: about {} (an estimate from recent releases)",
+                humantime::format_duration(std::time::Duration::from_secs(wait.as_secs().max(1)))
+            ));
+        }
+    }
+    lines
 }

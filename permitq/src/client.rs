@@ -16,6 +16,7 @@ use tokio_postgres::types::Type;
 
 use crate::db;
 use crate::error::{Error, Result};
+use crate::explain::{self, Explanation};
 use crate::lease::Lease;
 use crate::listener::{Listener, ListenerEvent};
 use crate::rules::{duration_problem, priority_problem};
@@ -387,6 +388,18 @@ impl Client {
             .iter()
             .map(usage::usage_from_row)
             .collect()
+    }
+
+    /// Why the request waits: for each semaphore it names, what is free and missing, its place
+    /// in line, who holds the permits, the rule that holds it back, and an estimated wait; for
+    /// a request that no longer waits, its outcome. `None` for an unknown request (or another
+    /// role's, for a producer).
+    pub async fn explain(&self, external_id: &str) -> Result<Option<Explanation>> {
+        let conn = self.inner.pool.get().await?;
+        let rows = conn
+            .query_typed(sql::EXPLAIN, &[(&external_id, Type::TEXT)])
+            .await?;
+        explain::explanation_from_rows(&rows)
     }
 
     /// Who holds permits of `semaphore`, oldest grant first.

@@ -18,6 +18,7 @@
 //! | [`PermitRequest`], [`State`], [`ErrorCode`], [`ReleaseReason`], [`ReleaseOutcome`] | a request as stored, where it is in its life and how it ended |
 //! | [`Semaphore`], [`CapacityChange`] | a semaphore, and its capacity audit |
 //! | [`SemaphoreUsage`], [`Holder`], [`Waiter`] | what operators watch: exact use, who holds, who waits |
+//! | [`Explanation`], [`SemaphoreWait`], [`BlockingHolder`] | why a request waits ([`Client::explain`]) |
 //! | [`Worker`], [`WorkerConfig`], [`WorkerHealth`], [`MaintenanceConfig`], [`OwnerLiveness`] | embedding a worker in your own process (or run `permitq worker`) |
 //! | [`PRIORITY_RANGE`], [`AGING_STEP`], [`MAX_DURATION`], [`MAX_NAME_LENGTH`], [`MAX_SEMAPHORES_PER_REQUEST`], [`MAX_INSTANCES`], [`NOTIFY_QUEUE_LIMIT`] | the bounds and rules the schema shares, stated once |
 //! | [`DURABILITY_BARRIER`] | the statement that confirms an outcome you read has reached the synchronous standby (for SQL clients and raw listeners; [`Client`] runs it itself) |
@@ -51,6 +52,7 @@ mod client;
 mod db;
 mod decision;
 mod error;
+mod explain;
 mod lease;
 mod listener;
 mod maintenance;
@@ -63,6 +65,7 @@ mod worker;
 
 pub use client::Client;
 pub use error::{Error, Result, SqlState};
+pub use explain::{BlockingHolder, Explanation, SemaphoreWait};
 pub use lease::Lease;
 pub use maintenance::{MaintenanceConfig, OwnerLiveness};
 pub use rules::{

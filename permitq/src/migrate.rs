@@ -108,6 +108,7 @@ schema_files! {
     "sweeps.sql",
     "retention.sql",
     "views.sql",
+    "explain.sql",
 }
 
 /// The schema file named `path`, if this build has it.

@@ -149,6 +149,12 @@ pub(crate) static STATUS: LazyLock<String> = LazyLock::new(|| {
 /// [`crate::Client::wait_settled`] (and so `acquire`) runs it itself.
 pub const DURABILITY_BARRIER: &str = "SELECT permitq.confirm_durable()";
 
+/// Why a request waits (`permitq.explain`): one row per semaphore, or its outcome.
+pub(crate) const EXPLAIN: &str =
+    "SELECT request, state, outcome, semaphore, needs, capacity, free, \
+     shortfall, position, permits_ahead, reason, holders, \
+     extract(epoch FROM estimated_wait)::float8 FROM permitq.explain($1)";
+
 /// Client: release (or cancel) by external_id.
 pub(crate) const RELEASE: &str = "SELECT permitq.release($1)";
 /// Operator: revoke by external_id.
@@ -284,6 +290,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("DELETE_SETTLED", DELETE_SETTLED),
         ("DELETE_CAPACITY_CHANGES", DELETE_CAPACITY_CHANGES),
         ("DURABILITY_BARRIER", DURABILITY_BARRIER),
+        ("EXPLAIN", EXPLAIN),
     ]
     .into_iter()
     .map(|(name, sql)| (name, sql.to_string()))

@@ -1,6 +1,7 @@
-//! The read-only JSON API: `GET /api/semaphores` (every semaphore's usage) and
-//! `GET /api/semaphores/{name}` (usage, holders, the first 100 waiters, the last 20 capacity
-//! changes; 404 for an unknown name).
+//! The read-only JSON API: `GET /api/semaphores` (every semaphore's usage),
+//! `GET /api/semaphores/{name}` (usage, holders, the first 100 waiters, why the first in line
+//! waits, the last 20 capacity changes; 404 for an unknown name) and
+//! `GET /api/requests/{external_id}/explain` (why a request waits; 404 for an unknown one).
 
 use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
@@ -47,12 +48,28 @@ pub(super) async fn semaphore(
     }
 }
 
+pub(super) async fn explain(
+    State(state): State<super::State>,
+    Path(external_id): Path<String>,
+) -> Response {
+    match state.client.explain(&external_id).await {
+        Ok(Some(explanation)) => json(StatusCode::OK, &explanation),
+        Ok(None) => json(
+            StatusCode::NOT_FOUND,
+            &serde_json::json!({ "error": format!("no request {external_id:?}") }),
+        ),
+        Err(e) => database_error(&e),
+    }
+}
+
 /// One semaphore in full, as `semaphore show --json` prints it too.
 #[derive(Debug, Serialize)]
 pub(crate) struct Detail {
     pub(crate) usage: permitq::SemaphoreUsage,
     pub(crate) holders: Vec<permitq::Holder>,
     pub(crate) waiters: Vec<permitq::Waiter>,
+    /// Why the first in line waits (`permitq.explain` of the waiter at position 1).
+    pub(crate) first_in_line: Option<permitq::Explanation>,
     pub(crate) capacity_history: Vec<permitq::CapacityChange>,
 }
 
@@ -67,10 +84,16 @@ pub(crate) async fn detail(
     let mut history = client.capacity_history(name).await?;
     let keep_from = history.len().saturating_sub(HISTORY_SHOWN);
     history.drain(..keep_from);
+    let waiters = client.waiters(name, WAITERS_SHOWN).await?;
+    let first_in_line = match waiters.iter().find(|w| w.position == 1) {
+        Some(w) => client.explain(&w.external_id).await?,
+        None => None,
+    };
     Ok(Some(Detail {
         usage,
         holders: client.holders(name).await?,
-        waiters: client.waiters(name, WAITERS_SHOWN).await?,
+        waiters,
+        first_in_line,
         capacity_history: history,
     }))
 }

@@ -183,6 +183,7 @@ fn router(state: State) -> Router {
         .route("/metrics", get(metrics))
         .route("/api/semaphores", get(api::semaphores))
         .route("/api/semaphores/{name}", get(api::semaphore))
+        .route("/api/requests/{external_id}/explain", get(api::explain))
         .with_state(state)
 }
 

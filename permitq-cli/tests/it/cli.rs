@@ -667,3 +667,61 @@ async fn debug_logs_name_every_grant_and_sweep_and_json_logs_are_json() {
     let _ = child.wait();
     let _ = std::fs::remove_file(&log);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_says_why_a_request_waits_in_text_json_and_on_semaphore_show() {
+    let db = TestDb::new().await;
+    let url = db.url.as_str();
+    assert_eq!(code(&run(url, &["semaphore", "set", "gpu", "1"]).await), 0);
+    let _worker = db.worker(quiet_config("cli-explain"));
+    let o = run(
+        url,
+        &["submit", "holder", "gpu=1", "--ttl", "1m", "--await", "10s"],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert_eq!(code(&run(url, &["submit", "waiter", "gpu=1"]).await), 0);
+    let client = db.client().await;
+    common::wait_until(Duration::from_secs(10), "the waiter examined", || async {
+        client
+            .explain("waiter")
+            .await
+            .unwrap()
+            .is_some_and(|e| e.semaphores[0].position.is_some())
+    })
+    .await;
+
+    let o = run(url, &["explain", "waiter"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.starts_with("waiter waits (new)"), "{text}");
+    assert!(
+        text.contains("gpu: needs 1, 0 free of 1, short 1; position 1, 0 permits ahead"),
+        "{text}"
+    );
+    assert!(
+        text.contains("waits for 1 more permits to be released (first in line)"),
+        "{text}"
+    );
+    assert!(text.contains("held by holder (1 for"), "{text}");
+
+    let o = run(url, &["explain", "waiter", "--json"]).await;
+    let json: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(json["state"], "new");
+    assert_eq!(json["semaphores"][0]["shortfall"], 1);
+    assert_eq!(json["semaphores"][0]["holders"][0]["external_id"], "holder");
+
+    let o = run(url, &["explain", "holder"]).await;
+    assert_eq!(stdout(&o).trim(), "holder is not waiting: acquired");
+
+    let o = run(url, &["semaphore", "show", "gpu"]).await;
+    assert!(
+        stdout(&o).contains("why the first in line waits:\n  waiter waits (new)"),
+        "{}",
+        stdout(&o)
+    );
+
+    let o = run(url, &["explain", "nobody"]).await;
+    assert_ne!(code(&o), 0);
+    assert!(stderr(&o).contains("nobody"), "{}", stderr(&o));
+}

@@ -299,7 +299,8 @@ async fn the_unexamined_heads_are_read_in_bounded_work() {
 
 /// The views show the real queue: `permitq.waiters` (and `Client::waiters`, which the CLI, `top`
 /// and the status page read) numbers waiters in the order the workers grant them, priorities and
-/// aging included, and position 1 is always the request granted next.
+/// aging included, and position 1 is always the request granted next; `permitq.explain` gives
+/// each the same place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn position_1_in_the_waiters_view_is_the_request_granted_next() {
     let db = TestDb::new().await;
@@ -327,6 +328,15 @@ async fn position_1_in_the_waiters_view_is_the_request_granted_next() {
             ("third-minus-2", -2, 5)
         ]
     );
+    // `permitq.explain` places each one the same, and counts the permits ahead of it.
+    for w in &shown {
+        let why = client.explain(&w.external_id).await.unwrap().unwrap();
+        let s = &why.semaphores[0];
+        assert_eq!(s.position, Some(w.position), "{}", w.external_id);
+        assert_eq!(s.permits_ahead, Some(w.position - 1), "{}", w.external_id);
+        let first_in_line = w.position == 1 || s.reason.contains("is first in line (priority");
+        assert!(first_in_line, "{}: {}", w.external_id, s.reason);
+    }
     let mut order = Vec::new();
     let mut holder = "holder".to_string();
     for _ in 0..ids.len() {

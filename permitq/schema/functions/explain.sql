@@ -1,0 +1,148 @@
+-- permitq.explain: why a request waits. For a waiting request, one row per semaphore it names:
+-- the count it needs, the room free there now and the shortfall; its place in that semaphore's
+-- line and the permits the requests ahead of it need; what holds it back there (`reason`); the
+-- holders, soonest to end first (at most 10, with how long they have held, their lease's end
+-- and the seconds until then); and an estimate of the wait. For a request that no longer waits, one row with its
+-- outcome and no semaphore. No row for an unknown request, nor for another role's unless the
+-- session reads every request (as `status`).
+--
+-- The estimate is labelled as one: the permits to be freed (the shortfall plus what the requests
+-- ahead need) over the rate at which this semaphore's permits were released lately (among the
+-- last 2000 requests settled anywhere); for a spent rate window, when it opens; NULL when there
+-- is no history. Cost: per semaphore named, the waiters ahead (counted from waiter_line_idx, at
+-- most 10000), the held requests, and those 2000 settled rows: never the whole backlog.
+CREATE OR REPLACE FUNCTION permitq.explain(external_id text)
+RETURNS TABLE (request text, state text, outcome text, semaphore text, needs integer,
+               capacity integer, free integer, shortfall integer, "position" bigint,
+               permits_ahead bigint, reason text, holders jsonb, estimated_wait interval)
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+#variable_conflict use_variable
+DECLARE
+    r permitq.permit_request;
+    s permitq.semaphore;
+    named record;
+    place bigint;
+    head record;
+    ahead_count bigint;
+    opens_at timestamptz;
+    released_permits bigint;
+    released_since timestamptz;
+    rate float8;
+BEGIN
+    SELECT * INTO r FROM permitq.permit_request pr
+    WHERE pr.external_id = explain.external_id
+      AND (pr.submitted_by = session_user OR permitq.reads_every_request());
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    request := r.external_id;
+    state := r.state::text;
+    IF r.state NOT IN ('new', 'in_progress') THEN
+        outcome := concat_ws(' ', r.state, r.error_code, r.release_reason);
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    place := permitq.rule_place_in_line(r.priority, r.created_at);
+    FOR named IN SELECT e.key AS name, e.value::int AS count FROM jsonb_each(r.permits) e ORDER BY e.key LOOP
+        semaphore := named.name;
+        needs := named.count;
+        capacity := NULL; free := NULL; shortfall := NULL; "position" := NULL;
+        permits_ahead := NULL; holders := '[]'; estimated_wait := NULL; opens_at := NULL;
+        SELECT * INTO s FROM permitq.semaphore sem WHERE sem.name = named.name;
+        IF NOT FOUND THEN
+            reason := 'no such semaphore: a template makes it at the grant, else the request '
+                      'fails with unknown_semaphore';
+            RETURN NEXT;
+            CONTINUE;
+        END IF;
+        capacity := s.capacity;
+        IF s.per IS NULL THEN
+            free := greatest(s.capacity - s.used, 0);
+        ELSE
+            free := greatest(s.capacity - permitq.in_window(s), 0);
+            opens_at := permitq.window_opens_at(s);
+        END IF;
+        shortfall := greatest(needs - free, 0);
+
+        -- The line: the first of every priority level (a loose index scan), the best placed of
+        -- them is the head; then those placed ahead of this request, level by level.
+        SELECT w.request_id, w.count, w.priority, pr.external_id,
+               permitq.rule_place_in_line(w.priority, w.created_at) AS place
+        INTO head
+        FROM permitq.waiter_levels(s.id) lv(priority)
+        CROSS JOIN LATERAL (
+            SELECT wt.request_id, wt.count, wt.priority, wt.created_at FROM permitq.waiter wt
+            WHERE wt.semaphore_id = s.id AND wt.priority = lv.priority
+            ORDER BY wt.semaphore_id, wt.priority DESC, wt.created_at, wt.request_id
+            LIMIT 1) w
+        JOIN permitq.permit_request pr ON pr.id = w.request_id
+        ORDER BY 5 DESC, 1
+        LIMIT 1;
+        IF r.examined THEN
+            -- Within a level the line runs by created_at, so those placed ahead are a prefix of
+            -- waiter_line_idx: created before the moment that would place them level with this
+            -- request (and at that moment, a lower id).
+            SELECT count(*), coalesce(sum(a.count), 0) INTO ahead_count, permits_ahead
+            FROM (SELECT w.count FROM permitq.waiter_levels(s.id) lv(priority)
+                  CROSS JOIN LATERAL (
+                      SELECT timestamptz '1970-01-01 00:00:00+00'
+                             + (lv.priority::bigint * permitq.rule_aging_step_us() - place)
+                               * interval '1 microsecond' AS level_with) b
+                  JOIN permitq.waiter w
+                    ON w.semaphore_id = s.id AND w.priority = lv.priority
+                   AND w.created_at <= b.level_with
+                   AND (w.created_at < b.level_with OR w.request_id < r.id)
+                   AND w.request_id <> r.id
+                  LIMIT 10000) a;
+            "position" := ahead_count + 1;
+        END IF;
+
+        reason := CASE
+            WHEN NOT r.examined THEN
+                'not examined by a worker yet'
+            WHEN opens_at IS NOT NULL AND shortfall > 0 THEN
+                format('rate limit: its window is spent (%s of %s granted per %s); room again at %s',
+                       s.capacity - free, s.capacity, s.per, opens_at)
+            WHEN s.fair AND head.request_id IS NOT NULL AND head.request_id <> r.id THEN
+                format('fair: request %s is first in line (priority %s, needs %s)%s',
+                       head.external_id, head.priority, head.count,
+                       CASE WHEN shortfall > 0 THEN format(', and %s more permits must be released', shortfall)
+                            WHEN free - needs < head.count THEN ': what is free would not leave it its room'
+                            ELSE ': it fits, and waits for its other semaphores' END)
+            WHEN shortfall > 0 THEN
+                format('waits for %s more permits to be released%s', shortfall,
+                       CASE WHEN s.fair THEN ' (first in line)' ELSE ' (greedy)' END)
+            ELSE 'it fits here, and waits for its other semaphores'
+        END;
+
+        SELECT coalesce(jsonb_agg(jsonb_build_object(
+                   'external_id', h.external_id, 'count', h.count,
+                   'held_for_s', round(extract(epoch FROM now() - h.acquired_at)::numeric, 1),
+                   'expires_at', h.expires_at,
+                   'expires_in_s', round(extract(epoch FROM h.expires_at - now())::numeric, 1))
+               ORDER BY h.expires_at NULLS LAST, h.acquired_at), '[]')
+        INTO holders
+        FROM (SELECT pr.external_id, (pr.permits ->> s.name)::int AS count, pr.acquired_at, pr.expires_at
+              FROM permitq.permit_request pr
+              WHERE pr.state = 'acquired' AND pr.permits ? s.name
+              ORDER BY pr.expires_at NULLS LAST, pr.acquired_at
+              LIMIT 10) h;
+
+        IF opens_at IS NOT NULL AND shortfall > 0 THEN
+            estimated_wait := greatest(opens_at - now(), interval '0');
+        ELSIF shortfall > 0 OR coalesce(permits_ahead, 0) > 0 THEN
+            SELECT sum((x.permits ->> s.name)::int), min(x.released_at)
+            INTO released_permits, released_since
+            FROM (SELECT pr.permits, pr.released_at FROM permitq.permit_request pr
+                  WHERE pr.state IN ('released', 'error')
+                  ORDER BY pr.settled_at DESC LIMIT 2000) x
+            WHERE x.released_at IS NOT NULL AND x.permits ? s.name;
+            rate := released_permits / nullif(extract(epoch FROM now() - released_since), 0);
+            IF rate > 0 THEN
+                estimated_wait := make_interval(secs => (shortfall + coalesce(permits_ahead, 0)) / rate);
+            END IF;
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.explain(text) TO permitq_producer, permitq_worker, permitq_admin;

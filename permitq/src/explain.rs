@@ -1,0 +1,124 @@
+//! Why a request waits: [`Explanation`], read from `permitq.explain`.
+
+use std::time::{Duration, SystemTime};
+
+use serde::Serialize;
+use tokio_postgres::Row;
+
+use crate::error::Result;
+use crate::types::{ser_secs, State};
+
+/// What a request waits for, semaphore by semaphore; or, when it no longer waits, its outcome.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct Explanation {
+    /// The request.
+    pub external_id: String,
+    /// Where it is in its life.
+    pub state: State,
+    /// For a request that no longer waits: how it ended (`acquired`, `released expired`,
+    /// `error timeout`, ...).
+    pub outcome: Option<String>,
+    /// For a waiting request: each semaphore it names, in name order.
+    pub semaphores: Vec<SemaphoreWait>,
+}
+
+/// A waiting request on one of its semaphores.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct SemaphoreWait {
+    /// The semaphore.
+    pub semaphore: String,
+    /// The count the request needs there.
+    pub needs: i64,
+    /// Its capacity (`None`: it does not exist yet).
+    pub capacity: Option<i64>,
+    /// The room free now (for a rate limit, what its window has left).
+    pub free: Option<i64>,
+    /// How much is missing: `needs - free`, at least 0.
+    pub shortfall: Option<i64>,
+    /// Its place in this semaphore's line, 1 first (`None` until a worker examined it).
+    pub position: Option<i64>,
+    /// The permits the requests ahead of it need.
+    pub permits_ahead: Option<i64>,
+    /// What holds it back here, in words.
+    pub reason: String,
+    /// The holders, soonest to end first (at most 10).
+    pub holders: Vec<BlockingHolder>,
+    /// An estimate of the wait, from how fast this semaphore's permits were released lately
+    /// (or when a spent rate window opens); `None` without history. Seconds in JSON.
+    #[serde(serialize_with = "ser_secs")]
+    pub estimated_wait: Option<Duration>,
+}
+
+/// A request holding permits that a waiting request needs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct BlockingHolder {
+    /// The holding request.
+    pub external_id: String,
+    /// How many permits of the semaphore it holds.
+    pub count: i64,
+    /// How long it has held them, in seconds.
+    pub held_for_s: f64,
+    /// When its lease ends, if it has one.
+    #[serde(serialize_with = "crate::types::ser_time")]
+    pub expires_at: Option<SystemTime>,
+}
+
+/// Builds the explanation from the rows of `permitq.explain` (none: an unknown request).
+pub(crate) fn explanation_from_rows(rows: &[Row]) -> Result<Option<Explanation>> {
+    let Some(first) = rows.first() else {
+        return Ok(None);
+    };
+    let mut explanation = Explanation {
+        external_id: first.try_get(0)?,
+        state: first.try_get::<_, String>(1)?.parse()?,
+        outcome: first.try_get(2)?,
+        semaphores: Vec::new(),
+    };
+    for row in rows {
+        let Some(semaphore) = row.try_get::<_, Option<String>>(3)? else {
+            continue;
+        };
+        let holders: serde_json::Value = row.try_get(11)?;
+        let holders = holders
+            .as_array()
+            .map(|list| {
+                list.iter()
+                    .map(|h| BlockingHolder {
+                        external_id: h["external_id"].as_str().unwrap_or_default().to_string(),
+                        count: h["count"].as_i64().unwrap_or_default(),
+                        held_for_s: h["held_for_s"].as_f64().unwrap_or_default(),
+                        expires_at: h["expires_in_s"].as_f64().map(|s| {
+                            let now = SystemTime::now();
+                            if s >= 0.0 {
+                                now + Duration::from_secs_f64(s)
+                            } else {
+                                now - Duration::from_secs_f64(-s)
+                            }
+                        }),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let int = |i: usize| -> Result<Option<i64>> {
+            Ok(row.try_get::<_, Option<i32>>(i)?.map(i64::from))
+        };
+        explanation.semaphores.push(SemaphoreWait {
+            semaphore,
+            needs: int(4)?.unwrap_or_default(),
+            capacity: int(5)?,
+            free: int(6)?,
+            shortfall: int(7)?,
+            position: row.try_get(8)?,
+            permits_ahead: row.try_get(9)?,
+            reason: row.try_get::<_, Option<String>>(10)?.unwrap_or_default(),
+            holders,
+            estimated_wait: row
+                .try_get::<_, Option<f64>>(12)?
+                .map(|s| Duration::from_secs_f64(s.max(0.0))),
+        });
+    }
+    Ok(Some(explanation))
+}

@@ -1,0 +1,185 @@
+//! `permitq.explain`: why a request waits, semaphore by semaphore (what is free and missing, the
+//! place in line, the holders, the rule that holds it back, an estimated wait), and the outcome
+//! of one that no longer waits.
+
+use permitq_test_support as common;
+
+use std::time::Duration;
+
+use common::TestDb;
+use permitq::{Client, Request, State};
+
+const SOON: Duration = Duration::from_secs(10);
+
+/// Waits until a worker has examined `id` and left it waiting (its place in line is known).
+async fn examined(client: &Client, id: &str) {
+    common::wait_until(SOON, "examined and waiting", || async {
+        client
+            .explain(id)
+            .await
+            .unwrap()
+            .is_some_and(|e| e.semaphores.iter().all(|s| s.position.is_some()))
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_names_what_is_short_the_place_in_line_the_holders_and_the_rule() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("gpu", 2, None).await.unwrap();
+    client.set_capacity("disk", 5, None).await.unwrap();
+    let _worker = db.notified_worker("explain-w");
+    let holder = client
+        .acquire(
+            &Request::new("holder")
+                .permit("gpu", 2)
+                .ttl(Duration::from_secs(60)),
+            SOON,
+        )
+        .await
+        .unwrap();
+    client
+        .submit(&Request::new("first").permit("gpu", 2).permit("disk", 1))
+        .await
+        .unwrap();
+    examined(&client, "first").await;
+    client
+        .submit(&Request::new("second").permit("gpu", 1))
+        .await
+        .unwrap();
+    examined(&client, "second").await;
+
+    // The head: short of 2 on gpu, held by `holder`; disk fits, so it waits for gpu.
+    let first = client.explain("first").await.unwrap().unwrap();
+    assert_eq!(first.state, State::New);
+    assert_eq!(first.outcome, None);
+    let names: Vec<&str> = first
+        .semaphores
+        .iter()
+        .map(|s| s.semaphore.as_str())
+        .collect();
+    assert_eq!(names, ["disk", "gpu"]);
+    let (disk, gpu) = (&first.semaphores[0], &first.semaphores[1]);
+    assert_eq!(
+        (disk.needs, disk.free, disk.shortfall),
+        (1, Some(5), Some(0))
+    );
+    assert_eq!(disk.position, Some(1));
+    assert!(
+        disk.reason.contains("waits for its other semaphores"),
+        "{}",
+        disk.reason
+    );
+    assert_eq!((gpu.needs, gpu.free, gpu.shortfall), (2, Some(0), Some(2)));
+    assert_eq!((gpu.position, gpu.permits_ahead), (Some(1), Some(0)));
+    assert!(gpu.reason.contains("2 more permits"), "{}", gpu.reason);
+    assert_eq!(gpu.holders.len(), 1);
+    assert_eq!(gpu.holders[0].external_id, "holder");
+    assert_eq!(gpu.holders[0].count, 2);
+    let ends_in = gpu.holders[0]
+        .expires_at
+        .expect("a lease")
+        .duration_since(std::time::SystemTime::now())
+        .unwrap();
+    assert!(ends_in > Duration::from_secs(50), "{ends_in:?}");
+    // Nothing was released on gpu yet: no history, no estimate.
+    assert_eq!(gpu.estimated_wait, None);
+
+    // Behind it: the fair rule names the head.
+    let second = client.explain("second").await.unwrap().unwrap();
+    let gpu = &second.semaphores[0];
+    assert_eq!((gpu.position, gpu.permits_ahead), (Some(2), Some(2)));
+    assert!(
+        gpu.reason
+            .contains("request first is first in line (priority 0, needs 2)"),
+        "{}",
+        gpu.reason
+    );
+
+    // The holder releases: the head is granted; explain gives its outcome. The release is
+    // history: the second now has an estimate.
+    holder.release().await.unwrap();
+    let settled = client.wait_settled("first", SOON).await.unwrap().unwrap();
+    assert_eq!(settled.state, State::Acquired);
+    let first = client.explain("first").await.unwrap().unwrap();
+    assert_eq!(first.outcome.as_deref(), Some("acquired"));
+    assert!(first.semaphores.is_empty());
+    let second = client.explain("second").await.unwrap().unwrap();
+    let gpu = &second.semaphores[0];
+    assert_eq!((gpu.position, gpu.shortfall), (Some(1), Some(1)));
+    assert!(gpu.reason.contains("1 more permits"), "{}", gpu.reason);
+    assert!(gpu.estimated_wait.is_some(), "{gpu:?}");
+
+    assert!(client.explain("nobody").await.unwrap().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_of_a_spent_rate_window_says_when_it_opens() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client
+        .set_rate_limit("api", 1, Duration::from_secs(60), None)
+        .await
+        .unwrap();
+    let _worker = db.notified_worker("explain-rate");
+    let lease = client
+        .acquire(&Request::new("used").permit("api", 1), SOON)
+        .await
+        .unwrap();
+    lease.release().await.unwrap();
+    client
+        .submit(&Request::new("next").permit("api", 1))
+        .await
+        .unwrap();
+    examined(&client, "next").await;
+    let next = client.explain("next").await.unwrap().unwrap();
+    let api = &next.semaphores[0];
+    assert_eq!((api.free, api.shortfall), (Some(0), Some(1)));
+    assert!(
+        api.reason.starts_with("rate limit: its window is spent"),
+        "{}",
+        api.reason
+    );
+    // The window counts grants in buckets of a 64th of it: it opens within a bucket of 60 s.
+    let wait = api.estimated_wait.expect("the window's opening");
+    assert!(
+        wait > Duration::from_secs(50) && wait <= Duration::from_millis(60_000 + 60_000 / 64),
+        "{wait:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_explains_only_its_own_requests() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.set_capacity("s", 1, None).await.unwrap();
+    let alice = Client::connect(&db.login("permitq_producer").await)
+        .await
+        .unwrap();
+    alice
+        .submit(&Request::new("alices").permit("s", 1))
+        .await
+        .unwrap();
+    let user = format!("bob_explain_{}", std::process::id());
+    let bob_url = {
+        db.conn()
+            .await
+            .batch_execute(&format!(
+                "CREATE ROLE {user} LOGIN PASSWORD 'pw' IN ROLE permitq_producer"
+            ))
+            .await
+            .unwrap();
+        common::as_user(&db.url, &user, "pw")
+    };
+    let bob = Client::connect(&bob_url).await.unwrap();
+    assert!(alice.explain("alices").await.unwrap().is_some());
+    assert!(bob.explain("alices").await.unwrap().is_none());
+    assert!(admin.explain("alices").await.unwrap().is_some());
+    drop(bob);
+    db.conn()
+        .await
+        .batch_execute(&format!("DROP OWNED BY {user}; DROP ROLE {user}"))
+        .await
+        .unwrap();
+}
