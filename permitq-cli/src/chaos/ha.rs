@@ -50,8 +50,8 @@ pub(crate) const KEEPER_TTL: Duration = Duration::from_secs(30);
 /// How long a fault may take to be over: until the cluster is healthy again.
 const RECOVERY: Duration = Duration::from_secs(90);
 /// When a killed Patroni is started again if no other member took over: as a supervisor
-/// (systemd's `Restart=`) would, twice the leader key's ttl after it died.
-const SUPERVISOR_RESTART: Duration = Duration::from_secs(2 * permitq_embedded_pg::PATRONI_TTL);
+/// (systemd's `Restart=`) would, 5 s after the leader key's ttl ran out.
+const SUPERVISOR_RESTART: Duration = Duration::from_secs(permitq_embedded_pg::PATRONI_TTL + 5);
 
 fn cluster_of(db: &Database) -> Result<&Mutex<PatroniCluster>> {
     match db {

@@ -44,7 +44,7 @@ pub(crate) enum Fault {
     /// (--ha) SIGKILL of the leader's PostgreSQL; its Patroni restarts it.
     KillLeaderPostgres,
     /// (--ha) SIGKILL of the leader's Patroni; its PostgreSQL runs on until the Patroni,
-    /// restarted once another member leads (or after 20 s, as a supervisor would), demotes it.
+    /// restarted once another member leads (or after 15 s, as a supervisor would), demotes it.
     KillLeaderPatroni,
     /// (--ha) The leader's host cut off until another member leads, then reconnected.
     PartitionLeader,
