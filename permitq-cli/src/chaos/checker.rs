@@ -299,7 +299,8 @@ fn fencing(state: &FinalState, cx: &Context, v: &mut Verdict) {
 }
 
 /// What the database lost of what clients were told: a submit acknowledged (`ok`) with no row
-/// at the end, and a release acknowledged as `released` whose row is not released. With when
+/// at the end, and a release acknowledged as `released` whose row was not released by the
+/// holder by then (a lost release of a lease comes back as `expired`). With when
 /// the client was told, to put each loss beside the fault that caused it.
 pub(crate) fn lost_acknowledged(state: &FinalState, ops: &[Op]) -> Vec<(SystemTime, String)> {
     let by_key: HashMap<&str, &Req> = state
@@ -316,11 +317,14 @@ pub(crate) fn lost_acknowledged(state: &FinalState, ops: &[Op]) -> Vec<(SystemTi
                 format!("{}: submit returned ok but there is no row", o.key)
             }
             (OpKind::Release, Outcome::Ok(said), Some(r))
-                if said == "released" && r.state != "released" =>
+                if said == "released"
+                    && (r.state != "released"
+                        || r.release_reason.as_deref() != Some("released")
+                        || r.released.is_none_or(|at| at > us(o.completed))) =>
             {
                 format!(
-                    "{}: release returned released but the request is {}",
-                    o.key, r.state
+                    "{}: release returned released but the request is {} {:?}",
+                    o.key, r.state, r.release_reason
                 )
             }
             _ => continue,

@@ -151,6 +151,8 @@ pub(crate) struct Watch {
     pub grants: Arc<Mutex<Vec<(SystemTime, i64)>>>,
     /// When the lease held through the faults was lost, and why.
     pub lease_losses: Arc<Mutex<Vec<(SystemTime, String)>>>,
+    /// When each lease was held: from its grant to its loss or release (`None`: still held).
+    pub leases_held: Arc<Mutex<Vec<(SystemTime, Option<SystemTime>)>>>,
 }
 
 impl Watch {
@@ -162,11 +164,7 @@ impl Watch {
         let watch = Watch::default();
         let tasks = vec![
             tokio::spawn(probe(url.to_string(), stop.clone(), watch.grants.clone())),
-            tokio::spawn(hold_lease(
-                url.to_string(),
-                stop.clone(),
-                watch.lease_losses.clone(),
-            )),
+            tokio::spawn(hold_lease(url.to_string(), stop.clone(), watch.clone())),
         ];
         (watch, tasks)
     }
@@ -191,7 +189,10 @@ async fn probe(url: String, stop: Arc<AtomicBool>, grants: Arc<Mutex<Vec<(System
         };
         n += 1;
         let id = format!("probe-{n}");
-        let request = Request::new(&id).permit(PROBE, 1);
+        // A ttl, so that a probe abandoned after its grant gives its permit back.
+        let request = Request::new(&id)
+            .permit(PROBE, 1)
+            .ttl(Duration::from_secs(30));
         let acquired = tokio::time::timeout(
             Duration::from_secs(10),
             c.acquire(&request, Duration::from_secs(9)),
@@ -218,11 +219,7 @@ async fn probe(url: String, stop: Arc<AtomicBool>, grants: Arc<Mutex<Vec<(System
 
 /// Holds a lease on [`KEEPER`] with a ttl of [`KEEPER_TTL`], heartbeating (the client's own
 /// lease task) through every fault; records each loss and takes a new lease.
-async fn hold_lease(
-    url: String,
-    stop: Arc<AtomicBool>,
-    losses: Arc<Mutex<Vec<(SystemTime, String)>>>,
-) {
+async fn hold_lease(url: String, stop: Arc<AtomicBool>, watch: Watch) {
     let mut n = 0u64;
     while !stop.load(Ordering::Relaxed) {
         let Ok(client) = Client::connect(&url).await else {
@@ -242,14 +239,24 @@ async fn hold_lease(
             tokio::time::sleep(Duration::from_millis(200)).await;
             continue;
         };
+        let held = {
+            let mut held = watch.leases_held.lock().expect("leases");
+            held.push((SystemTime::now(), None));
+            held.len() - 1
+        };
+        let ended = |watch: &Watch| {
+            watch.leases_held.lock().expect("leases")[held].1 = Some(SystemTime::now());
+        };
         loop {
             tokio::select! {
                 reason = lease.lost() => {
-                    losses.lock().expect("losses").push((SystemTime::now(), reason));
+                    ended(&watch);
+                    watch.lease_losses.lock().expect("losses").push((SystemTime::now(), reason));
                     break;
                 }
                 () = tokio::time::sleep(Duration::from_millis(200)) => {
                     if stop.load(Ordering::Relaxed) {
+                        ended(&watch);
                         let _ = tokio::time::timeout(Duration::from_secs(10), lease.release()).await;
                         return;
                     }
@@ -266,15 +273,16 @@ pub(crate) struct FaultFigures {
     pub outage: Outage,
     /// The longest time without a probe grant around it.
     pub grants_paused: Duration,
-    /// Acknowledged operations lost, told to the client during or after it (before the next).
+    /// Acknowledged operations lost, told to the client before it ended (and after the one
+    /// before it ended).
     pub lost: usize,
     /// Whether the first probe token after it is above every one before it (None: no grant on
     /// one side).
     pub tokens_rose: Option<bool>,
     /// Whether the first probe token after it is in a higher epoch (a promotion).
     pub new_epoch: bool,
-    /// Whether the lease held through it survived.
-    pub lease_kept: bool,
+    /// Whether the lease held when it began survived it (`None`: none was held then).
+    pub lease_kept: Option<bool>,
 }
 
 /// Puts each fault beside the probe's grants, the losses and the lease.
@@ -286,15 +294,13 @@ pub(crate) fn figures(
 ) -> Vec<FaultFigures> {
     let mut grants = watch.grants.lock().expect("grants").clone();
     grants.sort_unstable();
-    let losses = watch.lease_losses.lock().expect("losses").clone();
+    let held = watch.leases_held.lock().expect("leases").clone();
     let mut sorted: Vec<Outage> = faults.to_vec();
     sorted.sort_by_key(|f| f.from);
     let settle = Duration::from_secs(5);
     sorted
         .iter()
-        .enumerate()
-        .map(|(i, f)| {
-            let next = sorted.get(i + 1).map_or(load_end, |n| n.from);
+        .map(|f| {
             // Gaps between consecutive grants that overlap the fault (or its settling).
             let mut paused = Duration::ZERO;
             let mut previous = grants.iter().rev().find(|g| g.0 <= f.from).map(|g| g.0);
@@ -319,16 +325,25 @@ pub(crate) fn figures(
                 _ => None,
             };
             let new_epoch = matches!((before, after), (Some(b), Some(a)) if a.1 >> 48 > b >> 48);
+            // A lease granted before the fault: kept if it was still held 5 s after it ended.
+            let lease_kept = held
+                .iter()
+                .rfind(|(from, until)| *from <= f.from && until.is_none_or(|t| t > f.from))
+                .map(|(_, until)| until.is_none_or(|t| t >= f.to + settle));
             FaultFigures {
                 outage: *f,
                 grants_paused: paused,
+                // A loss is charged to the first fault that ended after the client was told:
+                // an asynchronous failover loses what was acknowledged just before it.
                 lost: lost
                     .iter()
-                    .filter(|(at, _)| *at >= f.from && *at < next)
+                    .filter(|(at, _)| {
+                        sorted.iter().find(|g| g.to >= *at).map(|g| g.from) == Some(f.from)
+                    })
                     .count(),
                 tokens_rose,
                 new_epoch,
-                lease_kept: !losses.iter().any(|(at, _)| *at >= f.from && *at < next),
+                lease_kept,
             }
         })
         .collect()
@@ -370,8 +385,8 @@ pub(crate) fn table(figures: &[FaultFigures]) -> String {
             format!("{}/{}", judged.iter().filter(|r| **r).count(), judged.len()),
             format!(
                 "{}/{}",
-                list.iter().filter(|f| f.lease_kept).count(),
-                list.len()
+                list.iter().filter(|f| f.lease_kept == Some(true)).count(),
+                list.iter().filter(|f| f.lease_kept.is_some()).count()
             ),
         );
     }

@@ -188,7 +188,7 @@ impl ChaosReport {
         if !self.ha.is_empty() {
             s += &format!(
                 "each fault: longest pause between grants of a probe around it, acknowledged operations lost,\n\
-                 first probe token after it in a higher epoch, above every token before it, a {}s lease heartbeating through it kept\n",
+                 first probe token after it in a higher epoch, above every token before it, a {}s lease heartbeating through it kept (of those held when it began)\n",
                 ha::KEEPER_TTL.as_secs()
             );
             s += &ha::table(&self.ha);

@@ -9,8 +9,9 @@
 -- The estimate is labelled as one: the permits to be freed (the shortfall plus what the requests
 -- ahead need) over the rate at which this semaphore's permits were released lately (among the
 -- last 2000 requests settled anywhere); for a spent rate window, when it opens; NULL when there
--- is no history. Cost: per semaphore named, the waiters ahead (counted from waiter_line_idx, at
--- most 10000), the held requests, and those 2000 settled rows: never the whole backlog.
+-- is no history. Cost: per semaphore named, the waiters ahead (counted from waiter_line_idx,
+-- and the unexamined requests placed ahead, at most 10000 each), the held requests, and those
+-- 2000 settled rows: never the whole backlog.
 CREATE OR REPLACE FUNCTION permitq.explain(external_id text)
 RETURNS TABLE (request text, state text, outcome text, semaphore text, needs integer,
                capacity integer, free integer, shortfall integer, "position" bigint,
@@ -94,6 +95,17 @@ BEGIN
                    AND (w.created_at < b.level_with OR w.request_id < r.id)
                    AND w.request_id <> r.id
                   LIMIT 10000) a;
+            -- And the requests not examined yet that are placed ahead (the workers count them as
+            -- waiting too): a prefix of permit_request_unexamined_place_idx, at most 10000.
+            SELECT ahead_count + count(*), permits_ahead + coalesce(sum((u.permits ->> s.name)::int), 0)
+            INTO ahead_count, permits_ahead
+            FROM (SELECT pr.permits FROM permitq.permit_request pr
+                  WHERE pr.state = 'new' AND NOT pr.examined
+                    AND permitq.rule_place_in_line(pr.priority, pr.created_at) >= place
+                    AND pr.id <> r.id
+                  ORDER BY permitq.rule_place_in_line(pr.priority, pr.created_at) DESC
+                  LIMIT 10000) u
+            WHERE u.permits ? s.name;
             "position" := ahead_count + 1;
         END IF;
 
@@ -139,7 +151,8 @@ BEGIN
             WHERE x.released_at IS NOT NULL AND x.permits ? s.name;
             rate := released_permits / nullif(extract(epoch FROM now() - released_since), 0);
             IF rate > 0 THEN
-                estimated_wait := make_interval(secs => (shortfall + coalesce(permits_ahead, 0)) / rate);
+                estimated_wait := make_interval(secs => least((shortfall + coalesce(permits_ahead, 0)) / rate,
+                                                              315360000));
             END IF;
         END IF;
         RETURN NEXT;

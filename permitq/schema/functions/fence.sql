@@ -21,8 +21,10 @@ BEGIN
     SELECT $1, $2
     WHERE EXISTS (SELECT 1 FROM permitq.permit_request r
                   WHERE r.fencing_token = fence.token AND r.state = 'acquired'
-                    AND NOT coalesce(permitq.lease_run_out(r.expires_at, r.ttl,
-                                                           permitq.lease_grace_since()), false))
+                    -- The grace is read only for a lease past its expires_at (CASE: in order).
+                    AND CASE WHEN r.expires_at IS NULL OR r.expires_at > now() THEN true
+                             ELSE NOT permitq.lease_run_out(r.expires_at, r.ttl,
+                                                            permitq.lease_grace_since()) END)
     ON CONFLICT (resource) DO UPDATE SET token = EXCLUDED.token, updated_at = now()
         WHERE f.token <= EXCLUDED.token
     RETURNING true INTO accepted;

@@ -9,7 +9,8 @@
 -- keeps its permits at most one ttl longer.
 
 -- When the grace began: the moment permitq first saw this timeline and cluster (recorded here,
--- by the first caller after a promotion), '-infinity' when none is due.
+-- by the first caller after a promotion), '-infinity' when none is due. Never waits: while
+-- another session is recording it, the grace begins now (later, so longer: still safe).
 CREATE OR REPLACE FUNCTION permitq.lease_grace_since() RETURNS timestamptz
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 DECLARE
@@ -18,13 +19,19 @@ DECLARE
     current_system bigint := permitq.system_id();
 BEGIN
     SELECT * INTO recorded FROM permitq.lease_grace;
+    IF NOT FOUND THEN
+        RETURN '-infinity';
+    END IF;
     IF recorded.timeline = current_timeline AND recorded.system_id = current_system THEN
         RETURN recorded.since;
     END IF;
-    UPDATE permitq.lease_grace g SET timeline = current_timeline, system_id = current_system,
-                                     since = now()
-    WHERE g.timeline <> current_timeline OR g.system_id <> current_system;
-    RETURN (SELECT g.since FROM permitq.lease_grace g);
+    PERFORM 1 FROM permitq.lease_grace g FOR UPDATE SKIP LOCKED;
+    IF FOUND THEN
+        UPDATE permitq.lease_grace g SET timeline = current_timeline, system_id = current_system,
+                                         since = now()
+        WHERE g.timeline <> current_timeline OR g.system_id <> current_system;
+    END IF;
+    RETURN now();
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.lease_grace_since() TO permitq_producer, permitq_worker, permitq_admin;
 
@@ -63,10 +70,12 @@ BEGIN
             concat_ws(' ', request.state, request.error_code, request.release_reason)
             USING ERRCODE = '55000';
     END IF;
-    IF coalesce(permitq.lease_run_out(request.expires_at, request.ttl,
-                                      permitq.lease_grace_since()), false) THEN
-        RAISE EXCEPTION 'lease lost: request % expired at %', $1, request.expires_at
-            USING ERRCODE = '55000';
+    -- (The grace is read only for a lease past its expires_at: nested, so in that order.)
+    IF request.expires_at IS NOT NULL AND request.expires_at <= now() THEN
+        IF permitq.lease_run_out(request.expires_at, request.ttl, permitq.lease_grace_since()) THEN
+            RAISE EXCEPTION 'lease lost: request % expired at %', $1, request.expires_at
+                USING ERRCODE = '55000';
+        END IF;
     END IF;
     -- A stored ttl out of bounds (a row written past the constraints) extends by the bound.
     new_expiry := now() + coalesce(extend, least(request.ttl, permitq.rule_max_duration()));

@@ -87,16 +87,23 @@ GRANT EXECUTE ON FUNCTION permitq.status(text) TO permitq_producer, permitq_work
 -- permitq.confirm_durable: run it after reading an outcome (`status`, `await_settled`, an event
 -- on permitq_events), on the same connection and in a transaction of its own, before acting on
 -- the outcome. With synchronous standbys configured, its commit waits until they have its WAL
--- message, and so everything this server committed before it: what the read saw. A primary cut
--- off from its standby in a failover can show a grant that its demotion then discards; there
--- this never returns successfully. Without synchronous standbys it writes nothing. Send it as a
+-- message, and so everything this server committed before it: what the read saw, whatever the
+-- session's synchronous_commit. A primary cut off from its standby in a failover can show a
+-- grant that its demotion then discards; there this never returns successfully. On a standby it
+-- raises 25006. Without synchronous standbys it writes nothing. Send it as a
 -- simple query (psql does) or end its transaction with COMMIT: through the extended protocol
 -- the result may arrive before the implicit commit has waited.
 CREATE OR REPLACE FUNCTION permitq.confirm_durable() RETURNS boolean
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+LANGUAGE plpgsql AS $$
 BEGIN
-    IF current_setting('synchronous_standby_names') <> ''
-       AND current_setting('synchronous_commit') NOT IN ('off', 'local') THEN
+    IF pg_catalog.pg_is_in_recovery() THEN
+        RAISE EXCEPTION 'this server is a standby: what was read here may not be on a primary yet'
+            USING ERRCODE = '25006';
+    END IF;
+    IF pg_catalog.current_setting('synchronous_standby_names') <> '' THEN
+        -- Whatever the session set (off, local): this commit waits for the standbys. (No SET
+        -- clause on this function, so the setting lasts until the commit.)
+        PERFORM pg_catalog.set_config('synchronous_commit', 'on', true);
         PERFORM pg_catalog.pg_logical_emit_message(true, 'permitq', '');
     END IF;
     RETURN true;
