@@ -40,7 +40,7 @@ fn violations(summary: &str) -> BTreeMap<String, u64> {
 #[test]
 fn a_short_seeded_chaos_run_with_every_fault_passes_every_checker() {
     // On the bed of network namespaces, so the network faults are in the schedule too.
-    let (out, summary) = chaos(&[
+    let summary = passing_run(&[
         "--network",
         "--duration",
         "75s",
@@ -49,15 +49,7 @@ fn a_short_seeded_chaos_run_with_every_fault_passes_every_checker() {
         "--seed",
         "42",
     ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{summary}\n{stderr}");
-    let found = violations(&summary);
-    assert_eq!(found.len(), 10, "every checker reported: {summary}");
-    assert!(found.values().all(|n| *n == 0), "{summary}");
-    let faults = summary
-        .lines()
-        .find(|l| l.starts_with("faults injected:"))
-        .expect("faults line");
+    let faults = faults_line(&summary);
     for kind in [
         "KillWorker",
         "PauseHolder",
@@ -91,7 +83,7 @@ fn a_short_seeded_chaos_run_with_every_fault_passes_every_checker() {
 #[test]
 fn a_short_chaos_run_under_patroni_with_every_ha_fault_passes_every_checker() {
     // Three members, one etcd, synchronous_mode: nothing acknowledged may be lost.
-    let (out, summary) = chaos(&[
+    let summary = passing_run(&[
         "--ha",
         "--duration",
         "150s",
@@ -100,15 +92,7 @@ fn a_short_chaos_run_under_patroni_with_every_ha_fault_passes_every_checker() {
         "--seed",
         "7",
     ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{summary}\n{stderr}");
-    let found = violations(&summary);
-    assert_eq!(found.len(), 10, "every checker reported: {summary}");
-    assert!(found.values().all(|n| *n == 0), "{summary}");
-    let faults = summary
-        .lines()
-        .find(|l| l.starts_with("faults injected:"))
-        .expect("faults line");
+    let faults = faults_line(&summary);
     let ha = [
         "KillLeaderPostgres",
         "KillLeaderPatroni",
@@ -153,6 +137,26 @@ fn a_short_chaos_run_under_patroni_with_every_ha_fault_passes_every_checker() {
         .collect();
     assert!(switchover[5].parse::<u32>().unwrap() >= 1, "{summary}");
     assert!(summary.contains("result: PASS"), "{summary}");
+}
+
+/// Runs `permitq chaos ARGS` and checks that it passed: exit 0, every checker reported, none
+/// found anything. Returns the summary.
+fn passing_run(args: &[&str]) -> String {
+    let (out, summary) = chaos(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{summary}\n{stderr}");
+    let found = violations(&summary);
+    assert_eq!(found.len(), 10, "every checker reported: {summary}");
+    assert!(found.values().all(|n| *n == 0), "{summary}");
+    summary
+}
+
+/// The summary's "faults injected:" line.
+fn faults_line(summary: &str) -> &str {
+    summary
+        .lines()
+        .find(|l| l.starts_with("faults injected:"))
+        .expect("faults line")
 }
 
 /// How many faults of `kind` the "faults injected:" line counts.

@@ -144,6 +144,9 @@ fn another_leader(cluster: &PatroniCluster, old: usize, timeout: Duration) -> Re
     }
 }
 
+/// A lease's span: from its grant to its loss or release (`None`: still held).
+pub(crate) type HeldSpan = (SystemTime, Option<SystemTime>);
+
 /// What the probe and the lease holder saw.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Watch {
@@ -152,7 +155,7 @@ pub(crate) struct Watch {
     /// When the lease held through the faults was lost, and why.
     pub lease_losses: Arc<Mutex<Vec<(SystemTime, String)>>>,
     /// When each lease was held: from its grant to its loss or release (`None`: still held).
-    pub leases_held: Arc<Mutex<Vec<(SystemTime, Option<SystemTime>)>>>,
+    pub leases_held: Arc<Mutex<Vec<HeldSpan>>>,
 }
 
 impl Watch {
