@@ -450,7 +450,9 @@ fn event_is_for(payload: &str, external_id: &str) -> bool {
 
 /// A pooled connection that goes back to the pool only if the call using it finished
 /// ([`Checkout::finished`]). Dropped before that (the call's future was abandoned, say by a
-/// timeout, maybe on a link that died without a word), it is taken out of the pool and closed.
+/// timeout, maybe on a link that died without a word, or on a primary gone in a failover), it
+/// is taken out of the pool and closed, and so are the pool's idle connections: made to the
+/// same server, they would hang the next call the same way. New ones are made as needed.
 struct Checkout(Option<deadpool_postgres::Object>);
 
 impl Checkout {
@@ -471,6 +473,9 @@ impl std::ops::Deref for Checkout {
 impl Drop for Checkout {
     fn drop(&mut self) {
         if let Some(abandoned) = self.0.take() {
+            if let Some(pool) = deadpool_postgres::Object::pool(&abandoned) {
+                pool.retain(|_, _| false);
+            }
             drop(deadpool_postgres::Object::take(abandoned));
         }
     }

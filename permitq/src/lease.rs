@@ -144,10 +144,10 @@ fn safety_margin(ttl: Duration) -> Duration {
 }
 
 /// How long one heartbeat may take before it is abandoned and sent again on another
-/// connection: the time between heartbeats, at least a second (room to connect past a dead
-/// host of a multi-host URL).
+/// connection: half the time between heartbeats, at least 6 s (room to connect past a dead
+/// host of a multi-host URL, 5 s each by default).
 fn attempt_limit(every: Duration) -> Duration {
-    every.max(Duration::from_secs(1))
+    (every / 2).max(Duration::from_secs(6))
 }
 
 /// How soon a failed heartbeat is sent again: a tenth of the time between heartbeats, between

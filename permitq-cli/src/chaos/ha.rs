@@ -45,8 +45,10 @@ impl Database {
 pub(crate) const PROBE: &str = "c-probe";
 /// The semaphore of the lease held through the faults.
 pub(crate) const KEEPER: &str = "c-keeper";
-/// That lease's ttl: longer than a failover takes.
-pub(crate) const KEEPER_TTL: Duration = Duration::from_secs(30);
+/// That lease's ttl. A lease outlives an outage that starts just before a heartbeat only if
+/// the outage is shorter than ttl × (1 − 1/3 − 1/10) (the heartbeat period and the watchdog's
+/// margin): 25 s at 45 s, above the ~15 s of a partitioned leader plus reconnecting.
+pub(crate) const KEEPER_TTL: Duration = Duration::from_secs(45);
 /// How long a fault may take to be over: until the cluster is healthy again.
 const RECOVERY: Duration = Duration::from_secs(90);
 /// When a killed Patroni is started again if no other member took over: as a supervisor
@@ -298,6 +300,7 @@ pub(crate) fn figures(
     let mut grants = watch.grants.lock().expect("grants").clone();
     grants.sort_unstable();
     let held = watch.leases_held.lock().expect("leases").clone();
+    let losses = watch.lease_losses.lock().expect("losses").clone();
     let mut sorted: Vec<Outage> = faults.to_vec();
     sorted.sort_by_key(|f| f.from);
     let settle = Duration::from_secs(5);
@@ -328,11 +331,17 @@ pub(crate) fn figures(
                 _ => None,
             };
             let new_epoch = matches!((before, after), (Some(b), Some(a)) if a.1 >> 48 > b >> 48);
-            // A lease granted before the fault: kept if it was still held 5 s after it ended.
+            // Judged if a lease was held when the fault began: kept unless a loss was noticed
+            // by a ttl after the fault ended (the watchdog notices within a ttl). A lease
+            // released because the load stopped was not lost.
             let lease_kept = held
                 .iter()
-                .rfind(|(from, until)| *from <= f.from && until.is_none_or(|t| t > f.from))
-                .map(|(_, until)| until.is_none_or(|t| t >= f.to + settle));
+                .any(|(from, until)| *from <= f.from && until.is_none_or(|t| t > f.from))
+                .then(|| {
+                    !losses
+                        .iter()
+                        .any(|(at, _)| *at >= f.from && *at <= f.to + KEEPER_TTL)
+                });
             FaultFigures {
                 outage: *f,
                 grants_paused: paused,
