@@ -79,6 +79,15 @@ impl Fault {
         Fault::RestartReplica,
     ];
 
+    /// The faults only a run under Patroni injects.
+    const HA_ONLY: [Fault; 5] = [
+        Fault::KillLeaderPostgres,
+        Fault::KillLeaderPatroni,
+        Fault::PartitionLeader,
+        Fault::Switchover,
+        Fault::RestartReplica,
+    ];
+
     /// Every kind a run injects: the local ones (or with `ha` those of a Patroni cluster), and
     /// with `network` the network ones.
     pub(crate) fn kinds(network: bool, ha: bool) -> Vec<Fault> {
@@ -235,6 +244,9 @@ pub(crate) async fn run(
     let kinds = Fault::kinds(bed.is_some(), db.is_ha());
     let mut schedule = kinds.clone();
     rng.shuffle(&mut schedule);
+    // Under Patroni the HA faults go first (each takes until the cluster is healthy again), so
+    // that a short run has every one of them.
+    schedule.sort_by_key(|k| !Fault::HA_ONLY.contains(k));
     let mut injected = Injected::default();
     let mut next = 0usize;
     while !stop.load(Ordering::Relaxed) {
