@@ -2,7 +2,8 @@
 //! injected, and each planted bug makes the checker that guards against it fail, on a seed whose
 //! unmutated run passes.
 //!
-//! A short run under Patroni and etcd injects every HA fault and passes every checker too.
+//! The HA chaos mode (`--ha`) is run by hand (docs/chaos.md); in the suite, Patroni failover
+//! and switchover under load are `permitq/tests/it/patroni.rs`.
 //!
 //! The long runs are `permitq chaos --network --duration 10m --seed N` and `permitq chaos --ha
 //! --etcd-members 3 --duration 10m --seed N` (see docs/chaos.md).
@@ -77,65 +78,6 @@ fn a_short_seeded_chaos_run_with_every_fault_passes_every_checker() {
         fence_checks >= 2 * pauses,
         "{fence_checks} fence checks for {pauses} paused holders: {summary}"
     );
-    assert!(summary.contains("result: PASS"), "{summary}");
-}
-
-#[test]
-fn a_short_chaos_run_under_patroni_with_every_ha_fault_passes_every_checker() {
-    // Three members, one etcd, synchronous_mode: nothing acknowledged may be lost.
-    let summary = passing_run(&[
-        "--ha",
-        "--duration",
-        "150s",
-        "--fault-every",
-        "4s",
-        "--seed",
-        "7",
-    ]);
-    let faults = faults_line(&summary);
-    let ha = [
-        "KillLeaderPostgres",
-        "KillLeaderPatroni",
-        "PartitionLeader",
-        "Switchover",
-        "RestartReplica",
-    ];
-    for kind in ha {
-        assert!(
-            fault_count(faults, kind) >= 1,
-            "{kind} was not injected: {faults}"
-        );
-    }
-    // Every fault was injected as meant, and the cluster was healthy again after each.
-    assert!(!summary.contains("injection failed"), "{summary}");
-    // Each HA fault's figures: nothing acknowledged lost, tokens above every earlier one, the
-    // lease (ttl 30 s) kept, grants paused for less than a minute.
-    for kind in ha {
-        let row: Vec<&str> = summary
-            .lines()
-            .find(|l| l.starts_with(&format!("{kind} ")))
-            .unwrap_or_else(|| panic!("no figures for {kind}: {summary}"))
-            .split_whitespace()
-            .collect();
-        let [_, _, _, max, lost, _, rose, kept] = row[..] else {
-            panic!("{kind}: {row:?}");
-        };
-        assert_eq!(lost, "0", "{kind} lost acknowledged operations: {summary}");
-        assert!(max.parse::<f64>().unwrap() < 60.0, "{kind}: {summary}");
-        // "kept/judged": judged are the faults that began while a lease was held.
-        let (kept, judged) = kept.split_once('/').unwrap();
-        assert_eq!(kept, judged, "{kind}: a lease was lost: {summary}");
-        let (up, judged) = rose.split_once('/').unwrap();
-        assert_eq!(up, judged, "{kind}: a token went back: {summary}");
-    }
-    // A promotion shows in the tokens: a switchover starts a new epoch.
-    let switchover: Vec<&str> = summary
-        .lines()
-        .find(|l| l.starts_with("Switchover "))
-        .unwrap()
-        .split_whitespace()
-        .collect();
-    assert!(switchover[5].parse::<u32>().unwrap() >= 1, "{summary}");
     assert!(summary.contains("result: PASS"), "{summary}");
 }
 
