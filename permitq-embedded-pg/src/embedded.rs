@@ -284,32 +284,11 @@ impl EmbeddedPostgres {
     }
 
     fn command(&self, program: &str) -> Command {
-        let program = self.bin.join(program);
-        let mut cmd = match &self.namespace {
-            None => {
-                let mut cmd = Command::new(program);
-                if let Some((uid, gid)) = self.run_as {
-                    cmd.uid(uid).gid(gid);
-                }
-                cmd
-            }
-            // `ip netns exec` needs root; the user changes after it (setpriv, util-linux).
-            Some(ns) => {
-                let mut cmd = Command::new("ip");
-                cmd.args(["netns", "exec", ns]);
-                if let Some((uid, gid)) = self.run_as {
-                    cmd.args([
-                        "setpriv",
-                        &format!("--reuid={uid}"),
-                        &format!("--regid={gid}"),
-                        "--clear-groups",
-                        "--",
-                    ]);
-                }
-                cmd.arg(program);
-                cmd
-            }
-        };
+        let mut cmd = command_as(
+            self.bin.join(program),
+            self.run_as,
+            self.namespace.as_deref(),
+        );
         cmd.process_group(0)
             .current_dir(&self.root)
             .env("LC_ALL", "C");
@@ -406,6 +385,40 @@ pub fn find_bin_dir() -> Result<PathBuf> {
                  PERMITQ_PG_BINDIR, or set DATABASE_URL to use a running server",
             )
         })
+}
+
+/// A command that runs `program` as `user` (`None`: this process's own user), in network
+/// namespace `namespace` when given. `ip netns exec` needs root, so there the user changes
+/// after it (setpriv, util-linux).
+pub(crate) fn command_as(
+    program: impl AsRef<std::ffi::OsStr>,
+    user: Option<(u32, u32)>,
+    namespace: Option<&str>,
+) -> Command {
+    match namespace {
+        None => {
+            let mut cmd = Command::new(program);
+            if let Some((uid, gid)) = user {
+                cmd.uid(uid).gid(gid);
+            }
+            cmd
+        }
+        Some(ns) => {
+            let mut cmd = Command::new("ip");
+            cmd.args(["netns", "exec", ns]);
+            if let Some((uid, gid)) = user {
+                cmd.args([
+                    "setpriv",
+                    &format!("--reuid={uid}"),
+                    &format!("--regid={gid}"),
+                    "--clear-groups",
+                    "--",
+                ]);
+            }
+            cmd.arg(program);
+            cmd
+        }
+    }
 }
 
 /// The OS user (uid, gid) that server processes run as: `postgres` when this process is root

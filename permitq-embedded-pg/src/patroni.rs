@@ -231,29 +231,11 @@ impl PatroniCluster {
 
     /// A command for `program` on `member`'s host, as the server user.
     fn command(&self, member: &Member, program: &str) -> Result<Command> {
-        let user = server_user()?;
-        let mut cmd = match (&self.bed, &member.host) {
-            (Some(bed), Some(host)) => {
-                // `ip netns exec` needs root; the user changes after it (setpriv, util-linux).
-                let mut cmd = bed.command(host, "setpriv");
-                if let Some((uid, gid)) = user {
-                    cmd.args([
-                        &format!("--reuid={uid}"),
-                        &format!("--regid={gid}"),
-                        "--clear-groups",
-                    ]);
-                }
-                cmd.args(["--", program]);
-                cmd
-            }
-            _ => {
-                let mut cmd = Command::new(program);
-                if let Some((uid, gid)) = user {
-                    cmd.uid(uid).gid(gid);
-                }
-                cmd
-            }
+        let namespace = match (&self.bed, &member.host) {
+            (Some(bed), Some(host)) => Some(bed.namespace(host)),
+            _ => None,
         };
+        let mut cmd = crate::embedded::command_as(program, server_user()?, namespace);
         let log = std::fs::File::create(self.dir.join(format!("{}.log", member.name)))?;
         cmd.current_dir(&self.dir)
             .stdin(Stdio::null())

@@ -158,12 +158,7 @@ impl Client {
 
     /// The request with this `external_id`, if any.
     pub async fn status(&self, external_id: &str) -> Result<Option<PermitRequest>> {
-        let conn = self.inner.pool.get().await?;
-        conn.query_typed_opt(sql::STATUS.as_str(), &[(&external_id, Type::TEXT)])
-            .await?
-            .as_ref()
-            .map(db::request_from_row)
-            .transpose()
+        read_status(&self.inner.pool.get().await?, external_id).await
     }
 
     /// [`Client::status`], and once the request has left `new`, a commit on the same
@@ -177,12 +172,7 @@ impl Client {
         // Abandoned while the barrier waits (a primary without its standby), the connection
         // leaves the pool.
         let mut conn = Checkout(Some(self.inner.pool.get().await?));
-        let row = conn
-            .query_typed_opt(sql::STATUS.as_str(), &[(&external_id, Type::TEXT)])
-            .await?
-            .as_ref()
-            .map(db::request_from_row)
-            .transpose()?;
+        let row = read_status(&conn, external_id).await?;
         if row
             .as_ref()
             .is_some_and(|r| r.state != State::New && r.state != State::InProgress)
@@ -446,6 +436,18 @@ fn event_is_for(payload: &str, external_id: &str) -> bool {
         Ok(v) => is_for(&v),
         Err(_) => true,
     }
+}
+
+/// The request `external_id` as `conn` reads it (`None`: unknown, or another role's).
+async fn read_status(
+    conn: &deadpool_postgres::Object,
+    external_id: &str,
+) -> Result<Option<PermitRequest>> {
+    conn.query_typed_opt(sql::STATUS.as_str(), &[(&external_id, Type::TEXT)])
+        .await?
+        .as_ref()
+        .map(db::request_from_row)
+        .transpose()
 }
 
 /// A pooled connection that goes back to the pool only if the call using it finished

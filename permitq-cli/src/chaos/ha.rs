@@ -304,6 +304,12 @@ pub(crate) fn figures(
     let mut sorted: Vec<Outage> = faults.to_vec();
     sorted.sort_by_key(|f| f.from);
     let settle = Duration::from_secs(5);
+    // Each loss is charged to the first fault that ended after the client was told (by its
+    // start): an asynchronous failover loses what was acknowledged just before it.
+    let charged: Vec<Option<SystemTime>> = lost
+        .iter()
+        .map(|(at, _)| sorted.iter().find(|g| g.to >= *at).map(|g| g.from))
+        .collect();
     sorted
         .iter()
         .map(|f| {
@@ -345,14 +351,7 @@ pub(crate) fn figures(
             FaultFigures {
                 outage: *f,
                 grants_paused: paused,
-                // A loss is charged to the first fault that ended after the client was told:
-                // an asynchronous failover loses what was acknowledged just before it.
-                lost: lost
-                    .iter()
-                    .filter(|(at, _)| {
-                        sorted.iter().find(|g| g.to >= *at).map(|g| g.from) == Some(f.from)
-                    })
-                    .count(),
+                lost: charged.iter().filter(|c| **c == Some(f.from)).count(),
                 tokens_rose,
                 new_epoch,
                 lease_kept,

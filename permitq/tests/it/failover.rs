@@ -73,6 +73,17 @@ where
     }
 }
 
+/// Waits, riding out a failover, until `id` is granted; returns it as granted.
+async fn granted(client: &Client, id: &str) -> permitq::PermitRequest {
+    retrying("wait for the grant", || async {
+        match client.wait_settled(id, Duration::from_secs(5)).await {
+            Ok(Some(r)) if r.state == State::Acquired => Ok(r),
+            other => Err(format!("{id} not granted yet: {other:?}")),
+        }
+    })
+    .await
+}
+
 /// What producers were told: acknowledged submits, grants (with their tokens) and releases.
 #[derive(Default)]
 struct Acknowledged {
@@ -91,14 +102,8 @@ async fn acknowledged_cycle(
     let request = Request::new(id).permit(semaphore, 1);
     retrying("submit", || client.submit(&request)).await;
     acks.lock().unwrap().submits.insert(id.to_string());
-    let granted = retrying("wait for the grant", || async {
-        match client.wait_settled(id, Duration::from_secs(5)).await {
-            Ok(Some(r)) if r.state == State::Acquired => Ok(r),
-            other => Err(format!("{id} not granted yet: {other:?}")),
-        }
-    })
-    .await;
-    let token = granted
+    let token = granted(client, id)
+        .await
         .fencing_token
         .expect("a granted request has a token");
     acks.lock().unwrap().grants.insert(id.to_string(), token);
@@ -428,16 +433,7 @@ async fn a_lease_that_expires_during_a_failover_gets_one_ttl_of_grace_after_the_
     let ttl = Duration::from_secs(3);
     let holder = Request::new("grace-holder").permit("grace", 1).ttl(ttl);
     client.submit(&holder).await.unwrap();
-    let held = retrying("the grant", || async {
-        match client
-            .wait_settled("grace-holder", Duration::from_secs(5))
-            .await
-        {
-            Ok(Some(r)) if r.state == State::Acquired => Ok(r),
-            other => Err(format!("not granted yet: {other:?}")),
-        }
-    })
-    .await;
+    let held = granted(&client, "grace-holder").await;
     let expires_at = client
         .heartbeat("grace-holder", None)
         .await
@@ -471,16 +467,7 @@ async fn a_lease_that_expires_during_a_failover_gets_one_ttl_of_grace_after_the_
         .submit(&Request::new("grace-next").permit("grace", 1))
         .await
         .unwrap();
-    let next = retrying("the next grant", || async {
-        match client
-            .wait_settled("grace-next", Duration::from_secs(5))
-            .await
-        {
-            Ok(Some(r)) if r.state == State::Acquired => Ok(r),
-            other => Err(format!("not granted yet: {other:?}")),
-        }
-    })
-    .await;
+    let next = granted(&client, "grace-next").await;
     let ended = client.status("grace-holder").await.unwrap().unwrap();
     assert_eq!(ended.release_reason, Some(permitq::ReleaseReason::Expired));
     assert!(next.fencing_token.unwrap() > token);
