@@ -279,7 +279,7 @@ impl WorkerArgs {
 /// `permitq semaphore ...`
 #[derive(Debug, Subcommand)]
 pub(crate) enum SemaphoreCommand {
-    /// Create a semaphore or change its capacity (and fairness).
+    /// Create a semaphore or change its capacity (and fairness, window, parent, guarantee).
     Set {
         /// Name.
         name: String,
@@ -297,6 +297,22 @@ pub(crate) enum SemaphoreCommand {
         /// (sliding), whatever the holders do. `--per 0` removes the window.
         #[arg(long, value_parser = parse_wait, allow_hyphen_values = true)]
         per: Option<Duration>,
+        /// Nest it in PARENT (an existing plain semaphore): a grant here also takes from PARENT
+        /// and its ancestors.
+        #[arg(long, value_name = "PARENT", conflicts_with = "no_parent")]
+        parent: Option<String>,
+        /// Take it out of its parent.
+        #[arg(long)]
+        no_parent: bool,
+        /// Its guaranteed share of its parent while it holds permits or has waiters.
+        #[arg(long, allow_negative_numbers = true,
+              value_parser = clap::value_parser!(i32).range(0..))]
+        guarantee: Option<i32>,
+        /// For a template: the most instances it makes (a guaranteed template's guarantee
+        /// counts once per instance it may make).
+        #[arg(long, allow_negative_numbers = true,
+              value_parser = clap::value_parser!(i32).range(0..))]
+        max_instances: Option<i32>,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,

@@ -219,36 +219,46 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             fair,
             greedy,
             per,
+            parent,
+            no_parent,
+            guarantee,
+            max_instances,
             json,
         } => {
-            let fairness = if fair {
-                Some(true)
-            } else if greedy {
-                Some(false)
-            } else {
-                None
-            };
-            let s = match per {
-                Some(per) => {
-                    client
-                        .set_rate_limit(&name, capacity, per, fairness)
-                        .await?
-                }
-                None => client.set_capacity(&name, capacity, fairness).await?,
-            };
+            let mut settings = permitq::SemaphoreSettings::new();
+            if fair || greedy {
+                settings = settings.fair(fair);
+            }
+            if let Some(per) = per {
+                settings = settings.per(per);
+            }
+            if let Some(parent) = parent.as_deref().or(no_parent.then_some("")) {
+                settings = settings.parent(parent);
+            }
+            if let Some(guarantee) = guarantee {
+                settings = settings.guarantee(guarantee);
+            }
+            if let Some(max_instances) = max_instances {
+                settings = settings.max_instances(max_instances);
+            }
+            let s = client.set_semaphore(&name, capacity, &settings).await?;
             if json {
                 outln!("{}", serde_json::to_string(&s).expect("serializable"));
                 return Ok(0);
             }
             outln!(
-                "{} capacity={}{} used={} {}",
+                "{} capacity={}{} used={} {}{}",
                 s.name,
                 s.capacity,
                 s.per
                     .map(|p| format!(" per={}", humantime::format_duration(p)))
                     .unwrap_or_default(),
                 s.used,
-                if s.fair { "fair" } else { "greedy" }
+                if s.fair { "fair" } else { "greedy" },
+                s.parent
+                    .as_ref()
+                    .map(|p| format!(" parent={p} guarantee={}", s.guarantee))
+                    .unwrap_or_default()
             );
         }
         SemaphoreCommand::List { json } => {

@@ -53,9 +53,19 @@ pub(crate) fn window(u: &permitq::SemaphoreUsage) -> Option<String> {
     Some(window)
 }
 
-/// What kind of semaphore it is, in a few words: its [`origin`] and its [`window`].
+/// Where it is nested: `in pool, guaranteed 2` (nothing for a semaphore without a parent).
+pub(crate) fn nesting(u: &permitq::SemaphoreUsage) -> Option<String> {
+    let parent = u.parent.as_ref()?;
+    Some(if u.guarantee > 0 {
+        format!("in {parent}, guaranteed {}", u.guarantee)
+    } else {
+        format!("in {parent}")
+    })
+}
+
+/// What kind of semaphore it is, in a few words: its [`origin`], [`nesting`] and [`window`].
 pub(crate) fn kind(u: &permitq::SemaphoreUsage) -> String {
-    [origin(u.is_template, u.template.as_deref()), window(u)]
+    [origin(u.is_template, u.template.as_deref()), nesting(u), window(u)]
         .into_iter()
         .flatten()
         .collect::<Vec<_>>()
@@ -167,7 +177,18 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
             (Some(p), Some(a)) => format!("; position {p}, {a} permits ahead"),
             _ => String::new(),
         };
-        lines.push(format!("{}: needs {}, {room}{place}", s.semaphore, s.needs));
+        let via = s
+            .via
+            .as_ref()
+            .map_or(String::new(), |v| format!(" (parent, through {v})"));
+        let kept = match s.kept {
+            Some(k) if k > 0 => format!("; {k} kept for other children's guarantees"),
+            _ => String::new(),
+        };
+        lines.push(format!(
+            "{}{via}: needs {}, {room}{kept}{place}",
+            s.semaphore, s.needs
+        ));
         lines.push(format!("  {}", s.reason));
         if !s.holders.is_empty() {
             let holders: Vec<String> = s

@@ -234,3 +234,12 @@ fn chaos_catches_a_starved_head() {
     assert!(found["liveness"] > 0, "{summary}");
     assert!(summary.contains("a starved head"), "{summary}");
 }
+
+#[test]
+fn chaos_catches_a_grant_that_does_not_take_from_the_parent() {
+    // The checkers work out what each level holds from what the requests name and the tree,
+    // not from what permitq recorded a grant took.
+    let (found, summary) = planted("parent-not-charged", &[]);
+    assert!(found["safety"] > 0 && found["sampler"] > 0, "{summary}");
+    assert!(summary.contains("c-pool"), "{summary}");
+}

@@ -21,7 +21,9 @@ use crate::lease::Lease;
 use crate::listener::{Listener, ListenerEvent};
 use crate::rules::{duration_problem, priority_problem};
 use crate::sql;
-use crate::types::{CapacityChange, PermitRequest, ReleaseOutcome, Request, Semaphore, State};
+use crate::types::{
+    CapacityChange, PermitRequest, ReleaseOutcome, Request, Semaphore, SemaphoreSettings, State,
+};
 use crate::usage::{self, Holder, SemaphoreUsage, Waiter};
 
 /// How often [`Client::wait_settled`] re-reads the status when no notification arrives.
@@ -306,7 +308,11 @@ impl Client {
         capacity: i32,
         fair: Option<bool>,
     ) -> Result<Semaphore> {
-        self.set_semaphore(name, capacity, fair, None).await
+        let settings = SemaphoreSettings {
+            fair,
+            ..SemaphoreSettings::new()
+        };
+        self.set_semaphore(name, capacity, &settings).await
     }
 
     /// Creates or changes a rate-limited semaphore: at most `grants` permits granted in any
@@ -320,21 +326,29 @@ impl Client {
         per: Duration,
         fair: Option<bool>,
     ) -> Result<Semaphore> {
-        if let Some(problem) = duration_problem(Some(per), true) {
-            return Err(Error::invalid("per", problem));
-        }
-        self.set_semaphore(name, grants, fair, Some(per)).await
+        let settings = SemaphoreSettings {
+            fair,
+            per: Some(per),
+            ..SemaphoreSettings::new()
+        };
+        self.set_semaphore(name, grants, &settings).await
     }
 
-    async fn set_semaphore(
+    /// Creates or changes a semaphore with any of its settings: fairness, a rate window, a
+    /// parent it is nested in and its guaranteed share of that parent. A grant on a nested
+    /// semaphore also takes from its parent and every ancestor. A template's instances carry
+    /// all of them.
+    pub async fn set_semaphore(
         &self,
         name: &str,
         capacity: i32,
-        fair: Option<bool>,
-        per: Option<Duration>,
+        settings: &SemaphoreSettings,
     ) -> Result<Semaphore> {
+        if let Some(problem) = duration_problem(settings.per, true) {
+            return Err(Error::invalid("per", problem));
+        }
         let conn = self.inner.pool.get().await?;
-        let per = per.map(sql::interval);
+        let per = settings.per.map(sql::interval);
         db::semaphore_from_row(
             &conn
                 .query_typed_one(
@@ -342,8 +356,11 @@ impl Client {
                     &[
                         (&name, Type::TEXT),
                         (&capacity, Type::INT4),
-                        (&fair, Type::BOOL),
+                        (&settings.fair, Type::BOOL),
                         (&per, Type::TEXT),
+                        (&settings.parent, Type::TEXT),
+                        (&settings.guarantee, Type::INT4),
+                        (&settings.max_instances, Type::INT4),
                     ],
                 )
                 .await?,

@@ -177,6 +177,8 @@ pub(crate) fn semaphore_from_row(row: &Row) -> Result<Semaphore> {
         is_template: row.try_get(4)?,
         template: row.try_get(5)?,
         per: from_micros(row.try_get(6)?),
+        parent: row.try_get(7)?,
+        guarantee: row.try_get(8)?,
     })
 }
 

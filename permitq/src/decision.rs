@@ -4,21 +4,33 @@
 //! who is granted, who errors (and why) and who waits. The worker applies the result in the same
 //! transaction, under the same locks.
 //!
+//! What a grant takes ([`charges`]): its count on each semaphore it names and on each of their
+//! ancestors (a semaphore with a parent is a limit inside its parent's), summed per semaphore.
+//!
 //! Rules, checked in this order for each request:
 //! 0. the stored row is invalid (see [`Candidate::invalid`]) → `invalid`;
-//! 1. a named semaphore is missing → `unknown_semaphore`;
-//! 2. a count is larger than its semaphore's capacity → `exceeds_capacity`;
+//! 1. a named semaphore (or an ancestor) is missing → `unknown_semaphore`;
+//! 2. a count it takes is larger than that semaphore's capacity → `exceeds_capacity`;
 //! 3. its `wait` deadline has passed → `timeout`;
-//! 4. it fits on **every** semaphore it names → granted on all of them (all-or-nothing);
+//! 4. it fits on **every** semaphore it takes from → granted on all of them (all-or-nothing);
 //! 5. otherwise `wait = 0` → `no_capacity`, else it waits.
 //!
-//! "Fits" on a semaphore means `capacity - used >= count`, and on a `fair` semaphore also that
+//! "Fits" on a semaphore means `capacity - used >= count` at every level, and on a `fair`
+//! semaphore it names (or borrows at, see below) also that
 //! the request waiting there that is first in line (the head), if ahead of this one, keeps its
 //! room: `capacity - used - count >= head's count`. The head is the first in line of the
 //! semaphore's recorded waiters outside this batch ([`SemaphoreView::head`]) and the requests of
 //! this batch already left waiting. A waiting request is the head on every fair semaphore it
 //! names, not only the one that is full: otherwise later requests could drain the others while
 //! it waits (starvation).
+//!
+//! Guarantees: a child's `guarantee` is a share of its parent kept for it while it is active
+//! (holds permits or has waiters). Where a request *borrows* at a parent, taking more through a
+//! child than the child's unused guarantee there (or naming the parent itself), it fits only if
+//! the parent keeps room for every active child's unused guarantee afterwards
+//! (`reserve_after`), and it keeps the parent's head's room: borrowers take their turns in the
+//! parent's line. Within its guarantee a child needs only room: it is never refused because
+//! others borrowed, as long as it was active when they did.
 //!
 //! "In line" is [`Rank`]: the higher effective priority first, and among equals the older (lower
 //! id) first. The effective priority is the request's priority plus one per
@@ -29,7 +41,7 @@
 //! With every priority 0 the order is FIFO.
 
 use std::cmp::Ordering;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::types::ErrorCode;
 
@@ -94,6 +106,12 @@ pub(crate) struct SemaphoreView {
     /// An instance its template may not make (it has as many as it may): requests naming it
     /// fail with `too_many_instances`.
     pub refused: bool,
+    /// Its parent, whose room a grant here also takes.
+    pub parent: Option<String>,
+    /// Its guaranteed share of its parent while active.
+    pub guarantee: i64,
+    /// Requests wait on it (or below it): it is active.
+    pub waiting: bool,
 }
 
 impl SemaphoreView {
@@ -137,6 +155,9 @@ pub(crate) struct Decision {
     pub verdicts: Vec<(i64, Verdict)>,
     /// The semaphores after the grants (`used` updated).
     pub semaphores: BTreeMap<String, SemaphoreView>,
+    /// What each granted or waiting candidate takes where that is more than it names (its
+    /// semaphores have parents): semaphore → count.
+    pub charges: BTreeMap<i64, BTreeMap<String, i64>>,
 }
 
 impl Decision {
@@ -160,6 +181,95 @@ impl Candidate {
     }
 }
 
+/// What granting `c` takes: its count on each semaphore it names and on each of their
+/// ancestors, summed per semaphore. `None` when one of them is missing.
+pub(crate) fn charges(
+    c: &Candidate,
+    sems: &BTreeMap<String, SemaphoreView>,
+) -> Option<BTreeMap<String, i64>> {
+    let mut taken: BTreeMap<String, i64> = BTreeMap::new();
+    for (name, count) in &c.permits {
+        let mut s = sems.get(name)?;
+        *taken.entry(name.clone()).or_insert(0) += count;
+        // Bounded: a cycle the schema failed to prevent cannot loop.
+        for _ in 0..crate::rules::MAX_NESTING_DEPTH {
+            let Some(parent) = &s.parent else { break };
+            s = sems.get(parent)?;
+            *taken.entry(parent.clone()).or_insert(0) += count;
+        }
+    }
+    Some(taken)
+}
+
+/// Each parent's children that have a guarantee (the ones its reserve counts).
+type GuaranteedChildren<'a> = BTreeMap<&'a str, Vec<&'a str>>;
+
+fn guaranteed_children(sems: &BTreeMap<String, SemaphoreView>) -> GuaranteedChildren<'_> {
+    let mut children: GuaranteedChildren<'_> = BTreeMap::new();
+    for (name, s) in sems {
+        if let (Some(parent), true) = (&s.parent, s.guarantee > 0) {
+            children
+                .entry(parent.as_str())
+                .or_default()
+                .push(name.as_str());
+        }
+    }
+    children
+}
+
+/// The room `parent` keeps after a grant taking `taken`: the unused guarantee of each of its
+/// children that is active then (holds permits, or requests wait on it, in the database or in
+/// this batch).
+fn reserve_after(
+    parent: &str,
+    taken: &BTreeMap<String, i64>,
+    sems: &BTreeMap<String, SemaphoreView>,
+    children: &GuaranteedChildren<'_>,
+    batch_waiting: &BTreeSet<String>,
+) -> i64 {
+    children.get(parent).map_or(0, |names| {
+        names
+            .iter()
+            .map(|name| {
+                let s = &sems[*name];
+                let used = s.used + taken.get(*name).copied().unwrap_or(0);
+                let active = used > 0 || s.waiting || batch_waiting.contains(*name);
+                if active {
+                    (s.guarantee - used).max(0)
+                } else {
+                    0
+                }
+            })
+            .sum()
+    })
+}
+
+/// Whether a grant taking `taken` borrows at `parent`: it names `parent` itself, or takes more
+/// through one of its children than that child's unused guarantee (a child without a guarantee
+/// borrows everything it takes).
+fn borrows_at(
+    parent: &str,
+    c: &Candidate,
+    taken: &BTreeMap<String, i64>,
+    sems: &BTreeMap<String, SemaphoreView>,
+) -> bool {
+    c.permits.iter().any(|(name, _)| name == parent)
+        || taken.iter().any(|(name, count)| {
+            let s = &sems[name];
+            s.parent.as_deref() == Some(parent) && *count > (s.guarantee - s.used).max(0)
+        })
+}
+
+/// The state [`decide`] carries from one candidate to the next.
+struct Batch<'a> {
+    sems: BTreeMap<String, SemaphoreView>,
+    children: GuaranteedChildren<'a>,
+    /// Per semaphore, the first in line of this batch's candidates left waiting on it.
+    heads: BTreeMap<String, Head>,
+    /// The semaphores this batch's waiting candidates take from: active from then on.
+    waiting: BTreeSet<String>,
+}
+
 /// Decides a batch. `candidates` must be in [`Rank`] order (first in line first).
 pub(crate) fn decide(
     semaphores: &BTreeMap<String, SemaphoreView>,
@@ -169,76 +279,108 @@ pub(crate) fn decide(
         candidates.windows(2).all(|w| w[0].rank() < w[1].rank()),
         "candidates out of order"
     );
-    let mut sems = semaphores.clone();
-    // Per semaphore, the first in line of this batch's candidates left waiting on it.
-    let mut batch_heads: BTreeMap<&str, Head> = BTreeMap::new();
+    let mut batch = Batch {
+        sems: semaphores.clone(),
+        children: guaranteed_children(semaphores),
+        heads: BTreeMap::new(),
+        waiting: BTreeSet::new(),
+    };
     let mut verdicts = Vec::with_capacity(candidates.len());
+    let mut all_charges = BTreeMap::new();
 
     for c in candidates {
-        let verdict = verdict_for(c, &sems, &batch_heads);
+        let taken = charges(c, &batch.sems);
+        let verdict = verdict_for(c, taken.as_ref(), &batch);
+        let Some(taken) = taken else {
+            verdicts.push((c.id, verdict));
+            continue;
+        };
         match verdict {
             Verdict::Grant => {
-                for (name, count) in &c.permits {
-                    sems.get_mut(name).expect("checked by verdict_for").used += count;
+                for (name, count) in &taken {
+                    batch.sems.get_mut(name).expect("charged").used += count;
                 }
             }
             Verdict::Wait => {
-                for (name, count) in &c.permits {
-                    batch_heads.entry(name.as_str()).or_insert(Head {
+                // It waits in the line of every semaphore it takes from, for what it takes there.
+                for (name, count) in &taken {
+                    batch.heads.entry(name.clone()).or_insert(Head {
                         request_id: c.id,
                         count: *count,
                         effective: c.effective,
                     });
+                    batch.waiting.insert(name.clone());
                 }
             }
             Verdict::Fail(_) => {}
+        }
+        let nested = taken.len() != c.permits.len()
+            || c.permits
+                .iter()
+                .any(|(name, count)| taken.get(name) != Some(count));
+        if nested && matches!(verdict, Verdict::Grant | Verdict::Wait) {
+            all_charges.insert(c.id, taken);
         }
         verdicts.push((c.id, verdict));
     }
     Decision {
         verdicts,
-        semaphores: sems,
+        semaphores: batch.sems,
+        charges: all_charges,
     }
 }
 
-fn verdict_for(
-    c: &Candidate,
-    sems: &BTreeMap<String, SemaphoreView>,
-    batch_heads: &BTreeMap<&str, Head>,
-) -> Verdict {
+fn verdict_for(c: &Candidate, taken: Option<&BTreeMap<String, i64>>, batch: &Batch<'_>) -> Verdict {
     if c.invalid {
         return Verdict::Fail(ErrorCode::Invalid);
     }
-    let mut views = Vec::with_capacity(c.permits.len());
-    for (name, count) in &c.permits {
-        match sems.get(name) {
-            Some(s) => views.push((name.as_str(), *count, s)),
-            None => return Verdict::Fail(ErrorCode::UnknownSemaphore),
-        }
-    }
-    if views.iter().any(|(_, _, s)| s.refused) {
+    let Some(taken) = taken else {
+        return Verdict::Fail(ErrorCode::UnknownSemaphore);
+    };
+    let sems = &batch.sems;
+    if c.permits.iter().any(|(name, _)| sems[name].refused) {
         return Verdict::Fail(ErrorCode::TooManyInstances);
     }
-    if views.iter().any(|(_, count, s)| *count > s.capacity) {
+    if taken
+        .iter()
+        .any(|(name, count)| *count > sems[name].capacity)
+    {
         return Verdict::Fail(ErrorCode::ExceedsCapacity);
     }
     if c.deadline_passed {
         return Verdict::Fail(ErrorCode::Timeout);
     }
-    let fits = views.iter().all(|(name, count, s)| {
-        let free_after = s.free() - count;
-        free_after >= 0
-            && (!s.fair
-                || head_before(c.rank(), s.head, batch_heads.get(name).copied())
-                    .is_none_or(|head| free_after >= head.count))
-    });
-    if fits {
+    if fits(c, taken, batch) {
         Verdict::Grant
     } else if c.fail_fast {
         Verdict::Fail(ErrorCode::NoCapacity)
     } else {
         Verdict::Wait
     }
+}
+
+/// Rule 4, on every semaphore `c` takes from: room; and where it names the semaphore or borrows
+/// there, the head's room on a fair one and the active children's reserve. Within a child's
+/// guarantee, its parent's room is all it needs.
+fn fits(c: &Candidate, taken: &BTreeMap<String, i64>, batch: &Batch<'_>) -> bool {
+    let sems = &batch.sems;
+    taken.iter().all(|(name, count)| {
+        let s = &sems[name];
+        let free_after = s.free() - count;
+        if free_after < 0 {
+            return false;
+        }
+        let named = c.permits.iter().any(|(n, _)| n == name);
+        if !named && !borrows_at(name, c, taken, sems) {
+            return true;
+        }
+        let head_kept = !s.fair
+            || head_before(c.rank(), s.head, batch.heads.get(name).copied())
+                .is_none_or(|head| free_after >= head.count);
+        head_kept
+            && (!batch.children.contains_key(name.as_str())
+                || free_after >= reserve_after(name, taken, sems, &batch.children, &batch.waiting))
+    })
 }
 
 /// The first in line ahead of `rank`: the semaphore's recorded head (outside the batch) or the
@@ -253,3 +395,6 @@ fn head_before(rank: Rank, recorded: Option<Head>, batch: Option<Head>) -> Optio
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod nesting_tests;

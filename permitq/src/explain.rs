@@ -19,7 +19,8 @@ pub struct Explanation {
     /// For a request that no longer waits: how it ended (`acquired`, `released expired`,
     /// `error timeout`, ...).
     pub outcome: Option<String>,
-    /// For a waiting request: each semaphore it names, in name order.
+    /// For a waiting request: each semaphore it names, in name order, then their parents
+    /// (nested limits), nearest first.
     pub semaphores: Vec<SemaphoreWait>,
 }
 
@@ -49,6 +50,10 @@ pub struct SemaphoreWait {
     /// (or when a spent rate window opens); `None` without history. Seconds in JSON.
     #[serde(serialize_with = "ser_secs")]
     pub estimated_wait: Option<Duration>,
+    /// For a parent (nested limits): the semaphore the request names below it.
+    pub via: Option<String>,
+    /// For a parent: the room it keeps for its other active children's unused guarantees.
+    pub kept: Option<i64>,
 }
 
 /// A request holding permits that a waiting request needs.
@@ -118,6 +123,8 @@ pub(crate) fn explanation_from_rows(rows: &[Row]) -> Result<Option<Explanation>>
             estimated_wait: row
                 .try_get::<_, Option<f64>>(12)?
                 .map(|s| Duration::from_secs_f64(s.max(0.0))),
+            via: row.try_get(13)?,
+            kept: int(14)?,
         });
     }
     Ok(Some(explanation))

@@ -20,7 +20,7 @@
 //! | [`SemaphoreUsage`], [`Holder`], [`Waiter`] | what operators watch: exact use, who holds, who waits |
 //! | [`Explanation`], [`SemaphoreWait`], [`BlockingHolder`] | why a request waits ([`Client::explain`]) |
 //! | [`Worker`], [`WorkerConfig`], [`WorkerHealth`], [`MaintenanceConfig`], [`OwnerLiveness`] | embedding a worker in your own process (or run `permitq worker`) |
-//! | [`PRIORITY_RANGE`], [`AGING_STEP`], [`MAX_DURATION`], [`MAX_NAME_LENGTH`], [`MAX_SEMAPHORES_PER_REQUEST`], [`MAX_INSTANCES`], [`NOTIFY_QUEUE_LIMIT`] | the bounds and rules the schema shares, stated once |
+//! | [`PRIORITY_RANGE`], [`AGING_STEP`], [`MAX_DURATION`], [`MAX_NAME_LENGTH`], [`MAX_SEMAPHORES_PER_REQUEST`], [`MAX_INSTANCES`], [`MAX_NESTING_DEPTH`], [`NOTIFY_QUEUE_LIMIT`] | the bounds and rules the schema shares, stated once |
 //! | [`DURABILITY_BARRIER`] | the statement that confirms an outcome you read has reached the synchronous standby (for SQL clients and raw listeners; [`Client`] runs it itself) |
 //! | [`migrate`] | the embedded schema: versioned migrations and schema files, applied by checksum |
 //! | [`Error`], [`Result`], [`SqlState`], [`UnknownValue`] | one opaque error that tells you its SQLSTATE and whether to retry; a string that names no enum value |
@@ -69,13 +69,13 @@ pub use explain::{BlockingHolder, Explanation, SemaphoreWait};
 pub use lease::Lease;
 pub use maintenance::{MaintenanceConfig, OwnerLiveness};
 pub use rules::{
-    AGING_STEP, MAX_DURATION, MAX_INSTANCES, MAX_NAME_LENGTH, MAX_SEMAPHORES_PER_REQUEST,
-    NOTIFY_QUEUE_LIMIT, PRIORITY_RANGE,
+    AGING_STEP, MAX_DURATION, MAX_INSTANCES, MAX_NAME_LENGTH, MAX_NESTING_DEPTH,
+    MAX_SEMAPHORES_PER_REQUEST, NOTIFY_QUEUE_LIMIT, PRIORITY_RANGE,
 };
 pub use sql::DURABILITY_BARRIER;
 pub use types::{
     CapacityChange, ErrorCode, PermitRequest, ReleaseOutcome, ReleaseReason, Request, Semaphore,
-    State, UnknownValue,
+    SemaphoreSettings, State, UnknownValue,
 };
 pub use usage::{Holder, SemaphoreUsage, Waiter};
 pub use worker::{Worker, WorkerConfig, WorkerHealth};

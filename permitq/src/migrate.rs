@@ -64,6 +64,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "lease_grace",
         sql: include_str!("../schema/migrations/V5__lease_grace.sql"),
     },
+    Migration {
+        version: 6,
+        name: "nested_limits",
+        sql: include_str!("../schema/migrations/V6__nested_limits.sql"),
+    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.
@@ -92,6 +97,7 @@ schema_files! {
     "queue_order.sql",
     "fencing_tokens.sql",
     "templates.sql",
+    "nesting.sql",
     "rate_windows.sql",
     "notifications.sql",
     "request_triggers.sql",

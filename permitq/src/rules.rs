@@ -34,6 +34,10 @@ pub const MAX_SEMAPHORES_PER_REQUEST: usize = 64;
 /// that would need one more fails with `too_many_instances`.
 pub const MAX_INSTANCES: u32 = 10_000;
 
+/// The most ancestors a semaphore may have (a parent, its parent, ...): a grant takes its count
+/// from each, under their locks.
+pub const MAX_NESTING_DEPTH: usize = 4;
+
 /// How full the cluster's NOTIFY queue may be before permitq stops notifying (its commits would
 /// fail once it is full): a fraction, overridden by the setting `permitq.notify_queue_limit`
 /// (schema/functions/notifications.sql).
@@ -82,7 +86,7 @@ pub(crate) fn schema_sql() -> String {
         let quoted: Vec<String> = values.iter().map(|v| format!("'{v}'")).collect();
         format!("ARRAY[{}]::text[]", quoted.join(", "))
     };
-    let rules: [(&str, &str, String); 12] = [
+    let rules: [(&str, &str, String); 13] = [
         (
             "priority_min",
             "smallint",
@@ -115,6 +119,11 @@ pub(crate) fn schema_sql() -> String {
             MAX_SEMAPHORES_PER_REQUEST.to_string(),
         ),
         ("max_instances", "integer", MAX_INSTANCES.to_string()),
+        (
+            "max_nesting_depth",
+            "integer",
+            MAX_NESTING_DEPTH.to_string(),
+        ),
         (
             "notify_queue_limit",
             "float8",

@@ -153,7 +153,7 @@ pub const DURABILITY_BARRIER: &str = "SELECT permitq.confirm_durable()";
 pub(crate) const EXPLAIN: &str =
     "SELECT request, state, outcome, semaphore, needs, capacity, free, \
      shortfall, position, permits_ahead, reason, holders, \
-     extract(epoch FROM estimated_wait)::float8 FROM permitq.explain($1)";
+     extract(epoch FROM estimated_wait)::float8, via, kept FROM permitq.explain($1)";
 
 /// Client: release (or cancel) by external_id.
 pub(crate) const RELEASE: &str = "SELECT permitq.release($1)";
@@ -166,14 +166,14 @@ pub(crate) const HEARTBEAT: &str = "SELECT permitq.heartbeat($1, $2::text::inter
 macro_rules! semaphore_columns {
     () => {
         "name, capacity::int8, used::int8, fair, is_template, template, \
-         (extract(epoch FROM per) * 1000000)::int8"
+         (extract(epoch FROM per) * 1000000)::int8, parent, guarantee::int8"
     };
 }
 /// Operator: create or change a semaphore.
 pub(crate) const SET_CAPACITY: &str = concat!(
     "SELECT ",
     semaphore_columns!(),
-    " FROM permitq.set_capacity($1, $2, $3, $4::text::interval)"
+    " FROM permitq.set_capacity($1, $2, $3, $4::text::interval, $7, $5, $6)"
 );
 /// All semaphores.
 pub(crate) const LIST_SEMAPHORES: &str = concat!(
@@ -189,8 +189,8 @@ pub(crate) const CAPACITY_HISTORY: &str =
 /// Operators: every semaphore's usage.
 pub(crate) const USAGE: &str = "SELECT name, capacity::int8, used::int8, held::int8, \
      waiting::int8, oldest_wait_since, fair, granted, in_window::int8, \
-     (extract(epoch FROM per) * 1000000)::int8, window_opens_at, is_template, template \
-     FROM permitq.semaphore_usage ORDER BY name";
+     (extract(epoch FROM per) * 1000000)::int8, window_opens_at, is_template, template, \
+     parent, guarantee::int8 FROM permitq.semaphore_usage ORDER BY name";
 /// Operators: the holders of one semaphore.
 pub(crate) const HOLDERS: &str = "SELECT semaphore, external_id, owner, count::int8, \
      acquired_at, expires_at, fencing_token FROM permitq.holders WHERE semaphore = $1 \

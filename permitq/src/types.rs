@@ -315,6 +315,66 @@ pub struct Semaphore {
     /// window of this length, whatever the holders do. `None`: a concurrency semaphore.
     #[serde(serialize_with = "ser_secs")]
     pub per: Option<Duration>,
+    /// The semaphore it is nested in: a grant here also takes from the parent (and its
+    /// ancestors).
+    pub parent: Option<String>,
+    /// Its guaranteed share of its parent while it holds permits or has waiters.
+    pub guarantee: i64,
+}
+
+/// How [`crate::Client::set_semaphore`] creates or changes a semaphore, beyond its capacity.
+/// What is left unset keeps its current value (or the default, for a new semaphore).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+#[must_use]
+pub struct SemaphoreSettings {
+    /// Strict FIFO with safe backfill (`true`, the default) or greedy.
+    pub fair: Option<bool>,
+    /// A rate limit's window (zero removes it).
+    pub per: Option<Duration>,
+    /// The parent to nest it in; `Some("")` takes it out of its parent.
+    pub parent: Option<String>,
+    /// Its guaranteed share of its parent.
+    pub guarantee: Option<i32>,
+    /// For a template: the most instances it makes.
+    pub max_instances: Option<i32>,
+}
+
+impl SemaphoreSettings {
+    /// Nothing set: only the capacity changes.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Fair (head-of-line with safe backfill) or greedy.
+    pub fn fair(mut self, fair: bool) -> Self {
+        self.fair = Some(fair);
+        self
+    }
+
+    /// Rate-limited: capacity counts permits granted in any window of `per` (zero removes it).
+    pub fn per(mut self, per: Duration) -> Self {
+        self.per = Some(per);
+        self
+    }
+
+    /// Nested in `parent` (an existing plain semaphore); `""` takes it out of its parent.
+    pub fn parent(mut self, parent: &str) -> Self {
+        self.parent = Some(parent.to_string());
+        self
+    }
+
+    /// Guaranteed `guarantee` permits of its parent while active.
+    pub fn guarantee(mut self, guarantee: i32) -> Self {
+        self.guarantee = Some(guarantee);
+        self
+    }
+
+    /// For a template (a name ending in `*`): makes at most `max_instances` instances.
+    pub fn max_instances(mut self, max_instances: i32) -> Self {
+        self.max_instances = Some(max_instances);
+        self
+    }
 }
 
 /// A row of `permitq.capacity_change`.

@@ -46,6 +46,10 @@ pub struct SemaphoreUsage {
     pub is_template: bool,
     /// For an instance, the template it was made from.
     pub template: Option<String>,
+    /// The semaphore it is nested in (its `held` counts there too).
+    pub parent: Option<String>,
+    /// Its guaranteed share of its parent while active.
+    pub guarantee: i64,
 }
 
 /// A request holding permits of one semaphore (a row of `permitq.holders`).
@@ -138,5 +142,7 @@ pub(crate) fn usage_from_row(row: &Row) -> Result<SemaphoreUsage> {
         window_opens_at: row.try_get(10)?,
         is_template: row.try_get(11)?,
         template: row.try_get(12)?,
+        parent: row.try_get(13)?,
+        guarantee: row.try_get(14)?,
     })
 }

@@ -11,6 +11,7 @@ mod baselines;
 mod deep;
 mod features;
 mod load;
+mod nesting;
 mod targets;
 
 use std::fmt::Write as _;
@@ -52,7 +53,7 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 1)]
     pub(crate) repeat: u32,
     /// Only these parts (comma-separated: targets (or some of them: hot, priorities, depth, rate,
-    /// templates), hot-cycle, idle, cycle, release, drain, features, deep);
+    /// templates), hot-cycle, idle, cycle, release, drain, features, nesting, deep);
     /// all by default.
     #[arg(long, value_delimiter = ',')]
     pub(crate) only: Vec<String>,
@@ -146,6 +147,9 @@ async fn measure(url: &str, args: &BenchArgs) -> Result<()> {
     // weigh on whichever of its rows ran first.
     if args.runs("features") {
         features::run(&url, args, &mut report).await?;
+    }
+    if args.runs("nesting") {
+        nesting::run(&url, args, &mut report).await?;
     }
     if args.runs("drain") {
         load::drain(&url, args, &mut report).await?;

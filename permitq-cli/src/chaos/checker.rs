@@ -226,9 +226,10 @@ fn no_double_grant(state: &FinalState, cx: &Context, v: &mut Verdict) {
             }
         }
     }
-    let mut granted_on: HashMap<&str, i64> = HashMap::new();
+    // Every level counts the grant once: those it names and their ancestors.
+    let mut granted_on: HashMap<String, i64> = HashMap::new();
     for r in state.requests.iter().filter(|r| r.acquired.is_some()) {
-        for (name, _) in &r.permits {
+        for name in state.tree.takes(&r.permits).into_keys() {
             *granted_on.entry(name).or_default() += 1;
         }
     }
@@ -413,9 +414,9 @@ fn liveness(state: &FinalState, cx: &Context, v: &mut Verdict) {
     heads_are_granted(state, cx, v);
 }
 
-/// A request whose semaphores are all fair must be granted within [`HEAD_BOUND`] of becoming
-/// first in line on all of them: the moment every request ranked ahead of it there, and waiting
-/// with it, has left the line.
+/// A request whose semaphores (and their ancestors) are all fair must be granted within
+/// [`HEAD_BOUND`] of becoming first in line on all of them: the moment every request ranked
+/// ahead of it there, and waiting with it, has left the line.
 fn heads_are_granted(state: &FinalState, cx: &Context, v: &mut Verdict) {
     let fair: HashMap<&str, bool> = state
         .semaphores
@@ -423,22 +424,27 @@ fn heads_are_granted(state: &FinalState, cx: &Context, v: &mut Verdict) {
         .map(|(name, _, fair)| (name.as_str(), *fair))
         .collect();
     let load_end = us(cx.load_end);
+    // Every semaphore each request takes from (with its parents') and its line.
+    let takes: HashMap<i64, Vec<String>> = state
+        .requests
+        .iter()
+        .map(|r| (r.id, state.tree.takes(&r.permits).into_keys().collect()))
+        .collect();
     let mut naming: HashMap<&str, Vec<&Req>> = HashMap::new();
     for r in &state.requests {
-        for (name, _) in &r.permits {
+        for name in &takes[&r.id] {
             naming.entry(name).or_default().push(r);
         }
     }
     for r in &state.requests {
-        if !r
-            .permits
+        if !takes[&r.id]
             .iter()
-            .all(|(n, _)| fair.get(n.as_str()) == Some(&true))
+            .all(|n| fair.get(n.as_str()) == Some(&true))
         {
             continue;
         }
         let mut first_in_line = r.created;
-        for (name, _) in &r.permits {
+        for name in &takes[&r.id] {
             for w in naming.get(name.as_str()).into_iter().flatten() {
                 let overlaps = w.created < r.left().unwrap_or(Micros::MAX)
                     && w.left().is_none_or(|l| l > r.created);
@@ -450,10 +456,9 @@ fn heads_are_granted(state: &FinalState, cx: &Context, v: &mut Verdict) {
         if first_in_line == Micros::MAX {
             continue; // something ahead of it never left: that one is judged instead
         }
-        let window = r
-            .permits
+        let window = takes[&r.id]
             .iter()
-            .filter_map(|(n, _)| state.windows.get(n))
+            .filter_map(|n| state.windows.get(n))
             .max()
             .copied()
             .unwrap_or(0);
@@ -610,6 +615,12 @@ fn fairness(
             let Some(granted) = by_id.get(request) else {
                 continue;
             };
+            // The grants that name it: one taken through a child within the child's guarantee
+            // owes the parent's line nothing (borrowers' turns there are the decision's
+            // property tests' to check, their liveness is checked).
+            if granted.count_on(semaphore) == 0 {
+                continue;
+            }
             let Some(started) = granted.decided else {
                 v.flag(
                     "fairness",

@@ -131,6 +131,27 @@ fn random_request(rng: &mut fastrand::Rng, external_id: String) -> Request {
     if rng.u8(..5) == 0 {
         request = request.permit(format!("c-key:k{}", rng.usize(..super::KEYS)), 1);
     }
+    // Nested limits: a tenant of the pool in a third of them, alone in half of those (the
+    // tenant, the pool and the root decide it); the pool or the root named directly in a few.
+    let tenant = rng.u8(..3) == 0;
+    if tenant && rng.bool() {
+        request = Request::new(request.external_id);
+    }
+    if tenant {
+        let name = format!(
+            "{}t{}",
+            super::TENANT_TEMPLATE.0.trim_end_matches('*'),
+            rng.usize(..super::TENANTS)
+        );
+        request = request.permit(name, rng.i64(1..=2));
+    } else if rng.u8(..15) == 0 {
+        let name = if rng.bool() {
+            super::NESTED_POOL.0
+        } else {
+            super::NESTED_ROOT.0
+        };
+        request = request.permit(name, 1);
+    }
     // A third name the rate-limited semaphore: demand near its limit, so its window binds
     // (and a planted bug that ignores the window overshoots it in every run).
     if rng.u8(..3) == 0 {

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::error::{CliError, Result};
-use permitq::Client;
+use permitq::{Client, SemaphoreSettings};
 use permitq_embedded_pg::{EmbeddedPostgres, NetworkBed};
 
 pub(crate) use mutation::Mutation;
@@ -44,6 +44,17 @@ pub(crate) const KEY_TEMPLATE: (&str, i32) = ("c-key:*", 2);
 pub(crate) const KEYS: usize = 4;
 /// A rate-limited semaphore: (name, grants, per window).
 pub(crate) const RATE_LIMITED: (&str, i32, Duration) = ("c-rate", 4, Duration::from_secs(1));
+/// Nested limits, three levels: a root of capacity 6 (some requests name it directly), a pool
+/// of capacity 5 in it guaranteed 4 of it, and in the pool the instances of a template,
+/// `c-tenant:t0`..`t2`, each of ceiling 3 and guaranteed 1 of the pool (2 of it unguaranteed,
+/// what a borrower takes at once).
+pub(crate) const NESTED_ROOT: (&str, i32) = ("c-root", 6);
+/// The pool: (name, capacity, guarantee in the root).
+pub(crate) const NESTED_POOL: (&str, i32, i32) = ("c-pool", 5, 4);
+/// The tenants' template: (name, ceiling, guarantee in the pool).
+pub(crate) const TENANT_TEMPLATE: (&str, i32, i32) = ("c-tenant:*", 3, 1);
+/// Tenants the load names (the template makes at most this many).
+pub(crate) const TENANTS: usize = 3;
 
 /// A chaos run.
 #[derive(Debug, Clone)]
@@ -304,6 +315,28 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         .await?;
     client
         .set_rate_limit(RATE_LIMITED.0, RATE_LIMITED.1, RATE_LIMITED.2, Some(true))
+        .await?;
+    let fair = SemaphoreSettings::new().fair(true);
+    client
+        .set_semaphore(NESTED_ROOT.0, NESTED_ROOT.1, &fair)
+        .await?;
+    client
+        .set_semaphore(
+            NESTED_POOL.0,
+            NESTED_POOL.1,
+            &fair.clone().parent(NESTED_ROOT.0).guarantee(NESTED_POOL.2),
+        )
+        .await?;
+    let tenants = i32::try_from(TENANTS).expect("a few");
+    client
+        .set_semaphore(
+            TENANT_TEMPLATE.0,
+            TENANT_TEMPLATE.1,
+            &fair
+                .parent(NESTED_POOL.0)
+                .guarantee(TENANT_TEMPLATE.2)
+                .max_instances(tenants),
+        )
         .await?;
     if config.ha.is_some() {
         client.set_capacity(ha::PROBE, 100, Some(false)).await?;
@@ -626,13 +659,30 @@ async fn sample(
 
 /// One semaphore in one snapshot: (name, capacity, used, held, permits granted in the current
 /// window for a rate-limited one, whether no capacity change fell in that window, the id of the
-/// latest capacity change).
-const SAMPLE: &str = "SELECT u.name, u.capacity::int8, u.used, u.held,
+/// latest capacity change). `held` is worked out from what the acquired requests name and the
+/// semaphores' parents (a parent holds what is held below it), not from what permitq recorded
+/// a grant took.
+const SAMPLE: &str = "WITH RECURSIVE up(name, ancestor, depth) AS (
+            SELECT s.name, s.name, 0 FROM permitq.semaphore s WHERE NOT s.is_template
+            UNION ALL
+            SELECT up.name, s.parent, up.depth + 1
+            FROM up JOIN permitq.semaphore s ON s.name = up.ancestor
+            WHERE s.parent IS NOT NULL AND up.depth < 8
+        ),
+        held AS (
+            SELECT up.ancestor AS name, sum(e.value::int8) AS held
+            FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
+            JOIN up ON up.name = e.key
+            WHERE r.state = 'acquired'
+            GROUP BY up.ancestor
+        )
+     SELECT u.name, u.capacity::int8, u.used, coalesce(h.held, 0)::int8,
         CASE WHEN u.per IS NOT NULL THEN u.in_window::int8 END,
         coalesce((SELECT max(c.changed_at) FROM permitq.capacity_change c
                   WHERE c.semaphore = u.name) <= now() - u.per, true),
         (SELECT max(c.id) FROM permitq.capacity_change c WHERE c.semaphore = u.name)
-     FROM permitq.semaphore_usage u";
+     FROM permitq.semaphore_usage u LEFT JOIN held h ON h.name = u.name
+     WHERE NOT u.is_template";
 
 /// A semaphore as the sampler saw it.
 struct Snapshot {

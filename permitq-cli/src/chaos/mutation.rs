@@ -40,6 +40,9 @@ pub(crate) enum Mutation {
     /// The claim never reconsiders a waiter that needs more than one permit: such a head
     /// starves.
     StarveHead,
+    /// A grant on a nested semaphore is counted on the semaphores it names only, not on their
+    /// ancestors: a parent's capacity stops binding.
+    ParentNotCharged,
 }
 
 /// One replacement in a schema file: `find` must occur exactly once.
@@ -60,7 +63,7 @@ enum Plant {
 
 impl Mutation {
     /// Every mutation.
-    pub(crate) const ALL: [Mutation; 12] = [
+    pub(crate) const ALL: [Mutation; 13] = [
         Mutation::NoSemaphoreLock,
         Mutation::FoldTwice,
         Mutation::DoubleRelease,
@@ -73,6 +76,7 @@ impl Mutation {
         Mutation::TokensBackwards,
         Mutation::GrantTwice,
         Mutation::StarveHead,
+        Mutation::ParentNotCharged,
     ];
 
     /// How it is planted.
@@ -122,6 +126,13 @@ impl Mutation {
                     replace: "            FROM unnest(granted) AS id WHERE id % 10 <> 3\n",
                 }][..],
             ),
+            Mutation::ParentNotCharged => (
+                "decision_outcome.sql",
+                &[Patch {
+                    find: "                charged = charges -> r.id::text\n",
+                    replace: "                charged = NULL\n",
+                }][..],
+            ),
             Mutation::LeasesNeverExpire => (
                 "sweeps.sql",
                 &[Patch {
@@ -152,8 +163,8 @@ impl Mutation {
             Mutation::SkipFairness => (
                 "batch_semaphores.sql",
                 &[Patch {
-                    find: "           s.fair\n    FROM permitq.semaphore s",
-                    replace: "           false\n    FROM permitq.semaphore s",
+                    find: "           s.fair, s.parent, s.guarantee,\n",
+                    replace: "           false, s.parent, s.guarantee,\n",
                 }][..],
             ),
             Mutation::FoldTwice => (
@@ -233,6 +244,7 @@ impl Mutation {
             Mutation::TokensBackwards => "tokens-backwards",
             Mutation::GrantTwice => "grant-twice",
             Mutation::StarveHead => "starve-head",
+            Mutation::ParentNotCharged => "parent-not-charged",
         }
     }
 }

@@ -1,6 +1,6 @@
 //! The database's final state after a chaos run, as the checkers read it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::error::Result;
@@ -70,8 +70,12 @@ impl Req {
 /// Everything the checkers read from the database.
 pub(crate) struct FinalState {
     pub(crate) requests: Vec<Req>,
-    /// (request id, semaphore, count, acquired, released, fencing token)
+    /// (request id, semaphore, count, acquired, released, fencing token): one row per
+    /// semaphore a granted request took from, those it names and their ancestors, worked out
+    /// here from what it named and the tree ([`Tree`]), not read from what permitq recorded.
     pub(crate) permits: Vec<(i64, String, i64, Micros, Option<Micros>, i64)>,
+    /// The semaphores' parents.
+    pub(crate) tree: Tree,
     /// semaphore → [(changed_at, capacity)], oldest first
     pub(crate) capacity: HashMap<String, Vec<(Micros, i64)>>,
     /// (name, used, fair)
@@ -82,9 +86,76 @@ pub(crate) struct FinalState {
     pub(crate) granted_counter: HashMap<String, i64>,
 }
 
+/// The nesting of the semaphores: each one's parent, and the templates' (an instance the idle
+/// sweep removed had its template's).
+#[derive(Debug, Default)]
+pub(crate) struct Tree {
+    parents: HashMap<String, String>,
+    /// (template prefix, its parent)
+    templates: Vec<(String, Option<String>)>,
+}
+
+impl Tree {
+    /// The semaphores' parents as the database has them now (the load never changes them).
+    pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<Tree> {
+        let mut tree = Tree::default();
+        for r in conn
+            .query(
+                "SELECT name, parent, is_template FROM permitq.semaphore",
+                &[],
+            )
+            .await?
+        {
+            let (name, parent, template): (String, Option<String>, bool) =
+                (r.get(0), r.get(1), r.get(2));
+            if template {
+                tree.templates
+                    .push((name.trim_end_matches('*').to_string(), parent));
+            } else if let Some(parent) = parent {
+                tree.parents.insert(name, parent);
+            }
+        }
+        tree.templates
+            .sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
+        Ok(tree)
+    }
+
+    fn parent(&self, name: &str) -> Option<&str> {
+        self.parents.get(name).map(String::as_str).or_else(|| {
+            self.templates
+                .iter()
+                .find(|(prefix, _)| name.starts_with(prefix.as_str()))
+                .and_then(|(_, parent)| parent.as_deref())
+        })
+    }
+
+    /// `name` and its ancestors, nearest first.
+    pub(crate) fn up_from<'a>(&'a self, name: &'a str) -> Vec<&'a str> {
+        let mut chain = vec![name];
+        while let Some(parent) = chain.last().and_then(|n| self.parent(n)) {
+            if chain.len() > 8 || chain.contains(&parent) {
+                break;
+            }
+            chain.push(parent);
+        }
+        chain
+    }
+
+    /// What a request naming `permits` takes from each semaphore, ancestors included.
+    pub(crate) fn takes(&self, permits: &[(String, i64)]) -> BTreeMap<String, i64> {
+        let mut taken = BTreeMap::new();
+        for (name, count) in permits {
+            for level in self.up_from(name) {
+                *taken.entry(level.to_string()).or_insert(0) += count;
+            }
+        }
+        taken
+    }
+}
+
 /// Reads the final state.
 pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<FinalState> {
-    let requests = conn
+    let requests: Vec<Req> = conn
         .query(
             "SELECT id, external_id, permits, (extract(epoch FROM wait) * 1000000)::int8, state, error_code,
                     created_at, acquired_at, settled_at, release_reason, priority::int8, worker_id,
@@ -114,15 +185,15 @@ pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<FinalState> {
             token: r.get(16),
         })
         .collect();
-    let permits = conn
-        .query(
-            "SELECT p.request_id, p.semaphore, p.count::int8, p.acquired_at, p.released_at, r.fencing_token
-             FROM permitq.permit p JOIN permitq.permit_request r ON r.id = p.request_id",
-            &[],
-        )
-        .await?
+    let tree = Tree::load(conn).await?;
+    let permits = requests
         .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2), us(r.get(3)), r.get::<_, Option<SystemTime>>(4).map(us), r.get(5)))
+        .filter_map(|r| Some((r, r.acquired?, r.token?)))
+        .flat_map(|(r, acquired, token)| {
+            tree.takes(&r.permits)
+                .into_iter()
+                .map(move |(name, count)| (r.id, name, count, acquired, r.released, token))
+        })
         .collect();
     let mut capacity: HashMap<String, Vec<(Micros, i64)>> = HashMap::new();
     for r in conn.query("SELECT semaphore, new_capacity::int8, changed_at FROM permitq.capacity_change ORDER BY id", &[]).await? {
@@ -152,6 +223,7 @@ pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<FinalState> {
     Ok(FinalState {
         requests,
         permits,
+        tree,
         capacity,
         semaphores,
         windows,

@@ -53,15 +53,17 @@ pub(crate) fn rows(usage: &[SemaphoreUsage]) -> String {
             String::new()
         };
         let window = crate::show::window(u).unwrap_or_default();
-        let mut kind =
-            crate::show::origin(u.is_template, u.template.as_deref()).unwrap_or_default();
+        let mut kind: Vec<String> = [
+            crate::show::origin(u.is_template, u.template.as_deref()),
+            crate::show::nesting(u),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         if !u.fair {
-            kind.push_str(if kind.is_empty() {
-                "greedy"
-            } else {
-                ", greedy"
-            });
+            kind.push("greedy".to_string());
         }
+        let kind = kind.join(", ");
         let _ = write!(
             html,
             "<tr class=\"sem\" data-name=\"{name}\">\

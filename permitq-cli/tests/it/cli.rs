@@ -725,3 +725,49 @@ async fn explain_says_why_a_request_waits_in_text_json_and_on_semaphore_show() {
     assert_ne!(code(&o), 0);
     assert!(stderr(&o).contains("nobody"), "{}", stderr(&o));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    assert_eq!(code(&run(url, &["semaphore", "set", "pool", "4"]).await), 0);
+    let o = run(
+        url,
+        &["semaphore", "set", "a", "3", "--parent", "pool", "--guarantee", "2"],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert_eq!(
+        stdout(&o).trim(),
+        "a capacity=3 used=0 fair parent=pool guarantee=2"
+    );
+    let o = run(url, &["semaphore", "show", "a"]).await;
+    assert!(stdout(&o).contains("in pool, guaranteed 2"), "{}", stdout(&o));
+    // Guarantees that add up to more than the pool, and a parent that does not exist: exit 2,
+    // the whole reason, nothing written.
+    for (args, why) in [
+        (
+            &["semaphore", "set", "b", "3", "--parent", "pool", "--guarantee", "3"][..],
+            "the guarantees of the children of pool add up to 5, more than its capacity 4",
+        ),
+        (
+            &["semaphore", "set", "b", "3", "--parent", "nope"],
+            "parent nope does not exist",
+        ),
+    ] {
+        let o = run(url, args).await;
+        assert_eq!(code(&o), 2, "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(why), "{args:?}: {}", stderr(&o));
+    }
+    let o = run(url, &["semaphore", "list", "--json"]).await;
+    assert!(!stdout(&o).contains("\"b\""), "{}", stdout(&o));
+    // --no-parent takes it out again (its guarantee with it).
+    let o = run(
+        url,
+        &["semaphore", "set", "a", "3", "--no-parent", "--guarantee", "0", "--json"],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let json: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert!(json["parent"].is_null(), "{json}");
+}

@@ -73,23 +73,26 @@ END $$;
 
 -- The worker's step 2 for a batch naming `names`, in one call:
 --   1. make the missing template instances (functions/templates.sql), before any semaphore lock;
---   2. lock the named semaphores (permitq.lock_named); templates are never locked nor returned,
---      so a request naming one is `unknown_semaphore`. An instance the idle sweep removed
+--   2. lock the named semaphores with their ancestors and the guaranteed children of those
+--      (permitq.nesting_lock_set, functions/nesting.sql), in one statement (permitq.lock_named);
+--      templates are never locked nor returned, so a request naming one is `unknown_semaphore`. An instance the idle sweep removed
 --      between 1 and 2 (it held the row) is made again and locked (a newest id, so still in
 --      ascending order; its template is locked after the instances, so a change of that
 --      template at that very moment may end in a deadlock, which the worker retries);
 --   3. fold the pending releases of these and of every semaphore no one else holds;
---   4. return the named semaphores as the decision sees them: `used` is the permits held, or
---      for a rate-limited semaphore the permits granted in its window; and a row with NULL
---      capacity for each name refused because its template has as many instances as it may.
+--   4. return the locked semaphores as the decision sees them: `used` is the permits held, or
+--      for a rate-limited semaphore the permits granted in its window; its parent, guarantee,
+--      and whether requests wait on it (or below it); and a row with NULL capacity for each name
+--      refused because its template has as many instances as it may.
 -- The rows are the latest committed versions, exact for as long as the caller's transaction
 -- runs.
 CREATE OR REPLACE FUNCTION permitq.lock_batch_semaphores(names text[])
-RETURNS TABLE (id bigint, name text, capacity integer, used bigint, fair boolean)
+RETURNS TABLE (id bigint, name text, capacity integer, used bigint, fair boolean, parent text,
+               guarantee integer, waiting boolean)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 DECLARE
     refused text[] := permitq.make_instances(names);
-    locked text[] := permitq.lock_named(names);
+    locked text[] := permitq.lock_named(permitq.nesting_lock_set(names));
     gone text[];
 BEGIN
     IF refused IS NOT NULL THEN
@@ -97,7 +100,7 @@ BEGIN
         WHERE n <> ALL(locked) AND n <> ALL(refused) AND (permitq.template_for(n)).name IS NOT NULL;
         IF gone IS NOT NULL THEN
             refused := refused || permitq.make_instances(gone);
-            locked := locked || permitq.lock_named(gone);
+            locked := locked || permitq.lock_named(permitq.nesting_lock_set(gone));
         END IF;
     END IF;
 
@@ -106,11 +109,12 @@ BEGIN
     RETURN QUERY
     SELECT s.id, s.name, s.capacity,
            CASE WHEN s.per IS NULL THEN s.used ELSE permitq.in_window(s) END,
-           s.fair
+           s.fair, s.parent, s.guarantee,
+           s.guarantee > 0 AND EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = s.id)
     FROM permitq.semaphore s
-    WHERE s.name = ANY(names) AND NOT s.is_template
+    WHERE s.name = ANY(locked)
     UNION ALL
-    SELECT NULL, r, NULL, NULL, NULL FROM unnest(refused) r
+    SELECT NULL, r, NULL, NULL, NULL, NULL, NULL, NULL FROM unnest(refused) r
     ORDER BY 1;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.lock_batch_semaphores(text[]) TO permitq_worker;

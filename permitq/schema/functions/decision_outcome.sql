@@ -3,14 +3,17 @@
 -- A batch's outcome. Precondition: the caller's transaction holds the row locks of all these
 -- requests (claimed FOR UPDATE SKIP LOCKED) and, in id order, the locks of every semaphore they
 -- name (lock_batch_semaphores). Acts only on requests still `new`: one already decided is left
--- as it is (no second token, nothing counted twice). Returns false when the outcomes' events
--- could not be sent (see permitq.notify): the outcomes are written all the same.
+-- as it is (no second token, nothing counted twice). `charges`: for each request (by id) whose
+-- semaphores have parents, what it takes, ancestors included (functions/nesting.sql); the others
+-- take their `permits`. Returns false when the outcomes' events could not be sent (see
+-- permitq.notify): the outcomes are written all the same.
 CREATE OR REPLACE FUNCTION permitq.apply_decision(
     worker text,
     granted bigint[],
     errored bigint[],
     error_codes text[],
-    waiting bigint[]
+    waiting bigint[],
+    charges jsonb
 ) RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 DECLARE
@@ -49,10 +52,11 @@ BEGIN
             UPDATE permitq.permit_request r
             SET state = 'acquired', fencing_token = g.token, acquired_at = g.at,
                 expires_at = g.at + r.ttl, worker_id = worker,
-                examined_at = coalesce(r.examined_at, now()), decided_at = now()
+                examined_at = coalesce(r.examined_at, now()), decided_at = now(),
+                charged = charges -> r.id::text
             FROM g
             WHERE r.id = g.id AND r.state = 'new'
-            RETURNING r.id, r.permits, r.acquired_at
+            RETURNING r.id, coalesce(r.charged, r.permits) AS permits, r.acquired_at
         ),
         counted AS (
             UPDATE permitq.semaphore s
@@ -83,7 +87,7 @@ BEGIN
         INSERT INTO permitq.waiter (semaphore_id, request_id, count, priority, created_at)
         SELECT s.id, r.id, e.value::int, r.priority, r.created_at
         FROM permitq.permit_request r
-        CROSS JOIN LATERAL jsonb_each(r.permits) e
+        CROSS JOIN LATERAL jsonb_each(coalesce(charges -> r.id::text, r.permits)) e
         JOIN permitq.semaphore s ON s.name = e.key
         WHERE r.id = ANY(waiting) AND NOT r.examined AND r.state = 'new'
         ON CONFLICT DO NOTHING;
@@ -99,7 +103,7 @@ BEGIN
     END IF;
     RETURN true;
 END $$;
-GRANT EXECUTE ON FUNCTION permitq.apply_decision(text, bigint[], bigint[], text[], bigint[])
+GRANT EXECUTE ON FUNCTION permitq.apply_decision(text, bigint[], bigint[], text[], bigint[], jsonb)
     TO permitq_worker;
 
 -- A request that failed a batch on its own: ends it as `error` / `invalid` (out-of-bound

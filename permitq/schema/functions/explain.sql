@@ -1,4 +1,6 @@
--- permitq.explain: why a request waits. For a waiting request, one row per semaphore it names:
+-- permitq.explain: why a request waits. For a waiting request, one row per semaphore it names,
+-- and one per ancestor of those (nested limits, functions/nesting.sql; `via` the semaphore it
+-- names below it, and `kept` the room the parent keeps for other children's guarantees):
 -- the count it needs, the room free there now and the shortfall; its place in that semaphore's
 -- line and the permits the requests ahead of it need; what holds it back there (`reason`); the
 -- holders, soonest to end first (at most 10, with how long they have held, their lease's end
@@ -15,7 +17,8 @@
 CREATE OR REPLACE FUNCTION permitq.explain(external_id text)
 RETURNS TABLE (request text, state text, outcome text, semaphore text, needs integer,
                capacity integer, free integer, shortfall integer, "position" bigint,
-               permits_ahead bigint, reason text, holders jsonb, estimated_wait interval)
+               permits_ahead bigint, reason text, holders jsonb, estimated_wait interval,
+               via text, kept integer)
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 #variable_conflict use_variable
 DECLARE
@@ -29,6 +32,8 @@ DECLARE
     released_permits bigint;
     released_since timestamptz;
     rate float8;
+    child permitq.semaphore;
+    within_guarantee boolean;
 BEGIN
     SELECT * INTO r FROM permitq.permit_request pr
     WHERE pr.external_id = explain.external_id
@@ -44,11 +49,21 @@ BEGIN
         RETURN;
     END IF;
     place := permitq.rule_place_in_line(r.priority, r.created_at);
-    FOR named IN SELECT e.key AS name, e.value::int AS count FROM jsonb_each(r.permits) e ORDER BY e.key LOOP
+    -- What it takes from each semaphore: what it names there, or below it.
+    FOR named IN
+        SELECT a.ancestor AS name, sum(e.value::int)::int AS count, min(a.depth) AS depth,
+               min(a.name) FILTER (WHERE a.depth > 0) AS via
+        FROM jsonb_each(r.permits) e
+        JOIN permitq.ancestors(ARRAY[e.key]) a ON a.name = e.key
+        GROUP BY a.ancestor
+        ORDER BY min(a.depth), a.ancestor
+    LOOP
         semaphore := named.name;
         needs := named.count;
-        capacity := NULL; free := NULL; shortfall := NULL; "position" := NULL;
+        via := named.via;
+        capacity := NULL; free := NULL; shortfall := NULL; "position" := NULL; kept := NULL;
         permits_ahead := NULL; holders := '[]'; estimated_wait := NULL; opens_at := NULL;
+        within_guarantee := false;
         SELECT * INTO s FROM permitq.semaphore sem WHERE sem.name = named.name;
         IF NOT FOUND THEN
             reason := 'no such semaphore: a template makes it at the grant, else the request '
@@ -64,6 +79,19 @@ BEGIN
             opens_at := permitq.window_opens_at(s);
         END IF;
         shortfall := greatest(needs - free, 0);
+        IF named.depth > 0 THEN
+            -- A parent: within the guarantee of the child below it, room is all it needs;
+            -- beyond it, the room kept for the other active children's guarantees is not its.
+            SELECT * INTO child FROM permitq.semaphore c
+            WHERE c.name = (SELECT x.ancestor FROM permitq.ancestors(ARRAY[named.via]) x
+                            WHERE x.depth = named.depth - 1);
+            within_guarantee := needs <= greatest(child.guarantee - child.used, 0);
+            SELECT coalesce(sum(greatest(c.guarantee - c.used, 0)), 0) INTO kept
+            FROM permitq.semaphore c
+            WHERE c.parent = s.name AND c.guarantee > 0 AND c.name <> child.name
+              AND NOT c.is_template
+              AND (c.used > 0 OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = c.id));
+        END IF;
 
         -- The line: the first of every priority level (a loose index scan), the best placed of
         -- them is the head; then those placed ahead of this request, level by level.
@@ -112,6 +140,14 @@ BEGIN
         reason := CASE
             WHEN NOT r.examined THEN
                 'not examined by a worker yet'
+            WHEN within_guarantee THEN
+                CASE WHEN shortfall > 0
+                     THEN format('parent: within the guarantee of %s (%s), waits for %s more permits to be released',
+                                 child.name, child.guarantee, shortfall)
+                     ELSE format('parent: it fits within the guarantee of %s (%s)', child.name, child.guarantee) END
+            WHEN named.depth > 0 AND kept > 0 AND free - needs < kept THEN
+                format('parent: %s of the %s free are kept for the guarantees of its other active children; %s borrows beyond its guarantee (%s)',
+                       least(kept, free), free, child.name, child.guarantee)
             WHEN opens_at IS NOT NULL AND shortfall > 0 THEN
                 format('rate limit: its window is spent (%s of %s granted per %s); room again at %s',
                        s.capacity - free, s.capacity, s.per, opens_at)
@@ -134,9 +170,10 @@ BEGIN
                    'expires_in_s', round(extract(epoch FROM h.expires_at - now())::numeric, 1))
                ORDER BY h.expires_at NULLS LAST, h.acquired_at), '[]')
         INTO holders
-        FROM (SELECT pr.external_id, (pr.permits ->> s.name)::int AS count, pr.acquired_at, pr.expires_at
+        FROM (SELECT pr.external_id, (coalesce(pr.charged, pr.permits) ->> s.name)::int AS count,
+                     pr.acquired_at, pr.expires_at
               FROM permitq.permit_request pr
-              WHERE pr.state = 'acquired' AND pr.permits ? s.name
+              WHERE pr.state = 'acquired' AND coalesce(pr.charged, pr.permits) ? s.name
               ORDER BY pr.expires_at NULLS LAST, pr.acquired_at
               LIMIT 10) h;
 
@@ -145,7 +182,8 @@ BEGIN
         ELSIF shortfall > 0 OR coalesce(permits_ahead, 0) > 0 THEN
             SELECT sum((x.permits ->> s.name)::int), min(x.released_at)
             INTO released_permits, released_since
-            FROM (SELECT pr.permits, pr.released_at FROM permitq.permit_request pr
+            FROM (SELECT coalesce(pr.charged, pr.permits) AS permits, pr.released_at
+                  FROM permitq.permit_request pr
                   WHERE pr.state IN ('released', 'error')
                   ORDER BY pr.settled_at DESC LIMIT 2000) x
             WHERE x.released_at IS NOT NULL AND x.permits ? s.name;

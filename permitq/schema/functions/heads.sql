@@ -29,6 +29,17 @@ DECLARE
     scan_limit constant integer := 1000;
     floor_place bigint := (SELECT min(b) FROM unnest(bounds) b);
 BEGIN
+    -- Nested limits (functions/nesting.sql): the ancestors have lines too (waiter rows of the
+    -- requests below them), each bounded by the lowest bound below it. Only recorded waiters
+    -- count there: an unexamined request names a child, and is found there.
+    IF EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.parent IS NOT NULL) THEN
+        SELECT array_agg(c.ancestor), array_agg(c.bound) INTO names, bounds
+        FROM (SELECT a.ancestor, min(b.bound) AS bound
+              FROM unnest(names, bounds) AS b(name, bound)
+              JOIN permitq.ancestors(names) a ON a.name = b.name
+              GROUP BY a.ancestor) c;
+    END IF;
+
     RETURN QUERY
     SELECT s.name, w.request_id, w.count, permitq.rule_place_in_line(w.priority, w.created_at)
     FROM unnest(names) AS n(name)

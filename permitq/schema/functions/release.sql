@@ -9,7 +9,7 @@
 
 -- Gives the permits of acquired requests back. Precondition: the caller's transaction holds
 -- the row locks of these requests (lock order step 1). Marks them released, records one
--- pending_release row per semaphore (the first one announces the event), and wakes a sleeping
+-- pending_release row per semaphore it took from (the first one announces the event), and wakes a sleeping
 -- worker to fold them. Used by release, revoke and every sweep. Returns how many it released.
 CREATE OR REPLACE FUNCTION permitq.release_locked(request_ids bigint[], reason text) RETURNS integer
 LANGUAGE plpgsql AS $$
@@ -21,12 +21,13 @@ BEGIN
         SET state = 'released', release_reason = reason, released_at = clock_timestamp(),
             settled_at = clock_timestamp()
         WHERE r.id = ANY(request_ids) AND r.state = 'acquired'
-        RETURNING r.id, r.permits
+        -- What the grant took, ancestors included (functions/nesting.sql).
+        RETURNING r.id, coalesce(r.charged, r.permits) AS charged
     ),
     rows AS (
         INSERT INTO permitq.pending_release (request_id, semaphore, count, announce)
         SELECT r.id, e.key, e.value::int, row_number() OVER (PARTITION BY r.id ORDER BY e.key) = 1
-        FROM r CROSS JOIN LATERAL jsonb_each(r.permits) e
+        FROM r CROSS JOIN LATERAL jsonb_each(r.charged) e
         RETURNING request_id
     )
     SELECT array_agg(DISTINCT request_id) INTO released FROM rows;

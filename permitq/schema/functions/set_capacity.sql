@@ -6,16 +6,21 @@
 -- changes. `per`: NULL keeps the semaphore's window (none for a new one); a positive interval
 -- makes it rate-limited (functions/rate_windows.sql); '0' makes it a concurrency semaphore
 -- again. `max_instances` (templates only; NULL keeps it) bounds the instances a template makes
--- (default rule_max_instances()).
+-- (default rule_max_instances()). `parent` (NULL keeps it, '' removes it) nests the semaphore
+-- under another, and `guarantee` (NULL keeps it, 0 for a new one) is its guaranteed share of
+-- that parent (functions/nesting.sql); a template's instances carry both.
 CREATE OR REPLACE FUNCTION permitq.set_capacity(name text, capacity integer, fair boolean DEFAULT NULL,
                                                 per interval DEFAULT NULL,
-                                                max_instances integer DEFAULT NULL)
+                                                max_instances integer DEFAULT NULL,
+                                                parent text DEFAULT NULL,
+                                                guarantee integer DEFAULT NULL)
 RETURNS permitq.semaphore
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 #variable_conflict use_column
 DECLARE
     result permitq.semaphore;
     problem text;
+    old_parent text;
 BEGIN
     IF set_capacity.name IS NULL OR set_capacity.name = '' THEN
         RAISE EXCEPTION 'invalid name: must not be empty' USING ERRCODE = '22023';
@@ -43,27 +48,49 @@ BEGIN
     IF problem IS NOT NULL THEN
         RAISE EXCEPTION 'invalid per: %', problem USING ERRCODE = '22023';
     END IF;
-    INSERT INTO permitq.semaphore AS s (name, capacity, fair, is_template, per, max_instances)
+    IF set_capacity.guarantee < 0 THEN
+        RAISE EXCEPTION 'invalid guarantee: must not be negative, got %', set_capacity.guarantee
+            USING ERRCODE = '22023';
+    END IF;
+    -- Changes of the tree one at a time (functions/nesting.sql); taken before any row lock.
+    LOCK TABLE permitq.nesting_gate IN EXCLUSIVE MODE;
+    IF nullif(set_capacity.parent, '') IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = set_capacity.parent) THEN
+        RAISE EXCEPTION 'invalid nesting of %: parent % does not exist: create it first',
+            set_capacity.name, set_capacity.parent USING ERRCODE = '22023';
+    END IF;
+    SELECT s.parent INTO old_parent FROM permitq.semaphore s WHERE s.name = set_capacity.name;
+    INSERT INTO permitq.semaphore AS s (name, capacity, fair, is_template, per, max_instances,
+                                        parent, guarantee)
     VALUES (set_capacity.name, set_capacity.capacity, coalesce(set_capacity.fair, true),
             right(set_capacity.name, 1) = '*', nullif(set_capacity.per, interval '0'),
-            set_capacity.max_instances)
+            set_capacity.max_instances, nullif(set_capacity.parent, ''),
+            coalesce(set_capacity.guarantee, 0))
     ON CONFLICT ON CONSTRAINT semaphore_name_key DO UPDATE
         SET capacity = EXCLUDED.capacity,
             fair = coalesce(set_capacity.fair, s.fair),
             per = CASE WHEN set_capacity.per IS NULL THEN s.per
                        ELSE nullif(set_capacity.per, interval '0') END,
             max_instances = coalesce(set_capacity.max_instances, s.max_instances),
+            parent = CASE WHEN set_capacity.parent IS NULL THEN s.parent
+                          ELSE nullif(set_capacity.parent, '') END,
+            guarantee = coalesce(set_capacity.guarantee, s.guarantee),
             updated_at = now()
     RETURNING * INTO result;
+    problem := permitq.nesting_problem(result, result.parent IS DISTINCT FROM old_parent);
+    IF problem IS NOT NULL THEN
+        RAISE EXCEPTION 'invalid nesting of %: %', result.name, problem USING ERRCODE = '22023';
+    END IF;
     IF result.is_template THEN
         -- Its instances follow (in id order, the lock order of semaphore rows).
         PERFORM 1 FROM permitq.semaphore s WHERE s.template = result.name ORDER BY s.id FOR UPDATE;
         UPDATE permitq.semaphore s
-        SET capacity = result.capacity, fair = result.fair, per = result.per, updated_at = now()
+        SET capacity = result.capacity, fair = result.fair, per = result.per,
+            parent = result.parent, guarantee = result.guarantee, updated_at = now()
         WHERE s.template = result.name;
     END IF;
     PERFORM permitq.notify('permitq_work', '');
     RETURN result;
 END $$;
-GRANT EXECUTE ON FUNCTION permitq.set_capacity(text, integer, boolean, interval, integer)
+GRANT EXECUTE ON FUNCTION permitq.set_capacity(text, integer, boolean, interval, integer, text, integer)
     TO permitq_admin;

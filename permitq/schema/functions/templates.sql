@@ -17,8 +17,8 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- Worker, before locking a batch's semaphores: makes the missing instances of `names`, with
--- their template's capacity, fairness and window. The templates are locked first (FOR NO KEY
--- UPDATE, in id order): a change of a template's capacity (functions/set_capacity.sql) waits for
+-- their template's capacity, fairness, window, parent and guarantee. The templates are locked
+-- first (FOR NO KEY UPDATE, in id order): a change of a template's capacity (functions/set_capacity.sql) waits for
 -- an instance being made, or the instance waits and takes the new capacity; and the count of a
 -- template's instances is exact against its bound (`max_instances`, else
 -- rule_max_instances()). Instances are made in name order, ON CONFLICT DO NOTHING: two workers
@@ -45,7 +45,7 @@ BEGIN
     FOR NO KEY UPDATE;
     -- Read after the locks: a template's new values, and instances another worker made meanwhile.
     FOR missing IN
-        SELECT n AS instance, t.name AS template, t.capacity, t.fair, t.per,
+        SELECT n AS instance, t.name AS template, t.capacity, t.fair, t.per, t.parent, t.guarantee,
                coalesce(t.max_instances, permitq.rule_max_instances()) AS bound
         FROM unnest(wanted) n
         CROSS JOIN LATERAL permitq.template_for(n) t
@@ -59,8 +59,9 @@ BEGIN
             refused := refused || missing.instance;
             CONTINUE;
         END IF;
-        INSERT INTO permitq.semaphore (name, capacity, fair, template, per)
-        VALUES (missing.instance, missing.capacity, missing.fair, missing.template, missing.per)
+        INSERT INTO permitq.semaphore (name, capacity, fair, template, per, parent, guarantee)
+        VALUES (missing.instance, missing.capacity, missing.fair, missing.template, missing.per,
+                missing.parent, missing.guarantee)
         ON CONFLICT ON CONSTRAINT semaphore_name_key DO NOTHING;
     END LOOP;
     RETURN refused;

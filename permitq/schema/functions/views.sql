@@ -2,7 +2,8 @@
 -- CREATE OR REPLACE VIEW may only add columns at the end; a change that does more drops the
 -- view first, here.
 
--- One row per semaphore of a granted request (held, or released since).
+-- One row per semaphore a granted request took from (held, or released since): those it names
+-- and their ancestors (functions/nesting.sql).
 CREATE OR REPLACE VIEW permitq.permit AS
 SELECT r.id AS request_id,
        e.key AS semaphore,
@@ -11,14 +12,15 @@ SELECT r.id AS request_id,
        r.acquired_at,
        r.released_at
 FROM permitq.permit_request r
-CROSS JOIN LATERAL jsonb_each(r.permits) e
+CROSS JOIN LATERAL jsonb_each(coalesce(r.charged, r.permits)) e
 WHERE r.acquired_at IS NOT NULL;
 
 -- Exact figures per semaphore: capacity, `used` (the workers' running count, which may run
 -- ahead until releases are folded), held (the sum of acquired permits), how many requests wait
 -- on it and since when the oldest waits, grants so far, and for a rate-limited semaphore its
--- window, the permits granted in it and when the window next has room, and whether it is a
--- template or made from one.
+-- window, the permits granted in it and when the window next has room, whether it is a
+-- template or made from one, and its parent and guarantee. A parent's `held` counts what is
+-- held below it; `waiting` counts the requests that name it.
 CREATE OR REPLACE VIEW permitq.semaphore_usage AS
 SELECT s.name,
        s.capacity,
@@ -32,20 +34,23 @@ SELECT s.name,
        permitq.in_window(s) AS in_window,
        permitq.window_opens_at(s) AS window_opens_at,
        s.is_template,
-       s.template
+       s.template,
+       s.parent,
+       s.guarantee
 FROM permitq.semaphore s
 LEFT JOIN (SELECT e.key AS name, sum(e.value::int) AS held
-           FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
+           FROM permitq.permit_request r
+           CROSS JOIN LATERAL jsonb_each(coalesce(r.charged, r.permits)) e
            WHERE r.state = 'acquired' GROUP BY e.key) h ON h.name = s.name
 LEFT JOIN (SELECT e.key AS name, count(*) AS waiting, min(r.created_at) AS oldest_wait_since
            FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
            WHERE r.state = 'new' GROUP BY e.key) w ON w.name = s.name;
 
--- Who holds what.
+-- Who holds what (on a parent, what is held below it).
 CREATE OR REPLACE VIEW permitq.holders AS
 SELECT e.key AS semaphore, r.external_id, r.owner, e.value::int AS count, r.acquired_at,
        r.expires_at, r.fencing_token
-FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
+FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(coalesce(r.charged, r.permits)) e
 WHERE r.state = 'acquired';
 
 -- Who waits, in each semaphore's queue order as the workers rank it: position 1 is the head,

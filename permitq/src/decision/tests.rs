@@ -11,6 +11,9 @@ fn sem(capacity: i64, used: i64, fair: bool) -> SemaphoreView {
         fair,
         head: None,
         refused: false,
+        parent: None,
+        guarantee: 0,
+        waiting: false,
     }
 }
 
@@ -248,6 +251,9 @@ fn arb_semaphores() -> impl Strategy<Value = BTreeMap<String, SemaphoreView>> {
                         fair,
                         head,
                         refused: false,
+                        parent: None,
+                        guarantee: 0,
+                        waiting: false,
                     },
                 )
             })

@@ -281,12 +281,13 @@ impl Worker {
             return Ok(());
         }
         let apply = conn.prepare_cached(sql::APPLY_DECISION).await?;
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] = [
             &self.config.id,
             &outcome.granted,
             &outcome.errored,
             &outcome.codes,
             &outcome.queued,
+            &outcome.charges,
         ];
         let (applied, committed) =
             tokio::join!(conn.execute(&apply, &params), conn.batch_execute("COMMIT"));
@@ -433,6 +434,12 @@ async fn lock_semaphores_and_heads(
                 fair: row.try_get::<_, Option<bool>>("fair")?.unwrap_or(false),
                 head: None,
                 refused: capacity.is_none(),
+                parent: row.try_get("parent")?,
+                guarantee: row
+                    .try_get::<_, Option<i32>>("guarantee")?
+                    .unwrap_or(0)
+                    .into(),
+                waiting: row.try_get::<_, Option<bool>>("waiting")?.unwrap_or(false),
             },
         );
     }
@@ -459,6 +466,8 @@ struct Outcome {
     codes: Vec<&'static str>,
     /// Left waiting for the first time: they join the semaphores' queues.
     queued: Vec<i64>,
+    /// What the nested ones take (request id → semaphore → count): they hold it, or queue on it.
+    charges: serde_json::Value,
 }
 
 impl Outcome {
@@ -479,6 +488,12 @@ impl Outcome {
                 .into_iter()
                 .filter(|id| unexamined.contains(id))
                 .collect(),
+            charges: decision
+                .charges
+                .iter()
+                .map(|(id, taken)| (id.to_string(), serde_json::json!(taken)))
+                .collect::<serde_json::Map<_, _>>()
+                .into(),
         }
     }
 

@@ -183,3 +183,84 @@ async fn a_producer_explains_only_its_own_requests() {
         .await
         .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_shows_the_parents_and_the_room_kept_for_guarantees() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let nested = |parent: &str, guarantee| {
+        permitq::SemaphoreSettings::new()
+            .parent(parent)
+            .guarantee(guarantee)
+    };
+    client.set_capacity("pool", 4, None).await.unwrap();
+    client
+        .set_semaphore("a", 4, &nested("pool", 2))
+        .await
+        .unwrap();
+    client
+        .set_semaphore("b", 4, &nested("pool", 0))
+        .await
+        .unwrap();
+    let _worker = db.notified_worker("explain-w");
+    // a holds 1 of its 2: the pool keeps 1 for it. b holds 2; b's next 1 would leave nothing.
+    let mut held = Vec::new();
+    for (id, name, count) in [("a1", "a", 1), ("b1", "b", 2)] {
+        held.push(
+            client
+                .acquire(&Request::new(id).permit(name, count), SOON)
+                .await
+                .unwrap(),
+        );
+    }
+    client
+        .submit(&Request::new("b2").permit("b", 1))
+        .await
+        .unwrap();
+    examined(&client, "b2").await;
+    let e = client.explain("b2").await.unwrap().unwrap();
+    let rows: Vec<(&str, Option<&str>, i64, Option<i64>)> = e
+        .semaphores
+        .iter()
+        .map(|s| (s.semaphore.as_str(), s.via.as_deref(), s.needs, s.free))
+        .collect();
+    assert_eq!(
+        rows,
+        [("b", None, 1, Some(2)), ("pool", Some("b"), 1, Some(1))],
+        "{e:?}"
+    );
+    let pool = &e.semaphores[1];
+    assert_eq!(pool.kept, Some(1));
+    assert!(
+        pool.reason.contains("kept for the guarantees"),
+        "{}",
+        pool.reason
+    );
+    assert_eq!(pool.position, Some(1), "it is in the pool's line too");
+    let held: Vec<&str> = pool
+        .holders
+        .iter()
+        .map(|h| h.external_id.as_str())
+        .collect();
+    assert_eq!(
+        held.len(),
+        2,
+        "the pool's holders are those below it: {held:?}"
+    );
+
+    // a's 2 go beyond its guarantee (it has 1 of it unused): a borrows, and takes its turn in
+    // the pool's line, behind b2.
+    client
+        .submit(&Request::new("a2").permit("a", 2))
+        .await
+        .unwrap();
+    examined(&client, "a2").await;
+    let e = client.explain("a2").await.unwrap().unwrap();
+    let pool = &e.semaphores[1];
+    assert_eq!(pool.position, Some(2));
+    assert!(
+        pool.reason.contains("request b2 is first in line"),
+        "{}",
+        pool.reason
+    );
+}

@@ -3,6 +3,7 @@
 mod explain;
 mod failover;
 mod leases;
+mod nesting;
 mod notifications;
 mod patroni;
 mod priorities;

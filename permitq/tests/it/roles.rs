@@ -76,7 +76,7 @@ async fn each_role_can_do_exactly_its_part() {
         "SELECT permitq.set_capacity('gpu', 100)",
         "SELECT permitq.revoke('p1')",
         "SELECT * FROM permitq.claim_batch(0, 10)",
-        "SELECT permitq.apply_decision('me', '{}', '{}', '{}', '{}')",
+        "SELECT permitq.apply_decision('me', '{}', '{}', '{}', '{}', '{}')",
         "SELECT permitq.sweep_expired(10)",
         "SELECT nextval('permitq.fencing_token_seq')",
         "SELECT permitq.delete_settled('0 seconds', 1000)",

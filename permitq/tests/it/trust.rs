@@ -318,11 +318,11 @@ async fn apply_decision_changes_nothing_on_a_request_that_is_not_new() {
     };
     let before = snapshot().await;
     conn.batch_execute(
-        "SELECT permitq.apply_decision('intruder', array_agg(id), '{}', '{}', '{}') \
+        "SELECT permitq.apply_decision('intruder', array_agg(id), '{}', '{}', '{}', '{}') \
          FROM permitq.permit_request;
          SELECT permitq.apply_decision('intruder', '{}', array_agg(id), \
-                array_agg('timeout'::text), '{}') FROM permitq.permit_request;
-         SELECT permitq.apply_decision('intruder', '{}', '{}', '{}', array_agg(id)) \
+                array_agg('timeout'::text), '{}', '{}') FROM permitq.permit_request;
+         SELECT permitq.apply_decision('intruder', '{}', '{}', '{}', array_agg(id), '{}') \
          FROM permitq.permit_request;",
     )
     .await

@@ -1,0 +1,115 @@
+-- Nested limits: `set_capacity('tenant:a', 5, parent => 'pool', guarantee => 2)`.
+--
+-- A grant on a semaphore with a parent also takes its count from the parent, and from the
+-- parent's parent, in the same all-or-nothing decision (src/decision.rs, the one definition of
+-- what a grant takes); the request records what it took (`permit_request.charged`) and a release
+-- gives exactly that back. Every level is a semaphore of its own: its capacity is a ceiling on
+-- everything granted below it.
+--
+-- Guarantees: a child's `guarantee` is a share of its parent kept for it while it is active (it
+-- holds permits or has requests waiting). A grant that borrows at a parent, taking more there
+-- than the child's unused guarantee (or naming the parent directly), must leave the parent room
+-- for every other active child's unused guarantee. A child's grant within its guarantee needs
+-- only room. The guarantees of a parent's children (a template's times its max_instances) add
+-- up to at most the parent's capacity, so without borrowing every child can reach its share.
+-- The guarantee of an idle child is lent: when it becomes active while others hold that room,
+-- its requests wait for those releases (nobody borrows in the meantime).
+
+-- Each of `names` with itself (depth 0) and its ancestors, nearest first: the chain a grant
+-- takes from (at most rule_max_nesting_depth() above it).
+CREATE OR REPLACE FUNCTION permitq.ancestors(names text[])
+RETURNS TABLE (name text, ancestor text, depth integer)
+LANGUAGE sql STABLE AS $$
+    WITH RECURSIVE chain(name, ancestor, depth) AS (
+        SELECT n, n, 0 FROM unnest(names) n
+        UNION ALL
+        SELECT c.name, s.parent, c.depth + 1
+        FROM chain c JOIN permitq.semaphore s ON s.name = c.ancestor
+        WHERE s.parent IS NOT NULL AND c.depth < permitq.rule_max_nesting_depth()
+    )
+    SELECT * FROM chain
+$$;
+
+-- The semaphores a batch naming `names` locks: those, their ancestors, and the guaranteed
+-- children of all of these (their use decides the reserves), every one once. Cheap when
+-- nothing is nested (the partial index semaphore_parent_idx is empty).
+CREATE OR REPLACE FUNCTION permitq.nesting_lock_set(names text[]) RETURNS text[]
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    up text[];
+    down text[];
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.parent IS NOT NULL) THEN
+        RETURN names;
+    END IF;
+    SELECT array_agg(DISTINCT a.ancestor) INTO up FROM permitq.ancestors(names) a;
+    SELECT array_agg(c.name) INTO down FROM permitq.semaphore c
+    WHERE c.parent = ANY(up) AND c.guarantee > 0 AND NOT c.is_template AND c.name <> ALL(up);
+    RETURN up || coalesce(down, '{}');
+END $$;
+
+-- Why `s` (as set_capacity stored it, its parent existing) cannot be so, or NULL. `moved`: its
+-- parent changed. The caller holds the nesting gate and the row lock of `s`.
+CREATE OR REPLACE FUNCTION permitq.nesting_problem(s permitq.semaphore, moved boolean) RETURNS text
+LANGUAGE plpgsql AS $$
+DECLARE
+    p permitq.semaphore;
+    above integer := 0;
+    below integer;
+    promised bigint;
+    at text := s.parent;
+BEGIN
+    IF s.guarantee > s.capacity THEN
+        RETURN format('guarantee %s is more than the capacity %s', s.guarantee, s.capacity);
+    END IF;
+    IF s.guarantee > 0 AND s.parent IS NULL THEN
+        RETURN 'a guarantee is a share of a parent: give the semaphore a parent';
+    END IF;
+    IF s.parent IS NOT NULL THEN
+        SELECT * INTO p FROM permitq.semaphore t WHERE t.name = s.parent;
+        IF p.is_template OR p.template IS NOT NULL THEN
+            RETURN format('parent %s is a template or made from one; a parent must be a plain semaphore', s.parent);
+        END IF;
+    END IF;
+    -- The chain above: no cycle, not too deep (with the deepest chain below `s`).
+    WHILE at IS NOT NULL LOOP
+        IF at = s.name THEN
+            RETURN format('parent %s is %s itself or below it', s.parent, s.name);
+        END IF;
+        above := above + 1;
+        EXIT WHEN above > permitq.rule_max_nesting_depth();
+        SELECT t.parent INTO at FROM permitq.semaphore t WHERE t.name = at;
+    END LOOP;
+    WITH RECURSIVE down(name, depth) AS (
+        SELECT s.name, 0
+        UNION ALL
+        SELECT c.name, d.depth + 1 FROM down d JOIN permitq.semaphore c ON c.parent = d.name
+        WHERE d.depth <= permitq.rule_max_nesting_depth()
+    )
+    SELECT max(depth) INTO below FROM down;
+    IF above + below > permitq.rule_max_nesting_depth() THEN
+        RETURN format('nesting too deep: at most %s levels above a semaphore', permitq.rule_max_nesting_depth());
+    END IF;
+    -- A semaphore holding permits keeps its parent: they were taken from the one it has.
+    IF moved AND EXISTS (
+        SELECT 1 FROM permitq.semaphore t
+        WHERE (t.name = s.name OR (s.is_template AND t.template = s.name))
+          AND (t.used > 0 OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = t.id))
+    ) THEN
+        RETURN format('%s holds permits or has waiters: its parent can change once it is idle', s.name);
+    END IF;
+    -- What the parent promises its children, and what `s` promises its own.
+    FOR p IN SELECT * FROM permitq.semaphore t WHERE t.name IN (s.parent, s.name) LOOP
+        SELECT coalesce(sum(CASE WHEN c.is_template
+                                 THEN c.guarantee::bigint * coalesce(c.max_instances, permitq.rule_max_instances())
+                                 ELSE c.guarantee END), 0)
+        INTO promised
+        FROM permitq.semaphore c
+        WHERE c.parent = p.name AND c.guarantee > 0 AND c.template IS NULL;
+        IF promised > p.capacity THEN
+            RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s (a template''s guarantee counts once per instance it may make)',
+                          p.name, promised, p.capacity);
+        END IF;
+    END LOOP;
+    RETURN NULL;
+END $$;

@@ -1,0 +1,469 @@
+//! Nested limits, guarantees and borrowing in the decision.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn sem(capacity: i64, used: i64) -> SemaphoreView {
+    SemaphoreView {
+        capacity,
+        used,
+        fair: false,
+        head: None,
+        refused: false,
+        parent: None,
+        guarantee: 0,
+        waiting: false,
+    }
+}
+
+fn child(parent: &str, capacity: i64, used: i64, guarantee: i64) -> SemaphoreView {
+    SemaphoreView {
+        parent: Some(parent.to_string()),
+        guarantee,
+        ..sem(capacity, used)
+    }
+}
+
+fn cand(id: i64, permits: &[(&str, i64)]) -> Candidate {
+    Candidate {
+        id,
+        effective: 0,
+        permits: permits.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
+        fail_fast: false,
+        deadline_passed: false,
+        invalid: false,
+    }
+}
+
+fn tree(list: &[(&str, SemaphoreView)]) -> BTreeMap<String, SemaphoreView> {
+    list.iter()
+        .map(|(n, s)| (n.to_string(), s.clone()))
+        .collect()
+}
+
+fn verdicts(d: &Decision) -> Vec<Verdict> {
+    d.verdicts.iter().map(|(_, v)| *v).collect()
+}
+
+use Verdict::{Fail, Grant, Wait};
+
+#[test]
+fn a_grant_on_a_child_takes_from_every_ancestor() {
+    let t = tree(&[
+        ("root", sem(10, 0)),
+        ("pool", child("root", 6, 0, 0)),
+        ("a", child("pool", 4, 0, 0)),
+    ]);
+    let d = decide(&t, &[cand(1, &[("a", 3)])]);
+    assert_eq!(verdicts(&d), [Grant]);
+    for name in ["root", "pool", "a"] {
+        assert_eq!(d.semaphores[name].used, 3, "{name}");
+    }
+    let expected: BTreeMap<String, i64> = [("a", 3), ("pool", 3), ("root", 3)]
+        .map(|(n, k)| (n.to_string(), k))
+        .into();
+    assert_eq!(d.charges[&1], expected);
+}
+
+#[test]
+fn a_full_parent_holds_a_child_with_room_all_or_nothing() {
+    let t = tree(&[("pool", sem(4, 3)), ("a", child("pool", 4, 0, 0))]);
+    let d = decide(&t, &[cand(1, &[("a", 2)]), cand(2, &[("a", 1)])]);
+    assert_eq!(verdicts(&d), [Wait, Grant]);
+    assert_eq!(d.semaphores["pool"].used, 4);
+    assert_eq!(d.semaphores["a"].used, 1);
+}
+
+#[test]
+fn a_count_over_an_ancestors_capacity_fails_and_a_missing_ancestor_is_unknown() {
+    let t = tree(&[
+        ("pool", sem(2, 0)),
+        ("a", child("pool", 5, 0, 0)),
+        ("orphan", child("gone", 5, 0, 0)),
+    ]);
+    let d = decide(&t, &[cand(1, &[("a", 3)]), cand(2, &[("orphan", 1)])]);
+    assert_eq!(
+        verdicts(&d),
+        [
+            Fail(ErrorCode::ExceedsCapacity),
+            Fail(ErrorCode::UnknownSemaphore)
+        ]
+    );
+}
+
+#[test]
+fn two_children_in_one_request_take_their_sum_from_the_parent() {
+    let t = tree(&[
+        ("pool", sem(5, 1)),
+        ("a", child("pool", 4, 0, 0)),
+        ("b", child("pool", 4, 0, 0)),
+    ]);
+    let d = decide(
+        &t,
+        &[
+            cand(1, &[("a", 2), ("b", 3)]),
+            cand(2, &[("a", 2), ("b", 2)]),
+        ],
+    );
+    assert_eq!(verdicts(&d), [Wait, Grant]);
+    assert_eq!(d.semaphores["pool"].used, 5);
+}
+
+/// pool 10; a and b guaranteed 4 each, ceilings 10.
+fn guaranteed(a_used: i64, a_waiting: bool, b_used: i64) -> BTreeMap<String, SemaphoreView> {
+    let mut a = child("pool", 10, a_used, 4);
+    a.waiting = a_waiting;
+    tree(&[
+        ("pool", sem(10, a_used + b_used)),
+        ("a", a),
+        ("b", child("pool", 10, b_used, 4)),
+    ])
+}
+
+#[test]
+fn an_idle_childs_guarantee_is_lent() {
+    let d = decide(&guaranteed(0, false, 4), &[cand(1, &[("b", 6)])]);
+    assert_eq!(verdicts(&d), [Grant]);
+    assert_eq!(d.semaphores["pool"].used, 10);
+}
+
+#[test]
+fn borrowing_leaves_room_for_an_active_childs_unused_guarantee() {
+    // a holds 1 of its 4: the pool keeps 3 for it; b may borrow 2 of the 5 free, not 3.
+    let d = decide(
+        &guaranteed(1, false, 4),
+        &[cand(1, &[("b", 3)]), cand(2, &[("b", 2)])],
+    );
+    assert_eq!(verdicts(&d), [Wait, Grant]);
+    assert_eq!(d.semaphores["pool"].used, 7);
+    // A waiting request makes a child active as much as a held permit does.
+    let d = decide(&guaranteed(0, true, 4), &[cand(1, &[("b", 3)])]);
+    assert_eq!(verdicts(&d), [Wait]);
+}
+
+#[test]
+fn within_its_guarantee_a_child_needs_only_room() {
+    // b borrowed 2 while a was idle; a, active now, gets the room that is left (4).
+    let d = decide(&guaranteed(0, true, 6), &[cand(1, &[("a", 4)])]);
+    assert_eq!(verdicts(&d), [Grant]);
+    // a's request beyond its guarantee borrows, and b, active, keeps its share (b holds 1 of 4).
+    let d = decide(
+        &guaranteed(4, false, 1),
+        &[cand(1, &[("a", 3)]), cand(2, &[("a", 2)])],
+    );
+    assert_eq!(verdicts(&d), [Wait, Grant]);
+}
+
+#[test]
+fn a_request_left_waiting_in_the_batch_activates_its_child_for_the_rest() {
+    // b borrowed 4 while a was idle. a's 3 do not fit (2 free); from then on a is active, and
+    // b may not borrow the room a waits for. Without a's request b's would go.
+    let batch = [cand(1, &[("a", 3)]), cand(2, &[("b", 1)])];
+    let d = decide(&guaranteed(0, false, 8), &batch);
+    assert_eq!(verdicts(&d), [Wait, Wait]);
+    let d = decide(&guaranteed(0, false, 8), &batch[1..]);
+    assert_eq!(verdicts(&d), [Grant]);
+}
+
+#[test]
+fn a_request_naming_the_parent_itself_borrows() {
+    let d = decide(
+        &guaranteed(1, false, 4),
+        &[cand(1, &[("pool", 3)]), cand(2, &[("pool", 2)])],
+    );
+    assert_eq!(verdicts(&d), [Wait, Grant]);
+}
+
+#[test]
+fn guarantees_apply_at_every_level() {
+    // root 10: pool guaranteed 6 (holds 2 through a), other guaranteed 2 (idle, lent).
+    let t = tree(&[
+        ("root", sem(10, 2)),
+        ("pool", child("root", 10, 2, 6)),
+        ("other", child("root", 10, 0, 2)),
+        ("a", child("pool", 10, 2, 0)),
+    ]);
+    // other's 5 borrow at root and must leave pool's 4: 8 free - 5 = 3 < 4.
+    let d = decide(&t, &[cand(1, &[("other", 5)]), cand(2, &[("other", 4)])]);
+    assert_eq!(verdicts(&d), [Wait, Grant]);
+    // a has no guarantee in pool (it borrows there), but pool is within its own at root.
+    let d = decide(&t, &[cand(1, &[("a", 4)])]);
+    assert_eq!(verdicts(&d), [Grant]);
+    assert_eq!(d.semaphores["root"].used, 6);
+}
+
+#[test]
+fn borrowers_take_turns_in_the_parents_line_and_a_guarantee_skips_it() {
+    // pool 6, fair; a guaranteed 2 (holds 2), b and c none. b's 3 waits (2 free); c's 1 behind
+    // it may not take the room b waits for; a's next one borrows and waits too. Had a room
+    // within its guarantee it would not wait for b.
+    let mut t = tree(&[
+        ("pool", sem(6, 4)),
+        ("a", child("pool", 6, 2, 2)),
+        ("b", child("pool", 6, 0, 0)),
+        ("c", child("pool", 6, 2, 0)),
+    ]);
+    t.get_mut("pool").unwrap().fair = true;
+    let d = decide(
+        &t,
+        &[
+            cand(1, &[("b", 3)]),
+            cand(2, &[("c", 1)]),
+            cand(3, &[("a", 1)]),
+        ],
+    );
+    assert_eq!(verdicts(&d), [Wait, Wait, Wait]);
+    // a guaranteed 3 now (holds 2: the pool keeps 1 for it), c holds 1.
+    t.get_mut("a").unwrap().guarantee = 3;
+    t.get_mut("c").unwrap().used = 1;
+    t.get_mut("pool").unwrap().used = 3;
+    let d = decide(&t, &[cand(1, &[("b", 2)]), cand(3, &[("a", 1)])]);
+    assert_eq!(verdicts(&d), [Grant, Grant]);
+    let d = decide(&t, &[cand(1, &[("b", 3)]), cand(3, &[("a", 1)])]);
+    assert_eq!(
+        verdicts(&d),
+        [Wait, Grant],
+        "within its guarantee a skips the line"
+    );
+}
+
+// ---- properties ----
+
+const NAMES: [&str; 7] = ["root", "pool", "a", "b", "c", "flat", "nope"];
+
+/// root ← pool ← {a, b, c}, and flat beside them; guarantees within their parents' capacities;
+/// each level's `used` counts what is held below it plus what was taken from it directly.
+fn arb_tree() -> impl Strategy<Value = BTreeMap<String, SemaphoreView>> {
+    let leaf = (1i64..8, 0i64..6, 0i64..4, any::<bool>(), any::<bool>());
+    (
+        proptest::collection::vec(leaf, 3),
+        (0i64..4, 0i64..3, 0i64..4),
+        (1i64..10, 0i64..4),
+        any::<bool>(),
+    )
+        .prop_map(
+            |(leaves, (pool_extra, pool_direct, root_direct), (flat_cap, flat_used), fair)| {
+                let mut t = BTreeMap::new();
+                let (mut held, mut promised) = (0, 0);
+                for ((capacity, used, guarantee, waiting, leaf_fair), name) in
+                    leaves.into_iter().zip(["a", "b", "c"])
+                {
+                    let guarantee = guarantee.min(capacity);
+                    let used = used.min(capacity + 1);
+                    held += used;
+                    promised += guarantee;
+                    let mut s = child("pool", capacity, used, guarantee);
+                    s.waiting = waiting;
+                    s.fair = leaf_fair;
+                    t.insert(name.to_string(), s);
+                }
+                let pool_capacity = promised + pool_extra;
+                let pool_used = held + pool_direct;
+                let mut pool = child("root", pool_capacity, pool_used, pool_capacity.min(6));
+                pool.fair = fair;
+                t.insert("pool".into(), pool);
+                t.insert(
+                    "root".into(),
+                    sem(pool_capacity.min(6) + 4, pool_used + root_direct),
+                );
+                t.insert("flat".into(), sem(flat_cap, flat_used));
+                t
+            },
+        )
+}
+
+fn arb_batch() -> impl Strategy<Value = Vec<Candidate>> {
+    let one = (
+        proptest::sample::subsequence(NAMES.to_vec(), 1..=2),
+        proptest::collection::vec(1i64..6, 2),
+        prop_oneof![8 => Just(false), 1 => Just(true)],
+    );
+    proptest::collection::vec(one, 0..16).prop_map(|v| {
+        v.into_iter()
+            .enumerate()
+            .map(|(i, (names, counts, fail_fast))| {
+                let permits: Vec<(&str, i64)> = names.into_iter().zip(counts).collect();
+                let mut c = cand(i64::try_from(i).unwrap() + 1, &permits);
+                c.fail_fast = fail_fast;
+                c
+            })
+            .collect()
+    })
+}
+
+/// What a grant takes, walked the plain way.
+fn oracle_takes(
+    c: &Candidate,
+    t: &BTreeMap<String, SemaphoreView>,
+) -> Option<BTreeMap<String, i64>> {
+    let mut taken = BTreeMap::new();
+    for (name, count) in &c.permits {
+        let mut at = Some(name.clone());
+        while let Some(n) = at {
+            let s = t.get(&n)?;
+            *taken.entry(n).or_insert(0) += count;
+            at = s.parent.clone();
+        }
+    }
+    Some(taken)
+}
+
+/// The state the decision had reached when it came to candidate `i`, and the semaphores the
+/// batch's earlier waiters take from.
+fn before(
+    start: &BTreeMap<String, SemaphoreView>,
+    cands: &[Candidate],
+    d: &Decision,
+    i: usize,
+) -> (BTreeMap<String, SemaphoreView>, BTreeSet<String>) {
+    let state = decide(start, &cands[..i]).semaphores;
+    let waiting = cands[..i]
+        .iter()
+        .zip(&d.verdicts)
+        .filter(|(_, (_, v))| *v == Wait)
+        .flat_map(|(c, _)| oracle_takes(c, start).unwrap_or_default().into_keys())
+        .collect();
+    (state, waiting)
+}
+
+/// Whether the grant borrows at `parent`: names it, or takes more through a child than the
+/// child's unused guarantee.
+fn oracle_borrows(
+    c: &Candidate,
+    taken: &BTreeMap<String, i64>,
+    t: &BTreeMap<String, SemaphoreView>,
+    parent: &str,
+) -> bool {
+    c.permits.iter().any(|(n, _)| n == parent)
+        || t.iter().any(|(n, s)| {
+            s.parent.as_deref() == Some(parent)
+                && taken
+                    .get(n)
+                    .is_some_and(|k| *k > (s.guarantee - s.used).max(0))
+        })
+}
+
+/// Rule 4 stated plainly: room on every level; where it names or borrows: a fair semaphore's
+/// first waiter (of this batch) keeps its room, and the parent keeps every active guaranteed
+/// child's unused guarantee.
+fn oracle_fits(
+    c: &Candidate,
+    taken: &BTreeMap<String, i64>,
+    t: &BTreeMap<String, SemaphoreView>,
+    waiting: &BTreeSet<String>,
+    first_waiter: impl Fn(&str) -> Option<i64>,
+) -> bool {
+    taken.iter().all(|(parent, count)| {
+        let free_after = t[parent].capacity - t[parent].used - count;
+        if free_after < 0 {
+            return false;
+        }
+        if !oracle_borrows(c, taken, t, parent) {
+            return true;
+        }
+        if t[parent].fair && first_waiter(parent).is_some_and(|h| free_after < h) {
+            return false;
+        }
+        let reserve: i64 = t
+            .iter()
+            .filter(|(_, s)| s.parent.as_deref() == Some(parent.as_str()) && s.guarantee > 0)
+            .map(|(n, s)| {
+                let used = s.used + taken.get(n).copied().unwrap_or(0);
+                if used > 0 || s.waiting || waiting.contains(n) {
+                    (s.guarantee - used).max(0)
+                } else {
+                    0
+                }
+            })
+            .sum();
+        free_after >= reserve
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(3000))]
+
+    #[test]
+    fn no_level_is_ever_over_capacity_and_each_counts_exactly_what_was_taken_below_it(
+        start in arb_tree(), cands in arb_batch()
+    ) {
+        let d = decide(&start, &cands);
+        for (name, s) in &start {
+            let taken: i64 = cands.iter().zip(&d.verdicts)
+                .filter(|(_, (_, v))| *v == Grant)
+                .filter_map(|(c, _)| oracle_takes(c, &start)?.get(name).copied())
+                .sum();
+            let after = &d.semaphores[name];
+            prop_assert_eq!(after.used, s.used + taken, "{} must move by what its subtree took", name);
+            if taken > 0 {
+                prop_assert!(after.used <= after.capacity, "{} over capacity: {:?}", name, after);
+            }
+        }
+    }
+
+    #[test]
+    fn granted_exactly_when_every_level_has_room_and_no_reserve_is_borrowed(
+        start in arb_tree(), cands in arb_batch()
+    ) {
+        // No recorded heads: the batch's own waiters are the heads. Nothing waits that fits,
+        // nothing goes that does not.
+        let d = decide(&start, &cands);
+        for (i, (c, (_, v))) in cands.iter().zip(&d.verdicts).enumerate() {
+            let Some(taken) = oracle_takes(c, &start) else {
+                prop_assert_eq!(*v, Fail(ErrorCode::UnknownSemaphore));
+                continue;
+            };
+            if taken.iter().any(|(n, k)| *k > start[n].capacity) {
+                prop_assert_eq!(*v, Fail(ErrorCode::ExceedsCapacity));
+                continue;
+            }
+            let (state, waiting) = before(&start, &cands, &d, i);
+            let fits = oracle_fits(c, &taken, &state, &waiting, |n| {
+                first_batch_waiter(n, &cands[..i], &d, &start)
+            });
+            let expected = if fits { Grant } else if c.fail_fast { Fail(ErrorCode::NoCapacity) } else { Wait };
+            prop_assert_eq!(*v, expected, "candidate {:?} in {:?}", c, state);
+        }
+    }
+
+    #[test]
+    fn a_child_within_its_guarantee_is_refused_only_for_want_of_room(
+        start in arb_tree(), cands in arb_batch()
+    ) {
+        let d = decide(&start, &cands);
+        for (i, (c, (_, v))) in cands.iter().zip(&d.verdicts).enumerate() {
+            let [(name, count)] = c.permits.as_slice() else { continue };
+            if !["a", "b", "c"].contains(&name.as_str()) || c.fail_fast {
+                continue;
+            }
+            let (state, _) = before(&start, &cands, &d, i);
+            let s = &state[name];
+            let within = *count <= s.guarantee - s.used
+                && state["pool"].guarantee - state["pool"].used >= *count;
+            let room = ["root", "pool", name.as_str()]
+                .iter()
+                .all(|n| state[*n].capacity - state[*n].used >= *count);
+            let head = s.fair && first_batch_waiter(name, &cands[..i], &d, &start).is_some();
+            if within && room && !head {
+                prop_assert_eq!(*v, Grant, "{:?} within its guarantee in {:?}", c, state);
+            }
+        }
+    }
+}
+
+/// What the first of `earlier` left waiting takes from `name`, if any.
+fn first_batch_waiter(
+    name: &str,
+    earlier: &[Candidate],
+    d: &Decision,
+    start: &BTreeMap<String, SemaphoreView>,
+) -> Option<i64> {
+    earlier.iter().zip(&d.verdicts).find_map(|(c, (_, v))| {
+        (*v == Wait)
+            .then(|| oracle_takes(c, start)?.get(name).copied())
+            .flatten()
+    })
+}

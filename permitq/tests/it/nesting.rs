@@ -1,0 +1,317 @@
+//! Nested limits: a grant on a child also takes from every ancestor, releases and leases give
+//! back to every level, rate windows follow; guarantees are kept for active children and lent
+//! while they are idle; bad trees are refused and write nothing.
+
+use permitq_test_support as common;
+
+use std::time::Duration;
+
+use common::{check_invariants, state_of, wait_until, TestDb};
+use permitq::{Client, Request, SemaphoreSettings, State};
+
+const SOON: Duration = Duration::from_secs(10);
+
+async fn nest(client: &Client, name: &str, capacity: i32, parent: &str, guarantee: i32) {
+    client
+        .set_semaphore(
+            name,
+            capacity,
+            &SemaphoreSettings::new().parent(parent).guarantee(guarantee),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("nest {name} in {parent}: {e}"));
+}
+
+async fn acquired(client: &Client, id: &str) {
+    let r = client.wait_settled(id, SOON).await.unwrap().unwrap();
+    assert_eq!(r.state, State::Acquired, "{id}: {r:?}");
+}
+
+/// Waits until a worker has looked at `id` and left it waiting.
+async fn left_waiting(conn: &tokio_postgres::Client, id: &str) {
+    wait_until(SOON, &format!("{id} examined and waiting"), || async {
+        conn.query_one(
+            "SELECT state = 'new' AND examined FROM permitq.permit_request WHERE external_id = $1",
+            &[&id],
+        )
+        .await
+        .is_ok_and(|r| r.get::<_, bool>(0))
+    })
+    .await;
+}
+
+async fn held(conn: &tokio_postgres::Client, name: &str) -> i64 {
+    conn.query_one(
+        "SELECT held FROM permitq.semaphore_usage WHERE name = $1",
+        &[&name],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_takes_from_every_level_and_a_release_gives_every_level_back() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client.set_capacity("global", 3, None).await.unwrap();
+    nest(&client, "pool", 3, "global", 0).await;
+    // Template children: each instance carries the parent (and guarantee 1, 3 instances at most).
+    client
+        .set_semaphore(
+            "tenant:*",
+            2,
+            &SemaphoreSettings::new().parent("pool").guarantee(1),
+        )
+        .await
+        .expect_err("an unbounded template may not promise 1 per instance of a pool of 3");
+    conn.execute(
+        "SELECT permitq.set_capacity('tenant:*', 2, max_instances => 3)",
+        &[],
+    )
+    .await
+    .unwrap();
+    nest(&client, "tenant:*", 2, "pool", 1).await;
+    let _worker = db.notified_worker("w1");
+
+    for (id, tenant) in [("a1", "tenant:a"), ("a2", "tenant:a"), ("b1", "tenant:b")] {
+        client
+            .submit(&Request::new(id).permit(tenant, 1))
+            .await
+            .unwrap();
+        acquired(&client, id).await;
+    }
+    let a = common::semaphore(&client, "tenant:a").await.unwrap();
+    assert_eq!((a.parent.as_deref(), a.guarantee), (Some("pool"), 1));
+    for level in ["pool", "global"] {
+        assert_eq!(
+            held(&conn, level).await,
+            3,
+            "{level} counts what is held below it"
+        );
+    }
+    // b has room of its own (1 of 2), the pool has none: it waits, all or nothing.
+    client
+        .submit(&Request::new("b2").permit("tenant:b", 1))
+        .await
+        .unwrap();
+    left_waiting(&conn, "b2").await;
+    assert_eq!(
+        client.status("b2").await.unwrap().unwrap().state,
+        State::New
+    );
+    // A release gives back to the tenant, the pool and the global limit: b2 goes.
+    client.release("a1").await.unwrap();
+    acquired(&client, "b2").await;
+    common::wait_folded(&db.url).await;
+    for level in ["pool", "global"] {
+        assert_eq!(held(&conn, level).await, 3, "{level}");
+    }
+    check_invariants(&conn).await.unwrap();
+
+    // A lease that runs out gives every level back too.
+    client.release("a2").await.unwrap();
+    client
+        .submit(
+            &Request::new("leased")
+                .permit("tenant:c", 1)
+                .ttl(Duration::from_secs(1)),
+        )
+        .await
+        .unwrap();
+    acquired(&client, "leased").await;
+    client
+        .submit(&Request::new("next").permit("tenant:a", 1))
+        .await
+        .unwrap();
+    left_waiting(&conn, "next").await;
+    let r = client
+        .wait_settled("leased", Duration::from_secs(20))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(r.state, State::Acquired);
+    acquired(&client, "next").await;
+    assert_eq!(state_of(&client, "leased").await, "released/expired");
+    common::wait_folded(&db.url).await;
+    assert_eq!(held(&conn, "global").await, 3);
+    check_invariants(&conn).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_active_childs_guarantee_comes_back_to_it_before_anyone_borrows_again() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client.set_capacity("pool", 4, None).await.unwrap();
+    nest(&client, "a", 4, "pool", 2).await;
+    nest(&client, "b", 4, "pool", 2).await;
+    let _worker = db.notified_worker("w1");
+
+    // a is idle: b borrows its share, all four.
+    for i in 1..=4 {
+        let id = format!("b{i}");
+        client
+            .submit(&Request::new(&id).permit("b", 1))
+            .await
+            .unwrap();
+        acquired(&client, &id).await;
+    }
+    // b5 comes first, then a1: both wait on the full pool.
+    for (id, name) in [("b5", "b"), ("a1", "a")] {
+        client
+            .submit(&Request::new(id).permit(name, 1))
+            .await
+            .unwrap();
+        left_waiting(&conn, id).await;
+    }
+    // One permit comes back. b is over its guarantee (it would borrow it); a, active now, is
+    // under its own: a1 gets it although b5 came first.
+    client.release("b1").await.unwrap();
+    acquired(&client, "a1").await;
+    // The next one too: a still has 1 of its 2 unused.
+    client.release("b2").await.unwrap();
+    client
+        .submit(&Request::new("a2").permit("a", 1))
+        .await
+        .unwrap();
+    acquired(&client, "a2").await;
+    assert_eq!(state_of(&client, "b5").await, "new");
+    // a at its guarantee: what comes back now is b's to borrow again.
+    client.release("b3").await.unwrap();
+    acquired(&client, "b5").await;
+    check_invariants(&conn).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_windows_follow_the_tree() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client
+        .set_rate_limit("api", 2, Duration::from_secs(3600), None)
+        .await
+        .unwrap();
+    nest(&client, "api:search", 10, "api", 0).await;
+    let _worker = db.notified_worker("w1");
+    for id in ["s1", "s2"] {
+        client
+            .submit(&Request::new(id).permit("api:search", 1))
+            .await
+            .unwrap();
+        acquired(&client, id).await;
+        client.release(id).await.unwrap();
+    }
+    // The child has room; its parent's window has none, whatever was released.
+    client
+        .submit(
+            &Request::new("s3")
+                .permit("api:search", 1)
+                .wait(Duration::ZERO),
+        )
+        .await
+        .unwrap();
+    let r = client.wait_settled("s3", SOON).await.unwrap().unwrap();
+    assert_eq!(
+        r.error_code.map(|c| c.as_str().to_string()).as_deref(),
+        Some("no_capacity")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tree_that_cannot_be_kept_is_refused_and_writes_nothing() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client.set_capacity("pool", 4, None).await.unwrap();
+    nest(&client, "a", 4, "pool", 3).await;
+    nest(&client, "deep1", 4, "pool", 0).await;
+    client.set_capacity("tpl:*", 1, None).await.unwrap();
+    let before: i64 = conn
+        .query_one("SELECT count(*) FROM permitq.capacity_change", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let refused = [
+        (
+            "b",
+            4,
+            SemaphoreSettings::new().parent("nope"),
+            "does not exist",
+        ),
+        ("b", 4, SemaphoreSettings::new().parent("tpl:*"), "template"),
+        (
+            "b",
+            4,
+            SemaphoreSettings::new().parent("pool").guarantee(2),
+            "add up to 5",
+        ),
+        (
+            "b",
+            2,
+            SemaphoreSettings::new().parent("pool").guarantee(3),
+            "more than the capacity",
+        ),
+        (
+            "b",
+            4,
+            SemaphoreSettings::new().guarantee(1),
+            "give the semaphore a parent",
+        ),
+        (
+            "pool",
+            4,
+            SemaphoreSettings::new().parent("a"),
+            "itself or below it",
+        ),
+        ("pool", 2, SemaphoreSettings::new(), "add up to 3"),
+    ];
+    for (name, capacity, settings, why) in refused {
+        let e = client
+            .set_semaphore(name, capacity, &settings)
+            .await
+            .expect_err(why);
+        assert_eq!(e.code().map(|c| c.code()), Some("22023"), "{e}");
+        assert!(e.to_string().contains(why), "{why}: {e}");
+    }
+    // Too deep: deep4 has 4 levels above it (deep3, deep2, deep1, pool); one more is refused.
+    nest(&client, "deep2", 4, "deep1", 0).await;
+    nest(&client, "deep3", 4, "deep2", 0).await;
+    nest(&client, "deep4", 4, "deep3", 0).await;
+    let e = client
+        .set_semaphore("deep5", 4, &SemaphoreSettings::new().parent("deep4"))
+        .await
+        .expect_err("five levels above");
+    assert!(e.to_string().contains("too deep"), "{e}");
+    // A semaphore holding permits keeps its parent.
+    let _worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("held").permit("a", 1))
+        .await
+        .unwrap();
+    acquired(&client, "held").await;
+    let e = client
+        .set_semaphore("a", 4, &SemaphoreSettings::new().parent("").guarantee(0))
+        .await
+        .expect_err("a holds a permit");
+    assert!(e.to_string().contains("once it is idle"), "{e}");
+    let after: i64 = conn
+        .query_one("SELECT count(*) FROM permitq.capacity_change", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        after,
+        before + 3,
+        "only deep2, deep3 and deep4 were written"
+    );
+    assert!(common::semaphore(&client, "b").await.is_none());
+    assert_eq!(
+        common::semaphore(&client, "a")
+            .await
+            .unwrap()
+            .parent
+            .as_deref(),
+        Some("pool")
+    );
+}
