@@ -65,11 +65,15 @@ pub(crate) fn nesting(u: &permitq::SemaphoreUsage) -> Option<String> {
 
 /// What kind of semaphore it is, in a few words: its [`origin`], [`nesting`] and [`window`].
 pub(crate) fn kind(u: &permitq::SemaphoreUsage) -> String {
-    [origin(u.is_template, u.template.as_deref()), nesting(u), window(u)]
-        .into_iter()
-        .flatten()
-        .collect::<Vec<_>>()
-        .join("; ")
+    [
+        origin(u.is_template, u.template.as_deref()),
+        nesting(u),
+        window(u),
+    ]
+    .into_iter()
+    .flatten()
+    .collect::<Vec<_>>()
+    .join("; ")
 }
 
 /// Prints usage, holders, waiters and recent capacity changes.

@@ -197,6 +197,10 @@ pub(crate) fn capacity_change_from_row(row: &Row) -> Result<CapacityChange> {
         changed_at: row.try_get(5)?,
         changed_by: row.try_get(6)?,
         application_name: row.try_get(7)?,
+        old_parent: row.try_get(8)?,
+        new_parent: row.try_get(9)?,
+        old_guarantee: row.try_get(10)?,
+        new_guarantee: row.try_get(11)?,
     })
 }
 

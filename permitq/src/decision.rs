@@ -110,8 +110,8 @@ pub(crate) struct SemaphoreView {
     pub parent: Option<String>,
     /// Its guaranteed share of its parent while active.
     pub guarantee: i64,
-    /// Requests wait on it (or below it): it is active.
-    pub waiting: bool,
+    /// It holds permits or requests wait on it (or below it): a guaranteed child is active.
+    pub active: bool,
 }
 
 impl SemaphoreView {
@@ -233,7 +233,7 @@ fn reserve_after(
             .map(|name| {
                 let s = &sems[*name];
                 let used = s.used + taken.get(*name).copied().unwrap_or(0);
-                let active = used > 0 || s.waiting || batch_waiting.contains(*name);
+                let active = used > 0 || s.active || batch_waiting.contains(*name);
                 if active {
                     (s.guarantee - used).max(0)
                 } else {

@@ -184,7 +184,8 @@ pub(crate) const LIST_SEMAPHORES: &str = concat!(
 /// The capacity audit of one semaphore, oldest first.
 pub(crate) const CAPACITY_HISTORY: &str =
     "SELECT semaphore, old_capacity::int8, new_capacity::int8, \
-     old_fair, new_fair, changed_at, changed_by, application_name \
+     old_fair, new_fair, changed_at, changed_by, application_name, \
+     old_parent, new_parent, old_guarantee::int8, new_guarantee::int8 \
      FROM permitq.capacity_change WHERE semaphore = $1 ORDER BY id";
 /// Operators: every semaphore's usage.
 pub(crate) const USAGE: &str = "SELECT name, capacity::int8, used::int8, held::int8, \

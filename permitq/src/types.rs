@@ -398,6 +398,14 @@ pub struct CapacityChange {
     pub changed_by: String,
     /// The client's `application_name`.
     pub application_name: Option<String>,
+    /// The parent before (None at creation, or without one; and in rows from before nesting).
+    pub old_parent: Option<String>,
+    /// The parent after.
+    pub new_parent: Option<String>,
+    /// The guarantee before (None at creation).
+    pub old_guarantee: Option<i64>,
+    /// The guarantee after (None in rows from before nesting).
+    pub new_guarantee: Option<i64>,
 }
 
 pub(crate) fn ser_secs<S: Serializer>(

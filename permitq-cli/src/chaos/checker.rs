@@ -20,6 +20,9 @@ pub(crate) struct Verdict {
     pub granted: usize,
     /// How requests ended: `released/<reason>` or `error/<code>`.
     pub endings: BTreeMap<String, usize>,
+    /// Per concurrency semaphore, the most held at once and the grants that took from it
+    /// (worked out from the tree for the nested ones).
+    pub peaks: BTreeMap<String, (i64, usize)>,
 }
 
 impl Verdict {
@@ -184,9 +187,11 @@ fn safety(state: &FinalState, v: &mut Verdict) -> HashMap<(i64, String), i64> {
             continue;
         }
         let mut held = 0i64;
+        let mut peak = (0i64, 0usize);
         for (t, delta, request) in events {
             held += delta;
             if delta > 0 {
+                peak = (peak.0.max(held), peak.1 + 1);
                 held_after.insert((request, semaphore.to_string()), held);
                 let cap = capacity_at(state, semaphore, t);
                 if held > cap {
@@ -194,6 +199,7 @@ fn safety(state: &FinalState, v: &mut Verdict) -> HashMap<(i64, String), i64> {
                 }
             }
         }
+        v.peaks.insert(semaphore.to_string(), peak);
     }
     held_after
 }

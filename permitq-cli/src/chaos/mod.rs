@@ -204,6 +204,17 @@ impl ChaosReport {
             );
             s += &ha::table(&self.ha);
         }
+        let nested: Vec<String> = self
+            .verdict
+            .peaks
+            .iter()
+            .filter(|(name, _)| {
+                [NESTED_ROOT.0, NESTED_POOL.0].contains(&name.as_str())
+                    || name.starts_with(TENANT_TEMPLATE.0.trim_end_matches('*'))
+            })
+            .map(|(name, (peak, grants))| format!("{name} {grants} grants, peak {peak}"))
+            .collect();
+        s += &format!("nested limits: {}\n", nested.join("; "));
         let (lp99, lmax, sp99, smax) = self.verdict.waits_ms;
         s += &format!(
             "waits on fair semaphores: large requests p99 {lp99:.0} ms, max {lmax:.0} ms; small p99 {sp99:.0} ms, max {smax:.0} ms\n"

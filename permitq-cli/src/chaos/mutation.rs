@@ -163,8 +163,8 @@ impl Mutation {
             Mutation::SkipFairness => (
                 "batch_semaphores.sql",
                 &[Patch {
-                    find: "           s.fair, s.parent, s.guarantee,\n",
-                    replace: "           false, s.parent, s.guarantee,\n",
+                    find: "           s.fair, s.parent, s.guarantee,\n           s.guarantee > 0\n",
+                    replace: "           false, s.parent, s.guarantee,\n           s.guarantee > 0\n",
                 }][..],
             ),
             Mutation::FoldTwice => (

@@ -733,7 +733,16 @@ async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep(
     assert_eq!(code(&run(url, &["semaphore", "set", "pool", "4"]).await), 0);
     let o = run(
         url,
-        &["semaphore", "set", "a", "3", "--parent", "pool", "--guarantee", "2"],
+        &[
+            "semaphore",
+            "set",
+            "a",
+            "3",
+            "--parent",
+            "pool",
+            "--guarantee",
+            "2",
+        ],
     )
     .await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
@@ -742,12 +751,25 @@ async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep(
         "a capacity=3 used=0 fair parent=pool guarantee=2"
     );
     let o = run(url, &["semaphore", "show", "a"]).await;
-    assert!(stdout(&o).contains("in pool, guaranteed 2"), "{}", stdout(&o));
+    assert!(
+        stdout(&o).contains("in pool, guaranteed 2"),
+        "{}",
+        stdout(&o)
+    );
     // Guarantees that add up to more than the pool, and a parent that does not exist: exit 2,
     // the whole reason, nothing written.
     for (args, why) in [
         (
-            &["semaphore", "set", "b", "3", "--parent", "pool", "--guarantee", "3"][..],
+            &[
+                "semaphore",
+                "set",
+                "b",
+                "3",
+                "--parent",
+                "pool",
+                "--guarantee",
+                "3",
+            ][..],
             "the guarantees of the children of pool add up to 5, more than its capacity 4",
         ),
         (
@@ -764,7 +786,16 @@ async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep(
     // --no-parent takes it out again (its guarantee with it).
     let o = run(
         url,
-        &["semaphore", "set", "a", "3", "--no-parent", "--guarantee", "0", "--json"],
+        &[
+            "semaphore",
+            "set",
+            "a",
+            "3",
+            "--no-parent",
+            "--guarantee",
+            "0",
+            "--json",
+        ],
     )
     .await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));

@@ -73,27 +73,33 @@ END $$;
 
 -- The worker's step 2 for a batch naming `names`, in one call:
 --   1. make the missing template instances (functions/templates.sql), before any semaphore lock;
---   2. lock the named semaphores with their ancestors and the guaranteed children of those
---      (permitq.nesting_lock_set, functions/nesting.sql), in one statement (permitq.lock_named);
---      templates are never locked nor returned, so a request naming one is `unknown_semaphore`. An instance the idle sweep removed
---      between 1 and 2 (it held the row) is made again and locked (a newest id, so still in
---      ascending order; its template is locked after the instances, so a change of that
---      template at that very moment may end in a deadlock, which the worker retries);
+--   2. lock the named semaphores with their ancestors (permitq.nesting_lock_set,
+--      functions/nesting.sql), in one statement (permitq.lock_named); templates are never locked
+--      nor returned, so a request naming one is `unknown_semaphore`. An instance the idle sweep
+--      removed between 1 and 2 (it held the row) is made again and locked (a newest id, so
+--      still in ascending order, but its ancestors, and its template, are locked after it: a
+--      change of those at that very moment may end in a deadlock, which the worker retries).
+--      When the tree changed between reading it and locking (a semaphore moved, or given a
+--      parent), what is locked is not all a grant takes: 40001, and the worker retries;
 --   3. fold the pending releases of these and of every semaphore no one else holds;
 --   4. return the locked semaphores as the decision sees them: `used` is the permits held, or
 --      for a rate-limited semaphore the permits granted in its window; its parent, guarantee,
---      and whether requests wait on it (or below it); and a row with NULL capacity for each name
---      refused because its template has as many instances as it may.
+--      and whether it is active (holds permits or has waiters, for a guaranteed child); then
+--      the guaranteed children of the locked semaphores, read and not locked, for the reserves:
+--      their `used` less their releases not folded yet, exact however their folds interleave,
+--      since it only grows by grants, which lock their parent first; and a row with NULL
+--      capacity for each name refused because its template has as many instances as it may.
 -- The rows are the latest committed versions, exact for as long as the caller's transaction
 -- runs.
 CREATE OR REPLACE FUNCTION permitq.lock_batch_semaphores(names text[])
 RETURNS TABLE (id bigint, name text, capacity integer, used bigint, fair boolean, parent text,
-               guarantee integer, waiting boolean)
+               guarantee integer, active boolean)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 DECLARE
     refused text[] := permitq.make_instances(names);
     locked text[] := permitq.lock_named(permitq.nesting_lock_set(names));
     gone text[];
+    nested boolean := EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.parent IS NOT NULL);
 BEGIN
     IF refused IS NOT NULL THEN
         SELECT array_agg(n) INTO gone FROM unnest(names) n
@@ -103,6 +109,14 @@ BEGIN
             locked := locked || permitq.lock_named(permitq.nesting_lock_set(gone));
         END IF;
     END IF;
+    IF nested AND EXISTS (
+        SELECT 1 FROM permitq.semaphore s
+        WHERE s.name = ANY(permitq.nesting_lock_set(names)) AND NOT s.is_template
+          AND s.name <> ALL(locked)
+    ) THEN
+        RAISE EXCEPTION 'the semaphores'' parents changed while a batch locked them'
+            USING ERRCODE = '40001';
+    END IF;
 
     PERFORM permitq.fold_pending_releases(locked);
 
@@ -110,9 +124,21 @@ BEGIN
     SELECT s.id, s.name, s.capacity,
            CASE WHEN s.per IS NULL THEN s.used ELSE permitq.in_window(s) END,
            s.fair, s.parent, s.guarantee,
-           s.guarantee > 0 AND EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = s.id)
+           s.guarantee > 0
+           AND (s.used > 0 OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = s.id))
     FROM permitq.semaphore s
     WHERE s.name = ANY(locked)
+    UNION ALL
+    SELECT c.id, c.name, c.capacity,
+           CASE WHEN c.per IS NULL THEN c.used - f.pending ELSE permitq.in_window(c) END,
+           c.fair, c.parent, c.guarantee,
+           c.used - f.pending > 0
+           OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = c.id)
+    FROM permitq.semaphore c
+    CROSS JOIN LATERAL (SELECT coalesce(sum(p.count), 0) AS pending FROM permitq.pending_release p
+                        WHERE p.semaphore = c.name) f
+    WHERE nested AND c.parent = ANY(locked) AND c.guarantee > 0 AND NOT c.is_template
+      AND c.name <> ALL(locked)
     UNION ALL
     SELECT NULL, r, NULL, NULL, NULL, NULL, NULL, NULL FROM unnest(refused) r
     ORDER BY 1;

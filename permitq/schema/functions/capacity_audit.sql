@@ -1,18 +1,21 @@
--- The capacity audit: creation and every UPDATE that sets capacity or fair (set_capacity, a
--- template's change reaching its instances, or a hand-written UPDATE), even when the value stays
--- the same. Changes to `used` are not audited.
+-- The capacity audit: creation and every UPDATE that sets capacity, fair, parent or guarantee
+-- (set_capacity, a template's change reaching its instances, or a hand-written UPDATE), even
+-- when the value stays the same. Changes to `used` are not audited.
 
 CREATE OR REPLACE FUNCTION permitq.audit_capacity() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 BEGIN
-    INSERT INTO permitq.capacity_change (semaphore, old_capacity, new_capacity, old_fair, new_fair)
+    INSERT INTO permitq.capacity_change (semaphore, old_capacity, new_capacity, old_fair, new_fair,
+                                         old_parent, new_parent, old_guarantee, new_guarantee)
     VALUES (NEW.name,
             CASE WHEN TG_OP = 'UPDATE' THEN OLD.capacity END, NEW.capacity,
-            CASE WHEN TG_OP = 'UPDATE' THEN OLD.fair END, NEW.fair);
+            CASE WHEN TG_OP = 'UPDATE' THEN OLD.fair END, NEW.fair,
+            CASE WHEN TG_OP = 'UPDATE' THEN OLD.parent END, NEW.parent,
+            CASE WHEN TG_OP = 'UPDATE' THEN OLD.guarantee END, NEW.guarantee);
     RETURN NULL;
 END $$;
 
 CREATE OR REPLACE TRIGGER semaphore_created AFTER INSERT ON permitq.semaphore
     FOR EACH ROW EXECUTE FUNCTION permitq.audit_capacity();
-CREATE OR REPLACE TRIGGER semaphore_capacity_changed AFTER UPDATE OF capacity, fair ON permitq.semaphore
+CREATE OR REPLACE TRIGGER semaphore_capacity_changed AFTER UPDATE OF capacity, fair, parent, guarantee ON permitq.semaphore
     FOR EACH ROW EXECUTE FUNCTION permitq.audit_capacity();

@@ -22,6 +22,20 @@ DECLARE
     settled bigint[] := '{}';
     now_granted bigint[];
 BEGIN
+    -- What a nested request takes covers at least what it names, in positive counts (the
+    -- decision adds the ancestors): `used` never under-counts what a grant holds.
+    IF charges <> '{}' AND EXISTS (
+        SELECT 1 FROM jsonb_each(charges) c
+        JOIN permitq.permit_request r ON r.id = c.key::bigint
+        WHERE jsonb_typeof(c.value) <> 'object'
+           OR EXISTS (SELECT 1 FROM jsonb_each(r.permits) e
+                      WHERE coalesce((c.value ->> e.key)::numeric, 0) < (e.value::text)::numeric)
+           OR EXISTS (SELECT 1 FROM jsonb_each(c.value) t
+                      WHERE jsonb_typeof(t.value) <> 'number' OR (t.value::text)::numeric < 1)
+    ) THEN
+        RAISE EXCEPTION 'charges must cover each request''s permits in positive counts'
+            USING ERRCODE = '22023';
+    END IF;
     -- Failures first: their settled_at then precedes the batch's acquired_at, so a history
     -- checker never mistakes a request failed in this batch for one still waiting at the grants.
     -- decided_at is the transaction's start: every request committed before it was visible to

@@ -79,19 +79,21 @@ BEGIN
             opens_at := permitq.window_opens_at(s);
         END IF;
         shortfall := greatest(needs - free, 0);
+        -- A parent: within the guarantee of the child below it (`via`'s chain), room is all it
+        -- needs; beyond it, or named itself, the room kept for the other active children's
+        -- unused guarantees is not its.
+        child := NULL;
         IF named.depth > 0 THEN
-            -- A parent: within the guarantee of the child below it, room is all it needs;
-            -- beyond it, the room kept for the other active children's guarantees is not its.
             SELECT * INTO child FROM permitq.semaphore c
             WHERE c.name = (SELECT x.ancestor FROM permitq.ancestors(ARRAY[named.via]) x
                             WHERE x.depth = named.depth - 1);
             within_guarantee := needs <= greatest(child.guarantee - child.used, 0);
-            SELECT coalesce(sum(greatest(c.guarantee - c.used, 0)), 0) INTO kept
-            FROM permitq.semaphore c
-            WHERE c.parent = s.name AND c.guarantee > 0 AND c.name <> child.name
-              AND NOT c.is_template
-              AND (c.used > 0 OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = c.id));
         END IF;
+        SELECT nullif(coalesce(sum(greatest(c.guarantee - c.used, 0)), 0), 0) INTO kept
+        FROM permitq.semaphore c
+        WHERE c.parent = s.name AND c.guarantee > 0 AND c.name IS DISTINCT FROM child.name
+          AND NOT c.is_template
+          AND (c.used > 0 OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = c.id));
 
         -- The line: the first of every priority level (a loose index scan), the best placed of
         -- them is the head; then those placed ahead of this request, level by level.
@@ -145,9 +147,11 @@ BEGIN
                      THEN format('parent: within the guarantee of %s (%s), waits for %s more permits to be released',
                                  child.name, child.guarantee, shortfall)
                      ELSE format('parent: it fits within the guarantee of %s (%s)', child.name, child.guarantee) END
-            WHEN named.depth > 0 AND kept > 0 AND free - needs < kept THEN
-                format('parent: %s of the %s free are kept for the guarantees of its other active children; %s borrows beyond its guarantee (%s)',
-                       least(kept, free), free, child.name, child.guarantee)
+            WHEN kept > 0 AND free - needs < kept THEN
+                format('parent: %s of the %s free are kept for the guarantees of its other active children; %s',
+                       least(kept, free), free,
+                       CASE WHEN child.name IS NULL THEN 'a request naming the parent itself borrows'
+                            ELSE format('%s borrows beyond its guarantee (%s)', child.name, child.guarantee) END)
             WHEN opens_at IS NOT NULL AND shortfall > 0 THEN
                 format('rate limit: its window is spent (%s of %s granted per %s); room again at %s',
                        s.capacity - free, s.capacity, s.per, opens_at)

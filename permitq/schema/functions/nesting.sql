@@ -1,4 +1,4 @@
--- Nested limits: `set_capacity('tenant:a', 5, parent => 'pool', guarantee => 2)`.
+-- Nested limits: `set_capacity('team-a', 5, parent => 'pool', guarantee => 2)`.
 --
 -- A grant on a semaphore with a parent also takes its count from the parent, and from the
 -- parent's parent, in the same all-or-nothing decision (src/decision.rs, the one definition of
@@ -7,13 +7,14 @@
 -- everything granted below it.
 --
 -- Guarantees: a child's `guarantee` is a share of its parent kept for it while it is active (it
--- holds permits or has requests waiting). A grant that borrows at a parent, taking more there
--- than the child's unused guarantee (or naming the parent directly), must leave the parent room
--- for every other active child's unused guarantee. A child's grant within its guarantee needs
--- only room. The guarantees of a parent's children (a template's times its max_instances) add
--- up to at most the parent's capacity, so without borrowing every child can reach its share.
--- The guarantee of an idle child is lent: when it becomes active while others hold that room,
--- its requests wait for those releases (nobody borrows in the meantime).
+-- holds permits or has requests waiting). It is a share of the parent's room: the parent
+-- competes for that room at its own parent with its own guarantee. A grant that borrows at a
+-- parent, taking more there than the child's unused guarantee (or naming the parent directly),
+-- must leave the parent room for every other active child's unused guarantee. A child's grant
+-- within its guarantee needs only room. The guarantees of a parent's children (a template's once
+-- per instance it may make) add up to at most the parent's capacity, so without borrowing every
+-- child can reach its share. The guarantee of an idle child is lent: when it becomes active
+-- while others hold that room, its requests wait for those releases (nobody borrows it again).
 
 -- Each of `names` with itself (depth 0) and its ancestors, nearest first: the chain a grant
 -- takes from (at most rule_max_nesting_depth() above it).
@@ -30,22 +31,16 @@ LANGUAGE sql STABLE AS $$
     SELECT * FROM chain
 $$;
 
--- The semaphores a batch naming `names` locks: those, their ancestors, and the guaranteed
--- children of all of these (their use decides the reserves), every one once. Cheap when
--- nothing is nested (the partial index semaphore_parent_idx is empty).
+-- The semaphores a batch naming `names` locks: those and their ancestors, every one once.
+-- Cheap when nothing is nested (the partial index semaphore_parent_idx is empty). The
+-- guaranteed children of these are read, not locked (functions/batch_semaphores.sql).
 CREATE OR REPLACE FUNCTION permitq.nesting_lock_set(names text[]) RETURNS text[]
 LANGUAGE plpgsql STABLE AS $$
-DECLARE
-    up text[];
-    down text[];
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.parent IS NOT NULL) THEN
         RETURN names;
     END IF;
-    SELECT array_agg(DISTINCT a.ancestor) INTO up FROM permitq.ancestors(names) a;
-    SELECT array_agg(c.name) INTO down FROM permitq.semaphore c
-    WHERE c.parent = ANY(up) AND c.guarantee > 0 AND NOT c.is_template AND c.name <> ALL(up);
-    RETURN up || coalesce(down, '{}');
+    RETURN (SELECT array_agg(DISTINCT a.ancestor) FROM permitq.ancestors(names) a);
 END $$;
 
 -- Why `s` (as set_capacity stored it, its parent existing) cannot be so, or NULL. `moved`: its
@@ -100,8 +95,12 @@ BEGIN
     END IF;
     -- What the parent promises its children, and what `s` promises its own.
     FOR p IN SELECT * FROM permitq.semaphore t WHERE t.name IN (s.parent, s.name) LOOP
+        -- A template's, once per instance it may make or has made (a lowered bound leaves
+        -- instances beyond it until the idle sweep removes them).
         SELECT coalesce(sum(CASE WHEN c.is_template
-                                 THEN c.guarantee::bigint * coalesce(c.max_instances, permitq.rule_max_instances())
+                                 THEN c.guarantee::bigint * greatest(
+                                          coalesce(c.max_instances, permitq.rule_max_instances()),
+                                          (SELECT count(*) FROM permitq.semaphore i WHERE i.template = c.name))
                                  ELSE c.guarantee END), 0)
         INTO promised
         FROM permitq.semaphore c

@@ -59,6 +59,12 @@ BEGIN
         RAISE EXCEPTION 'invalid nesting of %: parent % does not exist: create it first',
             set_capacity.name, set_capacity.parent USING ERRCODE = '22023';
     END IF;
+    IF (set_capacity.parent IS NOT NULL OR set_capacity.guarantee IS NOT NULL)
+       AND EXISTS (SELECT 1 FROM permitq.semaphore s
+                   WHERE s.name = set_capacity.name AND s.template IS NOT NULL) THEN
+        RAISE EXCEPTION 'invalid nesting of %: an instance takes its parent and guarantee from its template',
+            set_capacity.name USING ERRCODE = '22023';
+    END IF;
     SELECT s.parent INTO old_parent FROM permitq.semaphore s WHERE s.name = set_capacity.name;
     INSERT INTO permitq.semaphore AS s (name, capacity, fair, is_template, per, max_instances,
                                         parent, guarantee)
@@ -77,13 +83,16 @@ BEGIN
             guarantee = coalesce(set_capacity.guarantee, s.guarantee),
             updated_at = now()
     RETURNING * INTO result;
+    IF result.is_template THEN
+        -- Its instances follow (in id order, the lock order of semaphore rows); locked before the
+        -- check, so that none takes a grant between the check and the change.
+        PERFORM 1 FROM permitq.semaphore s WHERE s.template = result.name ORDER BY s.id FOR UPDATE;
+    END IF;
     problem := permitq.nesting_problem(result, result.parent IS DISTINCT FROM old_parent);
     IF problem IS NOT NULL THEN
         RAISE EXCEPTION 'invalid nesting of %: %', result.name, problem USING ERRCODE = '22023';
     END IF;
     IF result.is_template THEN
-        -- Its instances follow (in id order, the lock order of semaphore rows).
-        PERFORM 1 FROM permitq.semaphore s WHERE s.template = result.name ORDER BY s.id FOR UPDATE;
         UPDATE permitq.semaphore s
         SET capacity = result.capacity, fair = result.fair, per = result.per,
             parent = result.parent, guarantee = result.guarantee, updated_at = now()

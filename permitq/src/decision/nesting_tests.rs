@@ -15,7 +15,7 @@ fn sem(capacity: i64, used: i64) -> SemaphoreView {
         refused: false,
         parent: None,
         guarantee: 0,
-        waiting: false,
+        active: false,
     }
 }
 
@@ -115,7 +115,7 @@ fn two_children_in_one_request_take_their_sum_from_the_parent() {
 /// pool 10; a and b guaranteed 4 each, ceilings 10.
 fn guaranteed(a_used: i64, a_waiting: bool, b_used: i64) -> BTreeMap<String, SemaphoreView> {
     let mut a = child("pool", 10, a_used, 4);
-    a.waiting = a_waiting;
+    a.active = a_waiting;
     tree(&[
         ("pool", sem(10, a_used + b_used)),
         ("a", a),
@@ -256,7 +256,7 @@ fn arb_tree() -> impl Strategy<Value = BTreeMap<String, SemaphoreView>> {
                     held += used;
                     promised += guarantee;
                     let mut s = child("pool", capacity, used, guarantee);
-                    s.waiting = waiting;
+                    s.active = waiting;
                     s.fair = leaf_fair;
                     t.insert(name.to_string(), s);
                 }
@@ -372,7 +372,7 @@ fn oracle_fits(
             .filter(|(_, s)| s.parent.as_deref() == Some(parent.as_str()) && s.guarantee > 0)
             .map(|(n, s)| {
                 let used = s.used + taken.get(n).copied().unwrap_or(0);
-                if used > 0 || s.waiting || waiting.contains(n) {
+                if used > 0 || s.active || waiting.contains(n) {
                     (s.guarantee - used).max(0)
                 } else {
                     0

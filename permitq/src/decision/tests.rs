@@ -13,7 +13,7 @@ fn sem(capacity: i64, used: i64, fair: bool) -> SemaphoreView {
         refused: false,
         parent: None,
         guarantee: 0,
-        waiting: false,
+        active: false,
     }
 }
 
@@ -253,7 +253,7 @@ fn arb_semaphores() -> impl Strategy<Value = BTreeMap<String, SemaphoreView>> {
                         refused: false,
                         parent: None,
                         guarantee: 0,
-                        waiting: false,
+                        active: false,
                     },
                 )
             })

@@ -439,7 +439,7 @@ async fn lock_semaphores_and_heads(
                     .try_get::<_, Option<i32>>("guarantee")?
                     .unwrap_or(0)
                     .into(),
-                waiting: row.try_get::<_, Option<bool>>("waiting")?.unwrap_or(false),
+                active: row.try_get::<_, Option<bool>>("active")?.unwrap_or(false),
             },
         );
     }

@@ -295,8 +295,22 @@ async fn a_tree_that_cannot_be_kept_is_refused_and_writes_nothing() {
         .await
         .expect_err("a holds a permit");
     assert!(e.to_string().contains("once it is idle"), "{e}");
+    // An instance takes its parent and guarantee from its template.
+    client
+        .submit(&Request::new("instance").permit("tpl:x", 1))
+        .await
+        .unwrap();
+    acquired(&client, "instance").await;
+    let e = client
+        .set_semaphore("tpl:x", 1, &SemaphoreSettings::new().parent("pool"))
+        .await
+        .expect_err("an instance");
+    assert!(e.to_string().contains("from its template"), "{e}");
     let after: i64 = conn
-        .query_one("SELECT count(*) FROM permitq.capacity_change", &[])
+        .query_one(
+            "SELECT count(*) FROM permitq.capacity_change WHERE semaphore <> 'tpl:x'",
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
@@ -304,6 +318,38 @@ async fn a_tree_that_cannot_be_kept_is_refused_and_writes_nothing() {
         after,
         before + 3,
         "only deep2, deep3 and deep4 were written"
+    );
+    // The audit has the tree.
+    let audited: (Option<String>, i32) = conn
+        .query_one(
+            "SELECT new_parent, new_guarantee FROM permitq.capacity_change \
+             WHERE semaphore = 'a' ORDER BY id DESC LIMIT 1",
+            &[],
+        )
+        .await
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert_eq!(audited, (Some("pool".to_string()), 3));
+    // A worker cannot record a grant as taking less than it names.
+    let id: i64 = conn
+        .query_one(
+            "SELECT id FROM permitq.permit_request WHERE external_id = 'held'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let e = conn
+        .execute(
+            "SELECT permitq.apply_decision('w', ARRAY[$1::bigint], '{}', '{}', '{}', \
+             jsonb_build_object($1::text, '{\"pool\": 1}'::jsonb))",
+            &[&id],
+        )
+        .await
+        .expect_err("charges without the named semaphore");
+    assert_eq!(
+        e.code(),
+        Some(&tokio_postgres::error::SqlState::INVALID_PARAMETER_VALUE)
     );
     assert!(common::semaphore(&client, "b").await.is_none());
     assert_eq!(
@@ -314,4 +360,44 @@ async fn a_tree_that_cannot_be_kept_is_refused_and_writes_nothing() {
             .as_deref(),
         Some("pool")
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guaranteed_request_waits_no_longer_than_max_hold_for_borrowed_room() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client.set_capacity("pool", 4, None).await.unwrap();
+    nest(&client, "a", 4, "pool", 2).await;
+    nest(&client, "b", 4, "pool", 0).await;
+    let mut config = common::quiet_config("w1");
+    config.maintenance.max_hold = Some(Duration::from_secs(2));
+    let _worker = db.worker(config);
+    // b borrows all four while a is idle, and never gives them back.
+    client
+        .submit(&Request::new("hog").permit("b", 4))
+        .await
+        .unwrap();
+    acquired(&client, "hog").await;
+    client
+        .submit(&Request::new("a1").permit("a", 2))
+        .await
+        .unwrap();
+    left_waiting(&conn, "a1").await;
+    // --max-hold takes the borrowed permits back, and a gets its share: its wait is bounded by
+    // how long a borrower may hold.
+    let r = client
+        .wait_settled("a1", Duration::from_secs(15))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(r.state, State::Acquired, "{r:?}");
+    assert_eq!(state_of(&client, "hog").await, "released/stale");
+    let waited = r
+        .acquired_at
+        .unwrap()
+        .duration_since(r.created_at.unwrap())
+        .unwrap();
+    assert!(waited < Duration::from_secs(6), "a1 waited {waited:?}");
+    check_invariants(&conn).await.unwrap();
 }
