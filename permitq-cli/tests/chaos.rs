@@ -238,8 +238,14 @@ fn chaos_catches_a_starved_head() {
 #[test]
 fn chaos_catches_a_grant_that_does_not_take_from_the_parent() {
     // The checkers work out what each level holds from what the requests name and the tree,
-    // not from what permitq recorded a grant took.
+    // not from what permitq recorded a grant took: the sampler sees the pool's `used` below
+    // what is held under it, and its `granted` counter below the grants through its tenants.
+    // (Whether the pool is also overfilled depends on the tenants' demand in the run: *safety*
+    // catches that when it happens.)
     let (found, summary) = planted("parent-not-charged", &[]);
-    assert!(found["safety"] > 0 && found["sampler"] > 0, "{summary}");
-    assert!(summary.contains("c-pool"), "{summary}");
+    assert!(
+        found["sampler"] > 0 && found["no double grant"] > 0,
+        "{summary}"
+    );
+    assert!(summary.contains("c-pool: used 0 under-counts"), "{summary}");
 }
