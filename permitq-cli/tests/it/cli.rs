@@ -786,19 +786,11 @@ async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep(
     // --no-parent takes it out again (its guarantee with it).
     let o = run(
         url,
-        &[
-            "semaphore",
-            "set",
-            "a",
-            "3",
-            "--no-parent",
-            "--guarantee",
-            "0",
-            "--json",
-        ],
+        &["semaphore", "set", "a", "3", "--no-parent", "--json"],
     )
     .await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     let json: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(json["guarantee"], 0, "{json}");
     assert!(json["parent"].is_null(), "{json}");
 }

@@ -6,9 +6,9 @@
 -- changes. `per`: NULL keeps the semaphore's window (none for a new one); a positive interval
 -- makes it rate-limited (functions/rate_windows.sql); '0' makes it a concurrency semaphore
 -- again. `max_instances` (templates only; NULL keeps it) bounds the instances a template makes
--- (default rule_max_instances()). `parent` (NULL keeps it, '' removes it) nests the semaphore
--- under another, and `guarantee` (NULL keeps it, 0 for a new one) is its guaranteed share of
--- that parent (functions/nesting.sql); a template's instances carry both.
+-- (default rule_max_instances()). `parent` (NULL keeps it, '' removes it and its guarantee)
+-- nests the semaphore under another, and `guarantee` (NULL keeps it, 0 for a new one) is its
+-- guaranteed share of that parent (functions/nesting.sql); a template's instances carry both.
 CREATE OR REPLACE FUNCTION permitq.set_capacity(name text, capacity integer, fair boolean DEFAULT NULL,
                                                 per interval DEFAULT NULL,
                                                 max_instances integer DEFAULT NULL,
@@ -80,7 +80,9 @@ BEGIN
             max_instances = coalesce(set_capacity.max_instances, s.max_instances),
             parent = CASE WHEN set_capacity.parent IS NULL THEN s.parent
                           ELSE nullif(set_capacity.parent, '') END,
-            guarantee = coalesce(set_capacity.guarantee, s.guarantee),
+            -- Out of its parent, a semaphore has no guarantee (unless one is given: refused).
+            guarantee = coalesce(set_capacity.guarantee,
+                                 CASE WHEN set_capacity.parent = '' THEN 0 END, s.guarantee),
             updated_at = now()
     RETURNING * INTO result;
     IF result.is_template THEN

@@ -291,7 +291,7 @@ async fn a_tree_that_cannot_be_kept_is_refused_and_writes_nothing() {
         .unwrap();
     acquired(&client, "held").await;
     let e = client
-        .set_semaphore("a", 4, &SemaphoreSettings::new().parent("").guarantee(0))
+        .set_semaphore("a", 4, &SemaphoreSettings::new().parent(""))
         .await
         .expect_err("a holds a permit");
     assert!(e.to_string().contains("once it is idle"), "{e}");
