@@ -230,6 +230,28 @@ fn borrowers_take_turns_in_the_parents_line_and_a_guarantee_skips_it() {
     );
 }
 
+#[test]
+fn a_parents_recorded_head_keeps_its_room_from_borrowers_not_from_guarantees() {
+    // pool 6, fair, holds 3; its recorded head (a request of another batch, through some child)
+    // needs 2. b (no guarantee) may take 1, not 2; a within its guarantee may take 2.
+    let mut t = tree(&[
+        ("pool", sem(6, 3)),
+        ("a", child("pool", 6, 0, 2)),
+        ("b", child("pool", 6, 3, 0)),
+    ]);
+    let pool = t.get_mut("pool").unwrap();
+    pool.fair = true;
+    pool.head = Some(Head {
+        request_id: 0,
+        count: 2,
+        effective: 1,
+    });
+    let d = decide(&t, &[cand(1, &[("b", 2)]), cand(2, &[("b", 1)])]);
+    assert_eq!(verdicts(&d), [Wait, Grant]);
+    let d = decide(&t, &[cand(1, &[("a", 2)])]);
+    assert_eq!(verdicts(&d), [Grant]);
+}
+
 // ---- properties ----
 
 const NAMES: [&str; 7] = ["root", "pool", "a", "b", "c", "flat", "nope"];

@@ -4,6 +4,7 @@ mod explain;
 mod failover;
 mod leases;
 mod nesting;
+mod nesting_tree;
 mod notifications;
 mod patroni;
 mod priorities;

@@ -11,7 +11,7 @@ use permitq::{Client, Request, SemaphoreSettings, State};
 
 const SOON: Duration = Duration::from_secs(10);
 
-async fn nest(client: &Client, name: &str, capacity: i32, parent: &str, guarantee: i32) {
+pub(crate) async fn nest(client: &Client, name: &str, capacity: i32, parent: &str, guarantee: i32) {
     client
         .set_semaphore(
             name,
@@ -22,13 +22,13 @@ async fn nest(client: &Client, name: &str, capacity: i32, parent: &str, guarante
         .unwrap_or_else(|e| panic!("nest {name} in {parent}: {e}"));
 }
 
-async fn acquired(client: &Client, id: &str) {
+pub(crate) async fn acquired(client: &Client, id: &str) {
     let r = client.wait_settled(id, SOON).await.unwrap().unwrap();
     assert_eq!(r.state, State::Acquired, "{id}: {r:?}");
 }
 
 /// Waits until a worker has looked at `id` and left it waiting.
-async fn left_waiting(conn: &tokio_postgres::Client, id: &str) {
+pub(crate) async fn left_waiting(conn: &tokio_postgres::Client, id: &str) {
     wait_until(SOON, &format!("{id} examined and waiting"), || async {
         conn.query_one(
             "SELECT state = 'new' AND examined FROM permitq.permit_request WHERE external_id = $1",
@@ -38,6 +38,22 @@ async fn left_waiting(conn: &tokio_postgres::Client, id: &str) {
         .is_ok_and(|r| r.get::<_, bool>(0))
     })
     .await;
+}
+
+/// Submits a fail-fast request and says how it ended (`Acquired/` or `Error/<code>`).
+pub(crate) async fn fails_fast(client: &Client, id: &str, name: &str, count: i64) -> String {
+    client
+        .submit(&Request::new(id).permit(name, count).wait(Duration::ZERO))
+        .await
+        .unwrap();
+    let r = client.wait_settled(id, SOON).await.unwrap().unwrap();
+    format!(
+        "{:?}/{}",
+        r.state,
+        r.error_code
+            .map(|c| c.as_str().to_string())
+            .unwrap_or_default()
+    )
 }
 
 async fn held(conn: &tokio_postgres::Client, name: &str) -> i64 {
@@ -400,4 +416,115 @@ async fn a_guaranteed_request_waits_no_longer_than_max_hold_for_borrowed_room() 
         .unwrap();
     assert!(waited < Duration::from_secs(6), "a1 waited {waited:?}");
     check_invariants(&conn).await.unwrap();
+}
+
+/// P7: a sibling that only has waiters (holds nothing, not in the batch) keeps its reserve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sibling_with_only_waiters_keeps_its_reserve_from_another_batch() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client.set_capacity("pool", 4, Some(false)).await.unwrap();
+    nest(&client, "a", 4, "pool", 2).await;
+    nest(&client, "b", 4, "pool", 0).await;
+    let _worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("hog").permit("b", 3))
+        .await
+        .unwrap();
+    acquired(&client, "hog").await;
+    client
+        .submit(&Request::new("a1").permit("a", 2))
+        .await
+        .unwrap();
+    left_waiting(&conn, "a1").await;
+    assert_eq!(fails_fast(&client, "b2", "b", 1).await, "Error/no_capacity");
+}
+
+/// P8: a sibling's release not folded yet (its row locked elsewhere) counts as given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_siblings_release_not_folded_yet_counts_as_given_back() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let mut locker = db.conn().await;
+    client.set_capacity("pool", 4, Some(false)).await.unwrap();
+    nest(&client, "a", 4, "pool", 2).await;
+    nest(&client, "b", 4, "pool", 0).await;
+    let _worker = db.notified_worker("w1");
+    for id in ["a1", "a2"] {
+        client
+            .submit(&Request::new(id).permit("a", 1))
+            .await
+            .unwrap();
+        acquired(&client, id).await;
+    }
+    let tx = locker.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM permitq.semaphore WHERE name = 'a' FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    client.release("a1").await.unwrap();
+    // a holds 1 of its 2: the pool keeps 1; b's 3 would leave 0.
+    assert_eq!(fails_fast(&client, "b1", "b", 3).await, "Error/no_capacity");
+    tx.rollback().await.unwrap();
+}
+
+/// P10/P11: a borrower does not pass a parent's recorded head (a request of another child).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_borrower_keeps_the_room_of_the_parents_recorded_head() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client.set_capacity("pool", 4, None).await.unwrap();
+    nest(&client, "a", 4, "pool", 0).await;
+    nest(&client, "b", 4, "pool", 0).await;
+    let _worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("hog").permit("b", 3))
+        .await
+        .unwrap();
+    acquired(&client, "hog").await;
+    client
+        .submit(&Request::new("a1").permit("a", 2))
+        .await
+        .unwrap();
+    left_waiting(&conn, "a1").await;
+    assert_eq!(fails_fast(&client, "b2", "b", 1).await, "Error/no_capacity");
+}
+
+/// P18: explain's `kept` counts a sibling active only by its waiters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_keeps_room_for_a_sibling_active_only_by_its_waiters() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client.set_capacity("pool", 4, Some(false)).await.unwrap();
+    nest(&client, "a", 4, "pool", 2).await;
+    nest(&client, "b", 4, "pool", 0).await;
+    let _worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("b1").permit("b", 2))
+        .await
+        .unwrap();
+    acquired(&client, "b1").await;
+    client
+        .submit(&Request::new("a1").permit("a", 3))
+        .await
+        .unwrap();
+    left_waiting(&conn, "a1").await;
+    client
+        .submit(&Request::new("b2").permit("b", 1))
+        .await
+        .unwrap();
+    left_waiting(&conn, "b2").await;
+    let e = client.explain("b2").await.unwrap().unwrap();
+    let pool = &e.semaphores[1];
+    assert_eq!(pool.kept, Some(2), "{e:?}");
+    assert!(
+        pool.reason.contains("kept for the guarantees"),
+        "{}",
+        pool.reason
+    );
 }
