@@ -4,6 +4,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::prelude::*;
 
+use super::tests::{cand, verdicts};
 use super::*;
 
 fn sem(capacity: i64, used: i64) -> SemaphoreView {
@@ -27,25 +28,10 @@ fn child(parent: &str, capacity: i64, used: i64, guarantee: i64) -> SemaphoreVie
     }
 }
 
-fn cand(id: i64, permits: &[(&str, i64)]) -> Candidate {
-    Candidate {
-        id,
-        effective: 0,
-        permits: permits.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
-        fail_fast: false,
-        deadline_passed: false,
-        invalid: false,
-    }
-}
-
 fn tree(list: &[(&str, SemaphoreView)]) -> BTreeMap<String, SemaphoreView> {
     list.iter()
         .map(|(n, s)| (n.to_string(), s.clone()))
         .collect()
-}
-
-fn verdicts(d: &Decision) -> Vec<Verdict> {
-    d.verdicts.iter().map(|(_, v)| *v).collect()
 }
 
 use Verdict::{Fail, Grant, Wait};

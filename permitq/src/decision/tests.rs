@@ -17,7 +17,7 @@ fn sem(capacity: i64, used: i64, fair: bool) -> SemaphoreView {
     }
 }
 
-fn cand(id: i64, permits: &[(&str, i64)]) -> Candidate {
+pub(super) fn cand(id: i64, permits: &[(&str, i64)]) -> Candidate {
     Candidate {
         id,
         effective: 0,
@@ -34,7 +34,7 @@ fn sems(list: &[(&str, SemaphoreView)]) -> BTreeMap<String, SemaphoreView> {
         .collect()
 }
 
-fn verdicts(d: &Decision) -> Vec<Verdict> {
+pub(super) fn verdicts(d: &Decision) -> Vec<Verdict> {
     d.verdicts.iter().map(|(_, v)| *v).collect()
 }
 

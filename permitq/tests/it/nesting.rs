@@ -418,44 +418,48 @@ async fn a_guaranteed_request_waits_no_longer_than_max_hold_for_borrowed_room() 
     check_invariants(&conn).await.unwrap();
 }
 
-/// P7: a sibling that only has waiters (holds nothing, not in the batch) keeps its reserve.
+/// pool 4 (fair or greedy), a (4, guaranteed `a_guarantee`) and b (4, no guarantee) in it.
+async fn pool_of_a_and_b(client: &Client, fair: bool, a_guarantee: i32) {
+    client.set_capacity("pool", 4, Some(fair)).await.unwrap();
+    nest(client, "a", 4, "pool", a_guarantee).await;
+    nest(client, "b", 4, "pool", 0).await;
+}
+
+/// Submits `id` for `count` of `name`.
+pub(crate) async fn submit(client: &Client, id: &str, name: &str, count: i64) {
+    client
+        .submit(&Request::new(id).permit(name, count))
+        .await
+        .unwrap();
+}
+
+/// A sibling that only has waiters (it holds nothing, and is not in the deciding batch) keeps
+/// its reserve. Greedy, so that no head hides a missed reserve.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sibling_with_only_waiters_keeps_its_reserve_from_another_batch() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let conn = db.conn().await;
-    client.set_capacity("pool", 4, Some(false)).await.unwrap();
-    nest(&client, "a", 4, "pool", 2).await;
-    nest(&client, "b", 4, "pool", 0).await;
+    pool_of_a_and_b(&client, false, 2).await;
     let _worker = db.notified_worker("w1");
-    client
-        .submit(&Request::new("hog").permit("b", 3))
-        .await
-        .unwrap();
+    submit(&client, "hog", "b", 3).await;
     acquired(&client, "hog").await;
-    client
-        .submit(&Request::new("a1").permit("a", 2))
-        .await
-        .unwrap();
+    submit(&client, "a1", "a", 2).await;
     left_waiting(&conn, "a1").await;
     assert_eq!(fails_fast(&client, "b2", "b", 1).await, "Error/no_capacity");
 }
 
-/// P8: a sibling's release not folded yet (its row locked elsewhere) counts as given back.
+/// A sibling's release not folded yet (another transaction holds its row) counts as given
+/// back: its unused guarantee grows at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_siblings_release_not_folded_yet_counts_as_given_back() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let mut locker = db.conn().await;
-    client.set_capacity("pool", 4, Some(false)).await.unwrap();
-    nest(&client, "a", 4, "pool", 2).await;
-    nest(&client, "b", 4, "pool", 0).await;
+    pool_of_a_and_b(&client, false, 2).await;
     let _worker = db.notified_worker("w1");
     for id in ["a1", "a2"] {
-        client
-            .submit(&Request::new(id).permit("a", 1))
-            .await
-            .unwrap();
+        submit(&client, id, "a", 1).await;
         acquired(&client, id).await;
     }
     let tx = locker.transaction().await.unwrap();
@@ -471,53 +475,35 @@ async fn a_siblings_release_not_folded_yet_counts_as_given_back() {
     tx.rollback().await.unwrap();
 }
 
-/// P10/P11: a borrower does not pass a parent's recorded head (a request of another child).
+/// A borrower does not pass the room of a parent's recorded head (a request of another child,
+/// examined by an earlier batch).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_borrower_keeps_the_room_of_the_parents_recorded_head() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let conn = db.conn().await;
-    client.set_capacity("pool", 4, None).await.unwrap();
-    nest(&client, "a", 4, "pool", 0).await;
-    nest(&client, "b", 4, "pool", 0).await;
+    pool_of_a_and_b(&client, true, 0).await;
     let _worker = db.notified_worker("w1");
-    client
-        .submit(&Request::new("hog").permit("b", 3))
-        .await
-        .unwrap();
+    submit(&client, "hog", "b", 3).await;
     acquired(&client, "hog").await;
-    client
-        .submit(&Request::new("a1").permit("a", 2))
-        .await
-        .unwrap();
+    submit(&client, "a1", "a", 2).await;
     left_waiting(&conn, "a1").await;
     assert_eq!(fails_fast(&client, "b2", "b", 1).await, "Error/no_capacity");
 }
 
-/// P18: explain's `kept` counts a sibling active only by its waiters.
+/// Explain's `kept` counts a sibling active only by its waiters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_keeps_room_for_a_sibling_active_only_by_its_waiters() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let conn = db.conn().await;
-    client.set_capacity("pool", 4, Some(false)).await.unwrap();
-    nest(&client, "a", 4, "pool", 2).await;
-    nest(&client, "b", 4, "pool", 0).await;
+    pool_of_a_and_b(&client, false, 2).await;
     let _worker = db.notified_worker("w1");
-    client
-        .submit(&Request::new("b1").permit("b", 2))
-        .await
-        .unwrap();
+    submit(&client, "b1", "b", 2).await;
     acquired(&client, "b1").await;
-    client
-        .submit(&Request::new("a1").permit("a", 3))
-        .await
-        .unwrap();
+    submit(&client, "a1", "a", 3).await;
     left_waiting(&conn, "a1").await;
-    client
-        .submit(&Request::new("b2").permit("b", 1))
-        .await
-        .unwrap();
+    submit(&client, "b2", "b", 1).await;
     left_waiting(&conn, "b2").await;
     let e = client.explain("b2").await.unwrap().unwrap();
     let pool = &e.semaphores[1];

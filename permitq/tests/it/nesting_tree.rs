@@ -10,11 +10,11 @@ use std::time::Duration;
 use common::{wait_until, TestDb};
 use permitq::{Request, SemaphoreSettings, State};
 
-use super::nesting::{acquired, fails_fast, left_waiting, nest};
+use super::nesting::{acquired, fails_fast, left_waiting, nest, submit};
 
 const SOON: Duration = Duration::from_secs(10);
 
-/// P4: a template's new parent and guarantee reach its existing (idle) instances.
+/// A template's new parent and guarantee reach its existing (idle) instances.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_templates_new_parent_and_guarantee_reach_its_instances() {
     let db = TestDb::new().await;
@@ -25,10 +25,7 @@ async fn a_templates_new_parent_and_guarantee_reach_its_instances() {
         .await
         .unwrap();
     let _worker = db.notified_worker("w1");
-    client
-        .submit(&Request::new("x1").permit("t:x", 1))
-        .await
-        .unwrap();
+    submit(&client, "x1", "t:x", 1).await;
     acquired(&client, "x1").await;
     client.release("x1").await.unwrap();
     common::wait_folded(&db.url).await;
@@ -42,7 +39,7 @@ async fn a_templates_new_parent_and_guarantee_reach_its_instances() {
     );
 }
 
-/// P13: a chain of 4 cannot be put under a new root (5 levels above its bottom).
+/// Depth counts the chain below: d5 has 4 levels above it (d4..d1), so d1 may not get a parent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_cannot_be_put_under_a_root_that_makes_it_too_deep() {
     let db = TestDb::new().await;
@@ -60,7 +57,7 @@ async fn a_chain_cannot_be_put_under_a_root_that_makes_it_too_deep() {
     assert!(e.to_string().contains("too deep"), "{e}");
 }
 
-/// P14: a semaphore with waiters (holding nothing) keeps its parent.
+/// A semaphore with waiters (holding nothing) keeps its parent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_semaphore_with_waiters_keeps_its_parent() {
     let db = TestDb::new().await;
@@ -71,15 +68,9 @@ async fn a_semaphore_with_waiters_keeps_its_parent() {
     nest(&client, "a", 4, "p1", 0).await;
     nest(&client, "b", 4, "p1", 0).await;
     let _worker = db.notified_worker("w1");
-    client
-        .submit(&Request::new("b1").permit("b", 1))
-        .await
-        .unwrap();
+    submit(&client, "b1", "b", 1).await;
     acquired(&client, "b1").await;
-    client
-        .submit(&Request::new("a1").permit("a", 1))
-        .await
-        .unwrap();
+    submit(&client, "a1", "a", 1).await;
     left_waiting(&conn, "a1").await;
     let e = client
         .set_semaphore("a", 4, &SemaphoreSettings::new().parent("p2"))
@@ -88,7 +79,7 @@ async fn a_semaphore_with_waiters_keeps_its_parent() {
     assert!(e.to_string().contains("once it is idle"), "{e}");
 }
 
-/// P15: a template whose instance holds permits keeps its parent.
+/// A template whose instance holds permits keeps its parent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_template_whose_instance_holds_keeps_its_parent() {
     let db = TestDb::new().await;
@@ -99,10 +90,7 @@ async fn a_template_whose_instance_holds_keeps_its_parent() {
         .await
         .unwrap();
     let _worker = db.notified_worker("w1");
-    client
-        .submit(&Request::new("x1").permit("t:x", 1))
-        .await
-        .unwrap();
+    submit(&client, "x1", "t:x", 1).await;
     acquired(&client, "x1").await;
     let e = client
         .set_semaphore("t:*", 2, &SemaphoreSettings::new().parent("pool"))
@@ -111,7 +99,8 @@ async fn a_template_whose_instance_holds_keeps_its_parent() {
     assert!(e.to_string().contains("once it is idle"), "{e}");
 }
 
-/// the request is granted under the new parent, not failed as unknown_semaphore.
+/// A semaphore moved while a batch waits for its lock: the batch is retried (40001), and the
+/// request is granted under the new parent, not failed as unknown_semaphore.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_move_while_a_batch_waits_for_the_lock_is_retried_under_the_new_parent() {
     let db = TestDb::new().await;
@@ -126,10 +115,7 @@ async fn a_move_while_a_batch_waits_for_the_lock_is_retried_under_the_new_parent
     tx.execute("SELECT permitq.set_capacity('a', 4, parent => 'p2')", &[])
         .await
         .unwrap();
-    client
-        .submit(&Request::new("r").permit("a", 1))
-        .await
-        .unwrap();
+    submit(&client, "r", "a", 1).await;
     wait_until(SOON, "the batch waits for a's lock", || async {
         conn.query_one(
             "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
@@ -154,7 +140,7 @@ async fn a_move_while_a_batch_waits_for_the_lock_is_retried_under_the_new_parent
     assert_eq!(charged, Some(serde_json::json!({"a": 1, "p2": 1})));
 }
 
-/// P20: a request on a semaphore with 4 levels above is granted on all of them.
+/// A request on a semaphore with 4 levels above is granted on all of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_four_levels_deep_is_taken_from_the_top() {
     let db = TestDb::new().await;
@@ -165,15 +151,12 @@ async fn a_grant_four_levels_deep_is_taken_from_the_top() {
     nest(&client, "d4", 4, "d3", 0).await;
     nest(&client, "d5", 4, "d4", 0).await;
     let _worker = db.notified_worker("w1");
-    client
-        .submit(&Request::new("r").permit("d5", 1))
-        .await
-        .unwrap();
+    submit(&client, "r", "d5", 1).await;
     acquired(&client, "r").await;
     assert_eq!(common::semaphore(&client, "d1").await.unwrap().used, 1);
 }
 
-/// P23: a template's existing instances beyond a lowered max_instances still count.
+/// A template's existing instances beyond a lowered max_instances still count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instances_beyond_a_lowered_bound_still_count_in_the_promise() {
     let db = TestDb::new().await;
