@@ -672,7 +672,10 @@ async fn sample(
 /// window for a rate-limited one, whether no capacity change fell in that window, the id of the
 /// latest capacity change). `held` is worked out from what the acquired requests name and the
 /// semaphores' parents (a parent holds what is held below it), not from what permitq recorded
-/// a grant took.
+/// a grant took. The window ends at `clock_timestamp()`, read after the statement's snapshot:
+/// `now()` (`permitq.in_window`'s end) is the transaction's start, which may come before the
+/// snapshot, and a window ending before the snapshot counts an old bucket beside grants that
+/// were decided after that bucket had left their own windows.
 const SAMPLE: &str = "WITH RECURSIVE up(name, ancestor, depth) AS (
             SELECT s.name, s.name, 0 FROM permitq.semaphore s WHERE NOT s.is_template
             UNION ALL
@@ -688,11 +691,14 @@ const SAMPLE: &str = "WITH RECURSIVE up(name, ancestor, depth) AS (
             GROUP BY up.ancestor
         )
      SELECT u.name, u.capacity::int8, u.used, coalesce(h.held, 0)::int8,
-        CASE WHEN u.per IS NOT NULL THEN u.in_window::int8 END,
+        CASE WHEN u.per IS NOT NULL THEN
+            (SELECT coalesce(sum(b.count), 0) FROM permitq.rate_bucket b
+             WHERE b.semaphore_id = s.id AND b.ends_at > clock_timestamp() - u.per)::int8 END,
         coalesce((SELECT max(c.changed_at) FROM permitq.capacity_change c
-                  WHERE c.semaphore = u.name) <= now() - u.per, true),
+                  WHERE c.semaphore = u.name) <= clock_timestamp() - u.per, true),
         (SELECT max(c.id) FROM permitq.capacity_change c WHERE c.semaphore = u.name)
-     FROM permitq.semaphore_usage u LEFT JOIN held h ON h.name = u.name
+     FROM permitq.semaphore_usage u JOIN permitq.semaphore s ON s.name = u.name
+     LEFT JOIN held h ON h.name = u.name
      WHERE NOT u.is_template";
 
 /// A semaphore as the sampler saw it.
