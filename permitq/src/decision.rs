@@ -370,8 +370,7 @@ fn fits(c: &Candidate, taken: &BTreeMap<String, i64>, batch: &Batch<'_>) -> bool
         if free_after < 0 {
             return false;
         }
-        let named = c.permits.iter().any(|(n, _)| n == name);
-        if !named && !borrows_at(name, c, taken, sems) {
+        if !borrows_at(name, c, taken, sems) {
             return true;
         }
         let head_kept = !s.fair
