@@ -51,8 +51,8 @@ DECLARE
     p permitq.semaphore;
     above integer := 0;
     below integer;
+    cyclic boolean := false;
     promised bigint;
-    at text := s.parent;
 BEGIN
     IF s.guarantee > s.capacity THEN
         RETURN format('guarantee %s is more than the capacity %s', s.guarantee, s.capacity);
@@ -66,15 +66,15 @@ BEGIN
             RETURN format('parent %s is a template or made from one; a parent must be a plain semaphore', s.parent);
         END IF;
     END IF;
-    -- The chain above: no cycle, not too deep (with the deepest chain below `s`).
-    WHILE at IS NOT NULL LOOP
-        IF at = s.name THEN
-            RETURN format('parent %s is %s itself or below it', s.parent, s.name);
-        END IF;
-        above := above + 1;
-        EXIT WHEN above > permitq.rule_max_nesting_depth();
-        SELECT t.parent INTO at FROM permitq.semaphore t WHERE t.name = at;
-    END LOOP;
+    -- The chain above: no cycle, not too deep (with the deepest chain below `s`). Walked from
+    -- the parent, so that a chain one level too deep is still seen.
+    IF s.parent IS NOT NULL THEN
+        SELECT max(a.depth) + 1, bool_or(a.ancestor = s.name) INTO above, cyclic
+        FROM permitq.ancestors(ARRAY[s.parent]) a;
+    END IF;
+    IF cyclic THEN
+        RETURN format('parent %s is %s itself or below it', s.parent, s.name);
+    END IF;
     WITH RECURSIVE down(name, depth) AS (
         SELECT s.name, 0
         UNION ALL
