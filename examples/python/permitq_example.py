@@ -79,6 +79,11 @@ def main():
 if __name__ == "__main__":
     try:
         sys.exit(main())
+    except psycopg.errors.InvalidSchemaName:
+        raise SystemExit("permitq_example: this database has no permitq schema yet: run `permitq migrate` first")
+    except psycopg.errors.UndefinedFunction as e:
+        message = " ".join(str(e).split())
+        raise SystemExit(f"permitq_example: {message} (the permitq schema is older than this example: run `permitq migrate`)")
     except psycopg.Error as e:
         message = " ".join(str(e).split())
         raise SystemExit(f"permitq_example: {message}")

@@ -361,6 +361,19 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
             State::Error => EXIT_NOT_GRANTED,
             _ => EXIT_STILL_WAITING,
         };
+        if code == EXIT_STILL_WAITING {
+            // Why it still waits, when the answer is that nothing grants.
+            if let Some(warning) = client.granting().await?.warning() {
+                errln!("permitq: {} still waits: {warning}", row.external_id);
+            } else {
+                errln!(
+                    "permitq: {} still waits after {}; `permitq explain {}` says why",
+                    row.external_id,
+                    humantime::format_duration(limit),
+                    row.external_id
+                );
+            }
+        }
     }
     print_request(&row, args.json);
     Ok(code)
@@ -371,11 +384,11 @@ fn print_request(r: &PermitRequest, json: bool) {
         outln!("{}", serde_json::to_string(r).expect("serializable"));
         return;
     }
-    let detail = match (r.state, r.error_code, r.release_reason, r.fencing_token) {
-        (State::Error, Some(code), _, _) => format!(" {code}"),
-        (State::Released, _, Some(reason), _) => format!(" ({reason})"),
-        (State::Acquired, _, _, Some(token)) => format!(" fencing_token={token}"),
-        _ => String::new(),
+    // Errors and releases say how they ended (and an error what to do: PermitRequest::outcome).
+    let said = match (r.state, r.fencing_token, r.outcome()) {
+        (State::Acquired, Some(token), _) => format!("acquired fencing_token={token}"),
+        (_, _, Some(outcome)) => outcome,
+        (state, _, None) => state.to_string(),
     };
     let lease = match (r.state, r.expires_at) {
         (State::Acquired, Some(t)) => {
@@ -383,7 +396,7 @@ fn print_request(r: &PermitRequest, json: bool) {
         }
         _ => String::new(),
     };
-    outln!("{} {}{detail}{lease}", r.external_id, r.state);
+    outln!("{} {said}{lease}", r.external_id);
 }
 
 /// SIGTERM or SIGINT, listened for from the moment a long-running command starts, so that a

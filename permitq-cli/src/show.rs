@@ -76,6 +76,51 @@ pub(crate) fn kind(u: &permitq::SemaphoreUsage) -> String {
     .join("; ")
 }
 
+/// Whether anything is granting: the live workers, as `semaphore show`, `top` and the status
+/// page show them.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(crate) struct Presence {
+    /// Live workers, and when one was last seen.
+    pub(crate) granting: permitq::Granting,
+    /// The workers seen in the last hour, live first.
+    pub(crate) workers: Vec<permitq::WorkerSeen>,
+    /// When no worker runs: that nothing is granting, and what to do.
+    pub(crate) nothing_granting: Option<String>,
+}
+
+impl Presence {
+    pub(crate) async fn read(client: &permitq::Client) -> permitq::Result<Presence> {
+        let granting = client.granting().await?;
+        Ok(Presence {
+            granting,
+            workers: client.workers().await?,
+            nothing_granting: granting.warning(),
+        })
+    }
+
+    /// One line: `workers: w-1 on db1 (0.1.0, seen 1s ago), ...`, or that nothing is granting.
+    pub(crate) fn summary(&self) -> String {
+        if let Some(warning) = &self.nothing_granting {
+            return warning.clone();
+        }
+        let live: Vec<String> = self
+            .workers
+            .iter()
+            .filter(|w| w.live)
+            .map(|w| {
+                format!(
+                    "{} on {} ({}, seen {} ago)",
+                    w.worker_id,
+                    w.host,
+                    w.version,
+                    ago(w.seen_at)
+                )
+            })
+            .collect();
+        format!("workers ({}): {}", live.len(), live.join(", "))
+    }
+}
+
 /// Prints usage, holders, waiters and recent capacity changes.
 pub(crate) fn print(d: &Detail) {
     let u = &d.usage;
@@ -93,6 +138,7 @@ pub(crate) fn print(d: &Detail) {
     if !kind.is_empty() {
         outln!("  {kind}");
     }
+    outln!("  {}", d.presence.summary());
     outln!("\nholders ({}):", d.holders.len());
     if !d.holders.is_empty() {
         outln!(
@@ -169,6 +215,9 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
         return vec![format!("{} is not waiting: {outcome}", e.external_id)];
     }
     let mut lines = vec![format!("{} waits ({})", e.external_id, e.state)];
+    if let Some(warning) = &e.nothing_granting {
+        lines.push(format!("  {warning}"));
+    }
     for s in &e.semaphores {
         let room = match (s.free, s.capacity, s.shortfall) {
             (Some(free), Some(capacity), Some(short)) if short > 0 => {

@@ -1,7 +1,7 @@
 //! `permitq top`: a live terminal view of a database, like `htop` for semaphores.
 //!
 //! Every semaphore with a bar, held/capacity, waiting, oldest wait, grants per second and its
-//! kind (template, instance, rate window); ↑/↓ (or j/k) select one, Enter shows its holders and
+//! kind (template, instance, rate window), and the workers that run (or that none does); ↑/↓ (or j/k) select one, Enter shows its holders and
 //! waiters (in place-in-line order, with priorities) below, `q` (or Esc, Ctrl-C) quits.
 //! Plain ASCII-safe drawing that fits 80×24 and works over SSH.
 
@@ -33,6 +33,8 @@ struct View {
     holders: Vec<Holder>,
     waiters: Vec<Waiter>,
     error: Option<String>,
+    /// The workers line (or that nothing is granting).
+    workers: String,
 }
 
 /// Runs until the user quits.
@@ -123,6 +125,10 @@ async fn refresh(
         }
         Err(e) => view.error = Some(crate::error::one_line(&e.to_string())),
     }
+    view.workers = match crate::show::Presence::read(client).await {
+        Ok(presence) => presence.summary(),
+        Err(e) => format!("workers: {}", crate::error::one_line(&e.to_string())),
+    };
     let selected = view
         .table
         .selected()
@@ -156,7 +162,8 @@ fn bar(held: i64, capacity: i64, width: usize) -> String {
 
 fn draw(frame: &mut Frame, view: &mut View) {
     let detail_height = if view.detail { 10 } else { 0 };
-    let [header, list, detail] = Layout::vertical([
+    let [header, workers, list, detail] = Layout::vertical([
+        Constraint::Length(1),
         Constraint::Length(1),
         Constraint::Min(3),
         Constraint::Length(detail_height),
@@ -170,11 +177,12 @@ fn draw(frame: &mut Frame, view: &mut View) {
         ),
     };
     frame.render_widget(Line::from(status), header);
+    frame.render_widget(Line::from(view.workers.as_str()), workers);
 
     let rows = view.usage.iter().map(|s| {
         Row::new(vec![
             s.name.clone(),
-            bar(s.held, s.capacity, 12),
+            bar(s.held, s.capacity, 8),
             format!("{}/{}", s.held, s.capacity),
             s.waiting.to_string(),
             if s.waiting > 0 {
@@ -189,12 +197,13 @@ fn draw(frame: &mut Frame, view: &mut View) {
     let table = Table::new(
         rows,
         [
+            // 80 columns: 10 + 10 + 9 + 4 + 6 + 7 + 12 and 6 gaps leave 16 to share.
             Constraint::Min(10),
-            Constraint::Length(12),
+            Constraint::Length(10),
             Constraint::Length(9),
+            Constraint::Length(4),
+            Constraint::Length(6),
             Constraint::Length(7),
-            Constraint::Length(7),
-            Constraint::Length(8),
             Constraint::Min(12),
         ],
     )
@@ -203,10 +212,10 @@ fn draw(frame: &mut Frame, view: &mut View) {
             "semaphore",
             "held",
             "held/cap",
-            "waiting",
+            "wait",
             "oldest",
-            "grants/s",
-            "kind, window",
+            "grant/s",
+            "kind",
         ])
         .style(Style::new().add_modifier(Modifier::BOLD)),
     )

@@ -18,6 +18,15 @@ pub use permitq_fleet::{
     collect, database, invariant_violations, listen, quantile, queue_and_grants, Percentiles,
     RunReport, WorkerFleet,
 };
+/// A new, empty directory of this run's own under the temp directory (`permitq-NAME-<uuid>`),
+/// for a test's files and logs: two runs on one machine never share one.
+pub fn scratch_dir(name: &str) -> std::path::PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("permitq-{name}-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).expect("create a scratch directory");
+    dir
+}
+
 pub use testdb::{
     as_user, check_invariants, connect, event_objects, init_logging, quiet_config, semaphore,
     semaphore_locked, settled_state, signal, state_of, wait_folded, wait_until, with_dbname,

@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::explain::{self, Explanation};
 use crate::lease::Lease;
 use crate::listener::{Listener, ListenerEvent};
+use crate::presence::{Granting, WorkerSeen};
 use crate::rules::{duration_problem, priority_problem};
 use crate::sql;
 use crate::types::{
@@ -58,6 +59,8 @@ impl std::fmt::Debug for Client {
 struct Inner {
     pool: Pool,
     config: tokio_postgres::Config,
+    /// The server, for connection errors ([`db::target`]).
+    target: String,
     events: OnceCell<Listener>,
 }
 
@@ -80,15 +83,44 @@ impl Client {
         Client {
             inner: Arc::new(Inner {
                 pool,
+                target: db::target(&config),
                 config,
                 events: OnceCell::new(),
             }),
         }
     }
 
+    /// A pooled connection; a failure to connect names the server.
+    async fn conn(&self) -> Result<deadpool_postgres::Object> {
+        self.inner
+            .pool
+            .get()
+            .await
+            .map_err(|e| Error::from(e).reaching(&self.inner.target))
+    }
+
+    /// Whether anything is granting: how many workers run, and when one was last seen. See
+    /// [`Granting::warning`] for what to tell a user when none does.
+    pub async fn granting(&self) -> Result<Granting> {
+        let conn = self.conn().await?;
+        Granting::from_row(&conn.query_typed_one(sql::GRANTING, &[]).await?)
+    }
+
+    /// The workers seen in the last hour, live first: id, host, version, last seen.
+    pub async fn workers(&self) -> Result<Vec<WorkerSeen>> {
+        let conn = self.conn().await?;
+        conn.query_typed(sql::WORKERS, &[])
+            .await?
+            .iter()
+            .map(WorkerSeen::from_row)
+            .collect()
+    }
+
     /// Creates or upgrades the schema (see [`crate::migrate`]). Returns what it applied.
     pub async fn migrate(&self) -> Result<crate::migrate::Migrated> {
-        let mut conn = db::connect(&self.inner.config).await?;
+        let mut conn = db::connect(&self.inner.config)
+            .await
+            .map_err(|e| e.reaching(&self.inner.target))?;
         crate::migrate::migrate(&mut conn).await
     }
 
@@ -96,7 +128,7 @@ impl Client {
     /// and schema file applied unchanged, none newer): false when `permitq migrate` has not run
     /// yet, or another version did.
     pub async fn schema_is_current(&self) -> Result<bool> {
-        let conn = self.inner.pool.get().await?;
+        let conn = self.conn().await?;
         match crate::migrate::is_current(&conn).await {
             Err(e) if e.is_missing_schema() => Ok(false),
             other => other,
@@ -114,7 +146,7 @@ impl Client {
         if let Some(problem) = priority_problem(request.priority) {
             return Err(Error::invalid("priority", problem));
         }
-        let conn = self.inner.pool.get().await?;
+        let conn = self.conn().await?;
         let row = conn
             .query_typed_one(
                 sql::SUBMIT.as_str(),
@@ -160,7 +192,7 @@ impl Client {
 
     /// The request with this `external_id`, if any.
     pub async fn status(&self, external_id: &str) -> Result<Option<PermitRequest>> {
-        read_status(&self.inner.pool.get().await?, external_id).await
+        read_status(&self.conn().await?, external_id).await
     }
 
     /// [`Client::status`], and once the request has left `new`, a commit on the same
@@ -173,7 +205,7 @@ impl Client {
     ) -> Result<Option<PermitRequest>> {
         // Abandoned while the barrier waits (a primary without its standby), the connection
         // leaves the pool.
-        let mut conn = Checkout(Some(self.inner.pool.get().await?));
+        let mut conn = Checkout(Some(self.conn().await?));
         let row = read_status(&conn, external_id).await?;
         if row
             .as_ref()
@@ -205,7 +237,7 @@ impl Client {
     }
 
     async fn outcome(&self, query: &str, external_id: &str) -> Result<ReleaseOutcome> {
-        let conn = self.inner.pool.get().await?;
+        let conn = self.conn().await?;
         let text: String = conn
             .query_typed_one(query, &[(&external_id, Type::TEXT)])
             .await?
@@ -226,7 +258,7 @@ impl Client {
         }
         // A heartbeat abandoned midway (the lease's attempt timed out on a dead link) must not
         // leave its connection in the pool for the next one to hang on.
-        let mut conn = Checkout(Some(self.inner.pool.get().await?));
+        let mut conn = Checkout(Some(self.conn().await?));
         let row = conn
             .query_typed_one(
                 sql::HEARTBEAT,
@@ -347,7 +379,7 @@ impl Client {
         if let Some(problem) = duration_problem(settings.per, true) {
             return Err(Error::invalid("per", problem));
         }
-        let conn = self.inner.pool.get().await?;
+        let conn = self.conn().await?;
         let per = settings.per.map(sql::interval);
         db::semaphore_from_row(
             &conn
@@ -369,7 +401,7 @@ impl Client {
 
     /// Every semaphore, by name.
     pub async fn semaphores(&self) -> Result<Vec<Semaphore>> {
-        let conn = self.inner.pool.get().await?;
+        let conn = self.conn().await?;
         conn.query_typed(sql::LIST_SEMAPHORES, &[])
             .await?
             .iter()
@@ -379,7 +411,7 @@ impl Client {
 
     /// The capacity audit of one semaphore, oldest first.
     pub async fn capacity_history(&self, name: &str) -> Result<Vec<CapacityChange>> {
-        let conn = self.inner.pool.get().await?;
+        let conn = self.conn().await?;
         conn.query_typed(sql::CAPACITY_HISTORY, &[(&name, Type::TEXT)])
             .await?
             .iter()
@@ -389,7 +421,7 @@ impl Client {
 
     /// Every semaphore with its exact use, waiting count and oldest wait, by name.
     pub async fn usage(&self) -> Result<Vec<SemaphoreUsage>> {
-        let conn = self.inner.pool.get().await?;
+        let conn = self.conn().await?;
         conn.query_typed(sql::USAGE, &[])
             .await?
             .iter()
@@ -402,16 +434,26 @@ impl Client {
     /// a request that no longer waits, its outcome. `None` for an unknown request (or another
     /// role's, for a producer).
     pub async fn explain(&self, external_id: &str) -> Result<Option<Explanation>> {
-        let conn = self.inner.pool.get().await?;
+        let conn = self.conn().await?;
         let rows = conn
             .query_typed(sql::EXPLAIN, &[(&external_id, Type::TEXT)])
             .await?;
-        explain::explanation_from_rows(&rows)
+        let Some(mut explanation) = explain::explanation_from_rows(&rows)? else {
+            return Ok(None);
+        };
+        if matches!(explanation.state, State::New | State::InProgress) {
+            let granting = Granting::from_row(&conn.query_typed_one(sql::GRANTING, &[]).await?)?;
+            explanation.nothing_granting = granting.warning();
+        } else if let Some(r) = read_status(&conn, external_id).await? {
+            explanation.outcome = r.outcome();
+            explanation.error_detail = r.error_detail;
+        }
+        Ok(Some(explanation))
     }
 
     /// Who holds permits of `semaphore`, oldest grant first.
     pub async fn holders(&self, semaphore: &str) -> Result<Vec<Holder>> {
-        let conn = self.inner.pool.get().await?;
+        let conn = self.conn().await?;
         conn.query_typed(sql::HOLDERS, &[(&semaphore, Type::TEXT)])
             .await?
             .iter()
@@ -421,7 +463,7 @@ impl Client {
 
     /// The first `limit` requests waiting on `semaphore`, in queue order.
     pub async fn waiters(&self, semaphore: &str, limit: i64) -> Result<Vec<Waiter>> {
-        let conn = self.inner.pool.get().await?;
+        let conn = self.conn().await?;
         conn.query_typed(
             sql::WAITERS,
             &[(&semaphore, Type::TEXT), (&limit, Type::INT8)],
@@ -435,7 +477,7 @@ impl Client {
     /// Fencing check for a downstream write kept in this database: true (and remembered) when
     /// `token` is at least the highest token seen for `resource`.
     pub async fn fence(&self, resource: &str, token: i64) -> Result<bool> {
-        let conn = self.inner.pool.get().await?;
+        let conn = self.conn().await?;
         Ok(conn
             .query_typed_one(sql::FENCE, &[(&resource, Type::TEXT), (&token, Type::INT8)])
             .await?

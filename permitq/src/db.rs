@@ -20,9 +20,16 @@ use crate::types::{CapacityChange, PermitRequest, Semaphore};
 /// one without a password takes `PGPASSWORD` when it is set. A
 /// URL that does not parse is invalid input (field `database URL`).
 pub(crate) fn parse_config(url: &str) -> Result<Config> {
-    let mut config = url
-        .parse::<Config>()
-        .map_err(|e| Error::invalid("database URL", e.to_string()))?;
+    let mut config = url.parse::<Config>().map_err(|e| {
+        Error::invalid(
+            "database URL",
+            format!(
+                "{e}: expected postgres://user[:password]@host[:port]/database (e.g. \
+                     postgres://app@localhost:5432/app, or postgres:///app for the local \
+                     socket), or key=value pairs (host=localhost dbname=app user=app)"
+            ),
+        )
+    })?;
     if config.get_application_name().is_none() {
         config.application_name("permitq");
     }
@@ -55,6 +62,26 @@ pub(crate) fn parse_config(url: &str) -> Result<Config> {
         config.tcp_user_timeout(Duration::from_secs(30));
     }
     Ok(config)
+}
+
+/// The server(s) `config` connects to, for messages: `localhost:5432`, or the socket path.
+pub(crate) fn target(config: &Config) -> String {
+    let ports = config.get_ports();
+    config
+        .get_hosts()
+        .iter()
+        .enumerate()
+        .map(|(i, host)| {
+            let port = ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+            match host {
+                tokio_postgres::config::Host::Tcp(h) => format!("{h}:{port}"),
+                tokio_postgres::config::Host::Unix(dir) => {
+                    format!("{}/.s.PGSQL.{port}", dir.display())
+                }
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Where a URL without a host looks for the local server's socket (Debian's, then the
@@ -131,6 +158,7 @@ pub(crate) fn request_from_row(row: &Row) -> Result<PermitRequest> {
         priority: row.try_get("priority")?,
         state: row.try_get::<_, String>("state")?.parse()?,
         error_code: parse_opt("error_code")?.map(|s| s.parse()).transpose()?,
+        error_detail: crate::outcome::ErrorDetail::from_json(row.try_get("error_detail")?),
         release_reason: parse_opt("release_reason")?
             .map(|s| s.parse())
             .transpose()?,

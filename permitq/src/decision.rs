@@ -43,6 +43,7 @@
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::outcome::ErrorDetail;
 use crate::types::ErrorCode;
 
 /// A request's place in line: compares as "ahead" (less) when its effective priority is higher,
@@ -158,6 +159,8 @@ pub(crate) struct Decision {
     /// What each granted or waiting candidate takes where that is more than it names (its
     /// semaphores have parents): semaphore → count.
     pub charges: BTreeMap<i64, BTreeMap<String, i64>>,
+    /// For each failed candidate, what it hit ([`failure_detail`]).
+    pub details: BTreeMap<i64, ErrorDetail>,
 }
 
 impl Decision {
@@ -287,10 +290,14 @@ pub(crate) fn decide(
     };
     let mut verdicts = Vec::with_capacity(candidates.len());
     let mut all_charges = BTreeMap::new();
+    let mut details = BTreeMap::new();
 
     for c in candidates {
         let taken = charges(c, &batch.sems);
         let verdict = verdict_for(c, taken.as_ref(), &batch);
+        if let Verdict::Fail(code) = verdict {
+            details.insert(c.id, failure_detail(code, c, taken.as_ref(), &batch));
+        }
         let Some(taken) = taken else {
             verdicts.push((c.id, verdict));
             continue;
@@ -327,6 +334,7 @@ pub(crate) fn decide(
         verdicts,
         semaphores: batch.sems,
         charges: all_charges,
+        details,
     }
 }
 
@@ -363,23 +371,114 @@ fn verdict_for(c: &Candidate, taken: Option<&BTreeMap<String, i64>>, batch: &Bat
 /// there, the head's room on a fair one and the active children's reserve. Within a child's
 /// guarantee, its parent's room is all it needs.
 fn fits(c: &Candidate, taken: &BTreeMap<String, i64>, batch: &Batch<'_>) -> bool {
+    taken
+        .iter()
+        .all(|(name, count)| fits_at(name, *count, c, taken, batch))
+}
+
+/// Rule 4 on one semaphore `name`, where `c` takes `count`.
+fn fits_at(
+    name: &str,
+    count: i64,
+    c: &Candidate,
+    taken: &BTreeMap<String, i64>,
+    batch: &Batch<'_>,
+) -> bool {
     let sems = &batch.sems;
-    taken.iter().all(|(name, count)| {
-        let s = &sems[name];
-        let free_after = s.free() - count;
-        if free_after < 0 {
-            return false;
+    let s = &sems[name];
+    let free_after = s.free() - count;
+    if free_after < 0 {
+        return false;
+    }
+    if !borrows_at(name, c, taken, sems) {
+        return true;
+    }
+    let head_kept = !s.fair
+        || head_before(c.rank(), s.head, batch.heads.get(name).copied())
+            .is_none_or(|head| free_after >= head.count);
+    head_kept
+        && (!batch.children.contains_key(name)
+            || free_after >= reserve_after(name, taken, sems, &batch.children, &batch.waiting))
+}
+
+/// What a failure with `code` hit, for the request's `error_detail`: the semaphore and bound
+/// each rule saw (see [`ErrorDetail`]). The database adds the names nearest an unknown one and a
+/// template's bound (schema/functions/error_details.sql).
+fn failure_detail(
+    code: ErrorCode,
+    c: &Candidate,
+    taken: Option<&BTreeMap<String, i64>>,
+    batch: &Batch<'_>,
+) -> ErrorDetail {
+    let sems = &batch.sems;
+    let mut detail = ErrorDetail::default();
+    // The semaphore `c` names that `ancestor` is (or is above).
+    let named_below = |ancestor: &str| -> Option<String> {
+        c.permits.iter().find_map(|(name, _)| {
+            let mut at = name.as_str();
+            for _ in 0..=crate::rules::MAX_NESTING_DEPTH {
+                if at == ancestor {
+                    return (at != name).then(|| name.clone());
+                }
+                at = sems.get(at)?.parent.as_deref()?;
+            }
+            None
+        })
+    };
+    match (code, taken) {
+        (ErrorCode::UnknownSemaphore, _) => {
+            for (name, _) in &c.permits {
+                // The missing one: the name itself, or an ancestor above it.
+                let mut at = name.clone();
+                for _ in 0..=crate::rules::MAX_NESTING_DEPTH {
+                    match sems.get(&at) {
+                        None => {
+                            detail.named = (at != *name).then(|| name.clone());
+                            detail.semaphore = Some(at);
+                            return detail;
+                        }
+                        Some(s) => match &s.parent {
+                            Some(parent) => at = parent.clone(),
+                            None => break,
+                        },
+                    }
+                }
+            }
         }
-        if !borrows_at(name, c, taken, sems) {
-            return true;
+        (ErrorCode::TooManyInstances, _) => {
+            detail.semaphore = c
+                .permits
+                .iter()
+                .find(|(name, _)| sems.get(name).is_some_and(|s| s.refused))
+                .map(|(name, _)| name.clone());
         }
-        let head_kept = !s.fair
-            || head_before(c.rank(), s.head, batch.heads.get(name).copied())
-                .is_none_or(|head| free_after >= head.count);
-        head_kept
-            && (!batch.children.contains_key(name.as_str())
-                || free_after >= reserve_after(name, taken, sems, &batch.children, &batch.waiting))
-    })
+        (ErrorCode::ExceedsCapacity, Some(taken)) => {
+            if let Some((name, count)) = taken
+                .iter()
+                .find(|(name, count)| **count > sems[*name].capacity)
+            {
+                detail.named = named_below(name);
+                detail.semaphore = Some(name.clone());
+                detail.count = Some(*count);
+                detail.capacity = Some(sems[name].capacity);
+            }
+        }
+        (ErrorCode::NoCapacity, Some(taken)) => {
+            if let Some((name, count)) = taken
+                .iter()
+                .find(|(name, count)| !fits_at(name, **count, c, taken, batch))
+            {
+                let s = &sems[name];
+                detail.named = named_below(name);
+                detail.semaphore = Some(name.clone());
+                detail.count = Some(*count);
+                detail.capacity = Some(s.capacity);
+                detail.free = Some(s.free().max(0));
+            }
+        }
+        _ => {}
+    }
+    detail
 }
 
 /// The first in line ahead of `rank`: the semaphore's recorded head (outside the batch) or the

@@ -12,6 +12,8 @@ pub use tokio_postgres::error::SqlState;
 /// [`Error::is_retryable`] says whether running the same transaction again may succeed.
 pub struct Error {
     kind: Kind,
+    /// The server a connection error was about (`localhost:5432`), for its message.
+    target: Option<String>,
 }
 
 #[derive(Debug)]
@@ -34,6 +36,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     pub(crate) fn invalid(field: &'static str, message: impl Into<String>) -> Error {
         Error {
+            target: None,
             kind: Kind::InvalidInput {
                 field,
                 message: message.into(),
@@ -43,18 +46,29 @@ impl Error {
 
     pub(crate) fn config(message: impl Into<String>) -> Error {
         Error {
+            target: None,
             kind: Kind::Config(message.into()),
         }
     }
 
     pub(crate) fn unconfirmed(external_id: &str) -> Error {
         Error {
+            target: None,
             kind: Kind::Unconfirmed(external_id.to_string()),
         }
     }
 
+    /// A connection error, said with the server it was about (see [`crate::db::target`]).
+    pub(crate) fn reaching(mut self, target: &str) -> Error {
+        if self.is_connection() && self.target.is_none() {
+            self.target = Some(target.to_string());
+        }
+        self
+    }
+
     pub(crate) fn refused(request: crate::types::PermitRequest) -> Error {
         Error {
+            target: None,
             kind: Kind::NotGranted(Box::new(request)),
         }
     }
@@ -164,7 +178,18 @@ impl fmt::Display for Error {
                 write!(f, "timed out waiting for a database connection")
             }
             Kind::Pool(deadpool_postgres::PoolError::Backend(e)) | Kind::Db(e) => {
-                fmt_postgres(e, f)
+                if let (Some(target), None) = (&self.target, e.as_db_error()) {
+                    if format!("{e:?}").contains("password missing") {
+                        write!(f, "PostgreSQL at {target} asks for a password: ")?;
+                    } else {
+                        write!(f, "cannot reach PostgreSQL at {target}: ")?;
+                    }
+                }
+                fmt_postgres(e, f)?;
+                if let Some(target) = &self.target {
+                    f.write_str(&connection_hint(e, target))?;
+                }
+                Ok(())
             }
             Kind::Pool(e) => write!(f, "database pool: {e}"),
             Kind::Unconfirmed(id) => write!(
@@ -176,19 +201,98 @@ impl fmt::Display for Error {
     }
 }
 
+/// What to check after a connection error to `target`, by its likely cause.
+fn connection_hint(e: &tokio_postgres::Error, target: &str) -> String {
+    let text = format!("{e:?}").to_lowercase();
+    let cause = if let Some(db) = e.as_db_error() {
+        match db.code().code() {
+            "28P01" => {
+                "check the password: in the URL (postgres://user:password@host/db) or PGPASSWORD"
+            }
+            "28000" => {
+                "the server's pg_hba.conf does not let this user in from here, or no such role"
+            }
+            "3D000" => "no such database: create it (createdb), or name another in the URL",
+            "57P03" => "the server is starting up or shutting down: try again in a moment",
+            _ => return String::new(),
+        }
+    } else if text.contains("connection refused") {
+        "is PostgreSQL running, and listening on that host and port? The URL \
+         (DATABASE_URL or --database-url) names them"
+    } else if text.contains("no such file") {
+        "no server socket there: is PostgreSQL running on this machine? Name a host in the URL \
+         (postgres://user@host/db) to use TCP"
+    } else if text.contains("timed out") || text.contains("timeout") {
+        "the server did not answer in time: is the host reachable from here (address, firewall)?"
+    } else if text.contains("failed to lookup") || text.contains("name or service not known") {
+        "the host name does not resolve: check the host in the URL"
+    } else if text.contains("password missing") {
+        return String::new();
+    } else {
+        "the connection failed or was lost: is PostgreSQL up? The request is retried by \
+         running the command again (submit is idempotent)"
+    };
+    format!(" ({cause}; server {target})")
+}
+
+/// A permission error's message, with the permitq role that grants what was refused.
+fn role_hint(db: &tokio_postgres::error::DbError) -> String {
+    if db.code() != &SqlState::INSUFFICIENT_PRIVILEGE
+        || !db.message().starts_with("permission denied for")
+    {
+        return String::new();
+    }
+    let object = db.message().rsplit(' ').next().unwrap_or_default();
+    let role = match object {
+        "set_capacity"
+        | "revoke"
+        | "revoke_owners"
+        | "delete_settled"
+        | "delete_capacity_changes"
+        | "capacity_change"
+        | "raise_token_epoch" => "permitq_admin",
+        "claim_batch"
+        | "apply_decision"
+        | "lock_batch_semaphores"
+        | "fold_releases"
+        | "settle_invalid"
+        | "worker_wake"
+        | "worker_seen"
+        | "sweep_leases"
+        | "sweep_wait_deadlines"
+        | "sweep_stale" => "permitq_worker",
+        _ => {
+            "permitq_producer (submit, status, release, heartbeat, explain), permitq_worker or \
+              permitq_admin, as the command needs"
+        }
+    };
+    format!(
+        "; this needs the role {role}: a DBA runs GRANT {} TO <your login>",
+        role.split(' ').next().unwrap_or(role)
+    )
+}
+
 fn fmt_postgres(e: &tokio_postgres::Error, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     if let Some(db) = e.as_db_error() {
-        write!(f, "{} (SQLSTATE {})", db.message(), db.code().code())
+        write!(f, "{}", db.message())?;
+        if let Some(detail) = db.detail() {
+            write!(f, ": {detail}")?;
+        }
+        if let Some(hint) = db.hint() {
+            write!(f, " ({hint})")?;
+        }
+        write!(f, "{} (SQLSTATE {})", role_hint(db), db.code().code())
     } else {
         // Connection-level errors: tokio_postgres's Display omits the cause ("error connecting
         // to server"), so append the source chain.
-        write!(f, "{e}")?;
+        let mut text = e.to_string();
         let mut source = std::error::Error::source(e);
         while let Some(s) = source {
-            write!(f, ": {s}")?;
+            text.push_str(&format!(": {s}"));
             source = s.source();
         }
-        if e.to_string().contains("password missing") {
+        f.write_str(&text)?;
+        if text.contains("password missing") {
             write!(
                 f,
                 " (the server asks for a password: put it in the URL, \
@@ -217,13 +321,17 @@ impl std::error::Error for Error {
 
 impl From<tokio_postgres::Error> for Error {
     fn from(e: tokio_postgres::Error) -> Error {
-        Error { kind: Kind::Db(e) }
+        Error {
+            kind: Kind::Db(e),
+            target: None,
+        }
     }
 }
 
 impl From<deadpool_postgres::PoolError> for Error {
     fn from(e: deadpool_postgres::PoolError) -> Error {
         Error {
+            target: None,
             kind: Kind::Pool(e),
         }
     }

@@ -16,9 +16,15 @@ pub struct Explanation {
     pub external_id: String,
     /// Where it is in its life.
     pub state: State,
-    /// For a request that no longer waits: how it ended (`acquired`, `released expired`,
-    /// `error timeout`, ...).
+    /// For a request that no longer waits: how it ended, in words
+    /// ([`crate::PermitRequest::outcome`]: `acquired`, `released (expired)`,
+    /// `error exceeds_capacity: gpu=5 but gpu has capacity 4; ...`).
     pub outcome: Option<String>,
+    /// For a request that ended in `error`: what it hit.
+    pub error_detail: Option<crate::ErrorDetail>,
+    /// For a waiting request while no worker runs: that nothing is granting
+    /// ([`crate::Granting::warning`]).
+    pub nothing_granting: Option<String>,
     /// For a waiting request: each semaphore it names, in name order, then their parents
     /// (nested limits), nearest first.
     pub semaphores: Vec<SemaphoreWait>,
@@ -80,6 +86,8 @@ pub(crate) fn explanation_from_rows(rows: &[Row]) -> Result<Option<Explanation>>
         external_id: first.try_get(0)?,
         state: first.try_get::<_, String>(1)?.parse()?,
         outcome: first.try_get(2)?,
+        error_detail: None,
+        nothing_granting: None,
         semaphores: Vec::new(),
     };
     for row in rows {

@@ -15,7 +15,8 @@
 //! | [`Client`] | producers, holders and operators: submit, status, wait, acquire, release, revoke, heartbeat, capacity, usage, holders, waiters, fencing |
 //! | [`Lease`] | a held request that heartbeats itself and tells you when it is lost |
 //! | [`Request`] | a request to submit, built with its methods |
-//! | [`PermitRequest`], [`State`], [`ErrorCode`], [`ReleaseReason`], [`ReleaseOutcome`] | a request as stored, where it is in its life and how it ended |
+//! | [`PermitRequest`], [`State`], [`ErrorCode`], [`ErrorDetail`], [`ReleaseReason`], [`ReleaseOutcome`] | a request as stored, where it is in its life and how it ended (and [`PermitRequest::outcome`], in words) |
+//! | [`Granting`], [`WorkerSeen`] | whether anything is granting: the workers that run ([`Client::granting`], [`Client::workers`]) |
 //! | [`Semaphore`], [`CapacityChange`] | a semaphore, and its capacity audit |
 //! | [`SemaphoreUsage`], [`Holder`], [`Waiter`] | what operators watch: exact use, who holds, who waits |
 //! | [`Explanation`], [`SemaphoreWait`], [`BlockingHolder`] | why a request waits ([`Client::explain`]) |
@@ -57,6 +58,8 @@ mod lease;
 mod listener;
 mod maintenance;
 pub mod migrate;
+mod outcome;
+mod presence;
 mod rules;
 mod sql;
 mod types;
@@ -68,6 +71,8 @@ pub use error::{Error, Result, SqlState};
 pub use explain::{BlockingHolder, Explanation, SemaphoreWait};
 pub use lease::Lease;
 pub use maintenance::{MaintenanceConfig, OwnerLiveness};
+pub use outcome::ErrorDetail;
+pub use presence::{Granting, WorkerSeen};
 pub use rules::{
     AGING_STEP, MAX_DURATION, MAX_INSTANCES, MAX_NAME_LENGTH, MAX_NESTING_DEPTH,
     MAX_SEMAPHORES_PER_REQUEST, NOTIFY_QUEUE_LIMIT, PRIORITY_RANGE,

@@ -88,10 +88,16 @@ async fn run(
 ) {
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
     loop {
+        // One line per outage: the first failure after the connection was up warns, the
+        // retries that follow are debug lines.
+        let was_up = *connected.borrow();
         match listen_once(&config, &channels, &events, &connected, &mut backoff).await {
             Ok(()) => tracing::warn!("LISTEN connection closed; reconnecting"),
-            Err(e) => {
+            Err(e) if was_up || *connected.borrow() => {
                 tracing::warn!(error = %crate::Error::from(e), "LISTEN connection failed; reconnecting")
+            }
+            Err(e) => {
+                tracing::debug!(error = %crate::Error::from(e), "LISTEN connection failed again; reconnecting")
             }
         }
         connected.send_replace(false);

@@ -19,6 +19,7 @@ use tokio::sync::watch;
 
 use crate::error::Result;
 use crate::sql;
+use crate::worker::Outage;
 
 /// How the maintenance beside each worker runs: the sweeps and retention. Part of
 /// [`crate::WorkerConfig`]; [`MaintenanceConfig::default`] matches the CLI defaults.
@@ -395,7 +396,7 @@ pub(crate) async fn retention_once(
     Ok((requests, audit))
 }
 
-async fn every(
+pub(crate) async fn every(
     interval: Duration,
     mut stop: watch::Receiver<bool>,
     mut round: impl FnMut() -> BoxFuture<'static, ()>,
@@ -435,6 +436,7 @@ pub(crate) async fn run_sweeps(
     pool: Pool,
     config: Arc<MaintenanceConfig>,
     liveness: Option<Arc<dyn OwnerLiveness>>,
+    outage: Arc<Outage>,
     stop: watch::Receiver<bool>,
 ) {
     let skips = Arc::new(Skips::default());
@@ -442,22 +444,29 @@ pub(crate) async fn run_sweeps(
     every(config.sweep_interval, stop, move || {
         let (pool, config, liveness) = (pool.clone(), config.clone(), liveness.clone());
         let (skips, notifications_skipped) = (skips.clone(), notifications_skipped.clone());
+        let outage = outage.clone();
         Box::pin(async move {
             match sweep_once(&pool, &config, liveness.as_deref(), &skips).await {
-                Ok(out) if out != SweepOutcome::default() => tracing::info!(
-                    timed_out = out.timed_out,
-                    expired = out.expired,
-                    stale = out.stale,
-                    revoked = out.revoked,
-                    "sweep"
-                ),
-                Ok(_) => {}
+                Ok(out) => {
+                    outage.succeeded();
+                    if out != SweepOutcome::default() {
+                        tracing::info!(
+                            timed_out = out.timed_out,
+                            expired = out.expired,
+                            stale = out.stale,
+                            revoked = out.revoked,
+                            "sweep"
+                        );
+                    }
+                }
+                Err(e) if outage.failed("sweeps", &e) => return,
                 Err(e) => tracing::warn!(error = %e, "sweep failed"),
             }
             // The first look only learns where the count stands.
             let seen = notifications_skipped.load(std::sync::atomic::Ordering::Relaxed);
             match watch_notify_queue(&pool, seen).await {
                 Ok(now) => notifications_skipped.store(now, std::sync::atomic::Ordering::Relaxed),
+                Err(e) if outage.failed("NOTIFY queue checks", &e) => {}
                 Err(e) => tracing::warn!(error = %e, "NOTIFY queue check failed"),
             }
         })
@@ -469,6 +478,7 @@ pub(crate) async fn run_sweeps(
 pub(crate) async fn run_retention(
     pool: Pool,
     config: Arc<MaintenanceConfig>,
+    outage: Arc<Outage>,
     stop: watch::Receiver<bool>,
 ) {
     let interval = config.sweep_interval.max(Duration::from_secs(1));
@@ -476,11 +486,12 @@ pub(crate) async fn run_retention(
     let skips = Arc::new(Skips::default());
     every(interval, stop, move || {
         let (pool, config, stop) = (pool.clone(), config.clone(), stop_inner.clone());
-        let skips = skips.clone();
+        let (skips, outage) = (skips.clone(), outage.clone());
         Box::pin(async move {
             match retention_once(&pool, &config, Some(&stop), &skips).await {
                 Ok((0, 0)) => {}
                 Ok((requests, audit)) => tracing::info!(requests, audit, "retention deleted"),
+                Err(e) if outage.failed("retention rounds", &e) => {}
                 Err(e) => tracing::warn!(error = %e, "retention failed"),
             }
         })

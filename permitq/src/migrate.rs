@@ -69,6 +69,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "nested_limits",
         sql: include_str!("../schema/migrations/V6__nested_limits.sql"),
     },
+    Migration {
+        version: 7,
+        name: "answers",
+        sql: include_str!("../schema/migrations/V7__answers.sql"),
+    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.
@@ -99,6 +104,7 @@ schema_files! {
     "templates.sql",
     "nesting.sql",
     "rate_windows.sql",
+    "error_details.sql",
     "notifications.sql",
     "request_triggers.sql",
     "capacity_audit.sql",
@@ -115,6 +121,7 @@ schema_files! {
     "retention.sql",
     "views.sql",
     "explain.sql",
+    "workers.sql",
 }
 
 /// The schema file named `path`, if this build has it.

@@ -97,7 +97,7 @@ pub(crate) const CLAIM_BATCH: &str = include_str!("sql/claim_batch.sql");
 pub(crate) const CLAIM_REQUESTS: &str = include_str!("sql/claim_requests.sql");
 /// Worker: settle a request that failed a batch on its own as `error` / `invalid`; returns its
 /// external_id (NULL when it is no longer `new`).
-pub(crate) const SETTLE_INVALID: &str = "SELECT permitq.settle_invalid($1)";
+pub(crate) const SETTLE_INVALID: &str = "SELECT permitq.settle_invalid($1, $2)";
 /// Worker: make the batch's missing template instances, lock its semaphores in id order, fold
 /// pending releases into `used`, and read the semaphores as the decision sees them.
 pub(crate) const LOCK_BATCH_SEMAPHORES: &str = include_str!("sql/lock_batch_semaphores.sql");
@@ -112,14 +112,31 @@ pub(crate) const WORKER_SLEEPING: &str = "INSERT INTO permitq.worker_wake AS w \
 /// fold)? Two index probes, no transaction.
 pub(crate) const WORK_WAITING: &str = "SELECT EXISTS (SELECT 1 FROM permitq.permit_request \
      WHERE state = 'new' AND NOT examined) OR EXISTS (SELECT 1 FROM permitq.pending_release)";
-/// Worker, stopping: forget its row.
-pub(crate) const WORKER_GONE: &str = "DELETE FROM permitq.worker_wake WHERE worker_id = $1";
+/// Worker, stopping: forget whether it sleeps, and say it no longer runs (its row stays an hour,
+/// so that readers can say when a worker was last seen).
+pub(crate) const WORKER_GONE: &str =
+    "WITH wake AS (DELETE FROM permitq.worker_wake WHERE worker_id = $1) \
+     UPDATE permitq.worker_seen SET live_until = now() WHERE worker_id = $1";
+/// Worker, every [`crate::worker::SEEN_EVERY`] beside its claim loop: it is alive ($1 id, $2 host,
+/// $3 version, $4 pid, $5 how long the row counts as live). See schema/functions/workers.sql.
+pub(crate) const WORKER_SEEN: &str = "INSERT INTO permitq.worker_seen AS w \
+     (worker_id, host, version, pid, started_at, seen_at, live_until) \
+     VALUES ($1, $2, $3, $4, now(), now(), now() + $5::text::interval) \
+     ON CONFLICT (worker_id) DO UPDATE SET host = EXCLUDED.host, version = EXCLUDED.version, \
+     pid = EXCLUDED.pid, seen_at = EXCLUDED.seen_at, live_until = EXCLUDED.live_until";
 /// Worker, before sleeping: true when no producer that may have seen it awake is still in
 /// flight (the wake gate is free in EXCLUSIVE mode; taken and let go with this statement).
 pub(crate) const WAKE_GATE_FREE: &str = "SELECT permitq.wake_gate_free()";
-/// Retention: rows of workers that died asleep, long ago.
+/// Retention: rows of workers that died (asleep, or not seen), long ago.
 pub(crate) const DELETE_DEAD_WORKERS: &str =
-    "DELETE FROM permitq.worker_wake WHERE awake_by < now() - interval '1 hour'";
+    "WITH wake AS (DELETE FROM permitq.worker_wake WHERE awake_by < now() - interval '1 hour') \
+     DELETE FROM permitq.worker_seen WHERE live_until < now() - interval '1 hour'";
+/// Anyone: whether anything is granting (live workers, the last seen); see
+/// schema/functions/workers.sql.
+pub(crate) const GRANTING: &str = "SELECT live_workers, last_seen FROM permitq.granting()";
+/// Operators: the workers seen in the last hour, live first.
+pub(crate) const WORKERS: &str = "SELECT worker_id, host, version, pid, started_at, seen_at, live \
+     FROM permitq.workers ORDER BY live DESC, worker_id";
 /// Worker: the waiters outside the batch that fair semaphores keep room for.
 pub(crate) const SEMAPHORE_HEADS: &str = include_str!("sql/semaphore_heads.sql");
 /// Worker: write a batch's outcome.
@@ -266,6 +283,9 @@ fn all() -> Vec<(&'static str, String)> {
         ("FOLD_RELEASES", FOLD_RELEASES),
         ("WORKER_SLEEPING", WORKER_SLEEPING),
         ("WORKER_GONE", WORKER_GONE),
+        ("WORKER_SEEN", WORKER_SEEN),
+        ("GRANTING", GRANTING),
+        ("WORKERS", WORKERS),
         ("WORK_WAITING", WORK_WAITING),
         ("WAKE_GATE_FREE", WAKE_GATE_FREE),
         ("DELETE_DEAD_WORKERS", DELETE_DEAD_WORKERS),

@@ -255,6 +255,9 @@ pub struct PermitRequest {
     pub state: State,
     /// Set when `state` is `error`.
     pub error_code: Option<ErrorCode>,
+    /// With `error_code`: what the request hit (the semaphore, the bound); see
+    /// [`crate::ErrorDetail`] and [`PermitRequest::outcome`].
+    pub error_detail: Option<crate::ErrorDetail>,
     /// Set when `state` is `released`.
     pub release_reason: Option<ReleaseReason>,
     /// Set at grant: unique and increasing in grant order.

@@ -12,8 +12,10 @@
 
 mod batch;
 mod health;
+mod outage;
 
 pub use health::WorkerHealth;
+pub(crate) use outage::Outage;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -132,6 +134,8 @@ pub struct Worker {
     /// When this worker (or a clone) last ran a fold-only transaction, and whether one is owed.
     fold_clock: Arc<std::sync::Mutex<batch::FoldClock>>,
     health: WorkerHealth,
+    /// The database being unreachable, as all its tasks saw it.
+    outage: Arc<Outage>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -155,6 +159,7 @@ impl Worker {
             liveness: None,
             fold_clock: Arc::default(),
             health: WorkerHealth::default(),
+            outage: Arc::default(),
         }
     }
 
@@ -273,13 +278,16 @@ impl Worker {
             self.pool.clone(),
             maintenance_config.clone(),
             self.liveness.clone(),
+            self.outage.clone(),
             stop.clone(),
         ));
         let cleaner = tokio::spawn(maintenance::run_retention(
             self.pool.clone(),
             maintenance_config,
+            self.outage.clone(),
             stop.clone(),
         ));
+        let seen = tokio::spawn(self.clone().say_alive(stop.clone()));
 
         tracing::info!(worker = %self.config.id, "worker started");
         self.claim_loop(&wake, stop.clone()).await;
@@ -289,6 +297,7 @@ impl Worker {
         drop(listener);
         let _ = sweeper.await;
         let _ = cleaner.await;
+        let _ = seen.await;
         tracing::info!(worker = %self.config.id, "worker stopped");
         Ok(())
     }
@@ -302,11 +311,14 @@ impl Worker {
                 Ok(()) => {
                     backoff.reset();
                     self.health.pass_done();
+                    self.outage.succeeded();
                 }
                 Err(e) => {
                     metrics::counter!("permitq_failed_passes_total").increment(1);
                     let delay = backoff.next_delay();
-                    if e.is_missing_schema() || !e.is_retryable() {
+                    if self.outage.failed("passes", &e) {
+                        // Counted in the outage, which logs its start and end once.
+                    } else if e.is_missing_schema() || !e.is_retryable() {
                         tracing::error!(error = %e, "pass failed; retrying in {delay:?}");
                     } else {
                         tracing::warn!(error = %e, "pass failed; retrying in {delay:?}");
@@ -321,6 +333,39 @@ impl Worker {
         if let Ok(conn) = self.pool.get().await {
             let _ = conn.execute(sql::WORKER_GONE, &[&self.config.id]).await;
         }
+    }
+
+    /// Writes this worker's row of `permitq.worker_seen` every [`SEEN_EVERY`] until `stop`, so
+    /// that readers can tell that something is granting (schema/functions/workers.sql).
+    async fn say_alive(self, stop: watch::Receiver<bool>) {
+        let live_for = sql::interval(SEEN_EVERY * 3 + Duration::from_secs(2));
+        let host = host_name();
+        let version = env!("CARGO_PKG_VERSION").to_string();
+        let pid = i32::try_from(std::process::id()).unwrap_or(i32::MAX);
+        maintenance::every(SEEN_EVERY, stop, move || {
+            let worker = self.clone();
+            let (host, version, live_for) = (host.clone(), version.clone(), live_for.clone());
+            Box::pin(async move {
+                let written = async {
+                    worker
+                        .pool
+                        .get()
+                        .await?
+                        .execute(
+                            sql::WORKER_SEEN,
+                            &[&worker.config.id, &host, &version, &pid, &live_for],
+                        )
+                        .await?;
+                    Ok::<_, Error>(())
+                };
+                match written.await {
+                    Ok(()) => worker.outage.succeeded(),
+                    Err(e) if worker.outage.failed("liveness rows", &e) => {}
+                    Err(e) => tracing::warn!(error = %e, "could not record that this worker runs"),
+                }
+            })
+        })
+        .await;
     }
 
     /// One round of the claim loop: a pass; when it found nothing, the way to sleep.
@@ -444,6 +489,20 @@ impl Worker {
             .await?
             .get(0))
     }
+}
+
+/// How often a worker writes its liveness row (`permitq.worker_seen`); it counts as running for
+/// three times that, plus 2 s.
+pub(crate) const SEEN_EVERY: Duration = Duration::from_secs(2);
+
+/// This machine's name, for the liveness row (`unknown` where the kernel does not say).
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".to_string())
 }
 
 /// How often a worker that would sleep looks for work while producers are still in flight.

@@ -71,6 +71,9 @@ pub(crate) struct Detail {
     /// Why the first in line waits (`permitq.explain` of the waiter at position 1).
     pub(crate) first_in_line: Option<permitq::Explanation>,
     pub(crate) capacity_history: Vec<permitq::CapacityChange>,
+    /// The workers, and whether anything is granting.
+    #[serde(flatten)]
+    pub(crate) presence: crate::show::Presence,
 }
 
 /// Usage, holders, waiters and recent capacity changes of `name`, or None when unknown.
@@ -95,5 +98,6 @@ pub(crate) async fn detail(
         waiters,
         first_in_line,
         capacity_history: history,
+        presence: crate::show::Presence::read(client).await?,
     }))
 }

@@ -189,9 +189,19 @@ fn router(state: State) -> Router {
 
 /// The status page, with every semaphore's row rendered for the first paint. On a database
 /// error: 503, and the page says so in its table (its script keeps trying).
+/// Usage and the workers, for the page.
+async fn page_data(
+    client: &Client,
+) -> permitq::Result<(Vec<permitq::SemaphoreUsage>, crate::show::Presence)> {
+    Ok((
+        client.usage().await?,
+        crate::show::Presence::read(client).await?,
+    ))
+}
+
 async fn status_page(axum::extract::State(state): axum::extract::State<State>) -> Response {
-    match state.client.usage().await {
-        Ok(usage) => html(page::page(&usage)),
+    match page_data(&state.client).await {
+        Ok((usage, presence)) => html(page::page(&usage, &presence)),
         Err(e) => {
             let why = crate::error::one_line(&e.to_string());
             (
@@ -205,8 +215,8 @@ async fn status_page(axum::extract::State(state): axum::extract::State<State>) -
 
 /// The status page's table body, for its refresh: one request covers every semaphore.
 async fn status_rows(axum::extract::State(state): axum::extract::State<State>) -> Response {
-    match state.client.usage().await {
-        Ok(usage) => html(page::rows(&usage)),
+    match page_data(&state.client).await {
+        Ok((usage, presence)) => html(page::rows(&usage, &presence)),
         Err(e) => (
             StatusCode::SERVICE_UNAVAILABLE,
             crate::error::one_line(&e.to_string()),
@@ -238,8 +248,17 @@ async fn readyz(axum::extract::State(state): axum::extract::State<State>) -> Res
         if !worker.listener_connected() {
             return not_ready("the worker's LISTEN connection is down".into());
         }
+        return "ready\n".into_response();
     }
-    "ready\n".into_response()
+    // `serve` is ready without workers, but says when nothing grants.
+    match state.client.granting().await.map(|g| g.warning()) {
+        Ok(Some(warning)) => format!("ready; {warning}\n").into_response(),
+        Ok(None) => "ready\n".into_response(),
+        Err(e) => not_ready(format!(
+            "database: {}",
+            crate::error::one_line(&e.to_string())
+        )),
+    }
 }
 
 async fn metrics(axum::extract::State(state): axum::extract::State<State>) -> Response {

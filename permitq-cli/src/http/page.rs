@@ -8,12 +8,14 @@ use std::fmt::Write as _;
 
 use permitq::SemaphoreUsage;
 
+use crate::show::Presence;
+
 /// Where the rows go in page.html.
 const ROWS_MARK: &str = "<!--rows-->";
 
 /// The whole page with `usage` rendered into its table.
-pub(crate) fn page(usage: &[SemaphoreUsage]) -> String {
-    include_str!("page.html").replacen(ROWS_MARK, &rows(usage), 1)
+pub(crate) fn page(usage: &[SemaphoreUsage], presence: &Presence) -> String {
+    include_str!("page.html").replacen(ROWS_MARK, &rows(usage, presence), 1)
 }
 
 /// The whole page when the database cannot be read: one row saying why.
@@ -25,9 +27,20 @@ pub(crate) fn page_unavailable(why: &str) -> String {
     include_str!("page.html").replacen(ROWS_MARK, &row, 1)
 }
 
-/// The page's table body: one row per semaphore, or one row saying there are none.
-pub(crate) fn rows(usage: &[SemaphoreUsage]) -> String {
+/// The page's table body: the workers that run (or, marked, that nothing is granting), then one
+/// row per semaphore, or one row saying there are none.
+pub(crate) fn rows(usage: &[SemaphoreUsage], presence: &Presence) -> String {
     let mut html = String::from("<tbody id=\"rows\">");
+    let _ = write!(
+        html,
+        "<tr class=\"{}\"><td colspan=\"7\">{}</td></tr>",
+        if presence.nothing_granting.is_some() {
+            "workers none"
+        } else {
+            "workers"
+        },
+        escape(&presence.summary())
+    );
     if usage.is_empty() {
         html.push_str(
             "<tr class=\"none\"><td colspan=\"7\">no semaphores yet: \

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::{quiet_config, wait_until, TestDb};
 
-fn permitq(url: Option<&str>, args: &[&str]) -> Output {
+pub(crate) fn permitq(url: Option<&str>, args: &[&str]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_permitq"));
     cmd.args(args)
         .stdin(Stdio::null())
@@ -20,7 +20,7 @@ fn permitq(url: Option<&str>, args: &[&str]) -> Output {
 }
 
 /// Runs the binary off the async runtime's threads.
-async fn run(url: &str, args: &[&str]) -> Output {
+pub(crate) async fn run(url: &str, args: &[&str]) -> Output {
     let (url, args): (String, Vec<String>) = (
         url.to_string(),
         args.iter().map(|s| s.to_string()).collect(),
@@ -51,17 +51,17 @@ async fn wait_until_listening(db: &TestDb, id: &str) {
     .await;
 }
 
-fn code(o: &Output) -> i32 {
+pub(crate) fn code(o: &Output) -> i32 {
     o.status
         .code()
         .expect("exited normally, not by a signal (no panic abort)")
 }
 
-fn stdout(o: &Output) -> String {
+pub(crate) fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).to_string()
 }
 
-fn stderr(o: &Output) -> String {
+pub(crate) fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).to_string()
 }
 

@@ -105,7 +105,7 @@ async fn every_readme_block_runs_as_written_top_to_bottom_on_a_fresh_database() 
     let blocks = blocks(readme);
     for (language, _) in &blocks {
         assert!(
-            ["sh", "sql", "rust,no_run", "yaml"].contains(&language.as_str()),
+            ["sh", "sql", "rust,no_run", "yaml", "toml"].contains(&language.as_str()),
             "a README block the test cannot run: {language:?}"
         );
     }
@@ -124,15 +124,21 @@ async fn every_readme_block_runs_as_written_top_to_bottom_on_a_fresh_database() 
     let db = TestDb::empty().await;
     let conn = common::connect(&db.url).await;
     let binary = std::path::Path::new(env!("CARGO_BIN_EXE_permitq"));
+    // This build's `permitq` first, then the system's Python (the one with psycopg).
     let path = format!(
-        "{}:{}",
+        "{}:/usr/bin:{}",
         binary.parent().unwrap().display(),
         std::env::var("PATH").unwrap_or_default()
     );
+    // The tutorial's commands run in a directory of this run's own (its worker log lands there),
+    // with the clone's examples/ beside them as in a clone.
+    let work_dir = common::scratch_dir("readme");
+    std::os::unix::fs::symlink(root.join("examples"), work_dir.join("examples")).unwrap();
+    let examples = rust_examples(&root, binary);
     let shell = |command: &str| {
         let mut cmd = Command::new("sh");
         cmd.args(["-c", command])
-            .current_dir(&root)
+            .current_dir(&work_dir)
             .env("PATH", &path)
             .env("DATABASE_URL", &db.url)
             .env("RUST_LOG", "off")
@@ -207,7 +213,11 @@ async fn every_readme_block_runs_as_written_top_to_bottom_on_a_fresh_database() 
                     let command = match command.strip_prefix("cargo run --release -- ") {
                         Some(args) => format!("permitq {args}"),
                         None => command.to_string(),
-                    };
+                    }
+                    .replace(
+                        "cargo run -p permitq --example ",
+                        &format!("{}/", examples.display()),
+                    );
                     if let Some(command) = command.strip_suffix('&') {
                         let child = shell(&format!("exec {}", command.trim()))
                             .stdout(Stdio::null())
@@ -229,6 +239,27 @@ async fn every_readme_block_runs_as_written_top_to_bottom_on_a_fresh_database() 
                     );
                 }
             }
+            "rust,no_run" => {
+                let dependencies = blocks
+                    .iter()
+                    .find(|(language, _)| language == "toml")
+                    .map(|(_, toml)| toml.as_str())
+                    .expect("the README lists the Rust example's dependencies");
+                let out =
+                    build_and_run_rust_example(&root, &work_dir, dependencies, code, &db.url).await;
+                assert!(
+                    out.status.success(),
+                    "the README's Rust example failed: {}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                assert!(
+                    String::from_utf8_lossy(&out.stdout).contains("training with fencing token"),
+                    "{}",
+                    String::from_utf8_lossy(&out.stdout)
+                );
+                ran += 1;
+            }
             _ => {}
         }
     }
@@ -237,6 +268,87 @@ async fn every_readme_block_runs_as_written_top_to_bottom_on_a_fresh_database() 
     assert!(!background.0.is_empty(), "the tutorial starts a worker");
     drop(background);
     common::check_invariants(&conn).await.unwrap();
+}
+
+/// Where the library's example binaries are (`cargo test` builds them; built here if missing).
+fn rust_examples(root: &std::path::Path, binary: &std::path::Path) -> std::path::PathBuf {
+    let dir = binary.parent().unwrap().join("examples");
+    if !["producer", "fencing", "worker"]
+        .iter()
+        .all(|name| dir.join(name).exists())
+    {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+        let built = Command::new(cargo)
+            .args(["build", "--workspace", "--examples", "--quiet"])
+            .current_dir(root)
+            .stdin(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(built.success(), "cargo build --examples");
+    }
+    dir
+}
+
+/// The README's Rust example as a user would make it: a new cargo project in `dir`, its
+/// `[dependencies]` from the README (the path to the library made absolute), `src/main.rs` the
+/// README's code; built offline with this workspace's lock file (the versions this build tested)
+/// and its profile, in a target directory kept between runs, then run with `url`.
+async fn build_and_run_rust_example(
+    root: &std::path::Path,
+    dir: &std::path::Path,
+    dependencies: &str,
+    code: &str,
+    url: &str,
+) -> std::process::Output {
+    let project = dir.join("trainer");
+    std::fs::create_dir_all(project.join("src")).unwrap();
+    let library = root.join("permitq").canonicalize().unwrap();
+    let dependencies = dependencies.replace(
+        "path = \"../permitq/permitq\"",
+        &format!("path = {:?}", library.display().to_string()),
+    );
+    assert!(
+        dependencies.contains(&library.display().to_string()),
+        "{dependencies}"
+    );
+    let workspace = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    let profiles = &workspace[workspace
+        .find("[profile.")
+        .expect("the workspace's profiles")..];
+    std::fs::write(
+        project.join("Cargo.toml"),
+        format!(
+            "[package]\nname = \"trainer\"\nversion = \"0.1.0\"\nedition = \"2021\"\n\n\
+             {dependencies}\n\n[workspace]\n\n{profiles}"
+        ),
+    )
+    .unwrap();
+    std::fs::copy(root.join("Cargo.lock"), project.join("Cargo.lock")).unwrap();
+    std::fs::write(project.join("src/main.rs"), code).unwrap();
+    let target = root.join("target").join("readme-example");
+    let (project, url) = (project.clone(), url.to_string());
+    tokio::task::spawn_blocking(move || {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+        let build = Command::new(&cargo)
+            .args(["build", "--offline", "--quiet"])
+            .current_dir(&project)
+            .env("CARGO_TARGET_DIR", &target)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            build.status.success(),
+            "the README's Rust example does not build in a new project: {}",
+            String::from_utf8_lossy(&build.stderr)
+        );
+        Command::new(target.join("debug").join("trainer"))
+            .env("DATABASE_URL", &url)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -340,3 +340,72 @@ async fn a_paused_worker_holding_a_semaphore_lock_blocks_it_for_at_most_the_idle
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// A worker that loses its database logs one line when it goes and one when it is back, with
+/// what failed meanwhile, not a line per task per retry; and it grants again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_outage_is_logged_once_when_it_starts_and_once_when_it_ends() {
+    let pg = tokio::task::spawn_blocking(EmbeddedPostgres::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let url = pg.url("postgres");
+    let client = Client::connect(&url).await.unwrap();
+    client.migrate().await.unwrap();
+    client.set_capacity("s", 5, None).await.unwrap();
+    let log = common::scratch_dir("outage").join("worker.log");
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_permitq"))
+        .args(["worker", "--id", "outage", "--sweep-interval", "100ms"])
+        .env("DATABASE_URL", &url)
+        .env("RUST_LOG", "permitq=info")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    wait_until(SOON, "the worker started", || async {
+        read_log().contains("worker started")
+    })
+    .await;
+    let pg_ref = &pg;
+    tokio::task::block_in_place(|| pg_ref.stop(StopMode::Fast).unwrap());
+    // Down for 3 s: passes, sweeps (every 100 ms), retention and the liveness row all fail.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::task::block_in_place(|| pg_ref.start_server().unwrap());
+    wait_until(
+        Duration::from_secs(30),
+        "the worker says the database is back",
+        || async { read_log().contains("database reachable again") },
+    )
+    .await;
+    submit_retrying(&client, &Request::new("after").permit("s", 1)).await;
+    wait_until(SOON, "granted after the outage", || async {
+        matches!(
+            client.status("after").await.ok().flatten().map(|r| r.state),
+            Some(State::Acquired)
+        )
+    })
+    .await;
+    signal(worker.id(), "TERM");
+    worker.wait().unwrap();
+    let text = read_log();
+    let count = |s: &str| text.lines().filter(|l| l.contains(s)).count();
+    assert_eq!(count("database unreachable"), 1, "{text}");
+    assert_eq!(count("database reachable again"), 1, "{text}");
+    assert!(
+        text.contains("failed meanwhile: ") && text.contains("sweeps"),
+        "{text}"
+    );
+    // The outage's two lines, the LISTEN connection's one, and at most one failure that was
+    // not a connection error (a statement cut by the shutdown).
+    let loud = text
+        .lines()
+        .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+        .count();
+    assert!(
+        loud <= 5,
+        "{loud} warnings and errors for one outage:\n{text}"
+    );
+}

@@ -2,6 +2,7 @@
 //! worker processes under faults (kill -9, dropped connections, database restarts), and what
 //! operators use (top in tmux, the HTTP endpoints, the status page in headless Chromium).
 
+mod answers;
 mod cli;
 mod examples;
 mod faults;

@@ -103,6 +103,26 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
     .await;
     let screen = capture();
     assert!(screen.lines().all(|l| l.chars().count() <= 80), "{screen}");
+    // Every column's header is whole at 80 columns, and the workers line names the worker.
+    let header = screen
+        .lines()
+        .find(|l| l.contains("semaphore") && l.contains("held/cap"))
+        .unwrap_or_else(|| panic!("{screen}"));
+    for column in [
+        "semaphore",
+        "held",
+        "held/cap",
+        "wait",
+        "oldest",
+        "grant/s",
+        "kind",
+    ] {
+        assert!(
+            header.split_whitespace().any(|w| w == column),
+            "{column}: {header}"
+        );
+    }
+    assert!(screen.contains("workers (1): "), "{screen}");
     std::fs::write(screenshots().join("top.txt"), &screen).unwrap();
     tmux(&["send-keys", "-t", &session, "q"]);
     wait_until(SOON, "top quit on q", || async {

@@ -5,7 +5,10 @@
 -- name (lock_batch_semaphores). Acts only on requests still `new`: one already decided is left
 -- as it is (no second token, nothing counted twice). `charges`: for each request (by id) whose
 -- semaphores have parents, what it takes, ancestors included (functions/nesting.sql); the others
--- take their `permits`. Returns false when the outcomes' events could not be sent (see
+-- take their `permits`. `error_details`: for each failed request (by id), what the decision saw
+-- (the semaphore, the count, the bound), completed by permitq.completed_error_detail and stored
+-- as its `error_detail`; a caller that sends none (a worker of the release before) stores the
+-- codes alone. Returns false when the outcomes' events could not be sent (see
 -- permitq.notify): the outcomes are written all the same.
 CREATE OR REPLACE FUNCTION permitq.apply_decision(
     worker text,
@@ -13,7 +16,8 @@ CREATE OR REPLACE FUNCTION permitq.apply_decision(
     errored bigint[],
     error_codes text[],
     waiting bigint[],
-    charges jsonb
+    charges jsonb,
+    error_details jsonb DEFAULT '{}'
 ) RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 DECLARE
@@ -43,7 +47,9 @@ BEGIN
     IF cardinality(errored) > 0 THEN
         WITH failed AS (
             UPDATE permitq.permit_request r
-            SET state = 'error', error_code = e.code, settled_at = clock_timestamp(),
+            SET state = 'error', error_code = e.code,
+                error_detail = permitq.completed_error_detail(e.code, error_details -> e.id::text),
+                settled_at = clock_timestamp(),
                 worker_id = worker, examined_at = coalesce(r.examined_at, now()),
                 decided_at = now()
             FROM unnest(errored, error_codes) AS e(id, code)
@@ -117,19 +123,22 @@ BEGIN
     END IF;
     RETURN true;
 END $$;
-GRANT EXECUTE ON FUNCTION permitq.apply_decision(text, bigint[], bigint[], text[], bigint[], jsonb)
-    TO permitq_worker;
+GRANT EXECUTE ON FUNCTION permitq.apply_decision(text, bigint[], bigint[], text[], bigint[], jsonb,
+    jsonb) TO permitq_worker;
 
 -- A request that failed a batch on its own: ends it as `error` / `invalid` (out-of-bound
 -- intervals are cleared so that the row satisfies the constraints), drops its waiter rows, sends
--- its event. Takes only the request's row lock. Returns its external_id (NULL if no longer new).
-CREATE OR REPLACE FUNCTION permitq.settle_invalid(request_id bigint) RETURNS text
+-- its event. `problem`: why (the error the batch met), kept in `error_detail`. Takes only the
+-- request's row lock. Returns its external_id (NULL if no longer new).
+CREATE OR REPLACE FUNCTION permitq.settle_invalid(request_id bigint, problem text DEFAULT NULL)
+RETURNS text
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 DECLARE
     settled text;
 BEGIN
     UPDATE permitq.permit_request r
     SET state = 'error', error_code = 'invalid', settled_at = clock_timestamp(),
+        error_detail = jsonb_strip_nulls(jsonb_build_object('problem', left(problem, 1000))),
         examined_at = coalesce(r.examined_at, now()), decided_at = now(),
         ttl = CASE WHEN permitq.interval_problem(r.ttl, false) IS NULL THEN r.ttl END,
         wait = CASE WHEN permitq.interval_problem(r.wait, true) IS NULL THEN r.wait END
@@ -141,4 +150,4 @@ BEGIN
     END IF;
     RETURN settled;
 END $$;
-GRANT EXECUTE ON FUNCTION permitq.settle_invalid(bigint) TO permitq_worker;
+GRANT EXECUTE ON FUNCTION permitq.settle_invalid(bigint, text) TO permitq_worker;

@@ -14,6 +14,20 @@
 -- is no history. Cost: per semaphore named, the waiters ahead (counted from waiter_line_idx,
 -- and the unexamined requests placed ahead, at most 10000 each), the held requests, and those
 -- 2000 settled rows: never the whole backlog.
+-- A duration as `semaphore show` writes it: `250ms`, `8.9s`, `1m`, `1h30m`, `2d`.
+CREATE OR REPLACE FUNCTION permitq.human_duration(d interval) RETURNS text
+LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT CASE
+        WHEN x.s < 1 THEN round(x.s * 1000)::text || 'ms'
+        WHEN x.s < 60 THEN trim_scale(round(x.s, 1))::text || 's'
+        ELSE concat(nullif(floor(x.s / 86400), 0)::text || 'd',
+                    nullif(floor(mod(x.s, 86400) / 3600), 0)::text || 'h',
+                    nullif(floor(mod(x.s, 3600) / 60), 0)::text || 'm',
+                    nullif(floor(mod(x.s, 60)), 0)::text || 's')
+    END
+    FROM (SELECT extract(epoch FROM d) AS s) x
+$$;
+
 CREATE OR REPLACE FUNCTION permitq.explain(external_id text)
 RETURNS TABLE (request text, state text, outcome text, semaphore text, needs integer,
                capacity integer, free integer, shortfall integer, "position" bigint,
@@ -153,8 +167,9 @@ BEGIN
                        CASE WHEN child.name IS NULL THEN 'a request naming the parent itself borrows'
                             ELSE format('%s borrows beyond its guarantee (%s)', child.name, child.guarantee) END)
             WHEN opens_at IS NOT NULL AND shortfall > 0 THEN
-                format('rate limit: its window is spent (%s of %s granted per %s); room again at %s',
-                       s.capacity - free, s.capacity, s.per, opens_at)
+                format('rate limit: its window is spent (%s / %s granted per %s); opens in %s',
+                       s.capacity - free, s.capacity, permitq.human_duration(s.per),
+                       permitq.human_duration(greatest(opens_at - now(), interval '0')))
             WHEN s.fair AND head.request_id IS NOT NULL AND head.request_id <> r.id THEN
                 format('fair: request %s is first in line (priority %s, needs %s)%s',
                        head.external_id, head.priority, head.count,

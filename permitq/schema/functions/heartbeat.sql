@@ -65,6 +65,11 @@ BEGIN
         RAISE EXCEPTION 'lease lost: request % is unknown', $1 USING ERRCODE = '55000';
     END IF;
     PERFORM permitq.check_owner(request, 'heartbeat it');
+    IF request.state IN ('new', 'in_progress') THEN
+        RAISE EXCEPTION 'no lease yet: request % is still waiting to be granted', $1
+            USING ERRCODE = '55000',
+                  HINT = 'heartbeat once it is acquired (permitq status shows it; submit --await waits for it)';
+    END IF;
     IF request.state <> 'acquired' THEN
         RAISE EXCEPTION 'lease lost: request % is %', $1,
             concat_ws(' ', request.state, request.error_code, request.release_reason)

@@ -66,9 +66,10 @@ END $$;
 GRANT EXECUTE ON FUNCTION permitq.wake_gate_free() TO permitq_worker;
 
 -- Sends the outcomes of these requests on permitq_events as JSON arrays, chunked by size: a
--- notification's payload must stay under 8000 bytes. A chunk starts before 6000 bytes and one
--- event is at most ~1,700 (a 255-character external_id, each character escaped as \uXXXX), so
--- every chunk fits. False when a chunk was not sent (see permitq.notify).
+-- notification's payload must stay under 8000 bytes. A chunk starts before 5000 bytes and one
+-- event is at most ~2,900 (a 255-character external_id, each character escaped as \uXXXX, and
+-- an error_detail of at most 1,200 bytes: a longer one is left out, `status` has it), so every
+-- chunk fits. False when a chunk was not sent (see permitq.notify).
 CREATE OR REPLACE FUNCTION permitq.notify_events(request_ids bigint[]) RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -79,11 +80,13 @@ BEGIN
         SELECT '[' || string_agg(e.event, ',' ORDER BY e.id) || ']'
         FROM (SELECT e.id, e.event,
                      (sum(octet_length(e.event) + 1) OVER (ORDER BY e.id) - octet_length(e.event) - 1)
-                         / 6000 AS chunk
+                         / 5000 AS chunk
               FROM (SELECT r.id, json_build_object(
                            'external_id', r.external_id,
                            'state', r.state,
                            'error_code', r.error_code,
+                           'error_detail', CASE WHEN octet_length(r.error_detail::text) <= 1200
+                                                THEN r.error_detail END,
                            'release_reason', r.release_reason,
                            'fencing_token', r.fencing_token,
                            'expires_at', r.expires_at)::text AS event

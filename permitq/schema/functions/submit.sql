@@ -63,9 +63,11 @@ BEGIN
             END IF;
             RAISE EXCEPTION 'external_id % already exists with different parameters', submit.external_id
                 USING ERRCODE = '23505',
-                      DETAIL = format('existing: permits=%s owner=%s ttl=%s wait=%s priority=%s',
-                          existing.permits, existing.owner, existing.ttl, existing.wait,
-                          existing.priority);
+                      DETAIL = format('the existing request asked permits %s, owner %s, ttl %s, wait %s, priority %s (it is %s)',
+                          existing.permits, coalesce(existing.owner, 'none'),
+                          coalesce(existing.ttl::text, 'none'), coalesce(existing.wait::text, 'none'),
+                          existing.priority, existing.state),
+                      HINT = 'a new request needs a new external_id; the same parameters return the existing one';
         END IF;
         -- The conflicting row was deleted (retention) between the two statements: insert again.
     END LOOP;

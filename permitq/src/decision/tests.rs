@@ -223,6 +223,90 @@ fn capacity_lowered_below_used_grants_nothing_until_room() {
     assert_eq!(d.semaphores["a"].used, 5);
 }
 
+fn detail(d: &Decision, id: i64) -> ErrorDetail {
+    d.details.get(&id).cloned().unwrap_or_default()
+}
+
+#[test]
+fn each_failure_names_the_semaphore_and_the_bound_it_hit() {
+    let s = sems(&[("a", sem(3, 3, true)), ("b", sem(5, 0, true))]);
+    let mut fast = cand(3, &[("b", 1), ("a", 1)]);
+    fast.fail_fast = true;
+    let mut late = cand(4, &[("a", 1)]);
+    late.deadline_passed = true;
+    let d = decide(
+        &s,
+        &[
+            cand(1, &[("a", 1), ("nope", 1)]),
+            cand(2, &[("b", 1), ("a", 4)]),
+            fast,
+            late,
+        ],
+    );
+    let named = |name: &str| Some(name.to_string());
+    assert_eq!(
+        detail(&d, 1),
+        ErrorDetail {
+            semaphore: named("nope"),
+            ..ErrorDetail::default()
+        }
+    );
+    assert_eq!(
+        detail(&d, 2),
+        ErrorDetail {
+            semaphore: named("a"),
+            count: Some(4),
+            capacity: Some(3),
+            ..ErrorDetail::default()
+        }
+    );
+    // Fail fast: the semaphore without room, not the one with.
+    assert_eq!(
+        detail(&d, 3),
+        ErrorDetail {
+            semaphore: named("a"),
+            count: Some(1),
+            capacity: Some(3),
+            free: Some(0),
+            ..ErrorDetail::default()
+        }
+    );
+    assert!(detail(&d, 4).is_empty(), "a timeout carries no detail");
+    assert!(!d.details.contains_key(&5));
+}
+
+#[test]
+fn a_bound_at_a_parent_names_the_parent_and_the_semaphore_named_below_it() {
+    let child = |parent: &str| SemaphoreView {
+        parent: Some(parent.to_string()),
+        ..sem(6, 0, true)
+    };
+    let s = sems(&[
+        ("pool", sem(4, 0, true)),
+        ("team", child("pool")),
+        ("orphan", child("gone")),
+    ]);
+    let d = decide(&s, &[cand(1, &[("team", 5)]), cand(2, &[("orphan", 1)])]);
+    assert_eq!(
+        detail(&d, 1),
+        ErrorDetail {
+            semaphore: Some("pool".into()),
+            named: Some("team".into()),
+            count: Some(5),
+            capacity: Some(4),
+            ..ErrorDetail::default()
+        }
+    );
+    assert_eq!(
+        detail(&d, 2),
+        ErrorDetail {
+            semaphore: Some("gone".into()),
+            named: Some("orphan".into()),
+            ..ErrorDetail::default()
+        }
+    );
+}
+
 // ---- properties ----
 
 const NAMES: [&str; 5] = ["a", "b", "c", "d", "e"]; // "e" never exists
@@ -348,6 +432,37 @@ proptest! {
             prop_assert_eq!(after.used, before.used + granted, "used must move by exactly the grants (all-or-nothing)");
             if granted > 0 {
                 prop_assert!(after.used <= after.capacity, "{} over capacity: {:?}", name, after);
+            }
+        }
+    }
+
+    #[test]
+    fn every_failure_and_only_a_failure_has_a_detail_that_holds(
+        start in arb_semaphores(), cands in arb_candidates()
+    ) {
+        let d = decide(&start, &cands);
+        for (c, (id, v)) in cands.iter().zip(&d.verdicts) {
+            let detail = d.details.get(id);
+            prop_assert_eq!(detail.is_some(), matches!(v, Fail(_)), "{:?}", v);
+            let Some(detail) = detail else { continue };
+            let names = |s: &Option<String>| s.as_ref().is_some_and(|n| c.permits.iter().any(|(p, _)| p == n));
+            match v {
+                Fail(ErrorCode::UnknownSemaphore) => prop_assert!(
+                    names(&detail.semaphore)
+                        && !start.contains_key(detail.semaphore.as_deref().unwrap_or_default()),
+                    "{:?}", detail
+                ),
+                Fail(ErrorCode::ExceedsCapacity) => prop_assert!(
+                    names(&detail.semaphore) && detail.count > detail.capacity
+                        && detail.capacity == detail.semaphore.as_ref().map(|n| start[n].capacity),
+                    "{:?}", detail
+                ),
+                Fail(ErrorCode::NoCapacity) => prop_assert!(
+                    names(&detail.semaphore) && detail.free.is_some() && detail.count.is_some(),
+                    "{:?}", detail
+                ),
+                Fail(ErrorCode::TooManyInstances) => prop_assert!(names(&detail.semaphore)),
+                _ => prop_assert!(detail.is_empty(), "{:?}", detail),
             }
         }
     }

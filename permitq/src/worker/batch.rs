@@ -170,7 +170,11 @@ impl Worker {
     async fn settle_invalid(&self, id: i64, error: &Error) -> Result<bool> {
         let conn = self.pool.get().await?;
         let statement = conn.prepare_cached(sql::SETTLE_INVALID).await?;
-        let external_id: Option<String> = conn.query_one(&statement, &[&id]).await?.try_get(0)?;
+        let problem = format!("it failed a worker's batch on its own: {error}");
+        let external_id: Option<String> = conn
+            .query_one(&statement, &[&id, &problem])
+            .await?
+            .try_get(0)?;
         let Some(external_id) = external_id else {
             return Ok(false);
         };
@@ -247,7 +251,7 @@ impl Worker {
         let semaphores = lock_semaphores_and_heads(conn, &batch).await?;
         // In line: the decision goes first in line first (see decision::Rank).
         batch.candidates.sort_by_key(Candidate::rank);
-        let outcome = Outcome::of(&decide(&semaphores, &batch.candidates), &batch.unexamined);
+        let outcome = Outcome::of(&decide(&semaphores, &batch.candidates), &batch);
         self.apply_and_commit(conn, &outcome).await?;
         let done = outcome.counts(batch.candidates.len());
         record(started, &done, &outcome, &batch);
@@ -281,13 +285,14 @@ impl Worker {
             return Ok(());
         }
         let apply = conn.prepare_cached(sql::APPLY_DECISION).await?;
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] = [
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] = [
             &self.config.id,
             &outcome.granted,
             &outcome.errored,
             &outcome.codes,
             &outcome.queued,
             &outcome.charges,
+            &outcome.details,
         ];
         let (applied, committed) =
             tokio::join!(conn.execute(&apply, &params), conn.batch_execute("COMMIT"));
@@ -344,6 +349,8 @@ struct ClaimedBatch {
     /// Seconds since each was submitted.
     ages: BTreeMap<i64, f64>,
     external_ids: BTreeMap<i64, String>,
+    /// Why each undecidable one cannot be decided (the database's `permitq.request_problem`).
+    problems: BTreeMap<i64, String>,
 }
 
 impl ClaimedBatch {
@@ -353,6 +360,7 @@ impl ClaimedBatch {
             unexamined: BTreeSet::new(),
             ages: BTreeMap::new(),
             external_ids: BTreeMap::new(),
+            problems: BTreeMap::new(),
         };
         for row in rows {
             let id: i64 = row.try_get("id")?;
@@ -365,6 +373,7 @@ impl ClaimedBatch {
             if let Some(problem) = &problem {
                 tracing::warn!(%external_id, request_id = id, %problem,
                     "request cannot be decided; failing it as error/invalid");
+                batch.problems.insert(id, problem.clone());
             }
             let permits: serde_json::Value = row.try_get("permits")?;
             batch.candidates.push(Candidate {
@@ -468,10 +477,13 @@ struct Outcome {
     queued: Vec<i64>,
     /// What the nested ones take (request id → semaphore → count): they hold it, or queue on it.
     charges: serde_json::Value,
+    /// What each failed one hit (request id → [`crate::ErrorDetail`]).
+    details: serde_json::Value,
 }
 
 impl Outcome {
-    fn of(decision: &Decision, unexamined: &BTreeSet<i64>) -> Outcome {
+    fn of(decision: &Decision, batch: &ClaimedBatch) -> Outcome {
+        let unexamined = &batch.unexamined;
         let (mut errored, mut codes) = (Vec::new(), Vec::new());
         for (id, v) in &decision.verdicts {
             if let Verdict::Fail(code) = v {
@@ -492,6 +504,18 @@ impl Outcome {
                 .charges
                 .iter()
                 .map(|(id, taken)| (id.to_string(), serde_json::json!(taken)))
+                .collect::<serde_json::Map<_, _>>()
+                .into(),
+            details: decision
+                .details
+                .iter()
+                .map(|(id, detail)| {
+                    let mut detail = detail.clone();
+                    if let Some(problem) = batch.problems.get(id) {
+                        detail.problem = Some(problem.clone());
+                    }
+                    (id.to_string(), serde_json::json!(detail))
+                })
                 .collect::<serde_json::Map<_, _>>()
                 .into(),
         }

@@ -1,0 +1,362 @@
+//! Every answer says what happened and what to do: one test per situation a newcomer met, each
+//! asserting the words of the answer (the semaphore, the bound, the role, the command), not only
+//! the exit code.
+
+use permitq_test_support as common;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{quiet_config, wait_until, TestDb};
+
+use crate::cli::{code, permitq, run, stderr, stdout};
+
+const SOON: Duration = Duration::from_secs(15);
+
+/// The request's `--json` line.
+fn json(o: &std::process::Output) -> serde_json::Value {
+    serde_json::from_str(stdout(o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_semaphore_is_named_with_the_nearest_existing_names() {
+    let db = TestDb::new().await;
+    let worker = db.worker(quiet_config("w"));
+    let url = &db.url;
+    run(url, &["semaphore", "set", "gpu", "4"]).await;
+    let o = run(url, &["submit", "t2", "GPU=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 3, "{}", stderr(&o));
+    assert!(
+        stdout(&o).starts_with(
+            "t2 error unknown_semaphore: no semaphore named GPU, and no template matches it; \
+             did you mean gpu?"
+        ),
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &["status", "t2", "--json"]).await;
+    assert_eq!(
+        json(&o)["error_detail"],
+        serde_json::json!({ "semaphore": "GPU", "similar": ["gpu"] })
+    );
+    // Nothing near: how to create it.
+    let o = run(url, &["submit", "t2b", "zzz=1", "--await", "10s"]).await;
+    assert!(
+        stdout(&o).contains("create it with `permitq semaphore set zzz CAPACITY`"),
+        "{}",
+        stdout(&o)
+    );
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exceeds_capacity_names_the_semaphore_or_parent_and_its_capacity_also_in_explain() {
+    let db = TestDb::new().await;
+    let worker = db.worker(quiet_config("w"));
+    let url = &db.url;
+    run(url, &["semaphore", "set", "gpu", "4"]).await;
+    let o = run(url, &["submit", "t3", "gpu=5", "--await", "10s"]).await;
+    assert_eq!(code(&o), 3, "{}", stderr(&o));
+    assert!(
+        stdout(&o).starts_with(
+            "t3 error exceeds_capacity: gpu=5 but gpu has capacity 4: it can never be granted"
+        ),
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &["explain", "t3"]).await;
+    assert!(
+        stdout(&o)
+            .starts_with("t3 is not waiting: error exceeds_capacity: gpu=5 but gpu has capacity 4"),
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &["explain", "t3", "--json"]).await;
+    assert_eq!(
+        json(&o)["error_detail"],
+        serde_json::json!({ "semaphore": "gpu", "count": 5, "capacity": 4 })
+    );
+    // The bound is a parent's.
+    run(url, &["semaphore", "set", "pool", "4"]).await;
+    run(url, &["semaphore", "set", "team", "6", "--parent", "pool"]).await;
+    let o = run(url, &["submit", "t4", "team=5", "--await", "10s"]).await;
+    assert!(
+        stdout(&o).starts_with(
+            "t4 error exceeds_capacity: team=5 takes 5 from its parent pool, which has capacity 4"
+        ),
+        "{}",
+        stdout(&o)
+    );
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_many_instances_names_the_template_and_its_bound_also_in_json() {
+    let db = TestDb::new().await;
+    let worker = db.worker(quiet_config("w"));
+    let url = &db.url;
+    run(
+        url,
+        &["semaphore", "set", "lab-*", "1", "--max-instances", "4"],
+    )
+    .await;
+    for i in 1..=4 {
+        let id = format!("lab-{i}");
+        let o = run(url, &["submit", &id, &format!("{id}=1"), "--await", "10s"]).await;
+        assert_eq!(code(&o), 0, "{}", stdout(&o));
+    }
+    let o = run(url, &["submit", "lab-5", "lab-5=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 3);
+    assert!(
+        stdout(&o).starts_with(
+            "lab-5 error too_many_instances: lab-5 would be a new instance of template lab-*, \
+             which has its max_instances of 4 already"
+        ),
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &["status", "lab-5", "--json"]).await;
+    assert_eq!(
+        json(&o)["error_detail"],
+        serde_json::json!({ "semaphore": "lab-5", "template": "lab-*", "max_instances": 4 })
+    );
+    worker.stop().await;
+}
+
+#[test]
+fn a_server_that_is_not_there_is_named_with_its_host_and_port() {
+    // A port nobody listens on: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("postgres://app@127.0.0.1:{port}/app");
+    let o = permitq(Some(&url), &["status", "x"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains(&format!("cannot reach PostgreSQL at 127.0.0.1:{port}"))
+            && err.contains("is PostgreSQL running, and listening on that host and port?"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+#[test]
+fn a_password_the_server_asks_for_names_pgpassword_and_the_url_form() {
+    // A server that asks for a password, as one with md5 or scram in pg_hba.conf does.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        while let Ok((mut socket, _)) = listener.accept() {
+            let mut startup = [0u8; 512];
+            let _ = socket.read(&mut startup);
+            // AuthenticationCleartextPassword.
+            let _ = socket.write_all(&[b'R', 0, 0, 0, 8, 0, 0, 0, 3]);
+            let _ = socket.read(&mut startup);
+        }
+    });
+    let url = format!("postgres://me@127.0.0.1:{port}/app");
+    let o = Command::new(env!("CARGO_BIN_EXE_permitq"))
+        .args(["status", "x"])
+        .env("DATABASE_URL", &url)
+        .env_remove("PGPASSWORD")
+        .env("RUST_LOG", "off")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(code(&o), 1, "{err}");
+    assert!(
+        err.contains("password missing")
+            && err.contains("PGPASSWORD")
+            && err.contains("postgres://user:password@host/db"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_malformed_url_shows_the_form_expected() {
+    let o = permitq(Some("localhost/app"), &["status", "x"]);
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("invalid database URL")
+            && stderr(&o).contains("expected postgres://user[:password]@host[:port]/database"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permission_error_names_the_role_needed() {
+    let db = TestDb::new().await;
+    let producer = db.login("permitq_producer").await;
+    let o = run(&producer, &["semaphore", "set", "gpu", "4"]).await;
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("permission denied for function set_capacity")
+            && stderr(&o).contains("this needs the role permitq_admin")
+            && stderr(&o).contains("GRANT permitq_admin TO"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resubmit_with_other_parameters_shows_what_the_existing_request_asked() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "gpu", "4"]).await;
+    run(url, &["submit", "dup", "gpu=1", "--ttl", "5m"]).await;
+    let o = run(url, &["submit", "dup", "gpu=2"]).await;
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("already exists with different parameters")
+            && err.contains(r#"the existing request asked permits {"gpu": 1}"#)
+            && err.contains("ttl 00:05:00")
+            && err.contains("a new request needs a new external_id"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_on_a_waiting_request_says_it_is_still_waiting() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "gpu", "4"]).await;
+    run(url, &["submit", "wait-1", "gpu=1"]).await;
+    let o = run(url, &["heartbeat", "wait-1"]).await;
+    assert_eq!(code(&o), 3, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("no lease yet: request wait-1 is still waiting to be granted")
+            && stderr(&o).contains("heartbeat once it is acquired"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_await_says_that_no_worker_is_running() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "nw", "4"]).await;
+    let o = run(url, &["submit", "nw-1", "nw=1", "--await", "1s"]).await;
+    assert_eq!(code(&o), 4, "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim(), "nw-1 new");
+    assert!(
+        stderr(&o).contains(
+            "nw-1 still waits: nothing is granting: no worker seen in the last hour; start one \
+             with `permitq worker`"
+        ),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn once_the_last_worker_stops_explain_and_semaphore_show_say_nothing_is_granting() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let worker = db.worker(quiet_config("only-worker"));
+    run(url, &["semaphore", "set", "nw", "1"]).await;
+    let o = run(url, &["submit", "held", "nw=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    run(url, &["submit", "nw-2", "nw=1"]).await;
+    // While it runs, the worker is listed.
+    wait_until(SOON, "semaphore show lists the worker", || async {
+        stdout(&run(url, &["semaphore", "show", "nw"]).await)
+            .contains("workers (1): only-worker on ")
+    })
+    .await;
+    let o = run(url, &["explain", "nw-2"]).await;
+    assert!(
+        !stdout(&o).contains("nothing is granting"),
+        "{}",
+        stdout(&o)
+    );
+    worker.stop().await;
+
+    for args in [&["explain", "nw-2"][..], &["semaphore", "show", "nw"]] {
+        let o = run(url, args).await;
+        assert!(
+            stdout(&o).contains("nothing is granting: no worker seen for ")
+                && stdout(&o).contains("start one with `permitq worker`"),
+            "{args:?}: {}",
+            stdout(&o)
+        );
+    }
+    let o = run(url, &["semaphore", "show", "nw", "--json"]).await;
+    let show = json(&o);
+    assert_eq!(show["granting"]["live_workers"], 0, "{show}");
+    assert_eq!(show["workers"][0]["worker_id"], "only-worker", "{show}");
+    assert_eq!(show["workers"][0]["live"], false, "{show}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_example_on_a_database_without_the_schema_says_to_migrate() {
+    let db = TestDb::empty().await;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let url = db.url.clone();
+    let o = tokio::task::spawn_blocking(move || {
+        Command::new("/usr/bin/python3")
+            .arg(root.join("examples/python/permitq_example.py"))
+            .env("DATABASE_URL", &url)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("no permitq schema yet: run `permitq migrate` first"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_writes_a_rate_window_as_semaphore_show_does() {
+    let db = TestDb::new().await;
+    let worker = db.worker(quiet_config("w"));
+    let url = &db.url;
+    run(url, &["semaphore", "set", "api", "1", "--per", "10s"]).await;
+    let o = run(url, &["submit", "a1", "api=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    run(url, &["submit", "a2", "api=1"]).await;
+    wait_until(SOON, "explain says the window is spent", || async {
+        stdout(&run(url, &["explain", "a2"]).await).contains("window is spent")
+    })
+    .await;
+    let o = run(url, &["explain", "a2"]).await;
+    let text = stdout(&o);
+    assert!(
+        text.contains("rate limit: its window is spent (1 / 1 granted per 10s); opens in ")
+            && !text.contains("00:00:10")
+            && !text.contains("+00"),
+        "{text}"
+    );
+    // `opens in 8.9s`: seconds, one decimal, within the window.
+    let opens: f64 = text
+        .split("opens in ")
+        .nth(1)
+        .and_then(|rest| rest.split('s').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!((0.0..=10.0).contains(&opens), "{text}");
+    worker.stop().await;
+}
+
+#[test]
+fn demo_help_says_it_runs_on_a_throwaway_postgresql_of_its_own() {
+    let o = permitq(Some("postgres://ignored@127.0.0.1/x"), &["demo", "--help"]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let help = stdout(&o).split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        help.contains("a throwaway PostgreSQL of its own (DATABASE_URL is ignored;"),
+        "{help}"
+    );
+}

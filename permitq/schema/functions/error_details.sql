@@ -1,0 +1,65 @@
+-- What an errored request records beside its code (`permit_request.error_detail`, read by
+-- types::ErrorDetail). The decision (src/decision.rs, `failure_detail`) names the semaphore, the
+-- count and the bound it saw; the worker's apply adds what only the database knows:
+--   unknown_semaphore: `similar`, the existing names nearest the one not found;
+--   too_many_instances: `template` and its `max_instances`.
+
+-- Up to 3 existing semaphore or template names nearest `semaphore_name`, nearest first: the same
+-- name in another case, then names that contain it or that it contains, then those sharing most
+-- of its letter pairs. Instances are left out (their template is named instead). Cost: bounded,
+-- at most 1,000 names compared, only when a request fails with unknown_semaphore.
+CREATE OR REPLACE FUNCTION permitq.similar_semaphore_names(semaphore_name text) RETURNS text[]
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    WITH wanted AS (
+        SELECT lower(left(semaphore_name, 128)) AS name
+    ),
+    pairs AS (
+        SELECT DISTINCT substr(w.name, i, 2) AS pair
+        FROM wanted w, generate_series(1, greatest(length(w.name) - 1, 1)) i
+    ),
+    candidates AS (
+        SELECT s.name, lower(left(s.name, 128)) AS lowered
+        FROM permitq.semaphore s
+        WHERE s.template IS NULL AND s.name <> semaphore_name
+        ORDER BY s.name
+        LIMIT 1000
+    ),
+    scored AS (
+        SELECT c.name,
+               CASE WHEN c.lowered = w.name THEN 3
+                    WHEN strpos(c.lowered, w.name) > 0 OR strpos(w.name, rtrim(c.lowered, '*')) > 0
+                        THEN 2
+                    ELSE 0 END AS rank,
+               (SELECT count(DISTINCT substr(c.lowered, i, 2))
+                FROM generate_series(1, greatest(length(c.lowered) - 1, 1)) i
+                WHERE substr(c.lowered, i, 2) IN (SELECT pair FROM pairs))::float8
+               / greatest((SELECT count(*) FROM pairs), length(c.lowered) - 1, 1) AS shared
+        FROM candidates c, wanted w
+    )
+    SELECT coalesce(array_agg(name ORDER BY rank DESC, shared DESC, name), '{}')
+    FROM (SELECT name, rank, shared FROM scored
+          WHERE rank > 0 OR shared >= 0.5
+          ORDER BY rank DESC, shared DESC, name LIMIT 3) nearest
+$$;
+
+-- A failed request's detail, completed: `detail` as the decision gave it, plus `similar` for
+-- unknown_semaphore and `template` / `max_instances` for too_many_instances.
+CREATE OR REPLACE FUNCTION permitq.completed_error_detail(code text, detail jsonb) RETURNS jsonb
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    template permitq.semaphore;
+BEGIN
+    detail := coalesce(detail, '{}');
+    IF code = 'unknown_semaphore' AND detail ? 'semaphore' THEN
+        RETURN detail || jsonb_build_object(
+            'similar', to_jsonb(permitq.similar_semaphore_names(detail ->> 'semaphore')));
+    ELSIF code = 'too_many_instances' AND detail ? 'semaphore' THEN
+        template := permitq.template_for(detail ->> 'semaphore');
+        IF template.name IS NOT NULL THEN
+            RETURN detail || jsonb_build_object(
+                'template', template.name,
+                'max_instances', coalesce(template.max_instances, permitq.rule_max_instances()));
+        END IF;
+    END IF;
+    RETURN detail;
+END $$;

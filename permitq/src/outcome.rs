@@ -1,0 +1,164 @@
+//! How a request ended, in words: [`ErrorDetail`] (the `error_detail` column) and
+//! [`PermitRequest::outcome`], the one rendering the CLI, the status page and `explain` share.
+
+use serde::{Deserialize, Serialize};
+
+use crate::types::{ErrorCode, PermitRequest, State};
+
+/// What an errored request hit, stored beside its [`ErrorCode`] (`permit_request.error_detail`,
+/// a JSON object). Each field is set where it applies to the code:
+///
+/// | code | fields |
+/// |---|---|
+/// | `unknown_semaphore` | `semaphore` (the name not found), `named` (when it is a missing parent of that one), `similar` |
+/// | `exceeds_capacity` | `semaphore`, `count`, `capacity`, `named` (when the bound is a parent's) |
+/// | `no_capacity` | `semaphore`, `count`, `capacity`, `free`, `named` |
+/// | `too_many_instances` | `semaphore`, `template`, `max_instances` |
+/// | `invalid` | `problem` |
+///
+/// `timeout` and `cancelled` carry none: the request's `wait` and state say it all.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+#[non_exhaustive]
+pub struct ErrorDetail {
+    /// The semaphore whose bound the request hit, or the name that was not found.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub semaphore: Option<String>,
+    /// When `semaphore` is an ancestor (nested limits): the semaphore the request named below it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub named: Option<String>,
+    /// What the request takes from `semaphore`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub count: Option<i64>,
+    /// The capacity of `semaphore` when the request was decided.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<i64>,
+    /// The room free on `semaphore` when the request was decided.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub free: Option<i64>,
+    /// The template that could not make `semaphore`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// That template's bound on its instances.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_instances: Option<i64>,
+    /// Existing semaphores or templates whose names are nearest the one not found.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub similar: Vec<String>,
+    /// Why a stored row could not be decided.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub problem: Option<String>,
+}
+
+impl ErrorDetail {
+    /// Reads the stored JSON; anything unreadable is no detail.
+    pub(crate) fn from_json(value: Option<serde_json::Value>) -> Option<ErrorDetail> {
+        value.and_then(|v| serde_json::from_value(v).ok())
+    }
+
+    /// Whether no field is set.
+    pub fn is_empty(&self) -> bool {
+        *self == ErrorDetail::default()
+    }
+}
+
+impl PermitRequest {
+    /// How the request ended, in one line, with what to do about it for an error:
+    /// `error exceeds_capacity: gpu=5 but gpu has capacity 4; ...`, `released (expired)`,
+    /// `acquired`. `None` while it waits.
+    pub fn outcome(&self) -> Option<String> {
+        match self.state {
+            State::New | State::InProgress => None,
+            State::Acquired => Some("acquired".to_string()),
+            State::Released => Some(match self.release_reason {
+                Some(reason) => format!("released ({reason})"),
+                None => "released".to_string(),
+            }),
+            State::Error => Some(match self.error_code {
+                Some(code) => format!("error {code}: {}", self.error_explained(code)),
+                None => "error".to_string(),
+            }),
+        }
+    }
+
+    /// Why it failed with `code`, from its `error_detail`, and what to do next.
+    fn error_explained(&self, code: ErrorCode) -> String {
+        let d = self.error_detail.clone().unwrap_or_default();
+        let name = d.semaphore.clone().unwrap_or_else(|| "?".to_string());
+        // `named=N`, as the request asked.
+        let asked = |named: &str| match self.permits.get(named) {
+            Some(count) => format!("{named}={count}"),
+            None => named.to_string(),
+        };
+        match code {
+            ErrorCode::UnknownSemaphore => {
+                let what = match &d.named {
+                    Some(named) => format!("{named}'s parent {name} does not exist"),
+                    None => format!("no semaphore named {name}, and no template matches it"),
+                };
+                match d.similar.as_slice() {
+                    [] => format!(
+                        "{what}; create it with `permitq semaphore set {name} CAPACITY` (or a \
+                         template NAME* that matches it)"
+                    ),
+                    similar => format!("{what}; did you mean {}?", similar.join(" or ")),
+                }
+            }
+            ErrorCode::ExceedsCapacity => {
+                let (count, capacity) = (d.count.unwrap_or(0), d.capacity.unwrap_or(0));
+                let at = match &d.named {
+                    Some(named) => {
+                        format!(
+                            "{} takes {count} from its parent {name}, which",
+                            asked(named)
+                        )
+                    }
+                    None => format!("{name}={count} but {name}"),
+                };
+                format!(
+                    "{at} has capacity {capacity}: it can never be granted; ask for at most \
+                     {capacity}, or raise the capacity (`permitq semaphore set {name} {count}`)"
+                )
+            }
+            ErrorCode::NoCapacity => {
+                let (count, free) = (d.count.unwrap_or(0), d.free.unwrap_or(0));
+                let capacity = d.capacity.unwrap_or(0);
+                let at = match &d.named {
+                    Some(named) => format!("{} takes {count} from its parent {name}", asked(named)),
+                    None => format!("{name}={count}"),
+                };
+                let room = if free >= count {
+                    format!("{free} of {capacity} free, kept for requests ahead in line")
+                } else {
+                    format!("{free} of {capacity} free")
+                };
+                format!(
+                    "{at}, {room}; it was submitted to fail fast (wait 0): submit with a longer \
+                     --wait to queue"
+                )
+            }
+            ErrorCode::Timeout => match self.wait {
+                Some(wait) => format!(
+                    "not granted within its wait of {}; `permitq explain` on a waiting request \
+                     says what holds it back",
+                    humantime::format_duration(wait)
+                ),
+                None => "not granted within its wait".to_string(),
+            },
+            ErrorCode::Cancelled => "released while it was still waiting".to_string(),
+            ErrorCode::TooManyInstances => match (&d.template, d.max_instances) {
+                (Some(template), Some(bound)) => format!(
+                    "{name} would be a new instance of template {template}, which has its \
+                     max_instances of {bound} already; idle instances are removed by the \
+                     workers, or raise the bound (`permitq semaphore set '{template}' CAPACITY \
+                     --max-instances N`)"
+                ),
+                _ => format!("{name} would be one instance too many of its template"),
+            },
+            ErrorCode::Invalid => format!(
+                "the stored row cannot be decided: {}",
+                d.problem.as_deref().unwrap_or("written around the checks")
+            ),
+        }
+    }
+}

@@ -1,0 +1,71 @@
+//! [`Outage`]: a worker's tasks (passes, sweeps, retention, its liveness row) share one account
+//! of the database being unreachable, so that an outage logs one line when it starts and one
+//! when it ends, with what failed meanwhile, instead of a line per task per retry.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use crate::error::Error;
+
+/// The worker's account of an outage in progress (none while the database answers).
+#[derive(Debug, Default)]
+pub(crate) struct Outage {
+    down: Mutex<Option<Down>>,
+}
+
+#[derive(Debug)]
+struct Down {
+    since: Instant,
+    /// Failed attempts per task while down.
+    failed: BTreeMap<&'static str, u64>,
+}
+
+impl Outage {
+    /// Records that `task` failed with `error`. A connection error starts the outage (logged
+    /// once, as an error naming the server) or counts in it: true, nothing more to log. Any other
+    /// error is the caller's to log: false.
+    pub(crate) fn failed(&self, task: &'static str, error: &Error) -> bool {
+        if !error.is_connection() {
+            return false;
+        }
+        let mut down = self.lock();
+        match down.as_mut() {
+            Some(d) => *d.failed.entry(task).or_insert(0) += 1,
+            None => {
+                tracing::error!(%error, task,
+                    "database unreachable; nothing is granted until it is back (retrying)");
+                *down = Some(Down {
+                    since: Instant::now(),
+                    failed: BTreeMap::from([(task, 1)]),
+                });
+            }
+        }
+        true
+    }
+
+    /// Records that a task reached the database: ends an outage in progress, with one line.
+    pub(crate) fn succeeded(&self) {
+        let Some(down) = self.lock().take() else {
+            return;
+        };
+        let failed = down
+            .failed
+            .iter()
+            .map(|(task, n)| format!("{n} {task}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        tracing::warn!(
+            down_s = down.since.elapsed().as_secs_f64(),
+            failed_meanwhile = %failed,
+            "database reachable again after {:.1}s (failed meanwhile: {failed})",
+            down.since.elapsed().as_secs_f64()
+        );
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Down>> {
+        self.down
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
