@@ -346,3 +346,28 @@ pub async fn semaphore_locked(conn: &mut tokio_postgres::Client, name: &str) -> 
     tx.rollback().await.expect("rollback");
     locked
 }
+
+/// The notification payloads `rx` (from [`crate::listen`] on `channel`) received before a
+/// marker this sends on `channel` through `listener` after everything else: what was sent
+/// until now, nothing missed, no sleep (20 s at most).
+pub async fn until_marker(
+    listener: &tokio_postgres::Client,
+    channel: &str,
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+) -> Vec<String> {
+    listener
+        .batch_execute(&format!("NOTIFY {channel}, 'marker'"))
+        .await
+        .expect("send the marker");
+    let mut got = Vec::new();
+    loop {
+        let payload = tokio::time::timeout(std::time::Duration::from_secs(20), rx.recv())
+            .await
+            .expect("the marker arrives")
+            .expect("the listener is up");
+        if payload == "marker" {
+            return got;
+        }
+        got.push(payload);
+    }
+}

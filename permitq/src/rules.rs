@@ -209,6 +209,17 @@ mod tests {
             sql.contains("'unknown_semaphore', 'exceeds_capacity'"),
             "{sql}"
         );
+        // The queue's order: priority steps of AGING_STEP, in the same unit (µs) as the age.
+        let place = sql
+            .split("FUNCTION permitq.rule_place_in_line(")
+            .nth(1)
+            .and_then(|rest| rest.split("$$;").next())
+            .expect("rule_place_in_line is defined");
+        assert!(
+            place.contains(&format!("priority::bigint * {step}::bigint"))
+                && place.contains("* 1000000)::bigint"),
+            "{place}"
+        );
         let above = PRIORITY_RANGE.end() + 1;
         assert_eq!(
             priority_problem(above),

@@ -671,3 +671,83 @@ async fn serve_runs_as_a_producer_login() {
     drop(serve);
     worker.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_explains_a_request_and_answers_404_with_a_reason_for_an_unknown_one() {
+    let db = TestDb::new().await;
+    let (_client, worker) = populated(&db).await;
+    let url = db.url.clone();
+    let (serve, addr) = tokio::task::spawn_blocking(move || {
+        spawn_server(&url, &["serve", "--http-addr", "127.0.0.1:0"])
+    })
+    .await
+    .unwrap();
+    let (status, body) = tokio::task::spawn_blocking(move || {
+        (
+            get(addr, "/api/requests/train-3/explain"),
+            get(addr, "/api/requests/nope/explain"),
+        )
+    })
+    .await
+    .unwrap();
+    let waiting: serde_json::Value = serde_json::from_str(&status.1).unwrap();
+    assert_eq!(status.0, 200, "{}", status.1);
+    assert_eq!(waiting["external_id"], "train-3");
+    assert_eq!(waiting["semaphores"][0]["semaphore"], "gpu");
+    assert_eq!(body.0, 404, "{}", body.1);
+    let unknown: serde_json::Value = serde_json::from_str(&body.1).unwrap();
+    assert_eq!(unknown["error"], "no request \"nope\"");
+    drop(serve);
+    worker.stop().await;
+}
+
+/// Names are the users' text: every column of the status page escapes them (semaphore,
+/// template, parent, and the workers line's worker id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_column_of_the_status_page_escapes_what_users_named() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("<u>p", 10, None).await.unwrap();
+    client
+        .set_semaphore(
+            "<i>t*",
+            2,
+            &permitq::SemaphoreSettings::new().parent("<u>p"),
+        )
+        .await
+        .unwrap();
+    client.set_capacity("<b>n</b>", 1, None).await.unwrap();
+    let worker = db.worker(quiet_config("<s>w"));
+    client
+        .submit(&Request::new("x").permit("<i>tx", 1))
+        .await
+        .unwrap();
+    assert_eq!(common::settled_state(&client, "x").await, State::Acquired);
+    let url = db.url.clone();
+    let (serve, addr) = tokio::task::spawn_blocking(move || {
+        spawn_server(&url, &["serve", "--http-addr", "127.0.0.1:0"])
+    })
+    .await
+    .unwrap();
+    wait_until(SOON, "the page lists the worker", || async {
+        let (_, rows) = tokio::task::spawn_blocking(move || get(addr, "/rows"))
+            .await
+            .unwrap();
+        rows.contains("&lt;s&gt;w")
+    })
+    .await;
+    for path in ["/rows", "/"] {
+        let (status, html) = tokio::task::spawn_blocking(move || get(addr, path))
+            .await
+            .unwrap();
+        assert_eq!(status, 200);
+        for raw in ["<u>", "<i>", "<b>", "<s>"] {
+            assert!(!html.contains(raw), "{path}: {raw} unescaped:\n{html}");
+        }
+        for escaped in ["&lt;b&gt;n&lt;/b&gt;", "from &lt;i&gt;t*", "in &lt;u&gt;p"] {
+            assert!(html.contains(escaped), "{path}: no {escaped}:\n{html}");
+        }
+    }
+    drop(serve);
+    worker.stop().await;
+}

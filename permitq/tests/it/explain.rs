@@ -264,3 +264,41 @@ async fn explain_shows_the_parents_and_the_room_kept_for_guarantees() {
         pool.reason
     );
 }
+
+/// Requests no worker has examined yet but that are placed ahead (a higher priority) count in
+/// the place in line and the permits ahead: they will be served first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unexamined_requests_placed_ahead_count_in_the_place_in_line() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("gpu", 1, None).await.unwrap();
+    let worker = db.notified_worker("explain-w");
+    let _holder = client
+        .acquire(
+            &Request::new("holder")
+                .permit("gpu", 1)
+                .ttl(Duration::from_secs(60)),
+            SOON,
+        )
+        .await
+        .unwrap();
+    client
+        .submit(&Request::new("waiting").permit("gpu", 1))
+        .await
+        .unwrap();
+    examined(&client, "waiting").await;
+    // No worker from here on: what is submitted now stays unexamined.
+    worker.stop().await;
+    for id in ["urgent-1", "urgent-2"] {
+        client
+            .submit(&Request::new(id).permit("gpu", 1).priority(10))
+            .await
+            .unwrap();
+    }
+    let gpu = &client.explain("waiting").await.unwrap().unwrap().semaphores[0];
+    assert_eq!(
+        (gpu.position, gpu.permits_ahead),
+        (Some(3), Some(2)),
+        "two unexamined requests of priority 10 go before it: {gpu:?}"
+    );
+}

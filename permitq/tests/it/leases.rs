@@ -526,3 +526,130 @@ async fn the_producer_example_runs_twice_and_fails_in_one_line() {
     }
     worker.stop().await;
 }
+
+/// A heartbeat that answers late extends the lease from when it was sent (the server counts
+/// `expires_at` from its transaction's start), so the guard declares the lease lost before the
+/// server's `expires_at`, never after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_heartbeat_counts_the_lease_from_when_it_was_sent() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 1, None).await.unwrap();
+    let worker = db.worker(sweeping("w"));
+    // Heartbeats every 2 s; the guard's safety margin is 0.6 s, under the 1.5 s delay below.
+    let ttl = Duration::from_secs(6);
+    let lease = client
+        .acquire(&Request::new("slow").permit("s", 1).ttl(ttl), SOON)
+        .await
+        .unwrap();
+    let heartbeat_at = || async {
+        db.conn()
+            .await
+            .query_one(
+                "SELECT CASE WHEN heartbeat_at > acquired_at THEN heartbeat_at END \
+                 FROM permitq.permit_request WHERE external_id = 'slow'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, Option<std::time::SystemTime>>(0)
+    };
+    // The first heartbeat goes at once; then hold the row so that the next one (2 s later)
+    // waits 1.5 s for it before it answers.
+    wait_until(SOON, "the first heartbeat", || async {
+        heartbeat_at().await.is_some()
+    })
+    .await;
+    let first = heartbeat_at().await;
+    let blocker = db.conn().await;
+    let hold_the_row =
+        "BEGIN; SELECT 1 FROM permitq.permit_request WHERE external_id = 'slow' FOR UPDATE";
+    blocker.batch_execute(hold_the_row).await.unwrap();
+    wait_until(SOON, "a heartbeat waits on the row", || async {
+        db.conn()
+            .await
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE wait_event_type = 'Lock' AND query LIKE '%heartbeat%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Let it through; once it has committed, take the row again before the next heartbeat
+    // (2 s after this one answered): no later heartbeat gets through.
+    blocker.batch_execute("COMMIT").await.unwrap();
+    wait_until(SOON, "the slow heartbeat commits", || async {
+        heartbeat_at().await != first
+    })
+    .await;
+    blocker.batch_execute(hold_the_row).await.unwrap();
+    let expires_at: std::time::SystemTime = blocker
+        .query_one(
+            "SELECT expires_at FROM permitq.permit_request WHERE external_id = 'slow'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    tokio::time::timeout(ttl * 3, lease.lost())
+        .await
+        .expect("the guard declares the lease lost");
+    let lost_at = std::time::SystemTime::now();
+    assert!(
+        lost_at < expires_at,
+        "declared lost {:?} after the server's expires_at: the lease was counted from the answer, \
+         not from when the heartbeat was sent",
+        lost_at.duration_since(expires_at).unwrap_or_default()
+    );
+    blocker.batch_execute("ROLLBACK").await.unwrap();
+    worker.stop().await;
+}
+
+/// A waiting request whose `wait` ran out is timed out by the sweep whether or not a worker has
+/// examined it yet (a backlog no worker reached keeps its deadlines).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_times_out_requests_no_worker_has_examined_yet() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 1, None).await.unwrap();
+    // No worker runs: nothing examines these.
+    for id in ["early-1", "early-2"] {
+        client
+            .submit(
+                &Request::new(id)
+                    .permit("s", 1)
+                    .wait(Duration::from_millis(1)),
+            )
+            .await
+            .unwrap();
+    }
+    let conn = db.conn().await;
+    let unexamined: i64 = conn
+        .query_one(
+            "SELECT count(*) FROM permitq.permit_request WHERE NOT examined AND state = 'new'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(unexamined, 2);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let swept: i32 = conn
+        .query_one("SELECT permitq.sweep_wait_deadlines(100)", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(swept, 2, "both deadlines enforced");
+    for id in ["early-1", "early-2"] {
+        let r = client.status(id).await.unwrap().unwrap();
+        assert_eq!(
+            (r.state, r.error_code),
+            (State::Error, Some(permitq::ErrorCode::Timeout))
+        );
+    }
+}

@@ -12,29 +12,6 @@ use permitq::{Request, State};
 
 const SOON: Duration = Duration::from_secs(20);
 
-/// Notification payloads received on `rx` before `marker` (sent after everything else).
-async fn until_marker(
-    listener: &tokio_postgres::Client,
-    channel: &str,
-    rx: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
-) -> Vec<String> {
-    listener
-        .batch_execute(&format!("NOTIFY {channel}, 'marker'"))
-        .await
-        .unwrap();
-    let mut got = Vec::new();
-    loop {
-        let payload = tokio::time::timeout(SOON, rx.recv())
-            .await
-            .unwrap()
-            .unwrap();
-        if payload == "marker" {
-            return got;
-        }
-        got.push(payload);
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_grants_and_a_batch_of_releases_send_a_few_notifications_not_one_each() {
     let db = TestDb::new().await;
@@ -58,7 +35,7 @@ async fn a_batch_of_grants_and_a_batch_of_releases_send_a_few_notifications_not_
     })
     .await;
     worker.stop().await;
-    let grants = until_marker(&events_listener, "permitq_events", &mut events).await;
+    let grants = common::until_marker(&events_listener, "permitq_events", &mut events).await;
     let granted: Vec<_> = grants.iter().flat_map(|p| event_objects(p)).collect();
     assert_eq!(granted.len(), 100, "every grant announced once");
     assert!(granted.iter().all(|e| e["state"] == "acquired"));
@@ -69,7 +46,7 @@ async fn a_batch_of_grants_and_a_batch_of_releases_send_a_few_notifications_not_
         client.release(&format!("r-{i}")).await.unwrap();
     }
     assert!(
-        until_marker(&events_listener, "permitq_events", &mut events)
+        common::until_marker(&events_listener, "permitq_events", &mut events)
             .await
             .is_empty(),
         "a release sends nothing itself"
@@ -84,7 +61,7 @@ async fn a_batch_of_grants_and_a_batch_of_releases_send_a_few_notifications_not_
         client.semaphores().await.unwrap()[0].used == 0
     })
     .await;
-    let releases = until_marker(&events_listener, "permitq_events", &mut events).await;
+    let releases = common::until_marker(&events_listener, "permitq_events", &mut events).await;
     let mut released: BTreeMap<String, usize> = BTreeMap::new();
     for e in releases.iter().flat_map(|p| event_objects(p)) {
         assert_eq!(e["state"], "released");
@@ -140,10 +117,10 @@ async fn under_load_producers_do_not_notify_per_request() {
     })
     .await;
     let cycles = PRODUCERS * CYCLES;
-    let wakeups = until_marker(&work_listener, "permitq_work", &mut work)
+    let wakeups = common::until_marker(&work_listener, "permitq_work", &mut work)
         .await
         .len();
-    let event_notes = until_marker(&events_listener, "permitq_events", &mut events).await;
+    let event_notes = common::until_marker(&events_listener, "permitq_events", &mut events).await;
     let outcomes: usize = event_notes.iter().map(|p| event_objects(p).len()).sum();
     assert_eq!(
         outcomes,

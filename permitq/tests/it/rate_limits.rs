@@ -336,3 +336,43 @@ async fn a_spent_window_opens_when_enough_of_its_grants_have_left_it() {
         .unwrap();
     assert_eq!(opens_in(5).await, None);
 }
+
+/// A grant counts in its window until `acquired_at + per`, never less: its bucket (a 64th of
+/// the window) ends at or after the grant, by at most a bucket's width.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_is_bucketed_at_or_after_its_time_so_it_never_leaves_the_window_early() {
+    let db = TestDb::new().await;
+    let conn = db.conn().await;
+    let rows = conn
+        .query(
+            "SELECT per::text,
+                    extract(epoch FROM permitq.rate_bucket_end(t, per) - t)::float8 AS ahead_s,
+                    extract(epoch FROM per)::float8 / 64 AS width_s
+             FROM (VALUES (interval '64 seconds'), (interval '1 minute'), (interval '1.5 seconds'),
+                          (interval '1 hour'), (interval '7 days')) w(per),
+                  (SELECT timestamptz '2026-11-24 09:34:47.8125+00'
+                          + n * interval '1.234567 seconds' AS t
+                   FROM generate_series(0, 40) n) ts",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 5 * 41);
+    let mut inside = 0;
+    for row in &rows {
+        let (per, ahead, width): (String, f64, f64) = (row.get(0), row.get(1), row.get(2));
+        assert!(
+            ahead >= 0.0,
+            "per {per}: the bucket ends {ahead}s before the grant"
+        );
+        assert!(
+            ahead <= width + 1e-6,
+            "per {per}: the bucket ends {ahead}s after the grant, more than its width {width}s"
+        );
+        inside += usize::from(ahead > 0.0);
+    }
+    assert!(
+        inside > rows.len() / 2,
+        "most grants fall inside a bucket, not on its end"
+    );
+}

@@ -142,6 +142,7 @@ async fn grants_go_on_when_the_notify_queue_fills_up() {
 
     let client = db.client().await;
     client.set_capacity("s", 10, None).await.unwrap();
+    let (events_listener, mut events) = common::listen(&db.url, "permitq_events").await;
     let _worker = db.worker(quiet_config("w"));
     for i in 0..5 {
         client
@@ -167,6 +168,12 @@ async fn grants_go_on_when_the_notify_queue_fills_up() {
         .unwrap()
         .get(0);
     assert!(skipped > 0, "the skipped notifications are counted");
+    // Skipped means not sent: no outcome reached a listener while the queue was over its limit.
+    assert_eq!(
+        common::until_marker(&events_listener, "permitq_events", &mut events).await,
+        Vec::<String>::new(),
+        "nothing is sent over the queue's limit"
+    );
     for i in 0..5 {
         client.release(&format!("r{i}")).await.unwrap();
     }
@@ -213,6 +220,21 @@ async fn a_producer_cannot_act_on_or_read_another_producers_requests() {
     }
     let err = b.heartbeat("a-1", None).await.unwrap_err();
     assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{err}");
+    // A request still waiting is A's too: B may not cancel it.
+    a.submit(&Request::new("a-wait").permit("s", 2))
+        .await
+        .unwrap();
+    for refused in [b.release("a-wait").await, b.revoke("a-wait").await] {
+        assert_eq!(
+            refused.unwrap_err().code(),
+            Some(&SqlState::INSUFFICIENT_PRIVILEGE)
+        );
+    }
+    assert_eq!(state(&a, "a-wait").await, State::New, "still waiting");
+    assert_eq!(
+        a.release("a-wait").await.unwrap(),
+        permitq::ReleaseOutcome::Cancelled
+    );
     let conn_b = common::connect(&b_url).await;
     let err = conn_b
         .batch_execute("SELECT permitq.cancel('a-1')")
@@ -701,6 +723,20 @@ async fn tokens_never_go_back_after_pg_upgrade() {
         .unwrap()
         .expect("pg_upgrade");
     let url = new.url("postgres");
+    // Each grant checks the timeline itself (permitq.token_epoch), before any worker's start-up
+    // raises the epoch: the epoch a grant would draw now is already past `before`'s.
+    let epoch: i64 = common::connect(&url)
+        .await
+        .query_one("SELECT permitq.token_epoch()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        epoch >> 48 > before >> 48,
+        "a grant right after pg_upgrade draws epoch {} after {}",
+        epoch >> 48,
+        before >> 48
+    );
     let after = grant_one(&url, "after").await;
     assert!(after > before, "{after} after {before}");
 }
