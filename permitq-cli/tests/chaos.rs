@@ -66,7 +66,8 @@ fn a_short_seeded_chaos_run_with_every_fault_passes_every_checker() {
             "{kind} was not injected: {faults}"
         );
     }
-    // The stale holder's write and the new holder's are both checked, every time.
+    // The stale holder's writes (between its lease's end and the sweep, and after the sweep)
+    // and the new holder's are all checked, every time.
     let pauses = fault_count(faults, "PauseHolder");
     let fence_checks: u32 = summary
         .lines()
@@ -75,7 +76,7 @@ fn a_short_seeded_chaos_run_with_every_fault_passes_every_checker() {
         .and_then(|n| n.parse().ok())
         .expect("fence operations line");
     assert!(
-        fence_checks >= 2 * pauses,
+        fence_checks >= 3 * pauses,
         "{fence_checks} fence checks for {pauses} paused holders: {summary}"
     );
     assert!(summary.contains("result: PASS"), "{summary}");
@@ -88,10 +89,13 @@ fn passing_run(args: &[&str]) -> String {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{summary}\n{stderr}");
     let found = violations(&summary);
-    assert_eq!(found.len(), 10, "every checker reported: {summary}");
+    assert_eq!(found.len(), CHECKERS, "every checker reported: {summary}");
     assert!(found.values().all(|n| *n == 0), "{summary}");
     summary
 }
+
+/// How many checkers a summary reports.
+const CHECKERS: usize = 12;
 
 /// The summary's "faults injected:" line.
 fn faults_line(summary: &str) -> &str {
@@ -122,21 +126,43 @@ const PLANTED_LOAD: [&str; 7] = [
     "11",
 ];
 
+/// [`PLANTED_LOAD`] with the local faults, one every 3 s (each kind within the first six):
+/// for the bugs only a fault exposes.
+const PLANTED_LOAD_WITH_FAULTS: [&str; 8] = [
+    "--duration",
+    "25s",
+    "--fault-every",
+    "3s",
+    "--clients",
+    "12",
+    "--seed",
+    "11",
+];
+
 #[test]
 fn the_load_of_the_planted_bugs_passes_without_them() {
-    for extra in [&[][..], &["--workers", "6"][..]] {
-        let (out, summary) = chaos(&[&PLANTED_LOAD[..], extra].concat());
-        assert_eq!(out.status.code(), Some(0), "{summary}");
+    for args in [
+        PLANTED_LOAD.to_vec(),
+        [&PLANTED_LOAD[..], &["--workers", "6"]].concat(),
+        PLANTED_LOAD_WITH_FAULTS.to_vec(),
+    ] {
+        let (out, summary) = chaos(&args);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {summary}");
         let found = violations(&summary);
-        assert_eq!(found.len(), 10, "every checker reported: {summary}");
-        assert!(found.values().all(|n| *n == 0), "{summary}");
+        assert_eq!(found.len(), CHECKERS, "every checker reported: {summary}");
+        assert!(found.values().all(|n| *n == 0), "{args:?}: {summary}");
     }
 }
 
 /// Runs [`PLANTED_LOAD`] with a planted bug (and these extra arguments) and returns the
 /// violations found by checker, and the summary with every violation's message.
 fn planted(mutation: &str, extra: &[&str]) -> (BTreeMap<String, u64>, String) {
-    let mut args = PLANTED_LOAD.to_vec();
+    planted_under(&PLANTED_LOAD, mutation, extra)
+}
+
+/// [`planted`] under the load `load`.
+fn planted_under(load: &[&str], mutation: &str, extra: &[&str]) -> (BTreeMap<String, u64>, String) {
+    let mut args = load.to_vec();
     args.extend(["--mutation", mutation]);
     args.extend_from_slice(extra);
     let (out, summary) = chaos(&args);
@@ -248,4 +274,35 @@ fn chaos_catches_a_grant_that_does_not_take_from_the_parent() {
         "{summary}"
     );
     assert!(summary.contains("c-pool: used 0 under-counts"), "{summary}");
+}
+
+#[test]
+fn chaos_catches_a_holder_working_past_a_lease_its_heartbeats_did_not_extend() {
+    // Holders under the Lease guard work up to 2.5 TTLs; the guard believes each confirmed
+    // heartbeat, the sweep does not.
+    let (found, summary) = planted("heartbeat-not-extended", &[]);
+    assert!(found["leases"] > 0, "{summary}");
+    assert!(summary.contains("past the end of its lease"), "{summary}");
+}
+
+#[test]
+fn chaos_catches_a_fence_that_accepts_a_lease_run_out_before_the_sweep() {
+    // The pause-holder fault offers the paused holder's token between its lease's end and the
+    // sweep (the sweep is kept off its row meanwhile).
+    let (found, summary) = planted_under(&PLANTED_LOAD_WITH_FAULTS, "fence-after-expiry", &[]);
+    assert!(found["fencing"] > 0, "{summary}");
+    assert!(summary.contains("had run out (not swept yet)"), "{summary}");
+}
+
+#[test]
+fn chaos_catches_a_parent_whose_rate_window_is_not_charged_through_its_children() {
+    let (found, summary) = planted("parent-window-not-charged", &[]);
+    assert!(found["safety"] > 0, "{summary}");
+    assert!(summary.contains("c-rp: "), "{summary}");
+}
+
+#[test]
+fn chaos_catches_borrowers_taking_a_guaranteed_childs_share() {
+    let (found, summary) = planted("reserve-dropped", &[]);
+    assert!(found["guarantees"] > 0, "{summary}");
 }

@@ -130,7 +130,9 @@ pub(crate) fn check(state: &FinalState, cx: &Context) -> Verdict {
     }
     let held_after = safety(state, &mut v);
     no_double_grant(state, cx, &mut v);
+    guarantees(state, &mut v);
     fencing(state, cx, &mut v);
+    leases(state, cx, &mut v);
     nothing_lost(state, cx, &mut v);
     liveness(state, cx, &mut v);
     outcomes(state, cx, &mut v);
@@ -286,6 +288,37 @@ fn fencing(state: &FinalState, cx: &Context, v: &mut Verdict) {
         }
     }
     let fences: Vec<&Op> = cx.ops.iter().filter(|o| o.kind == OpKind::Fence).collect();
+    // A token is accepted only while its request holds: not once released, nor once its lease
+    // ran out, even before the sweep released it (after a promotion, leases have a grace).
+    let by_token: HashMap<i64, &Req> = state
+        .requests
+        .iter()
+        .filter_map(|r| Some((r.token?, r)))
+        .collect();
+    let promoted = cx.faults.iter().any(|f| Fault::HA_ONLY.contains(&f.kind));
+    for f in fences
+        .iter()
+        .filter(|o| o.outcome == Outcome::Ok("true".into()))
+    {
+        let Some(r) = by_token.get(&f.arg) else {
+            continue;
+        };
+        let at = us(f.invoked);
+        let why = if r.released.is_some_and(|released| released < at) {
+            "was released"
+        } else if r.expires.is_some_and(|expires| expires < at) && !promoted {
+            "had run out (not swept yet)"
+        } else {
+            continue;
+        };
+        v.flag(
+            "fencing",
+            format!(
+                "{}: token {} accepted by fence after its lease {why}",
+                f.key, f.arg
+            ),
+        );
+    }
     for a in fences
         .iter()
         .filter(|o| o.key.starts_with("holder-a-") && o.outcome == Outcome::Ok("true".into()))
@@ -301,6 +334,130 @@ fn fencing(state: &FinalState, cx: &Context, v: &mut Verdict) {
                     a.key, a.arg
                 ),
             );
+        }
+    }
+}
+
+/// No holder works past its lease: a holder under a [`permitq::Lease`] works only while the
+/// guard says the lease is not lost, and the guard must say so before the lease the database
+/// kept ends (its `expires_at` as last extended), and before the sweep or anyone released it.
+fn leases(state: &FinalState, cx: &Context, v: &mut Verdict) {
+    let by_key: HashMap<&str, &Req> = state
+        .requests
+        .iter()
+        .map(|r| (r.external_id.as_str(), r))
+        .collect();
+    for work in cx.ops.iter().filter(|o| o.kind == OpKind::Work) {
+        let Some(r) = by_key.get(work.key.as_str()) else {
+            continue;
+        };
+        let worked_until = us(work.completed);
+        let ended = match (r.expires, r.released, r.release_reason.as_deref()) {
+            (Some(expires), Some(released), Some(reason)) if reason != "released" => {
+                Some((expires.min(released), reason))
+            }
+            (Some(expires), _, _) => Some((expires, "its expiry")),
+            _ => None,
+        };
+        if let Some((end, why)) = ended.filter(|(end, _)| worked_until > *end) {
+            v.flag(
+                "leases",
+                format!(
+                    "{}: its holder worked {} ms past the end of its lease ({why})",
+                    work.key,
+                    (worked_until - end) / 1000
+                ),
+            );
+        }
+    }
+}
+
+/// Permits held on one semaphore: (acquired, released, count).
+type HeldSpan = (Micros, Option<Micros>, i64);
+/// One worker transaction: (worker, its start).
+type BatchKey<'a> = (Option<&'a str>, Option<Micros>);
+
+/// Guaranteed children keep their share: after every batch of grants on a parent (one worker
+/// transaction: its grants' `acquired_at` differ by microseconds), if any of them borrowed
+/// there (named the parent, or took through a child more than that child's unused guarantee),
+/// the parent's free room is at least the unused guarantee of each child that held permits
+/// just before the batch. Held counts are worked out from the requests and the tree, with
+/// releases counted from when the holder released (a release the batch did not see lowers
+/// the parent and the child alike), so the bound is one the decision must have kept. (A child
+/// active only through waiters is left to the decision's property tests.)
+fn guarantees(state: &FinalState, v: &mut Verdict) {
+    let guaranteed: Vec<(&str, &str, i64)> = state
+        .held_semaphores()
+        .into_iter()
+        .filter_map(|name| {
+            let (parent, guarantee) = state.tree.guarantee(name)?;
+            Some((name, parent, guarantee))
+        })
+        .collect();
+    let by_id: HashMap<i64, &Req> = state.requests.iter().map(|r| (r.id, r)).collect();
+    // semaphore → (acquired, released, count) of what was held on it
+    let mut spans: HashMap<&str, Vec<HeldSpan>> = HashMap::new();
+    for p in &state.permits {
+        spans.entry(p.1.as_str()).or_default().push((p.3, p.4, p.2));
+    }
+    // Held on `semaphore` just before `at`, or (`through`) with what was granted at `at`.
+    let held = |semaphore: &str, at: Micros, through: bool| -> i64 {
+        let counts = |t: Micros| if through { t <= at } else { t < at };
+        spans.get(semaphore).map_or(0, |s| {
+            s.iter()
+                .filter(|(acquired, released, _)| {
+                    counts(*acquired) && !released.is_some_and(counts)
+                })
+                .map(|span| span.2)
+                .sum()
+        })
+    };
+    let parents: std::collections::BTreeSet<&str> = guaranteed.iter().map(|g| g.1).collect();
+    for parent in parents {
+        let children: Vec<(&str, i64)> = guaranteed
+            .iter()
+            .filter(|g| g.1 == parent)
+            .map(|g| (g.0, g.2))
+            .collect();
+        // The batches that granted on the parent: (worker, transaction start) → grants.
+        let mut batches: BTreeMap<BatchKey<'_>, Vec<(&Req, Micros)>> = BTreeMap::new();
+        for p in state.permits.iter().filter(|p| p.1 == parent) {
+            if let Some(r) = by_id.get(&p.0) {
+                batches
+                    .entry((r.worker_id.as_deref(), r.decided))
+                    .or_default()
+                    .push((r, p.3));
+            }
+        }
+        for grants in batches.values() {
+            let first = grants.iter().map(|g| g.1).min().unwrap_or_default();
+            let last = grants.iter().map(|g| g.1).max().unwrap_or_default();
+            let borrowed = grants.iter().any(|(r, _)| {
+                let taken = state.tree.takes(&r.permits);
+                r.count_on(parent) > 0
+                    || children.iter().any(|(child, guarantee)| {
+                        taken
+                            .get(*child)
+                            .is_some_and(|n| *n > (guarantee - held(child, first, false)).max(0))
+                    })
+            });
+            if !borrowed {
+                continue;
+            }
+            let free = capacity_at(state, parent, last) - held(parent, last, true);
+            let kept: i64 = children
+                .iter()
+                .filter(|(child, _)| held(child, first, false) > 0)
+                .map(|(child, guarantee)| (guarantee - held(child, last, true)).max(0))
+                .sum();
+            if free < kept {
+                v.flag(
+                    "guarantees",
+                    format!(
+                        "{parent}: a batch borrowed there at {last} µs and left {free} free, under the {kept} kept for its active guaranteed children"
+                    ),
+                );
+            }
         }
     }
 }

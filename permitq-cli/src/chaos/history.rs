@@ -19,6 +19,10 @@ pub(crate) enum OpKind {
     Heartbeat,
     /// `permitq.fence` (a downstream write).
     Fence,
+    /// A holder's use of the resource under a [`permitq::Lease`]: invoked when it began,
+    /// completed when its last slice of work ended (`Ok("lost")` when it stopped at the lease's
+    /// lost signal, `Ok("done")` when it finished first).
+    Work,
 }
 
 /// How an operation ended.

@@ -73,6 +73,37 @@ pub(crate) async fn client_loop(
     }
 }
 
+/// Borrowers at the root of the nested tree, beside the random clients: each holds one permit of
+/// the root itself for 300 ms, again and again. Three of them want more of the root than the
+/// pool's guarantee leaves while the pool is active (two at most), so the reserve binds all
+/// through a run, and a bug that drops it shows at once (the *guarantees* checker).
+pub(crate) const ROOT_BORROWERS: usize = 3;
+
+/// Runs one root borrower until `stop`.
+pub(crate) async fn borrower_loop(id: usize, url: String, history: History, stop: Arc<AtomicBool>) {
+    let Ok(client) = Client::connect(&url).await else {
+        return;
+    };
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        n += 1;
+        let request = Request::new(format!("b{id}-{n}")).permit(super::NESTED_ROOT.0, 1);
+        if !submit_until_known(&client, id, &request, &history).await {
+            continue;
+        }
+        match wait_settled(&client, &request.external_id, None, &stop).await {
+            Waited::Settled(State::Acquired) => {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                release_until_known(&client, id, &request.external_id, &history).await;
+            }
+            Waited::Settled(_) | Waited::CancelDue => {
+                release_until_known(&client, id, &request.external_id, &history).await;
+            }
+            Waited::LoadStopped => return,
+        }
+    }
+}
+
 /// How waiting for a request ended.
 enum Waited {
     /// It left `new` in this state (or is unknown: `Error`, never granted).
@@ -143,7 +174,7 @@ fn random_request(rng: &mut fastrand::Rng, external_id: String) -> Request {
             super::TENANT_TEMPLATE.0.trim_end_matches('*'),
             rng.usize(..super::TENANTS)
         );
-        request = request.permit(name, rng.i64(1..=2));
+        request = request.permit(name, 1);
     } else if rng.u8(..15) == 0 {
         let name = if rng.bool() {
             super::NESTED_POOL.0
@@ -151,6 +182,10 @@ fn random_request(rng: &mut fastrand::Rng, external_id: String) -> Request {
             super::NESTED_ROOT.0
         };
         request = request.permit(name, 1);
+    }
+    // A fifth take from the rate-limited parent, through one of its children.
+    if rng.u8(..5) == 0 {
+        request = request.permit(super::RATE_CHILDREN[rng.usize(..2)], 1);
     }
     // A third name the rate-limited semaphore: demand near its limit, so its window binds
     // (and a planted bug that ignores the window overshoots it in every run).
@@ -235,6 +270,70 @@ async fn release_until_known(client: &Client, id: usize, external_id: &str, hist
     }
 }
 
+/// The least TTL of a holder that works under a [`permitq::Lease`]: its guard stops it a tenth
+/// of the TTL (here at least 100 ms) before the lease's end, room for a busy machine's timers.
+const LEASE_HOLDER_MIN_TTL: Duration = Duration::from_secs(1);
+/// How long one slice of a lease holder's work lasts: it checks the lease before each.
+const WORK_SLICE: Duration = Duration::from_millis(10);
+
+/// A holder that uses the [`permitq::Lease`] guard, as the README tells users to: it works in
+/// slices while the lease is not lost, for up to 2.5 TTLs (so past the first TTL it relies on
+/// the guard's heartbeats), and stops at the lost signal. The span it worked is recorded
+/// ([`OpKind::Work`]): the *leases* checker holds it to the lease the database kept.
+async fn work_under_lease(
+    client: &Client,
+    id: usize,
+    request: &Request,
+    ttl: Duration,
+    history: &History,
+    rng: &mut fastrand::Rng,
+) {
+    // The request is granted: acquiring it again (an idempotent submit) returns its lease.
+    let Ok(lease) = client.acquire(request, Duration::from_secs(5)).await else {
+        return release_until_known(client, id, &request.external_id, history).await;
+    };
+    let began = now();
+    let until = std::time::Instant::now() + ttl.mul_f64(rng.f64() * 2.5);
+    let mut worked_until = began;
+    let mut lost = false;
+    while std::time::Instant::now() < until {
+        if lease.is_lost() {
+            lost = true;
+            break;
+        }
+        // Works from here for one slice.
+        worked_until = now() + WORK_SLICE;
+        tokio::time::sleep(WORK_SLICE).await;
+    }
+    history.record(Op {
+        client: id,
+        kind: OpKind::Work,
+        key: request.external_id.clone(),
+        arg: lease.fencing_token(),
+        invoked: began,
+        completed: worked_until,
+        outcome: Outcome::Ok(if lost { "lost" } else { "done" }.to_string()),
+    });
+    let invoked = now();
+    let outcome = match lease.release().await {
+        Ok(o) => Outcome::Ok(o.to_string()),
+        Err(e) => outcome_of_error(&e),
+    };
+    let done = matches!(outcome, Outcome::Ok(_));
+    history.record(Op {
+        client: id,
+        kind: OpKind::Release,
+        key: request.external_id.clone(),
+        arg: 0,
+        invoked,
+        completed: now(),
+        outcome,
+    });
+    if !done {
+        release_until_known(client, id, &request.external_id, history).await;
+    }
+}
+
 async fn hold_and_release(
     client: &Client,
     id: usize,
@@ -244,6 +343,11 @@ async fn hold_and_release(
 ) {
     if request.ttl.is_some() && rng.u8(..4) == 0 {
         return; // This holder "dies": no heartbeat, no release. The lease sweep must reclaim it.
+    }
+    if let Some(ttl) = request.ttl.filter(|ttl| *ttl >= LEASE_HOLDER_MIN_TTL) {
+        if rng.bool() {
+            return work_under_lease(client, id, request, ttl, history, rng).await;
+        }
     }
     let hold = Duration::from_millis(rng.u64(0..400));
     let beats = if request.ttl.is_some() && rng.bool() {

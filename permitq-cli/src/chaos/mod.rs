@@ -55,6 +55,11 @@ pub(crate) const NESTED_POOL: (&str, i32, i32) = ("c-pool", 5, 4);
 pub(crate) const TENANT_TEMPLATE: (&str, i32, i32) = ("c-tenant:*", 3, 1);
 /// Tenants the load names (the template makes at most this many).
 pub(crate) const TENANTS: usize = 3;
+/// A rate limit at a parent: (name, grants, per window), over [`RATE_CHILDREN`], concurrency
+/// semaphores of capacity 2 that requests name (the window is charged through them).
+pub(crate) const RATE_PARENT: (&str, i32, Duration) = ("c-rp", 5, Duration::from_secs(1));
+/// The rate-limited parent's children.
+pub(crate) const RATE_CHILDREN: [&str; 2] = ["c-rp-a", "c-rp-b"];
 
 /// A chaos run.
 #[derive(Debug, Clone)]
@@ -106,10 +111,12 @@ pub(crate) struct ChaosReport {
 }
 
 /// Checker names, in report order.
-pub(crate) const CHECKERS: [&str; 10] = [
+pub(crate) const CHECKERS: [&str; 12] = [
     "safety",
+    "guarantees",
     "no double grant",
     "fencing",
+    "leases",
     "nothing lost",
     "liveness",
     "outcomes",
@@ -146,6 +153,7 @@ impl ChaosReport {
             history::OpKind::Release,
             history::OpKind::Heartbeat,
             history::OpKind::Fence,
+            history::OpKind::Work,
         ] {
             let n = |o| self.ops.get(&(kind, o)).copied().unwrap_or(0);
             s += &format!(
@@ -338,6 +346,15 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
             &fair.clone().parent(NESTED_ROOT.0).guarantee(NESTED_POOL.2),
         )
         .await?;
+    let rate_parent = SemaphoreSettings::new().fair(true).per(RATE_PARENT.2);
+    client
+        .set_semaphore(RATE_PARENT.0, RATE_PARENT.1, &rate_parent)
+        .await?;
+    for child in RATE_CHILDREN {
+        client
+            .set_semaphore(child, 2, &fair.clone().parent(RATE_PARENT.0))
+            .await?;
+    }
     let tenants = i32::try_from(TENANTS).expect("a few");
     client
         .set_semaphore(
@@ -404,6 +421,14 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
                 stop.clone(),
             ))
         })
+        .chain((0..load::ROOT_BORROWERS).map(|i| {
+            tokio::spawn(load::borrower_loop(
+                config.clients + i,
+                url.clone(),
+                history.clone(),
+                stop.clone(),
+            ))
+        }))
         .collect();
     let nemesis = config.fault_every.map(|every| {
         tokio::spawn(nemesis::run(

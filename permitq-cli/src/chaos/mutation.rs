@@ -43,6 +43,17 @@ pub(crate) enum Mutation {
     /// A grant on a nested semaphore is counted on the semaphores it names only, not on their
     /// ancestors: a parent's capacity stops binding.
     ParentNotCharged,
+    /// A heartbeat is confirmed but leaves `expires_at` where it was: the guard believes the
+    /// lease extended, the sweep reclaims it under a holder still working.
+    HeartbeatNotExtended,
+    /// `permitq.fence` accepts the token of a lease that ran out until the sweep releases it.
+    FenceAfterExpiry,
+    /// A grant counts in the window of a rate-limited semaphore only when it names it, not
+    /// through a child: a parent's rate limit stops binding.
+    ParentWindowNotCharged,
+    /// The guaranteed children a batch reads without locking them are read with guarantee 0:
+    /// borrowers at their parent take the share kept for them.
+    ReserveDropped,
 }
 
 /// One replacement in a schema file: `find` must occur exactly once.
@@ -63,7 +74,7 @@ enum Plant {
 
 impl Mutation {
     /// Every mutation.
-    pub(crate) const ALL: [Mutation; 13] = [
+    pub(crate) const ALL: [Mutation; 17] = [
         Mutation::NoSemaphoreLock,
         Mutation::FoldTwice,
         Mutation::DoubleRelease,
@@ -77,6 +88,10 @@ impl Mutation {
         Mutation::GrantTwice,
         Mutation::StarveHead,
         Mutation::ParentNotCharged,
+        Mutation::HeartbeatNotExtended,
+        Mutation::FenceAfterExpiry,
+        Mutation::ParentWindowNotCharged,
+        Mutation::ReserveDropped,
     ];
 
     /// How it is planted.
@@ -131,6 +146,34 @@ impl Mutation {
                 &[Patch {
                     find: "                charged = charges -> r.id::text\n",
                     replace: "                charged = NULL\n",
+                }][..],
+            ),
+            Mutation::HeartbeatNotExtended => (
+                "heartbeat.sql",
+                &[Patch {
+                    find: "SET expires_at = new_expiry, heartbeat_at = now()",
+                    replace: "SET expires_at = r.expires_at, heartbeat_at = now()",
+                }][..],
+            ),
+            Mutation::FenceAfterExpiry => (
+                "fence.sql",
+                &[Patch {
+                    find: "AND CASE WHEN r.expires_at IS NULL OR r.expires_at > now() THEN true",
+                    replace: "AND CASE WHEN true THEN true",
+                }][..],
+            ),
+            Mutation::ParentWindowNotCharged => (
+                "decision_outcome.sql",
+                &[Patch {
+                    find: "            WHERE s.per IS NOT NULL\n            GROUP BY 1, 2\n            ON CONFLICT (semaphore_id, ends_at) DO UPDATE SET count = b.count + EXCLUDED.count\n        )\n        SELECT array_agg(id) INTO now_granted",
+                    replace: "            WHERE s.per IS NOT NULL AND EXISTS (SELECT 1 FROM permitq.permit_request q\n                                                WHERE q.id = done.id AND q.permits ? s.name)\n            GROUP BY 1, 2\n            ON CONFLICT (semaphore_id, ends_at) DO UPDATE SET count = b.count + EXCLUDED.count\n        )\n        SELECT array_agg(id) INTO now_granted",
+                }][..],
+            ),
+            Mutation::ReserveDropped => (
+                "batch_semaphores.sql",
+                &[Patch {
+                    find: "           c.fair, c.parent, c.guarantee,\n",
+                    replace: "           c.fair, c.parent, 0,\n",
                 }][..],
             ),
             Mutation::LeasesNeverExpire => (
@@ -245,6 +288,10 @@ impl Mutation {
             Mutation::GrantTwice => "grant-twice",
             Mutation::StarveHead => "starve-head",
             Mutation::ParentNotCharged => "parent-not-charged",
+            Mutation::HeartbeatNotExtended => "heartbeat-not-extended",
+            Mutation::FenceAfterExpiry => "fence-after-expiry",
+            Mutation::ParentWindowNotCharged => "parent-window-not-charged",
+            Mutation::ReserveDropped => "reserve-dropped",
         }
     }
 }

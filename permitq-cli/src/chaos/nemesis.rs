@@ -80,7 +80,7 @@ impl Fault {
     ];
 
     /// The faults only a run under Patroni injects.
-    const HA_ONLY: [Fault; 5] = [
+    pub(crate) const HA_ONLY: [Fault; 5] = [
         Fault::KillLeaderPostgres,
         Fault::KillLeaderPatroni,
         Fault::PartitionLeader,
@@ -413,6 +413,7 @@ async fn pause_holder(url: &str, binary: &PathBuf, history: &History) -> Result<
     let deadline = Instant::now() + Duration::from_secs(20);
     let b_id = format!("holder-b-{}", uuid::Uuid::new_v4().simple());
     let result = async {
+        fence_between_expiry_and_sweep(url, &client, history, &a_id, a_token).await?;
         loop {
             if let Ok(Some(r)) = client.status(&a_id).await {
                 if r.state != permitq::State::Acquired {
@@ -454,6 +455,55 @@ async fn pause_holder(url: &str, binary: &PathBuf, history: &History) -> Result<
     }
     let _ = tokio::time::timeout(Duration::from_secs(10), a.wait()).await;
     result?.release().await?;
+    Ok(())
+}
+
+/// A write of holder A's arriving after its lease ran out but before the sweep released it:
+/// A's row is held (FOR SHARE, so the sweep's SKIP LOCKED passes it by) until its `expires_at`
+/// has passed, and its token is offered to `permitq.fence` then. The *fencing* checker holds
+/// that a lease that ran out fences its holder out even before anyone else writes.
+async fn fence_between_expiry_and_sweep(
+    url: &str,
+    client: &Client,
+    history: &History,
+    a_id: &str,
+    a_token: i64,
+) -> Result<()> {
+    let conn = permitq_embedded_pg::try_connect(url).await?;
+    // In a transaction, so the lock lasts past the statement.
+    conn.batch_execute("BEGIN").await?;
+    let row = conn
+        .query_opt(
+            "SELECT 1 FROM permitq.permit_request WHERE external_id = $1 AND state = 'acquired' \
+             FOR SHARE",
+            &[&a_id],
+        )
+        .await?;
+    if row.is_none() {
+        return Ok(()); // already swept: nothing to offer between the two
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let ran_out: bool = conn
+            .query_one(
+                "SELECT expires_at < clock_timestamp() FROM permitq.permit_request \
+                 WHERE external_id = $1",
+                &[&a_id],
+            )
+            .await?
+            .get(0);
+        if ran_out {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(crate::error::CliError::runtime(
+                "holder A's lease did not run out",
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    fence(client, history, a_id, a_token).await;
+    conn.batch_execute("COMMIT").await?;
     Ok(())
 }
 

@@ -93,6 +93,8 @@ pub(crate) struct Tree {
     parents: HashMap<String, String>,
     /// (template prefix, its parent)
     templates: Vec<(String, Option<String>)>,
+    /// Each semaphore's guarantee in its parent, and each template's prefix's.
+    guarantees: HashMap<String, i64>,
 }
 
 impl Tree {
@@ -101,13 +103,22 @@ impl Tree {
         let mut tree = Tree::default();
         for r in conn
             .query(
-                "SELECT name, parent, is_template FROM permitq.semaphore",
+                "SELECT name, parent, is_template, guarantee::int8 FROM permitq.semaphore",
                 &[],
             )
             .await?
         {
             let (name, parent, template): (String, Option<String>, bool) =
                 (r.get(0), r.get(1), r.get(2));
+            let guarantee: i64 = r.get(3);
+            if guarantee > 0 {
+                let key = if template {
+                    name.trim_end_matches('*').to_string()
+                } else {
+                    name.clone()
+                };
+                tree.guarantees.insert(key, guarantee);
+            }
             if template {
                 tree.templates
                     .push((name.trim_end_matches('*').to_string(), parent));
@@ -127,6 +138,17 @@ impl Tree {
                 .find(|(prefix, _)| name.starts_with(prefix.as_str()))
                 .and_then(|(_, parent)| parent.as_deref())
         })
+    }
+
+    /// `name`'s parent and its guarantee there, when it has one (an instance: its template's).
+    pub(crate) fn guarantee(&self, name: &str) -> Option<(&str, i64)> {
+        let guarantee = self.guarantees.get(name).copied().or_else(|| {
+            self.templates
+                .iter()
+                .find(|(prefix, _)| name.starts_with(prefix.as_str()))
+                .and_then(|(prefix, _)| self.guarantees.get(prefix).copied())
+        })?;
+        Some((self.parent(name)?, guarantee))
     }
 
     /// `name` and its ancestors, nearest first.
@@ -229,6 +251,13 @@ pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<FinalState> {
         windows,
         granted_counter,
     })
+}
+
+impl FinalState {
+    /// Every semaphore a grant took from.
+    pub(crate) fn held_semaphores(&self) -> std::collections::BTreeSet<&str> {
+        self.permits.iter().map(|p| p.1.as_str()).collect()
+    }
 }
 
 /// The (name, count) pairs of a permits object.
