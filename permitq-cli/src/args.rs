@@ -54,6 +54,9 @@ pub(crate) enum Command {
     /// Manage semaphores.
     #[command(subcommand)]
     Semaphore(SemaphoreCommand),
+    /// Operator: fencing tokens.
+    #[command(subcommand)]
+    Tokens(TokensCommand),
     /// Submit a permit request: `permitq submit ID NAME=COUNT... [--await [DUR]]`.
     Submit(SubmitArgs),
     /// Show a request.
@@ -275,6 +278,21 @@ impl WorkerArgs {
         config.maintenance.idle_instance_after = self.idle_instance_after.0;
         config
     }
+}
+
+/// `permitq tokens ...`
+#[derive(Debug, Subcommand)]
+pub(crate) enum TokensCommand {
+    /// Make every token issued from now on greater than N (after restoring a copy of the
+    /// database that another copy outlived; see the README's restore runbook).
+    Raise {
+        /// The highest token any copy may have issued.
+        #[arg(long, value_name = "N")]
+        above: i64,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// `permitq semaphore ...`

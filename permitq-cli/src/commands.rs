@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use permitq::{Client, PermitRequest, ReleaseOutcome, Request, SqlState, State, Worker};
 
-use crate::args::{Cli, Command, SemaphoreCommand, SubmitArgs};
+use crate::args::{Cli, Command, SemaphoreCommand, SubmitArgs, TokensCommand};
 use crate::error::{CliError, Result, EXIT_NOT_GRANTED, EXIT_RUNTIME, EXIT_STILL_WAITING};
 
 /// Runs one command. `explicit_url`: `--database-url` was given on the command line (not only
@@ -136,6 +136,16 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
                 for line in crate::show::explanation(&explanation) {
                     outln!("{line}");
                 }
+            }
+            Ok(0)
+        }
+        Command::Tokens(TokensCommand::Raise { above, json }) => {
+            let client = Client::connect(&need_url()?).await?;
+            let epoch = client.raise_token_floor(above).await?;
+            if json {
+                outln!("{}", serde_json::json!({ "above": above, "epoch": epoch }));
+            } else {
+                outln!("tokens issued from now on are above {above} (epoch {epoch})");
             }
             Ok(0)
         }

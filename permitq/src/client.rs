@@ -483,6 +483,18 @@ impl Client {
             .await?
             .get(0))
     }
+
+    /// Operator (`permitq_admin`): every fencing token issued from now on is above `above`.
+    /// For the one case permitq cannot see by itself: a copy that issued tokens after the dump
+    /// this database was restored from, on the same database and token sequence (restore
+    /// runbook in the README). Returns the token epoch in force (tokens are `epoch << 48 | n`).
+    pub async fn raise_token_floor(&self, above: i64) -> Result<i64> {
+        let conn = self.conn().await?;
+        Ok(conn
+            .query_typed_one(sql::RAISE_TOKEN_FLOOR, &[(&above, Type::INT8)])
+            .await?
+            .get(0))
+    }
 }
 
 /// Whether a `permitq_events` payload (one outcome, or a JSON array of them) is about

@@ -58,9 +58,13 @@ impl Error {
         }
     }
 
-    /// A connection error, said with the server it was about (see [`crate::db::target`]).
+    /// A connection error, or the server refusing the login (a password, pg_hba.conf, no such
+    /// role or database), said with the server it was about (see [`crate::db::target`]).
     pub(crate) fn reaching(mut self, target: &str) -> Error {
-        if self.is_connection() && self.target.is_none() {
+        let refused_login = self
+            .code()
+            .is_some_and(|c| refusal_hint(c.code()).is_some());
+        if (self.is_connection() || refused_login) && self.target.is_none() {
             self.target = Some(target.to_string());
         }
         self
@@ -201,20 +205,26 @@ impl fmt::Display for Error {
     }
 }
 
+/// What to check when the server refused a connection with SQLSTATE `code`.
+fn refusal_hint(code: &str) -> Option<&'static str> {
+    Some(match code {
+        "28P01" => {
+            "check the password: in the URL (postgres://user:password@host/db) or PGPASSWORD"
+        }
+        "28000" => "the server's pg_hba.conf does not let this user in from here, or no such role",
+        "3D000" => "no such database: create it (createdb), or name another in the URL",
+        "57P03" => "the server is starting up or shutting down: try again in a moment",
+        _ => return None,
+    })
+}
+
 /// What to check after a connection error to `target`, by its likely cause.
 fn connection_hint(e: &tokio_postgres::Error, target: &str) -> String {
     let text = format!("{e:?}").to_lowercase();
     let cause = if let Some(db) = e.as_db_error() {
-        match db.code().code() {
-            "28P01" => {
-                "check the password: in the URL (postgres://user:password@host/db) or PGPASSWORD"
-            }
-            "28000" => {
-                "the server's pg_hba.conf does not let this user in from here, or no such role"
-            }
-            "3D000" => "no such database: create it (createdb), or name another in the URL",
-            "57P03" => "the server is starting up or shutting down: try again in a moment",
-            _ => return String::new(),
+        match refusal_hint(db.code().code()) {
+            Some(hint) => hint,
+            None => return String::new(),
         }
     } else if text.contains("connection refused") {
         "is PostgreSQL running, and listening on that host and port? The URL \
@@ -340,5 +350,25 @@ impl From<deadpool_postgres::PoolError> for Error {
 impl From<crate::types::UnknownValue> for Error {
     fn from(e: crate::types::UnknownValue) -> Error {
         Error::invalid(e.kind(), e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refusal_hint;
+
+    /// Each refusal names its own cause: a wrong password the password, a rejected login the
+    /// server's pg_hba.conf or the role.
+    #[test]
+    fn each_refusal_of_a_login_has_its_own_hint() {
+        assert!(refusal_hint("28P01")
+            .unwrap()
+            .starts_with("check the password"));
+        assert!(refusal_hint("28000").unwrap().contains("pg_hba.conf"));
+        assert!(refusal_hint("3D000")
+            .unwrap()
+            .starts_with("no such database"));
+        assert!(refusal_hint("57P03").unwrap().contains("starting up"));
+        assert_eq!(refusal_hint("42501"), None);
     }
 }

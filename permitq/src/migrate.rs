@@ -74,6 +74,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "answers",
         sql: include_str!("../schema/migrations/V7__answers.sql"),
     },
+    Migration {
+        version: 8,
+        name: "token_floor",
+        sql: include_str!("../schema/migrations/V8__token_floor.sql"),
+    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.

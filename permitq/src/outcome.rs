@@ -162,3 +162,59 @@ impl PermitRequest {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::ErrorDetail;
+    use crate::types::{ErrorCode, PermitRequest, State};
+
+    /// A request of `gpu=2` that failed `no_capacity` with `free` of 4 free.
+    fn failed_fast(free: i64) -> PermitRequest {
+        PermitRequest {
+            id: 1,
+            external_id: "r".into(),
+            permits: [("gpu".to_string(), 2)].into(),
+            owner: None,
+            ttl: None,
+            wait: Some(std::time::Duration::ZERO),
+            priority: 0,
+            state: State::Error,
+            error_code: Some(ErrorCode::NoCapacity),
+            error_detail: Some(ErrorDetail {
+                semaphore: Some("gpu".into()),
+                count: Some(2),
+                capacity: Some(4),
+                free: Some(free),
+                ..ErrorDetail::default()
+            }),
+            release_reason: None,
+            fencing_token: None,
+            worker_id: None,
+            created_at: None,
+            acquired_at: None,
+            expires_at: None,
+            heartbeat_at: None,
+            released_at: None,
+            settled_at: None,
+            examined_at: None,
+            decided_at: None,
+        }
+    }
+
+    /// Room enough for it, from exactly enough up, was kept for requests ahead; less is not.
+    #[test]
+    fn no_capacity_says_when_the_room_was_kept_for_requests_ahead() {
+        for free in [2, 3] {
+            let outcome = failed_fast(free).outcome().unwrap();
+            assert!(
+                outcome.contains(&format!(
+                    "{free} of 4 free, kept for requests ahead in line"
+                )),
+                "{outcome}"
+            );
+        }
+        let outcome = failed_fast(1).outcome().unwrap();
+        assert!(outcome.contains("gpu=2, 1 of 4 free;"), "{outcome}");
+        assert!(!outcome.contains("kept for"), "{outcome}");
+    }
+}

@@ -80,6 +80,8 @@ pub(crate) const FUNCTIONS_PRIVATE: &str = "DO $$
      END $$";
 /// Migrations and worker start-up: move the fencing token epoch past every token issued, should
 /// the timeline or the sequence have gone back (a restore, `pg_upgrade`, logical replication).
+/// Operator: every token drawn from now on is above $1; returns the epoch in force.
+pub(crate) const RAISE_TOKEN_FLOOR: &str = "SELECT permitq.raise_token_floor($1)";
 pub(crate) const RAISE_TOKEN_EPOCH: &str = "SELECT permitq.raise_token_epoch()";
 /// Readiness: whether exactly these versions ($1) are applied and these files ($2, bodies $3)
 /// applied unchanged.
@@ -303,6 +305,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("TAKE_TURN", TAKE_TURN),
         ("NOTIFY_HEALTH", NOTIFY_HEALTH),
         ("RAISE_TOKEN_EPOCH", RAISE_TOKEN_EPOCH),
+        ("RAISE_TOKEN_FLOOR", RAISE_TOKEN_FLOOR),
         ("SWEEP_WAIT_DEADLINES", SWEEP_WAIT_DEADLINES),
         ("SWEEP_EXPIRED", SWEEP_EXPIRED),
         ("SWEEP_STALE", SWEEP_STALE),

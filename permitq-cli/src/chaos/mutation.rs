@@ -12,7 +12,8 @@ use std::str::FromStr;
 /// A planted bug.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Mutation {
-    /// The worker's semaphore rows are read without FOR UPDATE.
+    /// The worker's semaphore rows are read without FOR UPDATE (and the apply's capacity check
+    /// is off).
     NoSemaphoreLock,
     /// The fold gives released capacity back twice.
     FoldTwice,
@@ -190,19 +191,32 @@ impl Mutation {
                     replace: "    RETURN CASE WHEN random() < 0.3 THEN 0 ELSE epoch_now << 48 END;",
                 }][..],
             ),
-            Mutation::NoSemaphoreLock => (
-                "batch_semaphores.sql",
-                &[
-                    Patch {
-                        find: "        ORDER BY s.id\n        FOR UPDATE\n    ) l;",
-                        replace: "        ORDER BY s.id\n    ) l;",
-                    },
-                    Patch {
-                        find: "        ORDER BY s.id\n        FOR UPDATE OF s SKIP LOCKED\n    ) l;",
-                        replace: "        ORDER BY s.id\n    ) l;",
-                    },
-                ][..],
-            ),
+            Mutation::NoSemaphoreLock => {
+                // And without the apply's own capacity check, which would refuse what the
+                // unlocked decisions over-grant.
+                return Plant::Files([
+                    (
+                        "batch_semaphores.sql",
+                        &[
+                            Patch {
+                                find: "        ORDER BY s.id\n        FOR UPDATE\n    ) l;",
+                                replace: "        ORDER BY s.id\n    ) l;",
+                            },
+                            Patch {
+                                find: "        ORDER BY s.id\n        FOR UPDATE OF s SKIP LOCKED\n    ) l;",
+                                replace: "        ORDER BY s.id\n    ) l;",
+                            },
+                        ],
+                    ),
+                    (
+                        "decision_outcome.sql",
+                        &[Patch {
+                            find: "IF over_capacity IS NOT NULL THEN",
+                            replace: "IF false THEN",
+                        }],
+                    ),
+                ]);
+            }
             Mutation::SkipFairness => (
                 "batch_semaphores.sql",
                 &[Patch {

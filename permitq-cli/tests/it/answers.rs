@@ -260,17 +260,31 @@ async fn submit_await_says_that_no_worker_is_running() {
 async fn once_the_last_worker_stops_explain_and_semaphore_show_say_nothing_is_granting() {
     let db = TestDb::new().await;
     let url = &db.url;
+    let first_out = db.worker(quiet_config("first-out"));
     let worker = db.worker(quiet_config("only-worker"));
     run(url, &["semaphore", "set", "nw", "1"]).await;
     let o = run(url, &["submit", "held", "nw=1", "--await", "10s"]).await;
     assert_eq!(code(&o), 0, "{}", stdout(&o));
     run(url, &["submit", "nw-2", "nw=1"]).await;
-    // While it runs, the worker is listed.
-    wait_until(SOON, "semaphore show lists the worker", || async {
-        stdout(&run(url, &["semaphore", "show", "nw"]).await)
-            .contains("workers (1): only-worker on ")
+    // Two running: each counted once.
+    wait_until(SOON, "both workers counted", || async {
+        json(&run(url, &["semaphore", "show", "nw", "--json"]).await)["granting"]["live_workers"]
+            == 2
     })
     .await;
+    // One stopped: only the running one is counted and listed.
+    first_out.stop().await;
+    wait_until(
+        SOON,
+        "semaphore show lists the running worker alone",
+        || async {
+            let text = stdout(&run(url, &["semaphore", "show", "nw"]).await);
+            text.contains("workers (1): only-worker on ") && !text.contains("first-out")
+        },
+    )
+    .await;
+    let show = json(&run(url, &["semaphore", "show", "nw", "--json"]).await);
+    assert_eq!(show["granting"]["live_workers"], 1, "{show}");
     let o = run(url, &["explain", "nw-2"]).await;
     assert!(
         !stdout(&o).contains("nothing is granting"),
@@ -291,8 +305,41 @@ async fn once_the_last_worker_stops_explain_and_semaphore_show_say_nothing_is_gr
     let o = run(url, &["semaphore", "show", "nw", "--json"]).await;
     let show = json(&o);
     assert_eq!(show["granting"]["live_workers"], 0, "{show}");
-    assert_eq!(show["workers"][0]["worker_id"], "only-worker", "{show}");
-    assert_eq!(show["workers"][0]["live"], false, "{show}");
+    let workers = show["workers"].as_array().expect("workers").clone();
+    assert!(
+        workers.iter().any(|w| w["worker_id"] == "only-worker")
+            && workers.iter().all(|w| w["live"] == false),
+        "{show}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_the_server_does_not_know_is_told_about_the_role_and_pg_hba() {
+    let db = TestDb::new().await;
+    let (scheme, rest) = db.url.split_once("://").unwrap();
+    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
+    let url = format!("{scheme}://no_such_role_here@{host}");
+    let o = run(&url, &["semaphore", "list"]).await;
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("pg_hba.conf does not let this user in from here, or no such role"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durations_read_as_semaphore_show_writes_them() {
+    let db = TestDb::new().await;
+    let conn = db.conn().await;
+    for (interval, text) in [("59.9s", "59.9s"), ("60s", "1m"), ("10s", "10s")] {
+        let got: String = conn
+            .query_one(&format!("SELECT permitq.human_duration('{interval}')"), &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(got, text, "{interval}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -794,3 +794,30 @@ async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep(
     assert_eq!(json["guarantee"], 0, "{json}");
     assert!(json["parent"].is_null(), "{json}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_raise_sets_the_floor_of_later_tokens_and_refuses_a_bad_one() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let above = (9_i64 << 48) + 5;
+    let o = run(url, &["tokens", "raise", "--above", &above.to_string()]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains(&format!(
+            "tokens issued from now on are above {above} (epoch 10)"
+        )),
+        "{}",
+        stdout(&o)
+    );
+    let epoch: i64 = db
+        .conn()
+        .await
+        .query_one("SELECT permitq.token_epoch() >> 48", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(epoch, 10);
+    let o = run(url, &["tokens", "raise", "--above=-1"]).await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(stderr(&o).contains("invalid above"), "{}", stderr(&o));
+}

@@ -25,6 +25,7 @@ DECLARE
     epoch bigint := CASE WHEN cardinality(granted) > 0 THEN permitq.token_epoch() ELSE 0 END;
     settled bigint[] := '{}';
     now_granted bigint[];
+    over_capacity text;
 BEGIN
     -- What a nested request takes covers at least what it names, in positive counts (the
     -- decision adds the ancestors): `used` never under-counts what a grant holds.
@@ -84,7 +85,7 @@ BEGIN
             FROM (SELECT e.key AS semaphore, sum(e.value::int) AS total, count(*) AS grants
                   FROM done CROSS JOIN LATERAL jsonb_each(done.permits) e GROUP BY e.key) t
             WHERE s.name = t.semaphore
-            RETURNING s.id
+            RETURNING s.name, s.per IS NULL AND s.used > s.capacity AS over
         ),
         -- Grants on rate-limited semaphores count in their windows' buckets
         -- (functions/rate_windows.sql).
@@ -98,7 +99,17 @@ BEGIN
             GROUP BY 1, 2
             ON CONFLICT (semaphore_id, ends_at) DO UPDATE SET count = b.count + EXCLUDED.count
         )
-        SELECT array_agg(id) INTO now_granted FROM done;
+        SELECT array_agg(id), (SELECT string_agg(c.name, ', ' ORDER BY c.name) FROM counted c WHERE c.over)
+        INTO now_granted, over_capacity FROM done;
+        -- Defence in depth, whoever calls this (a worker login's own SQL included): no grant
+        -- puts a semaphore, at any level it takes from, over its capacity. A worker's decision
+        -- never asks it (`used` is what its batch locked and folded, plus these grants), so
+        -- this refuses the whole batch, not its requests.
+        IF over_capacity IS NOT NULL THEN
+            RAISE EXCEPTION 'refusing grants that would put % over capacity', over_capacity
+                USING ERRCODE = '55000',
+                      HINT = 'only a worker''s decision may grant: run `permitq worker`';
+        END IF;
         settled := settled || coalesce(now_granted, '{}');
     END IF;
 

@@ -65,7 +65,10 @@ BEGIN
     place := permitq.rule_place_in_line(r.priority, r.created_at);
     -- What it takes from each semaphore: what it names there, or below it.
     FOR named IN
-        SELECT a.ancestor AS name, sum(e.value::int)::int AS count, min(a.depth) AS depth,
+        -- (Counts in bigint: what a request takes below one parent may pass an integer; it
+        -- shows as the most an integer holds, which no capacity reaches either.)
+        SELECT a.ancestor AS name, least(sum(e.value::int8), 2147483647)::int AS count,
+               min(a.depth) AS depth,
                min(a.name) FILTER (WHERE a.depth > 0) AS via
         FROM jsonb_each(r.permits) e
         JOIN permitq.ancestors(ARRAY[e.key]) a ON a.name = e.key
@@ -92,7 +95,7 @@ BEGIN
             free := greatest(s.capacity - permitq.in_window(s), 0);
             opens_at := permitq.window_opens_at(s);
         END IF;
-        shortfall := greatest(needs - free, 0);
+        shortfall := least(greatest(needs::int8 - free, 0), 2147483647);
         -- A parent: within the guarantee of the child below it (`via`'s chain), room is all it
         -- needs; beyond it, or named itself, the room kept for the other active children's
         -- unused guarantees is not its.
@@ -161,7 +164,7 @@ BEGIN
                      THEN format('parent: within the guarantee of %s (%s), waits for %s more permits to be released',
                                  child.name, child.guarantee, shortfall)
                      ELSE format('parent: it fits within the guarantee of %s (%s)', child.name, child.guarantee) END
-            WHEN kept > 0 AND free - needs < kept THEN
+            WHEN kept > 0 AND free::int8 - needs < kept THEN
                 format('parent: %s of the %s free are kept for the guarantees of its other active children; %s',
                        least(kept, free), free,
                        CASE WHEN child.name IS NULL THEN 'a request naming the parent itself borrows'
@@ -174,7 +177,7 @@ BEGIN
                 format('fair: request %s is first in line (priority %s, needs %s)%s',
                        head.external_id, head.priority, head.count,
                        CASE WHEN shortfall > 0 THEN format(', and %s more permits must be released', shortfall)
-                            WHEN free - needs < head.count THEN ': what is free would not leave it its room'
+                            WHEN free::int8 - needs < head.count THEN ': what is free would not leave it its room'
                             ELSE ': it fits, and waits for its other semaphores' END)
             WHEN shortfall > 0 THEN
                 format('waits for %s more permits to be released%s', shortfall,

@@ -14,6 +14,10 @@ BEGIN
     IF fence.resource IS NULL OR fence.resource = '' THEN
         RAISE EXCEPTION 'invalid resource: must not be empty' USING ERRCODE = '22023';
     END IF;
+    IF length(fence.resource) > permitq.rule_max_name_length() THEN
+        RAISE EXCEPTION 'invalid resource: must be at most % characters, got %',
+            permitq.rule_max_name_length(), length(fence.resource) USING ERRCODE = '22023';
+    END IF;
     IF fence.token IS NULL THEN
         RAISE EXCEPTION 'invalid token: must not be null' USING ERRCODE = '22023';
     END IF;

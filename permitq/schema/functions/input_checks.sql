@@ -45,17 +45,34 @@ BEGIN
 END $$;
 
 -- A ttl, wait, extend or per: positive (or zero, where zero_allowed) and at most
--- rule_max_duration(). NULL itself is fine: a default.
+-- rule_max_duration(), its months, days and time all of one sign (added to a timestamp, '1 mon
+-- -30 days' is negative in February), months counted as a twelfth of a year of 365.25 days (so
+-- '121 months' is past '10 years', which PostgreSQL's 30-day months would not say). NULL
+-- itself is fine: a default.
 -- (PL/pgSQL keeps its plans per session; a SQL function that cannot be inlined, as this one,
 -- calling format(), is parsed again by every statement that calls it.)
 CREATE OR REPLACE FUNCTION permitq.interval_problem(value interval, zero_allowed boolean) RETURNS text
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+DECLARE
+    months numeric;
+    days numeric;
+    seconds numeric;
+    total numeric;
 BEGIN
+    IF value IS NULL THEN
+        RETURN NULL;
+    END IF;
+    months := extract(year FROM value) * 12 + extract(month FROM value);
+    days := extract(day FROM value);
+    seconds := extract(epoch FROM value - make_interval(months => months::int, days => days::int));
+    IF least(months, days, seconds) < 0 AND greatest(months, days, seconds) > 0 THEN
+        RETURN format('must not mix signs (months, days, time), got %s', value);
+    END IF;
+    total := months * 2629800 + days * 86400 + seconds;
     RETURN CASE
-        WHEN value IS NULL THEN NULL
-        WHEN zero_allowed AND value < interval '0' THEN format('must not be negative, got %s', value)
-        WHEN NOT zero_allowed AND value <= interval '0' THEN format('must be positive, got %s', value)
-        WHEN value > permitq.rule_max_duration()
+        WHEN zero_allowed AND total < 0 THEN format('must not be negative, got %s', value)
+        WHEN NOT zero_allowed AND total <= 0 THEN format('must be positive, got %s', value)
+        WHEN total > extract(epoch FROM permitq.rule_max_duration())
             THEN format('must be at most %s, got %s', permitq.rule_max_duration_text(), value)
     END;
 END $$;

@@ -1,12 +1,13 @@
 -- Retention, in small batches so that production traffic never queues behind a long delete.
 
 -- Deletes up to batch_size settled requests (and their waiter rows, by cascade) that settled
--- more than older_than ago.
+-- more than older_than ago, remembering the highest token among them.
 CREATE OR REPLACE FUNCTION permitq.delete_settled(older_than interval, batch_size integer) RETURNS integer
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
     SET plan_cache_mode = force_custom_plan SET enable_sort = off AS $$
 DECLARE
     n integer;
+    highest bigint;
 BEGIN
     WITH doomed AS (
         SELECT id FROM permitq.permit_request
@@ -14,9 +15,18 @@ BEGIN
         ORDER BY settled_at
         LIMIT batch_size
         FOR UPDATE SKIP LOCKED
+    ),
+    deleted AS (
+        DELETE FROM permitq.permit_request r USING doomed WHERE r.id = doomed.id
+        RETURNING r.fencing_token
     )
-    DELETE FROM permitq.permit_request r USING doomed WHERE r.id = doomed.id;
-    GET DIAGNOSTICS n = ROW_COUNT;
+    SELECT count(*), max(fencing_token) INTO n, highest FROM deleted;
+    -- Their tokens stay known: a sequence set back later is still seen as behind them
+    -- (functions/fencing_tokens.sql).
+    IF highest IS NOT NULL THEN
+        UPDATE permitq.token_epoch t SET token_floor = highest
+        WHERE t.token_floor < highest;
+    END IF;
     RETURN n;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.delete_settled(interval, integer) TO permitq_worker, permitq_admin;

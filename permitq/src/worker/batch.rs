@@ -38,9 +38,17 @@ enum Claim<'a> {
 
 /// A failure that a stored row can cause (data exceptions, integrity violations), as opposed to
 /// the database being unreachable, overloaded or on another schema version.
+/// A token drawn twice (the token sequence was set back under a running worker) is not: the
+/// batch is retried, and its next attempt raises the epoch (functions/fencing_tokens.sql), so
+/// no valid request ends `invalid` for it.
 fn caused_by_a_row(e: &Error) -> bool {
-    e.code()
-        .is_some_and(|c| c.code().starts_with("22") || c.code().starts_with("23"))
+    let token_drawn_twice = e
+        .as_postgres()
+        .and_then(tokio_postgres::Error::as_db_error)
+        .is_some_and(|d| d.constraint() == Some("permit_request_fencing_token_key"));
+    !token_drawn_twice
+        && e.code()
+            .is_some_and(|c| c.code().starts_with("22") || c.code().starts_with("23"))
 }
 
 /// How often at most a worker runs a transaction only to fold pending releases.

@@ -14,5 +14,6 @@ mod roles;
 mod schema;
 mod sql_api;
 mod templates;
+mod tokens;
 mod trust;
 mod worker;

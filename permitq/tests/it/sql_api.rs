@@ -109,6 +109,16 @@ async fn every_bad_submit_is_rejected_with_22023_naming_the_field_and_writes_not
             "permitq.submit('r', '{\"a\":1}', wait => '-5 minutes')".into(),
             "negative wait",
         ),
+        (
+            "ttl",
+            "permitq.submit('r', '{\"a\":1}', ttl => '1 mon -30 days 00:00:00.000001')".into(),
+            "a ttl of mixed signs (negative in February)",
+        ),
+        (
+            "ttl",
+            "permitq.submit('r', '{\"a\":1}', ttl => '121 months')".into(),
+            "121 months, past 10 years",
+        ),
     ];
     for (field, call, what) in cases {
         let err = conn
@@ -140,6 +150,50 @@ async fn every_bad_submit_is_rejected_with_22023_naming_the_field_and_writes_not
         .await
         .unwrap();
     assert_eq!(request_count(&conn).await, 1);
+    // Ten years exactly, as months, is the longest ttl.
+    conn.execute(
+        "SELECT permitq.submit('decade', '{\"a\":1}', ttl => '120 months')",
+        &[],
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn explain_of_counts_past_an_integer_under_one_parent_answers() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("p", 10, None).await.unwrap();
+    for child in ["p:a", "p:b"] {
+        client
+            .set_semaphore(child, 10, &permitq::SemaphoreSettings::new().parent("p"))
+            .await
+            .unwrap();
+    }
+    let conn = db.conn().await;
+    conn.execute(
+        "SELECT permitq.submit('huge', '{\"p:a\": 2147483647, \"p:b\": 2147483647}')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let rows = conn
+        .query(
+            "SELECT semaphore, needs, shortfall FROM permitq.explain('huge') ORDER BY semaphore",
+            &[],
+        )
+        .await
+        .unwrap();
+    let parent = rows
+        .iter()
+        .find(|r| r.get::<_, String>(0) == "p")
+        .expect("the parent's row");
+    assert_eq!(
+        parent.get::<_, i32>(1),
+        i32::MAX,
+        "the most an integer holds"
+    );
+    assert_eq!(parent.get::<_, i32>(2), i32::MAX - 10);
 }
 
 #[tokio::test]
@@ -153,6 +207,7 @@ async fn other_bad_inputs_are_rejected_and_write_nothing() {
         ("permitq.set_capacity('s', NULL)", "capacity"),
         ("permitq.fence('', 1)", "resource"),
         ("permitq.fence('r', NULL)", "token"),
+        ("permitq.fence(repeat('r', 1000000), 1)", "resource"),
         ("permitq.heartbeat('x', '-1s')", "extend"),
     ] {
         let err = conn

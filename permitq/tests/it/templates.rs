@@ -268,3 +268,63 @@ async fn idle_instances_are_removed_and_made_again_when_named() {
     );
     check_invariants(&db.conn().await).await.unwrap();
 }
+
+/// A rate-limited instance whose window still holds grants is not idle: removing it would drop
+/// its window with it, and the instance made again would start with an empty one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_rate_limited_instance_is_kept_while_its_window_holds_grants() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client
+        .set_rate_limit("rl:*", 1, Duration::from_secs(3600), None)
+        .await
+        .unwrap();
+    client.set_capacity("tmp:*", 1, None).await.unwrap();
+    let mut config = quiet_config("w1");
+    config.maintenance.idle_instance_after = Duration::from_millis(300);
+    let _worker = db.worker(config);
+    for (id, name) in [("spent", "rl:k"), ("idle", "tmp:idle")] {
+        client
+            .submit(&Request::new(id).permit(name, 1))
+            .await
+            .unwrap();
+        client.wait_settled(id, SOON).await.unwrap();
+        client.release(id).await.unwrap();
+    }
+    // The sweep ran past the idle bound: the plain idle instance beside it went.
+    wait_until(SOON, "the idle instance removed", || async {
+        common::semaphore(&client, "tmp:idle").await.is_none()
+    })
+    .await;
+    assert!(common::semaphore(&client, "rl:k").await.is_some());
+    client
+        .submit(&Request::new("again").permit("rl:k", 1).wait(Duration::ZERO))
+        .await
+        .unwrap();
+    let r = client.wait_settled("again", SOON).await.unwrap().unwrap();
+    assert_eq!(
+        r.error_code.map(|c| c.as_str().to_string()).as_deref(),
+        Some("no_capacity"),
+        "the window still holds its grant"
+    );
+}
+
+/// A template without `max_instances` has the default bound, and a request over it says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_many_instances_names_the_default_bound_of_a_template_without_one() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("lab:*", 1, None).await.unwrap();
+    let detail: serde_json::Value = db
+        .conn()
+        .await
+        .query_one(
+            "SELECT permitq.completed_error_detail('too_many_instances', '{\"semaphore\": \"lab:1\"}')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(detail["template"], "lab:*");
+    assert_eq!(detail["max_instances"], i64::from(permitq::MAX_INSTANCES));
+}

@@ -740,3 +740,67 @@ async fn tokens_never_go_back_after_pg_upgrade() {
     let after = grant_one(&url, "after").await;
     assert!(after > before, "{after} after {before}");
 }
+
+/// Defence in depth: `apply_decision` refuses grants that would put any level over its
+/// capacity, whoever calls it (here a worker login granting two requests of one permit on a
+/// semaphore of one, and a child's grant past its parent), and writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_decision_refuses_a_grant_over_capacity_whoever_calls_it() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("one", 1, None).await.unwrap();
+    client.set_capacity("p", 1, None).await.unwrap();
+    client
+        .set_semaphore("p:c", 5, &permitq::SemaphoreSettings::new().parent("p"))
+        .await
+        .unwrap();
+    for (id, name) in [("a", "one"), ("b", "one"), ("c1", "p:c"), ("c2", "p:c")] {
+        client
+            .submit(&Request::new(id).permit(name, 1))
+            .await
+            .unwrap();
+    }
+    let rogue = common::connect(&login(&db, "rogue", Some("permitq_worker")).await).await;
+    for (ids, charges, over) in [
+        (["a", "b"], "'{}'", "one"),
+        (
+            ["c1", "c2"],
+            "(SELECT jsonb_object_agg(id::text, '{\"p\": 1, \"p:c\": 1}'::jsonb) FROM permitq.permit_request WHERE external_id IN ('c1', 'c2'))",
+            "p",
+        ),
+    ] {
+        let err = rogue
+            .query_one(
+                &format!(
+                    "SELECT permitq.apply_decision('rogue', \
+                     (SELECT array_agg(id ORDER BY id) FROM permitq.permit_request WHERE external_id = ANY($1)), \
+                     '{{}}', '{{}}', '{{}}', {charges})"
+                ),
+                &[&&ids[..]],
+            )
+            .await
+            .unwrap_err();
+        let db_err = err.as_db_error().expect("a database error");
+        assert_eq!(db_err.code(), &SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE, "{db_err:?}");
+        assert!(
+            db_err.message() == format!("refusing grants that would put {over} over capacity"),
+            "{}",
+            db_err.message()
+        );
+    }
+    let granted: i64 = db
+        .conn()
+        .await
+        .query_one(
+            "SELECT count(*) FROM permitq.permit_request WHERE state <> 'new'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(granted, 0, "nothing written");
+    // A worker grants them in turn, as the decision says.
+    let _worker = db.worker(quiet_config("w"));
+    let r = client.wait_settled("a", SOON).await.unwrap().unwrap();
+    assert_eq!(r.state, State::Acquired);
+}

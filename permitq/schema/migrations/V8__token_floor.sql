@@ -1,0 +1,14 @@
+-- Tokens never go backwards whatever is restored where (functions/fencing_tokens.sql). The epoch
+-- row also records the database and the token sequence it was written for: a restore into
+-- another database of the cluster, or in place with `pg_restore --clean`, makes both anew, so
+-- the copy moves its epoch on although the cluster and the timeline are the same. And a floor
+-- every token drawn must be above: the highest token of the requests retention deleted (a
+-- sequence set back after the rows that held its tokens are gone is still seen), or what an
+-- operator raised it to (`permitq tokens raise --above N`).
+ALTER TABLE permitq.token_epoch
+    ADD COLUMN database_oid    oid,
+    ADD COLUMN sequence_oid    oid,
+    ADD COLUMN token_floor bigint NOT NULL DEFAULT 0;
+UPDATE permitq.token_epoch
+SET database_oid = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = current_database()),
+    sequence_oid = 'permitq.fencing_token_seq'::regclass::oid;
