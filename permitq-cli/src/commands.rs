@@ -10,7 +10,8 @@ use crate::error::{CliError, Result, EXIT_NOT_GRANTED, EXIT_RUNTIME, EXIT_STILL_
 /// Runs one command. `explicit_url`: `--database-url` was given on the command line (not only
 /// through `DATABASE_URL`), which `demo` and `bench` require before they write to a database.
 pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
-    let url = cli.database_url;
+    // An empty DATABASE_URL (`DATABASE_URL=`) is no URL, not the defaults of an empty one.
+    let url = cli.database_url.filter(|u| !u.trim().is_empty());
     let named = if explicit_url { url.as_deref() } else { None };
     let need_url = || {
         url.clone().ok_or_else(|| CliError::Missing {
@@ -118,14 +119,14 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
                 .await?
             {
                 Some(r) => print_request(&r, json),
-                None => return Err(CliError::not_found("request", &external_id)),
+                None => return Err(CliError::NotVisible { name: external_id }),
             }
             Ok(0)
         }
         Command::Explain { external_id, json } => {
             let client = Client::connect(&need_url()?).await?;
             let Some(explanation) = client.explain(&external_id).await? else {
-                return Err(CliError::not_found("request", &external_id));
+                return Err(CliError::NotVisible { name: external_id });
             };
             if json {
                 outln!(
@@ -192,7 +193,10 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
 /// has not created or upgraded yet, so that workers started beside a migration job (a
 /// Kubernetes rollout) do not crash-loop. Once running, the worker rides out restarts itself.
 async fn wait_for_schema(client: &Client) -> Result<()> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let started = std::time::Instant::now();
+    let deadline = started + Duration::from_secs(120);
+    // What was last logged, and when: the same reason again only every 30 s.
+    let mut logged: Option<(String, std::time::Instant)> = None;
     loop {
         let why = match client.schema_is_current().await {
             Ok(true) => return Ok(()),
@@ -206,7 +210,16 @@ async fn wait_for_schema(client: &Client) -> Result<()> {
         if std::time::Instant::now() >= deadline {
             return Err(CliError::runtime(format!("gave up after 2 minutes: {why}")));
         }
-        tracing::warn!(retry_in_s = 1, "{why}");
+        let due = logged
+            .as_ref()
+            .is_none_or(|(said, at)| *said != why || at.elapsed() >= Duration::from_secs(30));
+        if due {
+            tracing::warn!(
+                "{why}; waiting for it ({}s so far, giving up after 120s)",
+                started.elapsed().as_secs()
+            );
+            logged = Some((why, std::time::Instant::now()));
+        }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }

@@ -29,6 +29,8 @@ pub(crate) enum CliError {
     Missing { field: &'static str, hint: String },
     /// No request or semaphore by that name.
     NotFound { what: &'static str, name: String },
+    /// No request by that name among those this login may read (`status`, `explain`).
+    NotVisible { name: String },
     /// Anything else at run time (demo, bench and chaos tooling, I/O).
     Runtime(String),
 }
@@ -59,7 +61,7 @@ impl CliError {
     pub(crate) fn exit_code(&self) -> u8 {
         match self {
             CliError::Usage { .. } | CliError::Missing { .. } => EXIT_USAGE,
-            CliError::NotFound { .. } => EXIT_NOT_FOUND,
+            CliError::NotFound { .. } | CliError::NotVisible { .. } => EXIT_NOT_FOUND,
             CliError::Permitq(e)
                 if e.invalid_field().is_some()
                     || e.code() == Some(&SqlState::INVALID_PARAMETER_VALUE) =>
@@ -85,6 +87,10 @@ impl fmt::Display for CliError {
             CliError::Usage { field, message } => write!(f, "invalid {field}: {message}"),
             CliError::Missing { field, hint } => write!(f, "no {field} given: {hint}"),
             CliError::NotFound { what, name } => write!(f, "no {what} named {name:?}"),
+            CliError::NotVisible { name } => write!(
+                f,
+                "no request named {name:?} (a producer login sees only its own requests)"
+            ),
             CliError::Runtime(m) => write!(f, "{m}"),
         }
     }

@@ -105,13 +105,24 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_RUNTIME);
         }
     };
+    let login = login_of(cli.database_url.as_deref());
     match runtime.block_on(commands::run(cli, explicit_url)) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            errln!("permitq: {}", error::one_line(&e.to_string()));
+            let message = e.to_string().replace("<your login>", &login);
+            errln!("permitq: {}", error::one_line(&message));
             ExitCode::from(e.exit_code())
         }
     }
+}
+
+/// The login a database URL names (libpq's default, the OS user, when it names none), for the
+/// GRANT an error tells a DBA to run.
+fn login_of(url: Option<&str>) -> String {
+    url.and_then(|u| u.parse::<tokio_postgres::Config>().ok())
+        .and_then(|c| c.get_user().map(str::to_string))
+        .or_else(|| std::env::var("USER").ok())
+        .unwrap_or_else(|| "<your login>".to_string())
 }
 
 /// stderr for the log: a failed write (EPIPE, a full disk) drops the line and reports success,

@@ -76,6 +76,40 @@ pub(crate) fn kind(u: &permitq::SemaphoreUsage) -> String {
     .join("; ")
 }
 
+/// [`kind`] in the fewest words, for `top`'s narrow column: `3/3 per 1m, opens in 41s`,
+/// `instance; in gpus (g2)`, `template`.
+pub(crate) fn short_kind(u: &permitq::SemaphoreUsage) -> String {
+    let origin = match (u.is_template, &u.template) {
+        (true, _) => Some("template".to_string()),
+        (false, Some(_)) => Some("instance".to_string()),
+        (false, None) => None,
+    };
+    let nesting = u.parent.as_ref().map(|parent| {
+        if u.guarantee > 0 {
+            format!("in {parent} (g{})", u.guarantee)
+        } else {
+            format!("in {parent}")
+        }
+    });
+    let window = u.per.map(|per| {
+        let mut w = format!(
+            "{}/{} per {}",
+            u.in_window,
+            u.capacity,
+            humantime::format_duration(per)
+        );
+        if let Some(opens) = u.window_opens_at {
+            w.push_str(&format!(", opens {}", until(opens)));
+        }
+        w
+    });
+    [origin, nesting, window]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// Whether anything is granting: the live workers, as `semaphore show`, `top` and the status
 /// page show them.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -219,11 +253,20 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
         lines.push(format!("  {warning}"));
     }
     for s in &e.semaphores {
+        // A spent rate window: what is left is grants in the window, not permits released.
+        let window = s.reason.starts_with("rate limit:");
+        let free_of = |free, capacity| {
+            if window {
+                format!("{free} of {capacity} grants left in its rate window")
+            } else {
+                format!("{free} free of {capacity}")
+            }
+        };
         let room = match (s.free, s.capacity, s.shortfall) {
             (Some(free), Some(capacity), Some(short)) if short > 0 => {
-                format!("{free} free of {capacity}, short {short}")
+                format!("{}, short {short}", free_of(free, capacity))
             }
-            (Some(free), Some(capacity), _) => format!("{free} free of {capacity}"),
+            (Some(free), Some(capacity), _) => free_of(free, capacity),
             _ => "no such semaphore".to_string(),
         };
         let place = match (s.position, s.permits_ahead) {
@@ -261,8 +304,13 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
         }
         if let Some(wait) = s.estimated_wait {
             lines.push(format!(
-                "  estimated wait: about {} (an estimate from recent releases)",
-                humantime::format_duration(std::time::Duration::from_secs(wait.as_secs().max(1)))
+                "  estimated wait: about {} ({})",
+                humantime::format_duration(std::time::Duration::from_secs(wait.as_secs().max(1))),
+                if window {
+                    "when its rate window opens"
+                } else {
+                    "an estimate from recent releases"
+                }
             ));
         }
     }

@@ -191,7 +191,7 @@ fn draw(frame: &mut Frame, view: &mut View) {
                 "-".to_string()
             },
             format!("{:.1}", view.rates.get(&s.name).copied().unwrap_or(0.0)),
-            crate::show::kind(s),
+            crate::show::short_kind(s),
         ])
     });
     let table = Table::new(

@@ -33,6 +33,9 @@ impl OwnerLiveness for LocalProcesses {
 async fn main() -> permitq::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter("permitq=info")
+        // Colours only on a terminal: a log file gets plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
         .init();
     let url = std::env::var("DATABASE_URL").expect("set DATABASE_URL");
     let mut config = WorkerConfig::default();

@@ -226,6 +226,10 @@ fn connection_hint(e: &tokio_postgres::Error, target: &str) -> String {
             Some(hint) => hint,
             None => return String::new(),
         }
+    } else if text.contains("connection refused") && target.starts_with("localhost:") {
+        "is PostgreSQL running here? A URL without a host looks for its socket in \
+         /var/run/postgresql and /tmp, then for localhost; the URL (DATABASE_URL or \
+         --database-url) can name the host and port"
     } else if text.contains("connection refused") {
         "is PostgreSQL running, and listening on that host and port? The URL \
          (DATABASE_URL or --database-url) names them"
@@ -242,7 +246,12 @@ fn connection_hint(e: &tokio_postgres::Error, target: &str) -> String {
         "the connection failed or was lost: is PostgreSQL up? The request is retried by \
          running the command again (submit is idempotent)"
     };
-    format!(" ({cause}; server {target})")
+    if e.as_db_error().is_some() {
+        // The server answered: the message did not name it yet.
+        format!(" ({cause}; server {target})")
+    } else {
+        format!(" ({cause})")
+    }
 }
 
 /// A permission error's message, with the permitq role that grants what was refused.

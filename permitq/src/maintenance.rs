@@ -446,9 +446,10 @@ pub(crate) async fn run_sweeps(
         let (skips, notifications_skipped) = (skips.clone(), notifications_skipped.clone());
         let outage = outage.clone();
         Box::pin(async move {
+            let began = std::time::Instant::now();
             match sweep_once(&pool, &config, liveness.as_deref(), &skips).await {
                 Ok(out) => {
-                    outage.succeeded();
+                    outage.succeeded(began);
                     if out != SweepOutcome::default() {
                         tracing::info!(
                             timed_out = out.timed_out,
@@ -459,7 +460,7 @@ pub(crate) async fn run_sweeps(
                         );
                     }
                 }
-                Err(e) if outage.failed("sweeps", &e) => return,
+                Err(e) if outage.failed("lease and deadline sweeps", &e) => return,
                 Err(e) => tracing::warn!(error = %e, "sweep failed"),
             }
             // The first look only learns where the count stands.
@@ -491,7 +492,7 @@ pub(crate) async fn run_retention(
             match retention_once(&pool, &config, Some(&stop), &skips).await {
                 Ok((0, 0)) => {}
                 Ok((requests, audit)) => tracing::info!(requests, audit, "retention deleted"),
-                Err(e) if outage.failed("retention rounds", &e) => {}
+                Err(e) if outage.failed("deletions of old rows", &e) => {}
                 Err(e) => tracing::warn!(error = %e, "retention failed"),
             }
         })

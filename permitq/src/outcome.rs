@@ -11,9 +11,9 @@ use crate::types::{ErrorCode, PermitRequest, State};
 /// | code | fields |
 /// |---|---|
 /// | `unknown_semaphore` | `semaphore` (the name not found), `named` (when it is a missing parent of that one), `similar` |
-/// | `exceeds_capacity` | `semaphore`, `count`, `capacity`, `named` (when the bound is a parent's) |
-/// | `no_capacity` | `semaphore`, `count`, `capacity`, `free`, `named` |
-/// | `too_many_instances` | `semaphore`, `template`, `max_instances` |
+/// | `exceeds_capacity` | `semaphore`, `count`, `capacity`, `named` (when the bound is a parent's), `per` (a rate limit's window) |
+/// | `no_capacity` | `semaphore`, `count`, `capacity`, `free`, `named`, `per` |
+/// | `too_many_instances` | `semaphore`, `template`, `max_instances`, `parent` and `guarantee` (nested) |
 /// | `invalid` | `problem` |
 ///
 /// `timeout` and `cancelled` carry none: the request's `wait` and state say it all.
@@ -36,12 +36,21 @@ pub struct ErrorDetail {
     /// The room free on `semaphore` when the request was decided.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub free: Option<i64>,
+    /// When `semaphore` is a rate limit: its window (`1m`), and `capacity` is grants in it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub per: Option<String>,
     /// The template that could not make `semaphore`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub template: Option<String>,
     /// That template's bound on its instances.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_instances: Option<i64>,
+    /// That template's parent, when its instances are nested.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    /// What each of its instances is guaranteed of `parent`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub guarantee: Option<i64>,
     /// Existing semaphores or templates whose names are nearest the one not found.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub similar: Vec<String>,
@@ -115,9 +124,13 @@ impl PermitRequest {
                     }
                     None => format!("{name}={count} but {name}"),
                 };
+                let bound = match &d.per {
+                    Some(per) => format!("allows {capacity} grants per {per}"),
+                    None => format!("has capacity {capacity}"),
+                };
                 format!(
-                    "{at} has capacity {capacity}: it can never be granted; ask for at most \
-                     {capacity}, or raise the capacity (`permitq semaphore set {name} {count}`)"
+                    "{at} {bound}: it can never be granted; ask for at most {capacity}, or raise \
+                     the capacity (`permitq semaphore set {name} {count}`)"
                 )
             }
             ErrorCode::NoCapacity => {
@@ -127,14 +140,20 @@ impl PermitRequest {
                     Some(named) => format!("{} takes {count} from its parent {name}", asked(named)),
                     None => format!("{name}={count}"),
                 };
+                let left = match &d.per {
+                    Some(per) => {
+                        format!("{free} of {capacity} grants left in its {per} rate window")
+                    }
+                    None => format!("{free} of {capacity} free"),
+                };
                 let room = if free >= count {
-                    format!("{free} of {capacity} free, kept for requests ahead in line")
+                    format!("{left}, kept for requests ahead in line")
                 } else {
-                    format!("{free} of {capacity} free")
+                    left
                 };
                 format!(
-                    "{at}, {room}; it was submitted to fail fast (wait 0): submit with a longer \
-                     --wait to queue"
+                    "{at}, {room}; it was submitted to fail fast (wait 0): submit again, under a \
+                     new external_id, with a longer --wait to queue"
                 )
             }
             ErrorCode::Timeout => match self.wait {
@@ -147,12 +166,21 @@ impl PermitRequest {
             },
             ErrorCode::Cancelled => "released while it was still waiting".to_string(),
             ErrorCode::TooManyInstances => match (&d.template, d.max_instances) {
-                (Some(template), Some(bound)) => format!(
-                    "{name} would be a new instance of template {template}, which has its \
-                     max_instances of {bound} already; idle instances are removed by the \
-                     workers, or raise the bound (`permitq semaphore set '{template}' CAPACITY \
-                     --max-instances N`)"
-                ),
+                (Some(template), Some(bound)) => {
+                    let fits = match (&d.parent, d.guarantee) {
+                        (Some(parent), Some(g)) if g > 0 => format!(
+                            "; each instance is guaranteed {g} of {parent}, so N × {g} must fit \
+                             in {parent}'s capacity beside its other children's guarantees"
+                        ),
+                        _ => String::new(),
+                    };
+                    format!(
+                        "{name} would be a new instance of template {template}, which has its \
+                         max_instances of {bound} already; the workers remove an instance idle \
+                         for --idle-instance-after (1h by default), or raise the bound \
+                         (`permitq semaphore set '{template}' CAPACITY --max-instances N`{fits})"
+                    )
+                }
                 _ => format!("{name} would be one instance too many of its template"),
             },
             ErrorCode::Invalid => format!(

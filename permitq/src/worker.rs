@@ -307,16 +307,17 @@ impl Worker {
         // When this worker last wrote `sleeping = true`; None while it is awake.
         let mut asleep_since: Option<Instant> = None;
         while !*stop.borrow() {
+            let began = Instant::now();
             match self.step(wake, &mut stop, &mut asleep_since).await {
                 Ok(()) => {
                     backoff.reset();
                     self.health.pass_done();
-                    self.outage.succeeded();
+                    self.outage.succeeded(began);
                 }
                 Err(e) => {
                     metrics::counter!("permitq_failed_passes_total").increment(1);
                     let delay = backoff.next_delay();
-                    if self.outage.failed("passes", &e) {
+                    if self.outage.failed("grant passes", &e) {
                         // Counted in the outage, which logs its start and end once.
                     } else if e.is_missing_schema() || !e.is_retryable() {
                         tracing::error!(error = %e, "pass failed; retrying in {delay:?}");
@@ -346,6 +347,7 @@ impl Worker {
             let worker = self.clone();
             let (host, version, live_for) = (host.clone(), version.clone(), live_for.clone());
             Box::pin(async move {
+                let began = Instant::now();
                 let written = async {
                     worker
                         .pool
@@ -359,8 +361,8 @@ impl Worker {
                     Ok::<_, Error>(())
                 };
                 match written.await {
-                    Ok(()) => worker.outage.succeeded(),
-                    Err(e) if worker.outage.failed("liveness rows", &e) => {}
+                    Ok(()) => worker.outage.succeeded(began),
+                    Err(e) if worker.outage.failed("liveness updates", &e) => {}
                     Err(e) => tracing::warn!(error = %e, "could not record that this worker runs"),
                 }
             })

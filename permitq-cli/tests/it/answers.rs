@@ -120,6 +120,41 @@ async fn too_many_instances_names_the_template_and_its_bound_also_in_json() {
         json(&o)["error_detail"],
         serde_json::json!({ "semaphore": "lab-5", "template": "lab-*", "max_instances": 4 })
     );
+    assert!(stdout(&run(url, &["status", "lab-5"]).await)
+        .contains("the workers remove an instance idle for --idle-instance-after (1h by default)"));
+    // Nested and guaranteed: raising the bound must fit the parent, and the answer says so.
+    run(url, &["semaphore", "set", "gpus", "4"]).await;
+    run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "glab-*",
+            "2",
+            "--parent",
+            "gpus",
+            "--guarantee",
+            "2",
+            "--max-instances",
+            "2",
+        ],
+    )
+    .await;
+    for i in 1..=2 {
+        let id = format!("glab-{i}");
+        let o = run(url, &["submit", &id, &format!("{id}=1"), "--await", "10s"]).await;
+        assert_eq!(code(&o), 0, "{}", stdout(&o));
+    }
+    let o = run(url, &["submit", "glab-3", "glab-3=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 3);
+    assert!(
+        stdout(&o).contains(
+            "each instance is guaranteed 2 of gpus, so N × 2 must fit in gpus's capacity beside \
+             its other children's guarantees"
+        ),
+        "{}",
+        stdout(&o)
+    );
     worker.stop().await;
 }
 
@@ -193,12 +228,18 @@ fn a_malformed_url_shows_the_form_expected() {
 async fn a_permission_error_names_the_role_needed() {
     let db = TestDb::new().await;
     let producer = db.login("permitq_producer").await;
+    let user = producer
+        .parse::<tokio_postgres::Config>()
+        .unwrap()
+        .get_user()
+        .unwrap()
+        .to_string();
     let o = run(&producer, &["semaphore", "set", "gpu", "4"]).await;
     assert_eq!(code(&o), 1, "{}", stderr(&o));
     assert!(
         stderr(&o).contains("permission denied for function set_capacity")
             && stderr(&o).contains("this needs the role permitq_admin")
-            && stderr(&o).contains("GRANT permitq_admin TO"),
+            && stderr(&o).contains(&format!("GRANT permitq_admin TO {user}")),
         "{}",
         stderr(&o)
     );
@@ -216,7 +257,7 @@ async fn a_resubmit_with_other_parameters_shows_what_the_existing_request_asked(
     assert!(
         err.contains("already exists with different parameters")
             && err.contains(r#"the existing request asked permits {"gpu": 1}"#)
-            && err.contains("ttl 00:05:00")
+            && err.contains("ttl 5m, wait none (waits until granted)")
             && err.contains("a new request needs a new external_id"),
         "{err}"
     );
@@ -232,7 +273,30 @@ async fn a_heartbeat_on_a_waiting_request_says_it_is_still_waiting() {
     assert_eq!(code(&o), 3, "{}", stderr(&o));
     assert!(
         stderr(&o).contains("no lease yet: request wait-1 is still waiting to be granted")
-            && stderr(&o).contains("heartbeat once it is acquired"),
+            && stderr(&o).contains("heartbeat once it is acquired: `permitq status` shows when")
+            && !stderr(&o).contains("(permitq"),
+        "{}",
+        stderr(&o)
+    );
+    // Cancelled, it never had a lease; released, it says by whom, in words.
+    run(url, &["release", "wait-1"]).await;
+    let o = run(url, &["heartbeat", "wait-1"]).await;
+    assert_eq!(code(&o), 3, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("no lease: request wait-1 ended without a grant (error cancelled)")
+            && stderr(&o).contains("`permitq status` says why"),
+        "{}",
+        stderr(&o)
+    );
+    let _worker = db.worker(quiet_config("w"));
+    let o = run(url, &["submit", "held-1", "gpu=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    run(url, &["release", "held-1"]).await;
+    let o = run(url, &["heartbeat", "held-1"]).await;
+    assert_eq!(code(&o), 3, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("lease lost: request held-1 was released by its holder")
+            && stderr(&o).contains("stop using the resource"),
         "{}",
         stderr(&o)
     );
@@ -395,6 +459,26 @@ async fn explain_writes_a_rate_window_as_semaphore_show_does() {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("{text}"));
     assert!((0.0..=10.0 + 10.0 / 64.0 + 0.05).contains(&opens), "{text}");
+    // What is left is grants in the window, and the estimate is when it opens.
+    assert!(
+        text.contains("api: needs 1, 0 of 1 grants left in its rate window, short 1")
+            && text.contains("(when its rate window opens)"),
+        "{text}"
+    );
+    // A request that fails fast there says so, and how to queue.
+    let o = run(
+        url,
+        &["submit", "a3", "api=1", "--wait", "0s", "--await", "10s"],
+    )
+    .await;
+    assert_eq!(code(&o), 3, "{}", stdout(&o));
+    assert!(
+        stdout(&o)
+            .contains("a3 error no_capacity: api=1, 0 of 1 grants left in its 10s rate window")
+            && stdout(&o).contains("submit again, under a new external_id, with a longer --wait"),
+        "{}",
+        stdout(&o)
+    );
     worker.stop().await;
 }
 

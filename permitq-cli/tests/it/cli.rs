@@ -187,6 +187,17 @@ fn database_url_errors_share_exit_code_2() {
 }
 
 #[test]
+fn an_empty_database_url_is_no_url() {
+    let o = permitq(Some(""), &["semaphore", "list"]);
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("pass --database-url or set DATABASE_URL"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
 fn runtime_errors_are_one_line_with_exit_1() {
     // Nothing listens on port 1.
     let o = permitq(Some("postgres://nobody@127.0.0.1:1/none"), &["status", "x"]);
@@ -344,6 +355,14 @@ async fn submit_await_status_release_and_their_exit_codes() {
         let o = run(url, &[verb, "nope"]).await;
         assert_eq!(code(&o), 5, "{verb} nope: {}", stderr(&o));
         assert_eq!(stderr(&o).trim(), "permitq: no request named \"nope\"");
+    }
+    for verb in ["status", "explain"] {
+        let o = run(url, &[verb, "nope"]).await;
+        assert_eq!(code(&o), 5, "{verb} nope: {}", stderr(&o));
+        assert_eq!(
+            stderr(&o).trim(),
+            "permitq: no request named \"nope\" (a producer login sees only its own requests)"
+        );
     }
     let o = run(url, &["semaphore", "history", "nope"]).await;
     assert_eq!(code(&o), 5, "{}", stderr(&o));

@@ -395,7 +395,7 @@ async fn a_database_outage_is_logged_once_when_it_starts_and_once_when_it_ends()
     assert_eq!(count("database unreachable"), 1, "{text}");
     assert_eq!(count("database reachable again"), 1, "{text}");
     assert!(
-        text.contains("failed meanwhile: ") && text.contains("sweeps"),
+        text.contains("granting goes on (retried meanwhile: ") && text.contains("sweeps"),
         "{text}"
     );
     // The outage's two lines, the LISTEN connection's one, and at most one failure that was

@@ -42,8 +42,25 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
           ORDER BY rank DESC, shared DESC, name LIMIT 3) nearest
 $$;
 
+-- A duration as `semaphore show` writes it: `250ms`, `8.9s`, `1m`, `1h30m`, `2d`.
+CREATE OR REPLACE FUNCTION permitq.human_duration(d interval) RETURNS text
+LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT CASE
+        WHEN x.s IS NULL THEN NULL
+        WHEN x.s < 1 THEN round(x.s * 1000)::text || 'ms'
+        WHEN x.s < 60 THEN trim_scale(round(x.s, 1))::text || 's'
+        ELSE concat(nullif(floor(x.s / 86400), 0)::text || 'd',
+                    nullif(floor(mod(x.s, 86400) / 3600), 0)::text || 'h',
+                    nullif(floor(mod(x.s, 3600) / 60), 0)::text || 'm',
+                    nullif(floor(mod(x.s, 60)), 0)::text || 's')
+    END
+    FROM (SELECT extract(epoch FROM d) AS s) x
+$$;
+
 -- A failed request's detail, completed: `detail` as the decision gave it, plus `similar` for
--- unknown_semaphore and `template` / `max_instances` for too_many_instances.
+-- unknown_semaphore, `per` (the window) for a rate-limited semaphore's no_capacity and
+-- exceeds_capacity, and `template` / `max_instances` (and its `parent` and `guarantee`, when
+-- nested) for too_many_instances.
 CREATE OR REPLACE FUNCTION permitq.completed_error_detail(code text, detail jsonb) RETURNS jsonb
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -53,12 +70,20 @@ BEGIN
     IF code = 'unknown_semaphore' AND detail ? 'semaphore' THEN
         RETURN detail || jsonb_build_object(
             'similar', to_jsonb(permitq.similar_semaphore_names(detail ->> 'semaphore')));
+    ELSIF code IN ('no_capacity', 'exceeds_capacity') AND detail ? 'semaphore' THEN
+        -- A rate-limited semaphore's bound is grants per window: say which window.
+        RETURN detail || coalesce((SELECT jsonb_build_object('per', permitq.human_duration(s.per))
+                                   FROM permitq.semaphore s
+                                   WHERE s.name = detail ->> 'semaphore' AND s.per IS NOT NULL),
+                                  '{}');
     ELSIF code = 'too_many_instances' AND detail ? 'semaphore' THEN
         template := permitq.template_for(detail ->> 'semaphore');
         IF template.name IS NOT NULL THEN
-            RETURN detail || jsonb_build_object(
+            RETURN detail || jsonb_strip_nulls(jsonb_build_object(
                 'template', template.name,
-                'max_instances', coalesce(template.max_instances, permitq.rule_max_instances()));
+                'max_instances', coalesce(template.max_instances, permitq.rule_max_instances()),
+                'parent', template.parent,
+                'guarantee', nullif(template.guarantee, 0)));
         END IF;
     END IF;
     RETURN detail;

@@ -14,20 +14,6 @@
 -- is no history. Cost: per semaphore named, the waiters ahead (counted from waiter_line_idx,
 -- and the unexamined requests placed ahead, at most 10000 each), the held requests, and those
 -- 2000 settled rows: never the whole backlog.
--- A duration as `semaphore show` writes it: `250ms`, `8.9s`, `1m`, `1h30m`, `2d`.
-CREATE OR REPLACE FUNCTION permitq.human_duration(d interval) RETURNS text
-LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
-    SELECT CASE
-        WHEN x.s < 1 THEN round(x.s * 1000)::text || 'ms'
-        WHEN x.s < 60 THEN trim_scale(round(x.s, 1))::text || 's'
-        ELSE concat(nullif(floor(x.s / 86400), 0)::text || 'd',
-                    nullif(floor(mod(x.s, 86400) / 3600), 0)::text || 'h',
-                    nullif(floor(mod(x.s, 3600) / 60), 0)::text || 'm',
-                    nullif(floor(mod(x.s, 60)), 0)::text || 's')
-    END
-    FROM (SELECT extract(epoch FROM d) AS s) x
-$$;
-
 CREATE OR REPLACE FUNCTION permitq.explain(external_id text)
 RETURNS TABLE (request text, state text, outcome text, semaphore text, needs integer,
                capacity integer, free integer, shortfall integer, "position" bigint,

@@ -68,12 +68,23 @@ BEGIN
     IF request.state IN ('new', 'in_progress') THEN
         RAISE EXCEPTION 'no lease yet: request % is still waiting to be granted', $1
             USING ERRCODE = '55000',
-                  HINT = 'heartbeat once it is acquired (permitq status shows it; submit --await waits for it)';
+                  HINT = 'heartbeat once it is acquired: `permitq status` shows when, `submit --await` waits for it';
     END IF;
-    IF request.state <> 'acquired' THEN
-        RAISE EXCEPTION 'lease lost: request % is %', $1,
-            concat_ws(' ', request.state, request.error_code, request.release_reason)
-            USING ERRCODE = '55000';
+    IF request.state = 'error' THEN
+        RAISE EXCEPTION 'no lease: request % ended without a grant (error %)', $1, request.error_code
+            USING ERRCODE = '55000',
+                  HINT = '`permitq status` says why; submit a new request (a new external_id) to try again';
+    END IF;
+    IF request.state = 'released' THEN
+        RAISE EXCEPTION 'lease lost: request % was %', $1,
+            CASE request.release_reason
+                WHEN 'released' THEN 'released by its holder'
+                WHEN 'expired' THEN 'released: its lease expired with no heartbeat in time'
+                WHEN 'revoked' THEN 'revoked by an operator'
+                WHEN 'stale' THEN 'released: held past the workers'' --max-hold'
+                ELSE 'released (' || coalesce(request.release_reason, 'no reason') || ')' END
+            USING ERRCODE = '55000',
+                  HINT = 'stop using the resource; submit a new request to hold it again';
     END IF;
     -- (The grace is read only for a lease past its expires_at: nested, so in that order.)
     IF request.expires_at IS NOT NULL AND request.expires_at <= now() THEN

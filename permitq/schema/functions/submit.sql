@@ -65,7 +65,8 @@ BEGIN
                 USING ERRCODE = '23505',
                       DETAIL = format('the existing request asked permits %s, owner %s, ttl %s, wait %s, priority %s (it is %s)',
                           existing.permits, coalesce(existing.owner, 'none'),
-                          coalesce(existing.ttl::text, 'none'), coalesce(existing.wait::text, 'none'),
+                          coalesce(permitq.human_duration(existing.ttl), 'none (no lease)'),
+                          coalesce(permitq.human_duration(existing.wait), 'none (waits until granted)'),
                           existing.priority, existing.state),
                       HINT = 'a new request needs a new external_id; the same parameters return the existing one';
         END IF;

@@ -44,9 +44,18 @@ impl Outage {
         true
     }
 
-    /// Records that a task reached the database: ends an outage in progress, with one line.
-    pub(crate) fn succeeded(&self) {
-        let Some(down) = self.lock().take() else {
+    /// Records that a task that began at `began` reached the database: ends an outage in
+    /// progress, with one line, unless the task began before the outage did (a call already
+    /// under way when the server went away, answered as it shut down, proves nothing).
+    pub(crate) fn succeeded(&self, began: Instant) {
+        let down = {
+            let mut down = self.lock();
+            match down.as_ref() {
+                Some(d) if began >= d.since => down.take(),
+                _ => None,
+            }
+        };
+        let Some(down) = down else {
             return;
         };
         let failed = down
@@ -55,11 +64,10 @@ impl Outage {
             .map(|(task, n)| format!("{n} {task}"))
             .collect::<Vec<_>>()
             .join(", ");
-        tracing::warn!(
-            down_s = down.since.elapsed().as_secs_f64(),
-            failed_meanwhile = %failed,
-            "database reachable again after {:.1}s (failed meanwhile: {failed})",
-            down.since.elapsed().as_secs_f64()
+        let down_s = down.since.elapsed().as_secs_f64();
+        tracing::info!(
+            down_s,
+            "database reachable again after {down_s:.1}s; granting goes on (retried meanwhile: {failed})"
         );
     }
 
