@@ -397,9 +397,18 @@ impl Worker {
                 self.set_sleeping(true).await?;
                 *asleep_since = Some(Instant::now());
                 // A producer that read `sleeping = false` holds the wake key until its commit
-                // is visible. While one is in flight, poll with passes instead of sleeping.
+                // is visible. While one is in flight, poll with passes instead of sleeping,
+                // backing off to the poll interval: a producer that keeps its transaction open
+                // costs a pass a second, not a thousand. Producers after the commit above
+                // notify, which ends a pause at once.
+                let mut pause = BUSY_POLL;
                 while !self.wake_gate_free().await? {
-                    tokio::time::sleep(BUSY_POLL).await;
+                    tokio::select! {
+                        _ = wake.notified() => {}
+                        _ = tokio::time::sleep(pause) => {}
+                        _ = stop.changed() => {}
+                    }
+                    pause = (pause * 2).min(self.config.poll_interval);
                     if *stop.borrow() || self.pass_did_work(stop, asleep_since).await? {
                         return Ok(());
                     }

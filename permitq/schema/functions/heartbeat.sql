@@ -8,32 +8,37 @@
 -- honoured. Extending a lease grants nothing: safety is untouched, and a holder that did die
 -- keeps its permits at most one ttl longer.
 
--- When the grace began: the moment permitq first saw this timeline and cluster (recorded here,
--- by the first caller after a promotion), '-infinity' when none is due. Never waits: while
--- another session is recording it, the grace begins now (later, so longer: still safe).
+-- When the grace began: the moment a worker first saw this timeline and cluster (recorded by
+-- permitq.record_lease_grace), '-infinity' when none is due. Reads only, and takes no lock: a
+-- session (a producer's open transaction, say) cannot hold it up or stretch it. Until a worker
+-- has recorded a new timeline, the grace begins now: later, so longer, which is safe.
 CREATE OR REPLACE FUNCTION permitq.lease_grace_since() RETURNS timestamptz
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 DECLARE
     recorded permitq.lease_grace;
-    current_timeline bigint := permitq.wal_timeline();
-    current_system bigint := permitq.system_id();
 BEGIN
     SELECT * INTO recorded FROM permitq.lease_grace;
     IF NOT FOUND THEN
         RETURN '-infinity';
     END IF;
-    IF recorded.timeline = current_timeline AND recorded.system_id = current_system THEN
+    IF recorded.timeline = permitq.wal_timeline() AND recorded.system_id = permitq.system_id() THEN
         RETURN recorded.since;
-    END IF;
-    PERFORM 1 FROM permitq.lease_grace g FOR UPDATE SKIP LOCKED;
-    IF FOUND THEN
-        UPDATE permitq.lease_grace g SET timeline = current_timeline, system_id = current_system,
-                                         since = now()
-        WHERE g.timeline <> current_timeline OR g.system_id <> current_system;
     END IF;
     RETURN now();
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.lease_grace_since() TO permitq_producer, permitq_worker, permitq_admin;
+
+-- Worker (every lease sweep, first): records when it first saw this timeline and cluster, so the
+-- grace after a promotion is counted from then. Only workers write the row (producers may read
+-- it, and cannot lock it), so no one else's open transaction delays the record.
+CREATE OR REPLACE FUNCTION permitq.record_lease_grace() RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+BEGIN
+    UPDATE permitq.lease_grace g
+    SET timeline = permitq.wal_timeline(), system_id = permitq.system_id(), since = now()
+    WHERE g.timeline <> permitq.wal_timeline() OR g.system_id <> permitq.system_id();
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.record_lease_grace() TO permitq_worker;
 
 -- The rule: a lease has run out when its expires_at has passed and so has the grace since
 -- `grace_since` (permitq.lease_grace_since(), read once by the caller). NULL expires_at: no

@@ -113,10 +113,12 @@ BEGIN
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.confirm_durable() TO permitq_producer, permitq_worker, permitq_admin;
 
--- permitq.await_settled: waits until the request leaves `new` or `timeout` passes (at most an
--- hour), polling every 10 ms, and returns the row as it is then; no row for an unknown id. For
--- clients that cannot LISTEN. Each poll sees what committed before it only in READ COMMITTED,
--- and never the caller's own uncommitted submit: call it in a transaction of its own.
+-- permitq.await_settled: waits until the request leaves `new` or `timeout` passes (at most 5 s a
+-- call: call it again for longer), polling every 10 ms, and returns the row as it is then; no
+-- row for an unknown id. For clients that cannot LISTEN. The call's statement holds a snapshot
+-- while it waits, which holds back vacuum's horizon for the whole database: hence the bound.
+-- Each poll sees what committed before it only in READ COMMITTED, and never the caller's own
+-- uncommitted submit: call it in a transaction of its own.
 CREATE OR REPLACE FUNCTION permitq.await_settled(external_id text, timeout interval DEFAULT '30 seconds')
 RETURNS SETOF permitq.permit_request
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
@@ -128,7 +130,7 @@ BEGIN
     IF problem IS NOT NULL THEN
         RAISE EXCEPTION 'invalid timeout: %', problem USING ERRCODE = '22023';
     END IF;
-    deadline := clock_timestamp() + least(timeout, interval '1 hour');
+    deadline := clock_timestamp() + least(timeout, interval '5 seconds');
     LOOP
         SELECT * INTO request FROM permitq.permit_request r
         WHERE r.external_id = await_settled.external_id

@@ -52,11 +52,12 @@ END $$;
 GRANT EXECUTE ON FUNCTION permitq.sweep_wait_deadlines(integer) TO permitq_worker;
 
 -- Leases that ran out (TTL with no heartbeat, past the grace after a promotion:
--- permitq.lease_run_out): release_reason = 'expired'. The condition is re-checked on the locked
+-- permitq.lease_run_out, the grace recorded first): release_reason = 'expired'. The condition is re-checked on the locked
 -- row version, so a heartbeat that committed a moment ago wins over the sweep.
 CREATE OR REPLACE FUNCTION permitq.sweep_expired(batch_size integer) RETURNS integer
 LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
     SET plan_cache_mode = force_custom_plan SET enable_sort = off AS $$
+    SELECT permitq.record_lease_grace();
     SELECT coalesce(permitq.release_locked(array_agg(id), 'expired'), 0)
     FROM (SELECT id FROM permitq.permit_request
           WHERE state = 'acquired' AND expires_at <= now()

@@ -747,3 +747,29 @@ async fn a_changed_schema_file_is_applied_again_and_only_it() {
         .get(0);
     assert!(!public);
 }
+
+/// `await_settled` waits at most 5 s a call, whatever it is asked: its statement's snapshot holds
+/// back vacuum for the whole database while it waits.
+#[tokio::test]
+async fn await_settled_waits_at_most_five_seconds_a_call() {
+    let db = TestDb::new().await;
+    let conn = db.conn().await;
+    conn.execute("SELECT permitq.submit('nobody-grants', '{\"a\": 1}')", &[])
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let state: String = conn
+        .query_one(
+            "SELECT state FROM permitq.await_settled('nobody-grants', '1 hour')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let waited = started.elapsed();
+    assert_eq!(state, "new");
+    assert!(
+        waited >= std::time::Duration::from_secs(5) && waited < std::time::Duration::from_secs(9),
+        "{waited:?}"
+    );
+}

@@ -804,3 +804,113 @@ async fn apply_decision_refuses_a_grant_over_capacity_whoever_calls_it() {
     let r = client.wait_settled("a", SOON).await.unwrap().unwrap();
     assert_eq!(r.state, State::Acquired);
 }
+
+/// After a promotion, a producer's transaction held open cannot stretch the leases' grace: the
+/// grace is recorded by the workers, and reading it takes no lock. (The promotion is simulated:
+/// the recorded timeline is not the server's.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_producer_transaction_cannot_keep_expired_leases_alive_after_a_promotion() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 1, None).await.unwrap();
+    let mut config = quiet_config("w");
+    config.maintenance.sweep_interval = Duration::from_millis(100);
+    let _worker = db.worker(config);
+    client
+        .submit(
+            &Request::new("short")
+                .permit("s", 1)
+                .ttl(Duration::from_secs(1)),
+        )
+        .await
+        .unwrap();
+    let token = client
+        .wait_settled("short", SOON)
+        .await
+        .unwrap()
+        .unwrap()
+        .fencing_token
+        .expect("granted");
+    db.conn()
+        .await
+        .batch_execute("UPDATE permitq.lease_grace SET timeline = timeline + 7")
+        .await
+        .unwrap();
+    let producer = common::connect(&login(&db, "idler", Some("permitq_producer")).await).await;
+    producer
+        .batch_execute("BEGIN; SELECT permitq.lease_grace_since(); SELECT permitq.fence('r', 1)")
+        .await
+        .unwrap();
+    // Run out: one ttl, plus the grace of one ttl from when a worker recorded the timeline.
+    wait_until(Duration::from_secs(8), "the lease expires", || async {
+        client.status("short").await.unwrap().unwrap().state == State::Released
+    })
+    .await;
+    let r = client.status("short").await.unwrap().unwrap();
+    assert_eq!(r.release_reason, Some(permitq::ReleaseReason::Expired));
+    assert!(
+        !client.fence("r", token).await.unwrap(),
+        "its token fences nothing"
+    );
+    producer.batch_execute("ROLLBACK").await.unwrap();
+}
+
+/// A producer idle in a transaction after a submit holds the wake gate: the workers poll
+/// instead of sleeping, backing off to the poll interval, not a pass every millisecond; and
+/// the other producers' requests are still granted at once (they notify).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_idle_in_a_transaction_does_not_make_workers_busy_poll() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 100, None).await.unwrap();
+    let _worker = db.worker(quiet_config("w"));
+    let idler = common::connect(&login(&db, "idler", Some("permitq_producer")).await).await;
+    idler
+        .batch_execute("BEGIN; SELECT permitq.submit('idle-1', '{\"s\": 1}')")
+        .await
+        .unwrap();
+    // The worker wakes for another request, grants it, and would sleep: the gate is taken.
+    client
+        .submit(&Request::new("other").permit("s", 1))
+        .await
+        .unwrap();
+    client.wait_settled("other", SOON).await.unwrap();
+    let commits = || async {
+        let conn = db.conn().await;
+        conn.batch_execute("SELECT pg_stat_force_next_flush()")
+            .await
+            .unwrap();
+        let n: i64 = conn
+            .query_one(
+                "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        n
+    };
+    // Past the back-off's first second, then measure three seconds.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = commits().await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let per_second = (commits().await - before) / 3;
+    assert!(
+        per_second < 60,
+        "{per_second} transactions a second while a producer idles in a transaction"
+    );
+    // Others still go at once.
+    let started = std::time::Instant::now();
+    client
+        .submit(&Request::new("later").permit("s", 1))
+        .await
+        .unwrap();
+    let r = client.wait_settled("later", SOON).await.unwrap().unwrap();
+    assert_eq!(r.state, State::Acquired);
+    assert!(
+        started.elapsed() < Duration::from_millis(800),
+        "{:?}",
+        started.elapsed()
+    );
+    idler.batch_execute("ROLLBACK").await.unwrap();
+}
