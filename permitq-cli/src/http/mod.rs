@@ -77,25 +77,6 @@ pub(crate) async fn serve(
 fn describe_metrics() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_gauge!(
-        "permitq_semaphore_capacity",
-        "How many permits the semaphore allows at once (per window, for a rate limit)."
-    );
-    describe_gauge!("permitq_semaphore_used", "The workers' running count of permits in use; may run ahead of held until releases are folded.");
-    describe_gauge!("permitq_semaphore_held", "Permits held now, exactly.");
-    describe_gauge!(
-        "permitq_semaphore_waiting",
-        "Requests waiting on the semaphore."
-    );
-    describe_gauge!(
-        "permitq_semaphore_oldest_wait_seconds",
-        Unit::Seconds,
-        "How long the semaphore's oldest waiter has waited (0: none)."
-    );
-    describe_counter!(
-        "permitq_semaphore_grants_total",
-        "Grants on the semaphore so far, read from the database."
-    );
-    describe_gauge!(
         "permitq_database_up",
         "1 when the last scrape could read the database, else 0."
     );
@@ -262,36 +243,19 @@ async fn readyz(axum::extract::State(state): axum::extract::State<State>) -> Res
 }
 
 async fn metrics(axum::extract::State(state): axum::extract::State<State>) -> Response {
-    match state.client.usage().await {
+    // The semaphores' series are written from the database at each scrape, not kept in the
+    // registry: a template instance removed by the idle sweep leaves no series behind.
+    let semaphores = match state.client.usage().await {
         Ok(usage) => {
-            let now = SystemTime::now();
-            for s in usage {
-                let name = s.name.clone();
-                let gauge = |metric: &'static str, value: i64| {
-                    #[allow(clippy::cast_precision_loss, reason = "a gauge is a float")]
-                    metrics::gauge!(metric, "semaphore" => name.clone()).set(value as f64);
-                };
-                gauge("permitq_semaphore_capacity", s.capacity);
-                gauge("permitq_semaphore_used", s.used);
-                gauge("permitq_semaphore_held", s.held);
-                gauge("permitq_semaphore_waiting", s.waiting);
-                #[allow(clippy::cast_sign_loss, reason = "a counter from 0 up")]
-                metrics::counter!("permitq_semaphore_grants_total", "semaphore" => name.clone())
-                    .absolute(s.granted as u64);
-                let oldest = s
-                    .oldest_wait_since
-                    .and_then(|t| now.duration_since(t).ok())
-                    .map_or(0.0, |d| d.as_secs_f64());
-                metrics::gauge!("permitq_semaphore_oldest_wait_seconds", "semaphore" => name)
-                    .set(oldest);
-            }
             metrics::gauge!("permitq_database_up").set(1.0);
+            semaphore_series(&usage, SystemTime::now())
         }
         Err(e) => {
             tracing::debug!(error = %e, "metrics: cannot read semaphore usage");
             metrics::gauge!("permitq_database_up").set(0.0);
+            String::new()
         }
-    }
+    };
     if let Some(worker) = &state.worker {
         let age = worker
             .last_pass()
@@ -301,7 +265,47 @@ async fn metrics(axum::extract::State(state): axum::extract::State<State>) -> Re
     }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics.render(),
+        state.metrics.render() + &semaphores,
     )
         .into_response()
+}
+
+/// Each semaphore's series, in the Prometheus text format: one family after another, a sample
+/// per semaphore that exists now.
+fn semaphore_series(usage: &[permitq::SemaphoreUsage], now: SystemTime) -> String {
+    type Value = fn(&permitq::SemaphoreUsage, SystemTime) -> f64;
+    #[allow(clippy::cast_precision_loss, reason = "a sample is a float")]
+    let families: [(&str, &str, &str, Value); 6] = [
+        ("permitq_semaphore_capacity", "gauge",
+         "How many permits the semaphore allows at once (per window, for a rate limit).",
+         |s, _| s.capacity as f64),
+        ("permitq_semaphore_used", "gauge",
+         "The workers' running count of permits in use; may run ahead of held until releases are folded.",
+         |s, _| s.used as f64),
+        ("permitq_semaphore_held", "gauge", "Permits held now, exactly.", |s, _| s.held as f64),
+        ("permitq_semaphore_waiting", "gauge", "Requests waiting on the semaphore.",
+         |s, _| s.waiting as f64),
+        ("permitq_semaphore_oldest_wait_seconds", "gauge",
+         "How long the semaphore's oldest waiter has waited (0: none).",
+         |s, now| s.oldest_wait_since.and_then(|t| now.duration_since(t).ok()).map_or(0.0, |d| d.as_secs_f64())),
+        ("permitq_semaphore_grants_total", "counter",
+         "Grants on the semaphore so far, read from the database.",
+         |s, _| s.granted as f64),
+    ];
+    let mut out = String::new();
+    for (name, kind, help, value) in families {
+        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+        for s in usage {
+            let label = s
+                .name
+                .replace('\\', "\\\\")
+                .replace('"', "\\\"")
+                .replace('\n', "\\n");
+            out.push_str(&format!(
+                "{name}{{semaphore=\"{label}\"}} {}\n",
+                value(s, now)
+            ));
+        }
+    }
+    out
 }

@@ -246,6 +246,21 @@ async fn worker_http_serves_health_readiness_metrics_and_the_json_api() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // A semaphore that goes (an idle template instance, removed by the sweep) leaves no
+    // series behind: they are written from the database at each scrape.
+    client.set_capacity("tmp:gone", 1, None).await.unwrap();
+    assert!(get("/metrics")
+        .await
+        .unwrap()
+        .1
+        .contains("permitq_semaphore_capacity{semaphore=\"tmp:gone\"} 1"));
+    db.conn()
+        .await
+        .batch_execute("DELETE FROM permitq.semaphore WHERE name = 'tmp:gone'")
+        .await
+        .unwrap();
+    let (_, metrics) = get("/metrics").await.unwrap();
+    assert!(!metrics.contains("tmp:gone"), "{metrics}");
     let (status, body) = get("/api/semaphores").await.unwrap();
     assert_eq!(status, 200);
     let list: serde_json::Value = serde_json::from_str(&body).unwrap();

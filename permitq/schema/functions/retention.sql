@@ -1,7 +1,8 @@
 -- Retention, in small batches so that production traffic never queues behind a long delete.
 
 -- Deletes up to batch_size settled requests (and their waiter rows, by cascade) that settled
--- more than older_than ago, remembering the highest token among them.
+-- more than older_than ago, and up to batch_size fence rows untouched as long, remembering the
+-- highest token among them.
 CREATE OR REPLACE FUNCTION permitq.delete_settled(older_than interval, batch_size integer) RETURNS integer
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
     SET plan_cache_mode = force_custom_plan SET enable_sort = off AS $$
@@ -21,6 +22,23 @@ BEGIN
         RETURNING r.fencing_token
     )
     SELECT count(*), max(fencing_token) INTO n, highest FROM deleted;
+    -- And the fence rows untouched as long, unless a request holding now has their token: a
+    -- token of a request that no longer holds fences nothing anyway (permitq.fence), so only
+    -- concurrent holders of one semaphore lose an order between their writes, after a week.
+    WITH doomed AS (
+        SELECT f.resource FROM permitq.fence_token f
+        WHERE f.updated_at < now() - older_than
+          AND NOT EXISTS (SELECT 1 FROM permitq.permit_request r
+                          WHERE r.fencing_token = f.token AND r.state = 'acquired')
+        ORDER BY f.updated_at
+        LIMIT batch_size
+        FOR UPDATE SKIP LOCKED
+    ),
+    deleted AS (
+        DELETE FROM permitq.fence_token f USING doomed WHERE f.resource = doomed.resource
+        RETURNING f.token
+    )
+    SELECT greatest(highest, max(token)) INTO highest FROM deleted;
     -- Their tokens stay known: a sequence set back later is still seen as behind them
     -- (functions/fencing_tokens.sql).
     IF highest IS NOT NULL THEN

@@ -52,7 +52,10 @@ BEGIN
         IF FOUND THEN
             IF NOT permitq.may_act_on(existing.submitted_by) THEN
                 RAISE EXCEPTION 'external_id % already exists', submit.external_id
-                    USING ERRCODE = '23505';
+                    USING ERRCODE = '23505',
+                          HINT = 'external ids are one namespace for the whole database, shared by '
+                                 'every producer: prefix yours with your service''s name '
+                                 '(billing:job-42), and submit under a new one';
             END IF;
             IF existing.permits = submit.permits
                AND existing.owner IS NOT DISTINCT FROM submit.owner

@@ -12,3 +12,7 @@ ALTER TABLE permitq.token_epoch
 UPDATE permitq.token_epoch
 SET database_oid = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = current_database()),
     sequence_oid = 'permitq.fencing_token_seq'::regclass::oid;
+
+-- Retention deletes fence rows untouched for as long as settled requests are kept
+-- (functions/retention.sql), oldest first.
+CREATE INDEX fence_token_updated_idx ON permitq.fence_token (updated_at);

@@ -192,3 +192,42 @@ async fn an_operator_raises_the_floor_above_a_token_no_copy_can_see() {
     );
     assert!(err.to_string().contains("invalid above"), "{err}");
 }
+
+/// Retention deletes fence rows untouched as long as settled requests are kept, except those
+/// whose token a request still holds, and keeps their tokens in the floor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_deletes_old_fence_rows_of_tokens_no_longer_held() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("t", 100, None).await.unwrap();
+    let _worker = db.worker(quiet_config("w"));
+    let gone = granted(&client, "gone").await;
+    let held = granted(&client, "held").await;
+    assert!(client.fence("old-resource", gone).await.unwrap());
+    assert!(client.fence("held-resource", held).await.unwrap());
+    client.release("gone").await.unwrap();
+    let conn = db.conn().await;
+    conn.batch_execute("UPDATE permitq.fence_token SET updated_at = now() - interval '8 days'")
+        .await
+        .unwrap();
+    conn.query_one("SELECT permitq.delete_settled('7 days', 100)", &[])
+        .await
+        .unwrap();
+    let left: Vec<String> = conn
+        .query(
+            "SELECT resource FROM permitq.fence_token ORDER BY resource",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, ["held-resource"], "the held token's row stays");
+    let floor: i64 = conn
+        .query_one("SELECT token_floor FROM permitq.token_epoch", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(floor >= gone, "{floor} keeps {gone}");
+}

@@ -266,6 +266,12 @@ async fn a_producer_cannot_act_on_or_read_another_producers_requests() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some(&SqlState::UNIQUE_VIOLATION), "{err}");
+    // It learns nothing of A's request, and is told that ids are one namespace.
+    let text = err.to_string();
+    assert!(
+        !text.contains("asked permits") && text.contains("one namespace for the whole database"),
+        "{text}"
+    );
     // The owner and admins may; the workers' sweeps are unaffected (a-2's lease expires).
     a.heartbeat("a-1", None).await.unwrap();
     wait_until(SOON, "a-2 granted, then its lease expired", || async {
