@@ -474,12 +474,22 @@ impl Client {
         .collect()
     }
 
-    /// Fencing check for a downstream write kept in this database: true (and remembered) when
-    /// `token` is at least the highest token seen for `resource`.
-    pub async fn fence(&self, resource: &str, token: i64) -> Result<bool> {
+    /// Fencing check for a downstream write to `resource`, kept in this database and guarded by
+    /// `semaphore`: true (and remembered) when `token` is this login's request's, which holds a
+    /// permit of `semaphore` now, and is at least the highest token seen for `resource`. The
+    /// first fence of a resource binds it to `semaphore`; another semaphore is then refused
+    /// (SQLSTATE 22023).
+    pub async fn fence(&self, semaphore: &str, resource: &str, token: i64) -> Result<bool> {
         let conn = self.conn().await?;
         Ok(conn
-            .query_typed_one(sql::FENCE, &[(&resource, Type::TEXT), (&token, Type::INT8)])
+            .query_typed_one(
+                sql::FENCE,
+                &[
+                    (&semaphore, Type::TEXT),
+                    (&resource, Type::TEXT),
+                    (&token, Type::INT8),
+                ],
+            )
             .await?
             .get(0))
     }

@@ -220,7 +220,7 @@ pub(crate) const WAITERS: &str = "SELECT semaphore, external_id, owner, count::i
      position, waiting_since, deadline, priority FROM permitq.waiters WHERE semaphore = $1 \
      ORDER BY position LIMIT $2";
 /// Downstream fencing check.
-pub(crate) const FENCE: &str = "SELECT permitq.fence($1, $2)";
+pub(crate) const FENCE: &str = "SELECT permitq.fence($1, $2, $3)";
 
 /// Sweeps: each takes its task's turn for its transaction first, so one worker at a time runs
 /// it; false when another session holds it.

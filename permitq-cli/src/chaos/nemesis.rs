@@ -509,7 +509,7 @@ async fn fence_between_expiry_and_sweep(
 
 async fn fence(client: &Client, history: &History, holder: &str, token: i64) {
     let invoked = SystemTime::now();
-    let outcome = match client.fence(FENCED, token).await {
+    let outcome = match client.fence(FENCED, FENCED, token).await {
         Ok(accepted) => Outcome::Ok(accepted.to_string()),
         Err(e) => super::history::outcome_of_error(&e),
     };
@@ -535,7 +535,7 @@ pub(crate) async fn holder_process(url: &str, external_id: &str) -> Result<()> {
     let lease = client.acquire(&request, Duration::from_secs(20)).await?;
     outln!("token {}", lease.fencing_token());
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let accepted = client.fence(FENCED, lease.fencing_token()).await?;
+    let accepted = client.fence(FENCED, FENCED, lease.fencing_token()).await?;
     outln!("fenced {accepted}");
     Ok(())
 }

@@ -16,3 +16,7 @@ SET database_oid = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname =
 -- Retention deletes fence rows untouched for as long as settled requests are kept
 -- (functions/retention.sql), oldest first.
 CREATE INDEX fence_token_updated_idx ON permitq.fence_token (updated_at);
+
+-- A fenced resource is guarded by one semaphore (functions/fence.sql): the first fence that
+-- names one binds it; NULL for a resource only the two-argument fence has used.
+ALTER TABLE permitq.fence_token ADD COLUMN semaphore text;

@@ -456,7 +456,10 @@ async fn a_lease_that_expires_during_a_failover_gets_one_ttl_of_grace_after_the_
     })
     .await;
     let token = held.fencing_token.unwrap();
-    assert!(client.fence("grace-resource", token).await.unwrap());
+    assert!(client
+        .fence("grace", "grace-resource", token)
+        .await
+        .unwrap());
     assert_eq!(
         client.status("grace-holder").await.unwrap().unwrap().state,
         State::Acquired
@@ -471,7 +474,10 @@ async fn a_lease_that_expires_during_a_failover_gets_one_ttl_of_grace_after_the_
     let ended = client.status("grace-holder").await.unwrap().unwrap();
     assert_eq!(ended.release_reason, Some(permitq::ReleaseReason::Expired));
     assert!(next.fencing_token.unwrap() > token);
-    assert!(!client.fence("grace-resource", token).await.unwrap());
+    assert!(!client
+        .fence("grace", "grace-resource", token)
+        .await
+        .unwrap());
     worker.stop().await;
 }
 

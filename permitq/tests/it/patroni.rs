@@ -243,7 +243,7 @@ async fn under_load(fault: Fault) {
     .await;
     let lease_kept = !lease.is_lost()
         && client
-            .fence("ha-resource", lease.fencing_token())
+            .fence("lease", "ha-resource", lease.fencing_token())
             .await
             .unwrap();
     eprintln!("patroni {fault:?}: a 30 s lease heartbeating through it kept: {lease_kept}");

@@ -208,6 +208,9 @@ async fn other_bad_inputs_are_rejected_and_write_nothing() {
         ("permitq.fence('', 1)", "resource"),
         ("permitq.fence('r', NULL)", "token"),
         ("permitq.fence(repeat('r', 1000000), 1)", "resource"),
+        ("permitq.fence('', 'r', 1)", "semaphore"),
+        ("permitq.fence('s', '', 1)", "resource"),
+        ("permitq.fence('s', 'r', NULL)", "token"),
         ("permitq.heartbeat('x', '-1s')", "extend"),
     ] {
         let err = conn
@@ -564,18 +567,18 @@ async fn fence_accepts_equal_or_higher_tokens_atomically() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let t = held_tokens(&db, "f", 4, None).await;
-    assert!(client.fence("file", t[1]).await.unwrap());
+    assert!(client.fence("fenced", "file", t[1]).await.unwrap());
     assert!(
-        client.fence("file", t[1]).await.unwrap(),
+        client.fence("fenced", "file", t[1]).await.unwrap(),
         "the same token again is the same holder"
     );
-    assert!(!client.fence("file", t[0]).await.unwrap());
+    assert!(!client.fence("fenced", "file", t[0]).await.unwrap());
     assert!(
-        client.fence("other", t[0]).await.unwrap(),
+        client.fence("fenced", "other", t[0]).await.unwrap(),
         "resources are independent"
     );
-    assert!(client.fence("file", t[3]).await.unwrap());
-    assert!(!client.fence("file", t[2]).await.unwrap());
+    assert!(client.fence("fenced", "file", t[3]).await.unwrap());
+    assert!(!client.fence("fenced", "file", t[2]).await.unwrap());
 
     // Concurrent fences: the survivor is the highest token, and no lower token is accepted
     // after a higher one (checked in commit order through the returned flags).
@@ -584,7 +587,7 @@ async fn fence_accepts_equal_or_higher_tokens_atomically() {
     let results = join_all(tokens.iter().rev().map(|t| {
         let client = client.clone();
         let t = *t;
-        async move { (t, client.fence("race", t).await.unwrap()) }
+        async move { (t, client.fence("fenced", "race", t).await.unwrap()) }
     }))
     .await;
     assert!(
@@ -619,12 +622,12 @@ async fn fence_refuses_forged_released_and_expired_tokens_and_records_nothing() 
         .get::<_, i64>(0)
     };
     // A forged token, however high, is refused and locks nobody out.
-    assert!(!client.fence("db", i64::MAX).await.unwrap());
+    assert!(!client.fence("fenced", "db", i64::MAX).await.unwrap());
     assert_eq!(stored().await, 0, "nothing recorded");
-    assert!(client.fence("db", t[0]).await.unwrap());
+    assert!(client.fence("fenced", "db", t[0]).await.unwrap());
     // A released holder's token is refused, even above the highest seen.
     client.release("h-1").await.unwrap();
-    assert!(!client.fence("db", t[1]).await.unwrap());
+    assert!(!client.fence("fenced", "db", t[1]).await.unwrap());
     assert_eq!(stored().await, t[0]);
     // A holder whose lease ran out is fenced before anyone else writes, and before any sweep
     // releases it (no worker runs now): its request is still `acquired`.
@@ -640,7 +643,7 @@ async fn fence_refuses_forged_released_and_expired_tokens_and_records_nothing() 
         std::time::SystemTime::now() > expires + Duration::from_millis(50)
     })
     .await;
-    assert!(!client.fence("db", e[0]).await.unwrap());
+    assert!(!client.fence("fenced", "db", e[0]).await.unwrap());
     assert_eq!(
         client.status("e-0").await.unwrap().unwrap().state,
         permitq::State::Acquired

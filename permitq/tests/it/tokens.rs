@@ -203,8 +203,8 @@ async fn retention_deletes_old_fence_rows_of_tokens_no_longer_held() {
     let _worker = db.worker(quiet_config("w"));
     let gone = granted(&client, "gone").await;
     let held = granted(&client, "held").await;
-    assert!(client.fence("old-resource", gone).await.unwrap());
-    assert!(client.fence("held-resource", held).await.unwrap());
+    assert!(client.fence("t", "old-resource", gone).await.unwrap());
+    assert!(client.fence("t", "held-resource", held).await.unwrap());
     client.release("gone").await.unwrap();
     let conn = db.conn().await;
     conn.batch_execute("UPDATE permitq.fence_token SET updated_at = now() - interval '8 days'")

@@ -855,7 +855,7 @@ async fn an_open_producer_transaction_cannot_keep_expired_leases_alive_after_a_p
     let r = client.status("short").await.unwrap().unwrap();
     assert_eq!(r.release_reason, Some(permitq::ReleaseReason::Expired));
     assert!(
-        !client.fence("r", token).await.unwrap(),
+        !client.fence("s", "r", token).await.unwrap(),
         "its token fences nothing"
     );
     producer.batch_execute("ROLLBACK").await.unwrap();
@@ -919,4 +919,76 @@ async fn a_producer_idle_in_a_transaction_does_not_make_workers_busy_poll() {
         started.elapsed()
     );
     idler.batch_execute("ROLLBACK").await.unwrap();
+}
+
+/// A producer holding nothing cannot fence others out with a genuine token read from another
+/// producer's request; a resource is guarded by the semaphore it was first fenced with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_fences_only_for_its_own_holder_and_the_semaphore_guarding_the_resource() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.set_capacity("reports", 5, None).await.unwrap();
+    admin.set_capacity("other", 5, None).await.unwrap();
+    let _worker = db.worker(quiet_config("w"));
+    let p1 = Client::connect(&login(&db, "prod1", Some("permitq_producer")).await)
+        .await
+        .unwrap();
+    let p2 = Client::connect(&login(&db, "prod2", Some("permitq_producer")).await)
+        .await
+        .unwrap();
+    for (client, id, name) in [(&p1, "p1-job", "reports"), (&p1, "p1-other", "other")] {
+        client
+            .submit(&Request::new(id).permit(name, 1))
+            .await
+            .unwrap();
+        client.wait_settled(id, SOON).await.unwrap();
+    }
+    let token = |id: &'static str| {
+        let admin = admin.clone();
+        async move {
+            admin
+                .status(id)
+                .await
+                .unwrap()
+                .unwrap()
+                .fencing_token
+                .unwrap()
+        }
+    };
+    let (job, other) = (token("p1-job").await, token("p1-other").await);
+    // prod2 holds nothing: prod1's genuine, higher token fences nothing for it.
+    assert!(!p2
+        .fence("reports", "reports/2027-01", other.max(job))
+        .await
+        .unwrap());
+    assert!(!p2.fence("reports", "reports/2027-01", job).await.unwrap());
+    // The deprecated signature is held to the same rule.
+    let conn2 = common::connect(&login(&db, "prod2b", Some("permitq_producer")).await).await;
+    let accepted: bool = conn2
+        .query_one("SELECT permitq.fence('reports/2027-01', $1)", &[&job])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!accepted);
+    // prod1 fences with its own token of the guarding semaphore; its token of another
+    // semaphore counts for nothing there, and another semaphore for the resource is refused.
+    assert!(p1.fence("reports", "reports/2027-01", job).await.unwrap());
+    assert!(
+        !p1.fence("other", "reports/2027-02", job).await.unwrap(),
+        "job holds no `other`"
+    );
+    let err = p1
+        .fence("other", "reports/2027-01", other)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(&SqlState::INVALID_PARAMETER_VALUE),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("resource reports/2027-01 is guarded by semaphore reports, not other"),
+        "{err}"
+    );
 }
