@@ -173,7 +173,10 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
                     })
                 ),
                 Ok(Some(t)) => outln!("expires_at {}", humantime::format_rfc3339_seconds(t)),
-                Ok(None) => outln!("acquired, no expiry"),
+                Ok(None) => outln!(
+                    "held until released (it has no ttl): no lease to extend; --extend DUR \
+                     gives it one"
+                ),
                 Err(e) if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE) => {
                     if client.status(&external_id).await?.is_none() {
                         return Err(CliError::not_found("request", &external_id));
@@ -270,7 +273,7 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 return Ok(0);
             }
             outln!(
-                "{} capacity={}{} used={} {}{}",
+                "{} capacity={}{} used={} {}{}{}",
                 s.name,
                 s.capacity,
                 s.per
@@ -281,7 +284,15 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 s.parent
                     .as_ref()
                     .map(|p| format!(" parent={p} guarantee={}", s.guarantee))
-                    .unwrap_or_default()
+                    .unwrap_or_default(),
+                if s.is_template {
+                    format!(
+                        " max_instances={}",
+                        s.max_instances.unwrap_or(i64::from(permitq::MAX_INSTANCES))
+                    )
+                } else {
+                    String::new()
+                }
             );
         }
         SemaphoreCommand::List { json } => {

@@ -76,8 +76,8 @@ pub(crate) fn kind(u: &permitq::SemaphoreUsage) -> String {
     .join("; ")
 }
 
-/// [`kind`] in the fewest words, for `top`'s narrow column: `3/3 per 1m, opens in 41s`,
-/// `instance; in gpus (g2)`, `template`.
+/// [`kind`] in the fewest words, for `top`'s narrow column: `per 1m, opens 41s`, `in gpus, 2
+/// kept`, `template` (the held column shows a rate limit's grants in its window).
 pub(crate) fn short_kind(u: &permitq::SemaphoreUsage) -> String {
     let origin = match (u.is_template, &u.template) {
         (true, _) => Some("template".to_string()),
@@ -86,20 +86,18 @@ pub(crate) fn short_kind(u: &permitq::SemaphoreUsage) -> String {
     };
     let nesting = u.parent.as_ref().map(|parent| {
         if u.guarantee > 0 {
-            format!("in {parent} (g{})", u.guarantee)
+            format!("in {parent}, {} kept", u.guarantee)
         } else {
             format!("in {parent}")
         }
     });
     let window = u.per.map(|per| {
-        let mut w = format!(
-            "{}/{} per {}",
-            u.in_window,
-            u.capacity,
-            humantime::format_duration(per)
-        );
+        let mut w = format!("per {}", humantime::format_duration(per));
         if let Some(opens) = u.window_opens_at {
-            w.push_str(&format!(", opens {}", until(opens)));
+            let secs = opens
+                .duration_since(SystemTime::now())
+                .map_or(0, |d| d.as_secs());
+            w.push_str(&format!(", opens {secs}s"));
         }
         w
     });
@@ -150,6 +148,20 @@ impl Presence {
                     ago(w.seen_at)
                 )
             })
+            .collect();
+        format!("workers ({}): {}", live.len(), live.join(", "))
+    }
+
+    /// [`Presence::summary`] in a line of 80 columns: the live workers' ids and hosts.
+    pub(crate) fn short_summary(&self) -> String {
+        if let Some(warning) = &self.nothing_granting {
+            return warning.clone();
+        }
+        let live: Vec<String> = self
+            .workers
+            .iter()
+            .filter(|w| w.live)
+            .map(|w| format!("{}@{}", w.worker_id, w.host))
             .collect();
         format!("workers ({}): {}", live.len(), live.join(", "))
     }
@@ -286,7 +298,8 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
             s.semaphore, s.needs
         ));
         lines.push(format!("  {}", s.reason));
-        if !s.holders.is_empty() {
+        // A spent window waits for time, not for its holders: they are not the answer.
+        if !s.holders.is_empty() && !window {
             let holders: Vec<String> = s
                 .holders
                 .iter()

@@ -126,7 +126,7 @@ async fn refresh(
         Err(e) => view.error = Some(crate::error::one_line(&e.to_string())),
     }
     view.workers = match crate::show::Presence::read(client).await {
-        Ok(presence) => presence.summary(),
+        Ok(presence) => presence.short_summary(),
         Err(e) => format!("workers: {}", crate::error::one_line(&e.to_string())),
     };
     let selected = view
@@ -182,8 +182,9 @@ fn draw(frame: &mut Frame, view: &mut View) {
     let rows = view.usage.iter().map(|s| {
         Row::new(vec![
             s.name.clone(),
-            bar(s.held, s.capacity, 8),
-            format!("{}/{}", s.held, s.capacity),
+            // A rate limit bounds grants per window, not holders: its column is the window.
+            bar(shown(s), s.capacity, 8),
+            format!("{}/{}", shown(s), s.capacity),
             s.waiting.to_string(),
             if s.waiting > 0 {
                 ago(s.oldest_wait_since)
@@ -285,5 +286,14 @@ fn draw(frame: &mut Frame, view: &mut View) {
             ),
             waiters,
         );
+    }
+}
+
+/// What the held column shows: permits held, or for a rate limit the grants in its window.
+fn shown(s: &permitq::SemaphoreUsage) -> i64 {
+    if s.per.is_some() {
+        s.in_window
+    } else {
+        s.held
     }
 }

@@ -238,8 +238,10 @@ fn chaos_catches_leases_that_never_expire() {
 
 #[test]
 fn chaos_catches_reused_fencing_tokens() {
+    // A token drawn twice fails its batch, which is retried, never its requests: once the 40
+    // values are taken, nothing more is granted.
     let (found, summary) = planted("tokens-reused", &[]);
-    assert!(found["outcomes"] > 0, "{summary}");
+    assert!(found["liveness"] > 0, "{summary}");
 }
 
 #[test]

@@ -207,6 +207,7 @@ pub(crate) fn semaphore_from_row(row: &Row) -> Result<Semaphore> {
         per: from_micros(row.try_get(6)?),
         parent: row.try_get(7)?,
         guarantee: row.try_get(8)?,
+        max_instances: row.try_get(9)?,
     })
 }
 

@@ -209,7 +209,8 @@ impl fmt::Display for Error {
 fn refusal_hint(code: &str) -> Option<&'static str> {
     Some(match code {
         "28P01" => {
-            "check the password: in the URL (postgres://user:password@host/db) or PGPASSWORD"
+            "check the password (in the URL, postgres://user:password@host/db, or PGPASSWORD) \
+             and the user name: the server does not say which is wrong"
         }
         "28000" => "the server's pg_hba.conf does not let this user in from here, or no such role",
         "3D000" => "no such database: create it (createdb), or name another in the URL",

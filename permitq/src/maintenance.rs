@@ -492,7 +492,7 @@ pub(crate) async fn run_retention(
             match retention_once(&pool, &config, Some(&stop), &skips).await {
                 Ok((0, 0)) => {}
                 Ok((requests, audit)) => tracing::info!(requests, audit, "retention deleted"),
-                Err(e) if outage.failed("deletions of old rows", &e) => {}
+                Err(e) if outage.failed("retention rounds", &e) => {}
                 Err(e) => tracing::warn!(error = %e, "retention failed"),
             }
         })

@@ -178,7 +178,8 @@ impl PermitRequest {
                         "{name} would be a new instance of template {template}, which has its \
                          max_instances of {bound} already; the workers remove an instance idle \
                          for --idle-instance-after (1h by default), or raise the bound \
-                         (`permitq semaphore set '{template}' CAPACITY --max-instances N`{fits})"
+                         (`permitq semaphore set '{template}' CAPACITY --max-instances N`{fits}), \
+                         then submit again under a new external_id"
                     )
                 }
                 _ => format!("{name} would be one instance too many of its template"),

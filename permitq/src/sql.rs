@@ -185,7 +185,7 @@ pub(crate) const HEARTBEAT: &str = "SELECT permitq.heartbeat($1, $2::text::inter
 macro_rules! semaphore_columns {
     () => {
         "name, capacity::int8, used::int8, fair, is_template, template, \
-         (extract(epoch FROM per) * 1000000)::int8, parent, guarantee::int8"
+         (extract(epoch FROM per) * 1000000)::int8, parent, guarantee::int8, max_instances::int8"
     };
 }
 /// Operator: create or change a semaphore.

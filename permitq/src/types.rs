@@ -323,6 +323,9 @@ pub struct Semaphore {
     pub parent: Option<String>,
     /// Its guaranteed share of its parent while it holds permits or has waiters.
     pub guarantee: i64,
+    /// For a template, the most instances it may make (`None`: the default bound,
+    /// [`crate::MAX_INSTANCES`]).
+    pub max_instances: Option<i64>,
 }
 
 /// How [`crate::Client::set_semaphore`] creates or changes a semaphore, beyond its capacity.

@@ -30,7 +30,8 @@ pub(crate) enum Mutation {
     LostRequest,
     /// The lease sweep releases nothing: leases never expire.
     LeasesNeverExpire,
-    /// The token sequence cycles through 40 values: grants collide on the unique token index.
+    /// The token sequence cycles through 40 values, and the grant's check for a sequence behind
+    /// an issued token is off: grants collide on the unique token index.
     TokensReused,
     /// Some grant batches draw tokens without the epoch's high bits: a token below an earlier
     /// one.
@@ -69,8 +70,8 @@ enum Plant {
     File(&'static str, &'static [Patch]),
     /// The same for two files.
     Files([(&'static str, &'static [Patch]); 2]),
-    /// A statement on a table or sequence of the migrations.
-    Statement(&'static str),
+    /// Patches of one schema file, then a statement.
+    FileThen(&'static str, &'static [Patch], &'static str),
 }
 
 impl Mutation {
@@ -99,9 +100,16 @@ impl Mutation {
     fn plant(self) -> Plant {
         let (path, patches) = match self {
             Mutation::TokensReused => {
-                return Plant::Statement(
+                // And the grant's own check for a sequence behind a token already issued
+                // (which would raise the epoch past the reuse) is off.
+                return Plant::FileThen(
+                    "fencing_tokens.sql",
+                    &[Patch {
+                        find: "        OR ((recorded.epoch + greatest(current_timeline - recorded.timeline, 0)) << 48)",
+                        replace: "        OR false AND ((recorded.epoch + greatest(current_timeline - recorded.timeline, 0)) << 48)",
+                    }],
                     "ALTER SEQUENCE permitq.fencing_token_seq MAXVALUE 40 CYCLE",
-                )
+                );
             }
             Mutation::GrantTwice => {
                 return Plant::Files([
@@ -257,7 +265,9 @@ impl Mutation {
     /// The SQL that plants it: its schema files with the patches applied (or its statement).
     pub(crate) fn sql(self) -> Result<String, String> {
         match self.plant() {
-            Plant::Statement(sql) => Ok(sql.to_string()),
+            Plant::FileThen(path, patches, statement) => {
+                Ok(format!("{}\n{statement}", self.patched(path, patches)?))
+            }
             Plant::File(path, patches) => self.patched(path, patches),
             Plant::Files(files) => Ok(format!(
                 "{}\n{}",

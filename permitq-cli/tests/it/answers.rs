@@ -95,11 +95,12 @@ async fn too_many_instances_names_the_template_and_its_bound_also_in_json() {
     let db = TestDb::new().await;
     let worker = db.worker(quiet_config("w"));
     let url = &db.url;
-    run(
+    let o = run(
         url,
         &["semaphore", "set", "lab-*", "1", "--max-instances", "4"],
     )
     .await;
+    assert!(stdout(&o).contains("max_instances=4"), "{}", stdout(&o));
     for i in 1..=4 {
         let id = format!("lab-{i}");
         let o = run(url, &["submit", &id, &format!("{id}=1"), "--await", "10s"]).await;
@@ -252,6 +253,11 @@ async fn a_resubmit_with_other_parameters_shows_what_the_existing_request_asked(
     run(url, &["semaphore", "set", "gpu", "4"]).await;
     run(url, &["submit", "dup", "gpu=1", "--ttl", "5m"]).await;
     let o = run(url, &["submit", "dup", "gpu=2"]).await;
+    assert!(
+        stderr(&o).contains("already exists with different parameters (permits, ttl differ)"),
+        "{}",
+        stderr(&o)
+    );
     assert_eq!(code(&o), 1, "{}", stderr(&o));
     let err = stderr(&o);
     assert!(
@@ -300,6 +306,18 @@ async fn a_heartbeat_on_a_waiting_request_says_it_is_still_waiting() {
         "{}",
         stderr(&o)
     );
+    // Held until released: no lease to extend, and none is made.
+    let o = run(url, &["submit", "untimed", "gpu=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = run(url, &["heartbeat", "untimed"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("held until released (it has no ttl): no lease to extend"),
+        "{}",
+        stdout(&o)
+    );
+    let status = json(&run(url, &["status", "untimed", "--json"]).await);
+    assert!(status["expires_at"].is_null(), "{status}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -462,7 +480,8 @@ async fn explain_writes_a_rate_window_as_semaphore_show_does() {
     // What is left is grants in the window, and the estimate is when it opens.
     assert!(
         text.contains("api: needs 1, 0 of 1 grants left in its rate window, short 1")
-            && text.contains("(when its rate window opens)"),
+            && text.contains("(when its rate window opens)")
+            && !text.contains("held by a1"),
         "{text}"
     );
     // A request that fails fast there says so, and how to queue.

@@ -719,7 +719,7 @@ async fn explain_says_why_a_request_waits_in_text_json_and_on_semaphore_show() {
         "{text}"
     );
     assert!(
-        text.contains("waits for 1 more permits to be released (first in line)"),
+        text.contains("waits for 1 more permit to be released (first in line)"),
         "{text}"
     );
     assert!(text.contains("held by holder (1 for"), "{text}");

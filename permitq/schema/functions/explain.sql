@@ -147,8 +147,9 @@ BEGIN
                 'not examined by a worker yet'
             WHEN within_guarantee THEN
                 CASE WHEN shortfall > 0
-                     THEN format('parent: within the guarantee of %s (%s), waits for %s more permits to be released',
-                                 child.name, child.guarantee, shortfall)
+                     THEN format('parent: within the guarantee of %s (%s), waits for %s more %s to be released',
+                                 child.name, child.guarantee, shortfall,
+                                 CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END)
                      ELSE format('parent: it fits within the guarantee of %s (%s)', child.name, child.guarantee) END
             WHEN kept > 0 AND free::int8 - needs < kept THEN
                 format('parent: %s of the %s free are kept for the guarantees of its other active children; %s',
@@ -162,11 +163,11 @@ BEGIN
             WHEN s.fair AND head.request_id IS NOT NULL AND head.request_id <> r.id THEN
                 format('fair: request %s is first in line (priority %s, needs %s)%s',
                        head.external_id, head.priority, head.count,
-                       CASE WHEN shortfall > 0 THEN format(', and %s more permits must be released', shortfall)
+                       CASE WHEN shortfall > 0 THEN format(', and %s more %s must be released', shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END)
                             WHEN free::int8 - needs < head.count THEN ': what is free would not leave it its room'
                             ELSE ': it fits, and waits for its other semaphores' END)
             WHEN shortfall > 0 THEN
-                format('waits for %s more permits to be released%s', shortfall,
+                format('waits for %s more %s to be released%s', shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END,
                        CASE WHEN s.fair THEN ' (first in line)' ELSE ' (greedy)' END)
             ELSE 'it fits here, and waits for its other semaphores'
         END;

@@ -98,6 +98,10 @@ BEGIN
                 USING ERRCODE = '55000';
         END IF;
     END IF;
+    -- Held until released (no ttl) and no extension asked: no lease to extend, none made.
+    IF extend IS NULL AND request.ttl IS NULL THEN
+        RETURN NULL;
+    END IF;
     -- A stored ttl out of bounds (a row written past the constraints) extends by the bound.
     new_expiry := now() + coalesce(extend, least(request.ttl, permitq.rule_max_duration()));
     UPDATE permitq.permit_request r SET expires_at = new_expiry, heartbeat_at = now()

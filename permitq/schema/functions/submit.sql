@@ -64,7 +64,13 @@ BEGIN
                AND existing.priority = submit.priority THEN
                 RETURN existing;
             END IF;
-            RAISE EXCEPTION 'external_id % already exists with different parameters', submit.external_id
+            RAISE EXCEPTION 'external_id % already exists with different parameters (%)', submit.external_id,
+                concat_ws(', ',
+                    CASE WHEN existing.permits <> submit.permits THEN 'permits' END,
+                    CASE WHEN existing.owner IS DISTINCT FROM submit.owner THEN 'owner' END,
+                    CASE WHEN existing.ttl IS DISTINCT FROM submit.ttl THEN 'ttl' END,
+                    CASE WHEN existing.wait IS DISTINCT FROM submit.wait THEN 'wait' END,
+                    CASE WHEN existing.priority <> submit.priority THEN 'priority' END) || ' differ'
                 USING ERRCODE = '23505',
                       DETAIL = format('the existing request asked permits %s, owner %s, ttl %s, wait %s, priority %s (it is %s)',
                           existing.permits, coalesce(existing.owner, 'none'),

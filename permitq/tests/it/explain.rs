@@ -108,7 +108,7 @@ async fn explain_names_what_is_short_the_place_in_line_the_holders_and_the_rule(
     let second = client.explain("second").await.unwrap().unwrap();
     let gpu = &second.semaphores[0];
     assert_eq!((gpu.position, gpu.shortfall), (Some(1), Some(1)));
-    assert!(gpu.reason.contains("1 more permits"), "{}", gpu.reason);
+    assert!(gpu.reason.contains("1 more permit "), "{}", gpu.reason);
     assert!(gpu.estimated_wait.is_some(), "{gpu:?}");
 
     assert!(client.explain("nobody").await.unwrap().is_none());
