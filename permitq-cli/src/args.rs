@@ -57,6 +57,14 @@ pub(crate) enum Command {
     /// Operator: fencing tokens.
     #[command(subcommand)]
     Tokens(TokensCommand),
+    /// Check the cluster's hardening against co-tenants (advisory locks, the lock table, each
+    /// producer login's connection limit and idle-transaction timeout) and print the SQL that
+    /// fixes what does not hold; exits 1 when something should change.
+    Doctor {
+        /// Print one JSON array.
+        #[arg(long)]
+        json: bool,
+    },
     /// Submit a permit request: `permitq submit ID NAME=COUNT... [--await [DUR]]`.
     Submit(SubmitArgs),
     /// Show a request.

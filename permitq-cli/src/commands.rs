@@ -150,6 +150,28 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             }
             Ok(0)
         }
+        Command::Doctor { json } => {
+            let findings = Client::connect(&need_url()?).await?.hardening().await?;
+            if json {
+                outln!(
+                    "{}",
+                    serde_json::to_string(&findings).expect("serializable")
+                );
+            } else {
+                for f in &findings {
+                    outln!(
+                        "{:<7} {}: {}",
+                        if f.ok { "ok" } else { "change" },
+                        f.check,
+                        f.detail
+                    );
+                    if let Some(fix) = &f.fix {
+                        outln!("        run: {fix}");
+                    }
+                }
+            }
+            Ok(u8::from(findings.iter().any(|f| !f.ok)))
+        }
         Command::Release { external_id, json } => {
             let client = Client::connect(&need_url()?).await?;
             outcome(client.release(&external_id).await?, &external_id, json)

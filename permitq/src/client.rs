@@ -91,7 +91,7 @@ impl Client {
     }
 
     /// A pooled connection; a failure to connect names the server.
-    async fn conn(&self) -> Result<deadpool_postgres::Object> {
+    pub(crate) async fn conn(&self) -> Result<deadpool_postgres::Object> {
         self.inner
             .pool
             .get()

@@ -18,6 +18,7 @@
 //! | [`PermitRequest`], [`State`], [`ErrorCode`], [`ErrorDetail`], [`ReleaseReason`], [`ReleaseOutcome`] | a request as stored, where it is in its life and how it ended (and [`PermitRequest::outcome`], in words) |
 //! | [`Granting`], [`WorkerSeen`] | whether anything is granting: the workers that run ([`Client::granting`], [`Client::workers`]) |
 //! | [`Semaphore`], [`CapacityChange`] | a semaphore, and its capacity audit |
+//! | [`Finding`] | a check of the cluster's hardening against co-tenants ([`Client::hardening`], `permitq doctor`) |
 //! | [`SemaphoreUsage`], [`Holder`], [`Waiter`] | what operators watch: exact use, who holds, who waits |
 //! | [`Explanation`], [`SemaphoreWait`], [`BlockingHolder`] | why a request waits ([`Client::explain`]) |
 //! | [`Worker`], [`WorkerConfig`], [`WorkerHealth`], [`MaintenanceConfig`], [`OwnerLiveness`] | embedding a worker in your own process (or run `permitq worker`) |
@@ -54,6 +55,7 @@ mod db;
 mod decision;
 mod error;
 mod explain;
+mod hardening;
 mod lease;
 mod listener;
 mod maintenance;
@@ -69,6 +71,7 @@ mod worker;
 pub use client::Client;
 pub use error::{Error, Result, SqlState};
 pub use explain::{BlockingHolder, Explanation, SemaphoreWait};
+pub use hardening::Finding;
 pub use lease::Lease;
 pub use maintenance::{MaintenanceConfig, OwnerLiveness};
 pub use outcome::ErrorDetail;

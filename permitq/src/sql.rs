@@ -80,6 +80,32 @@ pub(crate) const FUNCTIONS_PRIVATE: &str = "DO $$
      END $$";
 /// Migrations and worker start-up: move the fencing token epoch past every token issued, should
 /// the timeline or the sequence have gone back (a restore, `pg_upgrade`, logical replication).
+/// Hardening: the advisory-lock functions PUBLIC may execute.
+pub(crate) const PUBLIC_ADVISORY_LOCKS: &str = "SELECT p.oid::regprocedure::text \
+     FROM pg_catalog.pg_proc p \
+     WHERE p.pronamespace = 'pg_catalog'::regnamespace AND p.proname LIKE 'pg\\_%advisory%' \
+       AND has_function_privilege('public', p.oid, 'EXECUTE') ORDER BY 1";
+/// Hardening: max_locks_per_transaction, and the shared lock table's slots.
+pub(crate) const LOCK_TABLE_SIZE: &str = "SELECT current_setting('max_locks_per_transaction')::int, \
+     current_setting('max_locks_per_transaction')::int8 * (current_setting('max_connections')::int8 \
+       + current_setting('max_prepared_transactions')::int8)";
+/// Hardening: each login that is a producer (and neither admin nor worker), its connection limit
+/// and its idle_in_transaction_session_timeout (its own setting in this database or anywhere,
+/// else the database's, else the server's).
+pub(crate) const PRODUCER_LOGINS: &str = "SELECT r.rolname::text, r.rolconnlimit, \
+       coalesce((SELECT split_part(c, '=', 2) FROM pg_catalog.pg_db_role_setting s, unnest(s.setconfig) c \
+                 WHERE s.setrole = r.oid AND s.setdatabase IN (0, (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())) \
+                   AND c LIKE 'idle\\_in\\_transaction\\_session\\_timeout=%' ORDER BY s.setdatabase DESC LIMIT 1), \
+                (SELECT split_part(c, '=', 2) FROM pg_catalog.pg_db_role_setting s, unnest(s.setconfig) c \
+                 WHERE s.setrole = 0 AND s.setdatabase = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
+                   AND c LIKE 'idle\\_in\\_transaction\\_session\\_timeout=%' LIMIT 1), \
+                nullif((SELECT reset_val FROM pg_catalog.pg_settings WHERE name = 'idle_in_transaction_session_timeout'), '0')) \
+     FROM pg_catalog.pg_roles r \
+     WHERE r.rolcanlogin AND NOT r.rolsuper \
+       AND pg_has_role(r.oid, 'permitq_producer', 'MEMBER') \
+       AND NOT pg_has_role(r.oid, 'permitq_admin', 'MEMBER') \
+       AND NOT pg_has_role(r.oid, 'permitq_worker', 'MEMBER') \
+     ORDER BY 1";
 /// Operator: every token drawn from now on is above $1; returns the epoch in force.
 pub(crate) const RAISE_TOKEN_FLOOR: &str = "SELECT permitq.raise_token_floor($1)";
 pub(crate) const RAISE_TOKEN_EPOCH: &str = "SELECT permitq.raise_token_epoch()";
@@ -306,6 +332,9 @@ fn all() -> Vec<(&'static str, String)> {
         ("NOTIFY_HEALTH", NOTIFY_HEALTH),
         ("RAISE_TOKEN_EPOCH", RAISE_TOKEN_EPOCH),
         ("RAISE_TOKEN_FLOOR", RAISE_TOKEN_FLOOR),
+        ("PUBLIC_ADVISORY_LOCKS", PUBLIC_ADVISORY_LOCKS),
+        ("LOCK_TABLE_SIZE", LOCK_TABLE_SIZE),
+        ("PRODUCER_LOGINS", PRODUCER_LOGINS),
         ("SWEEP_WAIT_DEADLINES", SWEEP_WAIT_DEADLINES),
         ("SWEEP_EXPIRED", SWEEP_EXPIRED),
         ("SWEEP_STALE", SWEEP_STALE),

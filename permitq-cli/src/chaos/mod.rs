@@ -325,6 +325,8 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
     };
     let client = Client::connect(&url).await?;
     client.migrate().await?;
+    // Hardened as `permitq doctor` says (the stranger below tries what it guards against).
+    harden(&url, &client).await?;
     for (name, capacity, fair) in SEMAPHORES {
         client.set_capacity(name, *capacity, Some(*fair)).await?;
     }
@@ -512,6 +514,19 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
     })
 }
 
+/// Runs the SQL of every `permitq doctor` finding on the database under test.
+async fn harden(url: &str, client: &Client) -> Result<()> {
+    let conn = permitq_embedded_pg::try_connect(url).await?;
+    for finding in client.hardening().await? {
+        if let Some(fix) = finding.fix.filter(|_| !finding.ok) {
+            if !fix.starts_with("ALTER SYSTEM") {
+                conn.batch_execute(&fix).await?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Every advisory key permitq ever took (wake key, sweep keys, migration key): a stranger holds
 /// them all through the run.
 const OLD_ADVISORY_KEYS: [i64; 9] = [
@@ -526,9 +541,11 @@ const OLD_ADVISORY_KEYS: [i64; 9] = [
     0x0070_6572_6d69_7471,
 ];
 
-/// A stranger beside the load: a login with no permitq grant that holds every advisory key
-/// permitq ever used and LISTENs while idle in a transaction (the NOTIFY queue cannot empty
-/// past it). Reconnects after a restart; runs until aborted.
+/// A stranger beside the load: a login with no permitq grant that tries to fill the shared lock
+/// table with advisory locks, a thousand at a time, starting with every key permitq ever used
+/// (refused on a hardened cluster; permitq takes none anyway), and LISTENs to `permitq_events`
+/// while idle in a transaction (the NOTIFY queue cannot empty past it). Reconnects after a
+/// restart; runs until aborted.
 async fn stranger(url: String) {
     let Ok(admin) = permitq_embedded_pg::try_connect(&url).await else {
         return;
@@ -552,20 +569,35 @@ async fn stranger(url: String) {
             Some(client)
         };
         if let (Some(keys), Some(listener)) = (connect().await, connect().await) {
-            let held = keys
+            let mut held = keys
                 .query(
                     "SELECT pg_advisory_lock(k) FROM unnest($1::int8[]) k",
                     &[&&OLD_ADVISORY_KEYS[..]],
                 )
                 .await
                 .is_ok();
+            // The lock table, a thousand keys at a time, until the server says no.
+            let mut from = 1i64;
+            while held && from < 10_000_000 {
+                held = keys
+                    .query(
+                        "SELECT pg_advisory_lock(k) FROM generate_series($1::int8, $1 + 999) k",
+                        &[&from],
+                    )
+                    .await
+                    .is_ok();
+                from += 1000;
+            }
             let listening = listener
-                .batch_execute("LISTEN chaos_stranger")
+                .batch_execute("LISTEN permitq_events")
                 .await
                 .is_ok()
                 && listener.batch_execute("BEGIN; SELECT 1").await.is_ok();
-            if held && listening {
-                tracing::info!("a stranger holds permitq's old advisory keys and LISTENs idle in a transaction");
+            if listening {
+                tracing::info!(
+                    advisory_locks_refused = !held,
+                    "a stranger tried the lock table and LISTENs to permitq_events idle in a transaction"
+                );
                 // Until the server goes away (a restart fault): then again.
                 while keys.simple_query("SELECT 1").await.is_ok() {
                     tokio::time::sleep(Duration::from_millis(500)).await;

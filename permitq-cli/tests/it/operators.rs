@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use common::{quiet_config, wait_until, TestDb};
 use permitq::{Client, Request, State};
 
+use crate::cli::{code, run, stderr, stdout};
 use crate::http::{get, request, spawn_server};
 
 const SOON: Duration = Duration::from_secs(15);
@@ -765,4 +766,68 @@ async fn every_column_of_the_status_page_escapes_what_users_named() {
     }
     drop(serve);
     worker.stop().await;
+}
+
+/// `permitq doctor` names what co-tenants could exhaust and the SQL that prevents it; once a DBA
+/// ran that SQL, the same checks pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_prints_the_hardening_sql_and_passes_once_it_ran() {
+    let db = TestDb::new().await;
+    let producer_url = db.login("permitq_producer").await;
+    let login = producer_url
+        .parse::<tokio_postgres::Config>()
+        .unwrap()
+        .get_user()
+        .unwrap()
+        .to_string();
+    let o = run(&db.url, &["doctor"]).await;
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    let text = stdout(&o);
+    let fix = |prefix: &str| {
+        text.lines()
+            .find_map(|l| {
+                l.trim()
+                    .strip_prefix("run: ")
+                    .filter(|sql| sql.starts_with(prefix))
+            })
+            .unwrap_or_else(|| panic!("no fix starting {prefix:?} in:\n{text}"))
+            .to_string()
+    };
+    assert!(
+        text.contains("change  advisory locks: any login may take advisory locks"),
+        "{text}"
+    );
+    let revoke = fix("REVOKE EXECUTE ON FUNCTION pg_advisory_lock(bigint)");
+    let limit = fix(&format!("ALTER ROLE {login} CONNECTION LIMIT"));
+    let idle = fix(&format!(
+        "ALTER ROLE {login} SET idle_in_transaction_session_timeout"
+    ));
+    let conn = db.conn().await;
+    for sql in [&revoke, &limit, &idle] {
+        conn.batch_execute(sql).await.unwrap();
+    }
+    let o = run(&db.url, &["doctor", "--json"]).await;
+    let findings: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let ok = |check: &str| {
+        findings
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["check"] == check)
+            .unwrap_or_else(|| panic!("no check {check:?}: {findings}"))["ok"]
+            == true
+    };
+    assert!(ok("advisory locks"), "{findings}");
+    assert!(ok(&format!("connections of {login}")), "{findings}");
+    assert!(ok(&format!("idle transactions of {login}")), "{findings}");
+    // And the producer login can no longer take an advisory lock.
+    let err = common::connect(&producer_url)
+        .await
+        .batch_execute("SELECT pg_advisory_lock(1)")
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE)
+    );
 }
