@@ -203,10 +203,17 @@ fn every_schema_file_is_applied_and_no_function_is_defined_twice() {
             let lower = line.to_lowercase();
             for kind in ["function ", "view ", "trigger "] {
                 if let Some(rest) = lower.strip_prefix(&format!("create or replace {kind}")) {
+                    // The name and the arguments on its line: one definition per signature (an
+                    // overload, such as the deprecated two-argument fence, is another function).
                     let name: String = rest
-                        .chars()
-                        .take_while(|c| *c != '(' && *c != ' ')
-                        .collect();
+                        .split(" returns")
+                        .next()
+                        .unwrap_or(rest)
+                        .split(" as")
+                        .next()
+                        .unwrap_or(rest)
+                        .trim()
+                        .to_string();
                     if let Some(first) = defined.insert(name.clone(), file) {
                         panic!("{name} is defined in {first} and again in {file}");
                     }
