@@ -11,12 +11,22 @@ use crate::error::{CliError, Result, EXIT_NOT_GRANTED, EXIT_RUNTIME, EXIT_STILL_
 /// through `DATABASE_URL`), which `demo` and `bench` require before they write to a database.
 pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
     // An empty DATABASE_URL (`DATABASE_URL=`) is no URL, not the defaults of an empty one.
+    let empty = cli
+        .database_url
+        .as_deref()
+        .is_some_and(|u| u.trim().is_empty());
     let url = cli.database_url.filter(|u| !u.trim().is_empty());
     let named = if explicit_url { url.as_deref() } else { None };
     let need_url = || {
         url.clone().ok_or_else(|| CliError::Missing {
             field: "database URL",
-            hint: "pass --database-url or set DATABASE_URL".to_string(),
+            hint: if empty {
+                "DATABASE_URL is set but empty: set it to postgres://user@host/db, or pass \
+                 --database-url"
+                    .to_string()
+            } else {
+                "pass --database-url or set DATABASE_URL".to_string()
+            },
         })
     };
     match cli.command {

@@ -56,15 +56,16 @@ impl CliError {
         CliError::Runtime(message.into())
     }
 
-    /// 2 for input rejected as invalid (by the CLI or the database, SQLSTATE 22023), 5 for
-    /// not found, else 1.
+    /// 2 for input rejected as invalid (by the CLI or the database, SQLSTATE 22023, or an
+    /// external_id already taken, 23505: retrying will not help), 5 for not found, else 1.
     pub(crate) fn exit_code(&self) -> u8 {
         match self {
             CliError::Usage { .. } | CliError::Missing { .. } => EXIT_USAGE,
             CliError::NotFound { .. } | CliError::NotVisible { .. } => EXIT_NOT_FOUND,
             CliError::Permitq(e)
                 if e.invalid_field().is_some()
-                    || e.code() == Some(&SqlState::INVALID_PARAMETER_VALUE) =>
+                    || e.code() == Some(&SqlState::INVALID_PARAMETER_VALUE)
+                    || e.code() == Some(&SqlState::UNIQUE_VIOLATION) =>
             {
                 EXIT_USAGE
             }

@@ -219,6 +219,7 @@ async fn migrate_once(client: &mut Client) -> Result<Migrated> {
 }
 
 async fn migrate_locked(client: &mut Client) -> Result<Migrated> {
+    roles_creatable(client).await?;
     let tx = client.transaction().await?;
     tx.batch_execute(sql::MIGRATION_TABLES).await?;
     tx.batch_execute(sql::MIGRATION_LOCK).await?;
@@ -361,6 +362,38 @@ pub(crate) async fn is_current(client: &tokio_postgres::Client) -> Result<bool> 
         .try_get(0)?)
 }
 
+/// The roles migrate creates when they are missing: they are cluster-wide, and creating one
+/// needs CREATEROLE. When some are missing and this login may not create them, one error lists
+/// the statements a DBA runs, all of them, before anything is applied.
+const ROLES: [&str; 4] = [
+    "permitq_producer",
+    "permitq_worker",
+    "permitq_admin",
+    "permitq_operator",
+];
+
+async fn roles_creatable(client: &Client) -> Result<()> {
+    let row = client.query_one(sql::ROLES_MISSING, &[&&ROLES[..]]).await?;
+    let (missing, may_create): (Vec<String>, bool) = (row.get(0), row.get(1));
+    if missing.is_empty() || may_create {
+        return Ok(());
+    }
+    let user: String = client
+        .query_one("SELECT current_user::text", &[])
+        .await?
+        .get(0);
+    Err(Error::config(format!(
+        "permitq migrate needs the roles {}, and {user} may not create roles: run migrate once \
+         as a role with CREATEROLE, or have a DBA run: {}",
+        missing.join(", "),
+        missing
+            .iter()
+            .map(|r| format!("CREATE ROLE {r} NOLOGIN;"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    )))
+}
+
 /// A missing privilege, said with what migrating needs.
 fn explain_privilege(e: Error) -> Error {
     let Some(db) = e.as_postgres().and_then(|p| p.as_db_error()) else {
@@ -372,7 +405,7 @@ fn explain_privilege(e: Error) -> Error {
     Error::config(format!(
         "cannot migrate: {}{}. The migrating role must own the database or the permitq schema \
          (or have CREATE on the database), and needs CREATEROLE only while the roles \
-         permitq_producer, permitq_worker and permitq_admin do not exist",
+         permitq_producer, permitq_worker, permitq_admin and permitq_operator do not exist",
         db.message(),
         db.hint().map(|h| format!(" ({h})")).unwrap_or_default()
     ))

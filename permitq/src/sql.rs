@@ -109,6 +109,11 @@ pub(crate) const PRODUCER_LOGINS: &str = "SELECT r.rolname::text, r.rolconnlimit
 /// Operator: every token drawn from now on is above $1; returns the epoch in force.
 pub(crate) const RAISE_TOKEN_FLOOR: &str = "SELECT permitq.raise_token_floor($1)";
 pub(crate) const RAISE_TOKEN_EPOCH: &str = "SELECT permitq.raise_token_epoch()";
+/// Migrate: which of these roles ($1) are missing, and whether this login may create roles.
+pub(crate) const ROLES_MISSING: &str = "SELECT coalesce(array_agg(r ORDER BY r) \
+       FILTER (WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = r)), '{}'), \
+     (SELECT rolsuper OR rolcreaterole FROM pg_catalog.pg_roles WHERE rolname = current_user) \
+     FROM unnest($1::text[]) r";
 /// Readiness: whether exactly these versions ($1) are applied and these files ($2, bodies $3)
 /// applied unchanged.
 pub(crate) const SCHEMA_IS_CURRENT: &str =
@@ -332,6 +337,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("NOTIFY_HEALTH", NOTIFY_HEALTH),
         ("RAISE_TOKEN_EPOCH", RAISE_TOKEN_EPOCH),
         ("RAISE_TOKEN_FLOOR", RAISE_TOKEN_FLOOR),
+        ("ROLES_MISSING", ROLES_MISSING),
         ("PUBLIC_ADVISORY_LOCKS", PUBLIC_ADVISORY_LOCKS),
         ("LOCK_TABLE_SIZE", LOCK_TABLE_SIZE),
         ("PRODUCER_LOGINS", PRODUCER_LOGINS),

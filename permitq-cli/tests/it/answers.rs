@@ -156,6 +156,18 @@ async fn too_many_instances_names_the_template_and_its_bound_also_in_json() {
         "{}",
         stdout(&o)
     );
+    // Following it past the parent's capacity says what to run next.
+    let o = run(
+        url,
+        &["semaphore", "set", "glab-*", "2", "--max-instances", "3"],
+    )
+    .await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("raise it (`permitq semaphore set gpus 6`)"),
+        "{}",
+        stderr(&o)
+    );
     worker.stop().await;
 }
 
@@ -258,7 +270,7 @@ async fn a_resubmit_with_other_parameters_shows_what_the_existing_request_asked(
         "{}",
         stderr(&o)
     );
-    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
     let err = stderr(&o);
     assert!(
         err.contains("already exists with different parameters")

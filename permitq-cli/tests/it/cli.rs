@@ -191,7 +191,7 @@ fn an_empty_database_url_is_no_url() {
     let o = permitq(Some(""), &["semaphore", "list"]);
     assert_eq!(code(&o), 2, "{}", stderr(&o));
     assert!(
-        stderr(&o).contains("pass --database-url or set DATABASE_URL"),
+        stderr(&o).contains("DATABASE_URL is set but empty"),
         "{}",
         stderr(&o)
     );
@@ -297,7 +297,7 @@ async fn submit_await_status_release_and_their_exit_codes() {
     .await;
     assert_eq!(code(&o), 0);
     let o = run(url, &["submit", "job-1", "db=1"]).await;
-    assert_eq!(code(&o), 1);
+    assert_eq!(code(&o), 2, "an id already taken is input rejected");
     assert!(
         stderr(&o).contains("different parameters"),
         "{}",

@@ -456,7 +456,7 @@ fn the_deploy_files_invoke_commands_the_cli_accepts() {
 }
 
 /// deploy/ agrees with the README: the Secret's logins are the ones the README's Permissions
-/// block creates (plus the owner that migrates), `serve` runs as the producer login, every image
+/// block creates (plus the owner that migrates), `serve` runs as the operator login, every image
 /// has a pull policy and the version of this build, and the build context leaves out `target/`.
 #[test]
 fn the_deploy_files_use_the_readmes_logins_a_pinned_image_and_a_dockerignore() {
@@ -468,7 +468,7 @@ fn the_deploy_files_use_the_readmes_logins_a_pinned_image_and_a_dockerignore() {
         .filter_map(|l| l.split("postgres://").nth(1))
         .filter_map(|rest| rest.split(':').next())
         .collect();
-    assert_eq!(logins.len(), 4, "{secret}");
+    assert_eq!(logins.len(), 5, "{secret}");
     for login in logins {
         assert!(
             login == "permitq_owner" || readme.contains(&format!("CREATE ROLE {login} LOGIN")),
@@ -480,7 +480,7 @@ fn the_deploy_files_use_the_readmes_logins_a_pinned_image_and_a_dockerignore() {
         "the README names the owner login"
     );
     let serve = std::fs::read_to_string(root.join("deploy/k8s/serve.yaml")).unwrap();
-    assert!(serve.contains("key: producer-url"), "{serve}");
+    assert!(serve.contains("key: operator-url"), "{serve}");
     for entry in std::fs::read_dir(root.join("deploy/k8s")).unwrap() {
         let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
         let images = text.matches("image: ").count();

@@ -651,16 +651,24 @@ async fn the_status_page_shows_50_semaphores_on_one_screen_and_follows_a_capacit
 /// `serve` needs nothing more than the producer role (deploy/ runs it so): every page and
 /// endpoint answers when it logs in as a member of `permitq_producer` only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn serve_runs_as_a_producer_login() {
+async fn serve_runs_as_an_operator_login_and_a_producer_sees_only_its_own_requests() {
     let db = TestDb::new().await;
     let (client, worker) = populated(&db).await;
     client
         .set_rate_limit("api", 2, Duration::from_secs(60), None)
         .await
         .unwrap();
+    // A producer reads its own requests only, in the views too: none of these are its.
     let producer = db.login("permitq_producer").await;
+    let o = run(&producer, &["semaphore", "show", "gpu", "--json"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let shown: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(shown["holders"], serde_json::json!([]), "{shown}");
+    assert_eq!(shown["waiters"], serde_json::json!([]), "{shown}");
+    assert_eq!(shown["usage"]["held"], 2, "counts are everyone's: {shown}");
+    let operator = db.login("permitq_operator").await;
     let (serve, addr) = tokio::task::spawn_blocking(move || {
-        spawn_server(&producer, &["serve", "--http-addr", "127.0.0.1:0"])
+        spawn_server(&operator, &["serve", "--http-addr", "127.0.0.1:0"])
     })
     .await
     .unwrap();

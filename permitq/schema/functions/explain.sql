@@ -205,4 +205,5 @@ BEGIN
         RETURN NEXT;
     END LOOP;
 END $$;
-GRANT EXECUTE ON FUNCTION permitq.explain(text) TO permitq_producer, permitq_worker, permitq_admin;
+GRANT EXECUTE ON FUNCTION permitq.explain(text)
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;

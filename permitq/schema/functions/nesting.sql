@@ -106,8 +106,8 @@ BEGIN
         FROM permitq.semaphore c
         WHERE c.parent = p.name AND c.guarantee > 0 AND c.template IS NULL;
         IF promised > p.capacity THEN
-            RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s (a template''s guarantee counts once per instance it may make)',
-                          p.name, promised, p.capacity);
+            RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s (a template''s guarantee counts once per instance it may make): raise it (`permitq semaphore set %s %s`), or lower a guarantee or a max_instances',
+                          p.name, promised, p.capacity, p.name, promised);
         END IF;
     END LOOP;
     RETURN NULL;

@@ -10,12 +10,16 @@ LANGUAGE sql STABLE AS $$
         OR pg_catalog.pg_has_role(session_user, 'permitq_admin', 'MEMBER')
 $$;
 
--- Whether the session reads every request (admins and workers), not only its own.
+-- Whether the session reads every request (admins, workers and operators), not only its own.
+-- The views call it as their reader.
 CREATE OR REPLACE FUNCTION permitq.reads_every_request() RETURNS boolean
 LANGUAGE sql STABLE AS $$
     SELECT pg_catalog.pg_has_role(session_user, 'permitq_admin', 'MEMBER')
         OR pg_catalog.pg_has_role(session_user, 'permitq_worker', 'MEMBER')
+        OR pg_catalog.pg_has_role(session_user, 'permitq_operator', 'MEMBER')
 $$;
+GRANT EXECUTE ON FUNCTION permitq.reads_every_request()
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
 
 -- Raises 42501 unless the session may act on `request`.
 CREATE OR REPLACE FUNCTION permitq.check_owner(request permitq.permit_request, action text)

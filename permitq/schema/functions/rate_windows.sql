@@ -38,7 +38,7 @@ BEGIN
 END $$;
 -- The semaphore_usage view calls it as its reader.
 GRANT EXECUTE ON FUNCTION permitq.in_window(permitq.semaphore)
-    TO permitq_producer, permitq_worker, permitq_admin;
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
 
 -- When the window of `s` next has room for one permit: NULL when it has room now or is no rate
 -- limit; else when enough of its oldest buckets have left the window that fewer than
@@ -61,7 +61,7 @@ BEGIN
 END $$;
 -- The semaphore_usage view calls it as its reader.
 GRANT EXECUTE ON FUNCTION permitq.window_opens_at(permitq.semaphore)
-    TO permitq_producer, permitq_worker, permitq_admin;
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
 
 -- When the next window of a rate-limited semaphore that has waiters opens (a worker going to
 -- sleep wakes then, not a poll interval later). NULL: none.

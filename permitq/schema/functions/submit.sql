@@ -70,7 +70,13 @@ BEGIN
                     CASE WHEN existing.owner IS DISTINCT FROM submit.owner THEN 'owner' END,
                     CASE WHEN existing.ttl IS DISTINCT FROM submit.ttl THEN 'ttl' END,
                     CASE WHEN existing.wait IS DISTINCT FROM submit.wait THEN 'wait' END,
-                    CASE WHEN existing.priority <> submit.priority THEN 'priority' END) || ' differ'
+                    CASE WHEN existing.priority <> submit.priority THEN 'priority' END)
+                || CASE WHEN (existing.permits <> submit.permits)::int
+                             + (existing.owner IS DISTINCT FROM submit.owner)::int
+                             + (existing.ttl IS DISTINCT FROM submit.ttl)::int
+                             + (existing.wait IS DISTINCT FROM submit.wait)::int
+                             + (existing.priority <> submit.priority)::int > 1
+                        THEN ' differ' ELSE ' differs' END
                 USING ERRCODE = '23505',
                       DETAIL = format('the existing request asked permits %s, owner %s, ttl %s, wait %s, priority %s (it is %s)',
                           existing.permits, coalesce(existing.owner, 'none'),
@@ -94,7 +100,8 @@ BEGIN
     WHERE r.external_id = status.external_id
       AND (r.submitted_by = session_user OR permitq.reads_every_request());
 END $$;
-GRANT EXECUTE ON FUNCTION permitq.status(text) TO permitq_producer, permitq_worker, permitq_admin;
+GRANT EXECUTE ON FUNCTION permitq.status(text)
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
 
 -- permitq.confirm_durable: run it after reading an outcome (`status`, `await_settled`, an event
 -- on permitq_events), on the same connection and in a transaction of its own, before acting on
@@ -153,4 +160,4 @@ BEGIN
     RETURN NEXT request;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.await_settled(text, interval)
-    TO permitq_producer, permitq_worker, permitq_admin;
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;

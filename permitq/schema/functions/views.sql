@@ -1,4 +1,8 @@
--- What operators and producers read: granted permits, exact usage, holders and waiters.
+-- What operators and producers read: granted permits, exact usage, holders and waiters. A
+-- producer reads its own requests only, through every view as through the table (the views
+-- run as their owner, so they filter by `submitted_by` themselves); operators, workers and
+-- admins read them all (permitq.reads_every_request). Counts per semaphore (semaphore_usage)
+-- are everyone's.
 -- CREATE OR REPLACE VIEW may only add columns at the end; a change that does more drops the
 -- view first, here.
 
@@ -13,7 +17,8 @@ SELECT r.id AS request_id,
        r.released_at
 FROM permitq.permit_request r
 CROSS JOIN LATERAL jsonb_each(coalesce(r.charged, r.permits)) e
-WHERE r.acquired_at IS NOT NULL;
+WHERE r.acquired_at IS NOT NULL
+  AND (r.submitted_by = session_user OR permitq.reads_every_request());
 
 -- Exact figures per semaphore: capacity, `used` (the workers' running count, which may run
 -- ahead until releases are folded), held (the sum of acquired permits), how many requests wait
@@ -51,20 +56,25 @@ CREATE OR REPLACE VIEW permitq.holders AS
 SELECT e.key AS semaphore, r.external_id, r.owner, e.value::int AS count, r.acquired_at,
        r.expires_at, r.fencing_token
 FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(coalesce(r.charged, r.permits)) e
-WHERE r.state = 'acquired';
+WHERE r.state = 'acquired'
+  AND (r.submitted_by = session_user OR permitq.reads_every_request());
 
 -- Who waits, in each semaphore's queue order as the workers rank it: position 1 is the head,
 -- the request first in line by priority and aging (permitq.rule_place_in_line, the rule of
 -- functions/queue_order.sql), then by id. On a fair semaphore only backfill that leaves the
 -- head's room goes before it; a greedy one grants whatever fits.
+-- (Positions are counted among every waiter, then a producer's own are kept.)
 CREATE OR REPLACE VIEW permitq.waiters AS
-SELECT e.key AS semaphore, r.external_id, r.owner, e.value::int AS count,
-       row_number() OVER (PARTITION BY e.key
-                          ORDER BY permitq.rule_place_in_line(r.priority, r.created_at) DESC, r.id)
-           AS position,
-       r.created_at AS waiting_since, r.wait_until AS deadline, r.priority
-FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
-WHERE r.state = 'new';
+SELECT w.semaphore, w.external_id, w.owner, w.count, w.position, w.waiting_since, w.deadline,
+       w.priority
+FROM (SELECT e.key AS semaphore, r.external_id, r.owner, e.value::int AS count,
+             row_number() OVER (PARTITION BY e.key
+                                ORDER BY permitq.rule_place_in_line(r.priority, r.created_at) DESC, r.id)
+                 AS position,
+             r.created_at AS waiting_since, r.wait_until AS deadline, r.priority, r.submitted_by
+      FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
+      WHERE r.state = 'new') w
+WHERE w.submitted_by = session_user OR permitq.reads_every_request();
 
 GRANT SELECT ON permitq.permit, permitq.semaphore_usage, permitq.holders, permitq.waiters
-    TO permitq_producer, permitq_worker, permitq_admin;
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;

@@ -10,7 +10,7 @@ SELECT w.worker_id, w.host, w.version, w.pid, w.started_at, w.seen_at,
        w.live_until > now() AS live
 FROM permitq.worker_seen w
 WHERE w.seen_at > now() - interval '1 hour';
-GRANT SELECT ON permitq.workers TO permitq_producer, permitq_worker, permitq_admin;
+GRANT SELECT ON permitq.workers TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
 
 -- Whether anything is granting: the live workers, and when any worker was last seen (NULL: none
 -- in the last hour). One row; any permitq role may call it. A worker of a release before this
@@ -25,4 +25,5 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
                                 WHERE w.worker_id = k.worker_id))::integer,
            (SELECT max(w.seen_at) FROM permitq.worker_seen w)
 $$;
-GRANT EXECUTE ON FUNCTION permitq.granting() TO permitq_producer, permitq_worker, permitq_admin;
+GRANT EXECUTE ON FUNCTION permitq.granting()
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;

@@ -20,3 +20,29 @@ CREATE INDEX fence_token_updated_idx ON permitq.fence_token (updated_at);
 -- A fenced resource is guarded by one semaphore (functions/fence.sql): the first fence that
 -- names one binds it; NULL for a resource only the two-argument fence has used.
 ALTER TABLE permitq.fence_token ADD COLUMN semaphore text;
+
+-- Reads follow ownership: producers read only their own requests, through every view as through
+-- the table; operators (`permitq serve`, `top`) read all, and write nothing: a role of their own.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'permitq_operator') THEN
+        BEGIN
+            CREATE ROLE permitq_operator NOLOGIN;
+        EXCEPTION
+            WHEN duplicate_object OR unique_violation THEN NULL;
+            WHEN insufficient_privilege THEN
+                RAISE EXCEPTION 'permitq migrate needs the role permitq_operator, and % may not create roles', current_user
+                    USING ERRCODE = '42501',
+                          HINT = 'run migrate once as a role with CREATEROLE, or have a DBA run: CREATE ROLE permitq_operator NOLOGIN;';
+        END;
+    END IF;
+END $$;
+GRANT USAGE ON SCHEMA permitq TO permitq_operator;
+GRANT SELECT ON permitq.semaphore, permitq.permit_request, permitq.capacity_change,
+    permitq.schema_migration, permitq.schema_file, permitq.token_epoch, permitq.notify_skipped_seq
+    TO permitq_operator;
+ALTER POLICY permit_request_read ON permitq.permit_request
+    USING (submitted_by = session_user
+           OR (SELECT pg_catalog.pg_has_role(session_user, 'permitq_admin', 'MEMBER')
+                   OR pg_catalog.pg_has_role(session_user, 'permitq_worker', 'MEMBER')
+                   OR pg_catalog.pg_has_role(session_user, 'permitq_operator', 'MEMBER')));

@@ -8,6 +8,9 @@ use std::time::Instant;
 
 use crate::error::Error;
 
+/// How often an outage that goes on is said again (with the latest error).
+const STILL_DOWN_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The worker's account of an outage in progress (none while the database answers).
 #[derive(Debug, Default)]
 pub(crate) struct Outage {
@@ -17,6 +20,8 @@ pub(crate) struct Outage {
 #[derive(Debug)]
 struct Down {
     since: Instant,
+    /// When the outage was last logged: it is said again every [`STILL_DOWN_EVERY`].
+    said: Instant,
     /// Failed attempts per task while down.
     failed: BTreeMap<&'static str, u64>,
 }
@@ -31,12 +36,21 @@ impl Outage {
         }
         let mut down = self.lock();
         match down.as_mut() {
-            Some(d) => *d.failed.entry(task).or_insert(0) += 1,
+            Some(d) => {
+                *d.failed.entry(task).or_insert(0) += 1;
+                if d.said.elapsed() >= STILL_DOWN_EVERY {
+                    d.said = Instant::now();
+                    tracing::warn!(%error, task,
+                        "database still unreachable after {:.0}s; retrying",
+                        d.since.elapsed().as_secs_f64());
+                }
+            }
             None => {
                 tracing::error!(%error, task,
                     "database unreachable; nothing is granted until it is back (retrying)");
                 *down = Some(Down {
                     since: Instant::now(),
+                    said: Instant::now(),
                     failed: BTreeMap::from([(task, 1)]),
                 });
             }

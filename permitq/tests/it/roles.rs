@@ -212,7 +212,10 @@ async fn without_createrole_and_without_the_roles_migrate_says_what_a_dba_must_r
     let message = err.to_string();
     assert!(
         message.contains("may not create roles")
-            && message.contains("CREATE ROLE permitq_producer NOLOGIN")
+            && message.contains(
+                "CREATE ROLE permitq_admin NOLOGIN; CREATE ROLE permitq_operator NOLOGIN; \
+                 CREATE ROLE permitq_producer NOLOGIN; CREATE ROLE permitq_worker NOLOGIN;"
+            )
             && message.contains("CREATEROLE"),
         "{message}"
     );
@@ -223,7 +226,7 @@ async fn without_createrole_and_without_the_roles_migrate_says_what_a_dba_must_r
     admin
         .batch_execute(
             "CREATE ROLE permitq_producer NOLOGIN; CREATE ROLE permitq_worker NOLOGIN; \
-             CREATE ROLE permitq_admin NOLOGIN;",
+             CREATE ROLE permitq_admin NOLOGIN; CREATE ROLE permitq_operator NOLOGIN;",
         )
         .await
         .unwrap();

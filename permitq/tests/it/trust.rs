@@ -658,7 +658,7 @@ async fn tokens_never_go_back_after_a_restore_into_a_new_cluster_or_a_sequence_r
         .await
         .batch_execute(
             "CREATE ROLE permitq_producer NOLOGIN; CREATE ROLE permitq_worker NOLOGIN; \
-             CREATE ROLE permitq_admin NOLOGIN;",
+             CREATE ROLE permitq_admin NOLOGIN; CREATE ROLE permitq_operator NOLOGIN;",
         )
         .await
         .unwrap();
@@ -991,4 +991,70 @@ async fn a_token_fences_only_for_its_own_holder_and_the_semaphore_guarding_the_r
             .contains("resource reports/2027-01 is guarded by semaphore reports, not other"),
         "{err}"
     );
+}
+
+/// Reads follow ownership: through every view a producer sees only its own requests (with its
+/// true place in line), an operator sees all and can change nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn producers_read_only_their_own_requests_through_the_views_and_operators_read_all() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.set_capacity("s", 1, None).await.unwrap();
+    let _worker = db.worker(quiet_config("w"));
+    let a = Client::connect(&login(&db, "pa", Some("permitq_producer")).await)
+        .await
+        .unwrap();
+    let b_url = login(&db, "pb", Some("permitq_producer")).await;
+    let b = Client::connect(&b_url).await.unwrap();
+    a.submit(&Request::new("a-held").permit("s", 1))
+        .await
+        .unwrap();
+    a.wait_settled("a-held", SOON).await.unwrap();
+    a.submit(&Request::new("a-wait").permit("s", 1))
+        .await
+        .unwrap();
+    b.submit(&Request::new("b-wait").permit("s", 1))
+        .await
+        .unwrap();
+    wait_until(SOON, "both waiting are examined", || async {
+        admin.waiters("s", 10).await.unwrap().len() == 2
+    })
+    .await;
+    let conn_b = common::connect(&b_url).await;
+    let count = |sql: &'static str| {
+        let conn = &conn_b;
+        async move { conn.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) }
+    };
+    assert_eq!(count("SELECT count(*) FROM permitq.holders").await, 0);
+    assert_eq!(count("SELECT count(*) FROM permitq.permit").await, 0);
+    let own: Vec<(String, i64)> = conn_b
+        .query("SELECT external_id, position FROM permitq.waiters", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        own,
+        [("b-wait".to_string(), 2)],
+        "its own row, at its true place"
+    );
+    assert_eq!(count("SELECT held FROM permitq.semaphore_usage").await, 1);
+    // An operator reads everything and writes nothing.
+    let operator_url = login(&db, "op", Some("permitq_operator")).await;
+    let operator = Client::connect(&operator_url).await.unwrap();
+    assert_eq!(operator.holders("s").await.unwrap().len(), 1);
+    assert_eq!(operator.waiters("s", 10).await.unwrap().len(), 2);
+    assert!(operator.status("a-held").await.unwrap().is_some());
+    assert!(operator.explain("b-wait").await.unwrap().is_some());
+    for err in [
+        operator.release("a-held").await.unwrap_err(),
+        operator
+            .submit(&Request::new("op-1").permit("s", 1))
+            .await
+            .unwrap_err(),
+        operator.set_capacity("s", 5, None).await.unwrap_err(),
+    ] {
+        assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{err}");
+    }
 }
