@@ -77,13 +77,10 @@ pub(crate) fn kind(u: &permitq::SemaphoreUsage) -> String {
 }
 
 /// [`kind`] in the fewest words, for `top`'s narrow column: `per 1m, opens 41s`, `in gpus, 2
-/// kept`, `template` (the held column shows a rate limit's grants in its window).
+/// kept`, `inst` (the use column shows a rate limit's grants in its window).
 pub(crate) fn short_kind(u: &permitq::SemaphoreUsage) -> String {
-    let origin = match (u.is_template, &u.template) {
-        (true, _) => Some("template".to_string()),
-        (false, Some(_)) => Some("instance".to_string()),
-        (false, None) => None,
-    };
+    // A template's name ends in `*`: saying so again would cost the column.
+    let origin = (!u.is_template && u.template.is_some()).then(|| "inst".to_string());
     let nesting = u.parent.as_ref().map(|parent| {
         if u.guarantee > 0 {
             format!("in {parent}, {} kept", u.guarantee)
@@ -170,12 +167,15 @@ impl Presence {
 /// Prints usage, holders, waiters and recent capacity changes.
 pub(crate) fn print(d: &Detail) {
     let u = &d.usage;
+    // A rate limit bounds grants per window, not what is held: its capacity is on the kind line.
+    let held = if u.per.is_some() {
+        format!("{} held", u.held)
+    } else {
+        format!("{} / {} held (used {})", u.held, u.capacity, u.used)
+    };
     outln!(
-        "{}  {} / {} held (used {}), {} waiting, oldest wait {}, {}",
+        "{}  {held}, {} waiting, oldest wait {}, {}",
         u.name,
-        u.held,
-        u.capacity,
-        u.used,
         u.waiting,
         ago(u.oldest_wait_since),
         if u.fair { "fair" } else { "greedy" }
@@ -183,6 +183,13 @@ pub(crate) fn print(d: &Detail) {
     let kind = kind(u);
     if !kind.is_empty() {
         outln!("  {kind}");
+    }
+    if let Some(i) = &d.instances {
+        outln!(
+            "  {} of at most {} instances (max_instances)",
+            i.count,
+            i.max_instances
+        );
     }
     outln!("  {}", d.presence.summary());
     outln!("\nholders ({}):", d.holders.len());

@@ -1,6 +1,6 @@
 //! `permitq top`: a live terminal view of a database, like `htop` for semaphores.
 //!
-//! Every semaphore with a bar, held/capacity, waiting, oldest wait, grants per second and its
+//! Every semaphore with a bar, use/capacity (held; for a rate limit, grants in its window), waiting, oldest wait, grants per second and its
 //! kind (template, instance, rate window), and the workers that run (or that none does); ↑/↓ (or j/k) select one, Enter shows its holders and
 //! waiters (in place-in-line order, with priorities) below, `q` (or Esc, Ctrl-C) quits.
 //! Plain ASCII-safe drawing that fits 80×24 and works over SSH.
@@ -212,7 +212,7 @@ fn draw(frame: &mut Frame, view: &mut View) {
         Row::new([
             "semaphore",
             "held",
-            "held/cap",
+            "use/cap",
             "wait",
             "oldest",
             "grant/s",

@@ -71,9 +71,19 @@ pub(crate) struct Detail {
     /// Why the first in line waits (`permitq.explain` of the waiter at position 1).
     pub(crate) first_in_line: Option<permitq::Explanation>,
     pub(crate) capacity_history: Vec<permitq::CapacityChange>,
+    /// For a template: the most instances it may make, and how many it has now.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) instances: Option<Instances>,
     /// The workers, and whether anything is granting.
     #[serde(flatten)]
     pub(crate) presence: crate::show::Presence,
+}
+
+/// A template's instances: how many it has, and the most it may make.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(crate) struct Instances {
+    pub(crate) count: usize,
+    pub(crate) max_instances: i64,
 }
 
 /// Usage, holders, waiters and recent capacity changes of `name`, or None when unknown.
@@ -92,7 +102,24 @@ pub(crate) async fn detail(
         Some(w) => client.explain(&w.external_id).await?,
         None => None,
     };
+    let instances = if usage.is_template {
+        let all = client.semaphores().await?;
+        Some(Instances {
+            count: all
+                .iter()
+                .filter(|s| s.template.as_deref() == Some(name))
+                .count(),
+            max_instances: all
+                .iter()
+                .find(|s| s.name == name)
+                .and_then(|s| s.max_instances)
+                .unwrap_or(i64::from(permitq::MAX_INSTANCES)),
+        })
+    } else {
+        None
+    };
     Ok(Some(Detail {
+        instances,
         usage,
         holders: client.holders(name).await?,
         waiters,

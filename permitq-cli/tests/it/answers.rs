@@ -123,6 +123,13 @@ async fn too_many_instances_names_the_template_and_its_bound_also_in_json() {
     );
     assert!(stdout(&run(url, &["status", "lab-5"]).await)
         .contains("the workers remove an instance idle for --idle-instance-after (1h by default)"));
+    // The bound and how many it has, where the template is shown.
+    let o = run(url, &["semaphore", "show", "lab-*"]).await;
+    assert!(
+        stdout(&o).contains("4 of at most 4 instances (max_instances)"),
+        "{}",
+        stdout(&o)
+    );
     // Nested and guaranteed: raising the bound must fit the parent, and the answer says so.
     run(url, &["semaphore", "set", "gpus", "4"]).await;
     run(

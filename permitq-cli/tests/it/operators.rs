@@ -107,12 +107,12 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
     // Every column's header is whole at 80 columns, and the workers line names the worker.
     let header = screen
         .lines()
-        .find(|l| l.contains("semaphore") && l.contains("held/cap"))
+        .find(|l| l.contains("semaphore") && l.contains("use/cap"))
         .unwrap_or_else(|| panic!("{screen}"));
     for column in [
         "semaphore",
         "held",
-        "held/cap",
+        "use/cap",
         "wait",
         "oldest",
         "grant/s",
