@@ -179,6 +179,16 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
                         outln!("        run: {fix}");
                     }
                 }
+                let changes = findings.iter().filter(|f| !f.ok).count();
+                if changes > 0 {
+                    outln!(
+                        "{changes} to change: run the SQL above as a superuser (a permitq admin may \
+                         not: REVOKE on pg_catalog's functions needs their owner, ALTER ROLE needs \
+                         CREATEROLE), then run `permitq doctor` again"
+                    );
+                } else {
+                    outln!("nothing to change");
+                }
             }
             Ok(u8::from(findings.iter().any(|f| !f.ok)))
         }

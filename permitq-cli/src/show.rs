@@ -192,7 +192,17 @@ pub(crate) fn print(d: &Detail) {
         );
     }
     outln!("  {}", d.presence.summary());
-    outln!("\nholders ({}):", d.holders.len());
+    // A producer login sees its own requests only: say what it does not see.
+    let shown: i64 = d.holders.iter().map(|h| h.count).sum();
+    let hidden = if u.per.is_none() && u.held > shown {
+        format!(
+            "; {} more permits held by other logins' requests, not shown to this one",
+            u.held - shown
+        )
+    } else {
+        String::new()
+    };
+    outln!("\nholders ({}{hidden}):", d.holders.len());
     if !d.holders.is_empty() {
         outln!(
             "  {:<32} {:<16} {:>6} {:>10} {:>8}",
@@ -214,7 +224,8 @@ pub(crate) fn print(d: &Detail) {
         );
     }
     outln!(
-        "\nwaiters ({} of {}, in the order the workers grant them):",
+        "\nwaiters ({} of {} shown, in the order the workers grant them; a producer login sees \
+         its own):",
         d.waiters.len(),
         u.waiting
     );

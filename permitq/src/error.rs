@@ -287,7 +287,8 @@ fn role_hint(db: &tokio_postgres::error::DbError) -> String {
         }
     };
     format!(
-        "; this needs the role {role}: a DBA runs GRANT {} TO <your login>",
+        "; this needs the role {role}: use a login that has it, or a DBA runs GRANT {} TO \
+         <your login>",
         role.split(' ').next().unwrap_or(role)
     )
 }

@@ -18,7 +18,8 @@ pub struct Finding {
     pub ok: bool,
     /// What was found.
     pub detail: String,
-    /// The SQL to run when it does not hold (as a superuser or the objects' owner).
+    /// The SQL to run when it does not hold: as a superuser (REVOKE on `pg_catalog`'s functions
+    /// needs their owner; ALTER ROLE needs CREATEROLE), not as a permitq admin.
     pub fix: Option<String>,
 }
 

@@ -666,6 +666,13 @@ async fn serve_runs_as_an_operator_login_and_a_producer_sees_only_its_own_reques
     assert_eq!(shown["holders"], serde_json::json!([]), "{shown}");
     assert_eq!(shown["waiters"], serde_json::json!([]), "{shown}");
     assert_eq!(shown["usage"]["held"], 2, "counts are everyone's: {shown}");
+    let text = stdout(&run(&producer, &["semaphore", "show", "gpu"]).await);
+    assert!(
+        text.contains(
+            "holders (0; 2 more permits held by other logins' requests, not shown to this one)"
+        ),
+        "{text}"
+    );
     let operator = db.login("permitq_operator").await;
     let (serve, addr) = tokio::task::spawn_blocking(move || {
         spawn_server(&operator, &["serve", "--http-addr", "127.0.0.1:0"])
@@ -802,7 +809,8 @@ async fn doctor_prints_the_hardening_sql_and_passes_once_it_ran() {
             .to_string()
     };
     assert!(
-        text.contains("change  advisory locks: any login may take advisory locks"),
+        text.contains("change  advisory locks: any login may take advisory locks")
+            && text.contains("to change: run the SQL above as a superuser"),
         "{text}"
     );
     let revoke = fix("REVOKE EXECUTE ON FUNCTION pg_advisory_lock(bigint)");

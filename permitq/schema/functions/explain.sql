@@ -179,7 +179,11 @@ BEGIN
                    'expires_in_s', round(extract(epoch FROM h.expires_at - now())::numeric, 1))
                ORDER BY h.expires_at NULLS LAST, h.acquired_at), '[]')
         INTO holders
-        FROM (SELECT pr.external_id, (coalesce(pr.charged, pr.permits) ->> s.name)::int AS count,
+        -- Another login's request is not named to a producer (reads follow ownership): its count
+        -- and lease are what the waiter needs.
+        FROM (SELECT CASE WHEN pr.submitted_by = session_user OR permitq.reads_every_request()
+                          THEN pr.external_id ELSE '(another login''s request)' END AS external_id,
+                     (coalesce(pr.charged, pr.permits) ->> s.name)::int AS count,
                      pr.acquired_at, pr.expires_at
               FROM permitq.permit_request pr
               WHERE pr.state = 'acquired' AND coalesce(pr.charged, pr.permits) ? s.name

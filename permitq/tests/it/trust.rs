@@ -1040,6 +1040,14 @@ async fn producers_read_only_their_own_requests_through_the_views_and_operators_
         "its own row, at its true place"
     );
     assert_eq!(count("SELECT held FROM permitq.semaphore_usage").await, 1);
+    // Explain tells B how long A's permit is held, not which request holds it.
+    let why = b.explain("b-wait").await.unwrap().unwrap();
+    let holders: Vec<&str> = why.semaphores[0]
+        .holders
+        .iter()
+        .map(|h| h.external_id.as_str())
+        .collect();
+    assert_eq!(holders, ["(another login's request)"]);
     // An operator reads everything and writes nothing.
     let operator_url = login(&db, "op", Some("permitq_operator")).await;
     let operator = Client::connect(&operator_url).await.unwrap();
