@@ -5,13 +5,15 @@
 CREATE OR REPLACE FUNCTION permitq.audit_capacity() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 BEGIN
+    -- By the login that asked (session_user): this runs as the schema's owner (current_user).
     INSERT INTO permitq.capacity_change (semaphore, old_capacity, new_capacity, old_fair, new_fair,
-                                         old_parent, new_parent, old_guarantee, new_guarantee)
+                                         old_parent, new_parent, old_guarantee, new_guarantee,
+                                         changed_by)
     VALUES (NEW.name,
             CASE WHEN TG_OP = 'UPDATE' THEN OLD.capacity END, NEW.capacity,
             CASE WHEN TG_OP = 'UPDATE' THEN OLD.fair END, NEW.fair,
             CASE WHEN TG_OP = 'UPDATE' THEN OLD.parent END, NEW.parent,
-            CASE WHEN TG_OP = 'UPDATE' THEN OLD.guarantee END, NEW.guarantee);
+            CASE WHEN TG_OP = 'UPDATE' THEN OLD.guarantee END, NEW.guarantee, session_user);
     RETURN NULL;
 END $$;
 

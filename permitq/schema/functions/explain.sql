@@ -162,7 +162,13 @@ BEGIN
                        permitq.human_duration(greatest(opens_at - now(), interval '0')))
             WHEN s.fair AND head.request_id IS NOT NULL AND head.request_id <> r.id THEN
                 format('fair: request %s is first in line (priority %s, needs %s)%s',
-                       head.external_id, head.priority, head.count,
+                       -- Named to a producer only when it is its own (reads follow ownership).
+                       CASE WHEN EXISTS (SELECT 1 FROM permitq.permit_request x
+                                         WHERE x.id = head.request_id
+                                           AND (x.submitted_by = session_user
+                                                OR permitq.reads_every_request()))
+                            THEN head.external_id ELSE '(another login''s)' END,
+                       head.priority, head.count,
                        CASE WHEN shortfall > 0 THEN format(', and %s more %s must be released', shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END)
                             WHEN free::int8 - needs < head.count THEN ': what is free would not leave it its room'
                             ELSE ': it fits, and waits for its other semaphores' END)

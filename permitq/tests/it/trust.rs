@@ -1066,3 +1066,57 @@ async fn producers_read_only_their_own_requests_through_the_views_and_operators_
         assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{err}");
     }
 }
+
+/// The capacity audit names the login that changed a semaphore (the functions run as the
+/// schema's owner), and a producer's explain does not name another login's first in line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_names_the_login_and_explain_names_only_a_producers_own_head() {
+    let db = TestDb::new().await;
+    let admin_url = login(&db, "ops", Some("permitq_admin")).await;
+    let admin = Client::connect(&admin_url).await.unwrap();
+    admin.set_capacity("s", 2, None).await.unwrap();
+    let user = admin_url
+        .parse::<tokio_postgres::Config>()
+        .unwrap()
+        .get_user()
+        .unwrap()
+        .to_string();
+    let history = admin.capacity_history("s").await.unwrap();
+    assert_eq!(history[0].changed_by, user);
+    let _worker = db.worker(quiet_config("w"));
+    let a = Client::connect(&login(&db, "pa", Some("permitq_producer")).await)
+        .await
+        .unwrap();
+    let b = Client::connect(&login(&db, "pb", Some("permitq_producer")).await)
+        .await
+        .unwrap();
+    a.submit(&Request::new("a-held").permit("s", 1))
+        .await
+        .unwrap();
+    a.wait_settled("a-held", SOON).await.unwrap();
+    a.submit(&Request::new("a-big").permit("s", 2))
+        .await
+        .unwrap();
+    b.submit(&Request::new("b-small").permit("s", 1))
+        .await
+        .unwrap();
+    wait_until(
+        SOON,
+        "b-small is examined and waits behind a-big",
+        || async {
+            b.explain("b-small")
+                .await
+                .unwrap()
+                .is_some_and(|e| e.semaphores.iter().any(|s| s.reason.starts_with("fair:")))
+        },
+    )
+    .await;
+    let reason = b.explain("b-small").await.unwrap().unwrap().semaphores[0]
+        .reason
+        .clone();
+    assert!(
+        reason.starts_with("fair: request (another login's) is first in line")
+            && !reason.contains("a-big"),
+        "{reason}"
+    );
+}
