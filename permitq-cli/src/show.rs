@@ -129,28 +129,24 @@ impl Presence {
 
     /// One line: `workers: w-1 on db1 (0.1.0, seen 1s ago), ...`, or that nothing is granting.
     pub(crate) fn summary(&self) -> String {
-        if let Some(warning) = &self.nothing_granting {
-            return warning.clone();
-        }
-        let live: Vec<String> = self
-            .workers
-            .iter()
-            .filter(|w| w.live)
-            .map(|w| {
-                format!(
-                    "{} on {} ({}, seen {} ago)",
-                    w.worker_id,
-                    w.host,
-                    w.version,
-                    ago(w.seen_at)
-                )
-            })
-            .collect();
-        format!("workers ({}): {}", live.len(), live.join(", "))
+        self.line(|w| {
+            format!(
+                "{} on {} ({}, seen {} ago)",
+                w.worker_id,
+                w.host,
+                w.version,
+                ago(w.seen_at)
+            )
+        })
     }
 
     /// [`Presence::summary`] in a line of 80 columns: the live workers' ids and hosts.
     pub(crate) fn short_summary(&self) -> String {
+        self.line(|w| format!("{}@{}", w.worker_id, w.host))
+    }
+
+    /// `workers (N): ` and each live worker as `describe` writes it, or that nothing is granting.
+    fn line(&self, describe: impl Fn(&permitq::WorkerSeen) -> String) -> String {
         if let Some(warning) = &self.nothing_granting {
             return warning.clone();
         }
@@ -158,7 +154,7 @@ impl Presence {
             .workers
             .iter()
             .filter(|w| w.live)
-            .map(|w| format!("{}@{}", w.worker_id, w.host))
+            .map(describe)
             .collect();
         format!("workers ({}): {}", live.len(), live.join(", "))
     }

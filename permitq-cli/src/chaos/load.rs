@@ -249,25 +249,38 @@ async fn submit_until_known(
 async fn release_until_known(client: &Client, id: usize, external_id: &str, history: &History) {
     for _ in 0..1200 {
         let invoked = now();
-        let outcome = match client.release(external_id).await {
-            Ok(o) => Outcome::Ok(o.to_string()),
-            Err(e) => outcome_of_error(&e),
-        };
-        let done = matches!(outcome, Outcome::Ok(_));
-        history.record(Op {
-            client: id,
-            kind: OpKind::Release,
-            key: external_id.to_string(),
-            arg: 0,
-            invoked,
-            completed: now(),
-            outcome,
-        });
-        if done {
+        let result = client.release(external_id).await;
+        if record_release(history, id, external_id, invoked, result) {
             return;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Records a release invoked at `invoked` that ended with `result`; true when the database
+/// answered.
+fn record_release(
+    history: &History,
+    id: usize,
+    external_id: &str,
+    invoked: SystemTime,
+    result: permitq::Result<permitq::ReleaseOutcome>,
+) -> bool {
+    let outcome = match result {
+        Ok(o) => Outcome::Ok(o.to_string()),
+        Err(e) => outcome_of_error(&e),
+    };
+    let done = matches!(outcome, Outcome::Ok(_));
+    history.record(Op {
+        client: id,
+        kind: OpKind::Release,
+        key: external_id.to_string(),
+        arg: 0,
+        invoked,
+        completed: now(),
+        outcome,
+    });
+    done
 }
 
 /// The least TTL of a holder that works under a [`permitq::Lease`]: its guard stops it a tenth
@@ -315,21 +328,8 @@ async fn work_under_lease(
         outcome: Outcome::Ok(if lost { "lost" } else { "done" }.to_string()),
     });
     let invoked = now();
-    let outcome = match lease.release().await {
-        Ok(o) => Outcome::Ok(o.to_string()),
-        Err(e) => outcome_of_error(&e),
-    };
-    let done = matches!(outcome, Outcome::Ok(_));
-    history.record(Op {
-        client: id,
-        kind: OpKind::Release,
-        key: request.external_id.clone(),
-        arg: 0,
-        invoked,
-        completed: now(),
-        outcome,
-    });
-    if !done {
+    let result = lease.release().await;
+    if !record_release(history, id, &request.external_id, invoked, result) {
         release_until_known(client, id, &request.external_id, history).await;
     }
 }

@@ -37,7 +37,7 @@ DECLARE
 BEGIN
     SELECT * INTO r FROM permitq.permit_request pr
     WHERE pr.external_id = explain.external_id
-      AND (pr.submitted_by = session_user OR permitq.reads_every_request());
+      AND permitq.may_read(pr.submitted_by);
     IF NOT FOUND THEN
         RETURN;
     END IF;
@@ -165,8 +165,7 @@ BEGIN
                        -- Named to a producer only when it is its own (reads follow ownership).
                        CASE WHEN EXISTS (SELECT 1 FROM permitq.permit_request x
                                          WHERE x.id = head.request_id
-                                           AND (x.submitted_by = session_user
-                                                OR permitq.reads_every_request()))
+                                           AND permitq.may_read(x.submitted_by))
                             THEN head.external_id ELSE '(another login''s)' END,
                        head.priority, head.count,
                        CASE WHEN shortfall > 0 THEN format(', and %s more %s must be released', shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END)
@@ -187,8 +186,8 @@ BEGIN
         INTO holders
         -- Another login's request is not named to a producer (reads follow ownership): its count
         -- and lease are what the waiter needs.
-        FROM (SELECT CASE WHEN pr.submitted_by = session_user OR permitq.reads_every_request()
-                          THEN pr.external_id ELSE '(another login''s request)' END AS external_id,
+        FROM (SELECT CASE WHEN permitq.may_read(pr.submitted_by) THEN pr.external_id
+                          ELSE '(another login''s request)' END AS external_id,
                      (coalesce(pr.charged, pr.permits) ->> s.name)::int AS count,
                      pr.acquired_at, pr.expires_at
               FROM permitq.permit_request pr

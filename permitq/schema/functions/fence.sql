@@ -42,8 +42,7 @@ BEGIN
                   WHERE r.fencing_token = fence_checked.token AND r.state = 'acquired'
                     AND (fence_checked.semaphore IS NULL
                          OR coalesce(r.charged, r.permits) ? fence_checked.semaphore)
-                    AND (r.submitted_by = session_user
-                         OR pg_catalog.pg_has_role(session_user, 'permitq_admin', 'MEMBER'))
+                    AND permitq.may_act_on(r.submitted_by)
                     -- The grace is read only for a lease past its expires_at (CASE: in order).
                     AND CASE WHEN r.expires_at IS NULL OR r.expires_at > now() THEN true
                              ELSE NOT permitq.lease_run_out(r.expires_at, r.ttl,

@@ -21,6 +21,16 @@ $$;
 GRANT EXECUTE ON FUNCTION permitq.reads_every_request()
     TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
 
+-- Whether the session may read a request submitted by `submitted_by`: its own, or every one
+-- (the rule of `status`, `explain`, `await_settled` and the views; the table's row-level
+-- security policy, migration V8, says the same). The views call it as their reader.
+CREATE OR REPLACE FUNCTION permitq.may_read(submitted_by text) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT submitted_by = session_user OR permitq.reads_every_request()
+$$;
+GRANT EXECUTE ON FUNCTION permitq.may_read(text)
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
+
 -- Raises 42501 unless the session may act on `request`.
 CREATE OR REPLACE FUNCTION permitq.check_owner(request permitq.permit_request, action text)
 RETURNS void

@@ -98,7 +98,7 @@ LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp S
 BEGIN
     RETURN QUERY SELECT * FROM permitq.permit_request r
     WHERE r.external_id = status.external_id
-      AND (r.submitted_by = session_user OR permitq.reads_every_request());
+      AND permitq.may_read(r.submitted_by);
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.status(text)
     TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
@@ -150,7 +150,7 @@ BEGIN
     LOOP
         SELECT * INTO request FROM permitq.permit_request r
         WHERE r.external_id = await_settled.external_id
-          AND (r.submitted_by = session_user OR permitq.reads_every_request());
+          AND permitq.may_read(r.submitted_by);
         IF NOT FOUND THEN
             RETURN;
         END IF;

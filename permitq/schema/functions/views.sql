@@ -18,7 +18,7 @@ SELECT r.id AS request_id,
 FROM permitq.permit_request r
 CROSS JOIN LATERAL jsonb_each(coalesce(r.charged, r.permits)) e
 WHERE r.acquired_at IS NOT NULL
-  AND (r.submitted_by = session_user OR permitq.reads_every_request());
+  AND permitq.may_read(r.submitted_by);
 
 -- Exact figures per semaphore: capacity, `used` (the workers' running count, which may run
 -- ahead until releases are folded), held (the sum of acquired permits), how many requests wait
@@ -57,7 +57,7 @@ SELECT e.key AS semaphore, r.external_id, r.owner, e.value::int AS count, r.acqu
        r.expires_at, r.fencing_token
 FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(coalesce(r.charged, r.permits)) e
 WHERE r.state = 'acquired'
-  AND (r.submitted_by = session_user OR permitq.reads_every_request());
+  AND permitq.may_read(r.submitted_by);
 
 -- Who waits, in each semaphore's queue order as the workers rank it: position 1 is the head,
 -- the request first in line by priority and aging (permitq.rule_place_in_line, the rule of
@@ -74,7 +74,7 @@ FROM (SELECT e.key AS semaphore, r.external_id, r.owner, e.value::int AS count,
              r.created_at AS waiting_since, r.wait_until AS deadline, r.priority, r.submitted_by
       FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
       WHERE r.state = 'new') w
-WHERE w.submitted_by = session_user OR permitq.reads_every_request();
+WHERE permitq.may_read(w.submitted_by);
 
 GRANT SELECT ON permitq.permit, permitq.semaphore_usage, permitq.holders, permitq.waiters
     TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;

@@ -38,6 +38,7 @@ enum Claim<'a> {
 
 /// A failure that a stored row can cause (data exceptions, integrity violations), as opposed to
 /// the database being unreachable, overloaded or on another schema version.
+///
 /// A token drawn twice (the token sequence was set back under a running worker) is not: the
 /// batch is retried, and its next attempt raises the epoch (functions/fencing_tokens.sql), so
 /// no valid request ends `invalid` for it.
