@@ -194,11 +194,13 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
         }
         Command::Release { external_id, json } => {
             let client = Client::connect(&need_url()?).await?;
-            outcome(client.release(&external_id).await?, &external_id, json)
+            let said = client.release(&external_id).await?;
+            outcome(&client, said, &external_id, json).await
         }
         Command::Revoke { external_id, json } => {
             let client = Client::connect(&need_url()?).await?;
-            outcome(client.revoke(&external_id).await?, &external_id, json)
+            let said = client.revoke(&external_id).await?;
+            outcome(&client, said, &external_id, json).await
         }
         Command::Heartbeat {
             external_id,
@@ -373,14 +375,12 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                         .changed_at
                         .map(|t| humantime::format_rfc3339_seconds(t).to_string())
                         .unwrap_or_default();
-                    let old = c.old_capacity.map_or("-".to_string(), |v| v.to_string());
                     outln!(
-                        "{when} {} {old} -> {} ({}) by {} ({})",
+                        "{when} {} {} by {} ({})",
                         c.semaphore,
-                        c.new_capacity,
-                        if c.new_fair { "fair" } else { "greedy" },
+                        crate::show::capacity_change(&c),
                         c.changed_by,
-                        c.application_name.unwrap_or_default()
+                        c.application_name.as_deref().unwrap_or_default()
                     );
                 }
             }
@@ -389,8 +389,14 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
     Ok(0)
 }
 
-/// Prints a release or revoke outcome; `unknown` is exit 5.
-fn outcome(outcome: ReleaseOutcome, external_id: &str, json: bool) -> Result<u8> {
+/// Prints a release or revoke outcome, and what it means for the request's permits
+/// (`released: gpu=2 given back after 12.3s`); `unknown` is exit 5.
+async fn outcome(
+    client: &Client,
+    outcome: ReleaseOutcome,
+    external_id: &str,
+    json: bool,
+) -> Result<u8> {
     if outcome == ReleaseOutcome::Unknown {
         return Err(CliError::not_found("request", external_id));
     }
@@ -399,10 +405,57 @@ fn outcome(outcome: ReleaseOutcome, external_id: &str, json: bool) -> Result<u8>
             "{}",
             serde_json::json!({ "external_id": external_id, "outcome": outcome.to_string() })
         );
-    } else {
-        outln!("{outcome}");
+        return Ok(0);
+    }
+    match client.status(external_id).await? {
+        Some(row) => outln!("{outcome}: {}", release_said(outcome, &row)),
+        None => outln!("{outcome}"),
     }
     Ok(0)
+}
+
+/// What a release or revoke did to `row`, in words, read after it.
+fn release_said(outcome: ReleaseOutcome, row: &PermitRequest) -> String {
+    let permits = row
+        .permits
+        .iter()
+        .map(|(name, count)| format!("{name}={count}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let held = match (row.acquired_at, row.released_at) {
+        (Some(from), Some(to)) => to
+            .duration_since(from)
+            .map(|d| format!(" after {:.1}s", d.as_secs_f64()))
+            .unwrap_or_default(),
+        _ => String::new(),
+    };
+    match outcome {
+        ReleaseOutcome::Released => format!("{permits} given back{held}"),
+        ReleaseOutcome::Revoked => format!(
+            "{permits} taken back from its holder{held}; its fencing token {} is now stale",
+            row.fencing_token.map_or("-".to_string(), |t| t.to_string())
+        ),
+        ReleaseOutcome::AlreadyReleased => {
+            let by = match row.release_reason {
+                Some(permitq::ReleaseReason::Expired) => "when its lease ran out",
+                Some(permitq::ReleaseReason::Stale) => "by a worker's --max-hold",
+                Some(permitq::ReleaseReason::Revoked) => "by an operator (revoked)",
+                _ => "by its holder",
+            };
+            format!(
+                "it was released {by} {} ago; nothing more to give back",
+                crate::show::ago(row.released_at)
+            )
+        }
+        ReleaseOutcome::Cancelled => {
+            "it was still waiting: it held nothing and will not be granted".to_string()
+        }
+        ReleaseOutcome::NotAcquired => format!(
+            "it was never granted, so it held nothing ({})",
+            row.outcome().unwrap_or_else(|| row.state.to_string())
+        ),
+        _ => format!("`permitq status {}` shows the request", row.external_id),
+    }
 }
 
 async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
@@ -452,6 +505,17 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
         }
     }
     print_request(&row, args.json);
+    if args.await_for.is_none() && !args.json && !row.is_settled() && row.state != State::Acquired {
+        // Queued, and nothing printed says what comes next: say it, and whether anything grants.
+        match client.granting().await?.warning() {
+            Some(warning) => errln!("permitq: {} is queued, but {warning}", row.external_id),
+            None => errln!(
+                "permitq: {id} is queued; `permitq status {id}` shows its outcome (or submit \
+                 with --await 30s to wait for it)",
+                id = row.external_id
+            ),
+        }
+    }
     Ok(code)
 }
 

@@ -186,6 +186,15 @@ pub(crate) fn print(d: &Detail) {
             i.count,
             i.max_instances
         );
+        if !i.names.is_empty() {
+            let more = i.count - i.names.len();
+            let more = if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            };
+            outln!("  instances: {}{more}", i.names.join(", "));
+        }
     }
     outln!("  {}", d.presence.summary());
     // A producer login sees its own requests only: say what it does not see.
@@ -256,14 +265,82 @@ pub(crate) fn print(d: &Detail) {
     outln!("\ncapacity changes (latest {}):", d.capacity_history.len());
     for c in &d.capacity_history {
         outln!(
-            "  {} {} -> {} by {}",
+            "  {} {} by {}",
             c.changed_at
                 .map(|t| humantime::format_rfc3339_seconds(t).to_string())
                 .unwrap_or_default(),
-            c.old_capacity.map_or("-".to_string(), |v| v.to_string()),
-            c.new_capacity,
+            capacity_change(c),
             c.changed_by
         );
+    }
+}
+
+/// What one audited change set, in words: `created: capacity 4, fair, per 1m` at creation,
+/// else each bound that moved (`capacity 4 -> 8; max_instances - -> 20`), or that nothing did.
+pub(crate) fn capacity_change(c: &permitq::CapacityChange) -> String {
+    fn opt<T: ToString>(v: Option<T>) -> String {
+        v.map_or("-".to_string(), |v| v.to_string())
+    }
+    let per = |p: Option<std::time::Duration>| opt(p.map(humantime::format_duration));
+    let fairness = |fair: bool| if fair { "fair" } else { "greedy" };
+    let Some(old_capacity) = c.old_capacity else {
+        let mut parts = vec![
+            format!("capacity {}", c.new_capacity),
+            fairness(c.new_fair).to_string(),
+        ];
+        if let Some(parent) = &c.new_parent {
+            parts.push(format!(
+                "in {parent}, guaranteed {}",
+                c.new_guarantee.unwrap_or(0)
+            ));
+        }
+        if c.new_per.is_some() {
+            parts.push(format!("per {}", per(c.new_per)));
+        }
+        if let Some(m) = c.new_max_instances {
+            parts.push(format!("max_instances {m}"));
+        }
+        return format!("created: {}", parts.join(", "));
+    };
+    let mut moved = Vec::new();
+    if old_capacity != c.new_capacity {
+        moved.push(format!("capacity {old_capacity} -> {}", c.new_capacity));
+    }
+    if c.old_fair.is_some_and(|f| f != c.new_fair) {
+        moved.push(format!(
+            "{} -> {}",
+            fairness(!c.new_fair),
+            fairness(c.new_fair)
+        ));
+    }
+    if c.old_parent != c.new_parent {
+        moved.push(format!(
+            "parent {} -> {}",
+            opt(c.old_parent.as_deref()),
+            opt(c.new_parent.as_deref())
+        ));
+    }
+    if c.old_guarantee.unwrap_or(0) != c.new_guarantee.unwrap_or(0) {
+        moved.push(format!(
+            "guarantee {} -> {}",
+            opt(c.old_guarantee),
+            opt(c.new_guarantee)
+        ));
+    }
+    if c.old_max_instances != c.new_max_instances {
+        moved.push(format!(
+            "max_instances {} -> {}",
+            opt(c.old_max_instances),
+            opt(c.new_max_instances)
+        ));
+    }
+    if c.old_per != c.new_per {
+        moved.push(format!("per {} -> {}", per(c.old_per), per(c.new_per)));
+    }
+    if moved.is_empty() {
+        format!("capacity {} (set again, unchanged)", c.new_capacity)
+    } else {
+        moved.join("; ")
     }
 }
 

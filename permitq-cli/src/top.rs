@@ -161,7 +161,7 @@ fn bar(held: i64, capacity: i64, width: usize) -> String {
 }
 
 fn draw(frame: &mut Frame, view: &mut View) {
-    let detail_height = if view.detail { 10 } else { 0 };
+    let detail_height = if view.detail { 11 } else { 0 };
     let [header, workers, list, detail] = Layout::vertical([
         Constraint::Length(1),
         Constraint::Length(1),
@@ -225,6 +225,18 @@ fn draw(frame: &mut Frame, view: &mut View) {
     frame.render_stateful_widget(table, list, &mut view.table);
 
     if view.detail {
+        // The selected semaphore's whole kind: the column above may have cut it.
+        let [kind_line, detail] =
+            Layout::vertical([Constraint::Length(1), Constraint::Min(1)]).areas(detail);
+        if let Some(s) = view.table.selected().and_then(|i| view.usage.get(i)) {
+            let kind = crate::show::kind(s);
+            let kind = if kind.is_empty() {
+                "plain semaphore".to_string()
+            } else {
+                kind
+            };
+            frame.render_widget(Line::from(format!("{}: {kind}", s.name)), kind_line);
+        }
         let [holders, waiters] =
             Layout::horizontal([Constraint::Percentage(50), Constraint::Percentage(50)])
                 .areas(detail);

@@ -230,6 +230,10 @@ pub(crate) fn capacity_change_from_row(row: &Row) -> Result<CapacityChange> {
         new_parent: row.try_get(9)?,
         old_guarantee: row.try_get(10)?,
         new_guarantee: row.try_get(11)?,
+        old_max_instances: row.try_get(12)?,
+        new_max_instances: row.try_get(13)?,
+        old_per: from_micros(row.try_get(14)?),
+        new_per: from_micros(row.try_get(15)?),
     })
 }
 

@@ -183,10 +183,21 @@ impl fmt::Display for Error {
             }
             Kind::Pool(deadpool_postgres::PoolError::Backend(e)) | Kind::Db(e) => {
                 if let (Some(target), None) = (&self.target, e.as_db_error()) {
+                    // Several servers are tried in turn: the error is the last one's.
+                    let servers: Vec<&str> = target.split(',').collect();
                     if format!("{e:?}").contains("password missing") {
                         write!(f, "PostgreSQL at {target} asks for a password: ")?;
-                    } else {
-                        write!(f, "cannot reach PostgreSQL at {target}: ")?;
+                    } else if let [.., last] = servers.as_slice() {
+                        if servers.len() > 1 {
+                            write!(
+                                f,
+                                "cannot reach PostgreSQL at any of {} (tried in that order); the \
+                                 last, {last}: ",
+                                servers.join(", ")
+                            )?;
+                        } else {
+                            write!(f, "cannot reach PostgreSQL at {target}: ")?;
+                        }
                     }
                 }
                 fmt_postgres(e, f)?;
@@ -234,6 +245,9 @@ fn connection_hint(e: &tokio_postgres::Error, target: &str) -> String {
     } else if text.contains("connection refused") {
         "is PostgreSQL running, and listening on that host and port? The URL \
          (DATABASE_URL or --database-url) names them"
+    } else if text.contains("no such file") && target.split(',').any(|t| !t.starts_with('/')) {
+        "no server socket there: is PostgreSQL running on this machine? The URL names both a \
+         host and a socket directory (?host=/dir): keep the one the server listens on"
     } else if text.contains("no such file") {
         "no server socket there: is PostgreSQL running on this machine? Name a host in the URL \
          (postgres://user@host/db) to use TCP"

@@ -79,6 +79,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "token_floor",
         sql: include_str!("../schema/migrations/V8__token_floor.sql"),
     },
+    Migration {
+        version: 9,
+        name: "audit_bounds",
+        sql: include_str!("../schema/migrations/V9__audit_bounds.sql"),
+    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.

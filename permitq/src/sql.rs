@@ -235,7 +235,9 @@ pub(crate) const LIST_SEMAPHORES: &str = concat!(
 pub(crate) const CAPACITY_HISTORY: &str =
     "SELECT semaphore, old_capacity::int8, new_capacity::int8, \
      old_fair, new_fair, changed_at, changed_by, application_name, \
-     old_parent, new_parent, old_guarantee::int8, new_guarantee::int8 \
+     old_parent, new_parent, old_guarantee::int8, new_guarantee::int8, \
+     old_max_instances::int8, new_max_instances::int8, \
+     (extract(epoch FROM old_per) * 1000000)::int8, (extract(epoch FROM new_per) * 1000000)::int8 \
      FROM permitq.capacity_change WHERE semaphore = $1 ORDER BY id";
 /// Operators: every semaphore's usage.
 pub(crate) const USAGE: &str = "SELECT name, capacity::int8, used::int8, held::int8, \

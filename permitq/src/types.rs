@@ -412,6 +412,18 @@ pub struct CapacityChange {
     pub old_guarantee: Option<i64>,
     /// The guarantee after (None in rows from before nesting).
     pub new_guarantee: Option<i64>,
+    /// A template's bound on its instances before (None at creation, when unset, and in rows
+    /// from before it was audited).
+    pub old_max_instances: Option<i64>,
+    /// A template's bound on its instances after (None when unset).
+    pub new_max_instances: Option<i64>,
+    /// A rate limit's window before (None at creation, for no rate limit, and in rows from
+    /// before it was audited).
+    #[serde(serialize_with = "ser_secs")]
+    pub old_per: Option<Duration>,
+    /// A rate limit's window after (None: no rate limit).
+    #[serde(serialize_with = "ser_secs")]
+    pub new_per: Option<Duration>,
 }
 
 pub(crate) fn ser_secs<S: Serializer>(

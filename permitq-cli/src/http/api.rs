@@ -79,12 +79,17 @@ pub(crate) struct Detail {
     pub(crate) presence: crate::show::Presence,
 }
 
-/// A template's instances: how many it has, and the most it may make.
+/// A template's instances: how many it has, the most it may make, and the first few by name.
 #[derive(Debug, Clone, serde::Serialize)]
 pub(crate) struct Instances {
     pub(crate) count: usize,
     pub(crate) max_instances: i64,
+    /// The first [`INSTANCES_NAMED`] instances in name order.
+    pub(crate) names: Vec<String>,
 }
+
+/// How many of a template's instances `semaphore show` names.
+const INSTANCES_NAMED: usize = 10;
 
 /// Usage, holders, waiters and recent capacity changes of `name`, or None when unknown.
 pub(crate) async fn detail(
@@ -104,11 +109,17 @@ pub(crate) async fn detail(
     };
     let instances = if usage.is_template {
         let all = client.semaphores().await?;
+        let mut names: Vec<String> = all
+            .iter()
+            .filter(|s| s.template.as_deref() == Some(name))
+            .map(|s| s.name.clone())
+            .collect();
+        names.sort();
+        let count = names.len();
+        names.truncate(INSTANCES_NAMED);
         Some(Instances {
-            count: all
-                .iter()
-                .filter(|s| s.template.as_deref() == Some(name))
-                .count(),
+            count,
+            names,
             max_instances: all
                 .iter()
                 .find(|s| s.name == name)

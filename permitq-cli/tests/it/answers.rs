@@ -126,7 +126,8 @@ async fn too_many_instances_names_the_template_and_its_bound_also_in_json() {
     // The bound and how many it has, where the template is shown.
     let o = run(url, &["semaphore", "show", "lab-*"]).await;
     assert!(
-        stdout(&o).contains("4 of at most 4 instances (max_instances)"),
+        stdout(&o).contains("4 of at most 4 instances (max_instances)")
+            && stdout(&o).contains("instances: lab-1, lab-2, lab-3, lab-4\n"),
         "{}",
         stdout(&o)
     );
@@ -196,6 +197,26 @@ fn a_server_that_is_not_there_is_named_with_its_host_and_port() {
         "{err}"
     );
     assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+#[test]
+fn a_url_naming_a_host_and_a_socket_directory_names_both_and_which_failed_last() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("postgres://app@127.0.0.1:{port}/app?host=/nonexistent-dir");
+    let o = permitq(Some(&url), &["status", "x"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains(&format!(
+            "cannot reach PostgreSQL at any of 127.0.0.1:{port}, /nonexistent-dir/.s.PGSQL.{port} \
+             (tried in that order); the last, /nonexistent-dir/.s.PGSQL.{port}: "
+        )) && err.contains("names both a host and a socket directory (?host=/dir)"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -528,5 +549,117 @@ fn demo_help_says_it_runs_on_a_throwaway_postgresql_of_its_own() {
     assert!(
         help.contains("a throwaway PostgreSQL of its own (DATABASE_URL is ignored;"),
         "{help}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_says_what_it_gave_back_or_why_there_was_nothing() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "gpu", "1"]).await;
+    // No worker yet: a plain submit says it is queued and that nothing grants.
+    let o = run(url, &["submit", "queued-1", "gpu=1"]).await;
+    assert_eq!(stdout(&o).trim(), "queued-1 new");
+    assert!(
+        stderr(&o).contains("permitq: queued-1 is queued, but nothing is granting: ")
+            && stderr(&o).contains("start one with `permitq worker`"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &["release", "queued-1"]).await;
+    assert_eq!(
+        stdout(&o).trim(),
+        "cancelled: it was still waiting: it held nothing and will not be granted"
+    );
+    let worker = db.worker(quiet_config("w"));
+    let o = run(url, &["submit", "too-big", "gpu=2", "--await", "10s"]).await;
+    assert_eq!(code(&o), 3, "{}", stdout(&o));
+    let o = run(url, &["submit", "queued-2", "gpu=2"]).await;
+    assert!(
+        stderr(&o).contains(
+            "permitq: queued-2 is queued; `permitq status queued-2` shows its outcome (or submit \
+             with --await 30s to wait for it)"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &["release", "too-big"]).await;
+    assert!(
+        stdout(&o).starts_with(
+            "not_acquired: it was never granted, so it held nothing (error exceeds_capacity: "
+        ),
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &["submit", "held-1", "gpu=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    let o = run(url, &["release", "held-1"]).await;
+    assert!(
+        stdout(&o).starts_with("released: gpu=1 given back after "),
+        "{}",
+        stdout(&o)
+    );
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_capacity_history_says_which_bound_moved_max_instances_and_windows_too() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(
+        url,
+        &["semaphore", "set", "lab-*", "2", "--max-instances", "4"],
+    )
+    .await;
+    run(
+        url,
+        &["semaphore", "set", "lab-*", "2", "--max-instances", "8"],
+    )
+    .await;
+    run(url, &["semaphore", "set", "api", "5", "--per", "1m"]).await;
+    run(url, &["semaphore", "set", "api", "6", "--per", "2m"]).await;
+    run(url, &["semaphore", "set", "api", "6", "--per", "2m"]).await;
+    let lines = |o: &std::process::Output| {
+        stdout(o)
+            .lines()
+            // Without the time before and the login after.
+            .map(|l| {
+                let rest = l.split_once(' ').map_or("", |(_, rest)| rest);
+                rest.rsplit_once(" by ")
+                    .map_or(rest, |(what, _)| what)
+                    .to_string()
+            })
+            .collect::<Vec<_>>()
+    };
+    let o = run(url, &["semaphore", "history", "lab-*"]).await;
+    assert_eq!(
+        lines(&o),
+        [
+            "lab-* created: capacity 2, fair, max_instances 4",
+            "lab-* max_instances 4 -> 8"
+        ],
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &["semaphore", "history", "api"]).await;
+    assert_eq!(
+        lines(&o),
+        [
+            "api created: capacity 5, fair, per 1m",
+            "api capacity 5 -> 6; per 1m -> 2m",
+            "api capacity 6 (set again, unchanged)"
+        ],
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &["semaphore", "history", "api", "--json"]).await;
+    let history: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(history[1]["old_per"], 60.0);
+    assert_eq!(history[1]["new_per"], 120.0);
+    let o = run(url, &["semaphore", "show", "api"]).await;
+    assert!(
+        stdout(&o).contains(" capacity 5 -> 6; per 1m -> 2m by "),
+        "{}",
+        stdout(&o)
     );
 }

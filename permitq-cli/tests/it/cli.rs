@@ -343,13 +343,18 @@ async fn submit_await_status_release_and_their_exit_codes() {
     let o = run(url, &["heartbeat", "job-1", "--extend", "1m"]).await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     assert!(stdout(&o).starts_with("expires_at"));
-    assert_eq!(
-        stdout(&run(url, &["release", "job-1"]).await).trim(),
-        "released"
+    let o = run(url, &["release", "job-1"]).await;
+    assert!(
+        stdout(&o).starts_with("released: db=2 gpu=1 given back after "),
+        "{}",
+        stdout(&o)
     );
-    assert_eq!(
-        stdout(&run(url, &["release", "job-1"]).await).trim(),
-        "already_released"
+    let o = run(url, &["release", "job-1"]).await;
+    assert!(
+        stdout(&o).starts_with("already_released: it was released by its holder ")
+            && stdout(&o).ends_with(" ago; nothing more to give back\n"),
+        "{}",
+        stdout(&o)
     );
     for verb in ["release", "revoke", "heartbeat"] {
         let o = run(url, &[verb, "nope"]).await;
@@ -374,7 +379,13 @@ async fn submit_await_status_release_and_their_exit_codes() {
     let o = run(url, &["status", "early"]).await;
     assert!(stdout(&o).contains("acquired"), "{}", stdout(&o));
     let o = run(url, &["revoke", "early"]).await;
-    assert_eq!(stdout(&o).trim(), "revoked");
+    assert!(
+        stdout(&o).starts_with("revoked: db=")
+            && stdout(&o).contains(" taken back from its holder after ")
+            && stdout(&o).contains("; its fencing token "),
+        "{}",
+        stdout(&o)
+    );
     let o = run(url, &["semaphore", "history", "db", "--json"]).await;
     let history: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!(history[0]["new_capacity"], 3);

@@ -91,6 +91,7 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
     wait_until(SOON, "gpu's holders and waiters", || async {
         let screen = capture();
         [
+            "gpu: plain semaphore",
             "holders (2)",
             "waiters (2)",
             "train-1",

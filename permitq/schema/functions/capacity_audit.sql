@@ -1,5 +1,5 @@
--- The capacity audit: creation and every UPDATE that sets capacity, fair, parent or guarantee
--- (set_capacity, a template's change reaching its instances, or a hand-written UPDATE), even
+-- The capacity audit: creation and every UPDATE that sets capacity, fair, parent, guarantee,
+-- max_instances or per (set_capacity, a template's change reaching its instances, or a hand-written UPDATE), even
 -- when the value stays the same. Changes to `used` are not audited.
 
 CREATE OR REPLACE FUNCTION permitq.audit_capacity() RETURNS trigger
@@ -8,16 +8,19 @@ BEGIN
     -- By the login that asked (session_user): this runs as the schema's owner (current_user).
     INSERT INTO permitq.capacity_change (semaphore, old_capacity, new_capacity, old_fair, new_fair,
                                          old_parent, new_parent, old_guarantee, new_guarantee,
+                                         old_max_instances, new_max_instances, old_per, new_per,
                                          changed_by)
     VALUES (NEW.name,
             CASE WHEN TG_OP = 'UPDATE' THEN OLD.capacity END, NEW.capacity,
             CASE WHEN TG_OP = 'UPDATE' THEN OLD.fair END, NEW.fair,
             CASE WHEN TG_OP = 'UPDATE' THEN OLD.parent END, NEW.parent,
-            CASE WHEN TG_OP = 'UPDATE' THEN OLD.guarantee END, NEW.guarantee, session_user);
+            CASE WHEN TG_OP = 'UPDATE' THEN OLD.guarantee END, NEW.guarantee,
+            CASE WHEN TG_OP = 'UPDATE' THEN OLD.max_instances END, NEW.max_instances,
+            CASE WHEN TG_OP = 'UPDATE' THEN OLD.per END, NEW.per, session_user);
     RETURN NULL;
 END $$;
 
 CREATE OR REPLACE TRIGGER semaphore_created AFTER INSERT ON permitq.semaphore
     FOR EACH ROW EXECUTE FUNCTION permitq.audit_capacity();
-CREATE OR REPLACE TRIGGER semaphore_capacity_changed AFTER UPDATE OF capacity, fair, parent, guarantee ON permitq.semaphore
+CREATE OR REPLACE TRIGGER semaphore_capacity_changed AFTER UPDATE OF capacity, fair, parent, guarantee, max_instances, per ON permitq.semaphore
     FOR EACH ROW EXECUTE FUNCTION permitq.audit_capacity();
