@@ -27,7 +27,7 @@ def wait_settled(conn, external_id, timeout):
     """The request's row once it leaves `new`, or None when `timeout` seconds pass.
 
     Wakes when the connection's socket has a notification (each `permitq_events` payload is a
-    JSON array of outcomes), and re-reads the status at least every second anyway, so a missed
+    JSON array of request ids: the outcome itself is read with `status`), and re-reads the status at least every second anyway, so a missed
     notification only costs time. Works with every psycopg 3 (no `notifies(timeout=)` needed).
     """
     deadline = time.monotonic() + timeout

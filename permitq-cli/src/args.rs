@@ -45,11 +45,14 @@ pub(crate) enum Command {
         #[arg(long, default_value = "1s", value_parser = parse_lease_duration)]
         interval: Duration,
     },
-    /// Serve the status page, the JSON API, /metrics, /healthz and /readyz (read-only).
+    /// Serve the status page, the JSON API, /metrics, /healthz and /readyz (read-only; beyond
+    /// loopback, with --http-token-file).
     Serve {
         /// Where to listen, HOST:PORT (a host name or an address).
         #[arg(long, default_value = SERVE_ADDR, value_parser = parse_addr)]
         http_addr: SocketAddr,
+        #[command(flatten)]
+        http_access: HttpAccessArgs,
     },
     /// Manage semaphores.
     #[command(subcommand)]
@@ -265,9 +268,28 @@ pub(crate) struct WorkerArgs {
     /// (a host name or an address; conventionally port 9187, e.g. 0.0.0.0:9187).
     #[arg(long, visible_alias = "metrics-addr", value_parser = parse_addr)]
     pub http_addr: Option<SocketAddr>,
+    #[command(flatten)]
+    pub http_access: HttpAccessArgs,
     /// Worker name (logs, worker_id, application_name).
     #[arg(long)]
     pub id: Option<String>,
+}
+
+/// Who may read the HTTP endpoints, and how many at once (`serve`, and `worker --http-addr`).
+#[derive(Debug, clap::Args)]
+pub(crate) struct HttpAccessArgs {
+    /// A file holding the token the status page, /api/* and /metrics need (`Authorization:
+    /// Bearer TOKEN`, or HTTP Basic with the token as password). Without it, the page and /api/*
+    /// are served on a loopback address only.
+    #[arg(long, env = "PERMITQ_HTTP_TOKEN_FILE", value_name = "FILE")]
+    pub http_token_file: Option<std::path::PathBuf>,
+    /// Serve the page and /api/* without a token beyond loopback: only behind a proxy that
+    /// authenticates.
+    #[arg(long, conflicts_with = "http_token_file")]
+    pub http_no_auth: bool,
+    /// Requests served at once; more are answered 429 at once.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub http_max_concurrent: u16,
 }
 
 impl WorkerArgs {

@@ -96,13 +96,18 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             let shutdown = Shutdown::install();
             let url = need_url()?;
             let client = Client::connect(&url).await?;
+            // A token file that cannot serve is said now, not after the schema wait.
+            let http = match args.http_addr {
+                Some(addr) => Some((addr, crate::http::access(addr, &args.http_access)?)),
+                None => None,
+            };
             tokio::select! {
                 ready = wait_for_schema(&client) => ready?,
                 () = shutdown.signalled() => return Ok(0),
             }
             let worker = Worker::connect(&url, args.config())?;
-            if let Some(addr) = args.http_addr {
-                let bound = crate::http::serve(addr, client, Some(worker.health())).await?;
+            if let Some((addr, access)) = http {
+                let bound = crate::http::serve(addr, access, client, Some(worker.health())).await?;
                 tracing::info!(addr = %bound, "serving http://{bound}/");
             }
             worker.run(shutdown.signalled()).await?;
@@ -112,10 +117,14 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             crate::top::run(Client::connect(&need_url()?).await?, interval).await?;
             Ok(0)
         }
-        Command::Serve { http_addr } => {
+        Command::Serve {
+            http_addr,
+            http_access,
+        } => {
             let shutdown = Shutdown::install();
             let client = Client::connect(&need_url()?).await?;
-            let bound = crate::http::serve(http_addr, client, None).await?;
+            let access = crate::http::access(http_addr, &http_access)?;
+            let bound = crate::http::serve(http_addr, access, client, None).await?;
             errln!("permitq: serving http://{bound}/ (Ctrl-C to stop)");
             shutdown.signalled().await;
             Ok(0)

@@ -293,13 +293,27 @@ pub async fn check_invariants(conn: &tokio_postgres::Client) -> Result<(), Strin
     }
 }
 
-/// The outcomes in one `permitq_events` payload: a JSON array of objects (or one object).
-pub fn event_objects(payload: &str) -> Vec<serde_json::Value> {
-    match serde_json::from_str::<serde_json::Value>(payload) {
-        Ok(serde_json::Value::Array(items)) => items,
-        Ok(v) => vec![v],
-        Err(_) => Vec::new(),
-    }
+/// The request ids in one `permitq_events` payload (a JSON array of ids); none if unreadable.
+pub fn event_ids(payload: &str) -> Vec<i64> {
+    serde_json::from_str(payload).unwrap_or_default()
+}
+
+/// The requests with these ids as `(id, external_id, state, release_reason)`, read as `conn`'s
+/// login may: what a producer does after an event names its request.
+pub async fn requests_by_id(
+    conn: &tokio_postgres::Client,
+    ids: &[i64],
+) -> Vec<(i64, String, String, Option<String>)> {
+    conn.query(
+        "SELECT id, external_id, state::text, release_reason::text FROM permitq.permit_request
+         WHERE id = ANY($1) ORDER BY id",
+        &[&ids],
+    )
+    .await
+    .expect("read requests by id")
+    .iter()
+    .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+    .collect()
 }
 
 /// Waits (at most 10 s) until the workers have folded every release into `used`, so `used` is

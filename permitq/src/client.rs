@@ -273,8 +273,9 @@ impl Client {
     }
 
     /// Waits until the request leaves `new`, or `timeout` passes, and returns it as it is then
-    /// (still `new` on timeout; `None` for an unknown id). Listens on `permitq_events` and also
-    /// re-reads the status every 250 ms, so a lost notification only costs latency.
+    /// (still `new` on timeout; `None` for an unknown id). Listens on `permitq_events` (whose
+    /// payloads name request ids only) and re-reads the status when its id is named, and every
+    /// 250 ms, so a lost notification only costs latency.
     ///
     /// With synchronous replication, an outcome is returned only once it has reached the
     /// synchronous standby: on a primary that lost its standby in a failover, a grant can be
@@ -303,10 +304,10 @@ impl Client {
         loop {
             // Subscribed before reading: a change after this read is also a notification.
             let current = self.durable_status(external_id, deadline).await?;
-            match &current {
-                Some(r) if r.state == State::New || r.state == State::InProgress => {}
+            let request_id = match &current {
+                Some(r) if r.state == State::New || r.state == State::InProgress => r.id,
                 _ => return Ok(current),
-            }
+            };
             let now = Instant::now();
             if now >= deadline {
                 return Ok(current);
@@ -319,7 +320,7 @@ impl Client {
                 };
                 match event {
                     Ok(ListenerEvent::Notification { payload, .. }) => {
-                        if event_is_for(&payload, external_id) {
+                        if event_is_for(&payload, request_id) {
                             break;
                         }
                     }
@@ -507,14 +508,11 @@ impl Client {
     }
 }
 
-/// Whether a `permitq_events` payload (one outcome, or a JSON array of them) is about
-/// `external_id`. An unreadable payload counts as a match: re-reading the status is cheap.
-fn event_is_for(payload: &str, external_id: &str) -> bool {
-    let is_for =
-        |v: &serde_json::Value| v.get("external_id").and_then(|e| e.as_str()) == Some(external_id);
-    match serde_json::from_str::<serde_json::Value>(payload) {
-        Ok(serde_json::Value::Array(items)) => items.iter().any(is_for),
-        Ok(v) => is_for(&v),
+/// Whether a `permitq_events` payload (a JSON array of request ids) names `request_id`. An
+/// unreadable payload counts as a match: re-reading the status is cheap.
+fn event_is_for(payload: &str, request_id: i64) -> bool {
+    match serde_json::from_str::<Vec<i64>>(payload) {
+        Ok(ids) => ids.contains(&request_id),
         Err(_) => true,
     }
 }

@@ -35,7 +35,8 @@ impl Verdict {
 pub(crate) struct Context<'a> {
     /// The recorded history.
     pub ops: &'a [Op],
-    /// external_id → the fencing tokens of the `acquired` events seen on `permitq_events`.
+    /// external_id → the fencing tokens of its grants announced on `permitq_events` (read as
+    /// `acquired` just after the announcement).
     pub acquired_events: &'a HashMap<String, Vec<Option<i64>>>,
     /// Every fault, for the liveness bounds (a worker or a semaphore may be held up by any).
     pub faults: &'a [Outage],
@@ -206,8 +207,8 @@ fn safety(state: &FinalState, v: &mut Verdict) -> HashMap<(i64, String), i64> {
     held_after
 }
 
-/// A request granted twice shows up three ways, each checked: a second `acquired` event, an
-/// event whose token is not the request's, and a semaphore's `granted` counter (kept by the
+/// A request granted twice shows up three ways, each checked: a second announced grant, an
+/// announced grant whose token is not the request's, and a semaphore's `granted` counter (kept by the
 /// grant's own UPDATE) above the number of requests granted on it.
 fn no_double_grant(state: &FinalState, cx: &Context, v: &mut Verdict) {
     let by_key: HashMap<&str, &Req> = state
@@ -219,7 +220,7 @@ fn no_double_grant(state: &FinalState, cx: &Context, v: &mut Verdict) {
         if tokens.len() > 1 {
             v.flag(
                 "no double grant",
-                format!("{id}: {} acquired events", tokens.len()),
+                format!("{id}: {} grants announced", tokens.len()),
             );
         }
         let stored = by_key.get(id.as_str()).and_then(|r| r.token);
@@ -228,7 +229,7 @@ fn no_double_grant(state: &FinalState, cx: &Context, v: &mut Verdict) {
                 v.flag(
                     "no double grant",
                     format!(
-                        "{id}: an acquired event with token {token:?}, the request has {stored:?}"
+                        "{id}: a grant announced with token {token:?}, the request has {stored:?}"
                     ),
                 );
             }

@@ -613,8 +613,8 @@ type EventCounts = (
     tokio::task::JoinHandle<()>,
 );
 
-/// Records the fencing token of every `acquired` event per external_id (a second grant would show
-/// up as a second event, or a token that is not the request's), once it is durable
+/// Records the fencing token of every announced grant per external_id ([`count_acquired`]: a
+/// second grant would show up as a second one, or a token that is not the request's), once it is durable
 /// ([`permitq::DURABILITY_BARRIER`]). LISTENs on its own connection and reconnects when the
 /// database restarts.
 fn record_acquired_events(url: String) -> EventCounts {
@@ -645,10 +645,10 @@ fn record_acquired_events(url: String) -> EventCounts {
                             .simple_query(permitq::DURABILITY_BARRIER)
                             .await
                             .is_err()
+                            || count_acquired(&client, &sink, &payload).await.is_err()
                         {
                             break;
                         }
-                        count_acquired(&sink, &payload);
                     }
                 }
                 driver.abort();
@@ -659,26 +659,29 @@ fn record_acquired_events(url: String) -> EventCounts {
     (counts, task)
 }
 
-/// Adds the `acquired` objects of one `permitq_events` payload (an object, or an array of them).
-fn count_acquired(sink: &Mutex<HashMap<String, Vec<Option<i64>>>>, payload: &str) {
-    let v: serde_json::Value = serde_json::from_str(payload).unwrap_or_default();
-    let events = match v {
-        serde_json::Value::Array(items) => items,
-        other => vec![other],
-    };
-    for event in events {
-        if event["state"] == "acquired" {
-            let id = event["external_id"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string();
-            sink.lock()
-                .expect("events")
-                .entry(id)
-                .or_default()
-                .push(event["fencing_token"].as_i64());
-        }
+/// Records the requests one `permitq_events` payload names (ids only, as any listener sees them)
+/// that are `acquired` when read just after it, with their token, as a producer reads its own
+/// outcome after an event. A grant's announcement reads `acquired`; a release's reads `released`
+/// (its state changed before the fold that announces it): a request read `acquired` twice was
+/// announced granted twice, and a token read that is not the request's final one was replaced.
+async fn count_acquired(
+    client: &tokio_postgres::Client,
+    sink: &Mutex<HashMap<String, Vec<Option<i64>>>>,
+    payload: &str,
+) -> Result<(), tokio_postgres::Error> {
+    let ids: Vec<i64> = serde_json::from_str(payload).unwrap_or_default();
+    let rows = client
+        .query(
+            "SELECT external_id, fencing_token FROM permitq.permit_request
+             WHERE id = ANY($1) AND state = 'acquired'",
+            &[&ids],
+        )
+        .await?;
+    let mut sink = sink.lock().expect("events");
+    for row in rows {
+        sink.entry(row.get(0)).or_default().push(row.get(1));
     }
+    Ok(())
 }
 
 /// Checks every snapshot it can take while the run goes on, per semaphore: `used` never

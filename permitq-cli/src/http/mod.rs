@@ -8,10 +8,13 @@
 //!   this build expects, and (on a worker) the LISTEN connection is up; else 503 with the reason.
 //! - `GET /api/semaphores`, `GET /api/semaphores/{name}` (usage, holders, the first 100 waiters,
 //!   the last 20 capacity changes): JSON, read-only (see [`api`]).
+//! - Access ([`access`]): probes open; `/metrics` open unless a token is set; the page and
+//!   `/api/*` need the token, or a loopback address without one; a limit on requests at once.
 //! - `GET /`: a status page (one self-contained HTML file compiled into the binary), its table
 //!   rendered on the server; `GET /rows` is that table, which the page fetches every second (see
 //!   [`page`]).
 
+mod access;
 mod api;
 mod page;
 
@@ -47,6 +50,7 @@ struct State {
 /// Returns the bound address (useful with port 0).
 pub(crate) async fn serve(
     addr: SocketAddr,
+    access: access::Access,
     client: Client,
     worker: Option<WorkerHealth>,
 ) -> Result<SocketAddr> {
@@ -64,13 +68,60 @@ pub(crate) async fn serve(
         metrics,
         client,
         worker,
-    });
+    })
+    .layer(axum::middleware::from_fn_with_state(access, access::guard));
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::error!(error = %e, "HTTP server stopped");
         }
     });
     Ok(bound)
+}
+
+/// The endpoints' guard for a server on `addr` with these options: the token read from its
+/// file (an unreadable or empty file is an error naming it).
+pub(crate) fn access(
+    addr: SocketAddr,
+    args: &crate::args::HttpAccessArgs,
+) -> Result<access::Access> {
+    let token = match &args.http_token_file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                CliError::runtime(format!(
+                    "cannot read the HTTP token file {}: {e}",
+                    path.display()
+                ))
+            })?;
+            let token = text.trim().to_string();
+            if token.len() < 16 {
+                return Err(CliError::usage(
+                    "http-token-file",
+                    format!(
+                        "{} holds {} characters; a token needs at least 16 (for example: \
+                         head -c 32 /dev/urandom | base64 > {})",
+                        path.display(),
+                        token.len(),
+                        path.display()
+                    ),
+                ));
+            }
+            Some(token)
+        }
+        None => None,
+    };
+    let open_without_token = args.http_no_auth || addr.ip().is_loopback();
+    if token.is_none() && !open_without_token {
+        tracing::warn!(
+            %addr,
+            "no --http-token-file: beyond loopback the status page and /api/* answer 401; \
+             /metrics and the probes are served"
+        );
+    }
+    Ok(access::Access::new(
+        token,
+        open_without_token,
+        usize::from(args.http_max_concurrent),
+    ))
 }
 
 /// `# HELP` text for every metric family the worker and these endpoints record.

@@ -481,6 +481,10 @@ fn the_deploy_files_use_the_readmes_logins_a_pinned_image_and_a_dockerignore() {
     );
     let serve = std::fs::read_to_string(root.join("deploy/k8s/serve.yaml")).unwrap();
     assert!(serve.contains("key: operator-url"), "{serve}");
+    assert!(
+        serve.contains("\"--http-token-file\"") && secret.contains("http-token: "),
+        "serve listens beyond loopback with a token: {serve}"
+    );
     for entry in std::fs::read_dir(root.join("deploy/k8s")).unwrap() {
         let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
         let images = text.matches("image: ").count();

@@ -13,14 +13,32 @@ pub(crate) fn request(
     path: &str,
     body: Option<&str>,
 ) -> (u16, String) {
+    let (status, _, body) = request_with(addr, method, path, body, &[]);
+    (status, body)
+}
+
+/// `GET path` with extra header lines (`Authorization: Bearer x`); (status, head, body).
+pub(crate) fn get_with(addr: SocketAddr, path: &str, headers: &[&str]) -> (u16, String, String) {
+    request_with(addr, "GET", path, None, headers)
+}
+
+/// Sends one request with extra header lines; returns (status, head, body).
+fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[&str],
+) -> (u16, String, String) {
     let mut stream = TcpStream::connect(addr).expect("connect");
     stream
         .set_read_timeout(Some(Duration::from_secs(60)))
         .unwrap();
     let body = body.unwrap_or("");
+    let extra: String = headers.iter().map(|h| format!("{h}\r\n")).collect();
     write!(
         stream,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{extra}\
          Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
@@ -65,7 +83,7 @@ pub(crate) fn request(
         reader.read_to_end(&mut raw).unwrap();
         raw
     };
-    (status, String::from_utf8_lossy(&body).to_string())
+    (status, head, String::from_utf8_lossy(&body).to_string())
 }
 
 fn unchunk(mut s: &str) -> String {

@@ -10,7 +10,7 @@ use common::{quiet_config, wait_until, TestDb};
 use permitq::{Client, Request, State};
 
 use crate::cli::{code, run, stderr, stdout};
-use crate::http::{get, request, spawn_server};
+use crate::http::{get, get_with, request, spawn_server};
 
 const SOON: Duration = Duration::from_secs(15);
 
@@ -847,4 +847,164 @@ async fn doctor_prints_the_hardening_sql_and_passes_once_it_ran() {
         err.code(),
         Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_with_a_token_answers_only_callers_that_send_it_probes_excepted() {
+    let db = TestDb::new().await;
+    let (_client, worker) = populated(&db).await;
+    let dir = std::env::temp_dir().join(format!("permitq-token-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, "0123456789abcdef-token\n").unwrap();
+    let short = dir.join("short");
+    std::fs::write(&short, "abc\n").unwrap();
+    // A token too short to guess hard is refused before anything is served.
+    let o = run(
+        &db.url,
+        &["serve", "--http-token-file", short.to_str().unwrap()],
+    )
+    .await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("holds 3 characters; a token needs at least 16"),
+        "{}",
+        stderr(&o)
+    );
+    let url = db.url.clone();
+    let file = token_file.to_str().unwrap().to_string();
+    let (serve, addr) = tokio::task::spawn_blocking(move || {
+        spawn_server(
+            &url,
+            &[
+                "serve",
+                "--http-addr",
+                "127.0.0.1:0",
+                "--http-token-file",
+                &file,
+            ],
+        )
+    })
+    .await
+    .unwrap();
+    tokio::task::spawn_blocking(move || {
+        use base64::Engine;
+        for path in [
+            "/",
+            "/rows",
+            "/api/semaphores",
+            "/api/semaphores/gpu",
+            "/metrics",
+        ] {
+            let (status, head, body) = get_with(addr, path, &[]);
+            assert_eq!(status, 401, "{path}: {body}");
+            assert!(
+                head.contains("www-authenticate: Basic realm=\"permitq\""),
+                "{head}"
+            );
+            assert!(body.contains("--http-token-file"), "{body}");
+            let (status, _, _) =
+                get_with(addr, path, &["Authorization: Bearer wrong-token-000000"]);
+            assert_eq!(status, 401, "{path}");
+            let (status, _, body) = get_with(
+                addr,
+                path,
+                &["Authorization: Bearer 0123456789abcdef-token"],
+            );
+            assert_eq!(status, 200, "{path}: {body}");
+        }
+        // What a browser sends after its prompt: any user, the token as password.
+        let basic = base64::engine::general_purpose::STANDARD.encode("me:0123456789abcdef-token");
+        let (status, _, body) = get_with(
+            addr,
+            "/api/semaphores/gpu",
+            &[&format!("Authorization: Basic {basic}")],
+        );
+        assert_eq!(status, 200, "{body}");
+        assert!(body.contains("train-1"), "{body}");
+        for probe in ["/healthz", "/readyz"] {
+            assert_eq!(get(addr, probe).0, 200, "{probe}");
+        }
+    })
+    .await
+    .unwrap();
+    drop(serve);
+    std::fs::remove_dir_all(&dir).unwrap();
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn beyond_loopback_without_a_token_requests_are_not_shown_and_the_limit_answers_429() {
+    let db = TestDb::new().await;
+    let (_client, worker) = populated(&db).await;
+    let url = db.url.clone();
+    let (serve, bound) = tokio::task::spawn_blocking(move || {
+        spawn_server(
+            &url,
+            &[
+                "serve",
+                "--http-addr",
+                "0.0.0.0:0",
+                "--http-max-concurrent",
+                "1",
+            ],
+        )
+    })
+    .await
+    .unwrap();
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], bound.port()));
+    let (page, api, metrics) = tokio::task::spawn_blocking(move || {
+        (
+            get(addr, "/"),
+            get(addr, "/api/semaphores/gpu"),
+            get(addr, "/metrics"),
+        )
+    })
+    .await
+    .unwrap();
+    for (status, body) in [&page, &api] {
+        assert_eq!(*status, 401, "{body}");
+        assert!(
+            body.contains("start it with --http-token-file FILE (or --http-no-auth"),
+            "{body}"
+        );
+        assert!(!body.contains("train-1"), "{body}");
+    }
+    assert_eq!(
+        metrics.0, 200,
+        "counts per semaphore stay open: {}",
+        metrics.1
+    );
+
+    // One request at a time: while one waits on the database (a lock held here), the next is
+    // answered 429 at once.
+    let mut admin = db.conn().await;
+    let tx = admin.transaction().await.unwrap();
+    tx.batch_execute("LOCK TABLE permitq.semaphore IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let slow = tokio::task::spawn_blocking(move || get(addr, "/metrics"));
+    let watcher = db.conn().await;
+    wait_until(SOON, "the first request waits on the lock", || async {
+        watcher
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+                 AND application_name = 'permitq'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            > 0
+    })
+    .await;
+    let (status, body) = tokio::task::spawn_blocking(move || get(addr, "/metrics"))
+        .await
+        .unwrap();
+    assert_eq!(status, 429, "{body}");
+    assert!(body.contains("too many requests at once"), "{body}");
+    tx.rollback().await.unwrap();
+    assert_eq!(slow.await.unwrap().0, 200);
+    drop(serve);
+    worker.stop().await;
 }

@@ -65,11 +65,12 @@ EXCEPTION WHEN lock_not_available THEN
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.wake_gate_free() TO permitq_worker;
 
--- Sends the outcomes of these requests on permitq_events as JSON arrays, chunked by size: a
--- notification's payload must stay under 8000 bytes. A chunk starts before 5000 bytes and one
--- event is at most ~2,900 (a 255-character external_id, each character escaped as \uXXXX, and
--- an error_detail of at most 1,200 bytes: a longer one is left out, `status` has it), so every
--- chunk fits. False when a chunk was not sent (see permitq.notify).
+-- Tells producers that these requests reached an outcome (acquired, error or released): a JSON
+-- array of their ids on permitq_events, nothing else. Any login may LISTEN (PostgreSQL has no
+-- grant for it), so a payload carries nothing another role may not read: no external_id, state,
+-- token or detail. A producer matches the id its submit returned and reads the outcome with
+-- `status`, which follows ownership. At most 300 ids a notification (each at most 20 bytes: a
+-- payload stays under 8000). False when a chunk was not sent (see permitq.notify).
 CREATE OR REPLACE FUNCTION permitq.notify_events(request_ids bigint[]) RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -77,21 +78,10 @@ DECLARE
     sent boolean := true;
 BEGIN
     FOR payload IN
-        SELECT '[' || string_agg(e.event, ',' ORDER BY e.id) || ']'
-        FROM (SELECT e.id, e.event,
-                     (sum(octet_length(e.event) + 1) OVER (ORDER BY e.id) - octet_length(e.event) - 1)
-                         / 5000 AS chunk
-              FROM (SELECT r.id, json_build_object(
-                           'external_id', r.external_id,
-                           'state', r.state,
-                           'error_code', r.error_code,
-                           'error_detail', CASE WHEN octet_length(r.error_detail::text) <= 1200
-                                                THEN r.error_detail END,
-                           'release_reason', r.release_reason,
-                           'fencing_token', r.fencing_token,
-                           'expires_at', r.expires_at)::text AS event
-                    FROM permitq.permit_request r WHERE r.id = ANY(request_ids)) e) e
-        GROUP BY e.chunk
+        SELECT '[' || string_agg(c.id::text, ',' ORDER BY c.id) || ']'
+        FROM (SELECT u.id, (row_number() OVER (ORDER BY u.id) - 1) / 300 AS chunk
+              FROM (SELECT DISTINCT unnest(request_ids) AS id) u) c
+        GROUP BY c.chunk
     LOOP
         sent := permitq.notify('permitq_events', payload) AND sent;
     END LOOP;

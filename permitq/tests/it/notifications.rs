@@ -7,7 +7,7 @@ use permitq_test_support as common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{event_objects, quiet_config, wait_until, TestDb};
+use common::{event_ids, quiet_config, requests_by_id, wait_until, TestDb};
 use permitq::{Request, State};
 
 const SOON: Duration = Duration::from_secs(20);
@@ -36,10 +36,12 @@ async fn a_batch_of_grants_and_a_batch_of_releases_send_a_few_notifications_not_
     .await;
     worker.stop().await;
     let grants = common::until_marker(&events_listener, "permitq_events", &mut events).await;
-    let granted: Vec<_> = grants.iter().flat_map(|p| event_objects(p)).collect();
+    let granted: Vec<i64> = grants.iter().flat_map(|p| event_ids(p)).collect();
     assert_eq!(granted.len(), 100, "every grant announced once");
-    assert!(granted.iter().all(|e| e["state"] == "acquired"));
-    assert_eq!(grants.len(), 4, "100 outcomes in arrays of at most 30");
+    let rows = requests_by_id(&db.conn().await, &granted).await;
+    assert_eq!(rows.len(), 100, "100 distinct requests");
+    assert!(rows.iter().all(|(_, _, state, _)| state == "acquired"));
+    assert_eq!(grants.len(), 1, "one batch, one notification: {grants:?}");
 
     // 100 releases while no worker runs: none notifies; the fold sends their outcomes.
     for i in 1..=100 {
@@ -62,15 +64,19 @@ async fn a_batch_of_grants_and_a_batch_of_releases_send_a_few_notifications_not_
     })
     .await;
     let releases = common::until_marker(&events_listener, "permitq_events", &mut events).await;
-    let mut released: BTreeMap<String, usize> = BTreeMap::new();
-    for e in releases.iter().flat_map(|p| event_objects(p)) {
-        assert_eq!(e["state"], "released");
-        assert_eq!(e["release_reason"], "released");
-        *released
-            .entry(e["external_id"].as_str().unwrap().to_string())
-            .or_default() += 1;
+    let mut released: BTreeMap<i64, usize> = BTreeMap::new();
+    for id in releases.iter().flat_map(|p| event_ids(p)) {
+        *released.entry(id).or_default() += 1;
     }
     assert_eq!(released.len(), 100);
+    let ids: Vec<i64> = released.keys().copied().collect();
+    for (_, external_id, state, reason) in requests_by_id(&db.conn().await, &ids).await {
+        assert_eq!(
+            (state.as_str(), reason.as_deref()),
+            ("released", Some("released")),
+            "{external_id}"
+        );
+    }
     assert!(released.values().all(|n| *n == 1), "{released:?}");
     assert!(
         releases.len() <= 4,
@@ -121,7 +127,7 @@ async fn under_load_producers_do_not_notify_per_request() {
         .await
         .len();
     let event_notes = common::until_marker(&events_listener, "permitq_events", &mut events).await;
-    let outcomes: usize = event_notes.iter().map(|p| event_objects(p).len()).sum();
+    let outcomes: usize = event_notes.iter().map(|p| event_ids(p).len()).sum();
     assert_eq!(
         outcomes,
         2 * cycles,

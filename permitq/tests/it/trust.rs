@@ -1120,3 +1120,59 @@ async fn the_audit_names_the_login_and_explain_names_only_a_producers_own_head()
         "{reason}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_listening_to_events_learns_only_request_ids() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.set_capacity("s", 1, None).await.unwrap();
+    let stranger_url = login(&db, "listener", None).await;
+    let (stranger, mut events) = common::listen(&stranger_url, "permitq_events").await;
+    let _worker = db.worker(quiet_config("w"));
+    let producer = Client::connect(&login(&db, "pe", Some("permitq_producer")).await)
+        .await
+        .unwrap();
+    let held = producer
+        .submit(&Request::new("secret-held").permit("s", 1).ttl(SOON))
+        .await
+        .unwrap();
+    let granted = producer
+        .wait_settled("secret-held", SOON)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        granted.state,
+        State::Acquired,
+        "the client still wakes on ids"
+    );
+    let token = granted.fencing_token.unwrap().to_string();
+    producer
+        .submit(&Request::new("secret-fails").permit("s", 2))
+        .await
+        .unwrap();
+    producer.wait_settled("secret-fails", SOON).await.unwrap();
+    producer.release("secret-held").await.unwrap();
+    common::wait_folded(&db.url).await;
+    let payloads = common::until_marker(&stranger, "permitq_events", &mut events).await;
+    let ids: Vec<i64> = payloads.iter().flat_map(|p| common::event_ids(p)).collect();
+    assert!(ids.contains(&held.id), "{payloads:?}");
+    for p in &payloads {
+        for secret in [
+            "secret",
+            &token,
+            "acquired",
+            "exceeds_capacity",
+            "released",
+            "\"s\"",
+        ] {
+            assert!(!p.contains(secret), "{secret} in {p}");
+        }
+    }
+    // And what an id names stays unreadable to it.
+    let err = stranger
+        .query_one("SELECT permitq.status('secret-held')", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{err}");
+}
