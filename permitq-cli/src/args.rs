@@ -57,7 +57,7 @@ pub(crate) enum Command {
     /// Manage semaphores.
     #[command(subcommand)]
     Semaphore(SemaphoreCommand),
-    /// Operator: fencing tokens.
+    /// Admins (permitq_admin): fencing tokens.
     #[command(subcommand)]
     Tokens(TokensCommand),
     /// Check the cluster's hardening against co-tenants (advisory locks, the lock table, each
@@ -95,7 +95,7 @@ pub(crate) enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Operator: take a held request's permits away (release_reason = revoked).
+    /// Admins (permitq_admin): take a held request's permits away (release_reason = revoked).
     Revoke {
         /// The request's external_id.
         external_id: String,
@@ -314,7 +314,7 @@ impl WorkerArgs {
 #[derive(Debug, Subcommand)]
 pub(crate) enum TokensCommand {
     /// Make every token issued from now on greater than N (after restoring a copy of the
-    /// database that another copy outlived; see the README's restore runbook).
+    /// database that another copy outlived; the README's Leases and fencing section says when).
     Raise {
         /// The highest token any copy may have issued.
         #[arg(long, value_name = "N")]

@@ -132,12 +132,16 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
         Command::Semaphore(cmd) => semaphore(&Client::connect(&need_url()?).await?, cmd).await,
         Command::Submit(args) => submit(&Client::connect(&need_url()?).await?, args).await,
         Command::Status { external_id, json } => {
-            match Client::connect(&need_url()?)
-                .await?
-                .status(&external_id)
-                .await?
-            {
-                Some(r) => print_request(&r, json),
+            let client = Client::connect(&need_url()?).await?;
+            match client.status(&external_id).await? {
+                Some(r) => {
+                    print_request(&r, json);
+                    if r.state == State::New && !json {
+                        if let Some(warning) = client.granting().await?.warning() {
+                            errln!("permitq: {external_id} waits, and {warning}");
+                        }
+                    }
+                }
                 None => return Err(CliError::NotVisible { name: external_id }),
             }
             Ok(0)
@@ -488,15 +492,28 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
     request.wait = args.wait;
     request.priority = args.priority;
     let mut row = client.submit(&request).await?;
+    // A new request is always `new`: one that is not was submitted before under this id.
+    let earlier = row.state != State::New && row.state != State::InProgress;
     let mut code = 0;
     if let Some(limit) = args.await_for {
+        if !earlier {
+            // Say now, not when the await runs out, that nothing will grant it.
+            if let Some(warning) = client.granting().await?.warning() {
+                errln!(
+                    "permitq: {} is queued, but {warning}; waiting up to {} anyway",
+                    row.external_id,
+                    humantime::format_duration(limit)
+                );
+            }
+        }
         row = client
             .wait_settled(&request.external_id, limit)
             .await?
             .unwrap_or(row);
         code = match row.state {
-            State::Acquired | State::Released => 0,
-            State::Error => EXIT_NOT_GRANTED,
+            State::Acquired => 0,
+            // Held no more (released, or ended): not a grant to work under.
+            State::Error | State::Released => EXIT_NOT_GRANTED,
             _ => EXIT_STILL_WAITING,
         };
         if code == EXIT_STILL_WAITING {
@@ -514,6 +531,18 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
         }
     }
     print_request(&row, args.json);
+    if earlier && row.is_settled() {
+        errln!(
+            "permitq: {} was submitted before and has ended; this is that request: submit under \
+             a new external_id for another",
+            row.external_id
+        );
+    } else if earlier {
+        errln!(
+            "permitq: {} was submitted before and holds its grant; this is that request",
+            row.external_id
+        );
+    }
     if args.await_for.is_none() && !args.json && !row.is_settled() && row.state != State::Acquired {
         // Queued, and nothing printed says what comes next: say it, and whether anything grants.
         match client.granting().await?.warning() {

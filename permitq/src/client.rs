@@ -172,17 +172,32 @@ impl Client {
     pub async fn acquire(&self, request: &Request, timeout: Duration) -> Result<Lease> {
         self.submit(request).await?;
         let settled = self.wait_settled(&request.external_id, timeout).await?;
-        let settled = match settled {
+        let (settled, gave_up) = match settled {
             Some(r) if r.state == State::New => {
-                // Give up: cancel, unless it was granted in the meantime.
+                // Give up: cancel, unless it was granted in the meantime; say why it waited.
                 self.release(&request.external_id).await?;
-                self.status(&request.external_id).await?
+                let why = match self.granting().await.ok().and_then(|g| g.warning()) {
+                    Some(warning) => format!("; {warning}"),
+                    None => {
+                        let names: Vec<&str> = request.permits.keys().map(String::as_str).collect();
+                        format!(
+                            "; {} had no room for it in that time (`permitq semaphore show NAME` \
+                             shows who holds them)",
+                            names.join(", ")
+                        )
+                    }
+                };
+                let gave_up = format!(
+                    "still waiting after {}, so acquire cancelled it{why}",
+                    humantime::format_duration(timeout)
+                );
+                (self.status(&request.external_id).await?, Some(gave_up))
             }
-            other => other,
+            other => (other, None),
         };
         match settled {
             Some(r) if r.state == State::Acquired => Ok(Lease::start(self.clone(), r)),
-            Some(r) => Err(Error::refused(r)),
+            Some(r) => Err(Error::refused(r, gave_up)),
             None => Err(Error::config(format!(
                 "request {} vanished",
                 request.external_id

@@ -25,7 +25,9 @@ enum Kind {
         message: String,
     },
     Config(String),
-    NotGranted(Box<crate::types::PermitRequest>),
+    /// The request as it ended, and when `acquire` gave up waiting: after how long, and why
+    /// nothing granted it (no worker), if known.
+    NotGranted(Box<crate::types::PermitRequest>, Option<String>),
     /// An outcome read on a primary that did not confirm it reached the synchronous standby.
     Unconfirmed(String),
 }
@@ -70,10 +72,12 @@ impl Error {
         self
     }
 
-    pub(crate) fn refused(request: crate::types::PermitRequest) -> Error {
+    /// `request` ended without a grant; `gave_up` says how long `acquire` waited before it
+    /// cancelled it, and why nothing granted it when that is known.
+    pub(crate) fn refused(request: crate::types::PermitRequest, gave_up: Option<String>) -> Error {
         Error {
             target: None,
-            kind: Kind::NotGranted(Box::new(request)),
+            kind: Kind::NotGranted(Box::new(request), gave_up),
         }
     }
 
@@ -81,7 +85,7 @@ impl Error {
     /// `error`, with its code).
     pub fn not_granted(&self) -> Option<&crate::types::PermitRequest> {
         match &self.kind {
-            Kind::NotGranted(r) => Some(r),
+            Kind::NotGranted(r, _) => Some(r),
             _ => None,
         }
     }
@@ -174,8 +178,11 @@ impl fmt::Display for Error {
         match &self.kind {
             Kind::InvalidInput { field, message } => write!(f, "invalid {field}: {message}"),
             Kind::Config(m) => write!(f, "{m}"),
-            Kind::NotGranted(r) => match r.error_code {
-                Some(code) => write!(f, "request {} was not granted: {code}", r.external_id),
+            Kind::NotGranted(r, Some(gave_up)) => {
+                write!(f, "request {} was not granted: {gave_up}", r.external_id)
+            }
+            Kind::NotGranted(r, None) => match r.outcome() {
+                Some(outcome) => write!(f, "request {} was not granted: {outcome}", r.external_id),
                 None => write!(f, "request {} was not granted ({})", r.external_id, r.state),
             },
             Kind::Pool(deadpool_postgres::PoolError::Timeout(_)) => {

@@ -108,9 +108,13 @@ impl PermitRequest {
                 match d.similar.as_slice() {
                     [] => format!(
                         "{what}; create it with `permitq semaphore set {name} CAPACITY` (or a \
-                         template NAME* that matches it)"
+                         template NAME* that matches it), then submit again under a new \
+                         external_id"
                     ),
-                    similar => format!("{what}; did you mean {}?", similar.join(" or ")),
+                    similar => format!(
+                        "{what}; did you mean {}? (submit again under a new external_id)",
+                        similar.join(" or ")
+                    ),
                 }
             }
             ErrorCode::ExceedsCapacity => {
@@ -128,9 +132,14 @@ impl PermitRequest {
                     Some(per) => format!("allows {capacity} grants per {per}"),
                     None => format!("has capacity {capacity}"),
                 };
+                // An instance's capacity is set on its template (a change there reaches it).
+                let set = match &d.template {
+                    Some(template) if d.named.is_none() => format!("'{template}'"),
+                    _ => name.clone(),
+                };
                 format!(
                     "{at} {bound}: it can never be granted; ask for at most {capacity}, or raise \
-                     the capacity (`permitq semaphore set {name} {count}`)"
+                     the capacity (`permitq semaphore set {set} {count}`), under a new external_id"
                 )
             }
             ErrorCode::NoCapacity => {

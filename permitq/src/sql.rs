@@ -167,6 +167,11 @@ pub(crate) const DELETE_DEAD_WORKERS: &str =
 /// Anyone: whether anything is granting (live workers, the last seen); see
 /// schema/functions/workers.sql.
 pub(crate) const GRANTING: &str = "SELECT live_workers, last_seen FROM permitq.granting()";
+/// Worker, at start: whether this login may work (member of permitq_worker or permitq_admin,
+/// or a superuser), and its name.
+pub(crate) const MAY_WORK: &str =
+    "SELECT pg_catalog.pg_has_role(session_user, 'permitq_worker', 'MEMBER') \
+     OR pg_catalog.pg_has_role(session_user, 'permitq_admin', 'MEMBER'), session_user::text";
 /// Operators: the workers seen in the last hour, live first.
 pub(crate) const WORKERS: &str = "SELECT worker_id, host, version, pid, started_at, seen_at, live \
      FROM permitq.workers ORDER BY live DESC, worker_id";
@@ -334,6 +339,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("SWEEP_IDLE_INSTANCES", SWEEP_IDLE_INSTANCES),
         ("NEXT_WINDOW_OPENING", NEXT_WINDOW_OPENING),
         ("CAPACITY_HISTORY", CAPACITY_HISTORY),
+        ("MAY_WORK", MAY_WORK),
         ("FENCE", FENCE),
         ("TAKE_TURN", TAKE_TURN),
         ("NOTIFY_HEALTH", NOTIFY_HEALTH),

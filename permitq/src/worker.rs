@@ -234,9 +234,20 @@ impl Worker {
         });
 
         // Tokens never go backwards: past every token issued, should this cluster have been
-        // restored or upgraded (grants also check the timeline themselves).
+        // restored or upgraded (grants also check the timeline themselves). First: a login that
+        // may not work is told so once, and the worker stops, rather than fail every pass.
         match self.pool.get().await {
             Ok(conn) => {
+                if let Ok(row) = conn.query_one(sql::MAY_WORK, &[]).await {
+                    let (may_work, login): (bool, String) = (row.get(0), row.get(1));
+                    if !may_work {
+                        return Err(Error::config(format!(
+                            "the login {login} is not a permitq worker: a worker needs the role \
+                             permitq_worker (GRANT permitq_worker TO {login}; as a login that has \
+                             it with ADMIN OPTION, or a superuser), or run it with a worker login"
+                        )));
+                    }
+                }
                 if let Err(e) = conn.execute(sql::RAISE_TOKEN_EPOCH, &[]).await {
                     tracing::warn!(error = %Error::from(e), "could not check the fencing token epoch at start-up");
                 }

@@ -87,6 +87,28 @@ async fn exceeds_capacity_names_the_semaphore_or_parent_and_its_capacity_also_in
         "{}",
         stdout(&o)
     );
+    // An instance's capacity is its template's: the fix names the template.
+    run(url, &["semaphore", "set", "tenant:*", "5"]).await;
+    let o = run(url, &["submit", "t5", "tenant:acme=6", "--await", "10s"]).await;
+    assert!(
+        stdout(&o).contains(
+            "or raise the capacity (`permitq semaphore set 'tenant:*' 6`), under a new external_id"
+        ),
+        "{}",
+        stdout(&o)
+    );
+    // The same id again is the same request: the answer says so, and exits as it ended.
+    run(url, &["semaphore", "set", "gpu", "5"]).await;
+    let o = run(url, &["submit", "t3", "gpu=5", "--await", "10s"]).await;
+    assert_eq!(code(&o), 3, "{}", stdout(&o));
+    assert!(
+        stderr(&o).contains(
+            "permitq: t3 was submitted before and has ended; this is that request: submit under a \
+             new external_id for another"
+        ),
+        "{}",
+        stderr(&o)
+    );
     worker.stop().await;
 }
 
@@ -287,6 +309,30 @@ async fn a_permission_error_names_the_role_needed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_run_as_a_login_that_may_not_work_says_so_once_and_exits() {
+    let db = TestDb::new().await;
+    let producer = db.login("permitq_producer").await;
+    let user = producer
+        .parse::<tokio_postgres::Config>()
+        .unwrap()
+        .get_user()
+        .unwrap()
+        .to_string();
+    let o = tokio::time::timeout(SOON, run(&producer, &["worker"]))
+        .await
+        .expect("the worker stops by itself");
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(&format!(
+            "the login {user} is not a permitq worker: a worker needs the role permitq_worker \
+             (GRANT permitq_worker TO {user};"
+        )) && !stderr(&o).contains("worker started"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resubmit_with_other_parameters_shows_what_the_existing_request_asked() {
     let db = TestDb::new().await;
     let url = &db.url;
@@ -373,6 +419,24 @@ async fn submit_await_says_that_no_worker_is_running() {
             "nw-1 still waits: nothing is granting: no worker seen in the last hour; start one \
              with `permitq worker`"
         ),
+        "{}",
+        stderr(&o)
+    );
+    // Said first, before the wait: the first line.
+    assert!(
+        stderr(&o).starts_with("permitq: nw-1 is queued, but nothing is granting: ")
+            && stderr(&o)
+                .lines()
+                .next()
+                .unwrap()
+                .ends_with("; waiting up to 1s anyway"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &["status", "nw-1"]).await;
+    assert_eq!(stdout(&o).trim(), "nw-1 new");
+    assert!(
+        stderr(&o).starts_with("permitq: nw-1 waits, and nothing is granting: "),
         "{}",
         stderr(&o)
     );
@@ -662,4 +726,52 @@ async fn the_capacity_history_says_which_bound_moved_max_instances_and_windows_t
         "{}",
         stdout(&o)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guaranteed_template_without_a_bound_is_told_to_set_max_instances() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "gpus", "8"]).await;
+    let o = run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "t:*",
+            "4",
+            "--parent",
+            "gpus",
+            "--guarantee",
+            "1",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "template t:* guarantees 1 to each of up to 10000 instances (its max_instances, by \
+             default); bound them: `permitq semaphore set 't:*' CAPACITY --guarantee 1 \
+             --max-instances N` with N × 1 fitting in gpus"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "t:*",
+            "4",
+            "--parent",
+            "gpus",
+            "--guarantee",
+            "1",
+            "--max-instances",
+            "8",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
 }

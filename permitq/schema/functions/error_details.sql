@@ -59,7 +59,7 @@ $$;
 
 -- A failed request's detail, completed: `detail` as the decision gave it, plus `similar` for
 -- unknown_semaphore, `per` (the window) for a rate-limited semaphore's no_capacity and
--- exceeds_capacity, and `template` / `max_instances` (and its `parent` and `guarantee`, when
+-- exceeds_capacity (and `template` for an instance's), and `template` / `max_instances` (and its `parent` and `guarantee`, when
 -- nested) for too_many_instances.
 CREATE OR REPLACE FUNCTION permitq.completed_error_detail(code text, detail jsonb) RETURNS jsonb
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
@@ -71,10 +71,13 @@ BEGIN
         RETURN detail || jsonb_build_object(
             'similar', to_jsonb(permitq.similar_semaphore_names(detail ->> 'semaphore')));
     ELSIF code IN ('no_capacity', 'exceeds_capacity') AND detail ? 'semaphore' THEN
-        -- A rate-limited semaphore's bound is grants per window: say which window.
-        RETURN detail || coalesce((SELECT jsonb_build_object('per', permitq.human_duration(s.per))
+        -- A rate-limited semaphore's bound is grants per window: say which window. An
+        -- instance's capacity is its template's: name the template, where it is changed.
+        RETURN detail || coalesce((SELECT jsonb_strip_nulls(jsonb_build_object(
+                                              'per', permitq.human_duration(s.per),
+                                              'template', s.template))
                                    FROM permitq.semaphore s
-                                   WHERE s.name = detail ->> 'semaphore' AND s.per IS NOT NULL),
+                                   WHERE s.name = detail ->> 'semaphore'),
                                   '{}');
     ELSIF code = 'too_many_instances' AND detail ? 'semaphore' THEN
         template := permitq.template_for(detail ->> 'semaphore');

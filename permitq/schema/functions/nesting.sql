@@ -53,6 +53,7 @@ DECLARE
     below integer;
     cyclic boolean := false;
     promised bigint;
+    biggest record;
 BEGIN
     IF s.guarantee > s.capacity THEN
         RETURN format('guarantee %s is more than the capacity %s', s.guarantee, s.capacity);
@@ -106,7 +107,21 @@ BEGIN
         FROM permitq.semaphore c
         WHERE c.parent = p.name AND c.guarantee > 0 AND c.template IS NULL;
         IF promised > p.capacity THEN
-            RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s (a template''s guarantee counts once per instance it may make): raise it (`permitq semaphore set %s %s`), or lower a guarantee or a max_instances',
+            -- A template's bound is the likely cause (10000 instances unless set): name it.
+            SELECT c.name, c.guarantee, coalesce(c.max_instances, permitq.rule_max_instances()) AS max_instances
+            INTO biggest
+            FROM permitq.semaphore c
+            WHERE c.parent = p.name AND c.guarantee > 0 AND c.is_template
+            ORDER BY c.guarantee::bigint * coalesce(c.max_instances, permitq.rule_max_instances()) DESC
+            LIMIT 1;
+            IF biggest.name IS NOT NULL THEN
+                RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: template %s guarantees %s to each of up to %s instances (its max_instances%s); bound them: `permitq semaphore set ''%s'' CAPACITY --guarantee %s --max-instances N` with N × %s fitting in %s beside its other children''s guarantees, or raise %s''s capacity',
+                              p.name, promised, p.capacity, biggest.name, biggest.guarantee,
+                              biggest.max_instances,
+                              CASE WHEN biggest.max_instances = permitq.rule_max_instances() THEN ', by default' ELSE '' END,
+                              biggest.name, biggest.guarantee, biggest.guarantee, p.name, p.name);
+            END IF;
+            RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: raise it (`permitq semaphore set %s %s`), or lower a guarantee',
                           p.name, promised, p.capacity, p.name, promised);
         END IF;
     END LOOP;

@@ -171,7 +171,38 @@ async fn dropping_a_lease_releases_it() {
         err.not_granted().map(|r| r.error_code),
         Some(Some(permitq::ErrorCode::Cancelled))
     );
+    assert_eq!(
+        err.to_string(),
+        "request patient was not granted: still waiting after 300ms, so acquire cancelled it; s \
+         had no room for it in that time (`permitq semaphore show NAME` shows who holds them)"
+    );
+    // An error says what it was and what to do, as the CLI does.
+    let err = client
+        .acquire(&Request::new("huge").permit("s", 9), SOON)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string().starts_with(
+            "request huge was not granted: error exceeds_capacity: s=9 but s has capacity "
+        ),
+        "{err}"
+    );
     worker.stop().await;
+    // With no worker, the answer says that nothing grants.
+    let err = client
+        .acquire(
+            &Request::new("unserved").permit("s", 1),
+            Duration::from_millis(300),
+        )
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string()
+            .contains("so acquire cancelled it; nothing is granting: "),
+        "{err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
