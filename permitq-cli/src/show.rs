@@ -395,9 +395,9 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
                 .holders
                 .iter()
                 .map(|h| {
-                    let lease = h
-                        .expires_at
-                        .map_or(String::new(), |t| format!(", lease ends {}", until(t)));
+                    let lease = h.expires_at.map_or(", no lease".to_string(), |t| {
+                        format!(", lease ends {}", until(t))
+                    });
                     format!(
                         "{} ({} for {:.1}s{lease})",
                         h.external_id, h.count, h.held_for_s
@@ -406,7 +406,16 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
                 .collect();
             lines.push(format!("  held by {}", holders.join(", ")));
         }
-        if let Some(wait) = s.estimated_wait {
+        // Holders without a lease end only by a release: no estimate says when.
+        let unleased =
+            !window && !s.holders.is_empty() && s.holders.iter().all(|h| h.expires_at.is_none());
+        if unleased {
+            lines.push(
+                "  its holders have no lease: it waits until one releases (`permitq release ID` \
+                 by its owner, or an admin's `permitq revoke ID`)"
+                    .to_string(),
+            );
+        } else if let Some(wait) = s.estimated_wait {
             lines.push(format!(
                 "  estimated wait: about {} ({})",
                 humantime::format_duration(std::time::Duration::from_secs(wait.as_secs().max(1))),

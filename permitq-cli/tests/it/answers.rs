@@ -194,7 +194,7 @@ async fn too_many_instances_names_the_template_and_its_bound_also_in_json() {
     .await;
     assert_eq!(code(&o), 2, "{}", stderr(&o));
     assert!(
-        stderr(&o).contains("raise it (`permitq semaphore set gpus 6`)"),
+        stderr(&o).contains("or raise gpus (`permitq semaphore set gpus 6`)"),
         "{}",
         stderr(&o)
     );
@@ -774,4 +774,35 @@ async fn a_guaranteed_template_without_a_bound_is_told_to_set_max_instances() {
     )
     .await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_of_a_wait_on_holders_without_a_lease_says_only_a_release_ends_it() {
+    let db = TestDb::new().await;
+    let worker = db.worker(quiet_config("w"));
+    let url = &db.url;
+    run(url, &["semaphore", "set", "gpu", "1"]).await;
+    let o = run(url, &["submit", "forever", "gpu=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    run(url, &["submit", "behind", "gpu=1"]).await;
+    let client = db.client().await;
+    wait_until(SOON, "the waiter examined", || async {
+        client
+            .explain("behind")
+            .await
+            .unwrap()
+            .is_some_and(|e| e.semaphores[0].position.is_some())
+    })
+    .await;
+    let text = stdout(&run(url, &["explain", "behind"]).await);
+    assert!(
+        text.contains("held by forever (1 for ") && text.contains(", no lease)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("its holders have no lease: it waits until one releases")
+            && !text.contains("estimated wait"),
+        "{text}"
+    );
+    worker.stop().await;
 }
