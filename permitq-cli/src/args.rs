@@ -438,8 +438,8 @@ fn parse_wait(s: &str) -> std::result::Result<Duration, String> {
     let d = parse_duration(s)?;
     if d > permitq::MAX_DURATION {
         return Err(format!(
-            "must be at most {}, got {s}",
-            humantime::format_duration(permitq::MAX_DURATION)
+            "must be at most 10y ({} days), got {s}",
+            permitq::MAX_DURATION.as_secs() / 86_400
         ));
     }
     Ok(d)
@@ -457,6 +457,13 @@ fn parse_lease_duration(s: &str) -> std::result::Result<Duration, String> {
 fn parse_await(s: &str) -> std::result::Result<Duration, String> {
     if s == "forever" {
         return Ok(Duration::from_secs(100 * 365 * 24 * 3600));
+    }
+    // `--await gpu=1`: the permits came after a bare --await.
+    if s.contains('=') {
+        return Err(format!(
+            "--await takes a duration (30s, 5m) or nothing, got the permit {s:?}: put the \
+             permits before it (`permitq submit ID {s} --await 30s`)"
+        ));
     }
     parse_duration(s)
 }

@@ -29,6 +29,8 @@ pub(crate) enum CliError {
     Missing { field: &'static str, hint: String },
     /// No request or semaphore by that name.
     NotFound { what: &'static str, name: String },
+    /// No semaphore by that name; the nearest existing names.
+    NoSemaphore { name: String, similar: Vec<String> },
     /// No request by that name among those this login may read (`status`, `explain`).
     NotVisible { name: String },
     /// Anything else at run time (demo, bench and chaos tooling, I/O).
@@ -61,7 +63,9 @@ impl CliError {
     pub(crate) fn exit_code(&self) -> u8 {
         match self {
             CliError::Usage { .. } | CliError::Missing { .. } => EXIT_USAGE,
-            CliError::NotFound { .. } | CliError::NotVisible { .. } => EXIT_NOT_FOUND,
+            CliError::NotFound { .. }
+            | CliError::NoSemaphore { .. }
+            | CliError::NotVisible { .. } => EXIT_NOT_FOUND,
             CliError::Permitq(e)
                 if e.invalid_field().is_some()
                     || e.code() == Some(&SqlState::INVALID_PARAMETER_VALUE)
@@ -88,6 +92,15 @@ impl fmt::Display for CliError {
             CliError::Usage { field, message } => write!(f, "invalid {field}: {message}"),
             CliError::Missing { field, hint } => write!(f, "no {field} given: {hint}"),
             CliError::NotFound { what, name } => write!(f, "no {what} named {name:?}"),
+            CliError::NoSemaphore { name, similar } if similar.is_empty() => write!(
+                f,
+                "no semaphore named {name:?} (`permitq semaphore list` shows them all)"
+            ),
+            CliError::NoSemaphore { name, similar } => write!(
+                f,
+                "no semaphore named {name:?}; did you mean {}?",
+                similar.join(" or ")
+            ),
             CliError::NotVisible { name } => write!(
                 f,
                 "no request named {name:?} (a producer login sees only its own requests)"

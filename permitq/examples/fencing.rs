@@ -76,8 +76,9 @@ async fn main() -> Result<(), AnyError> {
     let a_state = client
         .status(&format!("holder-a-{pid}"))
         .await?
-        .map(|r| (r.state, r.release_reason));
-    println!("A's request is now {a_state:?}");
+        .and_then(|r| r.outcome())
+        .unwrap_or_else(|| "waiting".to_string());
+    println!("A's request is now {a_state}");
     println!("B: acquired with fencing token {}", b.fencing_token());
     let b_reply = write(&store, b.fencing_token(), "written by B").await?;
     println!("B: write -> {b_reply}");

@@ -246,9 +246,9 @@ fn connection_hint(e: &tokio_postgres::Error, target: &str) -> String {
             None => return String::new(),
         }
     } else if text.contains("connection refused") && target.starts_with("localhost:") {
-        "is PostgreSQL running here? A URL without a host looks for its socket in \
-         /var/run/postgresql and /tmp, then for localhost; the URL (DATABASE_URL or \
-         --database-url) can name the host and port"
+        "is PostgreSQL running on this machine, on that port? (A URL without a host looks for \
+         its socket in /var/run/postgresql and /tmp, then for localhost.) The URL (DATABASE_URL \
+         or --database-url) names the host and port"
     } else if text.contains("connection refused") {
         "is PostgreSQL running, and listening on that host and port? The URL \
          (DATABASE_URL or --database-url) names them"
@@ -291,7 +291,8 @@ fn role_hint(db: &tokio_postgres::error::DbError) -> String {
         | "delete_settled"
         | "delete_capacity_changes"
         | "capacity_change"
-        | "raise_token_epoch" => "permitq_admin",
+        | "raise_token_epoch"
+        | "raise_token_floor" => "permitq_admin",
         "claim_batch"
         | "apply_decision"
         | "lock_batch_semaphores"
@@ -301,10 +302,14 @@ fn role_hint(db: &tokio_postgres::error::DbError) -> String {
         | "worker_seen"
         | "sweep_leases"
         | "sweep_wait_deadlines"
-        | "sweep_stale" => "permitq_worker",
+        | "sweep_stale"
+        | "take_turn"
+        | "record_lease_grace"
+        | "wake_gate_free" => "permitq_worker",
         _ => {
-            "permitq_producer (submit, status, release, heartbeat, explain), permitq_worker or \
-              permitq_admin, as the command needs"
+            "permitq_producer (submit, status, release, heartbeat, explain), permitq_operator \
+             (read-only: semaphore list and show, top, serve), permitq_worker or permitq_admin, \
+             as the command needs"
         }
     };
     format!(

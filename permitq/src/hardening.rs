@@ -24,8 +24,8 @@ pub struct Finding {
 }
 
 impl Client {
-    /// Checks the cluster against what co-tenants could exhaust: PUBLIC's advisory locks (the
-    /// shared lock table), the lock table's size, and each producer login's connection limit
+    /// Checks the cluster against what co-tenants could exhaust: PUBLIC's advisory locks and
+    /// temporary tables (the shared lock table), the lock table's size, and each producer login's connection limit
     /// and `idle_in_transaction_session_timeout`.
     pub async fn hardening(&self) -> Result<Vec<Finding>> {
         let conn = self.conn().await?;
@@ -53,6 +53,27 @@ impl Client {
                 format!(
                     "REVOKE EXECUTE ON FUNCTION {} FROM PUBLIC;",
                     advisory.join(", ")
+                )
+            }),
+        });
+
+        let row = conn.query_one(sql::PUBLIC_TEMP, &[]).await?;
+        let (temp, database): (bool, String) = (row.get(0), row.get(1));
+        findings.push(Finding {
+            check: "temporary tables".into(),
+            ok: !temp,
+            detail: if temp {
+                "any login may create temporary tables here, thousands in one transaction, each \
+                 holding a slot of the shared lock table (permitq creates none)"
+                    .into()
+            } else {
+                "PUBLIC may not create temporary tables here".into()
+            },
+            fix: temp.then(|| {
+                format!(
+                    "REVOKE TEMPORARY ON DATABASE {} FROM PUBLIC; -- GRANT it back to the logins \
+                     of your own applications that need it",
+                    quote_ident(&database)
                 )
             }),
         });
@@ -101,5 +122,21 @@ impl Client {
             });
         }
         Ok(findings)
+    }
+}
+
+/// `name` as an SQL identifier: quoted unless it is plain lower-case.
+fn quote_ident(name: &str) -> String {
+    let plain = name
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if plain {
+        name.to_string()
+    } else {
+        format!("\"{}\"", name.replace('"', "\"\""))
     }
 }

@@ -137,9 +137,14 @@ impl PermitRequest {
                     Some(template) if d.named.is_none() => format!("'{template}'"),
                     _ => name.clone(),
                 };
+                let ask = if capacity > 0 {
+                    format!("ask for at most {capacity}, or ")
+                } else {
+                    String::new()
+                };
                 format!(
-                    "{at} {bound}: it can never be granted; ask for at most {capacity}, or raise \
-                     the capacity (`permitq semaphore set {set} {count}`), under a new external_id"
+                    "{at} {bound}: it can never be granted; {ask}raise the capacity (`permitq \
+                     semaphore set {set} {count}`), under a new external_id"
                 )
             }
             ErrorCode::NoCapacity => {

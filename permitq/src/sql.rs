@@ -85,6 +85,11 @@ pub(crate) const PUBLIC_ADVISORY_LOCKS: &str = "SELECT p.oid::regprocedure::text
      FROM pg_catalog.pg_proc p \
      WHERE p.pronamespace = 'pg_catalog'::regnamespace AND p.proname LIKE 'pg\\_%advisory%' \
        AND has_function_privilege('public', p.oid, 'EXECUTE') ORDER BY 1";
+/// Hardening: whether PUBLIC may create temporary tables in this database (each takes a slot of
+/// the shared lock table until its transaction ends), and the database's name.
+pub(crate) const PUBLIC_TEMP: &str =
+    "SELECT has_database_privilege('public', current_database(), 'TEMPORARY'), \
+     current_database()::text";
 /// Hardening: max_locks_per_transaction, and the shared lock table's slots.
 pub(crate) const LOCK_TABLE_SIZE: &str = "SELECT current_setting('max_locks_per_transaction')::int, \
      current_setting('max_locks_per_transaction')::int8 * (current_setting('max_connections')::int8 \
@@ -347,6 +352,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("RAISE_TOKEN_FLOOR", RAISE_TOKEN_FLOOR),
         ("ROLES_MISSING", ROLES_MISSING),
         ("PUBLIC_ADVISORY_LOCKS", PUBLIC_ADVISORY_LOCKS),
+        ("PUBLIC_TEMP", PUBLIC_TEMP),
         ("LOCK_TABLE_SIZE", LOCK_TABLE_SIZE),
         ("PRODUCER_LOGINS", PRODUCER_LOGINS),
         ("SWEEP_WAIT_DEADLINES", SWEEP_WAIT_DEADLINES),

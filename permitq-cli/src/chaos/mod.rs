@@ -543,7 +543,8 @@ const OLD_ADVISORY_KEYS: [i64; 9] = [
 
 /// A stranger beside the load: a login with no permitq grant that tries to fill the shared lock
 /// table with advisory locks, a thousand at a time, starting with every key permitq ever used
-/// (refused on a hardened cluster; permitq takes none anyway), and LISTENs to `permitq_events`
+/// and 5,000 temporary tables (both refused on a hardened cluster; permitq takes no advisory lock
+/// anyway), and LISTENs to `permitq_events`
 /// while idle in a transaction (the NOTIFY queue cannot empty past it). Reconnects after a
 /// restart; runs until aborted.
 async fn stranger(url: String) {
@@ -588,6 +589,18 @@ async fn stranger(url: String) {
                     .is_ok();
                 from += 1000;
             }
+            // And temporary tables, each a slot of the lock table while its transaction lasts:
+            // kept open (refused on a hardened cluster).
+            let temp_refused = keys
+                .batch_execute(
+                    "BEGIN; DO $$ BEGIN FOR i IN 1..5000 LOOP \
+                     EXECUTE format('CREATE TEMP TABLE chaos_t%s (x int)', i); END LOOP; END $$",
+                )
+                .await
+                .is_err();
+            if temp_refused {
+                let _ = keys.batch_execute("ROLLBACK").await;
+            }
             let listening = listener
                 .batch_execute("LISTEN permitq_events")
                 .await
@@ -596,6 +609,7 @@ async fn stranger(url: String) {
             if listening {
                 tracing::info!(
                     advisory_locks_refused = !held,
+                    temp_tables_refused = temp_refused,
                     "a stranger tried the lock table and LISTENs to permitq_events idle in a transaction"
                 );
                 // Until the server goes away (a restart fault): then again.

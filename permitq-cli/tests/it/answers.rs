@@ -806,3 +806,58 @@ async fn explain_of_a_wait_on_holders_without_a_lease_says_only_a_release_ends_i
     );
     worker.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_answers_name_what_to_do() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "gpu", "4"]).await;
+    run(url, &["semaphore", "set", "gpus", "8"]).await;
+    // A typo in show names the nearest semaphores.
+    let o = run(url, &["semaphore", "show", "gpuu"]).await;
+    assert_eq!(code(&o), 5, "{}", stderr(&o));
+    assert_eq!(
+        stderr(&o).trim(),
+        "permitq: no semaphore named \"gpuu\"; did you mean gpu or gpus?"
+    );
+    let o = run(url, &["semaphore", "history", "zzz"]).await;
+    assert_eq!(
+        stderr(&o).trim(),
+        "permitq: no semaphore named \"zzz\" (`permitq semaphore list` shows them all)"
+    );
+    // Permits after a bare --await.
+    let o = permitq(Some(url), &["submit", "aw-1", "--await", "gpu=1"]);
+    assert_eq!(code(&o), 2);
+    assert!(
+        stderr(&o).contains("put the permits before it (`permitq submit ID gpu=1 --await 30s`)"),
+        "{}",
+        stderr(&o)
+    );
+    let o = permitq(Some(url), &["submit", "d-1", "gpu=1", "--ttl", "11y"]);
+    assert!(
+        stderr(&o).contains("must be at most 10y (3653 days), got 11y"),
+        "{}",
+        stderr(&o)
+    );
+    // A parent cannot change under holders or waiters: the answer counts them.
+    let worker = db.worker(quiet_config("w"));
+    let o = run(url, &["submit", "h-1", "gpu=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    let o = run(url, &["semaphore", "set", "gpu", "4", "--parent", "gpus"]).await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("gpu holds permits or has waiters (used 1, 0 waiting)")
+            && stderr(&o).contains("`permitq semaphore show gpu` lists the holders and waiters"),
+        "{}",
+        stderr(&o)
+    );
+    // A capacity of 0 is not "ask for at most 0".
+    run(url, &["semaphore", "set", "off", "0"]).await;
+    let o = run(url, &["submit", "z-1", "off=1", "--await", "10s"]).await;
+    assert!(
+        stdout(&o).contains("off has capacity 0: it can never be granted; raise the capacity"),
+        "{}",
+        stdout(&o)
+    );
+    worker.stop().await;
+}

@@ -815,12 +815,16 @@ async fn doctor_prints_the_hardening_sql_and_passes_once_it_ran() {
         "{text}"
     );
     let revoke = fix("REVOKE EXECUTE ON FUNCTION pg_advisory_lock(bigint)");
+    let temp = fix(&format!(
+        "REVOKE TEMPORARY ON DATABASE {} FROM PUBLIC;",
+        db.name
+    ));
     let limit = fix(&format!("ALTER ROLE {login} CONNECTION LIMIT"));
     let idle = fix(&format!(
         "ALTER ROLE {login} SET idle_in_transaction_session_timeout"
     ));
     let conn = db.conn().await;
-    for sql in [&revoke, &limit, &idle] {
+    for sql in [&revoke, &temp, &limit, &idle] {
         conn.batch_execute(sql).await.unwrap();
     }
     let o = run(&db.url, &["doctor", "--json"]).await;
@@ -835,12 +839,23 @@ async fn doctor_prints_the_hardening_sql_and_passes_once_it_ran() {
             == true
     };
     assert!(ok("advisory locks"), "{findings}");
+    assert!(ok("temporary tables"), "{findings}");
     assert!(ok(&format!("connections of {login}")), "{findings}");
     assert!(ok(&format!("idle transactions of {login}")), "{findings}");
     // And the producer login can no longer take an advisory lock.
     let err = common::connect(&producer_url)
         .await
         .batch_execute("SELECT pg_advisory_lock(1)")
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE)
+    );
+    // Nor a temporary table.
+    let err = common::connect(&producer_url)
+        .await
+        .batch_execute("CREATE TEMP TABLE t (x int)")
         .await
         .unwrap_err();
     assert_eq!(

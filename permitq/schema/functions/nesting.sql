@@ -92,7 +92,14 @@ BEGIN
         WHERE (t.name = s.name OR (s.is_template AND t.template = s.name))
           AND (t.used > 0 OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = t.id))
     ) THEN
-        RETURN format('%s holds permits or has waiters: its parent can change once it is idle', s.name);
+        RETURN format('%s holds permits or has waiters (used %s, %s waiting%s): its parent can change once it is idle; `permitq semaphore show %s` lists the holders and waiters',
+                      s.name,
+                      (SELECT sum(t.used) FROM permitq.semaphore t
+                       WHERE t.name = s.name OR (s.is_template AND t.template = s.name)),
+                      (SELECT count(*) FROM permitq.waiter w JOIN permitq.semaphore t ON t.id = w.semaphore_id
+                       WHERE t.name = s.name OR (s.is_template AND t.template = s.name)),
+                      CASE WHEN s.is_template THEN ', over its instances' ELSE '' END,
+                      s.name);
     END IF;
     -- What the parent promises its children, and what `s` promises its own.
     FOR p IN SELECT * FROM permitq.semaphore t WHERE t.name IN (s.parent, s.name) LOOP
