@@ -9,7 +9,8 @@
 //!
 //! A request limit bounds the database reads the endpoints make: at most `max_concurrent`
 //! requests are served at once, and a request beyond that is answered 429 at once, so a flood of
-//! clients cannot take the database's time from the workers.
+//! clients cannot take the database's time from the workers. Probes are not limited: `/healthz`
+//! reads nothing, and `/readyz` answers from a result at most a second old.
 
 use std::sync::Arc;
 
@@ -105,7 +106,8 @@ pub(crate) async fn guard(
     request: Request,
     next: Next,
 ) -> Response {
-    let needs_token = match exposure(request.uri().path()) {
+    let exposure = exposure(request.uri().path());
+    let needs_token = match exposure {
         Exposure::Probe => false,
         Exposure::Counts => access.token.is_some(),
         Exposure::Requests => access.token.is_some() || !access.open_without_token,
@@ -127,6 +129,11 @@ pub(crate) async fn guard(
             );
         }
         return response;
+    }
+    // Probes never wait for a slot: a flood of requests must not make a pod look dead
+    // (`/readyz` reads the database at most once a second, see readyz).
+    if exposure == Exposure::Probe {
+        return next.run(request).await;
     }
     let Ok(_slot) = access.slots.clone().try_acquire_owned() else {
         let mut response = (

@@ -21,7 +21,8 @@ mod page;
 pub(crate) use api::{detail, Detail};
 
 use std::net::SocketAddr;
-use std::time::SystemTime;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
 
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -43,7 +44,12 @@ struct State {
     metrics: PrometheusHandle,
     client: Client,
     worker: Option<WorkerHealth>,
+    /// `/readyz`'s last answer and when it was read: reused for a second.
+    ready: Arc<tokio::sync::Mutex<Option<(Instant, StatusCode, String)>>>,
 }
+
+/// How long `/readyz` reuses an answer read from the database.
+const READY_FOR: Duration = Duration::from_secs(1);
 
 /// Installs the Prometheus recorder (once per process) and serves the endpoints on `addr` in
 /// the background, reading the database through `client` (and, in a worker, its `health`).
@@ -68,6 +74,7 @@ pub(crate) async fn serve(
         metrics,
         client,
         worker,
+        ready: Arc::default(),
     })
     .layer(axum::middleware::from_fn_with_state(access, access::guard));
     tokio::spawn(async move {
@@ -261,9 +268,24 @@ fn html(body: String) -> Response {
     ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], body).into_response()
 }
 
+/// `/readyz`: [`ready`]'s answer, read from the database at most once a second (one caller reads,
+/// the others wait for it), so that no number of probes costs the database more.
 async fn readyz(axum::extract::State(state): axum::extract::State<State>) -> Response {
-    let not_ready =
-        |why: String| (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response();
+    let mut last = state.ready.lock().await;
+    if let Some((at, status, body)) = last.as_ref() {
+        if at.elapsed() < READY_FOR {
+            return (*status, body.clone()).into_response();
+        }
+    }
+    let (status, body) = ready(&state).await;
+    *last = Some((Instant::now(), status, body.clone()));
+    (status, body).into_response()
+}
+
+/// Whether this server is ready: the database answers with this build's schema, and (on a
+/// worker) its LISTEN connection is up; `serve` adds that nothing is granting.
+async fn ready(state: &State) -> (StatusCode, String) {
+    let not_ready = |why: String| (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n"));
     match state.client.schema_is_current().await {
         Ok(true) => {}
         Ok(false) => {
@@ -280,12 +302,12 @@ async fn readyz(axum::extract::State(state): axum::extract::State<State>) -> Res
         if !worker.listener_connected() {
             return not_ready("the worker's LISTEN connection is down".into());
         }
-        return "ready\n".into_response();
+        return (StatusCode::OK, "ready\n".to_string());
     }
     // `serve` is ready without workers, but says when nothing grants.
     match state.client.granting().await.map(|g| g.warning()) {
-        Ok(Some(warning)) => format!("ready; {warning}\n").into_response(),
-        Ok(None) => "ready\n".into_response(),
+        Ok(Some(warning)) => (StatusCode::OK, format!("ready; {warning}\n")),
+        Ok(None) => (StatusCode::OK, "ready\n".to_string()),
         Err(e) => not_ready(format!(
             "database: {}",
             crate::error::one_line(&e.to_string())

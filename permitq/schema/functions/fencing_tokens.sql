@@ -59,7 +59,7 @@ BEGIN
         OR recorded.database_oid IS DISTINCT FROM permitq.database_oid()
         OR recorded.sequence_oid IS DISTINCT FROM 'permitq.fencing_token_seq'::regclass::oid
         OR ((recorded.epoch + greatest(current_timeline - recorded.timeline, 0)) << 48)
-           + (SELECT s.last_value FROM permitq.fencing_token_seq s)
+           + (SELECT s.last_value - (NOT s.is_called)::int FROM permitq.fencing_token_seq s)
            < greatest(recorded.token_floor,
                       (SELECT max(r.fencing_token) FROM permitq.permit_request r));
 END $$;
@@ -96,7 +96,8 @@ DECLARE
     recorded permitq.token_epoch;
     current_timeline bigint := permitq.wal_timeline();
     highest bigint;
-    sequence_at bigint := (SELECT s.last_value FROM permitq.fencing_token_seq s);
+    -- The last value drawn (after `setval(.., false)` the next one is last_value itself).
+    sequence_at bigint := (SELECT s.last_value - (NOT s.is_called)::int FROM permitq.fencing_token_seq s);
     new_epoch bigint;
 BEGIN
     SELECT * INTO recorded FROM permitq.token_epoch FOR UPDATE;

@@ -1,14 +1,16 @@
 -- What operators and producers read: granted permits, exact usage, holders and waiters. A
 -- producer reads its own requests only, through every view as through the table (the views
 -- run as their owner, so they filter by `submitted_by` themselves); operators, workers and
--- admins read them all (permitq.reads_every_request). Counts per semaphore (semaphore_usage)
--- are everyone's.
+-- admins read them all (permitq.reads_every_request). The views that filter so are
+-- security_barrier views: a caller's own condition (a function that raises, say) is applied only
+-- to the rows the filter kept, so it cannot see the others'. Counts per semaphore
+-- (semaphore_usage) are everyone's.
 -- CREATE OR REPLACE VIEW may only add columns at the end; a change that does more drops the
 -- view first, here.
 
 -- One row per semaphore a granted request took from (held, or released since): those it names
 -- and their ancestors (functions/nesting.sql).
-CREATE OR REPLACE VIEW permitq.permit AS
+CREATE OR REPLACE VIEW permitq.permit WITH (security_barrier = true) AS
 SELECT r.id AS request_id,
        e.key AS semaphore,
        e.value::int AS count,
@@ -52,7 +54,7 @@ LEFT JOIN (SELECT e.key AS name, count(*) AS waiting, min(r.created_at) AS oldes
            WHERE r.state = 'new' GROUP BY e.key) w ON w.name = s.name;
 
 -- Who holds what (on a parent, what is held below it).
-CREATE OR REPLACE VIEW permitq.holders AS
+CREATE OR REPLACE VIEW permitq.holders WITH (security_barrier = true) AS
 SELECT e.key AS semaphore, r.external_id, r.owner, e.value::int AS count, r.acquired_at,
        r.expires_at, r.fencing_token
 FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(coalesce(r.charged, r.permits)) e
@@ -64,7 +66,7 @@ WHERE r.state = 'acquired'
 -- functions/queue_order.sql), then by id. On a fair semaphore only backfill that leaves the
 -- head's room goes before it; a greedy one grants whatever fits.
 -- (Positions are counted among every waiter, then a producer's own are kept.)
-CREATE OR REPLACE VIEW permitq.waiters AS
+CREATE OR REPLACE VIEW permitq.waiters WITH (security_barrier = true) AS
 SELECT w.semaphore, w.external_id, w.owner, w.count, w.position, w.waiting_since, w.deadline,
        w.priority
 FROM (SELECT e.key AS semaphore, r.external_id, r.owner, e.value::int AS count,

@@ -193,6 +193,27 @@ async fn an_operator_raises_the_floor_above_a_token_no_copy_can_see() {
     assert!(err.to_string().contains("invalid above"), "{err}");
 }
 
+/// A sequence set with `setval(.., false)` draws its value itself next: a floor at exactly that
+/// token is still passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_floor_equal_to_the_next_value_of_a_sequence_set_uncalled_is_passed() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("t", 100, None).await.unwrap();
+    let _worker = db.worker(quiet_config("w"));
+    let before = granted(&client, "before").await;
+    let epoch = before >> 48;
+    db.conn()
+        .await
+        .batch_execute("SELECT setval('permitq.fencing_token_seq', 100, false)")
+        .await
+        .unwrap();
+    let floor = epoch << 48 | 100;
+    client.raise_token_floor(floor).await.unwrap();
+    let after = granted(&client, "after").await;
+    assert!(after > floor, "{after} is not above the floor {floor}");
+}
+
 /// Retention deletes fence rows untouched as long as settled requests are kept, except those
 /// whose token a request still holds, and keeps their tokens in the floor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

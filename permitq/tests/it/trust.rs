@@ -1176,3 +1176,63 @@ async fn a_stranger_listening_to_events_learns_only_request_ids() {
         .unwrap_err();
     assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producers_own_condition_on_a_view_sees_no_other_logins_rows() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.set_capacity("s", 1, None).await.unwrap();
+    let _worker = db.worker(quiet_config("w"));
+    let bob = Client::connect(&login(&db, "bob", Some("permitq_producer")).await)
+        .await
+        .unwrap();
+    bob.submit(&Request::new("bob-held").permit("s", 1))
+        .await
+        .unwrap();
+    bob.wait_settled("bob-held", SOON).await.unwrap();
+    bob.submit(&Request::new("bob-waits").permit("s", 1))
+        .await
+        .unwrap();
+    wait_until(SOON, "bob's second request waits", || async {
+        admin.waiters("s", 10).await.unwrap().len() == 1
+    })
+    .await;
+    let alice = common::connect(&login(&db, "alice", Some("permitq_producer")).await).await;
+    // A condition that fails on another login's row: evaluated before the view's own filter, it
+    // would raise (division by zero) or, as a function of the caller's, print what it saw.
+    for view in ["holders", "waiters"] {
+        let sql = format!(
+            "SELECT count(*) FROM permitq.{view} \
+             WHERE 1 / (CASE WHEN external_id LIKE 'bob%' THEN 0 ELSE 1 END) = 1"
+        );
+        let n: i64 = alice.query_one(&sql, &[]).await.unwrap().get(0);
+        assert_eq!(n, 0, "{view}");
+    }
+    let n: i64 = alice
+        .query_one(
+            "SELECT count(*) FROM permitq.permit WHERE 1 / (CASE WHEN request_id > 0 THEN 0 ELSE 1 END) = 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 0);
+    alice
+        .batch_execute(
+            "CREATE FUNCTION pg_temp.leak(t text) RETURNS boolean LANGUAGE plpgsql COST 0.0000001
+             AS $$ BEGIN RAISE EXCEPTION 'saw %', t; END $$",
+        )
+        .await
+        .unwrap();
+    for view in ["holders", "waiters"] {
+        let n: i64 = alice
+            .query_one(
+                &format!("SELECT count(*) FROM permitq.{view} WHERE pg_temp.leak(external_id)"),
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(n, 0, "{view}");
+    }
+}
