@@ -41,6 +41,19 @@ BEGIN
         RAISE EXCEPTION 'charges must cover each request''s permits in positive counts'
             USING ERRCODE = '22023';
     END IF;
+    -- And a grant takes from every ancestor of what it names (whoever calls this: a parent left
+    -- out of `charges` would not count it). Checked only where something is nested.
+    IF cardinality(granted) > 0
+       AND EXISTS (SELECT 1 FROM permitq.semaphore WHERE parent IS NOT NULL)
+       AND EXISTS (
+        SELECT 1 FROM permitq.permit_request r
+        CROSS JOIN LATERAL permitq.ancestors(ARRAY(SELECT jsonb_object_keys(r.permits))) a
+        WHERE r.id = ANY(granted) AND r.state = 'new' AND a.depth > 0
+          AND NOT (coalesce(charges -> r.id::text, r.permits) ? a.ancestor)
+    ) THEN
+        RAISE EXCEPTION 'charges must take from every ancestor of the semaphores a grant names'
+            USING ERRCODE = '22023';
+    END IF;
     -- Failures first: their settled_at then precedes the batch's acquired_at, so a history
     -- checker never mistakes a request failed in this batch for one still waiting at the grants.
     -- decided_at is the transaction's start: every request committed before it was visible to
@@ -105,6 +118,18 @@ BEGIN
         -- puts a semaphore, at any level it takes from, over its capacity. A worker's decision
         -- never asks it (`used` is what its batch locked and folded, plus these grants), so
         -- this refuses the whole batch, not its requests.
+        -- A rate limit's bound is its window (the buckets written above, seen by this next
+        -- statement). Checked only where a rate limit exists.
+        IF over_capacity IS NULL AND now_granted IS NOT NULL
+           AND EXISTS (SELECT 1 FROM permitq.semaphore WHERE per IS NOT NULL) THEN
+            SELECT string_agg(s.name, ', ' ORDER BY s.name) INTO over_capacity
+            FROM permitq.semaphore s
+            WHERE s.per IS NOT NULL
+              AND s.name IN (SELECT e.key FROM permitq.permit_request r
+                             CROSS JOIN LATERAL jsonb_each(coalesce(r.charged, r.permits)) e
+                             WHERE r.id = ANY(now_granted))
+              AND permitq.in_window(s) > s.capacity;
+        END IF;
         IF over_capacity IS NOT NULL THEN
             RAISE EXCEPTION 'refusing grants that would put % over capacity', over_capacity
                 USING ERRCODE = '55000',

@@ -805,6 +805,67 @@ async fn apply_decision_refuses_a_grant_over_capacity_whoever_calls_it() {
         .unwrap()
         .get(0);
     assert_eq!(granted, 0, "nothing written");
+    // Leaving the parent out of the charges does not skip it.
+    let err = rogue
+        .query_one(
+            "SELECT permitq.apply_decision('rogue', \
+             (SELECT array_agg(id) FROM permitq.permit_request WHERE external_id = 'c1'), \
+             '{}', '{}', '{}', '{}')",
+            &[],
+        )
+        .await
+        .unwrap_err();
+    let db_err = err.as_db_error().expect("a database error");
+    assert_eq!(
+        db_err.code(),
+        &SqlState::INVALID_PARAMETER_VALUE,
+        "{db_err:?}"
+    );
+    assert!(
+        db_err.message().contains("every ancestor"),
+        "{}",
+        db_err.message()
+    );
+    // A rate limit's window counts: a second grant in an hour of a limit of one is refused.
+    client
+        .set_semaphore(
+            "api",
+            1,
+            &permitq::SemaphoreSettings::new().per(Duration::from_secs(3600)),
+        )
+        .await
+        .unwrap();
+    for id in ["r1", "r2"] {
+        client
+            .submit(&Request::new(id).permit("api", 1))
+            .await
+            .unwrap();
+    }
+    let apply = |id: &'static str| {
+        let rogue = &rogue;
+        async move {
+            rogue
+                .query_one(
+                    "SELECT permitq.apply_decision('rogue', \
+                     (SELECT array_agg(id) FROM permitq.permit_request WHERE external_id = $1), \
+                     '{}', '{}', '{}', '{}')",
+                    &[&id],
+                )
+                .await
+        }
+    };
+    apply("r1").await.unwrap();
+    let err = apply("r2").await.unwrap_err();
+    let db_err = err.as_db_error().expect("a database error");
+    assert_eq!(
+        db_err.code(),
+        &SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE,
+        "{db_err:?}"
+    );
+    assert_eq!(
+        db_err.message(),
+        "refusing grants that would put api over capacity"
+    );
     // A worker grants them in turn, as the decision says.
     let _worker = db.worker(quiet_config("w"));
     let r = client.wait_settled("a", SOON).await.unwrap().unwrap();
