@@ -26,7 +26,7 @@ BEGIN
     -- token of a request that no longer holds fences nothing anyway (permitq.fence), so only
     -- concurrent holders of one semaphore lose an order between their writes, after a week.
     WITH doomed AS (
-        SELECT f.resource FROM permitq.fence_token f
+        SELECT f.semaphore, f.resource FROM permitq.fence_token f
         WHERE f.updated_at < now() - older_than
           AND NOT EXISTS (SELECT 1 FROM permitq.permit_request r
                           WHERE r.fencing_token = f.token AND r.state = 'acquired')
@@ -35,7 +35,8 @@ BEGIN
         FOR UPDATE SKIP LOCKED
     ),
     deleted AS (
-        DELETE FROM permitq.fence_token f USING doomed WHERE f.resource = doomed.resource
+        DELETE FROM permitq.fence_token f USING doomed
+        WHERE f.semaphore = doomed.semaphore AND f.resource = doomed.resource
         RETURNING f.token
     )
     SELECT greatest(highest, max(token)) INTO highest FROM deleted;

@@ -736,7 +736,7 @@ async fn a_changed_schema_file_is_applied_again_and_only_it() {
         .unwrap()
         .get(0);
     assert!(
-        definition.contains("fence_token") && !definition.contains("SELECT false"),
+        definition.contains("fence_checked") && !definition.contains("SELECT false"),
         "the file's fence is back: {definition}"
     );
     // Still private to the roles its file grants it to.
