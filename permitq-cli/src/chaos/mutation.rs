@@ -240,13 +240,26 @@ impl Mutation {
                     replace: "SET used = greatest(s.used - 2 * t.total, 0),",
                 }][..],
             ),
-            Mutation::IgnoreWindow => (
-                "batch_semaphores.sql",
-                &[Patch {
-                    find: "CASE WHEN s.per IS NULL THEN s.used ELSE permitq.in_window(s) END",
-                    replace: "s.used",
-                }][..],
-            ),
+            Mutation::IgnoreWindow => {
+                // And without the apply's own window check, which would refuse what the
+                // decisions over-grant.
+                return Plant::Files([
+                    (
+                        "batch_semaphores.sql",
+                        &[Patch {
+                            find: "CASE WHEN s.per IS NULL THEN s.used ELSE permitq.in_window(s) END",
+                            replace: "s.used",
+                        }],
+                    ),
+                    (
+                        "decision_outcome.sql",
+                        &[Patch {
+                            find: "              AND permitq.in_window(s) > s.capacity;",
+                            replace: "              AND false;",
+                        }],
+                    ),
+                ]);
+            }
             Mutation::DoubleRelease => (
                 "release.sql",
                 &[Patch {
