@@ -284,42 +284,11 @@ async fn wait_for_schema(client: &Client) -> Result<()> {
     }
 }
 
-/// No semaphore `name`: the error, with the existing names nearest it (a different case, or at
-/// most two edits away).
+/// No semaphore `name`: the error, with the existing names nearest it (as an
+/// `unknown_semaphore` error names them).
 async fn no_semaphore(client: &Client, name: String) -> CliError {
-    let mut similar: Vec<(usize, String)> = client
-        .semaphores()
-        .await
-        .unwrap_or_default()
-        .into_iter()
-        .filter_map(|s| {
-            let d = edit_distance(&s.name.to_lowercase(), &name.to_lowercase());
-            (d <= 2).then_some((d, s.name))
-        })
-        .collect();
-    similar.sort();
-    CliError::NoSemaphore {
-        name,
-        similar: similar.into_iter().take(3).map(|(_, n)| n).collect(),
-    }
-}
-
-/// Levenshtein distance, by characters.
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut row: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut diagonal = row[0];
-        row[0] = i + 1;
-        for (j, cb) in b.iter().enumerate() {
-            let above = row[j + 1];
-            row[j + 1] = (above + 1)
-                .min(row[j] + 1)
-                .min(diagonal + usize::from(ca != *cb));
-            diagonal = above;
-        }
-    }
-    row[b.len()]
+    let similar = client.similar_semaphores(&name).await.unwrap_or_default();
+    CliError::NoSemaphore { name, similar }
 }
 
 async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {

@@ -425,6 +425,17 @@ impl Client {
             .collect()
     }
 
+    /// The existing semaphore or template names nearest `name` (another case, containing it or
+    /// sharing most of its letter pairs), nearest first, at most 3: what an `unknown_semaphore`
+    /// error's `similar` holds.
+    pub async fn similar_semaphores(&self, name: &str) -> Result<Vec<String>> {
+        let conn = self.conn().await?;
+        Ok(conn
+            .query_typed_one(sql::SIMILAR_SEMAPHORES, &[(&name, Type::TEXT)])
+            .await?
+            .get(0))
+    }
+
     /// The capacity audit of one semaphore, oldest first.
     pub async fn capacity_history(&self, name: &str) -> Result<Vec<CapacityChange>> {
         let conn = self.conn().await?;

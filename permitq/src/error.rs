@@ -190,21 +190,18 @@ impl fmt::Display for Error {
             }
             Kind::Pool(deadpool_postgres::PoolError::Backend(e)) | Kind::Db(e) => {
                 if let (Some(target), None) = (&self.target, e.as_db_error()) {
-                    // Several servers are tried in turn: the error is the last one's.
-                    let servers: Vec<&str> = target.split(',').collect();
                     if format!("{e:?}").contains("password missing") {
                         write!(f, "PostgreSQL at {target} asks for a password: ")?;
-                    } else if let [.., last] = servers.as_slice() {
-                        if servers.len() > 1 {
-                            write!(
-                                f,
-                                "cannot reach PostgreSQL at any of {} (tried in that order); the \
-                                 last, {last}: ",
-                                servers.join(", ")
-                            )?;
-                        } else {
-                            write!(f, "cannot reach PostgreSQL at {target}: ")?;
-                        }
+                    } else if let Some((_, last)) = target.rsplit_once(',') {
+                        // Several servers are tried in turn: the error is the last one's.
+                        write!(
+                            f,
+                            "cannot reach PostgreSQL at any of {} (tried in that order); the \
+                             last, {last}: ",
+                            target.replace(',', ", ")
+                        )?;
+                    } else {
+                        write!(f, "cannot reach PostgreSQL at {target}: ")?;
                     }
                 }
                 fmt_postgres(e, f)?;

@@ -71,9 +71,8 @@ impl Client {
             },
             fix: temp.then(|| {
                 format!(
-                    "REVOKE TEMPORARY ON DATABASE {} FROM PUBLIC; -- GRANT it back to the logins \
-                     of your own applications that need it",
-                    quote_ident(&database)
+                    "REVOKE TEMPORARY ON DATABASE {database} FROM PUBLIC; -- GRANT it back to \
+                     the logins of your own applications that need it"
                 )
             }),
         });
@@ -122,21 +121,5 @@ impl Client {
             });
         }
         Ok(findings)
-    }
-}
-
-/// `name` as an SQL identifier: quoted unless it is plain lower-case.
-fn quote_ident(name: &str) -> String {
-    let plain = name
-        .chars()
-        .next()
-        .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
-        && name
-            .chars()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-    if plain {
-        name.to_string()
-    } else {
-        format!("\"{}\"", name.replace('"', "\"\""))
     }
 }

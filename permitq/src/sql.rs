@@ -86,10 +86,10 @@ pub(crate) const PUBLIC_ADVISORY_LOCKS: &str = "SELECT p.oid::regprocedure::text
      WHERE p.pronamespace = 'pg_catalog'::regnamespace AND p.proname LIKE 'pg\\_%advisory%' \
        AND has_function_privilege('public', p.oid, 'EXECUTE') ORDER BY 1";
 /// Hardening: whether PUBLIC may create temporary tables in this database (each takes a slot of
-/// the shared lock table until its transaction ends), and the database's name.
+/// the shared lock table until its transaction ends), and the database's name as an identifier.
 pub(crate) const PUBLIC_TEMP: &str =
     "SELECT has_database_privilege('public', current_database(), 'TEMPORARY'), \
-     current_database()::text";
+     quote_ident(current_database())";
 /// Hardening: max_locks_per_transaction, and the shared lock table's slots.
 pub(crate) const LOCK_TABLE_SIZE: &str = "SELECT current_setting('max_locks_per_transaction')::int, \
      current_setting('max_locks_per_transaction')::int8 * (current_setting('max_connections')::int8 \
@@ -241,6 +241,8 @@ pub(crate) const LIST_SEMAPHORES: &str = concat!(
     semaphore_columns!(),
     " FROM permitq.semaphore ORDER BY name"
 );
+/// The existing semaphore or template names nearest $1, nearest first (at most 3).
+pub(crate) const SIMILAR_SEMAPHORES: &str = "SELECT permitq.similar_semaphore_names($1)";
 /// The capacity audit of one semaphore, oldest first.
 pub(crate) const CAPACITY_HISTORY: &str =
     "SELECT semaphore, old_capacity::int8, new_capacity::int8, \
@@ -344,6 +346,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("SWEEP_IDLE_INSTANCES", SWEEP_IDLE_INSTANCES),
         ("NEXT_WINDOW_OPENING", NEXT_WINDOW_OPENING),
         ("CAPACITY_HISTORY", CAPACITY_HISTORY),
+        ("SIMILAR_SEMAPHORES", SIMILAR_SEMAPHORES),
         ("MAY_WORK", MAY_WORK),
         ("FENCE", FENCE),
         ("TAKE_TURN", TAKE_TURN),

@@ -26,6 +26,8 @@ DECLARE
     settled bigint[] := '{}';
     now_granted bigint[];
     over_capacity text;
+    -- The rate-limited semaphores this batch's grants counted in.
+    windowed bigint[];
 BEGIN
     -- What a nested request takes covers at least what it names, in positive counts (the
     -- decision adds the ancestors): `used` never under-counts what a grant holds.
@@ -111,23 +113,21 @@ BEGIN
             WHERE s.per IS NOT NULL
             GROUP BY 1, 2
             ON CONFLICT (semaphore_id, ends_at) DO UPDATE SET count = b.count + EXCLUDED.count
+            RETURNING b.semaphore_id
         )
-        SELECT array_agg(id), (SELECT string_agg(c.name, ', ' ORDER BY c.name) FROM counted c WHERE c.over)
-        INTO now_granted, over_capacity FROM done;
+        SELECT array_agg(id), (SELECT string_agg(c.name, ', ' ORDER BY c.name) FROM counted c WHERE c.over),
+               (SELECT array_agg(DISTINCT w.semaphore_id) FROM windows w)
+        INTO now_granted, over_capacity, windowed FROM done;
         -- Defence in depth, whoever calls this (a worker login's own SQL included): no grant
         -- puts a semaphore, at any level it takes from, over its capacity. A worker's decision
         -- never asks it (`used` is what its batch locked and folded, plus these grants), so
         -- this refuses the whole batch, not its requests.
-        -- A rate limit's bound is its window (the buckets written above, seen by this next
-        -- statement). Checked only where a rate limit exists.
-        IF over_capacity IS NULL AND now_granted IS NOT NULL
-           AND EXISTS (SELECT 1 FROM permitq.semaphore WHERE per IS NOT NULL) THEN
+        -- A rate limit's bound is its window: of the rate limits these grants counted in, any
+        -- whose window is now over (the buckets written above, seen by this next statement).
+        IF over_capacity IS NULL AND windowed IS NOT NULL THEN
             SELECT string_agg(s.name, ', ' ORDER BY s.name) INTO over_capacity
             FROM permitq.semaphore s
-            WHERE s.per IS NOT NULL
-              AND s.name IN (SELECT e.key FROM permitq.permit_request r
-                             CROSS JOIN LATERAL jsonb_each(coalesce(r.charged, r.permits)) e
-                             WHERE r.id = ANY(now_granted))
+            WHERE s.id = ANY(windowed)
               AND permitq.in_window(s) > s.capacity;
         END IF;
         IF over_capacity IS NOT NULL THEN

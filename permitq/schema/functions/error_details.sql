@@ -7,7 +7,8 @@
 -- Up to 3 existing semaphore or template names nearest `semaphore_name`, nearest first: the same
 -- name in another case, then names that contain it or that it contains, then those sharing most
 -- of its letter pairs. Instances are left out (their template is named instead). Cost: bounded,
--- at most 1,000 names compared, only when a request fails with unknown_semaphore.
+-- at most 1,000 names compared, only when a request fails with unknown_semaphore or a name is
+-- not found.
 CREATE OR REPLACE FUNCTION permitq.similar_semaphore_names(semaphore_name text) RETURNS text[]
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     WITH wanted AS (
@@ -41,6 +42,9 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
           WHERE rank > 0 OR shared >= 0.5
           ORDER BY rank DESC, shared DESC, name LIMIT 3) nearest
 $$;
+-- Also what `semaphore show` and `history` suggest for a name that is not there.
+GRANT EXECUTE ON FUNCTION permitq.similar_semaphore_names(text)
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
 
 -- A duration as `semaphore show` writes it: `250ms`, `8.9s`, `1m`, `1h30m`, `2d`.
 CREATE OR REPLACE FUNCTION permitq.human_duration(d interval) RETURNS text

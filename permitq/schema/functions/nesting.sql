@@ -54,6 +54,8 @@ DECLARE
     cyclic boolean := false;
     promised bigint;
     biggest record;
+    used_now bigint;
+    waiting_now bigint;
 BEGIN
     IF s.guarantee > s.capacity THEN
         RETURN format('guarantee %s is more than the capacity %s', s.guarantee, s.capacity);
@@ -86,20 +88,20 @@ BEGIN
     IF above + below > permitq.rule_max_nesting_depth() THEN
         RETURN format('nesting too deep: at most %s levels above a semaphore', permitq.rule_max_nesting_depth());
     END IF;
-    -- A semaphore holding permits keeps its parent: they were taken from the one it has.
-    IF moved AND EXISTS (
-        SELECT 1 FROM permitq.semaphore t
-        WHERE (t.name = s.name OR (s.is_template AND t.template = s.name))
-          AND (t.used > 0 OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = t.id))
-    ) THEN
-        RETURN format('%s holds permits or has waiters (used %s, %s waiting%s): its parent can change once it is idle; `permitq semaphore show %s` lists the holders and waiters',
-                      s.name,
-                      (SELECT sum(t.used) FROM permitq.semaphore t
-                       WHERE t.name = s.name OR (s.is_template AND t.template = s.name)),
-                      (SELECT count(*) FROM permitq.waiter w JOIN permitq.semaphore t ON t.id = w.semaphore_id
-                       WHERE t.name = s.name OR (s.is_template AND t.template = s.name)),
-                      CASE WHEN s.is_template THEN ', over its instances' ELSE '' END,
-                      s.name);
+    -- A semaphore holding permits keeps its parent: they were taken from the one it has (for
+    -- a template, what its instances hold).
+    IF moved THEN
+        SELECT coalesce(sum(t.used), 0),
+               coalesce(sum((SELECT count(*) FROM permitq.waiter w WHERE w.semaphore_id = t.id)), 0)
+        INTO used_now, waiting_now
+        FROM permitq.semaphore t
+        WHERE t.name = s.name OR (s.is_template AND t.template = s.name);
+        IF used_now > 0 OR waiting_now > 0 THEN
+            RETURN format('%s holds permits or has waiters (used %s, %s waiting%s): its parent can change once it is idle; `permitq semaphore show %s` lists the holders and waiters',
+                          s.name, used_now, waiting_now,
+                          CASE WHEN s.is_template THEN ', over its instances' ELSE '' END,
+                          s.name);
+        END IF;
     END IF;
     -- What the parent promises its children, and what `s` promises its own.
     FOR p IN SELECT * FROM permitq.semaphore t WHERE t.name IN (s.parent, s.name) LOOP
