@@ -29,6 +29,6 @@ pub fn scratch_dir(name: &str) -> std::path::PathBuf {
 
 pub use testdb::{
     as_user, check_invariants, connect, event_ids, init_logging, quiet_config, requests_by_id,
-    semaphore, semaphore_locked, settled_state, signal, state_of, until_marker, wait_folded,
-    wait_until, with_dbname, RunningWorker, TestDb,
+    semaphore, semaphore_locked, settled_state, signal, state_of, until_marker, user_of,
+    wait_folded, wait_until, with_dbname, RunningWorker, TestDb,
 };

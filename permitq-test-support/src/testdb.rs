@@ -79,6 +79,15 @@ pub fn as_user(url: &str, user: &str, password: &str) -> String {
     format!("{scheme}://{user}:{password}@{host}")
 }
 
+/// The login a URL connects as; panics when it names none.
+pub fn user_of(url: &str) -> String {
+    url.parse::<tokio_postgres::Config>()
+        .expect("a database URL")
+        .get_user()
+        .expect("a URL with a user")
+        .to_string()
+}
+
 /// A plain connection (driven on a task); panics when it cannot connect.
 pub async fn connect(url: &str) -> tokio_postgres::Client {
     try_connect(url).await.expect("connect")

@@ -291,12 +291,7 @@ fn a_malformed_url_shows_the_form_expected() {
 async fn a_permission_error_names_the_role_needed() {
     let db = TestDb::new().await;
     let producer = db.login("permitq_producer").await;
-    let user = producer
-        .parse::<tokio_postgres::Config>()
-        .unwrap()
-        .get_user()
-        .unwrap()
-        .to_string();
+    let user = common::user_of(&producer);
     let o = run(&producer, &["semaphore", "set", "gpu", "4"]).await;
     assert_eq!(code(&o), 1, "{}", stderr(&o));
     assert!(
@@ -312,12 +307,7 @@ async fn a_permission_error_names_the_role_needed() {
 async fn a_worker_run_as_a_login_that_may_not_work_says_so_once_and_exits() {
     let db = TestDb::new().await;
     let producer = db.login("permitq_producer").await;
-    let user = producer
-        .parse::<tokio_postgres::Config>()
-        .unwrap()
-        .get_user()
-        .unwrap()
-        .to_string();
+    let user = common::user_of(&producer);
     let o = tokio::time::timeout(SOON, run(&producer, &["worker"]))
         .await
         .expect("the worker stops by itself");
@@ -733,20 +723,17 @@ async fn a_guaranteed_template_without_a_bound_is_told_to_set_max_instances() {
     let db = TestDb::new().await;
     let url = &db.url;
     run(url, &["semaphore", "set", "gpus", "8"]).await;
-    let o = run(
-        url,
-        &[
-            "semaphore",
-            "set",
-            "t:*",
-            "4",
-            "--parent",
-            "gpus",
-            "--guarantee",
-            "1",
-        ],
-    )
-    .await;
+    let guaranteed = [
+        "semaphore",
+        "set",
+        "t:*",
+        "4",
+        "--parent",
+        "gpus",
+        "--guarantee",
+        "1",
+    ];
+    let o = run(url, &guaranteed).await;
     assert_eq!(code(&o), 2, "{}", stderr(&o));
     assert!(
         stderr(&o).contains(
@@ -757,22 +744,7 @@ async fn a_guaranteed_template_without_a_bound_is_told_to_set_max_instances() {
         "{}",
         stderr(&o)
     );
-    let o = run(
-        url,
-        &[
-            "semaphore",
-            "set",
-            "t:*",
-            "4",
-            "--parent",
-            "gpus",
-            "--guarantee",
-            "1",
-            "--max-instances",
-            "8",
-        ],
-    )
-    .await;
+    let o = run(url, &[&guaranteed[..], &["--max-instances", "8"]].concat()).await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
 }
 

@@ -795,12 +795,7 @@ async fn every_column_of_the_status_page_escapes_what_users_named() {
 async fn doctor_prints_the_hardening_sql_and_passes_once_it_ran() {
     let db = TestDb::new().await;
     let producer_url = db.login("permitq_producer").await;
-    let login = producer_url
-        .parse::<tokio_postgres::Config>()
-        .unwrap()
-        .get_user()
-        .unwrap()
-        .to_string();
+    let login = common::user_of(&producer_url);
     let o = run(&db.url, &["doctor"]).await;
     assert_eq!(code(&o), 1, "{}", stderr(&o));
     let text = stdout(&o);

@@ -1138,12 +1138,7 @@ async fn the_audit_names_the_login_and_explain_names_only_a_producers_own_head()
     let admin_url = login(&db, "ops", Some("permitq_admin")).await;
     let admin = Client::connect(&admin_url).await.unwrap();
     admin.set_capacity("s", 2, None).await.unwrap();
-    let user = admin_url
-        .parse::<tokio_postgres::Config>()
-        .unwrap()
-        .get_user()
-        .unwrap()
-        .to_string();
+    let user = common::user_of(&admin_url);
     let history = admin.capacity_history("s").await.unwrap();
     assert_eq!(history[0].changed_by, user);
     let _worker = db.worker(quiet_config("w"));
