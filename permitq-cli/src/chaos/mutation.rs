@@ -174,8 +174,8 @@ impl Mutation {
             Mutation::ParentWindowNotCharged => (
                 "decision_outcome.sql",
                 &[Patch {
-                    find: "            WHERE s.per IS NOT NULL\n            GROUP BY 1, 2\n            ON CONFLICT (semaphore_id, ends_at) DO UPDATE SET count = b.count + EXCLUDED.count\n        )\n        SELECT array_agg(id), ",
-                    replace: "            WHERE s.per IS NOT NULL AND EXISTS (SELECT 1 FROM permitq.permit_request q\n                                                WHERE q.id = done.id AND q.permits ? s.name)\n            GROUP BY 1, 2\n            ON CONFLICT (semaphore_id, ends_at) DO UPDATE SET count = b.count + EXCLUDED.count\n        )\n        SELECT array_agg(id), ",
+                    find: "            WHERE s.per IS NOT NULL\n            GROUP BY 1, 2\n",
+                    replace: "            WHERE s.per IS NOT NULL AND EXISTS (SELECT 1 FROM permitq.permit_request q\n                                                WHERE q.id = done.id AND q.permits ? s.name)\n            GROUP BY 1, 2\n",
                 }][..],
             ),
             Mutation::ReserveDropped => (
