@@ -17,8 +17,10 @@ use permitq::WorkerConfig;
     arg_required_else_help = true
 )]
 pub(crate) struct Cli {
-    /// PostgreSQL URL, e.g. postgres://user:pass@host:5432/db.
-    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    /// PostgreSQL URL, e.g. postgres://user:pass@host:5432/db [env: DATABASE_URL]
+    // DATABASE_URL is read in main.rs, not by clap: clap writes an argument taken from the
+    // environment into every usage line it prints, as if it had been typed.
+    #[arg(long, global = true)]
     pub database_url: Option<String>,
     /// Log lines on stderr as `text` (colours only on a terminal) or `json` (one object per line).
     #[arg(long, global = true, default_value = "text", value_parser = ["text", "json"])]

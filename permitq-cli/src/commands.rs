@@ -7,6 +7,14 @@ use permitq::{Client, PermitRequest, ReleaseOutcome, Request, SqlState, State, W
 use crate::args::{Cli, Command, SemaphoreCommand, SubmitArgs, TokensCommand};
 use crate::error::{CliError, Result, EXIT_NOT_GRANTED, EXIT_RUNTIME, EXIT_STILL_WAITING};
 
+/// No request named `name` among those this login reads: the error says whether it reads all.
+async fn not_visible(client: &Client, name: String) -> CliError {
+    match client.reads_every_request().await {
+        Ok(sees_all) => CliError::NotVisible { name, sees_all },
+        Err(e) => e.into(),
+    }
+}
+
 /// Runs one command. `explicit_url`: `--database-url` was given on the command line (not only
 /// through `DATABASE_URL`), which `demo` and `bench` require before they write to a database.
 pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
@@ -142,14 +150,14 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
                         }
                     }
                 }
-                None => return Err(CliError::NotVisible { name: external_id }),
+                None => return Err(not_visible(&client, external_id).await),
             }
             Ok(0)
         }
         Command::Explain { external_id, json } => {
             let client = Client::connect(&need_url()?).await?;
             let Some(explanation) = client.explain(&external_id).await? else {
-                return Err(CliError::NotVisible { name: external_id });
+                return Err(not_visible(&client, external_id).await);
             };
             if json {
                 outln!(
@@ -371,6 +379,12 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                         .unwrap_or_default();
                     if let Some(per) = s.per {
                         kind.push_str(&format!("  per {}", humantime::format_duration(per)));
+                    }
+                    if let Some(parent) = &s.parent {
+                        kind.push_str(&format!("  under {parent}"));
+                    }
+                    if s.guarantee > 0 {
+                        kind.push_str(&format!("  guarantee {}", s.guarantee));
                     }
                     outln!(
                         "{:<32} {:>10} {:>10}  {}{kind}",

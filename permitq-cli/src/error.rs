@@ -31,8 +31,9 @@ pub(crate) enum CliError {
     NotFound { what: &'static str, name: String },
     /// No semaphore by that name; the nearest existing names.
     NoSemaphore { name: String, similar: Vec<String> },
-    /// No request by that name among those this login may read (`status`, `explain`).
-    NotVisible { name: String },
+    /// No request by that name among those this login may read (`status`, `explain`);
+    /// `sees_all`: the login reads every producer's requests.
+    NotVisible { name: String, sees_all: bool },
     /// Anything else at run time (demo, bench and chaos tooling, I/O).
     Runtime(String),
 }
@@ -101,9 +102,18 @@ impl fmt::Display for CliError {
                 "no semaphore named {name:?}; did you mean {}?",
                 similar.join(" or ")
             ),
-            CliError::NotVisible { name } => write!(
+            CliError::NotVisible {
+                name,
+                sees_all: true,
+            } => write!(
                 f,
-                "no request named {name:?} (a producer login sees only its own requests)"
+                "no request named {name:?}: none was submitted under that external_id, or it \
+                 ended long enough ago that retention removed it"
+            ),
+            CliError::NotVisible { name, .. } => write!(
+                f,
+                "no request named {name:?} among this login's own (a producer login sees only \
+                 the requests it submitted; an operator login sees all)"
             ),
             CliError::Runtime(m) => write!(f, "{m}"),
         }

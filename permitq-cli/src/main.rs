@@ -57,8 +57,8 @@ use crate::error::{EXIT_RUNTIME, EXIT_USAGE};
 fn main() -> ExitCode {
     let parsed = Cli::command()
         .try_get_matches()
-        .and_then(|m| Ok((Cli::from_arg_matches(&m)?, m)));
-    let (cli, matches) = match parsed {
+        .and_then(|m| Cli::from_arg_matches(&m));
+    let mut cli = match parsed {
         Ok(parsed) => parsed,
         Err(e) if e.use_stderr() => {
             // clap's whole message: what is wrong or missing, suggestions ("did you mean"), the
@@ -76,8 +76,10 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
     };
-    let explicit_url =
-        matches.value_source("database_url") == Some(clap::parser::ValueSource::CommandLine);
+    let explicit_url = cli.database_url.is_some();
+    if !explicit_url {
+        cli.database_url = std::env::var("DATABASE_URL").ok();
+    }
     let default_filter = match cli.command {
         Command::Worker(_) => "permitq=info",
         Command::Chaos(_) => "permitq=error",

@@ -79,8 +79,11 @@ pub(crate) fn kind(u: &permitq::SemaphoreUsage) -> String {
 /// [`kind`] in the fewest words, for `top`'s narrow column: `per 1m, opens 41s`, `in gpus, 2
 /// kept`, `inst` (the use column shows a rate limit's grants in its window).
 pub(crate) fn short_kind(u: &permitq::SemaphoreUsage) -> String {
-    // A template's name ends in `*`: saying so again would cost the column.
-    let origin = (!u.is_template && u.template.is_some()).then(|| "inst".to_string());
+    let origin = if u.is_template {
+        Some("template".to_string())
+    } else {
+        u.template.as_ref().map(|_| "inst".to_string())
+    };
     let nesting = u.parent.as_ref().map(|parent| {
         if u.guarantee > 0 {
             format!("in {parent}, {} kept", u.guarantee)

@@ -436,6 +436,16 @@ impl Client {
             .get(0))
     }
 
+    /// Whether this login reads every producer's requests (an operator, worker or admin, or a
+    /// superuser), or only those it submitted.
+    pub async fn reads_every_request(&self) -> Result<bool> {
+        let conn = self.conn().await?;
+        Ok(conn
+            .query_typed_one(sql::READS_EVERY_REQUEST, &[])
+            .await?
+            .get(0))
+    }
+
     /// The capacity audit of one semaphore, oldest first.
     pub async fn capacity_history(&self, name: &str) -> Result<Vec<CapacityChange>> {
         let conn = self.conn().await?;

@@ -243,6 +243,8 @@ pub(crate) const LIST_SEMAPHORES: &str = concat!(
 );
 /// The existing semaphore or template names nearest $1, nearest first (at most 3).
 pub(crate) const SIMILAR_SEMAPHORES: &str = "SELECT permitq.similar_semaphore_names($1)";
+/// Whether this login reads every producer's requests (functions/ownership.sql).
+pub(crate) const READS_EVERY_REQUEST: &str = "SELECT permitq.reads_every_request()";
 /// The capacity audit of one semaphore, oldest first.
 pub(crate) const CAPACITY_HISTORY: &str =
     "SELECT semaphore, old_capacity::int8, new_capacity::int8, \

@@ -22,7 +22,8 @@ pub struct SemaphoreUsage {
     pub used: i64,
     /// Exactly how many are held now.
     pub held: i64,
-    /// How many requests wait on it.
+    /// How many requests wait on it (on a parent, also those waiting below it that a worker
+    /// has examined).
     pub waiting: i64,
     /// Since when its oldest waiter waits.
     #[serde(serialize_with = "ser_time")]

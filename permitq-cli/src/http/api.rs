@@ -7,6 +7,7 @@ use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
+use std::sync::Arc;
 
 /// The first waiters shown for one semaphore.
 const WAITERS_SHOWN: i64 = 100;
@@ -20,16 +21,16 @@ fn json(status: StatusCode, value: &impl Serialize) -> Response {
     }
 }
 
-fn database_error(e: &permitq::Error) -> Response {
+fn database_error(e: &str) -> Response {
     json(
         StatusCode::SERVICE_UNAVAILABLE,
-        &serde_json::json!({ "error": crate::error::one_line(&e.to_string()) }),
+        &serde_json::json!({ "error": crate::error::one_line(e) }),
     )
 }
 
 pub(super) async fn semaphores(State(state): State<super::State>) -> Response {
-    match state.client.usage().await {
-        Ok(usage) => json(StatusCode::OK, &usage),
+    match state.overview().await {
+        Ok(overview) => json(StatusCode::OK, &overview.0),
         Err(e) => database_error(&e),
     }
 }
@@ -38,13 +39,23 @@ pub(super) async fn semaphore(
     State(state): State<super::State>,
     Path(name): Path<String>,
 ) -> Response {
-    match detail(&state.client, &name).await {
-        Ok(Some(detail)) => json(StatusCode::OK, &detail),
+    // An unknown name costs no read: the overview (reused) knows every semaphore.
+    let known = match state.overview().await {
+        Ok(overview) => overview.0.iter().any(|s| s.name == name),
+        Err(e) => return database_error(&e),
+    };
+    let detail = if known {
+        state.detail(&name).await
+    } else {
+        Ok(Arc::new(None))
+    };
+    match detail.as_deref() {
+        Ok(Some(detail)) => json(StatusCode::OK, detail),
         Ok(None) => json(
             StatusCode::NOT_FOUND,
             &serde_json::json!({ "error": format!("no semaphore named {name:?}") }),
         ),
-        Err(e) => database_error(&e),
+        Err(e) => database_error(e),
     }
 }
 
@@ -58,7 +69,7 @@ pub(super) async fn explain(
             StatusCode::NOT_FOUND,
             &serde_json::json!({ "error": format!("no request {external_id:?}") }),
         ),
-        Err(e) => database_error(&e),
+        Err(e) => database_error(&e.to_string()),
     }
 }
 

@@ -17,12 +17,13 @@
 mod access;
 mod api;
 mod page;
+mod reuse;
 
 pub(crate) use api::{detail, Detail};
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -32,6 +33,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use permitq::{Client, WorkerHealth};
 
 use crate::error::{CliError, Result};
+use reuse::{Reused, ReusedByKey};
 
 /// Histogram buckets (seconds) for every `*_seconds` histogram.
 const BUCKETS: &[f64] = &[
@@ -44,12 +46,71 @@ struct State {
     metrics: PrometheusHandle,
     client: Client,
     worker: Option<WorkerHealth>,
-    /// `/readyz`'s last answer and when it was read: reused for a second.
-    ready: Arc<tokio::sync::Mutex<Option<(Instant, StatusCode, String)>>>,
+    /// `/readyz`'s answer.
+    ready: Arc<Reused<(StatusCode, String)>>,
+    /// Every semaphore's usage and the workers: the page, its rows, `/metrics` and
+    /// `/api/semaphores`.
+    overview: Arc<Reused<Answer<Overview>>>,
+    /// One semaphore in full, by name: `/api/semaphores/{name}`.
+    details: Arc<ReusedByKey<Answer<Option<api::Detail>>>>,
 }
 
-/// How long `/readyz` reuses an answer read from the database.
-const READY_FOR: Duration = Duration::from_secs(1);
+/// Every semaphore's usage, and the workers.
+type Overview = (Vec<permitq::SemaphoreUsage>, crate::show::Presence);
+
+/// An answer read from the database, shared by the callers that asked within its period, or
+/// why it could not be read.
+type Answer<T> = std::result::Result<Arc<T>, String>;
+
+/// How long an answer read from the database is reused: however many clients ask, the
+/// endpoints read the database at most once a second per answer (per semaphore, for one
+/// semaphore's detail), and the backlog's size costs once per second at most.
+const REUSED_FOR: Duration = Duration::from_secs(1);
+
+impl State {
+    fn new(metrics: PrometheusHandle, client: Client, worker: Option<WorkerHealth>) -> Self {
+        Self {
+            metrics,
+            client,
+            worker,
+            ready: Arc::new(Reused::new(REUSED_FOR)),
+            overview: Arc::new(Reused::new(REUSED_FOR)),
+            details: Arc::new(ReusedByKey::new(REUSED_FOR)),
+        }
+    }
+
+    /// Every semaphore's usage and the workers, read at most once per period.
+    async fn overview(&self) -> Answer<Overview> {
+        self.overview
+            .get(|| async {
+                read("overview");
+                let usage = self.client.usage().await.map_err(|e| e.to_string())?;
+                let presence = crate::show::Presence::read(&self.client)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(Arc::new((usage, presence)))
+            })
+            .await
+    }
+
+    /// `name` in full (None: no such semaphore), read at most once per period per name.
+    async fn detail(&self, name: &str) -> Answer<Option<api::Detail>> {
+        self.details
+            .get(name, || async {
+                read("detail");
+                api::detail(&self.client, name)
+                    .await
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .await
+    }
+}
+
+/// Counts a read of the database for the endpoints (`answer`: which).
+fn read(answer: &'static str) {
+    metrics::counter!("permitq_http_database_reads_total", "answer" => answer).increment(1);
+}
 
 /// Installs the Prometheus recorder (once per process) and serves the endpoints on `addr` in
 /// the background, reading the database through `client` (and, in a worker, its `health`).
@@ -70,13 +131,8 @@ pub(crate) async fn serve(
         .await
         .map_err(|e| CliError::runtime(format!("cannot listen on {addr} for HTTP: {e}")))?;
     let bound = listener.local_addr()?;
-    let app = router(State {
-        metrics,
-        client,
-        worker,
-        ready: Arc::default(),
-    })
-    .layer(axum::middleware::from_fn_with_state(access, access::guard));
+    let app = router(State::new(metrics, client, worker))
+        .layer(axum::middleware::from_fn_with_state(access, access::guard));
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::error!(error = %e, "HTTP server stopped");
@@ -155,6 +211,10 @@ fn describe_metrics() {
         "permitq_notifications_skipped_total",
         "Notifications permitq did not send because the NOTIFY queue was filling up."
     );
+    describe_counter!(
+        "permitq_http_database_reads_total",
+        "Reads of the database for the HTTP endpoints, by answer (each reused for a second)."
+    );
     describe_counter!("permitq_grants_total", "Requests this worker granted.");
     describe_counter!(
         "permitq_request_errors_total",
@@ -228,21 +288,11 @@ fn router(state: State) -> Router {
 
 /// The status page, with every semaphore's row rendered for the first paint. On a database
 /// error: 503, and the page says so in its table (its script keeps trying).
-/// Usage and the workers, for the page.
-async fn page_data(
-    client: &Client,
-) -> permitq::Result<(Vec<permitq::SemaphoreUsage>, crate::show::Presence)> {
-    Ok((
-        client.usage().await?,
-        crate::show::Presence::read(client).await?,
-    ))
-}
-
 async fn status_page(axum::extract::State(state): axum::extract::State<State>) -> Response {
-    match page_data(&state.client).await {
-        Ok((usage, presence)) => html(page::page(&usage, &presence)),
+    match state.overview().await {
+        Ok(overview) => html(page::page(&overview.0, &overview.1)),
         Err(e) => {
-            let why = crate::error::one_line(&e.to_string());
+            let why = crate::error::one_line(&e);
             (
                 StatusCode::SERVICE_UNAVAILABLE,
                 html(page::page_unavailable(&why)),
@@ -254,8 +304,8 @@ async fn status_page(axum::extract::State(state): axum::extract::State<State>) -
 
 /// The status page's table body, for its refresh: one request covers every semaphore.
 async fn status_rows(axum::extract::State(state): axum::extract::State<State>) -> Response {
-    match page_data(&state.client).await {
-        Ok((usage, presence)) => html(page::rows(&usage, &presence)),
+    match state.overview().await {
+        Ok(overview) => html(page::rows(&overview.0, &overview.1)),
         Err(e) => (
             StatusCode::SERVICE_UNAVAILABLE,
             crate::error::one_line(&e.to_string()),
@@ -271,15 +321,14 @@ fn html(body: String) -> Response {
 /// `/readyz`: [`ready`]'s answer, read from the database at most once a second (one caller reads,
 /// the others wait for it), so that no number of probes costs the database more.
 async fn readyz(axum::extract::State(state): axum::extract::State<State>) -> Response {
-    let mut last = state.ready.lock().await;
-    if let Some((at, status, body)) = last.as_ref() {
-        if at.elapsed() < READY_FOR {
-            return (*status, body.clone()).into_response();
-        }
-    }
-    let (status, body) = ready(&state).await;
-    *last = Some((Instant::now(), status, body.clone()));
-    (status, body).into_response()
+    state
+        .ready
+        .get(|| {
+            read("ready");
+            ready(&state)
+        })
+        .await
+        .into_response()
 }
 
 /// Whether this server is ready: the database answers with this build's schema, and (on a
@@ -318,10 +367,10 @@ async fn ready(state: &State) -> (StatusCode, String) {
 async fn metrics(axum::extract::State(state): axum::extract::State<State>) -> Response {
     // The semaphores' series are written from the database at each scrape, not kept in the
     // registry: a template instance removed by the idle sweep leaves no series behind.
-    let semaphores = match state.client.usage().await {
-        Ok(usage) => {
+    let semaphores = match state.overview().await {
+        Ok(overview) => {
             metrics::gauge!("permitq_database_up").set(1.0);
-            semaphore_series(&usage, SystemTime::now())
+            semaphore_series(&overview.0, SystemTime::now())
         }
         Err(e) => {
             tracing::debug!(error = %e, "metrics: cannot read semaphore usage");

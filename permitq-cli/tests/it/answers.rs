@@ -304,6 +304,25 @@ async fn a_permission_error_names_the_role_needed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_a_producer_may_not_read_is_not_found_among_its_own() {
+    let db = TestDb::new().await;
+    run(&db.url, &["semaphore", "set", "gpu", "4"]).await;
+    run(&db.url, &["submit", "theirs", "gpu=1"]).await;
+    let producer = db.login("permitq_producer").await;
+    for verb in ["status", "explain"] {
+        let o = run(&producer, &[verb, "theirs"]).await;
+        assert_eq!(code(&o), 5, "{}", stderr(&o));
+        assert_eq!(
+            stderr(&o).trim(),
+            "permitq: no request named \"theirs\" among this login's own (a producer login sees \
+             only the requests it submitted; an operator login sees all)"
+        );
+    }
+    let o = run(&db.url, &["status", "theirs"]).await;
+    assert_eq!(code(&o), 0, "the admin login reads it: {}", stderr(&o));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_run_as_a_login_that_may_not_work_says_so_once_and_exits() {
     let db = TestDb::new().await;
     let producer = db.login("permitq_producer").await;

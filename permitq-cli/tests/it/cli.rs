@@ -366,7 +366,8 @@ async fn submit_await_status_release_and_their_exit_codes() {
         assert_eq!(code(&o), 5, "{verb} nope: {}", stderr(&o));
         assert_eq!(
             stderr(&o).trim(),
-            "permitq: no request named \"nope\" (a producer login sees only its own requests)"
+            "permitq: no request named \"nope\": none was submitted under that external_id, or \
+             it ended long enough ago that retention removed it"
         );
     }
     let o = run(url, &["semaphore", "history", "nope"]).await;
@@ -783,6 +784,12 @@ async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep(
     let o = run(url, &["semaphore", "show", "a"]).await;
     assert!(
         stdout(&o).contains("in pool, guaranteed 2"),
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &["semaphore", "list"]).await;
+    assert!(
+        stdout(&o).contains("fair  under pool  guarantee 2\n"),
         "{}",
         stdout(&o)
     );

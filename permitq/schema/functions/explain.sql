@@ -97,6 +97,11 @@ BEGIN
         WHERE c.parent = s.name AND c.guarantee > 0 AND c.name IS DISTINCT FROM child.name
           AND NOT c.is_template
           AND (c.used > 0 OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = c.id));
+        -- A borrower's room is what is free beyond the room kept: the rest must be released
+        -- first (releases below the kept children raise what is kept as much as what is free).
+        IF NOT within_guarantee AND kept > 0 THEN
+            shortfall := least(greatest(needs::int8 + kept - free, 0), 2147483647);
+        END IF;
 
         -- The line: the first of every priority level (a loose index scan), the best placed of
         -- them is the head; then those placed ahead of this request, level by level.
@@ -151,11 +156,12 @@ BEGIN
                                  child.name, child.guarantee, shortfall,
                                  CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END)
                      ELSE format('parent: it fits within the guarantee of %s (%s)', child.name, child.guarantee) END
-            WHEN kept > 0 AND free::int8 - needs < kept THEN
-                format('parent: %s of the %s free are kept for the guarantees of its other active children; %s',
+            WHEN kept > 0 AND shortfall > 0 THEN
+                format('parent: %s of the %s free are kept for the guarantees of its other active children; %s, so %s more %s must be released here first',
                        least(kept, free), free,
                        CASE WHEN child.name IS NULL THEN 'a request naming the parent itself borrows'
-                            ELSE format('%s borrows beyond its guarantee (%s)', child.name, child.guarantee) END)
+                            ELSE format('%s borrows beyond its guarantee (%s)', child.name, child.guarantee) END,
+                       shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END)
             WHEN opens_at IS NOT NULL AND shortfall > 0 THEN
                 format('rate limit: its window is spent (%s / %s granted per %s); opens in %s',
                        s.capacity - free, s.capacity, permitq.human_duration(s.per),

@@ -231,12 +231,27 @@ async fn explain_shows_the_parents_and_the_room_kept_for_guarantees() {
     );
     let pool = &e.semaphores[1];
     assert_eq!(pool.kept, Some(1));
+    assert_eq!(
+        pool.shortfall,
+        Some(1),
+        "the one free permit is kept: one more must be released"
+    );
     assert!(
-        pool.reason.contains("kept for the guarantees"),
+        pool.reason.contains("kept for the guarantees")
+            && pool
+                .reason
+                .ends_with("so 1 more permit must be released here first"),
         "{}",
         pool.reason
     );
     assert_eq!(pool.position, Some(1), "it is in the pool's line too");
+    let usage = client.usage().await.unwrap();
+    let waiting = |name: &str| usage.iter().find(|u| u.name == name).unwrap().waiting;
+    assert_eq!(
+        (waiting("b"), waiting("pool"), waiting("a")),
+        (1, 1, 0),
+        "a parent counts the requests waiting below it"
+    );
     let held: Vec<&str> = pool
         .holders
         .iter()
