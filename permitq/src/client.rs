@@ -498,8 +498,10 @@ impl Client {
             .collect()
     }
 
-    /// The first `limit` requests waiting on `semaphore`, in queue order.
+    /// The first `limit` (at most 1000) requests waiting on `semaphore`, in queue order; on a
+    /// parent, those waiting below it that a worker has examined. A producer sees its own.
     pub async fn waiters(&self, semaphore: &str, limit: i64) -> Result<Vec<Waiter>> {
+        let limit = limit.clamp(0, 1000);
         let conn = self.conn().await?;
         conn.query_typed(
             sql::WAITERS,

@@ -97,5 +97,53 @@ FROM (SELECT e.key AS semaphore, r.external_id, r.owner, e.value::int AS count,
       WHERE r.state = 'new') w
 WHERE permitq.may_read(w.submitted_by);
 
+-- The first `n` (at most 1000) waiters of semaphore `name` in line order, as `waiters` ranks
+-- them, with their positions; on a parent, those waiting below it once a worker has examined
+-- them (its line). A producer sees its own (positions counted among all). What `semaphore show`,
+-- `top` and the HTTP API list. Cost: per priority level of its line the first `n` (a loose
+-- index scan of waiter_line_idx), and among the requests no worker has examined yet the best
+-- placed 10000 (permit_request_unexamined_place_idx): never the whole backlog.
+CREATE OR REPLACE FUNCTION permitq.first_waiters(name text, n integer)
+RETURNS TABLE (semaphore text, external_id text, owner text, count integer, "position" bigint,
+               waiting_since timestamptz, deadline timestamptz, priority smallint)
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
+SET enable_seqscan = off AS $$
+    WITH s AS (SELECT s.id, s.name FROM permitq.semaphore s WHERE s.name = first_waiters.name),
+    line AS (
+        SELECT w.request_id, w.count FROM s
+        CROSS JOIN LATERAL permitq.waiter_levels(s.id) lv(priority)
+        CROSS JOIN LATERAL (
+            SELECT wt.request_id, wt.count FROM permitq.waiter wt
+            WHERE wt.semaphore_id = s.id AND wt.priority = lv.priority
+            ORDER BY wt.semaphore_id, wt.priority DESC, wt.created_at, wt.request_id
+            LIMIT least(first_waiters.n, 1000)) w
+        UNION ALL
+        SELECT u.id, (u.permits ->> first_waiters.name)::int
+        FROM (SELECT r.id, r.permits FROM permitq.permit_request r
+              WHERE r.state = 'new' AND NOT r.examined
+              ORDER BY permitq.rule_place_in_line(r.priority, r.created_at) DESC
+              LIMIT 10000) u
+        WHERE u.permits ? first_waiters.name
+    ),
+    ranked AS (
+        SELECT r.external_id, r.owner, line.count, r.created_at, r.wait_until, r.priority,
+               r.submitted_by,
+               row_number() OVER (ORDER BY permitq.rule_place_in_line(r.priority, r.created_at) DESC,
+                                           r.id) AS position
+        FROM line
+        CROSS JOIN LATERAL (SELECT * FROM permitq.permit_request pr
+                            WHERE pr.id = line.request_id AND pr.state = 'new' LIMIT 1) r
+        ORDER BY position
+        LIMIT least(first_waiters.n, 1000)
+    )
+    SELECT first_waiters.name, ranked.external_id, ranked.owner, ranked.count, ranked.position,
+           ranked.created_at, ranked.wait_until, ranked.priority
+    FROM ranked
+    WHERE permitq.may_read(ranked.submitted_by)
+    ORDER BY ranked.position
+$$;
+GRANT EXECUTE ON FUNCTION permitq.first_waiters(text, integer)
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
+
 GRANT SELECT ON permitq.permit, permitq.semaphore_usage, permitq.holders, permitq.waiters
     TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
