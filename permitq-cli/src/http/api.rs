@@ -7,7 +7,6 @@ use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
-use std::sync::Arc;
 
 /// The first waiters shown for one semaphore.
 const WAITERS_SHOWN: i64 = 100;
@@ -39,17 +38,17 @@ pub(super) async fn semaphore(
     State(state): State<super::State>,
     Path(name): Path<String>,
 ) -> Response {
-    // An unknown name costs no read: the overview (reused) knows every semaphore.
-    let known = match state.overview().await {
-        Ok(overview) => overview.0.iter().any(|s| s.name == name),
+    // The overview (reused) knows every semaphore: an unknown name costs no read, and a known
+    // one's usage row and the workers come from it.
+    let overview = match state.overview().await {
+        Ok(overview) => overview,
         Err(e) => return database_error(&e),
     };
-    let detail = if known {
-        state.detail(&name).await
-    } else {
-        Ok(Arc::new(None))
+    let detail = match overview.0.iter().find(|s| s.name == name) {
+        Some(usage) => state.detail(usage, &overview.1).await.map(Some),
+        None => Ok(None),
     };
-    match detail.as_deref() {
+    match detail.as_ref().map(Option::as_deref) {
         Ok(Some(detail)) => json(StatusCode::OK, detail),
         Ok(None) => json(
             StatusCode::NOT_FOUND,
@@ -110,6 +109,17 @@ pub(crate) async fn detail(
     let Some(usage) = client.usage().await?.into_iter().find(|s| s.name == name) else {
         return Ok(None);
     };
+    let presence = crate::show::Presence::read(client).await?;
+    detail_of(client, usage, presence).await.map(Some)
+}
+
+/// [`detail`] of the semaphore whose usage row and workers were read already.
+pub(super) async fn detail_of(
+    client: &permitq::Client,
+    usage: permitq::SemaphoreUsage,
+    presence: crate::show::Presence,
+) -> permitq::Result<Detail> {
+    let name = usage.name.as_str();
     let mut history = client.capacity_history(name).await?;
     let keep_from = history.len().saturating_sub(HISTORY_SHOWN);
     history.drain(..keep_from);
@@ -140,13 +150,13 @@ pub(crate) async fn detail(
     } else {
         None
     };
-    Ok(Some(Detail {
+    Ok(Detail {
         instances,
-        usage,
         holders: client.holders(name).await?,
+        usage,
         waiters,
         first_in_line,
         capacity_history: history,
-        presence: crate::show::Presence::read(client).await?,
-    }))
+        presence,
+    })
 }

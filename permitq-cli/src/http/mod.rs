@@ -52,7 +52,7 @@ struct State {
     /// `/api/semaphores`.
     overview: Arc<Reused<Answer<Overview>>>,
     /// One semaphore in full, by name: `/api/semaphores/{name}`.
-    details: Arc<ReusedByKey<Answer<Option<api::Detail>>>>,
+    details: Arc<ReusedByKey<Answer<api::Detail>>>,
 }
 
 /// Every semaphore's usage, and the workers.
@@ -93,12 +93,17 @@ impl State {
             .await
     }
 
-    /// `name` in full (None: no such semaphore), read at most once per period per name.
-    async fn detail(&self, name: &str) -> Answer<Option<api::Detail>> {
+    /// The semaphore of `usage` in full, with the workers of `presence` (both from the
+    /// overview), read at most once per period per name.
+    async fn detail(
+        &self,
+        usage: &permitq::SemaphoreUsage,
+        presence: &crate::show::Presence,
+    ) -> Answer<api::Detail> {
         self.details
-            .get(name, || async {
+            .get(&usage.name, || async {
                 read("detail");
-                api::detail(&self.client, name)
+                api::detail_of(&self.client, usage.clone(), presence.clone())
                     .await
                     .map(Arc::new)
                     .map_err(|e| e.to_string())
