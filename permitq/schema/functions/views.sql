@@ -22,17 +22,6 @@ CROSS JOIN LATERAL jsonb_each(coalesce(r.charged, r.permits)) e
 WHERE r.acquired_at IS NOT NULL
   AND permitq.may_read(r.submitted_by);
 
--- How many wait in the line of semaphore `id` (the waiters a worker examined) and since when
--- the oldest: an index-only scan of waiter_line_idx, whatever the planner guesses of the line's
--- length (a line of one semaphore alone looks like every semaphore's). The semaphore_usage
--- view calls it as its reader.
-CREATE OR REPLACE FUNCTION permitq.line_length(id bigint, OUT waiting bigint, OUT oldest timestamptz)
-LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
-    SELECT count(*), min(w.created_at) FROM permitq.waiter w WHERE w.semaphore_id = line_length.id
-$$;
-GRANT EXECUTE ON FUNCTION permitq.line_length(bigint)
-    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
-
 -- Exact figures per semaphore: capacity, `used` (the workers' running count, which may run
 -- ahead until releases are folded), held (the sum of acquired permits), how many requests wait
 -- on it and since when the oldest waits, grants so far, and for a rate-limited semaphore its
@@ -40,9 +29,9 @@ GRANT EXECUTE ON FUNCTION permitq.line_length(bigint)
 -- template or made from one, and its parent and guarantee. A parent's `held` counts what is
 -- held below it, and its `waiting` the requests waiting below it once a worker has examined
 -- them (until then they count where they name).
--- Cost: the waiters are counted from each semaphore's line (waiter_line_idx) and the requests
--- no worker has examined yet (permit_request_unexamined_idx), never from the whole backlog's
--- rows: a semaphore with nobody waiting costs nothing however many wait elsewhere.
+-- Cost: the waiters are counted from the narrow lines (permitq.waiter) and the requests no
+-- worker has examined yet (permit_request_unexamined_idx), never from the waiting requests'
+-- own rows and JSON; no call per semaphore, so many semaphores cost no more than before.
 CREATE OR REPLACE VIEW permitq.semaphore_usage AS
 SELECT s.name,
        s.capacity,
@@ -67,9 +56,10 @@ LEFT JOIN (SELECT e.key AS name, sum(e.value::int) AS held
 LEFT JOIN (SELECT e.key AS name, count(*) AS waiting, min(r.created_at) AS oldest_wait_since
            FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
            WHERE r.state = 'new' AND NOT r.examined GROUP BY e.key) u ON u.name = s.name
-CROSS JOIN LATERAL permitq.line_length(s.id) line
+LEFT JOIN (SELECT wt.semaphore_id, count(*) AS waiting, min(wt.created_at) AS oldest
+           FROM permitq.waiter wt GROUP BY wt.semaphore_id) line ON line.semaphore_id = s.id
 CROSS JOIN LATERAL (
-    SELECT coalesce(u.waiting, 0) + line.waiting AS waiting,
+    SELECT coalesce(u.waiting, 0) + coalesce(line.waiting, 0) AS waiting,
            least(u.oldest_wait_since, line.oldest) AS oldest_wait_since) w;
 
 -- Who holds what (on a parent, what is held below it).
