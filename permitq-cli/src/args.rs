@@ -368,6 +368,12 @@ pub(crate) enum SemaphoreCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Delete a semaphore, template or instance nothing uses (no holders, no waiters, no
+    /// children or instances); its capacity history records it.
+    Delete {
+        /// Name.
+        name: String,
+    },
     /// Show one semaphore: usage, holders, waiters, recent capacity changes.
     Show {
         /// Name.

@@ -228,7 +228,20 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             extend,
             json,
         } => {
-            let client = Client::connect(&need_url()?).await?;
+            // Unreachable: the lease was not extended, and says so.
+            let not_extended = |e: permitq::Error| -> CliError {
+                if e.is_retryable() {
+                    CliError::runtime(format!(
+                        "{}; the lease was NOT extended: it still ends at the expires_at the last \
+                         heartbeat that got through printed (`permitq status {external_id}` once \
+                         the database answers); heartbeat again before then",
+                        crate::error::one_line(&e.to_string())
+                    ))
+                } else {
+                    e.into()
+                }
+            };
+            let client = Client::connect(&need_url()?).await.map_err(not_extended)?;
             match client.heartbeat(&external_id, extend).await {
                 Ok(expiry) if json => outln!(
                     "{}",
@@ -237,7 +250,7 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
                         "expires_at": expiry.map(|t| humantime::format_rfc3339_micros(t).to_string()),
                     })
                 ),
-                Ok(Some(t)) => outln!("expires_at {}", humantime::format_rfc3339_seconds(t)),
+                Ok(Some(t)) => outln!("expires_at={}", humantime::format_rfc3339_seconds(t)),
                 Ok(None) => outln!(
                     "held until released (it has no ttl): no lease to extend; --extend DUR \
                      gives it one"
@@ -249,7 +262,7 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
                     errln!("permitq: {}", crate::error::one_line(&e.to_string()));
                     return Ok(EXIT_NOT_GRANTED);
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(not_extended(e)),
             }
             Ok(0)
         }
@@ -308,7 +321,7 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             if json {
                 outln!("{}", serde_json::to_string(&detail).expect("serializable"));
             } else {
-                crate::show::print(&detail);
+                crate::show::print(&detail, client.reads_every_request().await?);
             }
         }
         SemaphoreCommand::Set {
@@ -396,11 +409,21 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 }
             }
         }
+        SemaphoreCommand::Delete { name } => match client.delete_semaphore(&name).await? {
+            Some(s) => outln!(
+                "deleted {} (capacity {}); `permitq semaphore history {}` keeps its changes",
+                s.name,
+                s.capacity,
+                crate::show::quoted_name(&s.name)
+            ),
+            None => return Err(no_semaphore(client, name).await),
+        },
         SemaphoreCommand::History { name, json } => {
-            if !client.semaphores().await?.iter().any(|s| s.name == name) {
+            // A deleted semaphore's history is still there.
+            let history = client.capacity_history(&name).await?;
+            if history.is_empty() && !client.semaphores().await?.iter().any(|s| s.name == name) {
                 return Err(no_semaphore(client, name).await);
             }
-            let history = client.capacity_history(&name).await?;
             if json {
                 outln!("{}", serde_json::to_string(&history).expect("serializable"));
             } else {

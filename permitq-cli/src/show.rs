@@ -164,7 +164,7 @@ impl Presence {
 }
 
 /// Prints usage, holders, waiters and recent capacity changes.
-pub(crate) fn print(d: &Detail) {
+pub(crate) fn print(d: &Detail, sees_all: bool) {
     let u = &d.usage;
     // A rate limit bounds grants per window, not what is held: its capacity is on the kind line.
     let held = if u.per.is_some() {
@@ -203,9 +203,10 @@ pub(crate) fn print(d: &Detail) {
     // A producer login sees its own requests only: say what it does not see.
     let shown: i64 = d.holders.iter().map(|h| h.count).sum();
     let hidden = if u.per.is_none() && u.held > shown {
+        let more = u.held - shown;
         format!(
-            "; {} more permits held by other logins' requests, not shown to this one",
-            u.held - shown
+            "; {more} more {} held by other logins' requests, not shown to this one",
+            if more == 1 { "permit" } else { "permits" }
         )
     } else {
         String::new()
@@ -231,11 +232,16 @@ pub(crate) fn print(d: &Detail) {
             h.fencing_token.map_or("-".to_string(), |t| t.to_string())
         );
     }
+    // A login that reads every request sees every waiter: the note is for producers.
     outln!(
-        "\nwaiters ({} of {} shown, in the order the workers grant them; a producer login sees \
-         its own):",
+        "\nwaiters ({} of {} shown, in the order the workers grant them{}):",
         d.waiters.len(),
-        u.waiting
+        u.waiting,
+        if sees_all {
+            ""
+        } else {
+            "; this producer login sees its own"
+        }
     );
     if !d.waiters.is_empty() {
         outln!(
@@ -286,6 +292,9 @@ pub(crate) fn capacity_change(c: &permitq::CapacityChange) -> String {
     }
     let per = |p: Option<std::time::Duration>| opt(p.map(humantime::format_duration));
     let fairness = |fair: bool| if fair { "fair" } else { "greedy" };
+    if c.deleted {
+        return format!("deleted (it had capacity {})", c.new_capacity);
+    }
     let Some(old_capacity) = c.old_capacity else {
         let mut parts = vec![
             format!("capacity {}", c.new_capacity),
@@ -368,11 +377,17 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
                 format!("{free} free of {capacity}")
             }
         };
+        // Room a parent keeps for other children's guarantees is not this request's: it is
+        // named before the shortfall, which counts it (needs + kept - free).
+        let kept = match s.kept {
+            Some(k) if k > 0 => format!(", {k} kept for other children's guarantees"),
+            _ => String::new(),
+        };
         let room = match (s.free, s.capacity, s.shortfall) {
             (Some(free), Some(capacity), Some(short)) if short > 0 => {
-                format!("{}, short {short}", free_of(free, capacity))
+                format!("{}{kept}, short {short}", free_of(free, capacity))
             }
-            (Some(free), Some(capacity), _) => free_of(free, capacity),
+            (Some(free), Some(capacity), _) => format!("{}{kept}", free_of(free, capacity)),
             _ => "no such semaphore".to_string(),
         };
         let place = match (s.position, s.permits_ahead) {
@@ -383,12 +398,8 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
             .via
             .as_ref()
             .map_or(String::new(), |v| format!(" (parent, through {v})"));
-        let kept = match s.kept {
-            Some(k) if k > 0 => format!("; {k} kept for other children's guarantees"),
-            _ => String::new(),
-        };
         lines.push(format!(
-            "{}{via}: needs {}, {room}{kept}{place}",
+            "{}{via}: needs {}, {room}{place}",
             s.semaphore, s.needs
         ));
         lines.push(format!("  {}", s.reason));
@@ -431,4 +442,18 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
         }
     }
     lines
+}
+
+/// `name` as it is typed in a shell: as is, or in single quotes when it has other characters
+/// than letters, digits and `-_.:/@` (a template's `*`, a space).
+pub(crate) fn quoted_name(name: &str) -> String {
+    if !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.:/@".contains(c))
+    {
+        name.to_string()
+    } else {
+        format!("'{}'", name.replace('\'', r"'\''"))
+    }
 }

@@ -1,7 +1,8 @@
 //! `permitq top`: a live terminal view of a database, like `htop` for semaphores.
 //!
-//! Every semaphore with a bar, use/capacity (held; for a rate limit, grants in its window), waiting, oldest wait, grants per second and its
-//! kind (template, instance, rate window), and the workers that run (or that none does); ↑/↓ (or j/k) select one, Enter shows its holders and
+//! Every semaphore with a bar and use/capacity (permits held, `#`; for a rate limit, grants in its
+//! current window, `=`, since a rate limit bounds grants, not holders), waiting, oldest wait, grants
+//! per second and its kind (template, instance, rate window), and the workers that run (or that none does); ↑/↓ (or j/k) select one, Enter shows its holders and
 //! waiters (in place-in-line order, with priorities) below, `q` (or Esc, Ctrl-C) quits.
 //! Plain ASCII-safe drawing that fits 80×24 and works over SSH.
 
@@ -143,12 +144,12 @@ async fn refresh(
     }
 }
 
-/// `[#####.....]` for `held` of `capacity`, `width` cells inside the brackets.
-fn bar(held: i64, capacity: i64, width: usize) -> String {
+/// `[#####.....]` for `used` of `capacity`, `width` cells inside the brackets, filled with `fill`.
+fn bar(used: i64, capacity: i64, width: usize, fill: &str) -> String {
     let filled = if capacity <= 0 {
         width
     } else {
-        let ratio = held.clamp(0, capacity) as f64 / capacity as f64;
+        let ratio = used.clamp(0, capacity) as f64 / capacity as f64;
         #[allow(
             clippy::cast_possible_truncation,
             clippy::cast_sign_loss,
@@ -157,7 +158,7 @@ fn bar(held: i64, capacity: i64, width: usize) -> String {
         let cells = (ratio * width as f64).round() as usize;
         cells.min(width)
     };
-    format!("[{}{}]", "#".repeat(filled), ".".repeat(width - filled))
+    format!("[{}{}]", fill.repeat(filled), ".".repeat(width - filled))
 }
 
 fn draw(frame: &mut Frame, view: &mut View) {
@@ -182,8 +183,14 @@ fn draw(frame: &mut Frame, view: &mut View) {
     let rows = view.usage.iter().map(|s| {
         Row::new(vec![
             s.name.clone(),
-            // A rate limit bounds grants per window, not holders: its column is the window.
-            bar(shown(s), s.capacity, 8),
+            // A rate limit bounds grants per window, not holders: its bar is the window's, drawn
+            // with `=` so that it does not read as permits held.
+            bar(
+                shown(s),
+                s.capacity,
+                8,
+                if s.per.is_some() { "=" } else { "#" },
+            ),
             format!("{}/{}", shown(s), s.capacity),
             s.waiting.to_string(),
             if s.waiting > 0 {
@@ -211,7 +218,7 @@ fn draw(frame: &mut Frame, view: &mut View) {
     .header(
         Row::new([
             "semaphore",
-            "held",
+            "use",
             "use/cap",
             "wait",
             "oldest",

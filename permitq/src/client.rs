@@ -415,6 +415,19 @@ impl Client {
         )
     }
 
+    /// Deletes a semaphore, template or instance that nothing uses, and records it in its
+    /// capacity history. `None` when there is none by that name. Refused (SQLSTATE 55006, the
+    /// message says what to do first) while it holds permits, has releases not folded yet or
+    /// requests waiting, is a parent, or is a template with instances. Needs `permitq_admin`.
+    pub async fn delete_semaphore(&self, name: &str) -> Result<Option<Semaphore>> {
+        let conn = self.conn().await?;
+        conn.query_typed_opt(sql::DELETE_SEMAPHORE, &[(&name, Type::TEXT)])
+            .await?
+            .as_ref()
+            .map(db::semaphore_from_row)
+            .transpose()
+    }
+
     /// Every semaphore, by name.
     pub async fn semaphores(&self) -> Result<Vec<Semaphore>> {
         let conn = self.conn().await?;

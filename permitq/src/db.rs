@@ -19,8 +19,17 @@ use crate::types::{CapacityChange, PermitRequest, Semaphore};
 /// connected. A URL without a host (`postgres:///app`) uses the local server's Unix socket, and
 /// one without a password takes `PGPASSWORD` when it is set. A
 /// URL that does not parse is invalid input (field `database URL`).
+/// What to do when a URL or a server asks for TLS: permitq connects without it.
+pub(crate) const TLS_NOT_SPOKEN: &str =
+    "permitq connects without TLS (sslmode disable or prefer): take sslmode=require or verify-* \
+     out of the URL, or let the server accept unencrypted connections from here (a `host` line \
+     in pg_hba.conf, not `hostssl`), on a network you trust or through a TLS tunnel";
+
 pub(crate) fn parse_config(url: &str) -> Result<Config> {
     let mut config = url.parse::<Config>().map_err(|e| {
+        if url.contains("sslmode=verify") {
+            return Error::invalid("database URL", format!("{e}: {TLS_NOT_SPOKEN}"));
+        }
         Error::invalid(
             "database URL",
             format!(
@@ -234,6 +243,7 @@ pub(crate) fn capacity_change_from_row(row: &Row) -> Result<CapacityChange> {
         new_max_instances: row.try_get(13)?,
         old_per: from_micros(row.try_get(14)?),
         new_per: from_micros(row.try_get(15)?),
+        deleted: row.try_get(16)?,
     })
 }
 

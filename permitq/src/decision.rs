@@ -463,7 +463,9 @@ fn failure_detail(
                 detail.capacity = Some(sems[name].capacity);
             }
         }
-        (ErrorCode::NoCapacity, Some(taken)) => {
+        // A timeout names where it had no room when its wait ran out (none, when it fit there
+        // and the deadline came first), as a request that would not wait does.
+        (ErrorCode::NoCapacity | ErrorCode::Timeout, Some(taken)) => {
             if let Some((name, count)) = taken
                 .iter()
                 .find(|(name, count)| !fits_at(name, **count, c, taken, batch))

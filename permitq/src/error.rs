@@ -238,10 +238,17 @@ fn refusal_hint(code: &str) -> Option<&'static str> {
 fn connection_hint(e: &tokio_postgres::Error, target: &str) -> String {
     let text = format!("{e:?}").to_lowercase();
     let cause = if let Some(db) = e.as_db_error() {
+        // A pg_hba.conf that lets this user in only over TLS says "SSL off" or "no encryption".
+        let message = db.message().to_lowercase();
+        if message.contains("ssl off") || message.contains("no encryption") {
+            return format!(" ({}; server {target})", crate::db::TLS_NOT_SPOKEN);
+        }
         match refusal_hint(db.code().code()) {
             Some(hint) => hint,
             None => return String::new(),
         }
+    } else if text.contains("tls") {
+        crate::db::TLS_NOT_SPOKEN
     } else if text.contains("connection refused") && target.starts_with("localhost:") {
         "is PostgreSQL running on this machine, on that port? (A URL without a host looks for \
          its socket in /var/run/postgresql and /tmp, then for localhost.) The URL (DATABASE_URL \
@@ -283,6 +290,7 @@ fn role_hint(db: &tokio_postgres::error::DbError) -> String {
     let object = db.message().rsplit(' ').next().unwrap_or_default();
     let role = match object {
         "set_capacity"
+        | "delete_semaphore"
         | "revoke"
         | "revoke_owners"
         | "delete_settled"
@@ -303,6 +311,9 @@ fn role_hint(db: &tokio_postgres::error::DbError) -> String {
         | "take_turn"
         | "record_lease_grace"
         | "wake_gate_free" => "permitq_worker",
+        // What a producer does; an admin may too, an operator or worker login may not.
+        "submit" | "release" | "cancel" | "heartbeat" | "fence" | "confirm_durable"
+        | "lease_grace_since" => "permitq_producer (or permitq_admin)",
         _ => {
             "permitq_producer (submit, status, release, heartbeat, explain), permitq_operator \
              (read-only: semaphore list and show, top, serve), permitq_worker or permitq_admin, \

@@ -205,11 +205,19 @@ async fn heartbeat_loop(
                     return give_up(&lost, e.to_string());
                 }
                 Ok(Err(e)) => {
-                    tracing::warn!(%external_id, error = %e, "heartbeat failed; retrying");
+                    tracing::warn!(
+                        %external_id, error = %e,
+                        lease_holds_at_least_s = confirmed_until.saturating_duration_since(Instant::now()).as_secs_f64(),
+                        "heartbeat failed; retrying (the lease holds at least lease_holds_at_least_s more)"
+                    );
                     pause = retry_pause(every);
                 }
                 Err(_) => {
-                    tracing::warn!(%external_id, "heartbeat did not answer; retrying on another connection");
+                    tracing::warn!(
+                        %external_id,
+                        lease_holds_at_least_s = confirmed_until.saturating_duration_since(Instant::now()).as_secs_f64(),
+                        "heartbeat did not answer; retrying on another connection (the lease holds at least lease_holds_at_least_s more)"
+                    );
                     pause = Duration::ZERO;
                 }
             },

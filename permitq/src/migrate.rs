@@ -84,6 +84,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "audit_bounds",
         sql: include_str!("../schema/migrations/V9__audit_bounds.sql"),
     },
+    Migration {
+        version: 10,
+        name: "semaphore_delete",
+        sql: include_str!("../schema/migrations/V10__semaphore_delete.sql"),
+    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.

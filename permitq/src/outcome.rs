@@ -99,6 +99,25 @@ impl PermitRequest {
             Some(count) => format!("{named}={count}"),
             None => named.to_string(),
         };
+        // Where it found no room: `gpu=2, 0 of 4 free` (or a rate window's grants left),
+        // `, kept for requests ahead in line` when there was room enough for it.
+        let no_room = |name: &String| {
+            let (count, free) = (d.count.unwrap_or(0), d.free.unwrap_or(0));
+            let capacity = d.capacity.unwrap_or(0);
+            let at = match &d.named {
+                Some(named) => format!("{} takes {count} from its parent {name}", asked(named)),
+                None => format!("{name}={count}"),
+            };
+            let left = match &d.per {
+                Some(per) => format!("{free} of {capacity} grants left in its {per} rate window"),
+                None => format!("{free} of {capacity} free"),
+            };
+            if free >= count {
+                format!("{at}, {left}, kept for requests ahead in line")
+            } else {
+                format!("{at}, {left}")
+            }
+        };
         match code {
             ErrorCode::UnknownSemaphore => {
                 let what = match &d.named {
@@ -147,37 +166,30 @@ impl PermitRequest {
                      semaphore set {set} {count}`), under a new external_id"
                 )
             }
-            ErrorCode::NoCapacity => {
-                let (count, free) = (d.count.unwrap_or(0), d.free.unwrap_or(0));
-                let capacity = d.capacity.unwrap_or(0);
-                let at = match &d.named {
-                    Some(named) => format!("{} takes {count} from its parent {name}", asked(named)),
-                    None => format!("{name}={count}"),
-                };
-                let left = match &d.per {
-                    Some(per) => {
-                        format!("{free} of {capacity} grants left in its {per} rate window")
-                    }
-                    None => format!("{free} of {capacity} free"),
-                };
-                let room = if free >= count {
-                    format!("{left}, kept for requests ahead in line")
+            ErrorCode::NoCapacity => format!(
+                "{}; it was submitted to fail fast (wait 0): submit again, under a new \
+                 external_id, with a longer --wait to queue",
+                no_room(&name)
+            ),
+            ErrorCode::Timeout => {
+                let within = self.wait.map_or(String::new(), |wait| {
+                    format!(" of {}", humantime::format_duration(wait))
+                });
+                let why = if d.semaphore.is_some() {
+                    format!(
+                        "when it ran out, {} (`permitq semaphore show {name}` lists the holders)",
+                        no_room(&name)
+                    )
                 } else {
-                    left
+                    "it had room on every semaphore it names when it ran out: requests ahead of \
+                     it in line took the room first, or no worker decided it in time"
+                        .to_string()
                 };
                 format!(
-                    "{at}, {room}; it was submitted to fail fast (wait 0): submit again, under a \
-                     new external_id, with a longer --wait to queue"
+                    "not granted within its wait{within}: {why}; submit again under a new \
+                     external_id, with a longer --wait"
                 )
             }
-            ErrorCode::Timeout => match self.wait {
-                Some(wait) => format!(
-                    "not granted within its wait of {}; `permitq explain` on a waiting request \
-                     says what holds it back",
-                    humantime::format_duration(wait)
-                ),
-                None => "not granted within its wait".to_string(),
-            },
             ErrorCode::Cancelled => "released while it was still waiting".to_string(),
             ErrorCode::TooManyInstances => match (&d.template, d.max_instances) {
                 (Some(template), Some(bound)) => {

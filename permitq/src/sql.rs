@@ -235,6 +235,12 @@ pub(crate) const SET_CAPACITY: &str = concat!(
     semaphore_columns!(),
     " FROM permitq.set_capacity($1, $2, $3, $4::text::interval, $7, $5, $6)"
 );
+/// Admin: delete a semaphore nothing uses (no row: there was none by that name).
+pub(crate) const DELETE_SEMAPHORE: &str = concat!(
+    "SELECT ",
+    semaphore_columns!(),
+    " FROM permitq.delete_semaphore($1) WHERE name IS NOT NULL"
+);
 /// All semaphores.
 pub(crate) const LIST_SEMAPHORES: &str = concat!(
     "SELECT ",
@@ -251,8 +257,8 @@ pub(crate) const CAPACITY_HISTORY: &str =
      old_fair, new_fair, changed_at, changed_by, application_name, \
      old_parent, new_parent, old_guarantee::int8, new_guarantee::int8, \
      old_max_instances::int8, new_max_instances::int8, \
-     (extract(epoch FROM old_per) * 1000000)::int8, (extract(epoch FROM new_per) * 1000000)::int8 \
-     FROM permitq.capacity_change WHERE semaphore = $1 ORDER BY id";
+     (extract(epoch FROM old_per) * 1000000)::int8, (extract(epoch FROM new_per) * 1000000)::int8, \
+     deleted FROM permitq.capacity_change WHERE semaphore = $1 ORDER BY id";
 /// Operators: every semaphore's usage.
 pub(crate) const USAGE: &str = "SELECT name, capacity::int8, used::int8, held::int8, \
      waiting::int8, oldest_wait_since, fair, granted, in_window::int8, \
@@ -343,6 +349,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("REVOKE", REVOKE),
         ("HEARTBEAT", HEARTBEAT),
         ("SET_CAPACITY", SET_CAPACITY),
+        ("DELETE_SEMAPHORE", DELETE_SEMAPHORE),
         ("LIST_SEMAPHORES", LIST_SEMAPHORES),
         ("SWEEP_IDLE_INSTANCES", SWEEP_IDLE_INSTANCES),
         ("NEXT_WINDOW_OPENING", NEXT_WINDOW_OPENING),

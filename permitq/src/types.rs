@@ -424,6 +424,9 @@ pub struct CapacityChange {
     /// A rate limit's window after (None: no rate limit).
     #[serde(serialize_with = "ser_secs")]
     pub new_per: Option<Duration>,
+    /// The semaphore was deleted ([`Client::delete_semaphore`](crate::Client::delete_semaphore));
+    /// the `new_*` fields are the bounds it had.
+    pub deleted: bool,
 }
 
 pub(crate) fn ser_secs<S: Serializer>(

@@ -13,7 +13,7 @@ const WAITERS_SHOWN: i64 = 100;
 /// The latest capacity changes shown for one semaphore.
 const HISTORY_SHOWN: usize = 20;
 
-fn json(status: StatusCode, value: &impl Serialize) -> Response {
+pub(super) fn json(status: StatusCode, value: &impl Serialize) -> Response {
     match serde_json::to_string(value) {
         Ok(body) => (status, [(header::CONTENT_TYPE, "application/json")], body).into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),

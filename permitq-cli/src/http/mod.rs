@@ -288,7 +288,22 @@ fn router(state: State) -> Router {
         .route("/api/semaphores", get(api::semaphores))
         .route("/api/semaphores/{name}", get(api::semaphore))
         .route("/api/requests/{external_id}/explain", get(api::explain))
+        .fallback(no_such_path)
         .with_state(state)
+}
+
+/// Any other path: 404, with the paths there are (under `/api/`, as the API's JSON errors).
+async fn no_such_path(uri: axum::http::Uri) -> Response {
+    let why = format!(
+        "no such path: {}; permitq serves /, /rows, /healthz, /readyz, /metrics, \
+         /api/semaphores, /api/semaphores/NAME and /api/requests/ID/explain",
+        uri.path()
+    );
+    if uri.path().starts_with("/api/") {
+        api::json(StatusCode::NOT_FOUND, &serde_json::json!({ "error": why }))
+    } else {
+        (StatusCode::NOT_FOUND, why + "\n").into_response()
+    }
 }
 
 /// The status page, with every semaphore's row rendered for the first paint. On a database

@@ -219,6 +219,33 @@ fn a_server_that_is_not_there_is_named_with_its_host_and_port() {
         "{err}"
     );
     assert_eq!(err.trim().lines().count(), 1, "{err}");
+    // A heartbeat that does not get through says the lease was not extended, and until when.
+    let o = permitq(Some(&url), &["heartbeat", "job-1"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("the lease was NOT extended: it still ends at the expires_at the last heartbeat that got through printed (`permitq status job-1` once"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// A URL that asks for TLS is told that permitq connects without it, not "is PostgreSQL up?".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_url_asking_for_tls_is_told_that_permitq_connects_without_it() {
+    let db = TestDb::new().await;
+    let sep = if db.url.contains('?') { '&' } else { '?' };
+    for mode in ["require", "verify-full"] {
+        let url = format!("{}{sep}sslmode={mode}", db.url);
+        let o = permitq(Some(&url), &["status", "x"]);
+        let err = stderr(&o);
+        assert!(
+            err.contains("permitq connects without TLS (sslmode disable or prefer)")
+                && err.contains("take sslmode=require or verify-* out of the URL")
+                && !err.contains("is PostgreSQL up"),
+            "{mode}: {err}"
+        );
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
 }
 
 #[test]
@@ -301,6 +328,21 @@ async fn a_permission_error_names_the_role_needed() {
         "{}",
         stderr(&o)
     );
+    // An operator or worker login submitting is told the producer's role, not its own.
+    for role in ["permitq_operator", "permitq_worker"] {
+        let login = db.login(role).await;
+        let user = common::user_of(&login);
+        let o = run(&login, &["submit", "op-1", "gpu=1"]).await;
+        assert_eq!(code(&o), 1, "{}", stderr(&o));
+        let err = stderr(&o);
+        assert!(
+            err.contains("permission denied for function submit")
+                && err.contains("this needs the role permitq_producer (or permitq_admin)")
+                && err.contains(&format!("GRANT permitq_producer TO {user}"))
+                && !err.contains(&format!("{role} (")),
+            "{role}: {err}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -847,6 +889,118 @@ async fn small_answers_name_what_to_do() {
     let o = run(url, &["submit", "z-1", "off=1", "--await", "10s"]).await;
     assert!(
         stdout(&o).contains("off has capacity 0: it can never be granted; raise the capacity"),
+        "{}",
+        stdout(&o)
+    );
+    worker.stop().await;
+}
+
+/// A request whose wait ran out says where it had no room then: `explain` can no longer ask.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_says_where_there_was_no_room_when_the_wait_ran_out() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "gpu", "2"]).await;
+    let worker = db.worker(quiet_config("w"));
+    let o = run(url, &["submit", "h-1", "gpu=2", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    let o = run(
+        url,
+        &["submit", "late", "gpu=1", "--wait", "1s", "--await", "10s"],
+    )
+    .await;
+    let expected = "late error timeout: not granted within its wait of 1s: when it ran out, \
+                    gpu=1, 0 of 2 free (`permitq semaphore show gpu` lists the holders); submit \
+                    again under a new external_id, with a longer --wait";
+    assert_eq!(stdout(&o).trim(), expected, "{}", stderr(&o));
+    let o = run(url, &["explain", "late"]).await;
+    assert!(
+        stdout(&o).contains("when it ran out, gpu=1, 0 of 2 free"),
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &["status", "late", "--json"]).await;
+    assert_eq!(
+        json(&o)["error_detail"],
+        serde_json::json!({"semaphore": "gpu", "count": 1, "capacity": 2, "free": 0}),
+        "{}",
+        stdout(&o)
+    );
+    worker.stop().await;
+}
+
+/// `semaphore delete` removes what nothing uses, says what to do first otherwise, and the
+/// capacity history keeps the deletion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_semaphore_nothing_uses_can_be_deleted_and_its_history_says_so() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let refused = |o: &std::process::Output, expected: &str| {
+        assert_eq!(code(o), 1, "{}", stderr(o));
+        assert!(stderr(o).contains(expected), "{expected}: {}", stderr(o));
+    };
+    // Waiting, before any worker looked at it.
+    run(url, &["semaphore", "set", "q", "1"]).await;
+    run(url, &["submit", "q-1", "q=1"]).await;
+    let o = run(url, &["semaphore", "delete", "q"]).await;
+    refused(&o, "q has 1 request waiting: release (cancel) them");
+    // Held.
+    run(url, &["semaphore", "set", "gpu", "2"]).await;
+    let worker = db.worker(quiet_config("w"));
+    let o = run(url, &["submit", "h-1", "gpu=2", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    let o = run(url, &["semaphore", "delete", "gpu"]).await;
+    refused(&o, "gpu holds 2 permits: release them, or revoke them");
+    // A parent, and a template with an instance.
+    run(url, &["semaphore", "set", "pool", "4"]).await;
+    run(url, &["semaphore", "set", "team", "2", "--parent", "pool"]).await;
+    let o = run(url, &["semaphore", "delete", "pool"]).await;
+    refused(&o, "pool is the parent of team: take them out");
+    run(url, &["semaphore", "set", "lab-*", "1"]).await;
+    let o = run(url, &["submit", "l-1", "lab-1=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    run(url, &["release", "l-1"]).await;
+    let o = run(url, &["semaphore", "delete", "lab-*"]).await;
+    refused(&o, "lab-* has instances: lab-1; delete them first");
+    // A producer may not.
+    let producer = db.login("permitq_producer").await;
+    let o = run(&producer, &["semaphore", "delete", "team"]).await;
+    refused(&o, "this needs the role permitq_admin");
+    // Nothing uses it: deleted, gone from the list, kept in its history.
+    run(url, &["release", "h-1"]).await;
+    wait_until(SOON, "gpu deleted once its release is folded", || async {
+        code(&run(url, &["semaphore", "delete", "gpu"]).await) == 0
+    })
+    .await;
+    let o = run(url, &["semaphore", "list"]).await;
+    assert!(!stdout(&o).contains("gpu"), "{}", stdout(&o));
+    let o = run(url, &["semaphore", "history", "gpu"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let last = stdout(&o).lines().last().unwrap_or_default().to_string();
+    assert!(
+        last.contains("gpu deleted (it had capacity 2) by "),
+        "{}",
+        stdout(&o)
+    );
+    wait_until(SOON, "lab-1 deleted once its release is folded", || async {
+        code(&run(url, &["semaphore", "delete", "lab-1"]).await) == 0
+    })
+    .await;
+    for name in ["lab-*", "team", "pool"] {
+        let o = run(url, &["semaphore", "delete", name]).await;
+        assert_eq!(code(&o), 0, "{name}: {}", stderr(&o));
+        assert!(
+            stdout(&o).starts_with(&format!("deleted {name} (capacity ")),
+            "{}",
+            stdout(&o)
+        );
+    }
+    let o = run(url, &["semaphore", "delete", "gpu"]).await;
+    assert_eq!(code(&o), 5, "{}", stderr(&o));
+    // A request naming a deleted semaphore fails, naming what is left.
+    let o = run(url, &["submit", "g-2", "gpu=1", "--await", "10s"]).await;
+    assert!(
+        stdout(&o).contains("g-2 error unknown_semaphore"),
         "{}",
         stdout(&o)
     );

@@ -63,6 +63,20 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
     let db = TestDb::new().await;
     let (client, worker) = populated(&db).await;
     client.set_capacity("lab-*", 2, None).await.unwrap();
+    // A rate limit: one grant in its window, released, holds nothing; its bar is the window's.
+    client
+        .set_semaphore(
+            "quota",
+            4,
+            &permitq::SemaphoreSettings::new().per(Duration::from_secs(3600)),
+        )
+        .await
+        .unwrap();
+    let lease = client
+        .acquire(&Request::new("quota-1").permit("quota", 1), SOON)
+        .await
+        .unwrap();
+    lease.release().await.unwrap();
     let session = format!("permitq-top-{}", std::process::id());
     let _ = tmux(&["kill-session", "-t", &session]);
     let command = format!(
@@ -93,6 +107,9 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
                 && screen
                     .lines()
                     .any(|l| l.contains("lab-*") && l.contains("template"))
+                && screen.lines().any(|l| {
+                    l.contains("quota") && l.contains("[==......]") && l.contains("per 1h")
+                })
         },
     )
     .await;
@@ -122,7 +139,7 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
         .unwrap_or_else(|| panic!("{screen}"));
     for column in [
         "semaphore",
-        "held",
+        "use",
         "use/cap",
         "wait",
         "oldest",
@@ -734,14 +751,32 @@ async fn the_api_explains_a_request_and_answers_404_with_a_reason_for_an_unknown
     })
     .await
     .unwrap();
-    let (status, body) = tokio::task::spawn_blocking(move || {
+    let (status, body, typo, page_typo) = tokio::task::spawn_blocking(move || {
         (
             get(addr, "/api/requests/train-3/explain"),
             get(addr, "/api/requests/nope/explain"),
+            get(addr, "/api/semaphore/gpu"),
+            get(addr, "/metric"),
         )
     })
     .await
     .unwrap();
+    // A path that is not there says which are.
+    let typo_body: serde_json::Value = serde_json::from_str(&typo.1).unwrap();
+    assert_eq!(typo.0, 404);
+    assert!(
+        typo_body["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("no such path: /api/semaphore/gpu; permitq serves /, "),
+        "{typo_body}"
+    );
+    assert_eq!(page_typo.0, 404);
+    assert!(
+        page_typo.1.contains("no such path: /metric;") && page_typo.1.contains("/metrics"),
+        "{}",
+        page_typo.1
+    );
     let waiting: serde_json::Value = serde_json::from_str(&status.1).unwrap();
     assert_eq!(status.0, 200, "{}", status.1);
     assert_eq!(waiting["external_id"], "train-3");

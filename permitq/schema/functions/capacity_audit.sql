@@ -1,6 +1,8 @@
--- The capacity audit: creation and every UPDATE that sets capacity, fair, parent, guarantee,
+-- The capacity audit: creation, every UPDATE that sets capacity, fair, parent, guarantee,
 -- max_instances or per (set_capacity, a template's change reaching its instances, or a hand-written UPDATE), even
--- when the value stays the same. Changes to `used` are not audited.
+-- when the value stays the same. A deletion by permitq.delete_semaphore (functions/set_capacity.sql)
+-- writes its own row (`deleted`); the workers' removal of an idle instance, which a request makes
+-- again, is not audited. Changes to `used` are not audited.
 
 CREATE OR REPLACE FUNCTION permitq.audit_capacity() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$

@@ -14,20 +14,10 @@
 --          workers hold (functions/heads.sql);
 --   ready: the first waiters of every priority level of each semaphore that has waiters and room
 --          now (found per semaphore that has waiters, however many semaphores there are)
---          (permitq.free_room, and no more than its ancestors have), at most
+--          (permitq.free_room, functions/rate_windows.sql, and no more than its ancestors have), at most
 --          min(batch_size, free) per level, whose count there fits. A full semaphore
 --          contributes nothing, however many wait on it.
 -- The caller sorts the rows.
--- The room a semaphore has for the claim: capacity - used + its releases not folded yet, or what
--- a rate window leaves.
-CREATE OR REPLACE FUNCTION permitq.free_room(s permitq.semaphore) RETURNS bigint
-LANGUAGE sql STABLE AS $$
-    SELECT CASE WHEN s.per IS NOT NULL THEN s.capacity - permitq.in_window(s)
-                ELSE s.capacity - s.used
-                     + coalesce((SELECT sum(p.count) FROM permitq.pending_release p
-                                 WHERE p.semaphore = s.name), 0) END
-$$;
-
 CREATE OR REPLACE FUNCTION permitq.claim_batch(cursor bigint, batch_size bigint)
 RETURNS TABLE (id bigint, permits jsonb, fail_fast boolean, deadline_passed boolean,
                examined boolean, age_seconds float8, problem text, external_id text,

@@ -61,6 +61,28 @@ LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
     FROM (SELECT extract(epoch FROM d) AS s) x
 $$;
 
+-- Where a request that waits has no room now, as the detail of its timeout: the first semaphore
+-- it takes from (what it names, then their ancestors, nearest first; `named` the one below a
+-- parent) whose room (permitq.free_room) is less than its count there. '{}' when it has room
+-- everywhere: it waited behind requests ahead in line, or its wait ran out first. The worker's
+-- own timeouts carry the decision's detail, which counts the same way (src/decision.rs).
+CREATE OR REPLACE FUNCTION permitq.wait_detail(permits jsonb) RETURNS jsonb
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT coalesce((
+        SELECT jsonb_strip_nulls(jsonb_build_object(
+                   'semaphore', t.name, 'named', t.via, 'count', t.count,
+                   'capacity', s.capacity, 'free', greatest(permitq.free_room(s), 0)))
+        FROM (SELECT a.ancestor AS name, least(sum(e.value::int8), 2147483647)::int AS count,
+                     min(a.depth) AS depth, min(a.name) FILTER (WHERE a.depth > 0) AS via
+              FROM jsonb_each(permits) e
+              JOIN permitq.ancestors(ARRAY[e.key]) a ON a.name = e.key
+              GROUP BY a.ancestor) t
+        JOIN permitq.semaphore s ON s.name = t.name
+        WHERE t.count > permitq.free_room(s)
+        ORDER BY t.depth, t.name
+        LIMIT 1), '{}')
+$$;
+
 -- A failed request's detail, completed: `detail` as the decision gave it, plus `similar` for
 -- unknown_semaphore, `per` (the window) for a rate-limited semaphore's no_capacity and
 -- exceeds_capacity (and `template` for an instance's), and `template` / `max_instances` (and its `parent` and `guarantee`, when
@@ -74,7 +96,7 @@ BEGIN
     IF code = 'unknown_semaphore' AND detail ? 'semaphore' THEN
         RETURN detail || jsonb_build_object(
             'similar', to_jsonb(permitq.similar_semaphore_names(detail ->> 'semaphore')));
-    ELSIF code IN ('no_capacity', 'exceeds_capacity') AND detail ? 'semaphore' THEN
+    ELSIF code IN ('no_capacity', 'exceeds_capacity', 'timeout') AND detail ? 'semaphore' THEN
         -- A rate-limited semaphore's bound is grants per window: say which window. An
         -- instance's capacity is its template's: name the template, where it is changed.
         RETURN detail || coalesce((SELECT jsonb_strip_nulls(jsonb_build_object(

@@ -34,6 +34,7 @@ DECLARE
     rate float8;
     child permitq.semaphore;
     within_guarantee boolean;
+    kept_for text;
 BEGIN
     SELECT * INTO r FROM permitq.permit_request pr
     WHERE pr.external_id = explain.external_id
@@ -75,12 +76,8 @@ BEGIN
             CONTINUE;
         END IF;
         capacity := s.capacity;
-        IF s.per IS NULL THEN
-            free := greatest(s.capacity - s.used, 0);
-        ELSE
-            free := greatest(s.capacity - permitq.in_window(s), 0);
-            opens_at := permitq.window_opens_at(s);
-        END IF;
+        free := least(greatest(permitq.free_room(s), 0), 2147483647);
+        opens_at := permitq.window_opens_at(s);
         shortfall := least(greatest(needs::int8 - free, 0), 2147483647);
         -- A parent: within the guarantee of the child below it (`via`'s chain), room is all it
         -- needs; beyond it, or named itself, the room kept for the other active children's
@@ -92,7 +89,11 @@ BEGIN
                             WHERE x.depth = named.depth - 1);
             within_guarantee := needs <= greatest(child.guarantee - child.used, 0);
         END IF;
-        SELECT nullif(coalesce(sum(greatest(c.guarantee - c.used, 0)), 0), 0) INTO kept
+        SELECT nullif(coalesce(sum(greatest(c.guarantee - c.used, 0)), 0), 0),
+               string_agg(format('%s (%s of its %s unused)', c.name, greatest(c.guarantee - c.used, 0),
+                                 c.guarantee), ', ' ORDER BY c.name)
+                   FILTER (WHERE c.guarantee > c.used)
+        INTO kept, kept_for
         FROM permitq.semaphore c
         WHERE c.parent = s.name AND c.guarantee > 0 AND c.name IS DISTINCT FROM child.name
           AND NOT c.is_template
@@ -157,10 +158,11 @@ BEGIN
                                  CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END)
                      ELSE format('parent: it fits within the guarantee of %s (%s)', child.name, child.guarantee) END
             WHEN kept > 0 AND shortfall > 0 THEN
-                format('parent: %s of the %s free are kept for the guarantees of its other active children; %s, so %s more %s must be released here first',
-                       least(kept, free), free,
+                -- The arithmetic spelled out: the free room beyond what is kept is the borrower's.
+                format('parent: %s; %s of its room %s kept for the guarantees of its other active children: %s. %s needed + %s kept - %s free = %s more %s must be released here first',
                        CASE WHEN child.name IS NULL THEN 'a request naming the parent itself borrows'
                             ELSE format('%s borrows beyond its guarantee (%s)', child.name, child.guarantee) END,
+                       kept, CASE WHEN kept = 1 THEN 'is' ELSE 'are' END, kept_for, needs, kept, free,
                        shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END)
             WHEN opens_at IS NOT NULL AND shortfall > 0 THEN
                 format('rate limit: its window is spent (%s / %s granted per %s); opens in %s',

@@ -40,6 +40,18 @@ END $$;
 GRANT EXECUTE ON FUNCTION permitq.in_window(permitq.semaphore)
     TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
 
+-- The room a semaphore has: capacity - used + its releases not folded yet (they are as good as
+-- free: the next batch on it folds them first), or what a rate window leaves. Below 0 when a
+-- capacity was lowered below what is held. What a claim looks for (functions/claim.sql), what
+-- `explain` shows as free and what a timeout's detail records (never below 0 there).
+CREATE OR REPLACE FUNCTION permitq.free_room(s permitq.semaphore) RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT CASE WHEN s.per IS NOT NULL THEN s.capacity - permitq.in_window(s)
+                ELSE s.capacity - s.used
+                     + coalesce((SELECT sum(p.count) FROM permitq.pending_release p
+                                 WHERE p.semaphore = s.name), 0) END
+$$;
+
 -- When the window of `s` next has room for one permit: NULL when it has room now or is no rate
 -- limit; else when enough of its oldest buckets have left the window that fewer than
 -- `capacity` permits remain in it (after a capacity was lowered, that may take several).

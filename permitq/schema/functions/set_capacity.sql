@@ -105,3 +105,74 @@ BEGIN
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.set_capacity(text, integer, boolean, interval, integer, text, integer)
     TO permitq_admin;
+
+-- permitq.delete_semaphore: delete a semaphore, template or instance nothing uses, and audit it
+-- (a `deleted` row in permitq.capacity_change with the bounds it had). NULL when there is no such
+-- semaphore. Refused (55006, naming what to do first) while it holds permits or has releases
+-- not folded yet, while requests wait on it (examined or not), while it is a parent, and for a
+-- template while it has instances. Locks: the nesting gate first (tree changes one at a time, as
+-- set_capacity), then the semaphore's row, which a worker deciding a batch on it holds until it
+-- commits: no grant slips in between the checks and the delete. A request submitted after it
+-- fails with unknown_semaphore (naming the nearest names), unless a template makes it again.
+CREATE OR REPLACE FUNCTION permitq.delete_semaphore(name text) RETURNS permitq.semaphore
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+#variable_conflict use_variable
+DECLARE
+    s permitq.semaphore;
+    waiting bigint;
+    names text;
+    n bigint;
+BEGIN
+    LOCK TABLE permitq.nesting_gate IN EXCLUSIVE MODE;
+    SELECT * INTO s FROM permitq.semaphore x WHERE x.name = delete_semaphore.name FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF EXISTS (SELECT 1 FROM permitq.pending_release p WHERE p.semaphore = s.name) THEN
+        RAISE EXCEPTION '% has releases the workers have not folded yet (they do within a second while one runs): try again then', s.name
+            USING ERRCODE = '55006';
+    END IF;
+    IF s.used > 0 THEN
+        RAISE EXCEPTION '% holds % %: release them, or revoke them (`permitq revoke ID`), then delete it (`permitq semaphore show %` lists the holders)',
+            s.name, s.used, CASE WHEN s.used = 1 THEN 'permit' ELSE 'permits' END, s.name
+            USING ERRCODE = '55006';
+    END IF;
+    -- Waiting: examined (the line table) or not yet (their partial index), at most 10000 counted.
+    SELECT count(*) INTO waiting
+    FROM (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = s.id
+          UNION ALL
+          (SELECT 1 FROM permitq.permit_request pr
+           WHERE pr.state = 'new' AND NOT pr.examined AND pr.permits ? s.name
+           LIMIT 10000)) x;
+    IF waiting > 0 THEN
+        RAISE EXCEPTION '% has % % waiting: release (cancel) them or let their wait run out, then delete it (`permitq semaphore show %` lists them)',
+            s.name, waiting, CASE WHEN waiting = 1 THEN 'request' ELSE 'requests' END, s.name
+            USING ERRCODE = '55006';
+    END IF;
+    SELECT count(*), string_agg(c.name, ', ' ORDER BY c.name) INTO n, names
+    FROM (SELECT x.name FROM permitq.semaphore x WHERE x.parent = s.name AND NOT x.is_template
+          ORDER BY x.name LIMIT 10) c;
+    IF n > 0 THEN
+        RAISE EXCEPTION '% is the parent of %: take them out (`permitq semaphore set NAME CAPACITY --no-parent`) or delete them first',
+            s.name, names USING ERRCODE = '55006';
+    END IF;
+    SELECT count(*), string_agg(c.name, ', ' ORDER BY c.name) INTO n, names
+    FROM (SELECT x.name FROM permitq.semaphore x
+          WHERE x.template = s.name OR (x.parent = s.name AND x.is_template)
+          ORDER BY x.name LIMIT 10) c;
+    IF n > 0 THEN
+        RAISE EXCEPTION '% has %: %; delete them first (`permitq semaphore delete NAME`; the workers remove an instance nothing uses after --idle-instance-after)',
+            s.name, CASE WHEN s.is_template THEN 'instances' ELSE 'templates nested in it' END, names
+            USING ERRCODE = '55006';
+    END IF;
+    DELETE FROM permitq.semaphore x WHERE x.id = s.id;
+    -- By the login that asked (session_user): this runs as the schema's owner.
+    INSERT INTO permitq.capacity_change (semaphore, old_capacity, new_capacity, old_fair, new_fair,
+                                         old_parent, new_parent, old_guarantee, new_guarantee,
+                                         old_max_instances, new_max_instances, old_per, new_per,
+                                         changed_by, deleted)
+    VALUES (s.name, s.capacity, s.capacity, s.fair, s.fair, s.parent, s.parent, s.guarantee,
+            s.guarantee, s.max_instances, s.max_instances, s.per, s.per, session_user, true);
+    RETURN s;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.delete_semaphore(text) TO permitq_admin;

@@ -18,7 +18,8 @@ BEGIN
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.take_turn(text) TO permitq_worker, permitq_admin;
 
--- Waiting requests whose `wait` ran out: error_code = 'timeout'. Rows a worker is deciding
+-- Waiting requests whose `wait` ran out: error_code = 'timeout', error_detail where it had no
+-- room (permitq.wait_detail). Rows a worker is deciding
 -- right now are skipped; that worker applies the same deadline itself. Sends their events and
 -- wakes the others (a timed-out head of a fair semaphore no longer holds capacity back).
 CREATE OR REPLACE FUNCTION permitq.sweep_wait_deadlines(batch_size integer) RETURNS integer
@@ -36,7 +37,9 @@ BEGIN
     ),
     failed AS (
         UPDATE permitq.permit_request r
-        SET state = 'error', error_code = 'timeout', settled_at = clock_timestamp()
+        SET state = 'error', error_code = 'timeout', settled_at = clock_timestamp(),
+            -- What held it back, while that can still be read (explain no longer can).
+            error_detail = permitq.completed_error_detail('timeout', permitq.wait_detail(r.permits))
         FROM due WHERE r.id = due.id
         RETURNING r.id
     )

@@ -234,6 +234,8 @@ fn each_failure_names_the_semaphore_and_the_bound_it_hit() {
     fast.fail_fast = true;
     let mut late = cand(4, &[("a", 1)]);
     late.deadline_passed = true;
+    let mut late_with_room = cand(6, &[("b", 1)]);
+    late_with_room.deadline_passed = true;
     let d = decide(
         &s,
         &[
@@ -241,6 +243,7 @@ fn each_failure_names_the_semaphore_and_the_bound_it_hit() {
             cand(2, &[("b", 1), ("a", 4)]),
             fast,
             late,
+            late_with_room,
         ],
     );
     let named = |name: &str| Some(name.to_string());
@@ -271,7 +274,18 @@ fn each_failure_names_the_semaphore_and_the_bound_it_hit() {
             ..ErrorDetail::default()
         }
     );
-    assert!(detail(&d, 4).is_empty(), "a timeout carries no detail");
+    // A timeout: where it had no room when its wait ran out; nothing where it had room.
+    assert_eq!(
+        detail(&d, 4),
+        ErrorDetail {
+            semaphore: named("a"),
+            count: Some(1),
+            capacity: Some(3),
+            free: Some(0),
+            ..ErrorDetail::default()
+        }
+    );
+    assert!(detail(&d, 6).is_empty(), "{:?}", detail(&d, 6));
     assert!(!d.details.contains_key(&5));
 }
 
@@ -459,6 +473,13 @@ proptest! {
                 ),
                 Fail(ErrorCode::NoCapacity) => prop_assert!(
                     names(&detail.semaphore) && detail.free.is_some() && detail.count.is_some(),
+                    "{:?}", detail
+                ),
+                // Where it did not fit, or nothing when it fitted everywhere.
+                Fail(ErrorCode::Timeout) => prop_assert!(
+                    detail.is_empty()
+                        || (names(&detail.semaphore) && detail.free.is_some()
+                            && detail.count.is_some()),
                     "{:?}", detail
                 ),
                 Fail(ErrorCode::TooManyInstances) => prop_assert!(names(&detail.semaphore)),

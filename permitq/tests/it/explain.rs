@@ -236,11 +236,15 @@ async fn explain_shows_the_parents_and_the_room_kept_for_guarantees() {
         Some(1),
         "the one free permit is kept: one more must be released"
     );
+    // The arithmetic is spelled out, and the child the room is kept for is named.
     assert!(
-        pool.reason.contains("kept for the guarantees")
+        pool.reason.contains("b borrows beyond its guarantee (0)")
             && pool
                 .reason
-                .ends_with("so 1 more permit must be released here first"),
+                .contains("for the guarantees of its other active children: a (1 of its 2 unused)")
+            && pool.reason.ends_with(
+                "1 needed + 1 kept - 1 free = 1 more permit must be released here first"
+            ),
         "{}",
         pool.reason
     );
