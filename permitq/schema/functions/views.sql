@@ -74,17 +74,27 @@ WHERE r.state = 'acquired'
 -- the request first in line by priority and aging (permitq.rule_place_in_line, the rule of
 -- functions/queue_order.sql), then by id. On a fair semaphore only backfill that leaves the
 -- head's room goes before it; a greedy one grants whatever fits.
--- (Positions are counted among every waiter, then a producer's own are kept.)
+-- A semaphore's line, as the workers and permitq.first_waiters see it: the requests a worker
+-- examined there (permitq.waiter, on a parent also those waiting below it, with what they take
+-- from it), and the requests no worker has examined yet that name it.
+-- (Positions are counted among every waiter, then a producer's own are kept.) Cost: filtered by
+-- semaphore, that semaphore's line (waiter_line_idx) and the unexamined requests; never the
+-- rest of the backlog.
 CREATE OR REPLACE VIEW permitq.waiters WITH (security_barrier = true) AS
 SELECT w.semaphore, w.external_id, w.owner, w.count, w.position, w.waiting_since, w.deadline,
        w.priority
-FROM (SELECT e.key AS semaphore, r.external_id, r.owner, e.value::int AS count,
-             row_number() OVER (PARTITION BY e.key
+FROM (SELECT l.semaphore, r.external_id, r.owner, l.count,
+             row_number() OVER (PARTITION BY l.semaphore
                                 ORDER BY permitq.rule_place_in_line(r.priority, r.created_at) DESC, r.id)
                  AS position,
              r.created_at AS waiting_since, r.wait_until AS deadline, r.priority, r.submitted_by
-      FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
-      WHERE r.state = 'new') w
+      FROM (SELECT s.name AS semaphore, wt.request_id, wt.count
+            FROM permitq.waiter wt JOIN permitq.semaphore s ON s.id = wt.semaphore_id
+            UNION ALL
+            SELECT e.key, u.id, e.value::int
+            FROM permitq.permit_request u CROSS JOIN LATERAL jsonb_each(u.permits) e
+            WHERE u.state = 'new' AND NOT u.examined) l
+      JOIN permitq.permit_request r ON r.id = l.request_id AND r.state = 'new') w
 WHERE permitq.may_read(w.submitted_by);
 
 -- The first `n` (at most 1000) waiters of semaphore `name` in line order, as `waiters` ranks

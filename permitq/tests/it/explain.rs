@@ -249,6 +249,21 @@ async fn explain_shows_the_parents_and_the_room_kept_for_guarantees() {
         pool.reason
     );
     assert_eq!(pool.position, Some(1), "it is in the pool's line too");
+    // The waiters view and first_waiters list the same line: on a parent, what waits below it.
+    let conn = db.conn().await;
+    for query in [
+        "SELECT external_id, position, count FROM permitq.waiters WHERE semaphore = 'pool'",
+        "SELECT external_id, position, count FROM permitq.first_waiters('pool', 10)",
+    ] {
+        let line: Vec<(String, i64, i32)> = conn
+            .query(query, &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .collect();
+        assert_eq!(line, [("b2".to_string(), 1, 1)], "{query}");
+    }
     let usage = client.usage().await.unwrap();
     let waiting = |name: &str| usage.iter().find(|u| u.name == name).unwrap().waiting;
     assert_eq!(
