@@ -379,6 +379,28 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                     String::new()
                 }
             );
+            // What the one line does not say: a change that will not last, or revokes nothing.
+            if let Some(template) = &s.template {
+                errln!(
+                    "permitq: {} is an instance of template {template}: the template's next change \
+                     (`permitq semaphore set {} ...`) sets it again",
+                    s.name,
+                    crate::show::quoted_name(template)
+                );
+            }
+            if s.per.is_none() && s.used > s.capacity {
+                errln!(
+                    "permitq: {} {} held (or released and not yet counted back), more than the \
+                     new capacity {}: nothing is revoked; new grants wait until fewer are held",
+                    s.used,
+                    if s.used == 1 {
+                        "permit is"
+                    } else {
+                        "permits are"
+                    },
+                    s.capacity
+                );
+            }
         }
         SemaphoreCommand::List { json } => {
             let list = client.semaphores().await?;
@@ -391,7 +413,11 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                         .map(|o| format!("  {o}"))
                         .unwrap_or_default();
                     if let Some(per) = s.per {
-                        kind.push_str(&format!("  per {}", humantime::format_duration(per)));
+                        // Its capacity bounds grants per window; `used` still counts holders.
+                        kind.push_str(&format!(
+                            "  per {} (capacity: grants per window)",
+                            humantime::format_duration(per)
+                        ));
                     }
                     if let Some(parent) = &s.parent {
                         kind.push_str(&format!("  under {parent}"));

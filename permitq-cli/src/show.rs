@@ -403,8 +403,10 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
             s.semaphore, s.needs
         ));
         lines.push(format!("  {}", s.reason));
-        // A spent window waits for time, not for its holders: they are not the answer.
-        if !s.holders.is_empty() && !window {
+        // A spent window waits for time, not for its holders; where it fits, its holders are not
+        // what it waits for: neither is the answer.
+        let short = s.shortfall.unwrap_or(0) > 0;
+        if !s.holders.is_empty() && !window && short {
             let holders: Vec<String> = s
                 .holders
                 .iter()
@@ -421,8 +423,10 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
             lines.push(format!("  held by {}", holders.join(", ")));
         }
         // Holders without a lease end only by a release: no estimate says when.
-        let unleased =
-            !window && !s.holders.is_empty() && s.holders.iter().all(|h| h.expires_at.is_none());
+        let unleased = !window
+            && short
+            && !s.holders.is_empty()
+            && s.holders.iter().all(|h| h.expires_at.is_none());
         if unleased {
             lines.push(
                 "  its holders have no lease: it waits until one releases (`permitq release ID` \

@@ -9,6 +9,12 @@ use tokio_postgres::{Config, NoTls, Row};
 use crate::error::{Error, Result};
 use crate::types::{CapacityChange, PermitRequest, Semaphore};
 
+/// What to do when a URL or a server asks for TLS: permitq connects without it.
+pub(crate) const TLS_NOT_SPOKEN: &str =
+    "permitq connects without TLS (sslmode disable or prefer): take sslmode=require or verify-* \
+     out of the URL, or let the server accept unencrypted connections from here (a `host` line \
+     in pg_hba.conf, not `hostssl`), on a network you trust or through a TLS tunnel";
+
 /// Parses a `postgres://` URL or `key=value` connection string.
 ///
 /// Unless the URL sets them, connections use TCP keepalives (idle 10 s, then every 5 s, 3
@@ -19,21 +25,24 @@ use crate::types::{CapacityChange, PermitRequest, Semaphore};
 /// connected. A URL without a host (`postgres:///app`) uses the local server's Unix socket, and
 /// one without a password takes `PGPASSWORD` when it is set. A
 /// URL that does not parse is invalid input (field `database URL`).
-/// What to do when a URL or a server asks for TLS: permitq connects without it.
-pub(crate) const TLS_NOT_SPOKEN: &str =
-    "permitq connects without TLS (sslmode disable or prefer): take sslmode=require or verify-* \
-     out of the URL, or let the server accept unencrypted connections from here (a `host` line \
-     in pg_hba.conf, not `hostssl`), on a network you trust or through a TLS tunnel";
-
 pub(crate) fn parse_config(url: &str) -> Result<Config> {
     let mut config = url.parse::<Config>().map_err(|e| {
         if url.contains("sslmode=verify") {
             return Error::invalid("database URL", format!("{e}: {TLS_NOT_SPOKEN}"));
         }
+        // What was wrong in it: another scheme, or an unknown option or a bad value
+        // (tokio-postgres says which in the error's source).
+        let what = match (url.split_once("://"), std::error::Error::source(&e)) {
+            (Some((scheme, _)), _) if !matches!(scheme, "postgres" | "postgresql") => {
+                format!(" ({scheme}:// is not PostgreSQL's scheme: use postgres://)")
+            }
+            (_, Some(cause)) => format!(" ({cause})"),
+            _ => String::new(),
+        };
         Error::invalid(
             "database URL",
             format!(
-                "{e}: expected postgres://user[:password]@host[:port]/database (e.g. \
+                "{e}{what}: expected postgres://user[:password]@host[:port]/database (e.g. \
                      postgres://app@localhost:5432/app, or postgres:///app for the local \
                      socket), or key=value pairs (host=localhost dbname=app user=app)"
             ),

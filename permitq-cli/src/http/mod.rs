@@ -289,7 +289,19 @@ fn router(state: State) -> Router {
         .route("/api/semaphores/{name}", get(api::semaphore))
         .route("/api/requests/{external_id}/explain", get(api::explain))
         .fallback(no_such_path)
+        .method_not_allowed_fallback(only_get)
         .with_state(state)
+}
+
+/// Another method than GET on a path there is: 405, saying why.
+async fn only_get() -> Response {
+    (
+        StatusCode::METHOD_NOT_ALLOWED,
+        [(header::ALLOW, "GET, HEAD")],
+        "only GET is served here: permitq's HTTP API is read-only (change things with the CLI \
+         or the SQL API)\n",
+    )
+        .into_response()
 }
 
 /// Any other path: 404, with the paths there are (under `/api/`, as the API's JSON errors).

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::Mutex;
@@ -23,6 +24,14 @@ impl<T: Clone> Reused<T> {
         }
     }
 
+    /// Whether it holds an answer younger than the period (or is being read right now).
+    fn is_fresh(&self) -> bool {
+        self.last.try_lock().map_or(true, |last| {
+            last.as_ref()
+                .is_some_and(|(at, _)| at.elapsed() < self.period)
+        })
+    }
+
     /// The last answer if it is fresh, else `read`'s (callers meanwhile wait for it).
     pub(super) async fn get<F: Future<Output = T>>(&self, read: impl FnOnce() -> F) -> T {
         let mut last = self.last.lock().await;
@@ -37,11 +46,12 @@ impl<T: Clone> Reused<T> {
     }
 }
 
-/// One answer per key (a semaphore's name), each as [`Reused`]; answers older than the period
-/// are dropped at every read, so only keys asked for lately are kept.
+/// One answer per key (a semaphore's name), each a [`Reused`] of its own: reads of one key are
+/// shared, reads of different keys run side by side (the server's request limit bounds them).
+/// Answers past the period are dropped at every lookup, so only keys asked for lately are kept.
 pub(super) struct ReusedByKey<T> {
     period: Duration,
-    answers: Mutex<HashMap<String, (Instant, T)>>,
+    answers: std::sync::Mutex<HashMap<String, Arc<Reused<T>>>>,
 }
 
 impl<T: Clone> ReusedByKey<T> {
@@ -49,25 +59,27 @@ impl<T: Clone> ReusedByKey<T> {
     pub(super) fn new(period: Duration) -> Self {
         Self {
             period,
-            answers: Mutex::new(HashMap::new()),
+            answers: std::sync::Mutex::new(HashMap::new()),
         }
     }
 
-    /// `key`'s last answer if it is fresh, else `read`'s. Reads of different keys take turns:
-    /// the whole API reads the database one answer at a time.
+    /// `key`'s last answer if it is fresh, else `read`'s (callers of the same key meanwhile
+    /// wait for it; other keys do not).
     pub(super) async fn get<F: Future<Output = T>>(
         &self,
         key: &str,
         read: impl FnOnce() -> F,
     ) -> T {
-        let mut answers = self.answers.lock().await;
-        answers.retain(|_, (at, _)| at.elapsed() < self.period);
-        if let Some((_, answer)) = answers.get(key) {
-            return answer.clone();
-        }
-        let answer = read().await;
-        answers.insert(key.to_string(), (Instant::now(), answer.clone()));
-        answer
+        let reused = {
+            let mut answers = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+            // Kept: those being read or waited on, and fresh answers.
+            answers.retain(|_, r| Arc::strong_count(r) > 1 || r.is_fresh());
+            answers
+                .entry(key.to_string())
+                .or_insert_with(|| Arc::new(Reused::new(self.period)))
+                .clone()
+        };
+        reused.get(read).await
     }
 }
 
@@ -75,7 +87,6 @@ impl<T: Clone> ReusedByKey<T> {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
 
     #[tokio::test]
     async fn callers_within_the_period_share_one_read() {
@@ -110,6 +121,6 @@ mod tests {
         let by_key = ReusedByKey::new(Duration::ZERO);
         by_key.get("a", || async { 1 }).await;
         by_key.get("b", || async { 2 }).await;
-        assert_eq!(by_key.answers.lock().await.len(), 1, "a was dropped");
+        assert_eq!(by_key.answers.lock().unwrap().len(), 1, "a was dropped");
     }
 }

@@ -312,6 +312,25 @@ fn a_malformed_url_shows_the_form_expected() {
         "{}",
         stderr(&o)
     );
+    // What in it was wrong is named.
+    for (url, named) in [
+        (
+            "postgres:///app?sslmod=require",
+            "(unknown option `sslmod`)",
+        ),
+        (
+            "postgres:///app?port=abc",
+            "(invalid value for option `port`)",
+        ),
+        (
+            "mysql://localhost/app",
+            "(mysql:// is not PostgreSQL's scheme: use postgres://)",
+        ),
+    ] {
+        let o = permitq(Some(url), &["status", "x"]);
+        assert_eq!(code(&o), 2, "{}", stderr(&o));
+        assert!(stderr(&o).contains(named), "{url}: {}", stderr(&o));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -837,6 +856,29 @@ async fn explain_of_a_wait_on_holders_without_a_lease_says_only_a_release_ends_i
             && !text.contains("estimated wait"),
         "{text}"
     );
+    // Where it fits, the holders there are not what it waits for: they are not named.
+    run(url, &["semaphore", "set", "room", "4"]).await;
+    let o = run(url, &["submit", "roomy", "room=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    run(url, &["submit", "both", "room=1", "gpu=1"]).await;
+    wait_until(SOON, "both examined", || async {
+        client
+            .explain("both")
+            .await
+            .unwrap()
+            .is_some_and(|e| e.semaphores.iter().all(|s| s.position.is_some()))
+    })
+    .await;
+    let text = stdout(&run(url, &["explain", "both"]).await);
+    assert!(
+        text.contains("held by forever (1 for ") && !text.contains("held by roomy"),
+        "{text}"
+    );
+    assert_eq!(
+        text.matches("its holders have no lease").count(),
+        1,
+        "{text}"
+    );
     worker.stop().await;
 }
 
@@ -881,6 +923,24 @@ async fn small_answers_name_what_to_do() {
     assert!(
         stderr(&o).contains("gpu holds permits or has waiters (used 1, 0 waiting)")
             && stderr(&o).contains("`permitq semaphore show gpu` lists the holders and waiters"),
+        "{}",
+        stderr(&o)
+    );
+    // Lowering below what is held says that nothing is revoked.
+    let o = run(url, &["semaphore", "set", "gpu", "0"]).await;
+    assert!(
+        stderr(&o).contains("1 permit is held (or released and not yet counted back), more than the new capacity 0: nothing is revoked"),
+        "{}",
+        stderr(&o)
+    );
+    run(url, &["semaphore", "set", "gpu", "4"]).await;
+    // A change to an instance says that its template's next change sets it again.
+    run(url, &["semaphore", "set", "inst-*", "2"]).await;
+    let o = run(url, &["submit", "i-1", "inst-1=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    let o = run(url, &["semaphore", "set", "inst-1", "3"]).await;
+    assert!(
+        stderr(&o).contains("inst-1 is an instance of template inst-*: the template's next change (`permitq semaphore set 'inst-*' ...`) sets it again"),
         "{}",
         stderr(&o)
     );
@@ -962,6 +1022,18 @@ async fn a_semaphore_nothing_uses_can_be_deleted_and_its_history_says_so() {
     run(url, &["release", "l-1"]).await;
     let o = run(url, &["semaphore", "delete", "lab-*"]).await;
     refused(&o, "lab-* has instances: lab-1; delete them first");
+    // A rate limit whose window holds grants: deleting it would let them be granted again.
+    run(url, &["semaphore", "set", "rl", "2", "--per", "1h"]).await;
+    let o = run(url, &["submit", "r-1", "rl=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    run(url, &["release", "r-1"]).await;
+    wait_until(SOON, "r-1's release folded", || async {
+        let o = run(url, &["semaphore", "delete", "rl"]).await;
+        stderr(&o).contains("rl granted 1 in its 1h rate window")
+    })
+    .await;
+    let o = run(url, &["semaphore", "delete", "rl"]).await;
+    refused(&o, "try again once the window has no grants (in ");
     // A producer may not.
     let producer = db.login("permitq_producer").await;
     let o = run(&producer, &["semaphore", "delete", "team"]).await;

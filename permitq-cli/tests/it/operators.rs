@@ -751,16 +751,23 @@ async fn the_api_explains_a_request_and_answers_404_with_a_reason_for_an_unknown
     })
     .await
     .unwrap();
-    let (status, body, typo, page_typo) = tokio::task::spawn_blocking(move || {
+    let (status, body, typo, page_typo, post) = tokio::task::spawn_blocking(move || {
         (
             get(addr, "/api/requests/train-3/explain"),
             get(addr, "/api/requests/nope/explain"),
             get(addr, "/api/semaphore/gpu"),
             get(addr, "/metric"),
+            request(addr, "POST", "/api/semaphores", Some("{}")),
         )
     })
     .await
     .unwrap();
+    assert_eq!(post.0, 405);
+    assert!(
+        post.1.contains("permitq's HTTP API is read-only"),
+        "{}",
+        post.1
+    );
     // A path that is not there says which are.
     let typo_body: serde_json::Value = serde_json::from_str(&typo.1).unwrap();
     assert_eq!(typo.0, 404);

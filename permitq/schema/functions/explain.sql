@@ -141,10 +141,9 @@ BEGIN
             FROM (SELECT pr.permits FROM permitq.permit_request pr
                   WHERE pr.state = 'new' AND NOT pr.examined
                     AND permitq.rule_place_in_line(pr.priority, pr.created_at) >= place
-                    AND pr.id <> r.id
+                    AND pr.id <> r.id AND pr.permits ? s.name
                   ORDER BY permitq.rule_place_in_line(pr.priority, pr.created_at) DESC
-                  LIMIT 10000) u
-            WHERE u.permits ? s.name;
+                  LIMIT 10000) u;
             "position" := ahead_count + 1;
         END IF;
 

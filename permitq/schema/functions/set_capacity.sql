@@ -109,8 +109,8 @@ GRANT EXECUTE ON FUNCTION permitq.set_capacity(text, integer, boolean, interval,
 -- permitq.delete_semaphore: delete a semaphore, template or instance nothing uses, and audit it
 -- (a `deleted` row in permitq.capacity_change with the bounds it had). NULL when there is no such
 -- semaphore. Refused (55006, naming what to do first) while it holds permits or has releases
--- not folded yet, while requests wait on it (examined or not), while it is a parent, and for a
--- template while it has instances. Locks: the nesting gate first (tree changes one at a time, as
+-- not folded yet, while its rate window holds grants, while requests wait on it (examined or
+-- not), while it is a parent, and for a template while it has instances. Locks: the nesting gate first (tree changes one at a time, as
 -- set_capacity), then the semaphore's row, which a worker deciding a batch on it holds until it
 -- commits: no grant slips in between the checks and the delete. A request submitted after it
 -- fails with unknown_semaphore (naming the nearest names), unless a template makes it again.
@@ -135,6 +135,16 @@ BEGIN
     IF s.used > 0 THEN
         RAISE EXCEPTION '% holds % %: release them, or revoke them (`permitq revoke ID`), then delete it (`permitq semaphore show %` lists the holders)',
             s.name, s.used, CASE WHEN s.used = 1 THEN 'permit' ELSE 'permits' END, s.name
+            USING ERRCODE = '55006';
+    END IF;
+    -- A rate limit's window lives with it: deleting it early would let a new one grant the
+    -- window's permits again (a template's instance is made again by any request).
+    IF s.per IS NOT NULL AND permitq.in_window(s) > 0 THEN
+        RAISE EXCEPTION '% granted % in its % rate window: deleting it would let the window''s grants be made again; try again once the window has no grants (in %)',
+            s.name, permitq.in_window(s), permitq.human_duration(s.per),
+            coalesce(permitq.human_duration(
+                (SELECT max(b.ends_at) FROM permitq.rate_bucket b WHERE b.semaphore_id = s.id)
+                + s.per - now()), 'a moment')
             USING ERRCODE = '55006';
     END IF;
     -- Waiting: examined (the line table) or not yet (their partial index), at most 10000 counted.

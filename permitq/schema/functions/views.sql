@@ -102,7 +102,8 @@ WHERE permitq.may_read(w.submitted_by);
 -- them (its line). A producer sees its own (positions counted among all). What `semaphore show`,
 -- `top` and the HTTP API list. Cost: per priority level of its line the first `n` (a loose
 -- index scan of waiter_line_idx), and among the requests no worker has examined yet the best
--- placed 10000 (permit_request_unexamined_place_idx): never the whole backlog.
+-- placed 10000 naming it (permit_request_unexamined_place_idx, read until they are found: the
+-- workers keep that backlog short): never the examined backlog.
 CREATE OR REPLACE FUNCTION permitq.first_waiters(name text, n integer)
 RETURNS TABLE (semaphore text, external_id text, owner text, count integer, "position" bigint,
                waiting_since timestamptz, deadline timestamptz, priority smallint)
@@ -118,12 +119,12 @@ SET enable_seqscan = off AS $$
             ORDER BY wt.semaphore_id, wt.priority DESC, wt.created_at, wt.request_id
             LIMIT least(first_waiters.n, 1000)) w
         UNION ALL
+        -- Those naming it, filtered before the limit (a backlog elsewhere leaves none out).
         SELECT u.id, (u.permits ->> first_waiters.name)::int
         FROM (SELECT r.id, r.permits FROM permitq.permit_request r
-              WHERE r.state = 'new' AND NOT r.examined
+              WHERE r.state = 'new' AND NOT r.examined AND r.permits ? first_waiters.name
               ORDER BY permitq.rule_place_in_line(r.priority, r.created_at) DESC
               LIMIT 10000) u
-        WHERE u.permits ? first_waiters.name
     ),
     ranked AS (
         SELECT r.external_id, r.owner, line.count, r.created_at, r.wait_until, r.priority,
