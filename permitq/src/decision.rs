@@ -49,7 +49,7 @@ use crate::types::ErrorCode;
 /// A request's place in line: compares as "ahead" (less) when its effective priority is higher,
 /// or equal and its id lower.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Rank {
+pub struct Rank {
     /// `priority × AGING_STEP − created_at`, in µs: higher is ahead.
     pub effective: i64,
     /// The request's id (FIFO among equals).
@@ -74,7 +74,7 @@ impl PartialOrd for Rank {
 /// A semaphore's head: the waiting request first in line there, that a fair semaphore keeps
 /// room for (or a candidate for that place).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Head {
+pub struct Head {
     /// The request's id (its FIFO position).
     pub request_id: i64,
     /// Its count on this semaphore.
@@ -85,7 +85,7 @@ pub(crate) struct Head {
 
 impl Head {
     /// Its place in line.
-    pub(crate) fn rank(&self) -> Rank {
+    pub fn rank(&self) -> Rank {
         Rank {
             effective: self.effective,
             id: self.request_id,
@@ -95,7 +95,7 @@ impl Head {
 
 /// A locked semaphore, as the decision sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct SemaphoreView {
+pub struct SemaphoreView {
     /// Capacity now.
     pub capacity: i64,
     /// Held now. May exceed capacity after the capacity was lowered.
@@ -123,7 +123,7 @@ impl SemaphoreView {
 
 /// A claimed request.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Candidate {
+pub struct Candidate {
     /// Request id.
     pub id: i64,
     /// Its effective priority (see [`Rank`]); candidates come in [`Rank`] order.
@@ -140,7 +140,7 @@ pub(crate) struct Candidate {
 
 /// What happens to one candidate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Verdict {
+pub enum Verdict {
     /// Granted on all its semaphores.
     Grant,
     /// Ends in `error` with this code.
@@ -151,7 +151,7 @@ pub(crate) enum Verdict {
 
 /// The outcome of [`decide`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Decision {
+pub struct Decision {
     /// One verdict per candidate, in candidate order.
     pub verdicts: Vec<(i64, Verdict)>,
     /// The semaphores after the grants (`used` updated).
@@ -186,7 +186,7 @@ impl Candidate {
 
 /// What granting `c` takes: its count on each semaphore it names and on each of their
 /// ancestors, summed per semaphore. `None` when one of them is missing.
-pub(crate) fn charges(
+pub fn charges(
     c: &Candidate,
     sems: &BTreeMap<String, SemaphoreView>,
 ) -> Option<BTreeMap<String, i64>> {
@@ -274,10 +274,7 @@ struct Batch<'a> {
 }
 
 /// Decides a batch. `candidates` must be in [`Rank`] order (first in line first).
-pub(crate) fn decide(
-    semaphores: &BTreeMap<String, SemaphoreView>,
-    candidates: &[Candidate],
-) -> Decision {
+pub fn decide(semaphores: &BTreeMap<String, SemaphoreView>, candidates: &[Candidate]) -> Decision {
     debug_assert!(
         candidates.windows(2).all(|w| w[0].rank() < w[1].rank()),
         "candidates out of order"

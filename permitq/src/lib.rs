@@ -25,6 +25,7 @@
 //! | [`PRIORITY_RANGE`], [`AGING_STEP`], [`MAX_DURATION`], [`MAX_NAME_LENGTH`], [`MAX_SEMAPHORES_PER_REQUEST`], [`MAX_INSTANCES`], [`MAX_NESTING_DEPTH`], [`NOTIFY_QUEUE_LIMIT`] | the bounds and rules the schema shares, stated once |
 //! | [`DURABILITY_BARRIER`] | the statement that confirms an outcome you read has reached the synchronous standby (for SQL clients and raw listeners; [`Client`] runs it itself) |
 //! | [`migrate`] | the embedded schema: versioned migrations and schema files, applied by checksum |
+//! | [`decision_model`] | the pure grant decision the workers run, for the protocol's model checker (not a stable interface) |
 //! | [`Error`], [`Result`], [`SqlState`], [`UnknownValue`] | one opaque error that tells you its SQLSTATE and whether to retry; a string that names no enum value |
 //!
 //! ```no_run
@@ -87,6 +88,15 @@ pub use types::{
 };
 pub use usage::{Holder, SemaphoreUsage, Waiter};
 pub use worker::{Worker, WorkerConfig, WorkerHealth};
+
+/// The grant decision the workers run, a pure function: exposed for the protocol's model
+/// (`permitq-model`, which checks every interleaving of workers, holders, sweeps and failover
+/// around this very function) and for anyone who wants to test it. Not a stable interface.
+pub mod decision_model {
+    pub use crate::decision::{
+        charges, decide, Candidate, Decision, Head, Rank, SemaphoreView, Verdict,
+    };
+}
 
 /// The README's Rust example, compiled with the doctests (`no_run`: it needs a database).
 #[cfg(doctest)]

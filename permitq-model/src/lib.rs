@@ -1,0 +1,939 @@
+//! The grant protocol as a state machine, checked exhaustively with [stateright].
+//!
+//! Every step the database lets happen in any order is an action here: producers submitting,
+//! cancelling and releasing; leases running out (the sweep); each worker claiming a batch,
+//! locking its semaphores (and folding their releases), deciding and applying, and committing,
+//! each step interleavable with the others and a crash possible between any two (the worker's
+//! transaction rolls back; its token draws do not); a capacity change; and a failover, with a
+//! synchronous standby (nothing committed lost) or an asynchronous one (the last commit lost),
+//! each followed by the token epoch raise. The decision is permitq's own
+//! [`decide`](permitq::decision_model::decide): the model checks the code that decides, not a
+//! re-statement of it.
+//!
+//! Two lock modes: [`LockMode::Wait`], the path the workers run today (a batch's semaphores
+//! locked `FOR UPDATE` in id order: a worker waits for another's batch), and
+//! [`LockMode::SkipLocked`], the rebuilt path's design (docs/design.md, "The grant path,
+//! rebuilt": a request naming a semaphore another worker holds is left for that worker).
+//!
+//! The properties are in [`GrantProtocol::properties`](stateright::Model::properties); the
+//! bounds, the states explored and the time are in this crate's README.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use permitq::decision_model::{decide, Candidate, Head, SemaphoreView, Verdict};
+use stateright::{Model, Property};
+
+/// A semaphore of the model.
+#[derive(Debug, Clone)]
+pub struct SemaphoreSpec {
+    /// Its name.
+    pub name: &'static str,
+    /// Its capacity at the start.
+    pub capacity: i64,
+    /// Its parent (an index into the semaphores, before it).
+    pub parent: Option<usize>,
+    /// Its guaranteed share of the parent while active.
+    pub guarantee: i64,
+}
+
+/// How a worker locks its batch's semaphores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockMode {
+    /// `FOR UPDATE` in id order: a worker waits until every semaphore of its batch is free.
+    Wait,
+    /// `FOR UPDATE SKIP LOCKED`: a worker locks what is free, and leaves the requests that take
+    /// from a semaphore another worker holds.
+    SkipLocked,
+}
+
+/// What a failover loses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replication {
+    /// Commits wait for the standby: the promoted standby has every commit.
+    Synchronous,
+    /// The promoted standby may miss the last commit (and the sequence's last draws).
+    Asynchronous,
+}
+
+/// A bug planted on purpose, to prove that the properties catch it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plant {
+    /// A failover does not raise the token epoch.
+    NoEpochRaise,
+    /// The commit does not delete the releases the lock step folded.
+    ReleasesFoldedTwice,
+    /// The claim takes rows another worker's transaction holds (no `SKIP LOCKED`).
+    ClaimLockedRows,
+    /// With `SkipLocked`, requests that take from a skipped semaphore are decided anyway.
+    DecideWithoutLocks,
+    /// The decision is not told the heads of the lines (the waiters outside its batch).
+    NoHeads,
+}
+
+/// The protocol and its bounds.
+#[derive(Debug, Clone)]
+pub struct GrantProtocol {
+    /// The semaphores (a parent before its children).
+    pub semaphores: Vec<SemaphoreSpec>,
+    /// Each request's permits: semaphore index → count.
+    pub requests: Vec<Vec<(usize, i64)>>,
+    /// How many workers run.
+    pub workers: usize,
+    /// How many worker crashes may happen.
+    pub crashes: u8,
+    /// A capacity change that may happen once: semaphore index, new capacity.
+    pub capacity_change: Option<(usize, i64)>,
+    /// A failover that may happen once.
+    pub failover: Option<Replication>,
+    /// How workers lock.
+    pub lock_mode: LockMode,
+    /// A planted bug, or none.
+    pub plant: Option<Plant>,
+}
+
+/// Where a request is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RequestState {
+    /// Not submitted (yet, or its submit was lost in an asynchronous failover).
+    Unsubmitted,
+    /// Waiting.
+    New,
+    /// Granted.
+    Acquired,
+    /// Given back (released, or its lease ran out).
+    Released,
+    /// Never granted, with its error code.
+    Error(&'static str),
+}
+
+/// A request's row.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RequestRow {
+    /// Its state.
+    pub state: RequestState,
+    /// A worker decided it and left it waiting (it has waiter rows: it is in its lines).
+    pub examined: bool,
+    /// Its fencing token, once granted.
+    pub token: Option<u64>,
+    /// What its grant took: semaphore index → count (what it names and every ancestor).
+    pub charged: Vec<(usize, i64)>,
+}
+
+/// A semaphore's row.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SemaphoreRow {
+    /// Its capacity.
+    pub capacity: i64,
+    /// The workers' count: permits held plus releases not folded yet.
+    pub used: i64,
+    /// Releases not folded yet (`pending_release`).
+    pub pending: i64,
+}
+
+/// The database: what is committed on the primary.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Database {
+    /// One row per request.
+    pub requests: Vec<RequestRow>,
+    /// One row per semaphore.
+    pub semaphores: Vec<SemaphoreRow>,
+    /// The fencing token sequence (not transactional: a rolled-back draw is not given back).
+    pub sequence: u64,
+    /// The token epoch, raised on a new timeline.
+    pub epoch: u64,
+    /// Every committed grant, in commit order: request index and token.
+    pub grants: Vec<(usize, u64)>,
+}
+
+/// A worker's open transaction.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// No transaction.
+    Idle,
+    /// Claimed these requests (their rows locked).
+    Claimed(Vec<usize>),
+    /// Locked these semaphores (folding these releases: semaphore index → count) and will
+    /// decide these of its claimed requests (the others take from a semaphore it skipped).
+    Locked {
+        /// Every claimed request (row-locked until the commit).
+        claimed: Vec<usize>,
+        /// Those it decides.
+        decided: Vec<usize>,
+        /// The semaphores it locked.
+        locked: Vec<usize>,
+        /// The releases it folds.
+        folded: Vec<(usize, i64)>,
+    },
+    /// Applied the decision; the commit is next.
+    Applied {
+        /// Every claimed request.
+        claimed: Vec<usize>,
+        /// The semaphores it locked.
+        locked: Vec<usize>,
+        /// The releases it folds.
+        folded: Vec<(usize, i64)>,
+        /// Each decided request's new row.
+        outcomes: Vec<(usize, RequestRow)>,
+        /// Each locked semaphore's `used` after the grants.
+        used: Vec<(usize, i64)>,
+    },
+}
+
+/// A state of the whole system.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SystemState {
+    /// What the primary has committed.
+    pub db: Database,
+    /// The database before its last commit: what an asynchronous standby may have.
+    pub before_last_commit: Option<Box<Database>>,
+    /// Each worker's transaction.
+    pub workers: Vec<Phase>,
+    /// Crashes still allowed.
+    pub crashes_left: u8,
+    /// Whether the capacity change may still happen.
+    pub capacity_change_left: bool,
+    /// Whether the failover may still happen.
+    pub failover_left: bool,
+    /// The highest token ever drawn, by any copy (lost ones included).
+    pub highest_token_drawn: u64,
+    /// The first broken rule a step saw, if any.
+    pub violation: Option<String>,
+    /// What happened, for the "sometimes" properties.
+    pub seen: Seen,
+}
+
+/// Interesting things that happened, so that no property holds vacuously.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Seen {
+    /// A request was left waiting, and granted later.
+    pub waited_then_granted: bool,
+    /// A grant borrowed at a parent.
+    pub borrowed: bool,
+    /// A worker skipped a semaphore another held.
+    pub skipped: bool,
+    /// A worker crashed after applying its decision.
+    pub crashed_after_apply: bool,
+    /// A grant committed after a failover.
+    pub granted_after_failover: bool,
+    /// Two workers held open batches at once.
+    pub concurrent_batches: bool,
+    /// A failover happened.
+    pub failed_over: bool,
+}
+
+/// A step.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// A producer submits request `r` (again, after an asynchronous failover lost it).
+    Submit(usize),
+    /// Its producer releases request `r` (it holds it).
+    Release(usize),
+    /// Its producer cancels request `r` while it waits (or its wait runs out: the same step).
+    Cancel(usize),
+    /// Request `r`'s lease runs out and the sweep releases it.
+    Expire(usize),
+    /// Worker `w` claims its batch.
+    Claim(usize),
+    /// Worker `w` locks its batch's semaphores and folds their releases.
+    Lock(usize),
+    /// Worker `w` decides (permitq's `decide`) and applies.
+    Apply(usize),
+    /// Worker `w` commits.
+    Commit(usize),
+    /// Worker `w` crashes: its transaction rolls back.
+    Crash(usize),
+    /// An admin changes a capacity.
+    SetCapacity,
+    /// The primary fails over to its standby.
+    Failover,
+}
+
+/// Tokens carry their epoch above this many draws.
+const EPOCH_SHIFT: u64 = 1 << 20;
+
+impl GrantProtocol {
+    /// The bounds the issue asks for: 2 workers, 3 requests, 2 semaphores (one nested, with a
+    /// guarantee), one crash, one capacity change, one failover.
+    #[must_use]
+    pub fn standard(lock_mode: LockMode, replication: Replication) -> GrantProtocol {
+        GrantProtocol {
+            semaphores: vec![
+                SemaphoreSpec {
+                    name: "pool",
+                    capacity: 3,
+                    parent: None,
+                    guarantee: 0,
+                },
+                SemaphoreSpec {
+                    name: "team",
+                    capacity: 2,
+                    parent: Some(0),
+                    guarantee: 1,
+                },
+            ],
+            // Within team's guarantee; a borrower naming the parent; one taking all of team.
+            requests: vec![vec![(1, 1)], vec![(0, 2)], vec![(1, 2)]],
+            workers: 2,
+            crashes: 1,
+            capacity_change: Some((0, 2)),
+            failover: Some(replication),
+            lock_mode,
+            plant: None,
+        }
+    }
+
+    /// Semaphore `s` and its ancestors, nearest first.
+    fn chain(&self, s: usize) -> Vec<usize> {
+        let mut chain = vec![s];
+        let mut at = s;
+        while let Some(parent) = self.semaphores[at].parent {
+            chain.push(parent);
+            at = parent;
+        }
+        chain
+    }
+
+    /// What granting request `r` takes: semaphore index → count, ancestors included.
+    fn takes(&self, r: usize) -> BTreeMap<usize, i64> {
+        let mut taken = BTreeMap::new();
+        for &(s, count) in &self.requests[r] {
+            for a in self.chain(s) {
+                *taken.entry(a).or_insert(0) += count;
+            }
+        }
+        taken
+    }
+
+    /// Requests whose rows a worker's transaction holds, and semaphores it holds.
+    fn locks(state: &SystemState, except: Option<usize>) -> (BTreeSet<usize>, BTreeSet<usize>) {
+        let mut requests = BTreeSet::new();
+        let mut semaphores = BTreeSet::new();
+        for (w, phase) in state.workers.iter().enumerate() {
+            if Some(w) == except {
+                continue;
+            }
+            match phase {
+                Phase::Idle => {}
+                Phase::Claimed(claimed) => requests.extend(claimed),
+                Phase::Locked {
+                    claimed, locked, ..
+                }
+                | Phase::Applied {
+                    claimed, locked, ..
+                } => {
+                    requests.extend(claimed);
+                    semaphores.extend(locked);
+                }
+            }
+        }
+        (requests, semaphores)
+    }
+
+    /// Permits held on `s` now: the charges of the acquired requests.
+    fn held(db: &Database, s: usize) -> i64 {
+        db.requests
+            .iter()
+            .filter(|r| r.state == RequestState::Acquired)
+            .flat_map(|r| r.charged.iter())
+            .filter(|(at, _)| *at == s)
+            .map(|(_, count)| count)
+            .sum()
+    }
+
+    /// Requests waiting in `s`'s line (examined, still new) other than `except`.
+    fn waiting_on(&self, db: &Database, s: usize, except: &[usize]) -> Vec<usize> {
+        (0..self.requests.len())
+            .filter(|r| {
+                let row = &db.requests[*r];
+                row.state == RequestState::New
+                    && row.examined
+                    && !except.contains(r)
+                    && self.takes(*r).contains_key(&s)
+            })
+            .collect()
+    }
+
+    /// What a claim takes: new requests no other transaction holds, not examined yet or with
+    /// room on every semaphore they take from (the workers' "ready" heads).
+    fn claimable(&self, state: &SystemState) -> Vec<usize> {
+        let (mut locked_requests, _) = Self::locks(state, None);
+        if self.plant == Some(Plant::ClaimLockedRows) {
+            locked_requests.clear();
+        }
+        (0..self.requests.len())
+            .filter(|r| {
+                let row = &state.db.requests[*r];
+                row.state == RequestState::New
+                    && !locked_requests.contains(r)
+                    && (!row.examined
+                        || self.takes(*r).iter().all(|(s, count)| {
+                            let sem = &state.db.semaphores[*s];
+                            sem.capacity - sem.used + sem.pending >= *count
+                        }))
+            })
+            .collect()
+    }
+
+    /// A commit of the producer's or an admin's: remember what an asynchronous standby has.
+    fn committing(state: &mut SystemState) {
+        state.before_last_commit = Some(Box::new(state.db.clone()));
+    }
+
+    fn violate(state: &mut SystemState, what: String) {
+        if state.violation.is_none() {
+            state.violation = Some(what);
+        }
+    }
+
+    /// The views and candidates the decision gets from worker `w`'s locked batch.
+    fn decision_input(
+        &self,
+        db: &Database,
+        decided: &[usize],
+        locked: &[usize],
+        folded: &[(usize, i64)],
+    ) -> (BTreeMap<String, SemaphoreView>, Vec<Candidate>) {
+        let name = |s: usize| self.semaphores[s].name.to_string();
+        let mut views = BTreeMap::new();
+        for (s, spec) in self.semaphores.iter().enumerate() {
+            let row = &db.semaphores[s];
+            // Locked: its releases folded. Read, not locked (a guaranteed child): less its
+            // releases not folded yet, as the lock step reads it.
+            let used = if locked.contains(&s) {
+                row.used - folded.iter().find(|(f, _)| *f == s).map_or(0, |f| f.1)
+            } else {
+                row.used - row.pending
+            };
+            // The first in line of the waiters not in this batch.
+            let head = self
+                .waiting_on(db, s, decided)
+                .first()
+                .filter(|_| self.plant != Some(Plant::NoHeads))
+                .map(|&r| Head {
+                    request_id: id(r),
+                    count: self.takes(r)[&s],
+                    effective: effective(r),
+                });
+            let active = used > 0 || !self.waiting_on(db, s, &[]).is_empty();
+            views.insert(
+                name(s),
+                SemaphoreView {
+                    capacity: row.capacity,
+                    used,
+                    fair: true,
+                    head,
+                    refused: false,
+                    parent: spec.parent.map(name),
+                    guarantee: spec.guarantee,
+                    active,
+                },
+            );
+        }
+        let candidates = decided
+            .iter()
+            .map(|&r| Candidate {
+                id: id(r),
+                effective: effective(r),
+                permits: self.requests[r]
+                    .iter()
+                    .map(|&(s, count)| (name(s), count))
+                    .collect(),
+                fail_fast: false,
+                deadline_passed: false,
+                invalid: false,
+            })
+            .collect();
+        (views, candidates)
+    }
+
+    fn apply(&self, state: &mut SystemState, w: usize) {
+        let Phase::Locked {
+            claimed,
+            decided,
+            locked,
+            folded,
+        } = state.workers[w].clone()
+        else {
+            return;
+        };
+        let (views, candidates) = self.decision_input(&state.db, &decided, &locked, &folded);
+        let decision = decide(&views, &candidates);
+        let mut outcomes = Vec::new();
+        // Tokens are drawn in id order (candidates are), from the sequence: a draw is not given
+        // back when the transaction rolls back.
+        for (r, (_, verdict)) in decided.iter().zip(&decision.verdicts) {
+            let mut row = state.db.requests[*r].clone();
+            match verdict {
+                Verdict::Grant => {
+                    state.db.sequence += 1;
+                    let token = state.db.epoch * EPOCH_SHIFT + state.db.sequence;
+                    // Above every token any copy ever drew, lost commits and failovers included.
+                    if token <= state.highest_token_drawn {
+                        Self::violate(
+                            state,
+                            format!(
+                                "token {token} drawn again (highest so far {})",
+                                state.highest_token_drawn
+                            ),
+                        );
+                    }
+                    state.highest_token_drawn = state.highest_token_drawn.max(token);
+                    row.state = RequestState::Acquired;
+                    row.token = Some(token);
+                    row.charged = self.takes(*r).into_iter().collect();
+                }
+                Verdict::Fail(code) => row.state = RequestState::Error(code.as_str()),
+                Verdict::Wait => row.examined = true,
+            }
+            outcomes.push((*r, row));
+        }
+        let used = locked
+            .iter()
+            .map(|&s| (s, decision.semaphores[self.semaphores[s].name].used))
+            .collect();
+        state.workers[w] = Phase::Applied {
+            claimed,
+            locked,
+            folded,
+            outcomes,
+            used,
+        };
+    }
+
+    fn commit(&self, state: &mut SystemState, w: usize) {
+        let Phase::Applied {
+            outcomes,
+            used,
+            folded,
+            ..
+        } = state.workers[w].clone()
+        else {
+            return;
+        };
+        Self::committing(state);
+        let before = state.db.clone();
+        for (r, row) in &outcomes {
+            if before.requests[*r].state != RequestState::New {
+                Self::violate(state, format!("worker {w} decided request {r}, not new"));
+            }
+            if row.state == RequestState::Acquired {
+                let token = row.token.unwrap_or(0);
+                if state.db.grants.iter().any(|(_, t)| *t >= token) {
+                    Self::violate(
+                        state,
+                        format!("token {token} not above every earlier grant's"),
+                    );
+                }
+                if state.db.grants.iter().any(|(g, _)| g == r) {
+                    Self::violate(state, format!("request {r} granted twice"));
+                }
+                state.db.grants.push((*r, token));
+                if before.requests[*r].examined {
+                    state.seen.waited_then_granted = true;
+                }
+                if !state.failover_left {
+                    state.seen.granted_after_failover = true;
+                }
+            }
+            state.db.requests[*r] = row.clone();
+        }
+        if self.plant != Some(Plant::ReleasesFoldedTwice) {
+            for (s, count) in &folded {
+                state.db.semaphores[*s].pending -= count;
+            }
+        }
+        for (s, u) in &used {
+            state.db.semaphores[*s].used = *u;
+        }
+        state.workers[w] = Phase::Idle;
+        self.check_grants(state, &before, &outcomes);
+    }
+
+    /// After a commit: no level over capacity where it granted, and a borrower left each
+    /// parent the unused guarantees of its other active children.
+    fn check_grants(
+        &self,
+        state: &mut SystemState,
+        before: &Database,
+        outcomes: &[(usize, RequestRow)],
+    ) {
+        let granted: Vec<usize> = outcomes
+            .iter()
+            .filter(|(r, row)| {
+                row.state == RequestState::Acquired && before.requests[*r].token.is_none()
+            })
+            .map(|(r, _)| *r)
+            .collect();
+        for &r in &granted {
+            for (s, _) in self.takes(r) {
+                let (held, capacity) = (Self::held(&state.db, s), state.db.semaphores[s].capacity);
+                if held > capacity {
+                    let name = self.semaphores[s].name;
+                    Self::violate(state, format!("{name} over capacity: {held} > {capacity}"));
+                }
+                // Safe backfill: granted behind the first in line (waiting before this batch,
+                // and still), it left that request's count free.
+                let head = self
+                    .waiting_on(before, s, &[])
+                    .into_iter()
+                    .find(|h| state.db.requests[*h].state == RequestState::New);
+                if let Some(h) = head.filter(|h| *h < r) {
+                    let free = capacity - held;
+                    let needs = self.takes(h)[&s];
+                    if free < needs {
+                        let name = self.semaphores[s].name;
+                        Self::violate(
+                            state,
+                            format!("request {r} went before {h}, first in line at {name}, leaving {free} of the {needs} it needs"),
+                        );
+                    }
+                }
+            }
+            // Borrowing at a parent: naming it, or taking more through a child than the
+            // child's unused guarantee had room for before the grant.
+            for (p, _) in self.semaphores.iter().enumerate() {
+                let children: Vec<usize> = (0..self.semaphores.len())
+                    .filter(|c| self.semaphores[*c].parent == Some(p))
+                    .collect();
+                if children.is_empty() {
+                    continue;
+                }
+                let through = children
+                    .iter()
+                    .copied()
+                    .find(|c| self.takes(r).contains_key(c));
+                let borrows = self.requests[r].iter().any(|(s, _)| *s == p)
+                    || through.is_some_and(|c| {
+                        let unused = (self.semaphores[c].guarantee - Self::held(before, c)).max(0);
+                        self.takes(r)[&c] > unused
+                    });
+                if !borrows {
+                    continue;
+                }
+                state.seen.borrowed = true;
+                // The children active before this batch (an idle child's share is lent: one
+                // made active later in the batch, behind the borrower, waits for it).
+                let kept: i64 = children
+                    .iter()
+                    .filter(|c| Some(**c) != through)
+                    .filter(|c| {
+                        Self::held(before, **c) > 0 || !self.waiting_on(before, **c, &[]).is_empty()
+                    })
+                    .map(|c| (self.semaphores[*c].guarantee - Self::held(&state.db, *c)).max(0))
+                    .sum();
+                let free = state.db.semaphores[p].capacity - Self::held(&state.db, p);
+                if free < kept {
+                    let name = self.semaphores[p].name;
+                    Self::violate(
+                        state,
+                        format!("request {r} borrowed at {name} and left {free} free, under the {kept} kept"),
+                    );
+                }
+            }
+        }
+    }
+
+    /// After every step, what the rows must always say (a broken one ends the path, so that a
+    /// planted bug cannot make the state space unbounded): `used` counts exactly the permits
+    /// held and the releases not folded, and every grant took its count from what it names and
+    /// each ancestor.
+    fn check_rows(&self, state: &mut SystemState) {
+        for s in 0..self.semaphores.len() {
+            let row = &state.db.semaphores[s];
+            let held = Self::held(&state.db, s);
+            if row.used != held + row.pending {
+                let what = format!(
+                    "{}: used {} but {held} held and {} released not folded",
+                    self.semaphores[s].name, row.used, row.pending
+                );
+                Self::violate(state, what);
+            }
+        }
+        for r in 0..self.requests.len() {
+            let row = &state.db.requests[r];
+            if row.state == RequestState::Acquired
+                && row.charged != self.takes(r).into_iter().collect::<Vec<_>>()
+            {
+                Self::violate(state, format!("request {r} charged {:?}", row.charged));
+            }
+        }
+    }
+
+    /// No action is possible.
+    fn quiescent(&self, state: &SystemState) -> bool {
+        let mut actions = Vec::new();
+        self.actions(state, &mut actions);
+        actions.is_empty()
+    }
+}
+
+/// A request's id in the decision (1-based, its FIFO position).
+fn id(r: usize) -> i64 {
+    i64::try_from(r).unwrap_or(i64::MAX) + 1
+}
+
+/// Every request at priority 0, created in index order: the earlier, the higher.
+fn effective(r: usize) -> i64 {
+    -id(r)
+}
+
+impl Model for GrantProtocol {
+    type State = SystemState;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<SystemState> {
+        vec![SystemState {
+            db: Database {
+                requests: vec![
+                    RequestRow {
+                        state: RequestState::Unsubmitted,
+                        examined: false,
+                        token: None,
+                        charged: Vec::new(),
+                    };
+                    self.requests.len()
+                ],
+                semaphores: self
+                    .semaphores
+                    .iter()
+                    .map(|s| SemaphoreRow {
+                        capacity: s.capacity,
+                        used: 0,
+                        pending: 0,
+                    })
+                    .collect(),
+                sequence: 0,
+                epoch: 1,
+                grants: Vec::new(),
+            },
+            before_last_commit: None,
+            workers: vec![Phase::Idle; self.workers],
+            crashes_left: self.crashes,
+            capacity_change_left: self.capacity_change.is_some(),
+            failover_left: self.failover.is_some(),
+            highest_token_drawn: 0,
+            violation: None,
+            seen: Seen::default(),
+        }]
+    }
+
+    fn actions(&self, state: &SystemState, actions: &mut Vec<Action>) {
+        if state.violation.is_some() {
+            return;
+        }
+        let (locked_requests, locked_semaphores) = Self::locks(state, None);
+        for (r, row) in state.db.requests.iter().enumerate() {
+            match row.state {
+                RequestState::Unsubmitted => actions.push(Action::Submit(r)),
+                RequestState::New if !locked_requests.contains(&r) => {
+                    actions.push(Action::Cancel(r));
+                }
+                RequestState::Acquired => {
+                    actions.push(Action::Release(r));
+                    actions.push(Action::Expire(r));
+                }
+                _ => {}
+            }
+        }
+        let claimable = !self.claimable(state).is_empty();
+        for (w, phase) in state.workers.iter().enumerate() {
+            match phase {
+                Phase::Idle if claimable => actions.push(Action::Claim(w)),
+                Phase::Idle => {}
+                Phase::Claimed(claimed) => {
+                    let needs: BTreeSet<usize> = claimed
+                        .iter()
+                        .flat_map(|r| self.takes(*r).into_keys())
+                        .collect();
+                    let (_, others) = Self::locks(state, Some(w));
+                    if self.lock_mode == LockMode::SkipLocked || needs.is_disjoint(&others) {
+                        actions.push(Action::Lock(w));
+                    }
+                }
+                Phase::Locked { .. } => actions.push(Action::Apply(w)),
+                Phase::Applied { .. } => actions.push(Action::Commit(w)),
+            }
+            if *phase != Phase::Idle && state.crashes_left > 0 {
+                actions.push(Action::Crash(w));
+            }
+        }
+        if let (true, Some((s, _))) = (state.capacity_change_left, self.capacity_change) {
+            // set_capacity waits for the semaphore's row lock.
+            if !locked_semaphores.contains(&s) {
+                actions.push(Action::SetCapacity);
+            }
+        }
+        if state.failover_left {
+            actions.push(Action::Failover);
+        }
+    }
+
+    fn next_state(&self, last: &SystemState, action: Action) -> Option<SystemState> {
+        let mut state = last.clone();
+        match action {
+            Action::Submit(r) => {
+                Self::committing(&mut state);
+                state.db.requests[r].state = RequestState::New;
+            }
+            Action::Release(r) | Action::Expire(r) => {
+                Self::committing(&mut state);
+                state.db.requests[r].state = RequestState::Released;
+                for (s, count) in state.db.requests[r].charged.clone() {
+                    state.db.semaphores[s].pending += count;
+                }
+            }
+            Action::Cancel(r) => {
+                Self::committing(&mut state);
+                state.db.requests[r].state = RequestState::Error("cancelled");
+            }
+            Action::Claim(w) => {
+                let claimed = self.claimable(&state);
+                if state.workers.iter().any(|p| !matches!(p, Phase::Idle)) {
+                    state.seen.concurrent_batches = true;
+                }
+                state.workers[w] = Phase::Claimed(claimed);
+            }
+            Action::Lock(w) => {
+                let Phase::Claimed(claimed) = state.workers[w].clone() else {
+                    return None;
+                };
+                let (_, others) = Self::locks(&state, Some(w));
+                let needs: BTreeSet<usize> = claimed
+                    .iter()
+                    .flat_map(|r| self.takes(*r).into_keys())
+                    .collect();
+                let locked: Vec<usize> = needs.difference(&others).copied().collect();
+                if locked.len() < needs.len() {
+                    state.seen.skipped = true;
+                }
+                let decided = claimed
+                    .iter()
+                    .copied()
+                    .filter(|r| {
+                        self.plant == Some(Plant::DecideWithoutLocks)
+                            || self.takes(*r).keys().all(|s| locked.contains(s))
+                    })
+                    .collect();
+                let folded = locked
+                    .iter()
+                    .map(|&s| (s, state.db.semaphores[s].pending))
+                    .filter(|(_, count)| *count > 0)
+                    .collect();
+                state.workers[w] = Phase::Locked {
+                    claimed,
+                    decided,
+                    locked,
+                    folded,
+                };
+            }
+            Action::Apply(w) => self.apply(&mut state, w),
+            Action::Commit(w) => self.commit(&mut state, w),
+            Action::Crash(w) => {
+                if matches!(state.workers[w], Phase::Applied { .. }) {
+                    state.seen.crashed_after_apply = true;
+                }
+                state.workers[w] = Phase::Idle;
+                state.crashes_left -= 1;
+            }
+            Action::SetCapacity => {
+                let (s, capacity) = self.capacity_change?;
+                Self::committing(&mut state);
+                state.db.semaphores[s].capacity = capacity;
+                state.capacity_change_left = false;
+            }
+            Action::Failover => {
+                // Every open transaction is lost with the old primary.
+                state.workers = vec![Phase::Idle; self.workers];
+                if self.failover == Some(Replication::Asynchronous) {
+                    if let Some(standby) = state.before_last_commit.take() {
+                        state.db = *standby;
+                    }
+                }
+                // A new timeline: the workers raise the token epoch before granting.
+                if self.plant != Some(Plant::NoEpochRaise) {
+                    state.db.epoch += 1;
+                }
+                state.before_last_commit = None;
+                state.failover_left = false;
+                state.seen.failed_over = true;
+            }
+        }
+        self.check_rows(&mut state);
+        Some(state)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always(
+                "no step broke a rule (capacity, tokens, one grant, one-way, reserve)",
+                |_: &GrantProtocol, s: &SystemState| s.violation.is_none(),
+            ),
+            Property::always(
+                "used counts exactly the permits held and the releases not folded",
+                |m: &GrantProtocol, s: &SystemState| {
+                    (0..m.semaphores.len()).all(|i| {
+                        let row = &s.db.semaphores[i];
+                        row.used == GrantProtocol::held(&s.db, i) + row.pending
+                    })
+                },
+            ),
+            Property::always(
+                "every grant took its count from what it names and each ancestor",
+                |m: &GrantProtocol, s: &SystemState| {
+                    s.db.requests.iter().enumerate().all(|(r, row)| {
+                        row.state != RequestState::Acquired
+                            || row.charged == m.takes(r).into_iter().collect::<Vec<_>>()
+                    })
+                },
+            ),
+            Property::always(
+                "tokens grow in grant order",
+                |_: &GrantProtocol, s: &SystemState| {
+                    s.db.grants.windows(2).all(|w| w[0].1 < w[1].1)
+                },
+            ),
+            Property::always(
+                "once nothing can happen, no request is left new",
+                |m: &GrantProtocol, s: &SystemState| {
+                    s.violation.is_some()
+                        || !m.quiescent(s)
+                        || s.db.requests.iter().all(|r| r.state != RequestState::New)
+                },
+            ),
+            Property::sometimes(
+                "a request waited, then was granted",
+                |_: &GrantProtocol, s: &SystemState| s.seen.waited_then_granted,
+            ),
+            Property::sometimes(
+                "a grant borrowed at a parent",
+                |_: &GrantProtocol, s: &SystemState| s.seen.borrowed,
+            ),
+            Property::sometimes(
+                "two workers had batches open at once",
+                |_: &GrantProtocol, s: &SystemState| s.seen.concurrent_batches,
+            ),
+            Property::sometimes(
+                "a worker crashed after applying",
+                |_: &GrantProtocol, s: &SystemState| s.seen.crashed_after_apply,
+            ),
+            Property::sometimes(
+                "a grant after a failover",
+                |_: &GrantProtocol, s: &SystemState| s.seen.granted_after_failover,
+            ),
+            Property::sometimes(
+                "a worker skipped a semaphore another held (SkipLocked only)",
+                |m: &GrantProtocol, s: &SystemState| {
+                    s.seen.skipped || m.lock_mode == LockMode::Wait
+                },
+            ),
+            Property::sometimes(
+                "every request settled",
+                |_: &GrantProtocol, s: &SystemState| {
+                    s.db.requests
+                        .iter()
+                        .all(|r| matches!(r.state, RequestState::Released | RequestState::Error(_)))
+                },
+            ),
+        ]
+    }
+}
