@@ -338,7 +338,8 @@ pub(crate) enum SemaphoreCommand {
         #[arg(allow_negative_numbers = true,
               value_parser = clap::value_parser!(i32).range(0..))]
         capacity: i32,
-        /// Strict FIFO with safe backfill (the default for new semaphores).
+        /// Serve the line in order (priority, then arrival) with safe backfill (the default for
+        /// new semaphores; a change keeps the semaphore's setting unless given).
         #[arg(long, conflicts_with = "greedy")]
         fair: bool,
         /// Any request that fits may go first.

@@ -124,12 +124,15 @@ BEGIN
             ORDER BY c.guarantee::bigint * coalesce(c.max_instances, permitq.rule_max_instances()) DESC
             LIMIT 1;
             IF biggest.name IS NOT NULL THEN
-                RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: template %s guarantees %s to each of up to %s instances (its max_instances%s); bound them: `permitq semaphore set ''%s'' CAPACITY --guarantee %s --max-instances N` with N × %s fitting in %s beside its other children''s guarantees, or raise %s (`permitq semaphore set %s %s`)',
+                -- Raising the parent is offered only for a bound someone set: for the default
+                -- one it would mean a capacity in the tens of thousands.
+                RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: template %s guarantees %s to each of up to %s instances (its max_instances%s); bound them: `permitq semaphore set ''%s'' CAPACITY --guarantee %s --max-instances N` with N × %s fitting in %s beside its other children''s guarantees%s',
                               p.name, promised, p.capacity, biggest.name, biggest.guarantee,
                               biggest.max_instances,
                               CASE WHEN biggest.max_instances = permitq.rule_max_instances() THEN ', by default' ELSE '' END,
-                              biggest.name, biggest.guarantee, biggest.guarantee, p.name, p.name,
-                              p.name, promised);
+                              biggest.name, biggest.guarantee, biggest.guarantee, p.name,
+                              CASE WHEN biggest.max_instances = permitq.rule_max_instances() THEN ''
+                                   ELSE format(', or raise %s (`permitq semaphore set %s %s`)', p.name, p.name, promised) END);
             END IF;
             RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: raise it (`permitq semaphore set %s %s`), or lower a guarantee',
                           p.name, promised, p.capacity, p.name, promised);
