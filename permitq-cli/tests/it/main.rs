@@ -4,6 +4,7 @@
 
 mod answers;
 mod cli;
+mod clients;
 mod examples;
 mod faults;
 mod http;

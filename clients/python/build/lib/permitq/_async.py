@@ -1,0 +1,277 @@
+"""The asyncio client and its lease guard: the synchronous ones' semantics, awaited."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from typing import Any, Awaitable, Callable, Mapping, TypeVar
+
+import psycopg
+
+from . import _common as c
+from ._errors import (
+    AcquireTimeout,
+    DatabaseUnavailable,
+    LeaseLost,
+    PermitqError,
+    request_failed,
+    translated,
+)
+
+T = TypeVar("T")
+
+
+class AsyncClient:
+    """`await AsyncClient.connect(url)`, or `async with await AsyncClient.connect(url) as client`.
+    One connection (reopened when it breaks); calls on it take turns."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(cls, url: str) -> "AsyncClient":
+        """A client, connected (so that a wrong URL is told at once)."""
+        client = cls(url)
+        await client._run(lambda conn: conn.execute("SELECT 1"))
+        return client
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Closes the connection."""
+        async with self._lock:
+            if self._conn is not None:
+                await self._conn.close()
+                self._conn = None
+
+    async def _connect(self) -> psycopg.AsyncConnection[Any]:
+        try:
+            return await psycopg.AsyncConnection.connect(self._url, autocommit=True, application_name="permitq-python")
+        except psycopg.Error as e:
+            raise translated(e) from e
+
+    async def _run(self, work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]]) -> T:
+        async with self._lock:
+            if self._conn is None or self._conn.closed or self._conn.broken:
+                self._conn = await self._connect()
+            try:
+                return await work(self._conn)
+            except psycopg.Error as e:
+                raise translated(e) from e
+
+    async def _one(self, sql: str, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        async def work(conn: psycopg.AsyncConnection[Any]) -> tuple[Any, ...] | None:
+            return await (await conn.execute(sql, args)).fetchone()
+
+        return await self._run(work)
+
+    async def submit(
+        self,
+        external_id: str,
+        permits: Mapping[str, int],
+        *,
+        owner: str | None = None,
+        ttl: float | dt.timedelta | None = None,
+        wait: float | dt.timedelta | None = None,
+        priority: int = 0,
+    ) -> c.Status:
+        """As Client.submit."""
+        row = await self._one(c.SUBMIT, (external_id, c.permits_json(permits), owner, c.seconds(ttl), c.seconds(wait), priority))
+        assert row is not None
+        return c.Status.from_row(row)
+
+    async def status(self, external_id: str) -> c.Status | None:
+        """As Client.status."""
+        row = await self._one(c.STATUS, (external_id,))
+        return None if row is None else c.Status.from_row(row)
+
+    async def release(self, external_id: str) -> str:
+        """As Client.release."""
+        row = await self._one(c.RELEASE, (external_id,))
+        assert row is not None
+        return str(row[0])
+
+    async def heartbeat(self, external_id: str, extend: float | dt.timedelta | None = None) -> dt.datetime | None:
+        """As Client.heartbeat."""
+        row = await self._one(c.HEARTBEAT, (external_id, c.seconds(extend)))
+        return None if row is None else row[0]
+
+    async def explain(self, external_id: str) -> c.Explanation | None:
+        """As Client.explain."""
+
+        async def work(conn: psycopg.AsyncConnection[Any]) -> list[tuple[Any, ...]]:
+            return await (await conn.execute(c.EXPLAIN, (external_id,))).fetchall()
+
+        return c.explanation(await self._run(work))
+
+    async def set_capacity(
+        self,
+        name: str,
+        capacity: int,
+        *,
+        fair: bool | None = None,
+        per: float | dt.timedelta | None = None,
+        max_instances: int | None = None,
+        parent: str | None = None,
+        guarantee: int | None = None,
+    ) -> c.Semaphore:
+        """As Client.set_capacity."""
+        row = await self._one(c.SET_CAPACITY, (name, capacity, fair, c.seconds(per), max_instances, parent, guarantee))
+        assert row is not None
+        return c.Semaphore(*row)
+
+    async def acquire(
+        self,
+        external_id: str,
+        permits: Mapping[str, int],
+        *,
+        timeout: float | dt.timedelta = 30.0,
+        owner: str | None = None,
+        ttl: float | dt.timedelta | None = None,
+        wait: float | dt.timedelta | None = None,
+        priority: int = 0,
+    ) -> "AsyncLease":
+        """As Client.acquire: an AsyncLease (`async with`)."""
+        limit = c.seconds(timeout) or 0.0
+        deadline = time.monotonic() + limit
+        listener = await self._connect()
+        woken = asyncio.Event()
+
+        async def listen() -> None:
+            try:
+                async for _ in listener.notifies():
+                    woken.set()
+            except psycopg.Error:
+                pass  # closed: the status is read every POLL_SECONDS anyway
+
+        try:
+            await listener.execute(f"LISTEN {c.EVENTS}")
+            listening = asyncio.create_task(listen())
+            sent = time.monotonic()
+            status = await _until_deadline(
+                deadline,
+                lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
+            )
+            while not status.settled:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    outcome = await self.release(external_id)
+                    raise AcquireTimeout(
+                        f"request {external_id} was not granted within {limit:g}s; it was cancelled "
+                        f"({outcome}): `permitq explain {external_id}` said why while it waited",
+                        external_id,
+                    )
+                try:
+                    await asyncio.wait_for(woken.wait(), min(c.POLL_SECONDS, remaining))
+                except asyncio.TimeoutError:
+                    pass
+                woken.clear()
+                status = await self.status(external_id) or status
+        except psycopg.Error as e:
+            raise translated(e) from e
+        finally:
+            await listener.close()
+            if "listening" in locals():
+                listening.cancel()
+        await self._run(lambda conn: conn.execute(c.CONFIRM_DURABLE))
+        if status.state == "acquired":
+            return AsyncLease(self, status, sent)
+        if status.state == "error":
+            raise request_failed(status.external_id, status.error_code or "", status.error_detail)
+        raise PermitqError(
+            f"request {status.external_id} is {status.state}: this external_id was granted and "
+            "released before; submit under a new one"
+        )
+
+
+async def _until_deadline(deadline: float, call: Callable[[], Awaitable[T]]) -> T:
+    pause = 0.05
+    while True:
+        try:
+            return await call()
+        except DatabaseUnavailable:
+            if time.monotonic() + pause >= deadline:
+                raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
+
+class AsyncLease:
+    """As Lease, for asyncio: heartbeats in a task, releases at the end of `async with`;
+    `lease.lost` is an asyncio.Event, `lease.is_lost` and `lease.check()` as Lease's."""
+
+    def __init__(self, client: AsyncClient, status: c.Status, sent: float) -> None:
+        self._client = client
+        self.external_id = status.external_id
+        self.status = status
+        self.fencing_token: int = status.fencing_token or 0
+        self.ttl = status.ttl
+        self.lost = asyncio.Event()
+        self.lost_reason: str | None = None
+        self._valid_until = None if self.ttl is None else sent + self.ttl
+        self._released: str | None = None
+        self._task = None if self.ttl is None else asyncio.create_task(self._heartbeats())
+
+    async def __aenter__(self) -> "AsyncLease":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+    @property
+    def is_lost(self) -> bool:
+        """Whether the lease is lost (or may be)."""
+        if not self.lost.is_set() and self._valid_until is not None:
+            if time.monotonic() >= self._valid_until - (self.ttl or 0.0) * c.SAFETY_FRACTION:
+                self._lose("no heartbeat was confirmed in time: the lease may run out")
+        return self.lost.is_set()
+
+    def check(self) -> None:
+        """Raises LeaseLost once the lease is lost."""
+        if self.is_lost:
+            raise LeaseLost(f"lease of {self.external_id} lost: {self.lost_reason}")
+
+    async def release(self) -> str:
+        """Stops heartbeating and gives the permits back (once)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._released is None:
+            self._released = await self._client.release(self.external_id)
+        return self._released
+
+    def _lose(self, reason: str) -> None:
+        if not self.lost.is_set():
+            self.lost_reason = reason
+            self.lost.set()
+
+    async def _heartbeats(self) -> None:
+        assert self.ttl is not None
+        every = self.ttl / 3
+        pause = every
+        while True:
+            assert self._valid_until is not None
+            watchdog = self._valid_until - self.ttl * c.SAFETY_FRACTION - time.monotonic()
+            await asyncio.sleep(max(0.0, min(pause, watchdog)))
+            if self.is_lost:
+                return
+            sent = time.monotonic()
+            try:
+                await self._client.heartbeat(self.external_id)
+                self._valid_until = sent + self.ttl
+                pause = every
+            except LeaseLost as e:
+                self._lose(str(e))
+                return
+            except PermitqError:
+                pause = min(every, 0.5)

@@ -1,0 +1,149 @@
+"""permitq's errors as types: nothing a caller has to decode from a SQLSTATE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import psycopg.errors
+
+
+class PermitqError(Exception):
+    """Every error this package raises."""
+
+
+class DatabaseUnavailable(PermitqError):
+    """The database could not be reached or went away. Retryable: submit is idempotent by its
+    external_id, so running the same call again is safe."""
+
+
+class InvalidInput(PermitqError):
+    """The database refused an argument (SQLSTATE 22023); `field` names it when it can."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class NotOwner(PermitqError):
+    """The request belongs to another login, or this login lacks the role (SQLSTATE 42501)."""
+
+
+class ExternalIdTaken(PermitqError):
+    """The external_id was submitted before with other parameters (SQLSTATE 23505): submit
+    under a new one."""
+
+
+class LeaseLost(PermitqError):
+    """The lease is gone (SQLSTATE 55000, or the heartbeats stopped getting through): stop
+    acting on what the permits guarded."""
+
+
+class AcquireTimeout(PermitqError):
+    """The request was not granted before the deadline; it was cancelled, so nothing waits on."""
+
+    def __init__(self, message: str, external_id: str) -> None:
+        super().__init__(message)
+        self.external_id = external_id
+
+
+class RequestFailed(PermitqError):
+    """The request ended in `error`: `error_code` says why and `error_detail` (a dict) names
+    the semaphore and the bound it hit. One subclass per code."""
+
+    code = ""
+
+    def __init__(self, external_id: str, error_code: str, detail: dict[str, Any] | None) -> None:
+        self.external_id = external_id
+        self.error_code = error_code
+        self.error_detail = detail or {}
+        super().__init__(f"request {external_id} ended in error {error_code}: {_explained(error_code, self.error_detail)}")
+
+
+class UnknownSemaphore(RequestFailed):
+    """A named semaphore does not exist (and no template matches it)."""
+
+    code = "unknown_semaphore"
+
+
+class ExceedsCapacity(RequestFailed):
+    """A count is larger than its semaphore's (or a parent's) capacity: it can never be granted."""
+
+    code = "exceeds_capacity"
+
+
+class NoCapacity(RequestFailed):
+    """Submitted with wait 0 (fail fast), and there was no room at that moment."""
+
+    code = "no_capacity"
+
+
+class WaitTimedOut(RequestFailed):
+    """It waited its `wait` and was not granted."""
+
+    code = "timeout"
+
+
+class Cancelled(RequestFailed):
+    """It was released (cancelled) while still waiting."""
+
+    code = "cancelled"
+
+
+class TooManyInstances(RequestFailed):
+    """It names a new instance of a template that has its `max_instances` already."""
+
+    code = "too_many_instances"
+
+
+class InvalidRequest(RequestFailed):
+    """The stored row could not be decided."""
+
+    code = "invalid"
+
+
+_BY_CODE = {c.code: c for c in (UnknownSemaphore, ExceedsCapacity, NoCapacity, WaitTimedOut, Cancelled, TooManyInstances, InvalidRequest)}
+
+
+def request_failed(external_id: str, error_code: str, detail: dict[str, Any] | None) -> RequestFailed:
+    """The typed error for a request that ended with `error_code`."""
+    return _BY_CODE.get(error_code, RequestFailed)(external_id, error_code, detail)
+
+
+def _explained(code: str, d: dict[str, Any]) -> str:
+    name = d.get("semaphore", "?")
+    if code == "unknown_semaphore":
+        similar = d.get("similar") or []
+        hint = f"; did you mean {' or '.join(similar)}?" if similar else f"; create it (`permitq semaphore set {name} CAPACITY`)"
+        return f"no semaphore named {name}{hint} (submit again under a new external_id)"
+    if code == "exceeds_capacity":
+        return f"{name}={d.get('count')} but {name} has capacity {d.get('capacity')}: ask for less or raise the capacity, under a new external_id"
+    if code in ("no_capacity", "timeout") and "semaphore" in d:
+        return f"{name}={d.get('count')}, {d.get('free')} of {d.get('capacity')} free; submit again under a new external_id with a longer wait"
+    if code == "too_many_instances":
+        return f"template {d.get('template')} has its max_instances of {d.get('max_instances')} already"
+    if code == "invalid":
+        return str(d.get("problem", "the stored row cannot be decided"))
+    return code
+
+
+def translated(e: psycopg.Error) -> PermitqError:
+    """A psycopg error as this package's type, with the server's message."""
+    message = " ".join(str(e).split())
+    if isinstance(e, psycopg.OperationalError) and e.sqlstate is None:
+        return DatabaseUnavailable(f"{message} (is PostgreSQL up and the URL right? Retrying is safe)")
+    state = e.sqlstate or ""
+    if state.startswith("08") or state in ("57P01", "57P02", "57P03"):
+        return DatabaseUnavailable(message)
+    if state == "22023":
+        field = message.split(":", 1)[0].removeprefix("invalid ").strip() if message.startswith("invalid ") else None
+        return InvalidInput(message, field)
+    if state == "42501":
+        return NotOwner(message)
+    if state == "23505":
+        return ExternalIdTaken(message)
+    if state == "55000":
+        return LeaseLost(message)
+    if state in ("3F000", "42883"):
+        return PermitqError(f"{message} (the permitq schema is missing or older than this client: run `permitq migrate`)")
+    return PermitqError(message)

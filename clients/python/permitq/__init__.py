@@ -1,0 +1,60 @@
+"""permitq for Python producers: submit permit requests, acquire with a heartbeating lease and
+its fencing token, release; errors as types. A thin layer over permitq's SQL API (psycopg 3).
+
+    from permitq import Client
+
+    with Client("postgres://app@db/app") as client:
+        with client.acquire("train-7", {"gpu": 2}, ttl=30, timeout=600) as lease:
+            while work_left():
+                lease.check()                      # raises LeaseLost before the lease can run out
+                write(lease.fencing_token)
+
+`AsyncClient` is the same for asyncio (`async with client.acquire(...) as lease`).
+"""
+
+from ._async import AsyncClient, AsyncLease
+from ._common import Explanation, Semaphore, SemaphoreWait, Status
+from ._errors import (
+    AcquireTimeout,
+    Cancelled,
+    DatabaseUnavailable,
+    ExceedsCapacity,
+    ExternalIdTaken,
+    InvalidInput,
+    InvalidRequest,
+    LeaseLost,
+    NoCapacity,
+    NotOwner,
+    PermitqError,
+    RequestFailed,
+    TooManyInstances,
+    UnknownSemaphore,
+    WaitTimedOut,
+)
+from ._sync import Client, Lease
+
+__all__ = [
+    "AcquireTimeout",
+    "AsyncClient",
+    "AsyncLease",
+    "Cancelled",
+    "Client",
+    "DatabaseUnavailable",
+    "ExceedsCapacity",
+    "Explanation",
+    "ExternalIdTaken",
+    "InvalidInput",
+    "InvalidRequest",
+    "Lease",
+    "LeaseLost",
+    "NoCapacity",
+    "NotOwner",
+    "PermitqError",
+    "RequestFailed",
+    "Semaphore",
+    "SemaphoreWait",
+    "Status",
+    "TooManyInstances",
+    "UnknownSemaphore",
+    "WaitTimedOut",
+]

@@ -1,0 +1,136 @@
+"""What the synchronous and the asyncio clients share: the statements and the row type."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+#: The channel the workers announce outcomes on (payloads: JSON arrays of request ids).
+EVENTS = "permitq_events"
+#: How often a waiting acquire reads the status again when no notification came (a pooler or a
+#: failover may lose one: it costs latency, never a hang).
+POLL_SECONDS = 0.25
+#: How long before the lease could have run out on the server a Lease says it is lost.
+SAFETY_FRACTION = 0.2
+
+_COLUMNS = (
+    "id, external_id, permits, owner, state, error_code, error_detail, release_reason, "
+    "fencing_token, acquired_at, expires_at, released_at, "
+    "extract(epoch FROM ttl)::float8, extract(epoch FROM wait)::float8, priority"
+)
+SUBMIT = (
+    f"SELECT {_COLUMNS} FROM permitq.submit(%s, %s::jsonb, owner => %s, "
+    "ttl => make_interval(secs => %s), wait => make_interval(secs => %s), priority => %s)"
+)
+STATUS = f"SELECT {_COLUMNS} FROM permitq.status(%s)"
+RELEASE = "SELECT permitq.release(%s)"
+HEARTBEAT = "SELECT permitq.heartbeat(%s, make_interval(secs => %s))"
+EXPLAIN = (
+    "SELECT request, state, outcome, semaphore, needs, capacity, free, shortfall, position, "
+    "permits_ahead, reason, holders, extract(epoch FROM estimated_wait)::float8, via, kept "
+    "FROM permitq.explain(%s)"
+)
+SET_CAPACITY = (
+    "SELECT name, capacity, used, fair, extract(epoch FROM per)::float8, parent, guarantee, "
+    "max_instances FROM permitq.set_capacity(%s, %s, fair => %s, per => make_interval(secs => %s), "
+    "max_instances => %s, parent => %s, guarantee => %s)"
+)
+CONFIRM_DURABLE = "SELECT permitq.confirm_durable()"
+
+
+def seconds(value: float | dt.timedelta | None) -> float | None:
+    """A duration in seconds, from seconds or a timedelta."""
+    if value is None:
+        return None
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    return float(value)
+
+
+def permits_json(permits: Mapping[str, int]) -> str:
+    """The request's permits as the SQL API takes them."""
+    if not permits:
+        raise ValueError("permits: name at least one semaphore and its count, e.g. {'gpu': 1}")
+    return json.dumps(dict(permits))
+
+
+@dataclass(frozen=True)
+class Status:
+    """A request as stored: where it is in its life, how it ended, its lease and token."""
+
+    id: int
+    external_id: str
+    permits: dict[str, int]
+    owner: str | None
+    state: str
+    error_code: str | None
+    error_detail: dict[str, Any] | None
+    release_reason: str | None
+    fencing_token: int | None
+    acquired_at: dt.datetime | None
+    expires_at: dt.datetime | None
+    released_at: dt.datetime | None
+    ttl: float | None
+    wait: float | None
+    priority: int
+
+    @property
+    def settled(self) -> bool:
+        """It left `new`: acquired, released or error."""
+        return self.state != "new"
+
+    @classmethod
+    def from_row(cls, row: tuple[Any, ...]) -> "Status":
+        return cls(*row)
+
+
+@dataclass(frozen=True)
+class SemaphoreWait:
+    """One row of `explain`: what the request needs on one semaphore and what holds it back."""
+
+    semaphore: str | None
+    needs: int | None
+    capacity: int | None
+    free: int | None
+    shortfall: int | None
+    position: int | None
+    permits_ahead: int | None
+    reason: str | None
+    holders: list[dict[str, Any]]
+    estimated_wait: float | None
+    via: str | None
+    kept: int | None
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why a request waits (`semaphores`), or how it ended (`outcome`)."""
+
+    external_id: str
+    state: str
+    outcome: str | None
+    semaphores: list[SemaphoreWait]
+
+
+def explanation(rows: list[tuple[Any, ...]]) -> Explanation | None:
+    if not rows:
+        return None
+    first = rows[0]
+    waits = [SemaphoreWait(*row[3:]) for row in rows if row[3] is not None]
+    return Explanation(first[0], first[1], first[2], waits)
+
+
+@dataclass(frozen=True)
+class Semaphore:
+    """A semaphore as `set_capacity` left it."""
+
+    name: str
+    capacity: int
+    used: int
+    fair: bool
+    per: float | None
+    parent: str | None
+    guarantee: int
+    max_instances: int | None

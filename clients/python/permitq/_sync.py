@@ -1,0 +1,269 @@
+"""The synchronous client and its lease guard."""
+
+from __future__ import annotations
+
+import datetime as dt
+import select
+import threading
+import time
+from typing import Any, Callable, Mapping, TypeVar
+
+import psycopg
+
+from . import _common as c
+from ._errors import (
+    AcquireTimeout,
+    DatabaseUnavailable,
+    LeaseLost,
+    PermitqError,
+    request_failed,
+    translated,
+)
+
+T = TypeVar("T")
+
+
+class Client:
+    """A producer's handle on permitq: one connection (reopened when it breaks), safe to share
+    between threads. `Client(url)`, or `with Client(url) as client:` to close it at the end."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._conn: psycopg.Connection[Any] | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the connection."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        try:
+            return psycopg.connect(self._url, autocommit=True, application_name="permitq-python")
+        except psycopg.Error as e:
+            raise translated(e) from e
+
+    def _run(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
+        with self._lock:
+            if self._conn is None or self._conn.closed or self._conn.broken:
+                self._conn = self._connect()
+            try:
+                return work(self._conn)
+            except psycopg.Error as e:
+                raise translated(e) from e
+
+    def submit(
+        self,
+        external_id: str,
+        permits: Mapping[str, int],
+        *,
+        owner: str | None = None,
+        ttl: float | dt.timedelta | None = None,
+        wait: float | dt.timedelta | None = None,
+        priority: int = 0,
+    ) -> c.Status:
+        """Submits a request (idempotent by `external_id`: the same call again returns the same
+        request; other parameters raise ExternalIdTaken). `ttl`: the lease, heartbeat within it;
+        `wait`: how long it may wait (0: fail fast); durations in seconds or timedelta."""
+        args = (external_id, c.permits_json(permits), owner, c.seconds(ttl), c.seconds(wait), priority)
+        row = self._run(lambda conn: conn.execute(c.SUBMIT, args).fetchone())
+        assert row is not None
+        return c.Status.from_row(row)
+
+    def status(self, external_id: str) -> c.Status | None:
+        """The request, or None for an unknown id (or another login's, for a producer)."""
+        row = self._run(lambda conn: conn.execute(c.STATUS, (external_id,)).fetchone())
+        return None if row is None else c.Status.from_row(row)
+
+    def release(self, external_id: str) -> str:
+        """Gives the permits back: `released`, `already_released`, `cancelled` (it was still
+        waiting), `not_acquired` (it failed) or `unknown`."""
+        row = self._run(lambda conn: conn.execute(c.RELEASE, (external_id,)).fetchone())
+        assert row is not None
+        return str(row[0])
+
+    def heartbeat(self, external_id: str, extend: float | dt.timedelta | None = None) -> dt.datetime | None:
+        """Extends the lease to now + `extend` (else its ttl); the new expiry (None: no lease).
+        Raises LeaseLost when it is gone, or still waiting."""
+        row = self._run(lambda conn: conn.execute(c.HEARTBEAT, (external_id, c.seconds(extend))).fetchone())
+        return None if row is None else row[0]
+
+    def explain(self, external_id: str) -> c.Explanation | None:
+        """Why the request waits, per semaphore; or how it ended. None for an unknown id."""
+        rows = self._run(lambda conn: conn.execute(c.EXPLAIN, (external_id,)).fetchall())
+        return c.explanation(rows)
+
+    def set_capacity(
+        self,
+        name: str,
+        capacity: int,
+        *,
+        fair: bool | None = None,
+        per: float | dt.timedelta | None = None,
+        max_instances: int | None = None,
+        parent: str | None = None,
+        guarantee: int | None = None,
+    ) -> c.Semaphore:
+        """Creates or changes a semaphore (admins). None keeps a setting."""
+        args = (name, capacity, fair, c.seconds(per), max_instances, parent, guarantee)
+        row = self._run(lambda conn: conn.execute(c.SET_CAPACITY, args).fetchone())
+        assert row is not None
+        return c.Semaphore(*row)
+
+    def acquire(
+        self,
+        external_id: str,
+        permits: Mapping[str, int],
+        *,
+        timeout: float | dt.timedelta = 30.0,
+        owner: str | None = None,
+        ttl: float | dt.timedelta | None = None,
+        wait: float | dt.timedelta | None = None,
+        priority: int = 0,
+    ) -> "Lease":
+        """Submits and waits for the grant, at most `timeout`: a Lease (use it in a `with`
+        block). Waits on LISTEN, reading the status every 0.25 s as well. At the deadline the
+        request is cancelled (nothing waits on) and AcquireTimeout raised; an error outcome
+        raises its RequestFailed subclass."""
+        limit = c.seconds(timeout) or 0.0
+        deadline = time.monotonic() + limit
+        listener = self._connect()
+        try:
+            listener.execute(f"LISTEN {c.EVENTS}")
+            sent = time.monotonic()
+            status = _until_deadline(
+                deadline,
+                lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
+            )
+            while not status.settled:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    outcome = self.release(external_id)
+                    raise AcquireTimeout(
+                        f"request {external_id} was not granted within {limit:g}s; it was cancelled "
+                        f"({outcome}): `permitq explain {external_id}` said why while it waited",
+                        external_id,
+                    )
+                readable, _, _ = select.select([listener.fileno()], [], [], min(c.POLL_SECONDS, remaining))
+                if readable:
+                    listener.execute("SELECT 1")  # takes the notifications in
+                status = self.status(external_id) or status
+        except psycopg.Error as e:
+            raise translated(e) from e
+        finally:
+            listener.close()
+        return self._granted(status, sent)
+
+    def _granted(self, status: c.Status, sent: float) -> "Lease":
+        # What was read reached the synchronous standby (a failover cannot take it back).
+        self._run(lambda conn: conn.execute(c.CONFIRM_DURABLE))
+        if status.state == "acquired":
+            return Lease(self, status, sent)
+        if status.state == "error":
+            raise request_failed(status.external_id, status.error_code or "", status.error_detail)
+        raise PermitqError(
+            f"request {status.external_id} is {status.state}: this external_id was granted and "
+            "released before; submit under a new one"
+        )
+
+
+def _until_deadline(deadline: float, call: Callable[[], T]) -> T:
+    """`call`, again while the database is unavailable, until `deadline` (it is idempotent)."""
+    pause = 0.05
+    while True:
+        try:
+            return call()
+        except DatabaseUnavailable:
+            if time.monotonic() + pause >= deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
+
+class Lease:
+    """Permits held: heartbeats in the background (every third of its ttl), releases when the
+    `with` block ends (also on an exception), and says it is *lost* before the lease can have run
+    out on the server: its clock starts when the request or the last confirmed heartbeat was
+    sent, never when the answer came.
+
+    Check `lease.is_lost` (or call `lease.check()`, which raises LeaseLost) before each step of
+    the work, or wait on `lease.lost` (a threading.Event). Write with `lease.fencing_token`."""
+
+    def __init__(self, client: Client, status: c.Status, sent: float) -> None:
+        self._client = client
+        self.external_id = status.external_id
+        self.status = status
+        self.fencing_token: int = status.fencing_token or 0
+        self.ttl = status.ttl
+        self.lost = threading.Event()
+        self.lost_reason: str | None = None
+        self._stop = threading.Event()
+        self._valid_until = None if self.ttl is None else sent + self.ttl
+        self._thread: threading.Thread | None = None
+        if self.ttl is not None:
+            self._thread = threading.Thread(target=self._heartbeats, name=f"permitq-lease-{self.external_id}", daemon=True)
+            self._thread.start()
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @property
+    def is_lost(self) -> bool:
+        """Whether the lease is lost (or may be): stop acting on what the permits guarded."""
+        if not self.lost.is_set() and self._valid_until is not None:
+            if time.monotonic() >= self._valid_until - self._margin():
+                self._lose("no heartbeat was confirmed in time: the lease may run out")
+        return self.lost.is_set()
+
+    def check(self) -> None:
+        """Raises LeaseLost once the lease is lost."""
+        if self.is_lost:
+            raise LeaseLost(f"lease of {self.external_id} lost: {self.lost_reason}")
+
+    def release(self) -> str:
+        """Stops heartbeating and gives the permits back (once): the release outcome."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        if getattr(self, "_released", None) is None:
+            self._released = self._client.release(self.external_id)
+        return self._released
+
+    def _margin(self) -> float:
+        return (self.ttl or 0.0) * c.SAFETY_FRACTION
+
+    def _lose(self, reason: str) -> None:
+        if not self.lost.is_set():
+            self.lost_reason = reason
+            self.lost.set()
+
+    def _heartbeats(self) -> None:
+        assert self.ttl is not None and self._valid_until is not None
+        every = self.ttl / 3
+        pause = every
+        # Wakes for the next heartbeat, or when the lease would be lost without one: `lost` is
+        # set in time even while heartbeats fail.
+        while not self._stop.wait(max(0.0, min(pause, self._valid_until - self._margin() - time.monotonic()))):
+            if self.is_lost:
+                return
+            sent = time.monotonic()
+            try:
+                self._client.heartbeat(self.external_id)
+                self._valid_until = sent + self.ttl
+                pause = every
+            except LeaseLost as e:
+                self._lose(str(e))
+                return
+            except PermitqError:
+                pause = min(every, 0.5)  # retried soon; the watchdog decides when it is lost

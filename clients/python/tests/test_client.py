@@ -1,0 +1,211 @@
+"""The Python client against a real PostgreSQL with a real `permitq worker` running.
+
+    DATABASE_URL=postgres://... PERMITQ_ADMIN_URL=... python3 -m unittest discover clients/python/tests
+
+DATABASE_URL: a producer login (or any login that may submit); PERMITQ_ADMIN_URL: an admin
+login, for set_capacity and revoke (defaults to DATABASE_URL); PERMITQ_OTHER_URL: another
+producer login, for ownership (the test is skipped only when it is not set, and the Rust test
+that runs this file always sets it). Every test uses ids of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import unittest
+import uuid
+
+import permitq
+
+URL = os.environ["DATABASE_URL"]
+ADMIN_URL = os.environ.get("PERMITQ_ADMIN_URL", URL)
+OTHER_URL = os.environ.get("PERMITQ_OTHER_URL")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def wait_for(condition, what: str, seconds: float = 15.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"not within {seconds}s: {what}")
+
+
+class SyncClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.admin = permitq.Client(ADMIN_URL)
+        cls.sem = new_id("py")
+        cls.admin.set_capacity(cls.sem, 2)
+        cls.client = permitq.Client(URL)
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.client.close()
+        cls.admin.close()
+
+    def test_submit_is_idempotent_and_other_parameters_are_refused(self) -> None:
+        rid = new_id("idem")
+        first = self.client.submit(rid, {self.sem: 1}, ttl=30)
+        again = self.client.submit(rid, {self.sem: 1}, ttl=30)
+        self.assertEqual(first.id, again.id)
+        with self.assertRaises(permitq.ExternalIdTaken) as caught:
+            self.client.submit(rid, {self.sem: 2}, ttl=30)
+        self.assertIn("different parameters", str(caught.exception))
+        wait_for(lambda: self.client.status(rid).settled, "granted")
+        self.assertEqual(self.client.release(rid), "released")
+        self.assertIsNone(self.client.status(new_id("unknown")))
+
+    def test_acquire_heartbeats_releases_on_exit_and_exposes_the_token(self) -> None:
+        rid = new_id("lease")
+        with self.client.acquire(rid, {self.sem: 1}, ttl=1.5, timeout=15) as lease:
+            self.assertGreater(lease.fencing_token, 0)
+            # Three ttls long: only the background heartbeats keep it.
+            time.sleep(4.5)
+            self.assertFalse(lease.is_lost, lease.lost_reason)
+            self.assertEqual(self.client.status(rid).state, "acquired")
+        status = self.client.status(rid)
+        self.assertEqual((status.state, status.release_reason), ("released", "released"))
+
+    def test_the_lease_is_released_on_an_exception_too(self) -> None:
+        rid = new_id("boom")
+        with self.assertRaises(RuntimeError):
+            with self.client.acquire(rid, {self.sem: 1}, ttl=30, timeout=15):
+                raise RuntimeError("work failed")
+        self.assertEqual(self.client.status(rid).state, "released")
+
+    def test_a_revoked_lease_is_lost_and_check_raises(self) -> None:
+        rid = new_id("revoked")
+        with self.client.acquire(rid, {self.sem: 1}, ttl=1.5, timeout=15) as lease:
+            self.admin._run(lambda conn: conn.execute("SELECT permitq.revoke(%s)", (rid,)))
+            self.assertTrue(lease.lost.wait(5), "lost signalled")
+            self.assertIn("lease lost", lease.lost_reason)
+            with self.assertRaises(permitq.LeaseLost):
+                lease.check()
+
+    def test_the_lease_says_lost_before_it_can_run_out_when_heartbeats_stop(self) -> None:
+        rid = new_id("cut")
+        lease = self.client.acquire(rid, {self.sem: 1}, ttl=5, timeout=15)
+        try:
+            # Heartbeats no longer get through (the database is unreachable, as the client sees it).
+            good = self.client._url
+            self.client.close()
+            self.client._url = "postgres://nobody@127.0.0.1:1/nothing"
+            self.assertTrue(lease.lost.wait(6), "lost signalled")
+            self.assertIn("no heartbeat was confirmed in time", lease.lost_reason)
+            self.client._url = good
+            # The server's lease still held when the client said it was lost.
+            held = self.client._run(
+                lambda conn: conn.execute(
+                    "SELECT state = 'acquired' AND expires_at > now() FROM permitq.status(%s)", (rid,)
+                ).fetchone()
+            )
+            self.assertEqual(held, (True,))
+        finally:
+            self.client._url = good
+            lease.release()
+
+    def test_errors_are_types_with_their_detail(self) -> None:
+        with self.assertRaises(permitq.ExceedsCapacity) as caught:
+            self.client.acquire(new_id("huge"), {self.sem: 5}, timeout=15)
+        self.assertEqual(caught.exception.error_detail["capacity"], 2)
+        self.assertIn(f"{self.sem}=5 but {self.sem} has capacity 2", str(caught.exception))
+        with self.assertRaises(permitq.UnknownSemaphore) as caught:
+            self.client.acquire(new_id("typo"), {self.sem + "x": 1}, timeout=15)
+        self.assertIn(self.sem, caught.exception.error_detail.get("similar", []))
+        with self.assertRaises(permitq.InvalidInput) as caught:
+            self.client.submit(new_id("bad"), {self.sem: 1}, ttl=-1)
+        self.assertEqual(caught.exception.field, "ttl")
+        with self.assertRaises(ValueError):
+            self.client.submit(new_id("none"), {})
+        with self.assertRaises(permitq.LeaseLost):
+            self.client.heartbeat(new_id("never"))
+
+    def test_a_deadline_cancels_the_request_so_nothing_waits_on(self) -> None:
+        holders = [self.client.acquire(new_id("full"), {self.sem: 1}, ttl=30, timeout=15) for _ in range(2)]
+        try:
+            rid = new_id("late")
+            started = time.monotonic()
+            with self.assertRaises(permitq.AcquireTimeout) as caught:
+                self.client.acquire(rid, {self.sem: 1}, timeout=1)
+            self.assertLess(time.monotonic() - started, 5)
+            self.assertEqual(caught.exception.external_id, rid)
+            status = self.client.status(rid)
+            self.assertEqual((status.state, status.error_code), ("error", "cancelled"))
+            explanation = self.client.explain(rid)
+            self.assertIn("cancelled", explanation.outcome)
+        finally:
+            for lease in holders:
+                lease.release()
+
+    def test_a_waiting_acquire_is_woken_by_the_release(self) -> None:
+        holders = [self.client.acquire(new_id("hold"), {self.sem: 1}, ttl=30, timeout=15) for _ in range(2)]
+        rid = new_id("next")
+        waiter = permitq.Client(URL)
+        try:
+            import threading
+
+            got: list[permitq.Lease] = []
+            thread = threading.Thread(target=lambda: got.append(waiter.acquire(rid, {self.sem: 1}, timeout=15)))
+            thread.start()
+            wait_for(lambda: (e := self.client.explain(rid)) and e.semaphores and e.semaphores[0].position, "examined")
+            explanation = self.client.explain(rid)
+            self.assertEqual(explanation.semaphores[0].shortfall, 1)
+            holders[0].release()
+            thread.join(10)
+            self.assertEqual(len(got), 1)
+            self.assertEqual(got[0].status.state, "acquired")
+            got[0].release()
+        finally:
+            for lease in holders:
+                lease.release()
+            waiter.close()
+
+    @unittest.skipUnless(OTHER_URL, "PERMITQ_OTHER_URL names another producer login")
+    def test_another_producers_request_is_not_ours(self) -> None:
+        rid = new_id("mine")
+        lease = self.client.acquire(rid, {self.sem: 1}, ttl=30, timeout=15)
+        try:
+            with permitq.Client(OTHER_URL) as other:
+                self.assertIsNone(other.status(rid))
+                with self.assertRaises(permitq.NotOwner):
+                    other.release(rid)
+        finally:
+            lease.release()
+
+    def test_an_unreachable_database_is_retryable_and_says_so(self) -> None:
+        with permitq.Client("postgres://nobody@127.0.0.1:1/nothing") as down:
+            with self.assertRaises(permitq.DatabaseUnavailable):
+                down.status("x")
+
+
+class AsyncClientTest(unittest.IsolatedAsyncioTestCase):
+    async def test_acquire_heartbeat_release_and_errors(self) -> None:
+        admin = await permitq.AsyncClient.connect(ADMIN_URL)
+        sem = new_id("apy")
+        await admin.set_capacity(sem, 1)
+        async with await permitq.AsyncClient.connect(URL) as client:
+            rid = new_id("alease")
+            async with await client.acquire(rid, {sem: 1}, ttl=1.5, timeout=15) as lease:
+                self.assertGreater(lease.fencing_token, 0)
+                await asyncio.sleep(4)
+                self.assertFalse(lease.is_lost, lease.lost_reason)
+                # Full: a second acquire times out and is cancelled.
+                late = new_id("alate")
+                with self.assertRaises(permitq.AcquireTimeout):
+                    await client.acquire(late, {sem: 1}, timeout=1)
+                self.assertEqual((await client.status(late)).error_code, "cancelled")
+            self.assertEqual((await client.status(rid)).state, "released")
+            with self.assertRaises(permitq.ExceedsCapacity):
+                await client.acquire(new_id("ahuge"), {sem: 2}, timeout=15)
+        await admin.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
