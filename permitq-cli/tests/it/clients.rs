@@ -89,3 +89,94 @@ async fn the_python_client_passes_its_suite_against_real_workers() {
         "every test ran: {report}"
     );
 }
+
+/// Runs `program args` in `dir` with `envs`; panics with its output unless it succeeds.
+fn run_ok(dir: &std::path::Path, program: &str, args: &[&str], envs: &[(&str, &str)]) -> String {
+    let out = Command::new(program)
+        .args(args)
+        .current_dir(dir)
+        .envs(envs.iter().copied())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("{program}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{program} {args:?}: {text}");
+    text
+}
+
+/// The TypeScript package (clients/typescript): its dependencies from the lock file, the
+/// committed `dist/` equal to what `tsc` makes of `src/` now, its node:test suite as the three
+/// logins, and an install into a new project that imports it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_typescript_client_passes_its_suite_against_real_workers() {
+    let db = TestDb::new().await;
+    let producer = db.login("permitq_producer").await;
+    let admin = db.login("permitq_admin").await;
+    let other_user = format!("other_{}", common::user_of(&producer));
+    db.conn()
+        .await
+        .batch_execute(&format!(
+            "CREATE ROLE {other_user} LOGIN PASSWORD 'pw' IN ROLE permitq_producer"
+        ))
+        .await
+        .unwrap();
+    let other = common::as_user(&db.url, &other_user, "pw");
+    let _workers = Workers::start(&db.url);
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../clients/typescript")
+        .canonicalize()
+        .unwrap();
+    let report = tokio::task::spawn_blocking(move || {
+        run_ok(&root, "npm", &["ci", "--no-audit", "--no-fund"], &[]);
+        // The committed build is the build of the sources.
+        let fresh = std::env::temp_dir().join(format!("permitq-ts-{}", std::process::id()));
+        let fresh_dir = fresh.to_str().unwrap();
+        run_ok(&root, "npx", &["tsc", "--outDir", fresh_dir], &[]);
+        for file in ["index.js", "index.d.ts", "errors.js", "errors.d.ts"] {
+            assert_eq!(
+                std::fs::read_to_string(fresh.join(file)).unwrap(),
+                std::fs::read_to_string(root.join("dist").join(file)).unwrap(),
+                "dist/{file} is not the build of src/: run `npm run build` in clients/typescript"
+            );
+        }
+        let report = run_ok(
+            &root,
+            "node",
+            &["--test", "test/"],
+            &[
+                ("DATABASE_URL", &producer),
+                ("PERMITQ_ADMIN_URL", &admin),
+                ("PERMITQ_OTHER_URL", &other),
+            ],
+        );
+        // Installed into a new project, it imports.
+        let project = fresh.join("project");
+        std::fs::create_dir_all(&project).unwrap();
+        std::fs::write(project.join("package.json"), r#"{"name":"user","type":"module"}"#).unwrap();
+        run_ok(
+            &project,
+            "npm",
+            &["install", "--no-audit", "--no-fund", "--install-links", root.to_str().unwrap()],
+            &[],
+        );
+        let imported = run_ok(
+            &project,
+            "node",
+            &["--input-type=module", "-e", "const m = await import('permitq'); console.log(typeof m.Client, typeof m.withLease)"],
+            &[],
+        );
+        assert_eq!(imported.trim(), "function function");
+        let _ = std::fs::remove_dir_all(&fresh);
+        report
+    })
+    .await
+    .unwrap();
+    assert!(
+        report.contains("# fail 0") && report.contains("# skipped 0"),
+        "{report}"
+    );
+}

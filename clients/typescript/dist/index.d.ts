@@ -1,0 +1,142 @@
+/**
+ * permitq for TypeScript producers: submit permit requests, acquire with a heartbeating lease
+ * and its fencing token, release; errors as types. A thin layer over permitq's SQL API
+ * (node-postgres).
+ *
+ * ```ts
+ * const client = new Client({ connectionString: process.env.DATABASE_URL });
+ * await using lease = await client.acquire("train-7", { gpu: 2 }, { ttlSeconds: 30, timeoutMs: 600_000 });
+ * lease.check();                      // throws LeaseLost before the lease can run out
+ * await write(lease.fencingToken);
+ * ```
+ */
+import pg from "pg";
+import { type ErrorDetail } from "./errors.js";
+export * from "./errors.js";
+/** A request as stored: where it is in its life, how it ended, its lease and token. */
+export interface Status {
+    id: bigint;
+    externalId: string;
+    permits: Record<string, number>;
+    owner: string | null;
+    state: "new" | "in_progress" | "acquired" | "released" | "error";
+    errorCode: string | null;
+    errorDetail: ErrorDetail | null;
+    releaseReason: string | null;
+    /** A bigint: tokens carry their epoch in the top 16 bits. */
+    fencingToken: bigint | null;
+    acquiredAt: Date | null;
+    expiresAt: Date | null;
+    releasedAt: Date | null;
+    ttlSeconds: number | null;
+    waitSeconds: number | null;
+    priority: number;
+}
+/** What a request asks for besides its permits. */
+export interface SubmitOptions {
+    owner?: string;
+    /** The lease: heartbeat within it. */
+    ttlSeconds?: number;
+    /** How long it may wait (0: fail fast). */
+    waitSeconds?: number;
+    /** -100..100. */
+    priority?: number;
+}
+/** How long `acquire` waits, and what stops it. */
+export interface AcquireOptions extends SubmitOptions {
+    /** At most this long (30 s by default); then the request is cancelled. */
+    timeoutMs?: number;
+    /** Aborting it cancels the request too. */
+    signal?: AbortSignal;
+}
+/** One row of `explain`: what the request needs on one semaphore and what holds it back. */
+export interface SemaphoreWait {
+    semaphore: string;
+    needs: number | null;
+    capacity: number | null;
+    free: number | null;
+    shortfall: number | null;
+    position: number | null;
+    permitsAhead: number | null;
+    reason: string | null;
+    estimatedWaitSeconds: number | null;
+}
+/** Why a request waits (`semaphores`), or how it ended (`outcome`). */
+export interface Explanation {
+    externalId: string;
+    state: string;
+    outcome: string | null;
+    semaphores: SemaphoreWait[];
+}
+/** A producer's handle on permitq: a small pool, and a connection of its own per waiting acquire. */
+export declare class Client {
+    private readonly config;
+    private readonly pool;
+    constructor(config: pg.PoolConfig);
+    /** Closes the pool. */
+    end(): Promise<void>;
+    private query;
+    /** Submits a request, idempotent by `externalId` (other parameters throw ExternalIdTaken). */
+    submit(externalId: string, permits: Record<string, number>, options?: SubmitOptions): Promise<Status>;
+    /** The request, or null for an unknown id (or another login's, for a producer). */
+    status(externalId: string): Promise<Status | null>;
+    /** Gives the permits back: `released`, `already_released`, `cancelled`, `not_acquired`, `unknown`. */
+    release(externalId: string): Promise<string>;
+    /** Extends the lease (to now + `extendSeconds`, else its ttl); throws LeaseLost when it is gone. */
+    heartbeat(externalId: string, extendSeconds?: number): Promise<Date | null>;
+    /** Why the request waits, per semaphore; or how it ended. Null for an unknown id. */
+    explain(externalId: string): Promise<Explanation | null>;
+    /** Creates or changes a semaphore (admins); an option left out keeps its setting. */
+    setCapacity(name: string, capacity: number, options?: {
+        fair?: boolean;
+        perSeconds?: number;
+        maxInstances?: number;
+        parent?: string;
+        guarantee?: number;
+    }): Promise<{
+        name: string;
+        capacity: number;
+        used: number;
+    }>;
+    /**
+     * Submits and waits for the grant: a Lease (`await using`, or `withLease`). Waits on LISTEN
+     * on a connection of its own, reading the status every 250 ms as well, so a lost notification
+     * costs latency, never a hang. At `timeoutMs`, or when `signal` aborts, the request is
+     * cancelled (nothing waits on) and AcquireTimeout thrown; an error outcome throws its
+     * RequestFailed subclass.
+     */
+    acquire(externalId: string, permits: Record<string, number>, options?: AcquireOptions): Promise<Lease>;
+}
+/**
+ * Permits held: heartbeats every third of its ttl, releases when disposed (`await using`, or
+ * `withLease`), and says it is *lost* before the lease can have run out on the server: its
+ * clock starts when the request or the last confirmed heartbeat was sent, never when the answer
+ * came. Check `lease.isLost` or call `lease.check()` before each step; or pass `lease.signal`
+ * (aborted when lost) to what you run under it. Write with `lease.fencingToken`.
+ */
+export declare class Lease implements AsyncDisposable {
+    private readonly client;
+    readonly status: Status;
+    readonly externalId: string;
+    readonly fencingToken: bigint;
+    readonly ttlSeconds: number | null;
+    /** Aborted when the lease is lost; `signal.reason` says why. */
+    readonly signal: AbortSignal;
+    private readonly lost;
+    private validUntil;
+    private timer;
+    private released;
+    constructor(client: Client, status: Status, sent: number);
+    /** Whether the lease is lost (or may be): stop acting on what the permits guarded. */
+    get isLost(): boolean;
+    /** Throws LeaseLost once the lease is lost. */
+    check(): void;
+    /** Stops heartbeating and gives the permits back (once): the release outcome. */
+    release(): Promise<string>;
+    [Symbol.asyncDispose](): Promise<void>;
+    private lose;
+    private schedule;
+    private beat;
+}
+/** Runs `work` under a lease, releasing it afterwards (also when `work` throws). */
+export declare function withLease<T>(client: Client, externalId: string, permits: Record<string, number>, options: AcquireOptions, work: (lease: Lease) => Promise<T>): Promise<T>;

@@ -1,0 +1,160 @@
+/** permitq's errors as types: nothing a caller has to decode from a SQLSTATE. */
+
+/** Every error this package throws. */
+export class PermitqError extends Error {
+  override name = "PermitqError";
+}
+
+/** The database could not be reached or went away. Retryable: submit is idempotent. */
+export class DatabaseUnavailable extends PermitqError {
+  override name = "DatabaseUnavailable";
+}
+
+/** The database refused an argument (SQLSTATE 22023); `field` names it when it can. */
+export class InvalidInput extends PermitqError {
+  override name = "InvalidInput";
+  constructor(message: string, readonly field: string | null) {
+    super(message);
+  }
+}
+
+/** Another login's request, or a role this login lacks (SQLSTATE 42501). */
+export class NotOwner extends PermitqError {
+  override name = "NotOwner";
+}
+
+/** The external_id was submitted before with other parameters (SQLSTATE 23505). */
+export class ExternalIdTaken extends PermitqError {
+  override name = "ExternalIdTaken";
+}
+
+/** The lease is gone (SQLSTATE 55000, or no heartbeat got through in time). */
+export class LeaseLost extends PermitqError {
+  override name = "LeaseLost";
+}
+
+/** Not granted before the deadline (or the signal aborted); the request was cancelled. */
+export class AcquireTimeout extends PermitqError {
+  override name = "AcquireTimeout";
+  constructor(message: string, readonly externalId: string) {
+    super(message);
+  }
+}
+
+/** What an errored request hit: the semaphore, its count and the bound. */
+export type ErrorDetail = Record<string, unknown> & {
+  semaphore?: string;
+  count?: number;
+  capacity?: number;
+  free?: number;
+  similar?: string[];
+};
+
+/** The request ended in `error`; one subclass per `errorCode`. */
+export class RequestFailed extends PermitqError {
+  override name = "RequestFailed";
+  constructor(
+    readonly externalId: string,
+    readonly errorCode: string,
+    readonly errorDetail: ErrorDetail,
+  ) {
+    super(`request ${externalId} ended in error ${errorCode}: ${explained(errorCode, errorDetail)}`);
+  }
+}
+
+/** A named semaphore does not exist (and no template matches it). */
+export class UnknownSemaphore extends RequestFailed {
+  override name = "UnknownSemaphore";
+}
+/** A count is larger than its semaphore's (or a parent's) capacity. */
+export class ExceedsCapacity extends RequestFailed {
+  override name = "ExceedsCapacity";
+}
+/** Submitted with wait 0, and there was no room at that moment. */
+export class NoCapacity extends RequestFailed {
+  override name = "NoCapacity";
+}
+/** It waited its `wait` and was not granted. */
+export class WaitTimedOut extends RequestFailed {
+  override name = "WaitTimedOut";
+}
+/** It was released (cancelled) while still waiting. */
+export class Cancelled extends RequestFailed {
+  override name = "Cancelled";
+}
+/** It names a new instance of a template that has its `max_instances` already. */
+export class TooManyInstances extends RequestFailed {
+  override name = "TooManyInstances";
+}
+/** The stored row could not be decided. */
+export class InvalidRequest extends RequestFailed {
+  override name = "InvalidRequest";
+}
+
+const BY_CODE: Record<string, typeof RequestFailed> = {
+  unknown_semaphore: UnknownSemaphore,
+  exceeds_capacity: ExceedsCapacity,
+  no_capacity: NoCapacity,
+  timeout: WaitTimedOut,
+  cancelled: Cancelled,
+  too_many_instances: TooManyInstances,
+  invalid: InvalidRequest,
+};
+
+/** The typed error of a request that ended with `code`. */
+export function requestFailed(externalId: string, code: string, detail: ErrorDetail | null): RequestFailed {
+  const Type = BY_CODE[code] ?? RequestFailed;
+  return new Type(externalId, code, detail ?? {});
+}
+
+function explained(code: string, d: ErrorDetail): string {
+  const name = d.semaphore ?? "?";
+  switch (code) {
+    case "unknown_semaphore":
+      return d.similar?.length
+        ? `no semaphore named ${name}; did you mean ${d.similar.join(" or ")}? (submit again under a new external_id)`
+        : `no semaphore named ${name}; create it (\`permitq semaphore set ${name} CAPACITY\`), then submit again under a new external_id`;
+    case "exceeds_capacity":
+      return `${name}=${d.count} but ${name} has capacity ${d.capacity}: ask for less or raise the capacity, under a new external_id`;
+    case "no_capacity":
+    case "timeout":
+      return d.semaphore
+        ? `${name}=${d.count}, ${d.free} of ${d.capacity} free; submit again under a new external_id with a longer wait`
+        : "submit again under a new external_id with a longer wait";
+    case "too_many_instances":
+      return `template ${String(d.template)} has its max_instances of ${String(d.max_instances)} already`;
+    default:
+      return String(d.problem ?? code);
+  }
+}
+
+/** A node-postgres error as this package's type, with the server's message. */
+export function translated(e: unknown): Error {
+  if (e instanceof PermitqError) return e;
+  const err = e as { code?: string; message?: string };
+  const message = (err.message ?? String(e)).replace(/\s+/g, " ");
+  const code = err.code ?? "";
+  const sqlstate = /^[0-9A-Z]{5}$/.test(code);
+  const connection = !sqlstate && (code !== "" || /connection|connect|terminated|timeout/i.test(message));
+  if (connection || code.startsWith("08") || code.startsWith("57P")) {
+    return new DatabaseUnavailable(`${message} (is PostgreSQL up and the URL right? Retrying is safe)`);
+  }
+  if (!sqlstate) return e instanceof Error ? e : new PermitqError(message);
+  switch (code) {
+    case "22023": {
+      const field = message.startsWith("invalid ") ? message.slice(8).split(":")[0]!.trim() : null;
+      return new InvalidInput(message, field);
+    }
+    case "42501":
+      return new NotOwner(message);
+    case "23505":
+      return new ExternalIdTaken(message);
+    case "55000":
+      return new LeaseLost(message);
+    case "3F000":
+    case "42883":
+      return new PermitqError(`${message} (the permitq schema is missing or older than this client: run \`permitq migrate\`)`);
+    default:
+      return new PermitqError(message);
+  }
+}

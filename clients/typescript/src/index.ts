@@ -1,0 +1,380 @@
+/**
+ * permitq for TypeScript producers: submit permit requests, acquire with a heartbeating lease
+ * and its fencing token, release; errors as types. A thin layer over permitq's SQL API
+ * (node-postgres).
+ *
+ * ```ts
+ * const client = new Client({ connectionString: process.env.DATABASE_URL });
+ * await using lease = await client.acquire("train-7", { gpu: 2 }, { ttlSeconds: 30, timeoutMs: 600_000 });
+ * lease.check();                      // throws LeaseLost before the lease can run out
+ * await write(lease.fencingToken);
+ * ```
+ */
+
+import pg from "pg";
+
+import {
+  AcquireTimeout,
+  LeaseLost,
+  PermitqError,
+  DatabaseUnavailable,
+  requestFailed,
+  translated,
+  type ErrorDetail,
+} from "./errors.js";
+
+export * from "./errors.js";
+
+/** The channel the workers announce outcomes on (payloads: JSON arrays of request ids). */
+const EVENTS = "permitq_events";
+/** How often a waiting acquire reads the status again without a notification. */
+const POLL_MS = 250;
+/** How long before the lease could have run out on the server a Lease says it is lost. */
+const SAFETY_FRACTION = 0.2;
+
+const COLUMNS =
+  "id::text, external_id, permits, owner, state, error_code, error_detail, release_reason, " +
+  "fencing_token::text, acquired_at, expires_at, released_at, " +
+  "extract(epoch FROM ttl)::float8 AS ttl, extract(epoch FROM wait)::float8 AS wait, priority";
+
+/** A request as stored: where it is in its life, how it ended, its lease and token. */
+export interface Status {
+  id: bigint;
+  externalId: string;
+  permits: Record<string, number>;
+  owner: string | null;
+  state: "new" | "in_progress" | "acquired" | "released" | "error";
+  errorCode: string | null;
+  errorDetail: ErrorDetail | null;
+  releaseReason: string | null;
+  /** A bigint: tokens carry their epoch in the top 16 bits. */
+  fencingToken: bigint | null;
+  acquiredAt: Date | null;
+  expiresAt: Date | null;
+  releasedAt: Date | null;
+  ttlSeconds: number | null;
+  waitSeconds: number | null;
+  priority: number;
+}
+
+/** What a request asks for besides its permits. */
+export interface SubmitOptions {
+  owner?: string;
+  /** The lease: heartbeat within it. */
+  ttlSeconds?: number;
+  /** How long it may wait (0: fail fast). */
+  waitSeconds?: number;
+  /** -100..100. */
+  priority?: number;
+}
+
+/** How long `acquire` waits, and what stops it. */
+export interface AcquireOptions extends SubmitOptions {
+  /** At most this long (30 s by default); then the request is cancelled. */
+  timeoutMs?: number;
+  /** Aborting it cancels the request too. */
+  signal?: AbortSignal;
+}
+
+/** One row of `explain`: what the request needs on one semaphore and what holds it back. */
+export interface SemaphoreWait {
+  semaphore: string;
+  needs: number | null;
+  capacity: number | null;
+  free: number | null;
+  shortfall: number | null;
+  position: number | null;
+  permitsAhead: number | null;
+  reason: string | null;
+  estimatedWaitSeconds: number | null;
+}
+
+/** Why a request waits (`semaphores`), or how it ended (`outcome`). */
+export interface Explanation {
+  externalId: string;
+  state: string;
+  outcome: string | null;
+  semaphores: SemaphoreWait[];
+}
+
+function status(row: Record<string, unknown>): Status {
+  const optionalBig = (v: unknown) => (v == null ? null : BigInt(v as string));
+  return {
+    id: BigInt(row.id as string),
+    externalId: row.external_id as string,
+    permits: row.permits as Record<string, number>,
+    owner: (row.owner as string) ?? null,
+    state: row.state as Status["state"],
+    errorCode: (row.error_code as string) ?? null,
+    errorDetail: (row.error_detail as ErrorDetail) ?? null,
+    releaseReason: (row.release_reason as string) ?? null,
+    fencingToken: optionalBig(row.fencing_token),
+    acquiredAt: (row.acquired_at as Date) ?? null,
+    expiresAt: (row.expires_at as Date) ?? null,
+    releasedAt: (row.released_at as Date) ?? null,
+    ttlSeconds: (row.ttl as number) ?? null,
+    waitSeconds: (row.wait as number) ?? null,
+    priority: row.priority as number,
+  };
+}
+
+const sleep = (ms: number, signal?: AbortSignal) =>
+  new Promise<void>((resolve) => {
+    const timer = setTimeout(resolve, ms);
+    signal?.addEventListener("abort", () => {
+      clearTimeout(timer);
+      resolve();
+    }, { once: true });
+  });
+
+/** A producer's handle on permitq: a small pool, and a connection of its own per waiting acquire. */
+export class Client {
+  private readonly pool: pg.Pool;
+
+  constructor(private readonly config: pg.PoolConfig) {
+    this.pool = new pg.Pool({ max: 4, application_name: "permitq-node", ...config });
+    this.pool.on("error", () => {}); // an idle connection that broke: the next query reconnects
+  }
+
+  /** Closes the pool. */
+  async end(): Promise<void> {
+    await this.pool.end();
+  }
+
+  private async query(sql: string, args: unknown[]): Promise<Record<string, unknown>[]> {
+    try {
+      return (await this.pool.query(sql, args)).rows;
+    } catch (e) {
+      throw translated(e);
+    }
+  }
+
+  /** Submits a request, idempotent by `externalId` (other parameters throw ExternalIdTaken). */
+  async submit(externalId: string, permits: Record<string, number>, options: SubmitOptions = {}): Promise<Status> {
+    if (Object.keys(permits).length === 0) {
+      throw new TypeError("permits: name at least one semaphore and its count, e.g. { gpu: 1 }");
+    }
+    const rows = await this.query(
+      `SELECT ${COLUMNS} FROM permitq.submit($1, $2::jsonb, owner => $3, ttl => make_interval(secs => $4),
+                                             wait => make_interval(secs => $5), priority => $6)`,
+      [externalId, JSON.stringify(permits), options.owner ?? null, options.ttlSeconds ?? null,
+       options.waitSeconds ?? null, options.priority ?? 0],
+    );
+    return status(rows[0]!);
+  }
+
+  /** The request, or null for an unknown id (or another login's, for a producer). */
+  async status(externalId: string): Promise<Status | null> {
+    const rows = await this.query(`SELECT ${COLUMNS} FROM permitq.status($1)`, [externalId]);
+    return rows.length ? status(rows[0]!) : null;
+  }
+
+  /** Gives the permits back: `released`, `already_released`, `cancelled`, `not_acquired`, `unknown`. */
+  async release(externalId: string): Promise<string> {
+    const rows = await this.query("SELECT permitq.release($1) AS outcome", [externalId]);
+    return rows[0]!.outcome as string;
+  }
+
+  /** Extends the lease (to now + `extendSeconds`, else its ttl); throws LeaseLost when it is gone. */
+  async heartbeat(externalId: string, extendSeconds?: number): Promise<Date | null> {
+    const rows = await this.query("SELECT permitq.heartbeat($1, make_interval(secs => $2)) AS until",
+      [externalId, extendSeconds ?? null]);
+    return (rows[0]!.until as Date) ?? null;
+  }
+
+  /** Why the request waits, per semaphore; or how it ended. Null for an unknown id. */
+  async explain(externalId: string): Promise<Explanation | null> {
+    const rows = await this.query(
+      `SELECT request, state, outcome, semaphore, needs, capacity, free, shortfall, position::int,
+              permits_ahead::int, reason, extract(epoch FROM estimated_wait)::float8 AS estimated
+       FROM permitq.explain($1)`, [externalId]);
+    if (rows.length === 0) return null;
+    const first = rows[0]!;
+    return {
+      externalId: first.request as string,
+      state: first.state as string,
+      outcome: (first.outcome as string) ?? null,
+      semaphores: rows.filter((r) => r.semaphore != null).map((r) => ({
+        semaphore: r.semaphore as string,
+        needs: r.needs as number | null,
+        capacity: r.capacity as number | null,
+        free: r.free as number | null,
+        shortfall: r.shortfall as number | null,
+        position: r.position as number | null,
+        permitsAhead: r.permits_ahead as number | null,
+        reason: r.reason as string | null,
+        estimatedWaitSeconds: r.estimated as number | null,
+      })),
+    };
+  }
+
+  /** Creates or changes a semaphore (admins); an option left out keeps its setting. */
+  async setCapacity(name: string, capacity: number, options: { fair?: boolean; perSeconds?: number;
+    maxInstances?: number; parent?: string; guarantee?: number } = {}): Promise<{ name: string; capacity: number; used: number }> {
+    const rows = await this.query(
+      `SELECT name, capacity, used::int FROM permitq.set_capacity($1, $2, fair => $3,
+         per => make_interval(secs => $4), max_instances => $5, parent => $6, guarantee => $7)`,
+      [name, capacity, options.fair ?? null, options.perSeconds ?? null, options.maxInstances ?? null,
+       options.parent ?? null, options.guarantee ?? null],
+    );
+    return rows[0] as { name: string; capacity: number; used: number };
+  }
+
+  /**
+   * Submits and waits for the grant: a Lease (`await using`, or `withLease`). Waits on LISTEN
+   * on a connection of its own, reading the status every 250 ms as well, so a lost notification
+   * costs latency, never a hang. At `timeoutMs`, or when `signal` aborts, the request is
+   * cancelled (nothing waits on) and AcquireTimeout thrown; an error outcome throws its
+   * RequestFailed subclass.
+   */
+  async acquire(externalId: string, permits: Record<string, number>, options: AcquireOptions = {}): Promise<Lease> {
+    const limit = options.timeoutMs ?? 30_000;
+    const deadline = performance.now() + limit;
+    const listener = new pg.Client({ application_name: "permitq-node", ...this.config });
+    listener.on("error", () => {}); // a lost listener costs latency: the status is polled
+    let woken: () => void = () => {};
+    listener.on("notification", () => woken());
+    let sent = 0;
+    let current: Status;
+    try {
+      try {
+        await listener.connect();
+        await listener.query(`LISTEN ${EVENTS}`);
+      } catch (e) {
+        throw translated(e);
+      }
+      sent = performance.now();
+      current = await untilDeadline(deadline, () => this.submit(externalId, permits, options));
+      while (current.state === "new" || current.state === "in_progress") {
+        const remaining = deadline - performance.now();
+        if (remaining <= 0 || options.signal?.aborted) {
+          const outcome = await this.release(externalId);
+          throw new AcquireTimeout(
+            `request ${externalId} was not granted ${options.signal?.aborted ? "before the signal aborted" : `within ${limit} ms`}; ` +
+              `it was cancelled (${outcome}): \`permitq explain ${externalId}\` said why while it waited`,
+            externalId,
+          );
+        }
+        await new Promise<void>((resolve) => {
+          const timer = setTimeout(resolve, Math.min(POLL_MS, remaining));
+          woken = () => { clearTimeout(timer); resolve(); };
+          options.signal?.addEventListener("abort", () => { clearTimeout(timer); resolve(); }, { once: true });
+        });
+        current = (await this.status(externalId)) ?? current;
+      }
+    } finally {
+      await listener.end().catch(() => {});
+    }
+    // What was read reached the synchronous standby (a failover cannot take it back).
+    await this.query("SELECT permitq.confirm_durable()", []);
+    if (current.state === "acquired") return new Lease(this, current, sent);
+    if (current.state === "error") throw requestFailed(externalId, current.errorCode ?? "", current.errorDetail);
+    throw new PermitqError(`request ${externalId} is ${current.state}: this external_id was granted and released before; submit under a new one`);
+  }
+}
+
+async function untilDeadline<T>(deadline: number, call: () => Promise<T>): Promise<T> {
+  let pause = 50;
+  for (;;) {
+    try {
+      return await call();
+    } catch (e) {
+      if (!(e instanceof DatabaseUnavailable) || performance.now() + pause >= deadline) throw e;
+      await sleep(pause);
+      pause = Math.min(pause * 2, 1000);
+    }
+  }
+}
+
+/**
+ * Permits held: heartbeats every third of its ttl, releases when disposed (`await using`, or
+ * `withLease`), and says it is *lost* before the lease can have run out on the server: its
+ * clock starts when the request or the last confirmed heartbeat was sent, never when the answer
+ * came. Check `lease.isLost` or call `lease.check()` before each step; or pass `lease.signal`
+ * (aborted when lost) to what you run under it. Write with `lease.fencingToken`.
+ */
+export class Lease implements AsyncDisposable {
+  readonly externalId: string;
+  readonly fencingToken: bigint;
+  readonly ttlSeconds: number | null;
+  /** Aborted when the lease is lost; `signal.reason` says why. */
+  readonly signal: AbortSignal;
+  private readonly lost = new AbortController();
+  private validUntil: number | null;
+  private timer: NodeJS.Timeout | null = null;
+  private released: Promise<string> | null = null;
+
+  constructor(private readonly client: Client, readonly status: Status, sent: number) {
+    this.externalId = status.externalId;
+    this.fencingToken = status.fencingToken ?? 0n;
+    this.ttlSeconds = status.ttlSeconds;
+    this.signal = this.lost.signal;
+    this.validUntil = this.ttlSeconds == null ? null : sent + this.ttlSeconds * 1000;
+    if (this.ttlSeconds != null) this.schedule(this.ttlSeconds * 1000 / 3);
+  }
+
+  /** Whether the lease is lost (or may be): stop acting on what the permits guarded. */
+  get isLost(): boolean {
+    if (!this.signal.aborted && this.validUntil != null &&
+        performance.now() >= this.validUntil - (this.ttlSeconds ?? 0) * 1000 * SAFETY_FRACTION) {
+      this.lose("no heartbeat was confirmed in time: the lease may run out");
+    }
+    return this.signal.aborted;
+  }
+
+  /** Throws LeaseLost once the lease is lost. */
+  check(): void {
+    if (this.isLost) throw new LeaseLost(`lease of ${this.externalId} lost: ${String(this.signal.reason)}`);
+  }
+
+  /** Stops heartbeating and gives the permits back (once): the release outcome. */
+  release(): Promise<string> {
+    if (this.timer) clearTimeout(this.timer);
+    this.timer = null;
+    this.released ??= this.client.release(this.externalId);
+    return this.released;
+  }
+
+  async [Symbol.asyncDispose](): Promise<void> {
+    await this.release();
+  }
+
+  private lose(reason: string): void {
+    if (!this.signal.aborted) this.lost.abort(reason);
+  }
+
+  private schedule(pauseMs: number): void {
+    if (this.released || this.validUntil == null) return;
+    const watchdog = this.validUntil - (this.ttlSeconds ?? 0) * 1000 * SAFETY_FRACTION - performance.now();
+    this.timer = setTimeout(() => void this.beat(), Math.max(0, Math.min(pauseMs, watchdog)));
+    this.timer.unref();
+  }
+
+  private async beat(): Promise<void> {
+    if (this.released || this.isLost) return;
+    const every = (this.ttlSeconds ?? 0) * 1000 / 3;
+    const sent = performance.now();
+    try {
+      await this.client.heartbeat(this.externalId);
+      this.validUntil = sent + (this.ttlSeconds ?? 0) * 1000;
+      this.schedule(every);
+    } catch (e) {
+      if (e instanceof LeaseLost) {
+        this.lose(e.message);
+      } else {
+        this.schedule(Math.min(every, 500)); // retried soon; the watchdog decides when it is lost
+      }
+    }
+  }
+}
+
+/** Runs `work` under a lease, releasing it afterwards (also when `work` throws). */
+export async function withLease<T>(client: Client, externalId: string, permits: Record<string, number>,
+  options: AcquireOptions, work: (lease: Lease) => Promise<T>): Promise<T> {
+  const lease = await client.acquire(externalId, permits, options);
+  try {
+    return await work(lease);
+  } finally {
+    await lease.release();
+  }
+}

@@ -1,0 +1,179 @@
+// The TypeScript client against a real PostgreSQL with real `permitq worker` processes.
+//
+//   DATABASE_URL=postgres://... PERMITQ_ADMIN_URL=... PERMITQ_OTHER_URL=... node --test test/
+//
+// DATABASE_URL: a producer login; PERMITQ_ADMIN_URL: an admin login (set_capacity, revoke);
+// PERMITQ_OTHER_URL: a second producer login (ownership). Every test uses ids of its own.
+
+import assert from "node:assert/strict";
+import { randomUUID } from "node:crypto";
+import { after, before, describe, it } from "node:test";
+
+import pg from "pg";
+
+import * as permitq from "../dist/index.js";
+
+const URL = process.env.DATABASE_URL;
+const ADMIN_URL = process.env.PERMITQ_ADMIN_URL ?? URL;
+const OTHER_URL = process.env.PERMITQ_OTHER_URL;
+const newId = (prefix) => `${prefix}-${randomUUID().slice(0, 8)}`;
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+async function waitFor(condition, what, ms = 15_000) {
+  const deadline = Date.now() + ms;
+  while (Date.now() < deadline) {
+    const value = await condition();
+    if (value) return value;
+    await sleep(50);
+  }
+  throw new Error(`not within ${ms} ms: ${what}`);
+}
+
+describe("permitq client", () => {
+  const sem = newId("ts");
+  let client;
+  let admin;
+
+  before(async () => {
+    admin = new permitq.Client({ connectionString: ADMIN_URL });
+    await admin.setCapacity(sem, 2);
+    client = new permitq.Client({ connectionString: URL });
+  });
+
+  after(async () => {
+    await client.end();
+    await admin.end();
+  });
+
+  it("submits idempotently and refuses other parameters", async () => {
+    const id = newId("idem");
+    const first = await client.submit(id, { [sem]: 1 }, { ttlSeconds: 30 });
+    const again = await client.submit(id, { [sem]: 1 }, { ttlSeconds: 30 });
+    assert.equal(first.id, again.id);
+    await assert.rejects(client.submit(id, { [sem]: 2 }, { ttlSeconds: 30 }), permitq.ExternalIdTaken);
+    await waitFor(async () => (await client.status(id)).state !== "new", "granted");
+    assert.equal(await client.release(id), "released");
+    assert.equal(await client.status(newId("unknown")), null);
+    await assert.rejects(client.submit(newId("none"), {}), TypeError);
+  });
+
+  it("acquires, heartbeats in the background, exposes the token and releases on dispose", async () => {
+    const id = newId("lease");
+    const lease = await client.acquire(id, { [sem]: 1 }, { ttlSeconds: 1.5, timeoutMs: 15_000 });
+    assert.ok(lease.fencingToken > 0n);
+    await sleep(4500); // three ttls: only the heartbeats keep it
+    assert.equal(lease.isLost, false, String(lease.signal.reason));
+    assert.equal((await client.status(id)).state, "acquired");
+    await lease[Symbol.asyncDispose]();
+    const done = await client.status(id);
+    assert.deepEqual([done.state, done.releaseReason], ["released", "released"]);
+  });
+
+  it("releases when the work throws", async () => {
+    const id = newId("boom");
+    await assert.rejects(
+      permitq.withLease(client, id, { [sem]: 1 }, { ttlSeconds: 30 }, async () => {
+        throw new Error("work failed");
+      }),
+      /work failed/,
+    );
+    assert.equal((await client.status(id)).state, "released");
+  });
+
+  it("signals a revoked lease as lost", async () => {
+    const id = newId("revoked");
+    const lease = await client.acquire(id, { [sem]: 1 }, { ttlSeconds: 1.5 });
+    const pool = new pg.Pool({ connectionString: ADMIN_URL });
+    await pool.query("SELECT permitq.revoke($1)", [id]);
+    await pool.end();
+    await waitFor(() => lease.signal.aborted, "lost signalled", 5000);
+    assert.match(String(lease.signal.reason), /lease lost/);
+    assert.throws(() => lease.check(), permitq.LeaseLost);
+    await lease.release();
+  });
+
+  it("says lost before the server's lease can run out when heartbeats stop getting through", async () => {
+    const id = newId("cut");
+    const own = new permitq.Client({ connectionString: URL });
+    const lease = await own.acquire(id, { [sem]: 1 }, { ttlSeconds: 5 });
+    await own.end(); // no heartbeat gets through any more
+    await waitFor(() => lease.signal.aborted, "lost signalled", 6000);
+    assert.match(String(lease.signal.reason), /no heartbeat was confirmed in time/);
+    const held = await admin.status(id);
+    assert.equal(held.state, "acquired");
+    assert.ok(held.expiresAt > new Date(), "the server's lease still held");
+    await client.release(id);
+  });
+
+  it("throws typed errors with their detail", async () => {
+    const huge = await client.acquire(newId("huge"), { [sem]: 5 }).catch((e) => e);
+    assert.ok(huge instanceof permitq.ExceedsCapacity, String(huge));
+    assert.equal(huge.errorDetail.capacity, 2);
+    assert.match(huge.message, new RegExp(`${sem}=5 but ${sem} has capacity 2`));
+    const typo = await client.acquire(newId("typo"), { [`${sem}x`]: 1 }).catch((e) => e);
+    assert.ok(typo instanceof permitq.UnknownSemaphore, String(typo));
+    assert.ok(typo.errorDetail.similar.includes(sem));
+    const bad = await client.submit(newId("bad"), { [sem]: 1 }, { ttlSeconds: -1 }).catch((e) => e);
+    assert.ok(bad instanceof permitq.InvalidInput, String(bad));
+    assert.equal(bad.field, "ttl");
+    await assert.rejects(client.heartbeat(newId("never")), permitq.LeaseLost);
+  });
+
+  it("cancels at the deadline or on abort, so nothing waits on", async () => {
+    const holders = [
+      await client.acquire(newId("full"), { [sem]: 1 }, { ttlSeconds: 30 }),
+      await client.acquire(newId("full"), { [sem]: 1 }, { ttlSeconds: 30 }),
+    ];
+    try {
+      const late = newId("late");
+      const started = Date.now();
+      const e = await client.acquire(late, { [sem]: 1 }, { timeoutMs: 1000 }).catch((err) => err);
+      assert.ok(e instanceof permitq.AcquireTimeout, String(e));
+      assert.ok(Date.now() - started < 5000);
+      const s = await client.status(late);
+      assert.deepEqual([s.state, s.errorCode], ["error", "cancelled"]);
+      const aborted = newId("aborted");
+      const e2 = await client.acquire(aborted, { [sem]: 1 }, { signal: AbortSignal.timeout(300) }).catch((err) => err);
+      assert.ok(e2 instanceof permitq.AcquireTimeout, String(e2));
+      assert.equal((await client.status(aborted)).errorCode, "cancelled");
+      assert.match((await client.explain(late)).outcome, /cancelled/);
+    } finally {
+      for (const lease of holders) await lease.release();
+    }
+  });
+
+  it("wakes a waiting acquire when room comes free", async () => {
+    const holders = [
+      await client.acquire(newId("hold"), { [sem]: 1 }, { ttlSeconds: 30 }),
+      await client.acquire(newId("hold"), { [sem]: 1 }, { ttlSeconds: 30 }),
+    ];
+    const id = newId("next");
+    const waiting = client.acquire(id, { [sem]: 1 }, { timeoutMs: 15_000 });
+    await waitFor(async () => (await client.explain(id))?.semaphores[0]?.position, "examined");
+    assert.equal((await client.explain(id)).semaphores[0].shortfall, 1);
+    await holders[0].release();
+    const lease = await waiting;
+    assert.equal(lease.status.state, "acquired");
+    await lease.release();
+    await holders[1].release();
+  });
+
+  it("keeps another producer's request from it", { skip: !OTHER_URL }, async () => {
+    const id = newId("mine");
+    const lease = await client.acquire(id, { [sem]: 1 }, { ttlSeconds: 30 });
+    const other = new permitq.Client({ connectionString: OTHER_URL });
+    try {
+      assert.equal(await other.status(id), null);
+      await assert.rejects(other.release(id), permitq.NotOwner);
+    } finally {
+      await other.end();
+      await lease.release();
+    }
+  });
+
+  it("says an unreachable database is retryable", async () => {
+    const down = new permitq.Client({ connectionString: "postgres://nobody@127.0.0.1:1/nothing" });
+    await assert.rejects(down.status("x"), permitq.DatabaseUnavailable);
+    await down.end();
+  });
+});
