@@ -26,15 +26,17 @@ class AsyncClient:
     """`await AsyncClient.connect(url)`, or `async with await AsyncClient.connect(url) as client`.
     One connection (reopened when it breaks); calls on it take turns."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, listen: bool = True) -> None:
         self._url = url
+        self._listen = listen
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._lock = asyncio.Lock()
 
     @classmethod
-    async def connect(cls, url: str) -> "AsyncClient":
-        """A client, connected (so that a wrong URL is told at once)."""
-        client = cls(url)
+    async def connect(cls, url: str, *, listen: bool = True) -> "AsyncClient":
+        """A client, connected (so that a wrong URL is told at once). `listen=False` waits by
+        reading the status only (through a pooler in transaction mode)."""
+        client = cls(url, listen=listen)
         await client._run(lambda conn: conn.execute("SELECT 1"))
         return client
 
@@ -51,9 +53,13 @@ class AsyncClient:
                 await self._conn.close()
                 self._conn = None
 
-    async def _connect(self) -> psycopg.AsyncConnection[Any]:
+    async def _connect(self, application_name: str = "permitq-python") -> psycopg.AsyncConnection[Any]:
         try:
-            return await psycopg.AsyncConnection.connect(self._url, autocommit=True, application_name="permitq-python")
+            conn = await psycopg.AsyncConnection.connect(
+                self._url, autocommit=True, application_name=application_name, **c.KEEPALIVES
+            )
+            conn.prepare_threshold = None  # PgBouncer in transaction mode has no prepared statements
+            return conn
         except psycopg.Error as e:
             raise translated(e) from e
 
@@ -141,7 +147,7 @@ class AsyncClient:
         """As Client.acquire: an AsyncLease (`async with`)."""
         limit = c.seconds(timeout) or 0.0
         deadline = time.monotonic() + limit
-        listener = await self._connect()
+        listener = await self._connect("permitq-python-listen")
         woken = asyncio.Event()
 
         async def listen() -> None:
@@ -152,8 +158,9 @@ class AsyncClient:
                 pass  # closed: the status is read every POLL_SECONDS anyway
 
         try:
-            await listener.execute(f"LISTEN {c.EVENTS}")
-            listening = asyncio.create_task(listen())
+            if self._listen:
+                await listener.execute(f"LISTEN {c.EVENTS}")
+                listening = asyncio.create_task(listen())
             sent = time.monotonic()
             status = await _until_deadline(
                 deadline,
@@ -217,7 +224,11 @@ class AsyncLease:
         self.lost_reason: str | None = None
         self._valid_until = None if self.ttl is None else sent + self.ttl
         self._released: str | None = None
-        self._task = None if self.ttl is None else asyncio.create_task(self._heartbeats())
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._task = None
+        if self.ttl is not None:
+            self._arm_watchdog()
+            self._task = asyncio.create_task(self._heartbeats())
 
     async def __aenter__(self) -> "AsyncLease":
         return self
@@ -240,6 +251,8 @@ class AsyncLease:
 
     async def release(self) -> str:
         """Stops heartbeating and gives the permits back (once)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -255,23 +268,51 @@ class AsyncLease:
             self.lost_reason = reason
             self.lost.set()
 
+    def _arm_watchdog(self) -> None:
+        """Sets `lost` when the lease would be lost without another heartbeat, whatever the
+        heartbeat task is waiting for."""
+        assert self._valid_until is not None and self.ttl is not None
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        delay = max(0.0, self._valid_until - self.ttl * c.SAFETY_FRACTION - time.monotonic())
+        self._watchdog = asyncio.get_running_loop().call_later(delay, lambda: self.is_lost)
+
     async def _heartbeats(self) -> None:
+        """Heartbeats on a connection of its own, every third of the ttl; an attempt that does
+        not answer in time leaves its connection behind and the next one opens another."""
         assert self.ttl is not None
         every = self.ttl / 3
         pause = every
-        while True:
-            assert self._valid_until is not None
-            watchdog = self._valid_until - self.ttl * c.SAFETY_FRACTION - time.monotonic()
-            await asyncio.sleep(max(0.0, min(pause, watchdog)))
-            if self.is_lost:
-                return
-            sent = time.monotonic()
-            try:
-                await self._client.heartbeat(self.external_id)
-                self._valid_until = sent + self.ttl
-                pause = every
-            except LeaseLost as e:
-                self._lose(str(e))
-                return
-            except PermitqError:
-                pause = min(every, 0.5)
+        conn: psycopg.AsyncConnection[Any] | None = None
+        try:
+            while True:
+                await asyncio.sleep(pause)
+                if self.is_lost:
+                    return
+                sent = time.monotonic()
+                try:
+                    if conn is None or conn.closed or conn.broken:
+                        conn = await self._client._connect("permitq-python-lease")
+                    await asyncio.wait_for(conn.execute(c.HEARTBEAT, (self.external_id, None)), max(every / 2, 0.5))
+                    self._valid_until = sent + self.ttl
+                    self._arm_watchdog()
+                    pause = every
+                except asyncio.TimeoutError:
+                    conn = None  # stuck: abandoned
+                    pause = 0.0
+                except psycopg.Error as e:
+                    error = translated(e)
+                    if isinstance(error, LeaseLost):
+                        self._lose(str(error))
+                        return
+                    conn = None
+                    pause = min(every, 0.5)
+                except PermitqError:
+                    conn = None
+                    pause = min(every, 0.5)
+        finally:
+            if conn is not None and not conn.closed:
+                try:
+                    await asyncio.wait_for(conn.close(), 0.5)
+                except (asyncio.TimeoutError, psycopg.Error):
+                    pass

@@ -14,6 +14,9 @@ EVENTS = "permitq_events"
 POLL_SECONDS = 0.25
 #: How long before the lease could have run out on the server a Lease says it is lost.
 SAFETY_FRACTION = 0.2
+#: libpq's keepalive settings, so that a server that vanishes without closing the socket is
+#: noticed in well under a minute.
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3, "tcp_user_timeout": 30000}
 
 _COLUMNS = (
     "id, external_id, permits, owner, state, error_code, error_detail, release_reason, "

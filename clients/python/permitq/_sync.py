@@ -27,8 +27,11 @@ class Client:
     """A producer's handle on permitq: one connection (reopened when it breaks), safe to share
     between threads. `Client(url)`, or `with Client(url) as client:` to close it at the end."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, listen: bool = True) -> None:
         self._url = url
+        # Through a pooler in transaction mode LISTEN does not work: `listen=False` waits by
+        # reading the status every 0.25 s only.
+        self._listen = listen
         self._conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
 
@@ -45,9 +48,13 @@ class Client:
                 self._conn.close()
                 self._conn = None
 
-    def _connect(self) -> psycopg.Connection[Any]:
+    def _connect(self, application_name: str = "permitq-python") -> psycopg.Connection[Any]:
         try:
-            return psycopg.connect(self._url, autocommit=True, application_name="permitq-python")
+            # No prepared statements (PgBouncer in transaction mode has none); a server that
+            # vanishes is noticed in well under a minute.
+            conn = psycopg.connect(self._url, autocommit=True, application_name=application_name, **c.KEEPALIVES)
+            conn.prepare_threshold = None
+            return conn
         except psycopg.Error as e:
             raise translated(e) from e
 
@@ -135,9 +142,10 @@ class Client:
         raises its RequestFailed subclass."""
         limit = c.seconds(timeout) or 0.0
         deadline = time.monotonic() + limit
-        listener = self._connect()
+        listener = self._connect() if self._listen else None
         try:
-            listener.execute(f"LISTEN {c.EVENTS}")
+            if listener is not None:
+                listener.execute(f"LISTEN {c.EVENTS}")
             sent = time.monotonic()
             status = _until_deadline(
                 deadline,
@@ -152,14 +160,18 @@ class Client:
                         f"({outcome}): `permitq explain {external_id}` said why while it waited",
                         external_id,
                     )
-                readable, _, _ = select.select([listener.fileno()], [], [], min(c.POLL_SECONDS, remaining))
-                if readable:
-                    listener.execute("SELECT 1")  # takes the notifications in
+                if listener is None:
+                    time.sleep(min(c.POLL_SECONDS, remaining))
+                else:
+                    readable, _, _ = select.select([listener.fileno()], [], [], min(c.POLL_SECONDS, remaining))
+                    if readable:
+                        listener.execute("SELECT 1")  # takes the notifications in
                 status = self.status(external_id) or status
         except psycopg.Error as e:
             raise translated(e) from e
         finally:
-            listener.close()
+            if listener is not None:
+                listener.close()
         return self._granted(status, sent)
 
     def _granted(self, status: c.Status, sent: float) -> "Lease":
@@ -206,9 +218,12 @@ class Lease:
         self.lost = threading.Event()
         self.lost_reason: str | None = None
         self._stop = threading.Event()
+        self._released: str | None = None
         self._valid_until = None if self.ttl is None else sent + self.ttl
+        self._watchdog: threading.Timer | None = None
         self._thread: threading.Thread | None = None
         if self.ttl is not None:
+            self._arm_watchdog()
             self._thread = threading.Thread(target=self._heartbeats, name=f"permitq-lease-{self.external_id}", daemon=True)
             self._thread.start()
 
@@ -234,9 +249,12 @@ class Lease:
     def release(self) -> str:
         """Stops heartbeating and gives the permits back (once): the release outcome."""
         self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        if getattr(self, "_released", None) is None:
+            # A heartbeat stuck on a server that stopped answering is left behind.
+            self._thread.join(timeout=1.0)
+        if self._released is None:
             self._released = self._client.release(self.external_id)
         return self._released
 
@@ -248,22 +266,66 @@ class Lease:
             self.lost_reason = reason
             self.lost.set()
 
+    def _arm_watchdog(self) -> None:
+        """Sets `lost` when the lease would be lost without another heartbeat, whatever the
+        heartbeat thread is doing (a heartbeat may hang on a server that stopped answering)."""
+        assert self._valid_until is not None
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        delay = max(0.0, self._valid_until - self._margin() - time.monotonic())
+        self._watchdog = threading.Timer(delay, lambda: self.is_lost)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
     def _heartbeats(self) -> None:
-        assert self.ttl is not None and self._valid_until is not None
+        """Heartbeats on a connection of its own (a stuck one is replaced), every third of the ttl."""
+        assert self.ttl is not None
         every = self.ttl / 3
         pause = every
-        # Wakes for the next heartbeat, or when the lease would be lost without one: `lost` is
-        # set in time even while heartbeats fail.
-        while not self._stop.wait(max(0.0, min(pause, self._valid_until - self._margin() - time.monotonic()))):
-            if self.is_lost:
-                return
-            sent = time.monotonic()
-            try:
-                self._client.heartbeat(self.external_id)
-                self._valid_until = sent + self.ttl
-                pause = every
-            except LeaseLost as e:
-                self._lose(str(e))
-                return
-            except PermitqError:
-                pause = min(every, 0.5)  # retried soon; the watchdog decides when it is lost
+        conn: psycopg.Connection[Any] | None = None
+        try:
+            while not self._stop.wait(pause):
+                if self.is_lost:
+                    return
+                sent = time.monotonic()
+                if conn is None or conn.closed or conn.broken:
+                    try:
+                        conn = self._client._connect("permitq-python-lease")
+                    except PermitqError:
+                        pause = min(every, 0.5)  # retried soon; the watchdog decides when it is lost
+                        continue
+                # One attempt, bounded: a server that stopped answering keeps it forever, so the
+                # connection is left to it and the next attempt opens another.
+                outcome: list[BaseException | None] = []
+
+                def attempt(conn: psycopg.Connection[Any] = conn) -> None:
+                    try:
+                        conn.execute(c.HEARTBEAT, (self.external_id, None))
+                        outcome.append(None)
+                    except BaseException as e:  # noqa: BLE001 - handed to the lease thread
+                        outcome.append(e)
+
+                runner = threading.Thread(target=attempt, daemon=True)
+                runner.start()
+                runner.join(timeout=max(every / 2, 0.5))
+                if self._stop.is_set():
+                    return
+                if not outcome:
+                    conn = None  # stuck: abandoned to its attempt
+                    pause = 0.0
+                    continue
+                error = outcome[0]
+                if error is None:
+                    self._valid_until = sent + self.ttl
+                    self._arm_watchdog()
+                    pause = every
+                    continue
+                if isinstance(error, psycopg.Error) and isinstance(translated(error), LeaseLost):
+                    self._lose(str(translated(error)))
+                    return
+                conn.close()
+                conn = None
+                pause = min(every, 0.5)
+        finally:
+            if conn is not None:
+                conn.close()

@@ -4,8 +4,9 @@
 
 DATABASE_URL: a producer login (or any login that may submit); PERMITQ_ADMIN_URL: an admin
 login, for set_capacity and revoke (defaults to DATABASE_URL); PERMITQ_OTHER_URL: another
-producer login, for ownership (the test is skipped only when it is not set, and the Rust test
-that runs this file always sets it). Every test uses ids of its own.
+producer login, for ownership; PERMITQ_SUPER_URL: a superuser login on the same machine, to stop
+the lease's backends (each test is skipped only when its variable is not set, and the Rust test
+that runs this file sets them all). Every test uses ids of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import permitq
 URL = os.environ["DATABASE_URL"]
 ADMIN_URL = os.environ.get("PERMITQ_ADMIN_URL", URL)
 OTHER_URL = os.environ.get("PERMITQ_OTHER_URL")
+SUPER_URL = os.environ.get("PERMITQ_SUPER_URL")
 
 
 def new_id(prefix: str) -> str:
@@ -110,6 +112,49 @@ class SyncClientTest(unittest.TestCase):
         finally:
             self.client._url = good
             lease.release()
+
+    @unittest.skipUnless(SUPER_URL, "PERMITQ_SUPER_URL names a superuser login (to stop backends)")
+    def test_a_stopped_database_is_signalled_as_lost_before_the_lease_runs_out(self) -> None:
+        import signal
+
+        import psycopg
+
+        rid = new_id("stopped")
+        user = self.client._run(lambda conn: conn.execute("SELECT current_user").fetchone())[0]
+        with psycopg.connect(SUPER_URL, autocommit=True) as su:
+            with self.client.acquire(rid, {self.sem: 1}, ttl=3, timeout=15) as lease:
+                heartbeated = lambda: su.execute(  # noqa: E731
+                    "SELECT heartbeat_at IS NOT NULL FROM permitq.permit_request WHERE external_id = %s", (rid,)
+                ).fetchone()[0]
+                wait_for(heartbeated, "a first heartbeat")
+                # The lease's sessions stop answering, and it cannot open new ones.
+                su.execute(f'ALTER ROLE "{user}" NOLOGIN')
+                pids = [r[0] for r in su.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name = 'permitq-python-lease'"
+                ).fetchall()]
+                self.assertTrue(pids)
+                (expires,) = su.execute(
+                    "SELECT expires_at FROM permitq.permit_request WHERE external_id = %s", (rid,)
+                ).fetchone()
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
+                try:
+                    self.assertTrue(lease.lost.wait(5), "lost signalled")
+                    (lost_before_expiry,) = su.execute("SELECT now() < %s", (expires,)).fetchone()
+                    self.assertIn("no heartbeat was confirmed in time", lease.lost_reason)
+                    self.assertTrue(lost_before_expiry, "signalled before expires_at")
+                finally:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGCONT)
+                    su.execute(f'ALTER ROLE "{user}" LOGIN')
+
+    def test_fencing_tokens_increase_and_polling_alone_waits_too(self) -> None:
+        tokens = []
+        with permitq.Client(URL, listen=False) as polling:
+            for _ in range(3):
+                with polling.acquire(new_id("tok"), {self.sem: 1}, ttl=30, timeout=15) as lease:
+                    tokens.append(lease.fencing_token)
+        self.assertEqual(tokens, sorted(set(tokens)), tokens)
 
     def test_errors_are_types_with_their_detail(self) -> None:
         with self.assertRaises(permitq.ExceedsCapacity) as caught:
@@ -204,6 +249,10 @@ class AsyncClientTest(unittest.IsolatedAsyncioTestCase):
             self.assertEqual((await client.status(rid)).state, "released")
             with self.assertRaises(permitq.ExceedsCapacity):
                 await client.acquire(new_id("ahuge"), {sem: 2}, timeout=15)
+        # Waiting by polling only (as through a pooler in transaction mode).
+        async with await permitq.AsyncClient.connect(URL, listen=False) as polling:
+            async with await polling.acquire(new_id("apoll"), {sem: 1}, ttl=30, timeout=15) as lease:
+                self.assertGreater(lease.fencing_token, 0)
         await admin.close()
 
 

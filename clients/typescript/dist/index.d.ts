@@ -72,7 +72,16 @@ export interface Explanation {
 export declare class Client {
     private readonly config;
     private readonly pool;
-    constructor(config: pg.PoolConfig);
+    private readonly listen;
+    /**
+     * `config` as node-postgres takes it; `listen: false` waits by reading the status only (through
+     * a pooler in transaction mode, where LISTEN does not work; no statement is prepared either).
+     */
+    constructor(config: pg.PoolConfig & {
+        listen?: boolean;
+    });
+    /** A connection of its own (a LISTEN, a lease's heartbeats), not from the pool. */
+    connection(applicationName: string): pg.Client;
     /** Closes the pool. */
     end(): Promise<void>;
     private query;
@@ -125,6 +134,8 @@ export declare class Lease implements AsyncDisposable {
     private readonly lost;
     private validUntil;
     private timer;
+    private watchdog;
+    private conn;
     private released;
     constructor(client: Client, status: Status, sent: number);
     /** Whether the lease is lost (or may be): stop acting on what the permits guarded. */
@@ -134,8 +145,14 @@ export declare class Lease implements AsyncDisposable {
     /** Stops heartbeating and gives the permits back (once): the release outcome. */
     release(): Promise<string>;
     [Symbol.asyncDispose](): Promise<void>;
+    private lostAt;
     private lose;
+    /** Aborts `signal` when the lease would be lost without another heartbeat, whatever a
+     * heartbeat in flight is waiting for. */
+    private armWatchdog;
     private schedule;
+    /** One heartbeat on the lease's own connection, bounded: one that does not answer in time is
+     * left behind and the next attempt opens another. */
     private beat;
 }
 /** Runs `work` under a lease, releasing it afterwards (also when `work` throws). */

@@ -53,10 +53,24 @@ const sleep = (ms, signal) => new Promise((resolve) => {
 export class Client {
     config;
     pool;
+    listen;
+    /**
+     * `config` as node-postgres takes it; `listen: false` waits by reading the status only (through
+     * a pooler in transaction mode, where LISTEN does not work; no statement is prepared either).
+     */
     constructor(config) {
         this.config = config;
-        this.pool = new pg.Pool({ max: 4, application_name: "permitq-node", ...config });
+        const { listen, ...poolConfig } = config;
+        this.listen = listen ?? true;
+        this.pool = new pg.Pool({ max: 4, application_name: "permitq-node", keepAlive: true, ...poolConfig });
         this.pool.on("error", () => { }); // an idle connection that broke: the next query reconnects
+    }
+    /** A connection of its own (a LISTEN, a lease's heartbeats), not from the pool. */
+    connection(applicationName) {
+        const { listen: _listen, ...poolConfig } = this.config;
+        const client = new pg.Client({ ...poolConfig, application_name: applicationName, keepAlive: true });
+        client.on("error", () => { }); // a broken one is replaced by its user
+        return client;
     }
     /** Closes the pool. */
     async end() {
@@ -137,16 +151,16 @@ export class Client {
     async acquire(externalId, permits, options = {}) {
         const limit = options.timeoutMs ?? 30_000;
         const deadline = performance.now() + limit;
-        const listener = new pg.Client({ application_name: "permitq-node", ...this.config });
-        listener.on("error", () => { }); // a lost listener costs latency: the status is polled
+        // A lost listener costs latency, never a hang: the status is read every POLL_MS anyway.
+        const listener = this.listen ? this.connection("permitq-node-listen") : null;
         let woken = () => { };
-        listener.on("notification", () => woken());
+        listener?.on("notification", () => woken());
         let sent = 0;
         let current;
         try {
             try {
-                await listener.connect();
-                await listener.query(`LISTEN ${EVENTS}`);
+                await listener?.connect();
+                await listener?.query(`LISTEN ${EVENTS}`);
             }
             catch (e) {
                 throw translated(e);
@@ -169,7 +183,7 @@ export class Client {
             }
         }
         finally {
-            await listener.end().catch(() => { });
+            await listener?.end().catch(() => { });
         }
         // What was read reached the synchronous standby (a failover cannot take it back).
         await this.query("SELECT permitq.confirm_durable()", []);
@@ -212,6 +226,8 @@ export class Lease {
     lost = new AbortController();
     validUntil;
     timer = null;
+    watchdog = null;
+    conn = null;
     released = null;
     constructor(client, status, sent) {
         this.client = client;
@@ -221,13 +237,14 @@ export class Lease {
         this.ttlSeconds = status.ttlSeconds;
         this.signal = this.lost.signal;
         this.validUntil = this.ttlSeconds == null ? null : sent + this.ttlSeconds * 1000;
-        if (this.ttlSeconds != null)
+        if (this.ttlSeconds != null) {
+            this.armWatchdog();
             this.schedule(this.ttlSeconds * 1000 / 3);
+        }
     }
     /** Whether the lease is lost (or may be): stop acting on what the permits guarded. */
     get isLost() {
-        if (!this.signal.aborted && this.validUntil != null &&
-            performance.now() >= this.validUntil - (this.ttlSeconds ?? 0) * 1000 * SAFETY_FRACTION) {
+        if (!this.signal.aborted && this.validUntil != null && performance.now() >= this.lostAt()) {
             this.lose("no heartbeat was confirmed in time: the lease may run out");
         }
         return this.signal.aborted;
@@ -239,43 +256,82 @@ export class Lease {
     }
     /** Stops heartbeating and gives the permits back (once): the release outcome. */
     release() {
-        if (this.timer)
-            clearTimeout(this.timer);
-        this.timer = null;
+        for (const t of [this.timer, this.watchdog])
+            if (t)
+                clearTimeout(t);
+        this.timer = this.watchdog = null;
+        this.conn?.end().catch(() => { });
+        this.conn = null;
         this.released ??= this.client.release(this.externalId);
         return this.released;
     }
     async [Symbol.asyncDispose]() {
         await this.release();
     }
+    lostAt() {
+        return (this.validUntil ?? 0) - (this.ttlSeconds ?? 0) * 1000 * SAFETY_FRACTION;
+    }
     lose(reason) {
         if (!this.signal.aborted)
             this.lost.abort(reason);
     }
+    /** Aborts `signal` when the lease would be lost without another heartbeat, whatever a
+     * heartbeat in flight is waiting for. */
+    armWatchdog() {
+        if (this.watchdog)
+            clearTimeout(this.watchdog);
+        this.watchdog = setTimeout(() => void this.isLost, Math.max(0, this.lostAt() - performance.now()));
+        this.watchdog.unref();
+    }
     schedule(pauseMs) {
         if (this.released || this.validUntil == null)
             return;
-        const watchdog = this.validUntil - (this.ttlSeconds ?? 0) * 1000 * SAFETY_FRACTION - performance.now();
-        this.timer = setTimeout(() => void this.beat(), Math.max(0, Math.min(pauseMs, watchdog)));
+        this.timer = setTimeout(() => void this.beat(), pauseMs);
         this.timer.unref();
     }
+    /** One heartbeat on the lease's own connection, bounded: one that does not answer in time is
+     * left behind and the next attempt opens another. */
     async beat() {
         if (this.released || this.isLost)
             return;
         const every = (this.ttlSeconds ?? 0) * 1000 / 3;
         const sent = performance.now();
+        let timer;
         try {
-            await this.client.heartbeat(this.externalId);
+            if (!this.conn) {
+                this.conn = this.client.connection("permitq-node-lease");
+                await this.conn.connect();
+            }
+            const conn = this.conn;
+            const stuck = new Promise((resolve) => { timer = setTimeout(() => resolve("stuck"), Math.max(every / 2, 500)); });
+            const answer = await Promise.race([
+                conn.query("SELECT permitq.heartbeat($1, NULL)", [this.externalId]).then(() => "ok"),
+                stuck,
+            ]);
+            if (this.released)
+                return;
+            if (answer === "stuck") {
+                this.conn = null; // abandoned to its query
+                conn.end().catch(() => { });
+                this.schedule(0);
+                return;
+            }
             this.validUntil = sent + (this.ttlSeconds ?? 0) * 1000;
+            this.armWatchdog();
             this.schedule(every);
         }
         catch (e) {
-            if (e instanceof LeaseLost) {
-                this.lose(e.message);
+            const error = translated(e);
+            if (error instanceof LeaseLost) {
+                this.lose(error.message);
+                return;
             }
-            else {
-                this.schedule(Math.min(every, 500)); // retried soon; the watchdog decides when it is lost
-            }
+            this.conn?.end().catch(() => { });
+            this.conn = null;
+            this.schedule(Math.min(every, 500)); // retried soon; the watchdog decides when it is lost
+        }
+        finally {
+            clearTimeout(timer);
         }
     }
 }

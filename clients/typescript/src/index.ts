@@ -130,10 +130,25 @@ const sleep = (ms: number, signal?: AbortSignal) =>
 /** A producer's handle on permitq: a small pool, and a connection of its own per waiting acquire. */
 export class Client {
   private readonly pool: pg.Pool;
+  private readonly listen: boolean;
 
-  constructor(private readonly config: pg.PoolConfig) {
-    this.pool = new pg.Pool({ max: 4, application_name: "permitq-node", ...config });
+  /**
+   * `config` as node-postgres takes it; `listen: false` waits by reading the status only (through
+   * a pooler in transaction mode, where LISTEN does not work; no statement is prepared either).
+   */
+  constructor(private readonly config: pg.PoolConfig & { listen?: boolean }) {
+    const { listen, ...poolConfig } = config;
+    this.listen = listen ?? true;
+    this.pool = new pg.Pool({ max: 4, application_name: "permitq-node", keepAlive: true, ...poolConfig });
     this.pool.on("error", () => {}); // an idle connection that broke: the next query reconnects
+  }
+
+  /** A connection of its own (a LISTEN, a lease's heartbeats), not from the pool. */
+  connection(applicationName: string): pg.Client {
+    const { listen: _listen, ...poolConfig } = this.config;
+    const client = new pg.Client({ ...poolConfig, application_name: applicationName, keepAlive: true });
+    client.on("error", () => {}); // a broken one is replaced by its user
+    return client;
   }
 
   /** Closes the pool. */
@@ -230,16 +245,16 @@ export class Client {
   async acquire(externalId: string, permits: Record<string, number>, options: AcquireOptions = {}): Promise<Lease> {
     const limit = options.timeoutMs ?? 30_000;
     const deadline = performance.now() + limit;
-    const listener = new pg.Client({ application_name: "permitq-node", ...this.config });
-    listener.on("error", () => {}); // a lost listener costs latency: the status is polled
+    // A lost listener costs latency, never a hang: the status is read every POLL_MS anyway.
+    const listener = this.listen ? this.connection("permitq-node-listen") : null;
     let woken: () => void = () => {};
-    listener.on("notification", () => woken());
+    listener?.on("notification", () => woken());
     let sent = 0;
     let current: Status;
     try {
       try {
-        await listener.connect();
-        await listener.query(`LISTEN ${EVENTS}`);
+        await listener?.connect();
+        await listener?.query(`LISTEN ${EVENTS}`);
       } catch (e) {
         throw translated(e);
       }
@@ -263,7 +278,7 @@ export class Client {
         current = (await this.status(externalId)) ?? current;
       }
     } finally {
-      await listener.end().catch(() => {});
+      await listener?.end().catch(() => {});
     }
     // What was read reached the synchronous standby (a failover cannot take it back).
     await this.query("SELECT permitq.confirm_durable()", []);
@@ -302,6 +317,8 @@ export class Lease implements AsyncDisposable {
   private readonly lost = new AbortController();
   private validUntil: number | null;
   private timer: NodeJS.Timeout | null = null;
+  private watchdog: NodeJS.Timeout | null = null;
+  private conn: pg.Client | null = null;
   private released: Promise<string> | null = null;
 
   constructor(private readonly client: Client, readonly status: Status, sent: number) {
@@ -310,13 +327,15 @@ export class Lease implements AsyncDisposable {
     this.ttlSeconds = status.ttlSeconds;
     this.signal = this.lost.signal;
     this.validUntil = this.ttlSeconds == null ? null : sent + this.ttlSeconds * 1000;
-    if (this.ttlSeconds != null) this.schedule(this.ttlSeconds * 1000 / 3);
+    if (this.ttlSeconds != null) {
+      this.armWatchdog();
+      this.schedule(this.ttlSeconds * 1000 / 3);
+    }
   }
 
   /** Whether the lease is lost (or may be): stop acting on what the permits guarded. */
   get isLost(): boolean {
-    if (!this.signal.aborted && this.validUntil != null &&
-        performance.now() >= this.validUntil - (this.ttlSeconds ?? 0) * 1000 * SAFETY_FRACTION) {
+    if (!this.signal.aborted && this.validUntil != null && performance.now() >= this.lostAt()) {
       this.lose("no heartbeat was confirmed in time: the lease may run out");
     }
     return this.signal.aborted;
@@ -329,8 +348,10 @@ export class Lease implements AsyncDisposable {
 
   /** Stops heartbeating and gives the permits back (once): the release outcome. */
   release(): Promise<string> {
-    if (this.timer) clearTimeout(this.timer);
-    this.timer = null;
+    for (const t of [this.timer, this.watchdog]) if (t) clearTimeout(t);
+    this.timer = this.watchdog = null;
+    this.conn?.end().catch(() => {});
+    this.conn = null;
     this.released ??= this.client.release(this.externalId);
     return this.released;
   }
@@ -339,31 +360,67 @@ export class Lease implements AsyncDisposable {
     await this.release();
   }
 
+  private lostAt(): number {
+    return (this.validUntil ?? 0) - (this.ttlSeconds ?? 0) * 1000 * SAFETY_FRACTION;
+  }
+
   private lose(reason: string): void {
     if (!this.signal.aborted) this.lost.abort(reason);
   }
 
+  /** Aborts `signal` when the lease would be lost without another heartbeat, whatever a
+   * heartbeat in flight is waiting for. */
+  private armWatchdog(): void {
+    if (this.watchdog) clearTimeout(this.watchdog);
+    this.watchdog = setTimeout(() => void this.isLost, Math.max(0, this.lostAt() - performance.now()));
+    this.watchdog.unref();
+  }
+
   private schedule(pauseMs: number): void {
     if (this.released || this.validUntil == null) return;
-    const watchdog = this.validUntil - (this.ttlSeconds ?? 0) * 1000 * SAFETY_FRACTION - performance.now();
-    this.timer = setTimeout(() => void this.beat(), Math.max(0, Math.min(pauseMs, watchdog)));
+    this.timer = setTimeout(() => void this.beat(), pauseMs);
     this.timer.unref();
   }
 
+  /** One heartbeat on the lease's own connection, bounded: one that does not answer in time is
+   * left behind and the next attempt opens another. */
   private async beat(): Promise<void> {
     if (this.released || this.isLost) return;
     const every = (this.ttlSeconds ?? 0) * 1000 / 3;
     const sent = performance.now();
+    let timer: NodeJS.Timeout | undefined;
     try {
-      await this.client.heartbeat(this.externalId);
+      if (!this.conn) {
+        this.conn = this.client.connection("permitq-node-lease");
+        await this.conn.connect();
+      }
+      const conn = this.conn;
+      const stuck = new Promise<"stuck">((resolve) => { timer = setTimeout(() => resolve("stuck"), Math.max(every / 2, 500)); });
+      const answer = await Promise.race([
+        conn.query("SELECT permitq.heartbeat($1, NULL)", [this.externalId]).then(() => "ok" as const),
+        stuck,
+      ]);
+      if (this.released) return;
+      if (answer === "stuck") {
+        this.conn = null; // abandoned to its query
+        conn.end().catch(() => {});
+        this.schedule(0);
+        return;
+      }
       this.validUntil = sent + (this.ttlSeconds ?? 0) * 1000;
+      this.armWatchdog();
       this.schedule(every);
     } catch (e) {
-      if (e instanceof LeaseLost) {
-        this.lose(e.message);
-      } else {
-        this.schedule(Math.min(every, 500)); // retried soon; the watchdog decides when it is lost
+      const error = translated(e);
+      if (error instanceof LeaseLost) {
+        this.lose(error.message);
+        return;
       }
+      this.conn?.end().catch(() => {});
+      this.conn = null;
+      this.schedule(Math.min(every, 500)); // retried soon; the watchdog decides when it is lost
+    } finally {
+      clearTimeout(timer);
     }
   }
 }

@@ -39,9 +39,9 @@ impl Drop for Workers {
     }
 }
 
-/// The Python package (clients/python): its unittest suite, as a producer login, an admin login
-/// and a second producer login (ownership), with psycopg from the system (Debian's
-/// python3-psycopg, which scripts/test installs).
+/// The Python package (clients/python): its unittest suite, as a producer login, an admin login,
+/// a second producer login (ownership) and the superuser (stopping the lease's backends), with
+/// psycopg from the system (Debian's python3-psycopg, which scripts/test installs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_python_client_passes_its_suite_against_real_workers() {
     let db = TestDb::new().await;
@@ -58,6 +58,7 @@ async fn the_python_client_passes_its_suite_against_real_workers() {
     let other = common::as_user(&db.url, &other_user, "pw");
     let admin = db.login("permitq_admin").await;
     let _workers = Workers::start(&db.url);
+    let superuser = db.url.clone();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../clients/python");
     let python = ["/usr/bin/python3", "python3"]
         .into_iter()
@@ -76,6 +77,7 @@ async fn the_python_client_passes_its_suite_against_real_workers() {
             .env("DATABASE_URL", producer)
             .env("PERMITQ_ADMIN_URL", admin)
             .env("PERMITQ_OTHER_URL", other)
+            .env("PERMITQ_SUPER_URL", superuser)
             .stdin(Stdio::null())
             .output()
             .unwrap()
@@ -126,6 +128,7 @@ async fn the_typescript_client_passes_its_suite_against_real_workers() {
         .unwrap();
     let other = common::as_user(&db.url, &other_user, "pw");
     let _workers = Workers::start(&db.url);
+    let superuser = db.url.clone();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../clients/typescript")
         .canonicalize()
@@ -151,6 +154,7 @@ async fn the_typescript_client_passes_its_suite_against_real_workers() {
                 ("DATABASE_URL", &producer),
                 ("PERMITQ_ADMIN_URL", &admin),
                 ("PERMITQ_OTHER_URL", &other),
+                ("PERMITQ_SUPER_URL", &superuser),
             ],
         );
         // Installed into a new project, it imports.
