@@ -230,6 +230,25 @@ class SyncClientTest(unittest.TestCase):
                 down.status("x")
 
 
+class ContractTest(unittest.TestCase):
+    def test_every_statement_the_client_sends_exists_with_its_signature(self) -> None:
+        """Each statement is prepared by the server: a function, argument or column the schema
+        no longer has fails here, in CI, not at a user's."""
+        from permitq import _common
+
+        statements = {name: value for name, value in vars(_common).items() if name.isupper() and isinstance(value, str) and value.startswith("SELECT")}
+        self.assertGreaterEqual(len(statements), 7, statements)
+        with permitq.Client(ADMIN_URL) as client:
+            for name, sql in statements.items():
+                numbered = sql
+                n = 0
+                while "%s" in numbered:
+                    n += 1
+                    numbered = numbered.replace("%s", f"${n}", 1)
+                client._run(lambda conn: conn.execute(f"PREPARE contract_{name.lower()} AS {numbered}"))
+                client._run(lambda conn: conn.execute(f"DEALLOCATE contract_{name.lower()}"))
+
+
 class AsyncClientTest(unittest.IsolatedAsyncioTestCase):
     async def test_acquire_heartbeat_release_and_errors(self) -> None:
         admin = await permitq.AsyncClient.connect(ADMIN_URL)

@@ -13,6 +13,7 @@
 import pg from "pg";
 import { type ErrorDetail } from "./errors.js";
 export * from "./errors.js";
+export { SQL } from "./sql.js";
 /** A request as stored: where it is in its life, how it ended, its lease and token. */
 export interface Status {
     id: bigint;

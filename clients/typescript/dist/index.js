@@ -12,16 +12,15 @@
  */
 import pg from "pg";
 import { AcquireTimeout, LeaseLost, PermitqError, DatabaseUnavailable, requestFailed, translated, } from "./errors.js";
+import { SQL } from "./sql.js";
 export * from "./errors.js";
+export { SQL } from "./sql.js";
 /** The channel the workers announce outcomes on (payloads: JSON arrays of request ids). */
 const EVENTS = "permitq_events";
 /** How often a waiting acquire reads the status again without a notification. */
 const POLL_MS = 250;
 /** How long before the lease could have run out on the server a Lease says it is lost. */
 const SAFETY_FRACTION = 0.2;
-const COLUMNS = "id::text, external_id, permits, owner, state, error_code, error_detail, release_reason, " +
-    "fencing_token::text, acquired_at, expires_at, released_at, " +
-    "extract(epoch FROM ttl)::float8 AS ttl, extract(epoch FROM wait)::float8 AS wait, priority";
 function status(row) {
     const optionalBig = (v) => (v == null ? null : BigInt(v));
     return {
@@ -89,31 +88,28 @@ export class Client {
         if (Object.keys(permits).length === 0) {
             throw new TypeError("permits: name at least one semaphore and its count, e.g. { gpu: 1 }");
         }
-        const rows = await this.query(`SELECT ${COLUMNS} FROM permitq.submit($1, $2::jsonb, owner => $3, ttl => make_interval(secs => $4),
-                                             wait => make_interval(secs => $5), priority => $6)`, [externalId, JSON.stringify(permits), options.owner ?? null, options.ttlSeconds ?? null,
+        const rows = await this.query(SQL.submit, [externalId, JSON.stringify(permits), options.owner ?? null, options.ttlSeconds ?? null,
             options.waitSeconds ?? null, options.priority ?? 0]);
         return status(rows[0]);
     }
     /** The request, or null for an unknown id (or another login's, for a producer). */
     async status(externalId) {
-        const rows = await this.query(`SELECT ${COLUMNS} FROM permitq.status($1)`, [externalId]);
+        const rows = await this.query(SQL.status, [externalId]);
         return rows.length ? status(rows[0]) : null;
     }
     /** Gives the permits back: `released`, `already_released`, `cancelled`, `not_acquired`, `unknown`. */
     async release(externalId) {
-        const rows = await this.query("SELECT permitq.release($1) AS outcome", [externalId]);
+        const rows = await this.query(SQL.release, [externalId]);
         return rows[0].outcome;
     }
     /** Extends the lease (to now + `extendSeconds`, else its ttl); throws LeaseLost when it is gone. */
     async heartbeat(externalId, extendSeconds) {
-        const rows = await this.query("SELECT permitq.heartbeat($1, make_interval(secs => $2)) AS until", [externalId, extendSeconds ?? null]);
+        const rows = await this.query(SQL.heartbeat, [externalId, extendSeconds ?? null]);
         return rows[0].until ?? null;
     }
     /** Why the request waits, per semaphore; or how it ended. Null for an unknown id. */
     async explain(externalId) {
-        const rows = await this.query(`SELECT request, state, outcome, semaphore, needs, capacity, free, shortfall, position::int,
-              permits_ahead::int, reason, extract(epoch FROM estimated_wait)::float8 AS estimated
-       FROM permitq.explain($1)`, [externalId]);
+        const rows = await this.query(SQL.explain, [externalId]);
         if (rows.length === 0)
             return null;
         const first = rows[0];
@@ -136,8 +132,7 @@ export class Client {
     }
     /** Creates or changes a semaphore (admins); an option left out keeps its setting. */
     async setCapacity(name, capacity, options = {}) {
-        const rows = await this.query(`SELECT name, capacity, used::int FROM permitq.set_capacity($1, $2, fair => $3,
-         per => make_interval(secs => $4), max_instances => $5, parent => $6, guarantee => $7)`, [name, capacity, options.fair ?? null, options.perSeconds ?? null, options.maxInstances ?? null,
+        const rows = await this.query(SQL.setCapacity, [name, capacity, options.fair ?? null, options.perSeconds ?? null, options.maxInstances ?? null,
             options.parent ?? null, options.guarantee ?? null]);
         return rows[0];
     }
@@ -186,7 +181,7 @@ export class Client {
             await listener?.end().catch(() => { });
         }
         // What was read reached the synchronous standby (a failover cannot take it back).
-        await this.query("SELECT permitq.confirm_durable()", []);
+        await this.query(SQL.confirmDurable, []);
         if (current.state === "acquired")
             return new Lease(this, current, sent);
         if (current.state === "error")
@@ -305,7 +300,7 @@ export class Lease {
             const conn = this.conn;
             const stuck = new Promise((resolve) => { timer = setTimeout(() => resolve("stuck"), Math.max(every / 2, 500)); });
             const answer = await Promise.race([
-                conn.query("SELECT permitq.heartbeat($1, NULL)", [this.externalId]).then(() => "ok"),
+                conn.query(SQL.leaseHeartbeat, [this.externalId]).then(() => "ok"),
                 stuck,
             ]);
             if (this.released)

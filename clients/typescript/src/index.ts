@@ -23,7 +23,10 @@ import {
   type ErrorDetail,
 } from "./errors.js";
 
+import { SQL } from "./sql.js";
+
 export * from "./errors.js";
+export { SQL } from "./sql.js";
 
 /** The channel the workers announce outcomes on (payloads: JSON arrays of request ids). */
 const EVENTS = "permitq_events";
@@ -31,11 +34,6 @@ const EVENTS = "permitq_events";
 const POLL_MS = 250;
 /** How long before the lease could have run out on the server a Lease says it is lost. */
 const SAFETY_FRACTION = 0.2;
-
-const COLUMNS =
-  "id::text, external_id, permits, owner, state, error_code, error_detail, release_reason, " +
-  "fencing_token::text, acquired_at, expires_at, released_at, " +
-  "extract(epoch FROM ttl)::float8 AS ttl, extract(epoch FROM wait)::float8 AS wait, priority";
 
 /** A request as stored: where it is in its life, how it ended, its lease and token. */
 export interface Status {
@@ -170,8 +168,7 @@ export class Client {
       throw new TypeError("permits: name at least one semaphore and its count, e.g. { gpu: 1 }");
     }
     const rows = await this.query(
-      `SELECT ${COLUMNS} FROM permitq.submit($1, $2::jsonb, owner => $3, ttl => make_interval(secs => $4),
-                                             wait => make_interval(secs => $5), priority => $6)`,
+      SQL.submit,
       [externalId, JSON.stringify(permits), options.owner ?? null, options.ttlSeconds ?? null,
        options.waitSeconds ?? null, options.priority ?? 0],
     );
@@ -180,29 +177,25 @@ export class Client {
 
   /** The request, or null for an unknown id (or another login's, for a producer). */
   async status(externalId: string): Promise<Status | null> {
-    const rows = await this.query(`SELECT ${COLUMNS} FROM permitq.status($1)`, [externalId]);
+    const rows = await this.query(SQL.status, [externalId]);
     return rows.length ? status(rows[0]!) : null;
   }
 
   /** Gives the permits back: `released`, `already_released`, `cancelled`, `not_acquired`, `unknown`. */
   async release(externalId: string): Promise<string> {
-    const rows = await this.query("SELECT permitq.release($1) AS outcome", [externalId]);
+    const rows = await this.query(SQL.release, [externalId]);
     return rows[0]!.outcome as string;
   }
 
   /** Extends the lease (to now + `extendSeconds`, else its ttl); throws LeaseLost when it is gone. */
   async heartbeat(externalId: string, extendSeconds?: number): Promise<Date | null> {
-    const rows = await this.query("SELECT permitq.heartbeat($1, make_interval(secs => $2)) AS until",
-      [externalId, extendSeconds ?? null]);
+    const rows = await this.query(SQL.heartbeat, [externalId, extendSeconds ?? null]);
     return (rows[0]!.until as Date) ?? null;
   }
 
   /** Why the request waits, per semaphore; or how it ended. Null for an unknown id. */
   async explain(externalId: string): Promise<Explanation | null> {
-    const rows = await this.query(
-      `SELECT request, state, outcome, semaphore, needs, capacity, free, shortfall, position::int,
-              permits_ahead::int, reason, extract(epoch FROM estimated_wait)::float8 AS estimated
-       FROM permitq.explain($1)`, [externalId]);
+    const rows = await this.query(SQL.explain, [externalId]);
     if (rows.length === 0) return null;
     const first = rows[0]!;
     return {
@@ -227,8 +220,7 @@ export class Client {
   async setCapacity(name: string, capacity: number, options: { fair?: boolean; perSeconds?: number;
     maxInstances?: number; parent?: string; guarantee?: number } = {}): Promise<{ name: string; capacity: number; used: number }> {
     const rows = await this.query(
-      `SELECT name, capacity, used::int FROM permitq.set_capacity($1, $2, fair => $3,
-         per => make_interval(secs => $4), max_instances => $5, parent => $6, guarantee => $7)`,
+      SQL.setCapacity,
       [name, capacity, options.fair ?? null, options.perSeconds ?? null, options.maxInstances ?? null,
        options.parent ?? null, options.guarantee ?? null],
     );
@@ -281,7 +273,7 @@ export class Client {
       await listener?.end().catch(() => {});
     }
     // What was read reached the synchronous standby (a failover cannot take it back).
-    await this.query("SELECT permitq.confirm_durable()", []);
+    await this.query(SQL.confirmDurable, []);
     if (current.state === "acquired") return new Lease(this, current, sent);
     if (current.state === "error") throw requestFailed(externalId, current.errorCode ?? "", current.errorDetail);
     throw new PermitqError(`request ${externalId} is ${current.state}: this external_id was granted and released before; submit under a new one`);
@@ -397,7 +389,7 @@ export class Lease implements AsyncDisposable {
       const conn = this.conn;
       const stuck = new Promise<"stuck">((resolve) => { timer = setTimeout(() => resolve("stuck"), Math.max(every / 2, 500)); });
       const answer = await Promise.race([
-        conn.query("SELECT permitq.heartbeat($1, NULL)", [this.externalId]).then(() => "ok" as const),
+        conn.query(SQL.leaseHeartbeat, [this.externalId]).then(() => "ok" as const),
         stuck,
       ]);
       if (this.released) return;

@@ -202,6 +202,21 @@ describe("permitq client", () => {
     }
   });
 
+  it("sends only statements the schema has: each one prepares", async () => {
+    const names = Object.keys(permitq.SQL);
+    assert.ok(names.length >= 8, String(names));
+    const conn = new pg.Client({ connectionString: ADMIN_URL });
+    await conn.connect();
+    try {
+      for (const name of names) {
+        await conn.query(`PREPARE contract_${name} AS ${permitq.SQL[name]}`);
+        await conn.query(`DEALLOCATE contract_${name}`);
+      }
+    } finally {
+      await conn.end();
+    }
+  });
+
   it("says an unreachable database is retryable", async () => {
     const down = new permitq.Client({ connectionString: "postgres://nobody@127.0.0.1:1/nothing" });
     await assert.rejects(down.status("x"), permitq.DatabaseUnavailable);

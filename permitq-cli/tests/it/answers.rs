@@ -615,7 +615,9 @@ async fn the_python_example_on_a_database_without_the_schema_says_to_migrate() {
     .unwrap();
     assert_eq!(code(&o), 1, "{}", stderr(&o));
     assert!(
-        stderr(&o).contains("no permitq schema yet: run `permitq migrate` first"),
+        stderr(&o).contains(
+            "the permitq schema is missing or older than this client: run `permitq migrate`"
+        ),
         "{}",
         stderr(&o)
     );

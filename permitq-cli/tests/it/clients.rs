@@ -139,7 +139,15 @@ async fn the_typescript_client_passes_its_suite_against_real_workers() {
         let fresh = std::env::temp_dir().join(format!("permitq-ts-{}", std::process::id()));
         let fresh_dir = fresh.to_str().unwrap();
         run_ok(&root, "npx", &["tsc", "--outDir", fresh_dir], &[]);
-        for file in ["index.js", "index.d.ts", "errors.js", "errors.d.ts"] {
+        let names = |dir: &std::path::Path| -> std::collections::BTreeSet<String> {
+            std::fs::read_dir(dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+                .collect()
+        };
+        let built = names(&fresh);
+        assert_eq!(built, names(&root.join("dist")), "run `npm run build` in clients/typescript");
+        for file in &built {
             assert_eq!(
                 std::fs::read_to_string(fresh.join(file)).unwrap(),
                 std::fs::read_to_string(root.join("dist").join(file)).unwrap(),

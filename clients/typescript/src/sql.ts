@@ -1,0 +1,21 @@
+/** Every statement the client sends, named (the contract test prepares each one). */
+
+const COLUMNS =
+  "id::text, external_id, permits, owner, state, error_code, error_detail, release_reason, " +
+  "fencing_token::text, acquired_at, expires_at, released_at, " +
+  "extract(epoch FROM ttl)::float8 AS ttl, extract(epoch FROM wait)::float8 AS wait, priority";
+
+export const SQL = {
+  submit: `SELECT ${COLUMNS} FROM permitq.submit($1, $2::jsonb, owner => $3, ttl => make_interval(secs => $4),
+                                               wait => make_interval(secs => $5), priority => $6)`,
+  status: `SELECT ${COLUMNS} FROM permitq.status($1)`,
+  release: "SELECT permitq.release($1) AS outcome",
+  heartbeat: "SELECT permitq.heartbeat($1, make_interval(secs => $2)) AS until",
+  explain: `SELECT request, state, outcome, semaphore, needs, capacity, free, shortfall, position::int,
+                   permits_ahead::int, reason, extract(epoch FROM estimated_wait)::float8 AS estimated
+            FROM permitq.explain($1)`,
+  setCapacity: `SELECT name, capacity, used::int FROM permitq.set_capacity($1, $2, fair => $3,
+                  per => make_interval(secs => $4), max_instances => $5, parent => $6, guarantee => $7)`,
+  confirmDurable: "SELECT permitq.confirm_durable()",
+  leaseHeartbeat: "SELECT permitq.heartbeat($1, NULL)",
+} as const;
