@@ -5,7 +5,7 @@ use permitq_test_support as common;
 
 use std::process::{Child, Command, Stdio};
 
-use common::TestDb;
+use common::{PgBouncer, TestDb};
 
 /// Two `permitq worker` processes on `url`, killed when dropped.
 struct Workers(Vec<Child>);
@@ -90,7 +90,57 @@ async fn the_python_client_passes_its_suite_against_real_workers() {
         report.contains("Ran ") && !report.contains("skipped"),
         "every test ran: {report}"
     );
+    // Through PgBouncer in transaction mode (one server connection), waiting by polling.
+    let bouncer = PgBouncer::start(&db.url, "transaction", 1);
+    let pooled = bouncer.url(&db.name);
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../clients/python");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .args(["-c", THROUGH_A_POOLER_PY])
+            .env("PYTHONPATH", &root)
+            .env("DATABASE_URL", pooled)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "ok 3",
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
+
+/// Three acquires with a lease each, through a pooler: `listen=False`, no prepared statements.
+const THROUGH_A_POOLER_PY: &str = r#"
+import permitq, os, uuid
+with permitq.Client(os.environ["DATABASE_URL"], listen=False) as client:
+    client.set_capacity("pooled", 1)
+    tokens = []
+    for i in range(3):
+        with client.acquire(f"pool-{uuid.uuid4().hex[:6]}", {"pooled": 1}, ttl=3, timeout=15) as lease:
+            client.heartbeat(lease.external_id)
+            tokens.append(lease.fencing_token)
+    assert tokens == sorted(tokens), tokens
+    print("ok", len(tokens))
+"#;
+
+/// The same from Node.
+const THROUGH_A_POOLER_JS: &str = r#"
+import { Client, withLease } from "permitq";
+const client = new Client({ connectionString: process.env.DATABASE_URL, listen: false });
+await client.setCapacity("pooled-js", 1);
+const tokens = [];
+for (let i = 0; i < 3; i++) {
+  await withLease(client, `pool-js-${i}-${Date.now()}`, { "pooled-js": 1 }, { ttlSeconds: 3, timeoutMs: 15000 },
+    async (lease) => { await client.heartbeat(lease.externalId); tokens.push(lease.fencingToken); });
+}
+await client.end();
+if (!(tokens[0] < tokens[1] && tokens[1] < tokens[2])) throw new Error(String(tokens));
+console.log("ok", tokens.length);
+"#;
 
 /// Runs `program args` in `dir` with `envs`; panics with its output unless it succeeds.
 fn run_ok(dir: &std::path::Path, program: &str, args: &[&str], envs: &[(&str, &str)]) -> String {
@@ -129,6 +179,7 @@ async fn the_typescript_client_passes_its_suite_against_real_workers() {
     let other = common::as_user(&db.url, &other_user, "pw");
     let _workers = Workers::start(&db.url);
     let superuser = db.url.clone();
+    let db_name = db.name.clone();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../clients/typescript")
         .canonicalize()
@@ -182,6 +233,16 @@ async fn the_typescript_client_passes_its_suite_against_real_workers() {
             &[],
         );
         assert_eq!(imported.trim(), "function function");
+        // Through PgBouncer in transaction mode (one server connection), waiting by polling.
+        let bouncer = PgBouncer::start(&superuser, "transaction", 1);
+        let pooled = bouncer.url(&db_name);
+        let through = run_ok(
+            &project,
+            "node",
+            &["--input-type=module", "-e", THROUGH_A_POOLER_JS],
+            &[("DATABASE_URL", &pooled)],
+        );
+        assert_eq!(through.trim(), "ok 3");
         let _ = std::fs::remove_dir_all(&fresh);
         report
     })
