@@ -601,7 +601,14 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
         }
     }
     print_request(&row, args.json);
-    if earlier && row.is_settled() {
+    if earlier && row.state == State::Acquired {
+        // The same submit again after a crash: the grant it already has, not a second one.
+        errln!(
+            "permitq: {id} was submitted before and holds its grant; this is that request (release \
+             it with `permitq release {id}` when done)",
+            id = row.external_id
+        );
+    } else if earlier && row.is_settled() {
         errln!(
             "permitq: {} was submitted before and has ended; this is that request: submit under \
              a new external_id for another",
@@ -609,7 +616,7 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
         );
     } else if earlier {
         errln!(
-            "permitq: {} was submitted before and holds its grant; this is that request",
+            "permitq: {} was submitted before and still waits; this is that request",
             row.external_id
         );
     }

@@ -170,7 +170,23 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
     let held = if u.per.is_some() {
         format!("{} held", u.held)
     } else {
-        format!("{} / {} held (used {})", u.held, u.capacity, u.used)
+        // `used` is the workers' count: ahead of what is held by the releases not counted back
+        // yet. Over capacity: lowered below what is held, which revokes nothing.
+        let used = if u.used > u.held {
+            format!(
+                " (used {}: {} released, counted back by the next worker pass)",
+                u.used,
+                u.used - u.held
+            )
+        } else {
+            String::new()
+        };
+        let over = if u.held > u.capacity {
+            " (over capacity: it was lowered below what is held; nothing is revoked)"
+        } else {
+            ""
+        };
+        format!("{} / {} held{used}{over}", u.held, u.capacity)
     };
     outln!(
         "{}  {held}, {} waiting, oldest wait {}, {}",
@@ -391,7 +407,10 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
             _ => "no such semaphore".to_string(),
         };
         let place = match (s.position, s.permits_ahead) {
-            (Some(p), Some(a)) => format!("; position {p}, {a} permits ahead"),
+            (Some(p), Some(a)) => format!(
+                "; position {p}, {a} {} ahead",
+                if a == 1 { "permit" } else { "permits" }
+            ),
             _ => String::new(),
         };
         let via = s

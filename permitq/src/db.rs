@@ -48,6 +48,13 @@ pub(crate) fn parse_config(url: &str) -> Result<Config> {
             ),
         )
     })?;
+    // Refused here, not tried: permitq has no TLS to offer the server.
+    if config.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
+        return Err(Error::invalid(
+            "database URL",
+            format!("sslmode=require: {TLS_NOT_SPOKEN}"),
+        ));
+    }
     if config.get_application_name().is_none() {
         config.application_name("permitq");
     }

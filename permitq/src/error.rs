@@ -249,6 +249,13 @@ fn connection_hint(e: &tokio_postgres::Error, target: &str) -> String {
         }
     } else if text.contains("tls") {
         crate::db::TLS_NOT_SPOKEN
+    } else if text.contains("read only")
+        || text.contains("allow writes")
+        || text.contains("hot standby")
+    {
+        "the server is up, but not the kind the URL's target_session_attrs asks for: \
+         read-write (the default) finds the primary, which permitq needs; running again will not \
+         help"
     } else if text.contains("connection refused") && target.starts_with("localhost:") {
         "is PostgreSQL running on this machine, on that port? (A URL without a host looks for \
          its socket in /var/run/postgresql and /tmp, then for localhost.) The URL (DATABASE_URL \

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::types::{ErrorCode, PermitRequest, State};
+use crate::types::{ErrorCode, PermitRequest, ReleaseReason, State};
 
 /// What an errored request hit, stored beside its [`ErrorCode`] (`permit_request.error_detail`,
 /// a JSON object). Each field is set where it applies to the code:
@@ -80,6 +80,17 @@ impl PermitRequest {
             State::New | State::InProgress => None,
             State::Acquired => Some("acquired".to_string()),
             State::Released => Some(match self.release_reason {
+                // Who ended it, when it was not its holder.
+                Some(ReleaseReason::Expired) => {
+                    "released (expired): its lease ran out with no heartbeat in time".to_string()
+                }
+                Some(ReleaseReason::Stale) => {
+                    "released (stale): held longer than the workers' --max-hold".to_string()
+                }
+                Some(ReleaseReason::Revoked) => {
+                    "released (revoked): an admin or the owner-liveness hook took it back"
+                        .to_string()
+                }
                 Some(reason) => format!("released ({reason})"),
                 None => "released".to_string(),
             }),
@@ -221,7 +232,7 @@ impl PermitRequest {
 #[cfg(test)]
 mod tests {
     use super::ErrorDetail;
-    use crate::types::{ErrorCode, PermitRequest, State};
+    use crate::types::{ErrorCode, PermitRequest, ReleaseReason, State};
 
     /// A request of `gpu=2` that failed `no_capacity` with `free` of 4 free.
     fn failed_fast(free: i64) -> PermitRequest {
@@ -253,6 +264,30 @@ mod tests {
             settled_at: None,
             examined_at: None,
             decided_at: None,
+        }
+    }
+
+    /// A release the holder did not make says who made it.
+    #[test]
+    fn a_release_not_by_its_holder_says_who_ended_it() {
+        let mut r = failed_fast(0);
+        r.state = State::Released;
+        r.error_code = None;
+        for (reason, says) in [
+            (
+                ReleaseReason::Stale,
+                "released (stale): held longer than the workers' --max-hold",
+            ),
+            (
+                ReleaseReason::Expired,
+                "released (expired): its lease ran out",
+            ),
+            (ReleaseReason::Revoked, "released (revoked): an admin"),
+            (ReleaseReason::Released, "released (released)"),
+        ] {
+            r.release_reason = Some(reason);
+            let outcome = r.outcome().unwrap();
+            assert!(outcome.starts_with(says), "{outcome}");
         }
     }
 

@@ -246,6 +246,14 @@ async fn a_url_asking_for_tls_is_told_that_permitq_connects_without_it() {
         );
         assert_eq!(err.trim().lines().count(), 1, "{err}");
     }
+    // A server of another kind than target_session_attrs asks for is not told "is it up?".
+    let url = format!("{}{sep}target_session_attrs=read-only", db.url);
+    let err = stderr(&permitq(Some(&url), &["status", "x"]));
+    assert!(
+        err.contains("not the kind the URL's target_session_attrs asks for")
+            && !err.contains("is PostgreSQL up"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -920,6 +928,15 @@ async fn small_answers_name_what_to_do() {
     let worker = db.worker(quiet_config("w"));
     let o = run(url, &["submit", "h-1", "gpu=1", "--await", "10s"]).await;
     assert_eq!(code(&o), 0, "{}", stdout(&o));
+    // The same submit again (after a crash): the grant it holds, not an ended request.
+    let o = run(url, &["submit", "h-1", "gpu=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    assert!(
+        stderr(&o).contains("h-1 was submitted before and holds its grant; this is that request (release it with `permitq release h-1` when done)")
+            && !stderr(&o).contains("ended"),
+        "{}",
+        stderr(&o)
+    );
     let o = run(url, &["semaphore", "set", "gpu", "4", "--parent", "gpus"]).await;
     assert_eq!(code(&o), 2, "{}", stderr(&o));
     assert!(
@@ -1012,12 +1029,22 @@ async fn a_semaphore_nothing_uses_can_be_deleted_and_its_history_says_so() {
     let o = run(url, &["submit", "h-1", "gpu=2", "--await", "10s"]).await;
     assert_eq!(code(&o), 0, "{}", stdout(&o));
     let o = run(url, &["semaphore", "delete", "gpu"]).await;
-    refused(&o, "gpu holds 2 permits: release them, or revoke them");
+    refused(
+        &o,
+        "gpu holds 2 permits: release or revoke (`permitq revoke ID`) them",
+    );
     // A parent, and a template with an instance.
     run(url, &["semaphore", "set", "pool", "4"]).await;
     run(url, &["semaphore", "set", "team", "2", "--parent", "pool"]).await;
     let o = run(url, &["semaphore", "delete", "pool"]).await;
     refused(&o, "pool is the parent of team: take them out");
+    // A template's instances are named by their template.
+    run(url, &["semaphore", "set", "kid-*", "1", "--parent", "pool"]).await;
+    let o = run(url, &["submit", "k-1", "kid-1=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    run(url, &["release", "k-1"]).await;
+    let o = run(url, &["semaphore", "delete", "pool"]).await;
+    refused(&o, "pool is the parent of kid-*, team: take them out");
     run(url, &["semaphore", "set", "lab-*", "1"]).await;
     let o = run(url, &["submit", "l-1", "lab-1=1", "--await", "10s"]).await;
     assert_eq!(code(&o), 0, "{}", stdout(&o));
@@ -1056,11 +1083,15 @@ async fn a_semaphore_nothing_uses_can_be_deleted_and_its_history_says_so() {
         "{}",
         stdout(&o)
     );
-    wait_until(SOON, "lab-1 deleted once its release is folded", || async {
-        code(&run(url, &["semaphore", "delete", "lab-1"]).await) == 0
-    })
-    .await;
-    for name in ["lab-*", "team", "pool"] {
+    for instance in ["lab-1", "kid-1"] {
+        wait_until(
+            SOON,
+            "an instance deleted once its release is folded",
+            || async { code(&run(url, &["semaphore", "delete", instance]).await) == 0 },
+        )
+        .await;
+    }
+    for name in ["lab-*", "kid-*", "team", "pool"] {
         let o = run(url, &["semaphore", "delete", name]).await;
         assert_eq!(code(&o), 0, "{name}: {}", stderr(&o));
         assert!(

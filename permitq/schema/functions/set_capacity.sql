@@ -133,8 +133,9 @@ BEGIN
             USING ERRCODE = '55006';
     END IF;
     IF s.used > 0 THEN
-        RAISE EXCEPTION '% holds % %: release them, or revoke them (`permitq revoke ID`), then delete it (`permitq semaphore show %` lists the holders)',
-            s.name, s.used, CASE WHEN s.used = 1 THEN 'permit' ELSE 'permits' END, s.name
+        RAISE EXCEPTION '% holds % %: release or revoke (`permitq revoke ID`) %, then delete it (`permitq semaphore show %` lists the holders)',
+            s.name, s.used, CASE WHEN s.used = 1 THEN 'permit' ELSE 'permits' END,
+            CASE WHEN s.used = 1 THEN 'it' ELSE 'them' END, s.name
             USING ERRCODE = '55006';
     END IF;
     -- A rate limit's window lives with it: deleting it early would let a new one grant the
@@ -159,21 +160,20 @@ BEGIN
             s.name, waiting, CASE WHEN waiting = 1 THEN 'request' ELSE 'requests' END, s.name
             USING ERRCODE = '55006';
     END IF;
+    -- Its children, an instance named by its template (which is what moves or goes).
     SELECT count(*), string_agg(c.name, ', ' ORDER BY c.name) INTO n, names
-    FROM (SELECT x.name FROM permitq.semaphore x WHERE x.parent = s.name AND NOT x.is_template
-          ORDER BY x.name LIMIT 10) c;
+    FROM (SELECT DISTINCT coalesce(x.template, x.name) AS name FROM permitq.semaphore x
+          WHERE x.parent = s.name ORDER BY 1 LIMIT 10) c;
     IF n > 0 THEN
-        RAISE EXCEPTION '% is the parent of %: take them out (`permitq semaphore set NAME CAPACITY --no-parent`) or delete them first',
+        RAISE EXCEPTION '% is the parent of %: take them out (`permitq semaphore set NAME CAPACITY --no-parent`; a template''s instances follow it) or delete them first',
             s.name, names USING ERRCODE = '55006';
     END IF;
     SELECT count(*), string_agg(c.name, ', ' ORDER BY c.name) INTO n, names
-    FROM (SELECT x.name FROM permitq.semaphore x
-          WHERE x.template = s.name OR (x.parent = s.name AND x.is_template)
+    FROM (SELECT x.name FROM permitq.semaphore x WHERE x.template = s.name
           ORDER BY x.name LIMIT 10) c;
     IF n > 0 THEN
-        RAISE EXCEPTION '% has %: %; delete them first (`permitq semaphore delete NAME`; the workers remove an instance nothing uses after --idle-instance-after)',
-            s.name, CASE WHEN s.is_template THEN 'instances' ELSE 'templates nested in it' END, names
-            USING ERRCODE = '55006';
+        RAISE EXCEPTION '% has instances: %; delete them first (`permitq semaphore delete NAME`; the workers remove an instance nothing uses after --idle-instance-after)',
+            s.name, names USING ERRCODE = '55006';
     END IF;
     DELETE FROM permitq.semaphore x WHERE x.id = s.id;
     -- By the login that asked (session_user): this runs as the schema's owner.

@@ -505,7 +505,7 @@ async fn a_holder_paused_past_its_ttl_has_its_fenced_write_rejected() {
         "{stdout}"
     );
     assert!(
-        stdout.contains("A's request is now released (expired)"),
+        stdout.contains("A's request is now released (expired): its lease ran out"),
         "A's lease was released as expired: {stdout}"
     );
 }
