@@ -68,6 +68,15 @@ pub enum Plant {
     DecideWithoutLocks,
     /// The decision is not told the heads of the lines (the waiters outside its batch).
     NoHeads,
+    /// The second worker takes its semaphore locks in descending order (`LockMode::Wait`).
+    LocksUnsorted,
+    /// A crashed worker's claimed rows stay locked (its transaction is not rolled back).
+    ClaimNotReturnedOnCrash,
+    /// The decision is not told the children's guarantees: a borrower ignores the reserve.
+    ReserveIgnored,
+    /// The lease sweep releases what it selected without checking the lease again under the
+    /// row lock: a heartbeat in between is lost.
+    SweepWithoutRecheck,
 }
 
 /// The protocol and its bounds.
@@ -77,6 +86,9 @@ pub struct GrantProtocol {
     pub semaphores: Vec<SemaphoreSpec>,
     /// Each request's permits: semaphore index → count.
     pub requests: Vec<Vec<(usize, i64)>>,
+    /// The requests with a lease (a ttl: heartbeats, expiry and the sweep); the others are held
+    /// until released.
+    pub leased: Vec<usize>,
     /// How many workers run.
     pub workers: usize,
     /// How many worker crashes may happen.
@@ -117,6 +129,8 @@ pub struct RequestRow {
     pub token: Option<u64>,
     /// What its grant took: semaphore index → count (what it names and every ancestor).
     pub charged: Vec<(usize, i64)>,
+    /// Its lease has not run out (granted or heartbeaten since time last passed).
+    pub lease_fresh: bool,
 }
 
 /// A semaphore's row.
@@ -152,6 +166,15 @@ pub enum Phase {
     Idle,
     /// Claimed these requests (their rows locked).
     Claimed(Vec<usize>),
+    /// Taking the batch's semaphore locks one at a time, in lock order (`LockMode::Wait`).
+    Locking {
+        /// Every claimed request.
+        claimed: Vec<usize>,
+        /// The locks still to take, next first.
+        order: Vec<usize>,
+        /// The locks taken.
+        locked: Vec<usize>,
+    },
     /// Locked these semaphores (folding these releases: semaphore index → count) and will
     /// decide these of its claimed requests (the others take from a semaphore it skipped).
     Locked {
@@ -196,6 +219,10 @@ pub struct SystemState {
     pub failover_left: bool,
     /// The highest token ever drawn, by any copy (lost ones included).
     pub highest_token_drawn: u64,
+    /// Request rows a crashed transaction still holds (only with a planted bug).
+    pub leaked_rows: Vec<usize>,
+    /// The requests the lease sweep selected as expired, to release next.
+    pub sweep_selected: Vec<usize>,
     /// The first broken rule a step saw, if any.
     pub violation: Option<String>,
     /// What happened, for the "sometimes" properties.
@@ -219,6 +246,8 @@ pub struct Seen {
     pub concurrent_batches: bool,
     /// A failover happened.
     pub failed_over: bool,
+    /// A heartbeat came between the sweep's select and its release, and the lease was kept.
+    pub heartbeat_beat_the_sweep: bool,
 }
 
 /// A step.
@@ -230,8 +259,14 @@ pub enum Action {
     Release(usize),
     /// Its producer cancels request `r` while it waits (or its wait runs out: the same step).
     Cancel(usize),
-    /// Request `r`'s lease runs out and the sweep releases it.
-    Expire(usize),
+    /// Time passes for request `r`'s lease: without a heartbeat it has run out.
+    Tick(usize),
+    /// Its holder heartbeats request `r` (`permitq.heartbeat`): the lease is fresh again.
+    Heartbeat(usize),
+    /// The lease sweep (`permitq.sweep_expired`) selects request `r`, whose lease ran out.
+    SweepSelect(usize),
+    /// The sweep releases request `r` as `expired`, checking the lease again under its row lock.
+    SweepRelease(usize),
     /// Worker `w` claims its batch.
     Claim(usize),
     /// Worker `w` locks its batch's semaphores and folds their releases.
@@ -247,6 +282,29 @@ pub enum Action {
     /// The primary fails over to its standby.
     Failover,
 }
+
+/// Each step of the model and the SQL function (or Rust step) it stands for: a test fails when
+/// one of these functions is no longer in the schema, so a change of the protocol changes the
+/// model first.
+pub const STEPS: &[(&str, &str)] = &[
+    ("Submit", "permitq.submit"),
+    ("Release", "permitq.release"),
+    ("Cancel", "permitq.cancel"),
+    ("Heartbeat", "permitq.heartbeat"),
+    ("SweepSelect, SweepRelease", "permitq.sweep_expired"),
+    (
+        "Cancel (a wait that ran out)",
+        "permitq.sweep_wait_deadlines",
+    ),
+    ("Claim", "permitq.claim_batch"),
+    ("Lock", "permitq.lock_batch_semaphores"),
+    ("Lock (the fold)", "permitq.fold_pending_releases"),
+    ("Apply (the heads)", "permitq.semaphore_heads"),
+    ("Apply (the decision)", "decision::decide"),
+    ("Apply, Commit", "permitq.apply_decision"),
+    ("SetCapacity", "permitq.set_capacity"),
+    ("Failover (the epoch raise)", "permitq.raise_token_epoch"),
+];
 
 /// Tokens carry their epoch above this many draws.
 const EPOCH_SHIFT: u64 = 1 << 20;
@@ -273,6 +331,8 @@ impl GrantProtocol {
             ],
             // Within team's guarantee; a borrower naming the parent; one taking all of team.
             requests: vec![vec![(1, 1)], vec![(0, 2)], vec![(1, 2)]],
+            // One lease is enough for the sweep's races with heartbeats and releases.
+            leased: vec![0],
             workers: 2,
             crashes: 1,
             capacity_change: Some((0, 2)),
@@ -315,6 +375,12 @@ impl GrantProtocol {
             match phase {
                 Phase::Idle => {}
                 Phase::Claimed(claimed) => requests.extend(claimed),
+                Phase::Locking {
+                    claimed, locked, ..
+                } => {
+                    requests.extend(claimed);
+                    semaphores.extend(locked);
+                }
                 Phase::Locked {
                     claimed, locked, ..
                 }
@@ -326,7 +392,23 @@ impl GrantProtocol {
                 }
             }
         }
+        requests.extend(&state.leaked_rows);
         (requests, semaphores)
+    }
+
+    /// The semaphores worker `w`'s batch of `claimed` locks, in the order it takes them: id
+    /// order (here, index order), as permitq.lock_named takes them.
+    fn lock_order(&self, claimed: &[usize], w: usize) -> Vec<usize> {
+        let mut order: Vec<usize> = claimed
+            .iter()
+            .flat_map(|r| self.takes(*r).into_keys())
+            .collect();
+        order.sort_unstable();
+        order.dedup();
+        if self.plant == Some(Plant::LocksUnsorted) && w == 1 {
+            order.reverse();
+        }
+        order
     }
 
     /// Permits held on `s` now: the charges of the acquired requests.
@@ -372,6 +454,15 @@ impl GrantProtocol {
                         }))
             })
             .collect()
+    }
+
+    /// A holder's release (`permitq.release`) or the sweep's: the permits go back to be folded.
+    fn release(state: &mut SystemState, r: usize) {
+        Self::committing(state);
+        state.db.requests[r].state = RequestState::Released;
+        for (s, count) in state.db.requests[r].charged.clone() {
+            state.db.semaphores[s].pending += count;
+        }
     }
 
     /// A commit of the producer's or an admin's: remember what an asynchronous standby has.
@@ -424,7 +515,11 @@ impl GrantProtocol {
                     head,
                     refused: false,
                     parent: spec.parent.map(name),
-                    guarantee: spec.guarantee,
+                    guarantee: if self.plant == Some(Plant::ReserveIgnored) {
+                        0
+                    } else {
+                        spec.guarantee
+                    },
                     active,
                 },
             );
@@ -480,6 +575,7 @@ impl GrantProtocol {
                     state.highest_token_drawn = state.highest_token_drawn.max(token);
                     row.state = RequestState::Acquired;
                     row.token = Some(token);
+                    row.lease_fresh = true;
                     row.charged = self.takes(*r).into_iter().collect();
                 }
                 Verdict::Fail(code) => row.state = RequestState::Error(code.as_str()),
@@ -690,6 +786,7 @@ impl Model for GrantProtocol {
                         examined: false,
                         token: None,
                         charged: Vec::new(),
+                        lease_fresh: false,
                     };
                     self.requests.len()
                 ],
@@ -712,6 +809,8 @@ impl Model for GrantProtocol {
             capacity_change_left: self.capacity_change.is_some(),
             failover_left: self.failover.is_some(),
             highest_token_drawn: 0,
+            leaked_rows: Vec::new(),
+            sweep_selected: Vec::new(),
             violation: None,
             seen: Seen::default(),
         }]
@@ -728,25 +827,45 @@ impl Model for GrantProtocol {
                 RequestState::New if !locked_requests.contains(&r) => {
                     actions.push(Action::Cancel(r));
                 }
+                RequestState::Acquired if !self.leased.contains(&r) => {
+                    actions.push(Action::Release(r));
+                }
                 RequestState::Acquired => {
                     actions.push(Action::Release(r));
-                    actions.push(Action::Expire(r));
+                    if row.lease_fresh {
+                        actions.push(Action::Tick(r));
+                    } else {
+                        actions.push(Action::Heartbeat(r));
+                        if !state.sweep_selected.contains(&r) {
+                            actions.push(Action::SweepSelect(r));
+                        }
+                    }
                 }
                 _ => {}
             }
+        }
+        for &r in &state.sweep_selected {
+            actions.push(Action::SweepRelease(r));
         }
         let claimable = !self.claimable(state).is_empty();
         for (w, phase) in state.workers.iter().enumerate() {
             match phase {
                 Phase::Idle if claimable => actions.push(Action::Claim(w)),
                 Phase::Idle => {}
+                Phase::Claimed(_) if self.lock_mode == LockMode::SkipLocked => {
+                    actions.push(Action::Lock(w));
+                }
                 Phase::Claimed(claimed) => {
-                    let needs: BTreeSet<usize> = claimed
-                        .iter()
-                        .flat_map(|r| self.takes(*r).into_keys())
-                        .collect();
+                    // `FOR UPDATE` waits while another transaction holds the next one.
                     let (_, others) = Self::locks(state, Some(w));
-                    if self.lock_mode == LockMode::SkipLocked || needs.is_disjoint(&others) {
+                    let order = self.lock_order(claimed, w);
+                    if order.first().is_none_or(|s| !others.contains(s)) {
+                        actions.push(Action::Lock(w));
+                    }
+                }
+                Phase::Locking { order, .. } => {
+                    let (_, others) = Self::locks(state, Some(w));
+                    if order.first().is_some_and(|s| !others.contains(s)) {
                         actions.push(Action::Lock(w));
                     }
                 }
@@ -775,11 +894,31 @@ impl Model for GrantProtocol {
                 Self::committing(&mut state);
                 state.db.requests[r].state = RequestState::New;
             }
-            Action::Release(r) | Action::Expire(r) => {
+            Action::Release(r) => Self::release(&mut state, r),
+            Action::Tick(r) => state.db.requests[r].lease_fresh = false,
+            Action::Heartbeat(r) => {
                 Self::committing(&mut state);
-                state.db.requests[r].state = RequestState::Released;
-                for (s, count) in state.db.requests[r].charged.clone() {
-                    state.db.semaphores[s].pending += count;
+                state.db.requests[r].lease_fresh = true;
+            }
+            Action::SweepSelect(r) => state.sweep_selected.push(r),
+            Action::SweepRelease(r) => {
+                state.sweep_selected.retain(|x| *x != r);
+                let row = &state.db.requests[r];
+                let recheck = self.plant != Some(Plant::SweepWithoutRecheck);
+                if row.state == RequestState::Acquired && recheck && row.lease_fresh {
+                    state.seen.heartbeat_beat_the_sweep = true;
+                }
+                let row = &state.db.requests[r];
+                if row.state == RequestState::Acquired && (!recheck || !row.lease_fresh) {
+                    if row.lease_fresh {
+                        Self::violate(
+                            &mut state,
+                            format!(
+                                "request {r} released as expired after a heartbeat extended it"
+                            ),
+                        );
+                    }
+                    Self::release(&mut state, r);
                 }
             }
             Action::Cancel(r) => {
@@ -792,6 +931,42 @@ impl Model for GrantProtocol {
                     state.seen.concurrent_batches = true;
                 }
                 state.workers[w] = Phase::Claimed(claimed);
+            }
+            Action::Lock(w) if self.lock_mode == LockMode::Wait => {
+                let (claimed, mut order, mut locked) = match state.workers[w].clone() {
+                    Phase::Claimed(claimed) => {
+                        let order = self.lock_order(&claimed, w);
+                        (claimed, order, Vec::new())
+                    }
+                    Phase::Locking {
+                        claimed,
+                        order,
+                        locked,
+                    } => (claimed, order, locked),
+                    _ => return None,
+                };
+                if !order.is_empty() {
+                    locked.push(order.remove(0));
+                }
+                state.workers[w] = if order.is_empty() {
+                    let folded = locked
+                        .iter()
+                        .map(|&s| (s, state.db.semaphores[s].pending))
+                        .filter(|(_, count)| *count > 0)
+                        .collect();
+                    Phase::Locked {
+                        decided: claimed.clone(),
+                        claimed,
+                        locked,
+                        folded,
+                    }
+                } else {
+                    Phase::Locking {
+                        claimed,
+                        order,
+                        locked,
+                    }
+                };
             }
             Action::Lock(w) => {
                 let Phase::Claimed(claimed) = state.workers[w].clone() else {
@@ -832,6 +1007,12 @@ impl Model for GrantProtocol {
                 if matches!(state.workers[w], Phase::Applied { .. }) {
                     state.seen.crashed_after_apply = true;
                 }
+                if self.plant == Some(Plant::ClaimNotReturnedOnCrash) {
+                    let (mine, _) = Self::locks(&state, None);
+                    let (others, _) = Self::locks(&state, Some(w));
+                    let leaked: Vec<usize> = mine.difference(&others).copied().collect();
+                    state.leaked_rows.extend(leaked);
+                }
                 state.workers[w] = Phase::Idle;
                 state.crashes_left -= 1;
             }
@@ -844,6 +1025,7 @@ impl Model for GrantProtocol {
             Action::Failover => {
                 // Every open transaction is lost with the old primary.
                 state.workers = vec![Phase::Idle; self.workers];
+                state.sweep_selected.clear();
                 if self.failover == Some(Replication::Asynchronous) {
                     if let Some(standby) = state.before_last_commit.take() {
                         state.db = *standby;
@@ -925,6 +1107,10 @@ impl Model for GrantProtocol {
                 |m: &GrantProtocol, s: &SystemState| {
                     s.seen.skipped || m.lock_mode == LockMode::Wait
                 },
+            ),
+            Property::sometimes(
+                "a heartbeat between the sweep's select and release kept the lease",
+                |_: &GrantProtocol, s: &SystemState| s.seen.heartbeat_beat_the_sweep,
             ),
             Property::sometimes(
                 "every request settled",
