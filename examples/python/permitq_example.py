@@ -21,6 +21,13 @@ import sys
 import uuid
 
 try:
+    import psycopg  # noqa: F401 - the package needs it
+except ImportError:
+    raise SystemExit(
+        'permitq_example: needs psycopg 3 (pip install "psycopg[binary]", or Debian\'s python3-psycopg '
+        "with /usr/bin/python3)"
+    )
+try:
     import permitq
 except ImportError:  # from a clone, without installing the package
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "clients" / "python"))

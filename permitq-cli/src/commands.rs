@@ -132,8 +132,17 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             let shutdown = Shutdown::install();
             let client = Client::connect(&need_url()?).await?;
             let access = crate::http::access(http_addr, &http_access)?;
+            // A producer's login reads only its own requests: the page would show a part.
+            let partial = !client.reads_every_request().await.unwrap_or(true);
             let bound = crate::http::serve(http_addr, access, client, None).await?;
             errln!("permitq: serving http://{bound}/ (Ctrl-C to stop)");
+            if partial {
+                errln!(
+                    "permitq: this login reads only its own requests (a producer's): the page and \
+                     the API show its holders and waiters only, while the counts are everyone's; \
+                     run serve as a permitq_operator login to show all"
+                );
+            }
             shutdown.signalled().await;
             Ok(0)
         }

@@ -66,15 +66,13 @@ pub(crate) fn parse_config(url: &str) -> Result<Config> {
     }
     if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
         // As libpq does: the local server's Unix socket, else localhost (`postgres:///app`).
-        let port = config.get_ports().first().copied().unwrap_or(5432);
-        match DEFAULT_SOCKET_DIRS.iter().find(|dir| {
-            std::path::Path::new(dir)
-                .join(format!(".s.PGSQL.{port}"))
-                .exists()
-        }) {
-            Some(dir) => config.host_path(dir),
-            None => config.host("localhost"),
-        };
+        // Every candidate, tried in this order at each connection: a server that was down when
+        // the URL was read is found on its socket once it is up (not on localhost, where
+        // pg_hba.conf may want a password).
+        for dir in DEFAULT_SOCKET_DIRS {
+            config.host_path(dir);
+        }
+        config.host("localhost");
     }
     if !url.contains("keepalives") {
         config
@@ -307,8 +305,13 @@ impl Backoff {
 mod tests {
     #[test]
     fn a_url_without_a_host_gets_the_local_server() {
+        // Every candidate, in libpq's order, tried at each connection: a server down when the
+        // URL was read is found on its socket once it is up.
         let config = super::parse_config("postgres:///app").unwrap();
-        assert_eq!(config.get_hosts().len(), 1);
+        assert_eq!(
+            super::target(&config),
+            "/var/run/postgresql/.s.PGSQL.5432,/tmp/.s.PGSQL.5432,localhost:5432"
+        );
         assert_eq!(config.get_dbname(), Some("app"));
         assert_eq!(config.get_application_name(), Some("permitq"));
         let config = super::parse_config("postgres://h/app?application_name=mine").unwrap();

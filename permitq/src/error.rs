@@ -191,7 +191,9 @@ impl fmt::Display for Error {
             Kind::Pool(deadpool_postgres::PoolError::Backend(e)) | Kind::Db(e) => {
                 if let (Some(target), None) = (&self.target, e.as_db_error()) {
                     if format!("{e:?}").contains("password missing") {
-                        write!(f, "PostgreSQL at {target} asks for a password: ")?;
+                        // The server that answered: the last tried.
+                        let last = target.rsplit(',').next().unwrap_or(target);
+                        write!(f, "PostgreSQL at {last} asks for a password: ")?;
                     } else if let Some((_, last)) = target.rsplit_once(',') {
                         // Several servers are tried in turn: the error is the last one's.
                         write!(
@@ -256,7 +258,12 @@ fn connection_hint(e: &tokio_postgres::Error, target: &str) -> String {
         "the server is up, but not the kind the URL's target_session_attrs asks for: \
          read-write (the default) finds the primary, which permitq needs; running again will not \
          help"
-    } else if text.contains("connection refused") && target.starts_with("localhost:") {
+    } else if text.contains("connection refused")
+        && target
+            .rsplit(',')
+            .next()
+            .is_some_and(|t| t.starts_with("localhost:"))
+    {
         "is PostgreSQL running on this machine, on that port? (A URL without a host looks for \
          its socket in /var/run/postgresql and /tmp, then for localhost.) The URL (DATABASE_URL \
          or --database-url) names the host and port"
@@ -303,9 +310,9 @@ fn role_hint(db: &tokio_postgres::error::DbError) -> String {
         | "delete_settled"
         | "delete_capacity_changes"
         | "capacity_change"
-        | "raise_token_epoch"
         | "raise_token_floor" => "permitq_admin",
         "claim_batch"
+        | "raise_token_epoch"
         | "apply_decision"
         | "lock_batch_semaphores"
         | "fold_releases"

@@ -130,6 +130,11 @@ impl PermitRequest {
             }
         };
         match code {
+            ErrorCode::UnknownSemaphore if d.named.is_none() && name.ends_with('*') => format!(
+                "{name} is a template, which is never granted itself: name an instance of it \
+                 ({}NAME, made at its first grant), under a new external_id",
+                name.trim_end_matches('*')
+            ),
             ErrorCode::UnknownSemaphore => {
                 let what = match &d.named {
                     Some(named) => format!("{named}'s parent {name} does not exist"),

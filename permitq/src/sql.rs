@@ -175,8 +175,7 @@ pub(crate) const GRANTING: &str = "SELECT live_workers, last_seen FROM permitq.g
 /// Worker, at start: whether this login may work (member of permitq_worker or permitq_admin,
 /// or a superuser), and its name.
 pub(crate) const MAY_WORK: &str =
-    "SELECT pg_catalog.pg_has_role(session_user, 'permitq_worker', 'MEMBER') \
-     OR pg_catalog.pg_has_role(session_user, 'permitq_admin', 'MEMBER'), session_user::text";
+    "SELECT pg_catalog.pg_has_role(session_user, 'permitq_worker', 'MEMBER'), session_user::text";
 /// Operators: the workers seen in the last hour, live first.
 pub(crate) const WORKERS: &str = "SELECT worker_id, host, version, pid, started_at, seen_at, live \
      FROM permitq.workers ORDER BY live DESC, worker_id";

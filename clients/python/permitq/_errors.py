@@ -127,9 +127,36 @@ def _explained(code: str, d: dict[str, Any]) -> str:
     return code
 
 
+_ROLES = {
+    "set_capacity": "permitq_admin",
+    "delete_semaphore": "permitq_admin",
+    "revoke": "permitq_admin",
+    "submit": "permitq_producer (or permitq_admin)",
+    "release": "permitq_producer (or permitq_admin)",
+    "cancel": "permitq_producer (or permitq_admin)",
+    "heartbeat": "permitq_producer (or permitq_admin)",
+    "fence": "permitq_producer (or permitq_admin)",
+}
+
+
+def _message(e: psycopg.Error) -> str:
+    """The server's message with its detail and hint, without PL/pgSQL's CONTEXT lines."""
+    diag = e.diag
+    if diag.message_primary:
+        parts = [diag.message_primary]
+        if diag.message_detail:
+            parts.append(diag.message_detail)
+        text = ": ".join(parts)
+        if diag.message_hint:
+            text += f" ({diag.message_hint})"
+    else:
+        text = str(e)
+    return " ".join(text.split())
+
+
 def translated(e: psycopg.Error) -> PermitqError:
     """A psycopg error as this package's type, with the server's message."""
-    message = " ".join(str(e).split())
+    message = _message(e)
     if isinstance(e, psycopg.OperationalError) and e.sqlstate is None:
         return DatabaseUnavailable(f"{message} (is PostgreSQL up and the URL right? Retrying is safe)")
     state = e.sqlstate or ""
@@ -139,7 +166,10 @@ def translated(e: psycopg.Error) -> PermitqError:
         field = message.split(":", 1)[0].removeprefix("invalid ").strip() if message.startswith("invalid ") else None
         return InvalidInput(message, field)
     if state == "42501":
-        return NotOwner(message)
+        function = message.rsplit(" ", 1)[-1] if message.startswith("permission denied for function") else ""
+        role = _ROLES.get(function)
+        hint = f"; this needs the role {role}: use a login that has it, or a DBA grants it" if role else ""
+        return NotOwner(message + hint)
     if state == "23505":
         return ExternalIdTaken(message)
     if state == "55000":

@@ -71,13 +71,13 @@ export interface Explanation {
 }
 /** A producer's handle on permitq: a small pool, and a connection of its own per waiting acquire. */
 export declare class Client {
-    private readonly config;
     private readonly pool;
     private readonly listen;
     /**
      * `config` as node-postgres takes it; `listen: false` waits by reading the status only (through
      * a pooler in transaction mode, where LISTEN does not work; no statement is prepared either).
      */
+    private readonly config;
     constructor(config: pg.PoolConfig & {
         listen?: boolean;
     });

@@ -10,6 +10,8 @@
  * await write(lease.fencingToken);
  * ```
  */
+import { existsSync } from "node:fs";
+import { userInfo } from "node:os";
 import pg from "pg";
 import { AcquireTimeout, LeaseLost, PermitqError, DatabaseUnavailable, requestFailed, translated, } from "./errors.js";
 import { SQL } from "./sql.js";
@@ -48,20 +50,47 @@ const sleep = (ms, signal) => new Promise((resolve) => {
         resolve();
     }, { once: true });
 });
+/**
+ * As libpq does for a URL without a host (`postgres:///app`): the local server's socket
+ * (Debian's directory, then /tmp), where node-postgres would try localhost over TCP; and the OS
+ * user for a URL without one. (Written into the URL: node-postgres lets the URL's values win.)
+ */
+function localSocket(config) {
+    if (config.host || !config.connectionString)
+        return {};
+    let url;
+    try {
+        url = new URL(config.connectionString);
+    }
+    catch {
+        return {};
+    }
+    // (A URL without a host cannot carry a user name: it goes in the query, which pg reads too.)
+    if (url.username === "" && !config.user && !url.searchParams.has("user")) {
+        url.searchParams.set("user", userInfo().username);
+    }
+    if (url.hostname === "" && !url.searchParams.has("host")) {
+        const port = url.port || url.searchParams.get("port") || "5432";
+        const dir = ["/var/run/postgresql", "/tmp"].find((d) => existsSync(`${d}/.s.PGSQL.${port}`));
+        if (dir)
+            url.searchParams.set("host", dir);
+    }
+    return { connectionString: url.toString() };
+}
 /** A producer's handle on permitq: a small pool, and a connection of its own per waiting acquire. */
 export class Client {
-    config;
     pool;
     listen;
     /**
      * `config` as node-postgres takes it; `listen: false` waits by reading the status only (through
      * a pooler in transaction mode, where LISTEN does not work; no statement is prepared either).
      */
+    config;
     constructor(config) {
-        this.config = config;
         const { listen, ...poolConfig } = config;
         this.listen = listen ?? true;
-        this.pool = new pg.Pool({ max: 4, application_name: "permitq-node", keepAlive: true, ...poolConfig });
+        this.config = { ...config, ...localSocket(poolConfig) };
+        this.pool = new pg.Pool({ max: 4, application_name: "permitq-node", keepAlive: true, ...poolConfig, ...localSocket(poolConfig) });
         this.pool.on("error", () => { }); // an idle connection that broke: the next query reconnects
     }
     /** A connection of its own (a LISTEN, a lease's heartbeats), not from the pool. */

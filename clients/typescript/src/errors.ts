@@ -128,6 +128,18 @@ function explained(code: string, d: ErrorDetail): string {
   }
 }
 
+/** The role a refused function needs, as the CLI says it. */
+function roleHint(message: string): string {
+  const fn = /permission denied for function (\w+)/.exec(message)?.[1];
+  if (!fn) return "";
+  const role = ["set_capacity", "delete_semaphore", "revoke"].includes(fn)
+    ? "permitq_admin"
+    : ["submit", "release", "cancel", "heartbeat", "fence"].includes(fn)
+      ? "permitq_producer (or permitq_admin)"
+      : null;
+  return role ? `; this needs the role ${role}: use a login that has it, or a DBA grants it` : "";
+}
+
 /** A node-postgres error as this package's type, with the server's message. */
 export function translated(e: unknown): Error {
   if (e instanceof PermitqError) return e;
@@ -135,6 +147,14 @@ export function translated(e: unknown): Error {
   const message = (err.message ?? String(e)).replace(/\s+/g, " ");
   const code = err.code ?? "";
   const sqlstate = /^[0-9A-Z]{5}$/.test(code);
+  if (/password must be a string|password authentication failed/i.test(message)) {
+    return new PermitqError(
+      `${message} (the server asks for a password: put it in the URL, postgres://user:password@host/db, or set PGPASSWORD)`,
+    );
+  }
+  if (/no PostgreSQL user name/i.test(message)) {
+    return new PermitqError(`${message} (name the user in the URL: postgres://user@host/db)`);
+  }
   const connection = !sqlstate && (code !== "" || /connection|connect|terminated|timeout/i.test(message));
   if (connection || code.startsWith("08") || code.startsWith("57P")) {
     return new DatabaseUnavailable(`${message} (is PostgreSQL up and the URL right? Retrying is safe)`);
@@ -146,7 +166,7 @@ export function translated(e: unknown): Error {
       return new InvalidInput(message, field);
     }
     case "42501":
-      return new NotOwner(message);
+      return new NotOwner(message + roleHint(message));
     case "23505":
       return new ExternalIdTaken(message);
     case "55000":

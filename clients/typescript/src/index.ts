@@ -11,6 +11,9 @@
  * ```
  */
 
+import { existsSync } from "node:fs";
+import { userInfo } from "node:os";
+
 import pg from "pg";
 
 import {
@@ -125,6 +128,31 @@ const sleep = (ms: number, signal?: AbortSignal) =>
     }, { once: true });
   });
 
+/**
+ * As libpq does for a URL without a host (`postgres:///app`): the local server's socket
+ * (Debian's directory, then /tmp), where node-postgres would try localhost over TCP; and the OS
+ * user for a URL without one. (Written into the URL: node-postgres lets the URL's values win.)
+ */
+function localSocket(config: pg.PoolConfig): pg.PoolConfig {
+  if (config.host || !config.connectionString) return {};
+  let url: URL;
+  try {
+    url = new URL(config.connectionString);
+  } catch {
+    return {};
+  }
+  // (A URL without a host cannot carry a user name: it goes in the query, which pg reads too.)
+  if (url.username === "" && !config.user && !url.searchParams.has("user")) {
+    url.searchParams.set("user", userInfo().username);
+  }
+  if (url.hostname === "" && !url.searchParams.has("host")) {
+    const port = url.port || url.searchParams.get("port") || "5432";
+    const dir = ["/var/run/postgresql", "/tmp"].find((d) => existsSync(`${d}/.s.PGSQL.${port}`));
+    if (dir) url.searchParams.set("host", dir);
+  }
+  return { connectionString: url.toString() };
+}
+
 /** A producer's handle on permitq: a small pool, and a connection of its own per waiting acquire. */
 export class Client {
   private readonly pool: pg.Pool;
@@ -134,10 +162,13 @@ export class Client {
    * `config` as node-postgres takes it; `listen: false` waits by reading the status only (through
    * a pooler in transaction mode, where LISTEN does not work; no statement is prepared either).
    */
-  constructor(private readonly config: pg.PoolConfig & { listen?: boolean }) {
+  private readonly config: pg.PoolConfig & { listen?: boolean };
+
+  constructor(config: pg.PoolConfig & { listen?: boolean }) {
     const { listen, ...poolConfig } = config;
     this.listen = listen ?? true;
-    this.pool = new pg.Pool({ max: 4, application_name: "permitq-node", keepAlive: true, ...poolConfig });
+    this.config = { ...config, ...localSocket(poolConfig) };
+    this.pool = new pg.Pool({ max: 4, application_name: "permitq-node", keepAlive: true, ...poolConfig, ...localSocket(poolConfig) });
     this.pool.on("error", () => {}); // an idle connection that broke: the next query reconnects
   }
 

@@ -408,6 +408,17 @@ async fn a_worker_run_as_a_login_that_may_not_work_says_so_once_and_exits() {
         "{}",
         stderr(&o)
     );
+    // An admin login may do much, but not a worker's part: told so at start, too.
+    let admin = db.login("permitq_admin").await;
+    let o = tokio::time::timeout(SOON, run(&admin, &["worker"]))
+        .await
+        .expect("the worker stops by itself");
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("is not a permitq worker: a worker needs the role permitq_worker"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -962,6 +973,13 @@ async fn small_answers_name_what_to_do() {
         stderr(&o).contains("inst-1 is an instance of template inst-*: the template's next change (`permitq semaphore set 'inst-*' ...`) sets it again"),
         "{}",
         stderr(&o)
+    );
+    // A template is never granted itself: naming one says to name an instance.
+    let o = run(url, &["submit", "t-tpl", "inst-*=1", "--await", "10s"]).await;
+    assert!(
+        stdout(&o).contains("inst-* is a template, which is never granted itself: name an instance of it (inst-NAME"),
+        "{}",
+        stdout(&o)
     );
     // A capacity of 0 is not "ask for at most 0".
     run(url, &["semaphore", "set", "off", "0"]).await;

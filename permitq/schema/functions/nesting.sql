@@ -97,10 +97,12 @@ BEGIN
         FROM permitq.semaphore t
         WHERE t.name = s.name OR (s.is_template AND t.template = s.name);
         IF used_now > 0 OR waiting_now > 0 THEN
-            RETURN format('%s holds permits or has waiters (used %s, %s waiting%s): its parent can change once it is idle; `permitq semaphore show %s` lists the holders and waiters',
+            RETURN format('%s holds permits or has waiters (used %s, %s waiting%s): its parent can change once it is idle; %s',
                           s.name, used_now, waiting_now,
                           CASE WHEN s.is_template THEN ', over its instances' ELSE '' END,
-                          s.name);
+                          CASE WHEN s.is_template
+                               THEN format('`permitq semaphore show ''%s''` names its instances, and `permitq semaphore show INSTANCE` their holders and waiters', s.name)
+                               ELSE format('`permitq semaphore show %s` lists the holders and waiters', s.name) END);
         END IF;
     END IF;
     -- What the parent promises its children, and what `s` promises its own.
