@@ -64,6 +64,33 @@ pub(crate) fn parse_config(url: &str) -> Result<Config> {
             config.password(password.as_encoded_bytes());
         }
     }
+    // As libpq does: what the URL leaves out may come from PGUSER, PGDATABASE, PGPORT, PGHOST.
+    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+    if let (None, Some(user)) = (config.get_user(), env("PGUSER")) {
+        config.user(&user);
+    }
+    if let (None, Some(dbname)) = (config.get_dbname(), env("PGDATABASE")) {
+        config.dbname(&dbname);
+    }
+    if let (true, Some(port)) = (config.get_ports().is_empty(), env("PGPORT")) {
+        let port = port.parse().map_err(|_| {
+            Error::invalid("PGPORT", format!("expected a port number, got {port:?}"))
+        })?;
+        config.port(port);
+    }
+    if let (true, true, Some(hosts)) = (
+        config.get_hosts().is_empty(),
+        config.get_hostaddrs().is_empty(),
+        env("PGHOST"),
+    ) {
+        for host in hosts.split(',') {
+            if host.starts_with('/') {
+                config.host_path(host);
+            } else {
+                config.host(host);
+            }
+        }
+    }
     if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
         // As libpq does: the local server's Unix socket, else localhost (`postgres:///app`).
         // Every candidate, tried in this order at each connection: a server that was down when
@@ -316,6 +343,15 @@ mod tests {
         assert_eq!(config.get_application_name(), Some("permitq"));
         let config = super::parse_config("postgres://h/app?application_name=mine").unwrap();
         assert_eq!(config.get_application_name(), Some("mine"));
+        // The only test in this binary that reads or writes PGPORT and PGHOST.
+        std::env::set_var("PGPORT", "5510");
+        std::env::set_var("PGHOST", "/run/pg");
+        let from_env = super::parse_config("postgres:///app").unwrap();
+        let in_url = super::parse_config("postgres://h:5433/app").unwrap();
+        std::env::remove_var("PGPORT");
+        std::env::remove_var("PGHOST");
+        assert_eq!(super::target(&from_env), "/run/pg/.s.PGSQL.5510");
+        assert_eq!(super::target(&in_url), "h:5433", "the URL wins");
     }
 
     #[test]

@@ -70,9 +70,12 @@ impl Access {
         else {
             return false;
         };
-        let presented = if let Some(bearer) = given.strip_prefix("Bearer ") {
-            bearer.trim().to_string()
-        } else if let Some(basic) = given.strip_prefix("Basic ") {
+        // The scheme is case-insensitive (RFC 9110): `bearer` as well as `Bearer`.
+        let (scheme, credentials) = given.split_once(' ').unwrap_or((given, ""));
+        let presented = if scheme.eq_ignore_ascii_case("bearer") {
+            credentials.trim().to_string()
+        } else if scheme.eq_ignore_ascii_case("basic") {
+            let basic = credentials;
             let Ok(decoded) = base64::engine::general_purpose::STANDARD.decode(basic.trim()) else {
                 return false;
             };
@@ -113,7 +116,11 @@ pub(crate) async fn guard(
         Exposure::Requests => access.token.is_some() || !access.open_without_token,
     };
     if needs_token && !access.authenticated(&request) {
-        let why = if access.token.is_some() {
+        let sent = request.headers().contains_key(header::AUTHORIZATION);
+        let why = if access.token.is_some() && sent {
+            "the token sent is not the one given to permitq with --http-token-file (send \
+             `Authorization: Bearer TOKEN`, or HTTP Basic with the token as password)\n"
+        } else if access.token.is_some() {
             "this endpoint needs the token given to permitq with --http-token-file: send \
              `Authorization: Bearer TOKEN` (or HTTP Basic with the token as password)\n"
         } else {
@@ -171,12 +178,12 @@ mod tests {
             )
         };
         assert!(access.authenticated(&request("/", Some("Bearer s3cret"))));
+        assert!(access.authenticated(&request("/", Some("bearer s3cret"))));
         assert!(access.authenticated(&request("/", Some(&basic("any:s3cret")))));
         for wrong in [
             None,
             Some("Bearer s3cre"),
             Some("Bearer s3cret2"),
-            Some("bearer s3cret"),
             Some("Token s3cret"),
             Some("Basic !!!"),
         ] {
