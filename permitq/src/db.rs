@@ -26,6 +26,7 @@ pub(crate) const TLS_NOT_SPOKEN: &str =
 /// one without a password takes `PGPASSWORD` when it is set. A
 /// URL that does not parse is invalid input (field `database URL`).
 pub(crate) fn parse_config(url: &str) -> Result<Config> {
+    let url = &with_env_port(url);
     let mut config = url.parse::<Config>().map_err(|e| {
         if url.contains("sslmode=verify") {
             return Error::invalid("database URL", format!("{e}: {TLS_NOT_SPOKEN}"));
@@ -93,13 +94,26 @@ pub(crate) fn parse_config(url: &str) -> Result<Config> {
     }
     if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
         // As libpq does: the local server's Unix socket, else localhost (`postgres:///app`).
-        // Every candidate, tried in this order at each connection: a server that was down when
-        // the URL was read is found on its socket once it is up (not on localhost, where
-        // pg_hba.conf may want a password).
-        for dir in DEFAULT_SOCKET_DIRS {
-            config.host_path(dir);
+        // A socket that is there now is the server (its errors are the answer: no fallback to
+        // localhost, where pg_hba.conf may want a password). None there (the server is down):
+        // every candidate, tried in this order at each connection, so that a server that comes
+        // up later is found on its socket.
+        let port = config.get_ports().first().copied().unwrap_or(5432);
+        match DEFAULT_SOCKET_DIRS.iter().find(|dir| {
+            std::path::Path::new(dir)
+                .join(format!(".s.PGSQL.{port}"))
+                .exists()
+        }) {
+            Some(dir) => {
+                config.host_path(dir);
+            }
+            None => {
+                for dir in DEFAULT_SOCKET_DIRS {
+                    config.host_path(dir);
+                }
+                config.host("localhost");
+            }
         }
-        config.host("localhost");
     }
     if !url.contains("keepalives") {
         config
@@ -112,6 +126,43 @@ pub(crate) fn parse_config(url: &str) -> Result<Config> {
         config.tcp_user_timeout(Duration::from_secs(30));
     }
     Ok(config)
+}
+
+/// `url` with `PGPORT` written in for each host that names no port, as libpq reads it (the URL
+/// parser fills in 5432 itself, so the environment could not be told apart from it later).
+fn with_env_port(url: &str) -> std::borrow::Cow<'_, str> {
+    let Some(port) = std::env::var("PGPORT").ok().filter(|p| !p.is_empty()) else {
+        return url.into();
+    };
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.into();
+    };
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let (userinfo, hosts) = match authority.rsplit_once('@') {
+        Some((u, h)) => (Some(u), h),
+        None => (None, authority),
+    };
+    if hosts.is_empty() || tail.contains("port=") {
+        return url.into();
+    }
+    let hosts: Vec<String> = hosts
+        .split(',')
+        .map(|h| {
+            let has_port = if h.starts_with('[') {
+                h.contains("]:")
+            } else {
+                h.contains(':')
+            };
+            if has_port || h.is_empty() {
+                h.to_string()
+            } else {
+                format!("{h}:{port}")
+            }
+        })
+        .collect();
+    let userinfo = userinfo.map_or(String::new(), |u| format!("{u}@"));
+    format!("{scheme}://{userinfo}{}{tail}", hosts.join(",")).into()
 }
 
 /// The server(s) `config` connects to, for messages: `localhost:5432`, or the socket path.
@@ -335,10 +386,14 @@ mod tests {
         // Every candidate, in libpq's order, tried at each connection: a server down when the
         // URL was read is found on its socket once it is up.
         let config = super::parse_config("postgres:///app").unwrap();
-        assert_eq!(
-            super::target(&config),
-            "/var/run/postgresql/.s.PGSQL.5432,/tmp/.s.PGSQL.5432,localhost:5432"
-        );
+        let expected = super::DEFAULT_SOCKET_DIRS
+            .iter()
+            .map(|dir| format!("{dir}/.s.PGSQL.5432"))
+            .find(|socket| std::path::Path::new(socket).exists())
+            .unwrap_or_else(|| {
+                "/var/run/postgresql/.s.PGSQL.5432,/tmp/.s.PGSQL.5432,localhost:5432".to_string()
+            });
+        assert_eq!(super::target(&config), expected);
         assert_eq!(config.get_dbname(), Some("app"));
         assert_eq!(config.get_application_name(), Some("permitq"));
         let config = super::parse_config("postgres://h/app?application_name=mine").unwrap();
@@ -348,10 +403,16 @@ mod tests {
         std::env::set_var("PGHOST", "/run/pg");
         let from_env = super::parse_config("postgres:///app").unwrap();
         let in_url = super::parse_config("postgres://h:5433/app").unwrap();
+        let host_only = super::parse_config("postgres://u:p@h,[::1]/app?sslmode=disable").unwrap();
         std::env::remove_var("PGPORT");
         std::env::remove_var("PGHOST");
         assert_eq!(super::target(&from_env), "/run/pg/.s.PGSQL.5510");
         assert_eq!(super::target(&in_url), "h:5433", "the URL wins");
+        assert_eq!(
+            super::target(&host_only),
+            "h:5510,::1:5510",
+            "a host without a port"
+        );
     }
 
     #[test]

@@ -88,7 +88,8 @@ impl PermitRequest {
                     "released (stale): held longer than the workers' --max-hold".to_string()
                 }
                 Some(ReleaseReason::Revoked) => {
-                    "released (revoked): an admin or the owner-liveness hook took it back"
+                    "released (revoked): an admin took it back (`permitq revoke`), or an embedded \
+                     worker's OwnerLiveness check found its owner gone"
                         .to_string()
                 }
                 Some(reason) => format!("released ({reason})"),

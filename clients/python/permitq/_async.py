@@ -10,6 +10,7 @@ from typing import Any, Awaitable, Callable, Mapping, TypeVar
 import psycopg
 
 from . import _common as c
+from ._sync import _check_not_ended_before, _why_waiting
 from ._errors import (
     AcquireTimeout,
     DatabaseUnavailable,
@@ -166,13 +167,16 @@ class AsyncClient:
                 deadline,
                 lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
             )
+            _check_not_ended_before(status)
             while not status.settled:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    why = _why_waiting(await self.explain(external_id))
                     outcome = await self.release(external_id)
                     raise AcquireTimeout(
-                        f"request {external_id} was not granted within {limit:g}s; it was cancelled "
-                        f"({outcome}): `permitq explain {external_id}` said why while it waited",
+                        f"request {external_id} was not granted within {limit:g}s{why}; it was "
+                        f"cancelled ({outcome}), so nothing waits on: acquire again under a new "
+                        "external_id",
                         external_id,
                     )
                 try:

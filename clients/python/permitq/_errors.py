@@ -158,6 +158,10 @@ def translated(e: psycopg.Error) -> PermitqError:
     """A psycopg error as this package's type, with the server's message."""
     message = _message(e)
     if isinstance(e, psycopg.OperationalError) and e.sqlstate is None:
+        # The server answered and refused: a wrong URL or login, which retrying will not mend.
+        refused = ("does not exist", "password authentication failed", "no pg_hba.conf entry", "password is required")
+        if any(r in message for r in refused):
+            return PermitqError(f"{message} (check the URL: database, user and password)")
         return DatabaseUnavailable(f"{message} (is PostgreSQL up and the URL right? Retrying is safe)")
     state = e.sqlstate or ""
     if state.startswith("08") or state in ("57P01", "57P02", "57P03"):

@@ -183,6 +183,12 @@ class SyncClientTest(unittest.TestCase):
             self.assertEqual(caught.exception.external_id, rid)
             status = self.client.status(rid)
             self.assertEqual((status.state, status.error_code), ("error", "cancelled"))
+            # It says what held it back, read before the cancel.
+            self.assertIn(f"({self.sem}: ", str(caught.exception))
+            # The same id again is that ended request, and says so.
+            with self.assertRaises(permitq.PermitqError) as again:
+                self.client.acquire(rid, {self.sem: 1}, timeout=1)
+            self.assertIn("was submitted before and has ended", str(again.exception))
             explanation = self.client.explain(rid)
             self.assertIn("cancelled", explanation.outcome)
         finally:

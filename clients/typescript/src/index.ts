@@ -145,8 +145,8 @@ function localSocket(config: pg.PoolConfig): pg.PoolConfig {
   if (url.username === "" && !config.user && !url.searchParams.has("user")) {
     url.searchParams.set("user", userInfo().username);
   }
-  if (url.hostname === "" && !url.searchParams.has("host")) {
-    const port = url.port || url.searchParams.get("port") || "5432";
+  if (url.hostname === "" && !url.searchParams.has("host") && !process.env.PGHOST) {
+    const port = url.port || url.searchParams.get("port") || process.env.PGPORT || "5432";
     const dir = ["/var/run/postgresql", "/tmp"].find((d) => existsSync(`${d}/.s.PGSQL.${port}`));
     if (dir) url.searchParams.set("host", dir);
   }
@@ -283,13 +283,25 @@ export class Client {
       }
       sent = performance.now();
       current = await untilDeadline(deadline, () => this.submit(externalId, permits, options));
+      // A submit returns an ended request only when the external_id was used before.
+      if (current.state === "error" || current.state === "released") {
+        throw new PermitqError(
+          `request ${externalId} was submitted before and has ended (${current.state} ` +
+            `${current.errorCode ?? current.releaseReason ?? ""}); this is that request: acquire under a new external_id`,
+        );
+      }
       while (current.state === "new" || current.state === "in_progress") {
         const remaining = deadline - performance.now();
         if (remaining <= 0 || options.signal?.aborted) {
+          // What held it back, read just before it is cancelled.
+          const why = ((await this.explain(externalId).catch(() => null))?.semaphores ?? [])
+            .filter((w) => w.reason)
+            .map((w) => `${w.semaphore}: ${w.reason}`)
+            .join("; ");
           const outcome = await this.release(externalId);
           throw new AcquireTimeout(
-            `request ${externalId} was not granted ${options.signal?.aborted ? "before the signal aborted" : `within ${limit} ms`}; ` +
-              `it was cancelled (${outcome}): \`permitq explain ${externalId}\` said why while it waited`,
+            `request ${externalId} was not granted ${options.signal?.aborted ? "before the signal aborted" : `within ${limit} ms`}` +
+              `${why ? ` (${why})` : ""}; it was cancelled (${outcome}), so nothing waits on: acquire again under a new external_id`,
             externalId,
           );
         }

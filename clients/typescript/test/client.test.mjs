@@ -163,6 +163,9 @@ describe("permitq client", () => {
       assert.ok(Date.now() - started < 5000);
       const s = await client.status(late);
       assert.deepEqual([s.state, s.errorCode], ["error", "cancelled"]);
+      assert.match(e.message, new RegExp(`\\(${sem}: `), "what held it back");
+      const again = await client.acquire(late, { [sem]: 1 }, { timeoutMs: 1000 }).catch((err) => err);
+      assert.match(String(again), /was submitted before and has ended/);
       const aborted = newId("aborted");
       const e2 = await client.acquire(aborted, { [sem]: 1 }, { signal: AbortSignal.timeout(300) }).catch((err) => err);
       assert.ok(e2 instanceof permitq.AcquireTimeout, String(e2));
