@@ -4,21 +4,25 @@
 -- writes its own row (`deleted`); the workers' removal of an idle instance, which a request makes
 -- again, is not audited. Changes to `used` are not audited.
 
-CREATE OR REPLACE FUNCTION permitq.audit_capacity() RETURNS trigger
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
-BEGIN
-    -- By the login that asked (session_user): this runs as the schema's owner (current_user).
+-- One row of the audit: the semaphore's bounds before (`old`, NULL at creation) and after
+-- (`new`; for a deletion, the bounds it had), by the login that asked (session_user: the callers
+-- run as the schema's owner).
+CREATE OR REPLACE FUNCTION permitq.record_capacity_change(old permitq.semaphore,
+                                                          new permitq.semaphore, deleted boolean)
+RETURNS void LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
     INSERT INTO permitq.capacity_change (semaphore, old_capacity, new_capacity, old_fair, new_fair,
                                          old_parent, new_parent, old_guarantee, new_guarantee,
                                          old_max_instances, new_max_instances, old_per, new_per,
-                                         changed_by)
-    VALUES (NEW.name,
-            CASE WHEN TG_OP = 'UPDATE' THEN OLD.capacity END, NEW.capacity,
-            CASE WHEN TG_OP = 'UPDATE' THEN OLD.fair END, NEW.fair,
-            CASE WHEN TG_OP = 'UPDATE' THEN OLD.parent END, NEW.parent,
-            CASE WHEN TG_OP = 'UPDATE' THEN OLD.guarantee END, NEW.guarantee,
-            CASE WHEN TG_OP = 'UPDATE' THEN OLD.max_instances END, NEW.max_instances,
-            CASE WHEN TG_OP = 'UPDATE' THEN OLD.per END, NEW.per, session_user);
+                                         changed_by, deleted)
+    VALUES (new.name, old.capacity, new.capacity, old.fair, new.fair, old.parent, new.parent,
+            old.guarantee, new.guarantee, old.max_instances, new.max_instances, old.per, new.per,
+            session_user, deleted)
+$$;
+
+CREATE OR REPLACE FUNCTION permitq.audit_capacity() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+BEGIN
+    PERFORM permitq.record_capacity_change(CASE WHEN TG_OP = 'UPDATE' THEN OLD END, NEW, false);
     RETURN NULL;
 END $$;
 

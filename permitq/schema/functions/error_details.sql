@@ -72,11 +72,7 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
         SELECT jsonb_strip_nulls(jsonb_build_object(
                    'semaphore', t.name, 'named', t.via, 'count', t.count,
                    'capacity', s.capacity, 'free', greatest(permitq.free_room(s), 0)))
-        FROM (SELECT a.ancestor AS name, least(sum(e.value::int8), 2147483647)::int AS count,
-                     min(a.depth) AS depth, min(a.name) FILTER (WHERE a.depth > 0) AS via
-              FROM jsonb_each(permits) e
-              JOIN permitq.ancestors(ARRAY[e.key]) a ON a.name = e.key
-              GROUP BY a.ancestor) t
+        FROM permitq.taken_by(permits) t
         JOIN permitq.semaphore s ON s.name = t.name
         WHERE t.count > permitq.free_room(s)
         ORDER BY t.depth, t.name

@@ -51,17 +51,7 @@ BEGIN
     END IF;
     place := permitq.rule_place_in_line(r.priority, r.created_at);
     -- What it takes from each semaphore: what it names there, or below it.
-    FOR named IN
-        -- (Counts in bigint: what a request takes below one parent may pass an integer; it
-        -- shows as the most an integer holds, which no capacity reaches either.)
-        SELECT a.ancestor AS name, least(sum(e.value::int8), 2147483647)::int AS count,
-               min(a.depth) AS depth,
-               min(a.name) FILTER (WHERE a.depth > 0) AS via
-        FROM jsonb_each(r.permits) e
-        JOIN permitq.ancestors(ARRAY[e.key]) a ON a.name = e.key
-        GROUP BY a.ancestor
-        ORDER BY min(a.depth), a.ancestor
-    LOOP
+    FOR named IN SELECT * FROM permitq.taken_by(r.permits) LOOP
         semaphore := named.name;
         needs := named.count;
         via := named.via;

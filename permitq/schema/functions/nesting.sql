@@ -31,6 +31,22 @@ LANGUAGE sql STABLE AS $$
     SELECT * FROM chain
 $$;
 
+-- What a request of `permits` takes from each semaphore it names and from each of their
+-- ancestors, nearest first (`depth` 0 for one it names; `via`, for an ancestor, the first
+-- semaphore it names below it). Counts in bigint, shown as the most an integer holds beyond
+-- it (what a request takes below one parent may pass an integer; no capacity reaches it
+-- either). What `explain` and a timeout's detail count with.
+CREATE OR REPLACE FUNCTION permitq.taken_by(permits jsonb)
+RETURNS TABLE (name text, count integer, depth integer, via text)
+LANGUAGE sql STABLE AS $$
+    SELECT a.ancestor, least(sum(e.value::int8), 2147483647)::int, min(a.depth),
+           min(a.name) FILTER (WHERE a.depth > 0)
+    FROM jsonb_each(permits) e
+    JOIN permitq.ancestors(ARRAY[e.key]) a ON a.name = e.key
+    GROUP BY a.ancestor
+    ORDER BY min(a.depth), a.ancestor
+$$;
+
 -- The semaphores a batch naming `names` locks: those and their ancestors, every one once.
 -- Cheap when nothing is nested (the partial index semaphore_parent_idx is empty). The
 -- guaranteed children of these are read, not locked (functions/batch_semaphores.sql).

@@ -176,13 +176,7 @@ BEGIN
             s.name, names USING ERRCODE = '55006';
     END IF;
     DELETE FROM permitq.semaphore x WHERE x.id = s.id;
-    -- By the login that asked (session_user): this runs as the schema's owner.
-    INSERT INTO permitq.capacity_change (semaphore, old_capacity, new_capacity, old_fair, new_fair,
-                                         old_parent, new_parent, old_guarantee, new_guarantee,
-                                         old_max_instances, new_max_instances, old_per, new_per,
-                                         changed_by, deleted)
-    VALUES (s.name, s.capacity, s.capacity, s.fair, s.fair, s.parent, s.parent, s.guarantee,
-            s.guarantee, s.max_instances, s.max_instances, s.per, s.per, session_user, true);
+    PERFORM permitq.record_capacity_change(s, s, true);
     RETURN s;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.delete_semaphore(text) TO permitq_admin;
