@@ -10,7 +10,6 @@ from typing import Any, Awaitable, Callable, Mapping, TypeVar
 import psycopg
 
 from . import _common as c
-from ._sync import _check_not_ended_before, _why_waiting
 from ._errors import (
     AcquireTimeout,
     DatabaseUnavailable,
@@ -167,11 +166,11 @@ class AsyncClient:
                 deadline,
                 lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
             )
-            _check_not_ended_before(status)
+            c.check_not_ended_before(status)
             while not status.settled:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    why = _why_waiting(await self.explain(external_id))
+                    why = c.why_waiting(await self.explain(external_id))
                     outcome = await self.release(external_id)
                     raise AcquireTimeout(
                         f"request {external_id} was not granted within {limit:g}s{why}; it was "

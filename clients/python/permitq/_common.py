@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ._errors import PermitqError
+
 #: The channel the workers announce outcomes on (payloads: JSON arrays of request ids).
 EVENTS = "permitq_events"
 #: How often a waiting acquire reads the status again when no notification came (a pooler or a
@@ -137,3 +139,21 @@ class Semaphore:
     parent: str | None
     guarantee: int
     max_instances: int | None
+
+
+def why_waiting(explanation: Explanation | None) -> str:
+    """What held the request back, from `explain` just before it is cancelled: ` (gpu: ...)`."""
+    if explanation is None:
+        return ""
+    reasons = [f"{w.semaphore}: {w.reason}" for w in explanation.semaphores if w.reason]
+    return f" ({'; '.join(reasons)})" if reasons else ""
+
+
+def check_not_ended_before(status: Status) -> None:
+    """A submit returns an ended request only when the external_id was used before."""
+    if status.state in ("error", "released"):
+        how = status.error_code or status.release_reason or status.state
+        raise PermitqError(
+            f"request {status.external_id} was submitted before and has ended ({status.state} {how}); "
+            "this is that request: acquire under a new external_id"
+        )

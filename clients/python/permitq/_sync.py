@@ -151,11 +151,11 @@ class Client:
                 deadline,
                 lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
             )
-            _check_not_ended_before(status)
+            c.check_not_ended_before(status)
             while not status.settled:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    why = _why_waiting(self.explain(external_id))
+                    why = c.why_waiting(self.explain(external_id))
                     outcome = self.release(external_id)
                     raise AcquireTimeout(
                         f"request {external_id} was not granted within {limit:g}s{why}; it was "
@@ -187,24 +187,6 @@ class Client:
         raise PermitqError(
             f"request {status.external_id} is {status.state}: this external_id was granted and "
             "released before; submit under a new one"
-        )
-
-
-def _why_waiting(explanation: c.Explanation | None) -> str:
-    """What held the request back, from `explain` just before it is cancelled: ` (gpu: ...)`."""
-    if explanation is None:
-        return ""
-    reasons = [f"{w.semaphore}: {w.reason}" for w in explanation.semaphores if w.reason]
-    return f" ({'; '.join(reasons)})" if reasons else ""
-
-
-def _check_not_ended_before(status: c.Status) -> None:
-    """A submit returns an ended request only when the external_id was used before."""
-    if status.state in ("error", "released"):
-        how = status.error_code or status.release_reason or status.state
-        raise PermitqError(
-            f"request {status.external_id} was submitted before and has ended ({status.state} {how}); "
-            "this is that request: acquire under a new external_id"
         )
 
 

@@ -73,11 +73,12 @@ export interface Explanation {
 export declare class Client {
     private readonly pool;
     private readonly listen;
+    /** How to connect: the caller's config, the local socket filled in, `listen` taken out. */
+    private readonly connect;
     /**
      * `config` as node-postgres takes it; `listen: false` waits by reading the status only (through
      * a pooler in transaction mode, where LISTEN does not work; no statement is prepared either).
      */
-    private readonly config;
     constructor(config: pg.PoolConfig & {
         listen?: boolean;
     });

@@ -81,22 +81,22 @@ function localSocket(config) {
 export class Client {
     pool;
     listen;
+    /** How to connect: the caller's config, the local socket filled in, `listen` taken out. */
+    connect;
     /**
      * `config` as node-postgres takes it; `listen: false` waits by reading the status only (through
      * a pooler in transaction mode, where LISTEN does not work; no statement is prepared either).
      */
-    config;
     constructor(config) {
         const { listen, ...poolConfig } = config;
         this.listen = listen ?? true;
-        this.config = { ...config, ...localSocket(poolConfig) };
-        this.pool = new pg.Pool({ max: 4, application_name: "permitq-node", keepAlive: true, ...poolConfig, ...localSocket(poolConfig) });
+        this.connect = { ...poolConfig, ...localSocket(poolConfig) };
+        this.pool = new pg.Pool({ max: 4, application_name: "permitq-node", keepAlive: true, ...this.connect });
         this.pool.on("error", () => { }); // an idle connection that broke: the next query reconnects
     }
     /** A connection of its own (a LISTEN, a lease's heartbeats), not from the pool. */
     connection(applicationName) {
-        const { listen: _listen, ...poolConfig } = this.config;
-        const client = new pg.Client({ ...poolConfig, application_name: applicationName, keepAlive: true });
+        const client = new pg.Client({ ...this.connect, application_name: applicationName, keepAlive: true });
         client.on("error", () => { }); // a broken one is replaced by its user
         return client;
     }

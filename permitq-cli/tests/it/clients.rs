@@ -3,48 +3,35 @@
 
 use permitq_test_support as common;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 
 use common::{PgBouncer, TestDb};
 
+use crate::examples::{python_with_psycopg, Background};
+
 /// Two `permitq worker` processes on `url`, killed when dropped.
-struct Workers(Vec<Child>);
-
-impl Workers {
-    fn start(url: &str) -> Workers {
-        Workers(
-            ["clients-1", "clients-2"]
-                .iter()
-                .map(|id| {
-                    Command::new(env!("CARGO_BIN_EXE_permitq"))
-                        .args(["worker", "--id", id])
-                        .env("DATABASE_URL", url)
-                        .stdin(Stdio::null())
-                        .stdout(Stdio::null())
-                        .stderr(Stdio::null())
-                        .spawn()
-                        .expect("spawn permitq worker")
-                })
-                .collect(),
-        )
-    }
+fn start_workers(url: &str) -> Background {
+    Background(
+        ["clients-1", "clients-2"]
+            .iter()
+            .map(|id| {
+                Command::new(env!("CARGO_BIN_EXE_permitq"))
+                    .args(["worker", "--id", id])
+                    .env("DATABASE_URL", url)
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("spawn permitq worker")
+            })
+            .collect(),
+    )
 }
 
-impl Drop for Workers {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-/// The Python package (clients/python): its unittest suite, as a producer login, an admin login,
-/// a second producer login (ownership) and the superuser (stopping the lease's backends), with
-/// psycopg from the system (Debian's python3-psycopg, which scripts/test installs).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_python_client_passes_its_suite_against_real_workers() {
-    let db = TestDb::new().await;
+/// The logins a client suite runs as, as the environment it reads them from: a producer
+/// (`DATABASE_URL`), an admin, a second producer (ownership) and the superuser (stopping a
+/// lease's backends).
+async fn logins(db: &TestDb) -> Vec<(&'static str, String)> {
     let producer = db.login("permitq_producer").await;
     // A second producer login (`login` makes one per role).
     let other_user = format!("other_{}", common::user_of(&producer));
@@ -55,29 +42,33 @@ async fn the_python_client_passes_its_suite_against_real_workers() {
         ))
         .await
         .unwrap();
-    let other = common::as_user(&db.url, &other_user, "pw");
-    let admin = db.login("permitq_admin").await;
-    let _workers = Workers::start(&db.url);
-    let superuser = db.url.clone();
+    vec![
+        ("DATABASE_URL", producer),
+        ("PERMITQ_ADMIN_URL", db.login("permitq_admin").await),
+        (
+            "PERMITQ_OTHER_URL",
+            common::as_user(&db.url, &other_user, "pw"),
+        ),
+        ("PERMITQ_SUPER_URL", db.url.clone()),
+    ]
+}
+
+/// The Python package (clients/python): its unittest suite, as a producer login, an admin login,
+/// a second producer login (ownership) and the superuser (stopping the lease's backends), with
+/// psycopg from the system (Debian's python3-psycopg, which scripts/test installs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_client_passes_its_suite_against_real_workers() {
+    let db = TestDb::new().await;
+    let logins = logins(&db).await;
+    let _workers = start_workers(&db.url);
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../clients/python");
-    let python = ["/usr/bin/python3", "python3"]
-        .into_iter()
-        .find(|p| {
-            Command::new(p)
-                .args(["-c", "import psycopg"])
-                .output()
-                .is_ok_and(|o| o.status.success())
-        })
-        .expect("python3 with psycopg (Debian's python3-psycopg, installed by scripts/test)");
+    let python = python_with_psycopg();
     let out = tokio::task::spawn_blocking(move || {
         Command::new(python)
             .args(["-m", "unittest", "discover", "-v", "-s"])
             .arg(root.join("tests"))
             .env("PYTHONPATH", &root)
-            .env("DATABASE_URL", producer)
-            .env("PERMITQ_ADMIN_URL", admin)
-            .env("PERMITQ_OTHER_URL", other)
-            .env("PERMITQ_SUPER_URL", superuser)
+            .envs(logins)
             .stdin(Stdio::null())
             .output()
             .unwrap()
@@ -166,18 +157,8 @@ fn run_ok(dir: &std::path::Path, program: &str, args: &[&str], envs: &[(&str, &s
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_typescript_client_passes_its_suite_against_real_workers() {
     let db = TestDb::new().await;
-    let producer = db.login("permitq_producer").await;
-    let admin = db.login("permitq_admin").await;
-    let other_user = format!("other_{}", common::user_of(&producer));
-    db.conn()
-        .await
-        .batch_execute(&format!(
-            "CREATE ROLE {other_user} LOGIN PASSWORD 'pw' IN ROLE permitq_producer"
-        ))
-        .await
-        .unwrap();
-    let other = common::as_user(&db.url, &other_user, "pw");
-    let _workers = Workers::start(&db.url);
+    let logins = logins(&db).await;
+    let _workers = start_workers(&db.url);
     let superuser = db.url.clone();
     let db_name = db.name.clone();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -209,12 +190,10 @@ async fn the_typescript_client_passes_its_suite_against_real_workers() {
             &root,
             "node",
             &["--test", "test/"],
-            &[
-                ("DATABASE_URL", &producer),
-                ("PERMITQ_ADMIN_URL", &admin),
-                ("PERMITQ_OTHER_URL", &other),
-                ("PERMITQ_SUPER_URL", &superuser),
-            ],
+            &logins
+                .iter()
+                .map(|(name, url)| (*name, url.as_str()))
+                .collect::<Vec<_>>(),
         );
         // Installed into a new project, it imports.
         let project = fresh.join("project");

@@ -79,8 +79,8 @@ fn created_roles(code: &str) -> Vec<String> {
         .collect()
 }
 
-/// Background processes a block started (`command &`), stopped when the test ends.
-struct Background(Vec<Child>);
+/// Background processes (a block's `command &`, a test's workers), stopped when dropped.
+pub(crate) struct Background(pub(crate) Vec<Child>);
 
 impl Drop for Background {
     fn drop(&mut self) {
@@ -351,11 +351,10 @@ async fn build_and_run_rust_example(
     .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_python_example_submits_waits_heartbeats_and_releases() {
-    let db = TestDb::new().await;
-    let worker = db.worker(quiet_config("python"));
-    let python = ["/usr/bin/python3", "python3"]
+/// The Python that has psycopg: Debian's (`/usr/bin/python3`, with python3-psycopg, which
+/// scripts/test installs), else the first on PATH.
+pub(crate) fn python_with_psycopg() -> &'static str {
+    ["/usr/bin/python3", "python3"]
         .into_iter()
         .find(|p| {
             Command::new(p)
@@ -363,7 +362,14 @@ async fn the_python_example_submits_waits_heartbeats_and_releases() {
                 .output()
                 .is_ok_and(|o| o.status.success())
         })
-        .expect("python3 with psycopg (Debian's python3-psycopg, installed by .ci/run)");
+        .expect("python3 with psycopg (Debian's python3-psycopg, installed by scripts/test)")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_example_submits_waits_heartbeats_and_releases() {
+    let db = TestDb::new().await;
+    let worker = db.worker(quiet_config("python"));
+    let python = python_with_psycopg();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../examples/python/permitq_example.py");
     let run = |setup: &str| {
