@@ -374,6 +374,9 @@ pub(crate) enum SemaphoreCommand {
     Delete {
         /// Name.
         name: String,
+        /// Print one JSON object: the semaphore as it was.
+        #[arg(long)]
+        json: bool,
     },
     /// Show one semaphore: usage, holders, waiters, recent capacity changes.
     Show {

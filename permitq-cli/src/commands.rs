@@ -122,6 +122,7 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             Ok(0)
         }
         Command::Top { interval } => {
+            crate::top::check_terminal()?;
             crate::top::run(Client::connect(&need_url()?).await?, interval).await?;
             Ok(0)
         }
@@ -133,10 +134,16 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             let client = Client::connect(&need_url()?).await?;
             let access = crate::http::access(http_addr, &http_access)?;
             // A producer's login reads only its own requests: the page would show a part.
-            let partial = !client.reads_every_request().await.unwrap_or(true);
+            let reads_all = client.reads_every_request().await;
             let bound = crate::http::serve(http_addr, access, client, None).await?;
             errln!("permitq: serving http://{bound}/ (Ctrl-C to stop)");
-            if partial {
+            if let Err(e) = &reads_all {
+                errln!(
+                    "permitq: cannot read the database now: {e}; serving anyway: the page, the \
+                     API and /readyz say so until it can"
+                );
+            }
+            if matches!(reads_all, Ok(false)) {
                 errln!(
                     "permitq: this login reads only its own requests (a producer's): the page and \
                      the API show its holders and waiters only, while the counts are everyone's; \
@@ -400,14 +407,20 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             if s.per.is_none() && s.used > s.capacity {
                 errln!(
                     "permitq: {} {} held (or released and not yet counted back), more than the \
-                     new capacity {}: nothing is revoked; new grants wait until fewer are held",
+                     new capacity {}: nothing is revoked; {}",
                     s.used,
                     if s.used == 1 {
                         "permit is"
                     } else {
                         "permits are"
                     },
-                    s.capacity
+                    s.capacity,
+                    if s.capacity == 0 {
+                        "while it is 0, every new request here ends at once in exceeds_capacity \
+                         (none can ever fit); raise it again to let requests wait"
+                    } else {
+                        "new grants wait until fewer are held"
+                    }
                 );
             }
         }
@@ -444,7 +457,8 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 }
             }
         }
-        SemaphoreCommand::Delete { name } => match client.delete_semaphore(&name).await? {
+        SemaphoreCommand::Delete { name, json } => match client.delete_semaphore(&name).await? {
+            Some(s) if json => outln!("{}", serde_json::to_string(&s).expect("serializable")),
             Some(s) => outln!(
                 "deleted {} (capacity {}); `permitq semaphore history {}` keeps its changes",
                 s.name,

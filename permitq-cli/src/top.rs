@@ -47,6 +47,19 @@ pub(crate) async fn run(client: Client, interval: Duration) -> Result<()> {
     result
 }
 
+/// Refuses to start without an interactive terminal, saying what to use instead.
+pub(crate) fn check_terminal() -> Result<()> {
+    use std::io::IsTerminal as _;
+    if !std::io::stdout().is_terminal() || !std::io::stdin().is_terminal() {
+        return Err(CliError::runtime(
+            "`permitq top` draws on an interactive terminal, and this is not one: for a \
+             snapshot use `permitq semaphore list` or `permitq semaphore show NAME` (--json for \
+             scripts), or `permitq serve` for a page",
+        ));
+    }
+    Ok(())
+}
+
 async fn event_loop(
     terminal: &mut DefaultTerminal,
     client: &Client,

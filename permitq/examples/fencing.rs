@@ -32,7 +32,18 @@ use tokio::net::{TcpListener, TcpStream};
 const RESOURCE: &str = "fencing-demo-file";
 
 #[tokio::main]
-async fn main() -> Result<(), AnyError> {
+async fn main() -> std::process::ExitCode {
+    // Errors as their message says them, once (not Rust's debug dump).
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fencing: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), AnyError> {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("holder") {
         return holder(&args[2], &args[3]).await;

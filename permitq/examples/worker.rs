@@ -30,7 +30,18 @@ impl OwnerLiveness for LocalProcesses {
 }
 
 #[tokio::main]
-async fn main() -> permitq::Result<()> {
+async fn main() -> std::process::ExitCode {
+    // Errors as their message says them (not Rust's debug dump).
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("worker: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> permitq::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter("permitq=info")
         // Colours only on a terminal: a log file gets plain text.

@@ -169,9 +169,19 @@ impl Client {
     /// that heartbeats in the background (when the request has a TTL). If it ends in `error`, or
     /// is still waiting at the timeout (it is then cancelled), the error's
     /// [`Error::not_granted`] holds the request as it ended.
+    ///
+    /// Dropped while it waits (a `select!` or an outer timeout gave up on it), it cancels the
+    /// request in the background, so that nothing is granted to a caller that has gone.
     pub async fn acquire(&self, request: &Request, timeout: Duration) -> Result<Lease> {
         self.submit(request).await?;
-        let settled = self.wait_settled(&request.external_id, timeout).await?;
+        let mut cancel_if_dropped = CancelIfDropped {
+            client: self,
+            external_id: &request.external_id,
+            armed: true,
+        };
+        let settled = self.wait_settled(&request.external_id, timeout).await;
+        cancel_if_dropped.armed = false;
+        let settled = settled?;
         let (settled, gave_up) = match settled {
             Some(r) if r.state == State::New => {
                 // Give up: cancel, unless it was granted in the meantime; say why it waited.
@@ -609,6 +619,31 @@ impl Drop for Checkout {
                 pool.retain(|_, _| false);
             }
             drop(deadpool_postgres::Object::take(abandoned));
+        }
+    }
+}
+
+/// Cancels a request whose [`Client::acquire`] was dropped while it waited (on the current tokio
+/// runtime, in the background; without one, the request's own `wait` ends it).
+struct CancelIfDropped<'a> {
+    client: &'a Client,
+    external_id: &'a str,
+    armed: bool,
+}
+
+impl Drop for CancelIfDropped<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (client, external_id) = (self.client.clone(), self.external_id.to_string());
+            runtime.spawn(async move {
+                if let Err(e) = client.release(&external_id).await {
+                    tracing::warn!(%external_id, error = %e,
+                        "acquire was dropped while waiting and could not cancel its request");
+                }
+            });
         }
     }
 }

@@ -264,12 +264,11 @@ fn connection_hint(e: &tokio_postgres::Error, target: &str) -> String {
             .next()
             .is_some_and(|t| t.starts_with("localhost:"))
     {
-        "is PostgreSQL running on this machine, on that port? (A URL without a host looks for \
-         its socket in /var/run/postgresql and /tmp, then for localhost.) The URL (DATABASE_URL \
-         or --database-url) names the host and port"
+        "is PostgreSQL running on this machine, on that port? The URL names the host and port \
+         (a URL without a host tries the sockets in /var/run/postgresql and /tmp, then \
+         localhost)"
     } else if text.contains("connection refused") {
-        "is PostgreSQL running, and listening on that host and port? The URL \
-         (DATABASE_URL or --database-url) names them"
+        "is PostgreSQL running, and listening on that host and port? The URL names them"
     } else if text.contains("no such file") && target.split(',').any(|t| !t.starts_with('/')) {
         "no server socket there: is PostgreSQL running on this machine? The URL names both a \
          host and a socket directory (?host=/dir): keep the one the server listens on"
@@ -278,6 +277,11 @@ fn connection_hint(e: &tokio_postgres::Error, target: &str) -> String {
          (postgres://user@host/db) to use TCP"
     } else if text.contains("timed out") || text.contains("timeout") {
         "the server did not answer in time: is the host reachable from here (address, firewall)?"
+    } else if (text.contains("failed to lookup") || text.contains("name or service not known"))
+        && target.contains('@')
+    {
+        "the host name does not resolve, and it holds an @: a password (or user name) with an @ \
+         in it ends at that @. Percent-encode it in the URL (@ as %40, : as %3A, / as %2F)"
     } else if text.contains("failed to lookup") || text.contains("name or service not known") {
         "the host name does not resolve: check the host in the URL"
     } else if text.contains("password missing") {

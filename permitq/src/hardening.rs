@@ -51,7 +51,9 @@ impl Client {
             },
             fix: (!advisory.is_empty()).then(|| {
                 format!(
-                    "REVOKE EXECUTE ON FUNCTION {} FROM PUBLIC;",
+                    "REVOKE EXECUTE ON FUNCTION {} FROM PUBLIC; -- then GRANT EXECUTE on them to \
+                     the logins of your own applications that take advisory locks (migration \
+                     tools such as sqlx, Flyway and Liquibase do), or they stop working",
                     advisory.join(", ")
                 )
             }),

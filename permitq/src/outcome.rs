@@ -88,11 +88,12 @@ impl PermitRequest {
                     "released (stale): held longer than the workers' --max-hold".to_string()
                 }
                 Some(ReleaseReason::Revoked) => {
-                    "released (revoked): an admin took it back (`permitq revoke`), or an embedded \
-                     worker's OwnerLiveness check found its owner gone"
+                    "released (revoked): an admin took it back (`permitq revoke`), or a worker \
+                     embedded in an application found its owner gone (the Rust library's \
+                     `permitq::OwnerLiveness`)"
                         .to_string()
                 }
-                Some(reason) => format!("released ({reason})"),
+                Some(ReleaseReason::Released) => "released (by its holder)".to_string(),
                 None => "released".to_string(),
             }),
             State::Error => Some(match self.error_code {
@@ -289,7 +290,7 @@ mod tests {
                 "released (expired): its lease ran out",
             ),
             (ReleaseReason::Revoked, "released (revoked): an admin"),
-            (ReleaseReason::Released, "released (released)"),
+            (ReleaseReason::Released, "released (by its holder)"),
         ] {
             r.release_reason = Some(reason);
             let outcome = r.outcome().unwrap();

@@ -84,8 +84,8 @@ impl Granting {
             None => "no worker seen in the last hour".to_string(),
         };
         Some(format!(
-            "nothing is granting: {since}; start one with `permitq worker` (requests wait \
-             until a worker runs)"
+            "nothing is granting: {since}; start one with `permitq worker` (if you started \
+             one, it has exited: its log says why; requests wait until a worker runs)"
         ))
     }
 }

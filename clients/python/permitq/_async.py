@@ -89,7 +89,7 @@ class AsyncClient:
         priority: int = 0,
     ) -> c.Status:
         """As Client.submit."""
-        row = await self._one(c.SUBMIT, (external_id, c.permits_json(permits), owner, c.seconds(ttl), c.seconds(wait), priority))
+        row = await self._one(c.SUBMIT, (external_id, c.permits_json(permits), owner, c.seconds(ttl, "ttl"), c.seconds(wait, "wait"), priority))
         assert row is not None
         return c.Status.from_row(row)
 
@@ -106,8 +106,18 @@ class AsyncClient:
 
     async def heartbeat(self, external_id: str, extend: float | dt.timedelta | None = None) -> dt.datetime | None:
         """As Client.heartbeat."""
-        row = await self._one(c.HEARTBEAT, (external_id, c.seconds(extend)))
+        row = await self._one(c.HEARTBEAT, (external_id, c.seconds(extend, "extend")))
         return None if row is None else row[0]
+
+    async def _granting(self) -> tuple[Any, ...] | None:
+        return await self._one(c.GRANTING, ())
+
+    async def _cancel_quietly(self, external_id: str) -> None:
+        """Cancels a request whose caller has gone; a failure leaves it to its `wait`."""
+        try:
+            await self.release(external_id)
+        except Exception:  # noqa: BLE001 - the interruption is what the caller sees
+            pass
 
     async def explain(self, external_id: str) -> c.Explanation | None:
         """As Client.explain."""
@@ -129,7 +139,7 @@ class AsyncClient:
         guarantee: int | None = None,
     ) -> c.Semaphore:
         """As Client.set_capacity."""
-        row = await self._one(c.SET_CAPACITY, (name, capacity, fair, c.seconds(per), max_instances, parent, guarantee))
+        row = await self._one(c.SET_CAPACITY, (name, capacity, fair, c.seconds(per, "per"), max_instances, parent, guarantee))
         assert row is not None
         return c.Semaphore(*row)
 
@@ -145,7 +155,7 @@ class AsyncClient:
         priority: int = 0,
     ) -> "AsyncLease":
         """As Client.acquire: an AsyncLease (`async with`)."""
-        limit = c.seconds(timeout) or 0.0
+        limit = c.seconds(timeout, "timeout") or 0.0
         deadline = time.monotonic() + limit
         listener = await self._connect("permitq-python-listen")
         woken = asyncio.Event()
@@ -162,28 +172,33 @@ class AsyncClient:
                 await listener.execute(f"LISTEN {c.EVENTS}")
                 listening = asyncio.create_task(listen())
             sent = time.monotonic()
-            status = await _until_deadline(
-                deadline,
-                lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
-            )
-            c.check_not_ended_before(status)
-            while not status.settled:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    why = c.why_waiting(await self.explain(external_id))
-                    outcome = await self.release(external_id)
-                    raise AcquireTimeout(
-                        f"request {external_id} was not granted within {limit:g}s{why}; it was "
-                        f"cancelled ({outcome}), so nothing waits on: acquire again under a new "
-                        "external_id",
-                        external_id,
-                    )
-                try:
-                    await asyncio.wait_for(woken.wait(), min(c.POLL_SECONDS, remaining))
-                except asyncio.TimeoutError:
-                    pass
-                woken.clear()
-                status = await self.status(external_id) or status
+            try:
+                status = await _until_deadline(
+                    deadline,
+                    lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
+                )
+                c.check_not_ended_before(status)
+                while not status.settled:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        why = c.why_waiting(await self.explain(external_id))
+                        granting = c.nothing_granting(await self._granting())
+                        outcome = await self.release(external_id)
+                        raise AcquireTimeout(
+                            c.timeout_message(external_id, f"within {limit:g}s", why, granting, outcome),
+                            external_id,
+                        )
+                    try:
+                        await asyncio.wait_for(woken.wait(), min(c.POLL_SECONDS, remaining))
+                    except asyncio.TimeoutError:
+                        pass
+                    woken.clear()
+                    status = await self.status(external_id) or status
+            except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+                # The caller is gone (Ctrl-C, a cancelled task): so is the request, or it
+                # would be granted to nobody and hold its permits.
+                await self._cancel_quietly(external_id)
+                raise
         except psycopg.Error as e:
             raise translated(e) from e
         finally:

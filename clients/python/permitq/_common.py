@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ._errors import PermitqError
+from ._errors import InvalidInput, PermitqError
 
 #: The channel the workers announce outcomes on (payloads: JSON arrays of request ids).
 EVENTS = "permitq_events"
@@ -43,21 +43,30 @@ SET_CAPACITY = (
     "max_instances => %s, parent => %s, guarantee => %s)"
 )
 CONFIRM_DURABLE = "SELECT permitq.confirm_durable()"
+GRANTING = (
+    "SELECT live_workers, extract(epoch FROM clock_timestamp() - last_seen)::float8 FROM permitq.granting()"
+)
 
 
-def seconds(value: float | dt.timedelta | None) -> float | None:
-    """A duration in seconds, from seconds or a timedelta."""
+def seconds(value: float | dt.timedelta | None, field: str) -> float | None:
+    """A duration in seconds, from seconds (int or float) or a timedelta; `field` names it in
+    the InvalidInput raised for anything else."""
     if value is None:
         return None
     if isinstance(value, dt.timedelta):
         return value.total_seconds()
-    return float(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise InvalidInput(
+        f"{field}: {value!r} is not a duration: give seconds (e.g. {field}=30) or a datetime.timedelta",
+        field,
+    )
 
 
 def permits_json(permits: Mapping[str, int]) -> str:
     """The request's permits as the SQL API takes them."""
     if not permits:
-        raise ValueError("permits: name at least one semaphore and its count, e.g. {'gpu': 1}")
+        raise InvalidInput("permits: name at least one semaphore and its count, e.g. {'gpu': 1}", "permits")
     return json.dumps(dict(permits))
 
 
@@ -147,6 +156,31 @@ def why_waiting(explanation: Explanation | None) -> str:
         return ""
     reasons = [f"{w.semaphore}: {w.reason}" for w in explanation.semaphores if w.reason]
     return f" ({'; '.join(reasons)})" if reasons else ""
+
+
+def nothing_granting(row: tuple[Any, ...] | None) -> str:
+    """From GRANTING's row: `; nothing is granting: no worker seen for 42s; ...` when no worker
+    runs, else empty."""
+    if row is None or row[0] > 0:
+        return ""
+    since = "in the last hour" if row[1] is None else f"for {row[1]:.0f}s"
+    return (
+        f"; nothing is granting: no worker seen {since}; start one with `permitq worker` "
+        "(if you started one, it has exited: its log says why)"
+    )
+
+
+def timeout_message(external_id: str, within: str, why: str, granting: str, outcome: str) -> str:
+    """AcquireTimeout's message: what held the request back, whether anything grants, and what
+    became of it (release's answer at the deadline)."""
+    ended = {
+        "cancelled": "it was cancelled, so nothing waits on",
+        "released": "it was granted at that very moment and released at once",
+    }.get(outcome, f"releasing it answered {outcome}")
+    return (
+        f"request {external_id} was not granted {within}{why}{granting}; {ended}: acquire again "
+        "under a new external_id"
+    )
 
 
 def check_not_ended_before(status: Status) -> None:

@@ -80,7 +80,7 @@ class Client:
         """Submits a request (idempotent by `external_id`: the same call again returns the same
         request; other parameters raise ExternalIdTaken). `ttl`: the lease, heartbeat within it;
         `wait`: how long it may wait (0: fail fast); durations in seconds or timedelta."""
-        args = (external_id, c.permits_json(permits), owner, c.seconds(ttl), c.seconds(wait), priority)
+        args = (external_id, c.permits_json(permits), owner, c.seconds(ttl, "ttl"), c.seconds(wait, "wait"), priority)
         row = self._run(lambda conn: conn.execute(c.SUBMIT, args).fetchone())
         assert row is not None
         return c.Status.from_row(row)
@@ -100,8 +100,18 @@ class Client:
     def heartbeat(self, external_id: str, extend: float | dt.timedelta | None = None) -> dt.datetime | None:
         """Extends the lease to now + `extend` (else its ttl); the new expiry (None: no lease).
         Raises LeaseLost when it is gone, or still waiting."""
-        row = self._run(lambda conn: conn.execute(c.HEARTBEAT, (external_id, c.seconds(extend))).fetchone())
+        row = self._run(lambda conn: conn.execute(c.HEARTBEAT, (external_id, c.seconds(extend, "extend"))).fetchone())
         return None if row is None else row[0]
+
+    def _granting(self) -> tuple[Any, ...] | None:
+        return self._run(lambda conn: conn.execute(c.GRANTING).fetchone())
+
+    def _cancel_quietly(self, external_id: str) -> None:
+        """Cancels a request whose caller has gone; a failure leaves it to its `wait`."""
+        try:
+            self.release(external_id)
+        except Exception:  # noqa: BLE001 - the interruption is what the caller sees
+            pass
 
     def explain(self, external_id: str) -> c.Explanation | None:
         """Why the request waits, per semaphore; or how it ended. None for an unknown id."""
@@ -120,7 +130,7 @@ class Client:
         guarantee: int | None = None,
     ) -> c.Semaphore:
         """Creates or changes a semaphore (admins). None keeps a setting."""
-        args = (name, capacity, fair, c.seconds(per), max_instances, parent, guarantee)
+        args = (name, capacity, fair, c.seconds(per, "per"), max_instances, parent, guarantee)
         row = self._run(lambda conn: conn.execute(c.SET_CAPACITY, args).fetchone())
         assert row is not None
         return c.Semaphore(*row)
@@ -140,36 +150,41 @@ class Client:
         block). Waits on LISTEN, reading the status every 0.25 s as well. At the deadline the
         request is cancelled (nothing waits on) and AcquireTimeout raised; an error outcome
         raises its RequestFailed subclass."""
-        limit = c.seconds(timeout) or 0.0
+        limit = c.seconds(timeout, "timeout") or 0.0
         deadline = time.monotonic() + limit
         listener = self._connect() if self._listen else None
         try:
             if listener is not None:
                 listener.execute(f"LISTEN {c.EVENTS}")
             sent = time.monotonic()
-            status = _until_deadline(
-                deadline,
-                lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
-            )
-            c.check_not_ended_before(status)
-            while not status.settled:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    why = c.why_waiting(self.explain(external_id))
-                    outcome = self.release(external_id)
-                    raise AcquireTimeout(
-                        f"request {external_id} was not granted within {limit:g}s{why}; it was "
-                        f"cancelled ({outcome}), so nothing waits on: acquire again under a new "
-                        "external_id",
-                        external_id,
-                    )
-                if listener is None:
-                    time.sleep(min(c.POLL_SECONDS, remaining))
-                else:
-                    readable, _, _ = select.select([listener.fileno()], [], [], min(c.POLL_SECONDS, remaining))
-                    if readable:
-                        listener.execute("SELECT 1")  # takes the notifications in
-                status = self.status(external_id) or status
+            try:
+                status = _until_deadline(
+                    deadline,
+                    lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
+                )
+                c.check_not_ended_before(status)
+                while not status.settled:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        why = c.why_waiting(self.explain(external_id))
+                        granting = c.nothing_granting(self._granting())
+                        outcome = self.release(external_id)
+                        raise AcquireTimeout(
+                            c.timeout_message(external_id, f"within {limit:g}s", why, granting, outcome),
+                            external_id,
+                        )
+                    if listener is None:
+                        time.sleep(min(c.POLL_SECONDS, remaining))
+                    else:
+                        readable, _, _ = select.select([listener.fileno()], [], [], min(c.POLL_SECONDS, remaining))
+                        if readable:
+                            listener.execute("SELECT 1")  # takes the notifications in
+                    status = self.status(external_id) or status
+            except (KeyboardInterrupt, SystemExit):
+                # The caller is gone (Ctrl-C, a cancelled task): so is the request, or it
+                # would be granted to nobody and hold its permits.
+                self._cancel_quietly(external_id)
+                raise
         except psycopg.Error as e:
             raise translated(e) from e
         finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 import unittest
 import uuid
@@ -167,8 +168,14 @@ class SyncClientTest(unittest.TestCase):
         with self.assertRaises(permitq.InvalidInput) as caught:
             self.client.submit(new_id("bad"), {self.sem: 1}, ttl=-1)
         self.assertEqual(caught.exception.field, "ttl")
-        with self.assertRaises(ValueError):
+        with self.assertRaises(permitq.InvalidInput) as caught:
             self.client.submit(new_id("none"), {})
+        self.assertEqual(caught.exception.field, "permits")
+        # A duration is seconds or a timedelta; anything else is refused naming the field.
+        with self.assertRaises(permitq.InvalidInput) as caught:
+            self.client.submit(new_id("units"), {self.sem: 1}, ttl="30s")  # type: ignore[arg-type]
+        self.assertEqual(caught.exception.field, "ttl")
+        self.assertIn("give seconds (e.g. ttl=30) or a datetime.timedelta", str(caught.exception))
         with self.assertRaises(permitq.LeaseLost):
             self.client.heartbeat(new_id("never"))
 
@@ -183,8 +190,11 @@ class SyncClientTest(unittest.TestCase):
             self.assertEqual(caught.exception.external_id, rid)
             status = self.client.status(rid)
             self.assertEqual((status.state, status.error_code), ("error", "cancelled"))
-            # It says what held it back, read before the cancel.
+            # It says what held it back, read before the cancel, and what became of it.
             self.assertIn(f"({self.sem}: ", str(caught.exception))
+            self.assertIn("; it was cancelled, so nothing waits on: acquire again", str(caught.exception))
+            # Workers run: nothing says otherwise.
+            self.assertNotIn("nothing is granting", str(caught.exception))
             # The same id again is that ended request, and says so.
             with self.assertRaises(permitq.PermitqError) as again:
                 self.client.acquire(rid, {self.sem: 1}, timeout=1)
@@ -194,6 +204,27 @@ class SyncClientTest(unittest.TestCase):
         finally:
             for lease in holders:
                 lease.release()
+
+    def test_an_interrupted_acquire_cancels_its_request(self) -> None:
+        """Ctrl-C while waiting: the request goes too, or it would be granted to nobody."""
+        holders = [self.client.acquire(new_id("hold"), {self.sem: 1}, ttl=30, timeout=15) for _ in range(2)]
+        rid = new_id("ctrlc")
+
+        def interrupt(*_: object) -> None:
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 1.0)
+            with self.assertRaises(KeyboardInterrupt):
+                self.client.acquire(rid, {self.sem: 1}, timeout=30)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            for lease in holders:
+                lease.release()
+        status = self.client.status(rid)
+        self.assertEqual((status.state, status.error_code), ("error", "cancelled"))
 
     def test_a_waiting_acquire_is_woken_by_the_release(self) -> None:
         holders = [self.client.acquire(new_id("hold"), {self.sem: 1}, ttl=30, timeout=15) for _ in range(2)]
@@ -236,6 +267,21 @@ class SyncClientTest(unittest.TestCase):
                 down.status("x")
 
 
+class NothingGrantingTest(unittest.TestCase):
+    def test_the_timeout_says_when_no_worker_runs(self) -> None:
+        """GRANTING's row as the message reads it (the contract test runs the statement)."""
+        from permitq import _common
+
+        self.assertEqual(_common.nothing_granting((2, 0.4)), "")
+        said = _common.nothing_granting((0, 42.2))
+        self.assertIn("nothing is granting: no worker seen for 42s; start one with `permitq worker`", said)
+        self.assertIn("no worker seen in the last hour", _common.nothing_granting((0, None)))
+        message = _common.timeout_message("r-1", "within 5s", " (gpu: full)", said, "cancelled")
+        self.assertTrue(message.startswith("request r-1 was not granted within 5s (gpu: full); nothing is granting"), message)
+        self.assertNotIn("cancelled (cancelled)", message)
+        self.assertIn("granted at that very moment", _common.timeout_message("r", "", "", "", "released"))
+
+
 class ContractTest(unittest.TestCase):
     def test_every_statement_the_client_sends_exists_with_its_signature(self) -> None:
         """Each statement is prepared by the server: a function, argument or column the schema
@@ -271,6 +317,17 @@ class AsyncClientTest(unittest.IsolatedAsyncioTestCase):
                 with self.assertRaises(permitq.AcquireTimeout):
                     await client.acquire(late, {sem: 1}, timeout=1)
                 self.assertEqual((await client.status(late)).error_code, "cancelled")
+                # A cancelled task's acquire cancels its request.
+                gone = new_id("agone")
+                task = asyncio.create_task(client.acquire(gone, {sem: 1}, timeout=30))
+                for _ in range(300):
+                    if await client.status(gone) is not None:
+                        break
+                    await asyncio.sleep(0.02)
+                task.cancel()
+                with self.assertRaises(asyncio.CancelledError):
+                    await task
+                self.assertEqual((await client.status(gone)).error_code, "cancelled")
             self.assertEqual((await client.status(rid)).state, "released")
             with self.assertRaises(permitq.ExceedsCapacity):
                 await client.acquire(new_id("ahuge"), {sem: 2}, timeout=15)

@@ -109,6 +109,8 @@ export declare class Client {
         capacity: number;
         used: number;
     }>;
+    /** `; nothing is granting: ...` when no worker runs, else empty. */
+    private nothingGranting;
     /**
      * Submits and waits for the grant: a Lease (`await using`, or `withLease`). Waits on LISTEN
      * on a connection of its own, reading the status every 250 ms as well, so a lost notification

@@ -258,6 +258,15 @@ export class Client {
     return rows[0] as { name: string; capacity: number; used: number };
   }
 
+  /** `; nothing is granting: ...` when no worker runs, else empty. */
+  private async nothingGranting(): Promise<string> {
+    const rows = await this.query(SQL.granting, []);
+    const row = rows[0] as { live_workers: number; seen_ago: number | null } | undefined;
+    if (!row || row.live_workers > 0) return "";
+    const since = row.seen_ago == null ? "in the last hour" : `for ${Math.round(row.seen_ago)}s`;
+    return `; nothing is granting: no worker seen ${since}; start one with \`permitq worker\` (if you started one, it has exited: its log says why)`;
+  }
+
   /**
    * Submits and waits for the grant: a Lease (`await using`, or `withLease`). Waits on LISTEN
    * on a connection of its own, reading the status every 250 ms as well, so a lost notification
@@ -298,10 +307,15 @@ export class Client {
             .filter((w) => w.reason)
             .map((w) => `${w.semaphore}: ${w.reason}`)
             .join("; ");
+          const granting = await this.nothingGranting().catch(() => "");
           const outcome = await this.release(externalId);
+          const ended =
+            outcome === "cancelled" ? "it was cancelled, so nothing waits on"
+            : outcome === "released" ? "it was granted at that very moment and released at once"
+            : `releasing it answered ${outcome}`;
           throw new AcquireTimeout(
             `request ${externalId} was not granted ${options.signal?.aborted ? "before the signal aborted" : `within ${limit} ms`}` +
-              `${why ? ` (${why})` : ""}; it was cancelled (${outcome}), so nothing waits on: acquire again under a new external_id`,
+              `${why ? ` (${why})` : ""}${granting}; ${ended}: acquire again under a new external_id`,
             externalId,
           );
         }

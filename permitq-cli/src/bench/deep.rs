@@ -54,14 +54,23 @@ pub(super) async fn run(
     ));
     report
         .line("| measure | no backlog | with backlog | ratio | target |\n|---|---:|---:|---:|---|");
+    for (what, before, after) in [
+        ("p50", m.seen_before.p50, m.seen_after.p50),
+        ("p99", m.seen_before.p99, m.seen_after.p99),
+    ] {
+        report.line(format!(
+            "| as the producer sees it: submit call → `acquired` visible on another semaphore, {what} ms | {before:.2} | {after:.2} | {:.2}× | ≤ 1.3× |",
+            after / before.max(1e-9)
+        ));
+    }
     report.line(format!(
-        "| submit → acquired on another semaphore, p50 ms | {:.2} | {:.2} | {:.2}× | ≤ 1.5× |",
+        "| database side: `acquired_at - created_at` on another semaphore, p50 ms | {:.2} | {:.2} | {:.2}× | ≤ 1.5× |",
         m.before.p50,
         m.after.p50,
         m.after.p50 / m.before.p50.max(1e-9)
     ));
     report.line(format!(
-        "| submit → acquired on another semaphore, p99 ms | {:.2} | {:.2} | {:.2}× | ≤ 2× |",
+        "| database side: `acquired_at - created_at` on another semaphore, p99 ms | {:.2} | {:.2} | {:.2}× | ≤ 2× |",
         m.before.p99,
         m.after.p99,
         m.after.p99 / m.before.p99.max(1e-9)
@@ -102,8 +111,12 @@ pub(super) async fn run(
 }
 
 struct Measured {
+    /// Database side: `acquired_at - created_at` (stamped before the grant commits).
     before: Percentiles,
     after: Percentiles,
+    /// As the producer sees it: from the submit call's start until `acquired` is visible.
+    seen_before: Percentiles,
+    seen_after: Percentiles,
     head: Percentiles,
     peak_rss_kib: f64,
     examine: Duration,
@@ -156,10 +169,12 @@ async fn measure(
     }
     let requests = args.requests.min(300);
     let before_prefix = format!("deep-before-{t}-");
+    let mut seen = Vec::new();
     for i in 0..requests {
-        cycle(client, &format!("{before_prefix}{i}"), idle).await?;
+        seen.push(cycle(client, &format!("{before_prefix}{i}"), idle).await?);
     }
     let before = db_latency(conn, &before_prefix).await?;
+    let seen_before = Percentiles::of(&mut seen);
 
     // The backlog, in one statement (as a bulk load would arrive), half on each.
     let started = Instant::now();
@@ -194,10 +209,12 @@ async fn measure(
     vacuum(conn).await?;
 
     let after_prefix = format!("deep-after-{t}-");
+    let mut seen = Vec::new();
     for i in 0..requests {
-        cycle(client, &format!("{after_prefix}{i}"), idle).await?;
+        seen.push(cycle(client, &format!("{after_prefix}{i}"), idle).await?);
     }
     let after = db_latency(conn, &after_prefix).await?;
+    let seen_after = Percentiles::of(&mut seen);
 
     // Hand-off on the full semaphore: release its holder, its head (the oldest waiter there,
     // request i = 2, 4, 6, ... of the backlog) is granted.
@@ -220,6 +237,8 @@ async fn measure(
     Ok(Measured {
         before,
         after,
+        seen_before,
+        seen_after,
         head,
         peak_rss_kib,
         examine,

@@ -116,8 +116,15 @@ pub(crate) async fn guard(
         Exposure::Requests => access.token.is_some() || !access.open_without_token,
     };
     if needs_token && !access.authenticated(&request) {
-        let sent = request.headers().contains_key(header::AUTHORIZATION);
-        let why = if access.token.is_some() && sent {
+        let sent = request.headers().get(header::AUTHORIZATION);
+        // A value with no scheme before it (`Authorization: TOKEN`): the token may be right.
+        let no_scheme = sent
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| !v.trim().contains(' '));
+        let why = if access.token.is_some() && no_scheme {
+            "the Authorization header has no scheme: send `Authorization: Bearer TOKEN` (or HTTP \
+             Basic with the token as password)\n"
+        } else if access.token.is_some() && sent.is_some() {
             "the token sent is not the one given to permitq with --http-token-file (send \
              `Authorization: Bearer TOKEN`, or HTTP Basic with the token as password)\n"
         } else if access.token.is_some() {

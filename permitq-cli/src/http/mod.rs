@@ -231,7 +231,7 @@ fn describe_metrics() {
     );
     describe_counter!(
         "permitq_sweep_released_total",
-        "Permits released by a sweep, by reason (expired, stale)."
+        "Permits released by a sweep, by reason (expired, stale, revoked)."
     );
     describe_counter!(
         "permitq_retention_deleted_total",

@@ -256,6 +256,35 @@ async fn a_url_asking_for_tls_is_told_that_permitq_connects_without_it() {
     );
 }
 
+/// `top` without a terminal (a pipe, a script) says what to use instead.
+#[test]
+fn top_without_a_terminal_names_what_to_use_instead() {
+    let o = permitq(Some("postgres://app@127.0.0.1:1/app"), &["top"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("`permitq top` draws on an interactive terminal, and this is not one: for a snapshot use `permitq semaphore list`"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// A password with an unencoded @ ends there: the host then holds the rest and does not
+/// resolve. The answer says to percent-encode it.
+#[test]
+fn a_password_with_an_at_sign_is_told_to_percent_encode_it() {
+    let o = permitq(
+        Some("postgres://u:p@ss@localhost:5432/app"),
+        &["status", "x"],
+    );
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("a password (or user name) with an @ in it ends at that @")
+            && err.contains("Percent-encode it in the URL (@ as %40"),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_url_naming_a_host_and_a_socket_directory_names_both_and_which_failed_last() {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -963,6 +992,19 @@ async fn small_answers_name_what_to_do() {
         "{}",
         stderr(&o)
     );
+    // At 0, what it says is what happens: a new request fails at once.
+    assert!(
+        stderr(&o)
+            .contains("while it is 0, every new request here ends at once in exceeds_capacity"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &["submit", "zero-1", "gpu=1", "--await", "10s"]).await;
+    assert!(
+        stdout(&o).starts_with("zero-1 error exceeds_capacity"),
+        "{}",
+        stdout(&o)
+    );
     run(url, &["semaphore", "set", "gpu", "4"]).await;
     // A change to an instance says that its template's next change sets it again.
     run(url, &["semaphore", "set", "inst-*", "2"]).await;
@@ -1109,7 +1151,12 @@ async fn a_semaphore_nothing_uses_can_be_deleted_and_its_history_says_so() {
         )
         .await;
     }
-    for name in ["lab-*", "kid-*", "team", "pool"] {
+    // --json prints the semaphore as it was.
+    let o = run(url, &["semaphore", "delete", "lab-*", "--json"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert_eq!(json(&o)["name"], "lab-*", "{}", stdout(&o));
+    assert_eq!(json(&o)["capacity"], 1, "{}", stdout(&o));
+    for name in ["kid-*", "team", "pool"] {
         let o = run(url, &["semaphore", "delete", name]).await;
         assert_eq!(code(&o), 0, "{name}: {}", stderr(&o));
         assert!(

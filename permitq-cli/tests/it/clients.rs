@@ -28,6 +28,25 @@ fn start_workers(url: &str) -> Background {
     )
 }
 
+/// The first ```LANG block of a client's README (clients/DIR/README.md), as written.
+fn readme_block(dir: &str, lang: &str) -> String {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../clients")
+        .join(dir)
+        .join("README.md");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let start = text
+        .find(&format!("```{lang}\n"))
+        .unwrap_or_else(|| panic!("no {lang} block in {}", path.display()))
+        + lang.len()
+        + 4;
+    let end = start + text[start..].find("```").unwrap();
+    text[start..end].to_string()
+}
+
+/// What a README block prints when it ran through (its `write` prints each step).
+const README_RAN: &str = "step 2, fencing token ";
+
 /// The logins a client suite runs as, as the environment it reads them from: a producer
 /// (`DATABASE_URL`), an admin, a second producer (ownership) and the superuser (stopping a
 /// lease's backends).
@@ -63,12 +82,13 @@ async fn the_python_client_passes_its_suite_against_real_workers() {
     let _workers = start_workers(&db.url);
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../clients/python");
     let python = python_with_psycopg();
+    let suite_logins = logins.clone();
     let out = tokio::task::spawn_blocking(move || {
         Command::new(python)
             .args(["-m", "unittest", "discover", "-v", "-s"])
             .arg(root.join("tests"))
             .env("PYTHONPATH", &root)
-            .envs(logins)
+            .envs(suite_logins)
             .stdin(Stdio::null())
             .output()
             .unwrap()
@@ -81,27 +101,48 @@ async fn the_python_client_passes_its_suite_against_real_workers() {
         report.contains("Ran ") && !report.contains("skipped"),
         "every test ran: {report}"
     );
+    // The package README's block runs as written, as the producer.
+    db.client()
+        .await
+        .set_capacity("gpu", 4, None)
+        .await
+        .unwrap();
+    let printed = python_code(
+        python,
+        readme_block("python", "python"),
+        logins[0].1.clone(),
+    )
+    .await;
+    assert!(printed.contains(README_RAN), "{printed}");
     // Through PgBouncer in transaction mode (one server connection), waiting by polling.
     let bouncer = PgBouncer::start(&db.url, "transaction", 1);
     let pooled = bouncer.url(&db.name);
+    let printed = python_code(python, THROUGH_A_POOLER_PY.to_string(), pooled).await;
+    assert_eq!(printed.trim(), "ok 3");
+}
+
+/// Runs `code` with the package on the path and `DATABASE_URL` set to `url`; what it printed
+/// (panics with its output unless it succeeds).
+async fn python_code(python: &'static str, code: String, url: String) -> String {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../clients/python");
     let out = tokio::task::spawn_blocking(move || {
         Command::new(python)
-            .args(["-c", THROUGH_A_POOLER_PY])
+            .args(["-c", &code])
             .env("PYTHONPATH", &root)
-            .env("DATABASE_URL", pooled)
+            .env("DATABASE_URL", url)
             .stdin(Stdio::null())
             .output()
             .unwrap()
     })
     .await
     .unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(
-        out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "ok 3",
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
+        out.status.success(),
+        "{printed}{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    printed
 }
 
 /// Three acquires with a lease each, through a pooler: `listen=False`, no prepared statements.
@@ -161,6 +202,12 @@ async fn the_typescript_client_passes_its_suite_against_real_workers() {
     let _workers = start_workers(&db.url);
     let superuser = db.url.clone();
     let db_name = db.name.clone();
+    db.client()
+        .await
+        .set_capacity("gpu", 4, None)
+        .await
+        .unwrap();
+    let producer = logins[0].1.clone();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../clients/typescript")
         .canonicalize()
@@ -212,6 +259,21 @@ async fn the_typescript_client_passes_its_suite_against_real_workers() {
             &[],
         );
         assert_eq!(imported.trim(), "function function");
+        // The package README's block runs as written (compiled by the package's tsc), as the
+        // producer.
+        std::fs::write(project.join("readme.ts"), readme_block("typescript", "ts")).unwrap();
+        let tsc = root.join("node_modules/.bin/tsc");
+        let types = root.join("node_modules/@types");
+        run_ok(
+            &project,
+            tsc.to_str().unwrap(),
+            &["--target", "ES2022", "--module", "NodeNext", "--moduleResolution", "NodeNext",
+              "--lib", "ES2022,ESNext.Disposable", "--strict", "--skipLibCheck", "--types", "node",
+              "--typeRoots", types.to_str().unwrap(), "readme.ts"],
+            &[],
+        );
+        let ran = run_ok(&project, "node", &["readme.js"], &[("DATABASE_URL", &producer)]);
+        assert!(ran.contains(README_RAN), "{ran}");
         // Through PgBouncer in transaction mode (one server connection), waiting by polling.
         let bouncer = PgBouncer::start(&superuser, "transaction", 1);
         let pooled = bouncer.url(&db_name);

@@ -872,6 +872,11 @@ async fn doctor_prints_the_hardening_sql_and_passes_once_it_ran() {
         "{text}"
     );
     let revoke = fix("REVOKE EXECUTE ON FUNCTION pg_advisory_lock(bigint)");
+    // Other applications may take advisory locks: the fix says to grant them back.
+    assert!(
+        revoke.contains("take advisory locks (migration tools such as sqlx"),
+        "{revoke}"
+    );
     let temp = fix(&format!(
         "REVOKE TEMPORARY ON DATABASE {} FROM PUBLIC;",
         db.name
@@ -975,9 +980,23 @@ async fn serve_with_a_token_answers_only_callers_that_send_it_probes_excepted() 
                 "{head}"
             );
             assert!(body.contains("--http-token-file"), "{body}");
-            let (status, _, _) =
+            let (status, _, body) =
                 get_with(addr, path, &["Authorization: Bearer wrong-token-000000"]);
             assert_eq!(status, 401, "{path}");
+            assert!(
+                body.contains("the token sent is not the one given"),
+                "{body}"
+            );
+            // The right token without its scheme: the answer says the scheme is missing.
+            let (status, _, body) =
+                get_with(addr, path, &["Authorization: 0123456789abcdef-token"]);
+            assert_eq!(status, 401, "{path}");
+            assert!(
+                body.contains(
+                    "the Authorization header has no scheme: send `Authorization: Bearer TOKEN`"
+                ),
+                "{body}"
+            );
             let (status, _, body) = get_with(
                 addr,
                 path,

@@ -176,6 +176,18 @@ async fn dropping_a_lease_releases_it() {
         "request patient was not granted: still waiting after 300ms, so acquire cancelled it; s \
          had no room for it in that time (`permitq semaphore show NAME` shows who holds them)"
     );
+    // An acquire dropped while it waits (an outer timeout gave up on it) cancels its request:
+    // nothing is granted to a caller that has gone.
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(300),
+        client.acquire(&Request::new("abandoned").permit("s", 1), SOON),
+    )
+    .await;
+    assert!(abandoned.is_err(), "the outer timeout gave up first");
+    wait_until(SOON, "the abandoned request cancelled", || async {
+        state_of(&client, "abandoned").await == "error/cancelled"
+    })
+    .await;
     // An error says what it was and what to do, as the CLI does.
     let err = client
         .acquire(&Request::new("huge").permit("s", 9), SOON)
