@@ -329,6 +329,31 @@ async fn serve_is_not_ready_without_the_schema_and_a_worker_waits_for_it() {
         .unwrap();
     assert_eq!(status, 503);
     assert!(body.contains("permitq migrate"), "{body}");
+    // It says so when it starts, too: not only "serving".
+    let mut again = Command::new(env!("CARGO_BIN_EXE_permitq"))
+        .args(["serve", "--http-addr", "localhost:0"])
+        .env("DATABASE_URL", &db.url)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = again.stderr.take().unwrap();
+    let said = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead as _;
+        std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+            .find(|l| l.contains("cannot read the database now"))
+    });
+    let said = tokio::time::timeout(SOON, said).await;
+    let _ = again.kill();
+    let said = said.expect("serve said it within SOON").unwrap();
+    assert!(
+        said.as_deref()
+            .is_some_and(|l| l.contains("serving anyway: the page, the API and /readyz say so")),
+        "{said:?}"
+    );
     // A worker started now waits (it does not exit, it says why) and starts once the schema
     // is there.
     let mut worker = Command::new(env!("CARGO_BIN_EXE_permitq"))
