@@ -348,6 +348,7 @@ async fn serve_is_not_ready_without_the_schema_and_a_worker_waits_for_it() {
     });
     let said = tokio::time::timeout(SOON, said).await;
     let _ = again.kill();
+    let _ = again.wait();
     let said = said.expect("serve said it within SOON").unwrap();
     assert!(
         said.as_deref()
