@@ -10,6 +10,7 @@
 mod baselines;
 mod deep;
 mod features;
+mod grant_path;
 mod load;
 mod nesting;
 mod targets;
@@ -52,8 +53,8 @@ pub(crate) struct BenchArgs {
     /// Each drain of the flat-cost targets this many times (the median counts).
     #[arg(long, default_value_t = 1)]
     pub(crate) repeat: u32,
-    /// Only these parts (comma-separated: targets (or some of them: hot, priorities, depth, rate,
-    /// templates), hot-cycle, idle, cycle, release, drain, features, nesting, deep);
+    /// Only these parts (comma-separated: grant-path, targets (or some of them: hot, priorities,
+    /// depth, rate, templates), hot-cycle, idle, cycle, release, drain, features, nesting, deep);
     /// all by default.
     #[arg(long, value_delimiter = ',')]
     pub(crate) only: Vec<String>,
@@ -131,6 +132,9 @@ async fn measure(url: &str, args: &BenchArgs) -> Result<()> {
         targets::hot(&url, args, &mut report).await?;
     }
     let mut summary = targets::Targets::default();
+    if args.runs("grant-path") {
+        grant_path::run(&url, args, &mut report, &mut summary).await?;
+    }
     if args.runs("targets") || targets::PARTS.iter().any(|p| args.runs(p)) {
         targets::run(&url, args, &mut report, &mut summary).await?;
     }

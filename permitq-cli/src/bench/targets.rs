@@ -68,7 +68,8 @@ impl Rate {
 
 /// One line of the summary.
 struct Target {
-    number: u8,
+    /// The target's number (the flat-cost round's), or `G1`.. for the grant path's.
+    label: String,
     what: String,
     measured: String,
     ratio: f64,
@@ -86,14 +87,14 @@ impl Targets {
     /// A ratio that must reach `goal`.
     pub(super) fn at_least(
         &mut self,
-        number: u8,
+        label: impl std::fmt::Display,
         what: &str,
         measured: String,
         ratio: f64,
         goal: f64,
     ) {
         self.push(
-            number,
+            label.to_string(),
             what,
             measured,
             ratio,
@@ -105,14 +106,14 @@ impl Targets {
     /// A ratio that must stay within `goal`.
     pub(super) fn at_most(
         &mut self,
-        number: u8,
+        label: impl std::fmt::Display,
         what: &str,
         measured: String,
         ratio: f64,
         goal: f64,
     ) {
         self.push(
-            number,
+            label.to_string(),
             what,
             measured,
             ratio,
@@ -123,7 +124,7 @@ impl Targets {
 
     fn push(
         &mut self,
-        number: u8,
+        label: String,
         what: &str,
         measured: String,
         ratio: f64,
@@ -131,7 +132,7 @@ impl Targets {
         met: bool,
     ) {
         self.rows.push(Target {
-            number,
+            label,
             what: what.to_string(),
             measured,
             ratio,
@@ -141,9 +142,9 @@ impl Targets {
     }
 
     /// A figure the run reports rather than a ratio with a goal.
-    pub(super) fn reported(&mut self, number: u8, what: &str, measured: String) {
+    pub(super) fn reported(&mut self, label: impl std::fmt::Display, what: &str, measured: String) {
         self.push(
-            number,
+            label.to_string(),
             what,
             measured,
             f64::NAN,
@@ -153,7 +154,7 @@ impl Targets {
     }
 
     pub(super) fn print(&self, report: &mut Report) {
-        report.line("\n## Flat-cost targets (ratios within this run)");
+        report.line("\n## Targets (ratios within this run; G: the grant path's)");
         report.line("| # | target | measured | ratio | goal | met |\n|---:|---|---|---:|---|---|");
         for t in &self.rows {
             let ratio = if t.ratio.is_nan() {
@@ -163,7 +164,7 @@ impl Targets {
             };
             report.line(format!(
                 "| {} | {} | {} | {ratio} | {} | {} |",
-                t.number,
+                t.label,
                 t.what,
                 t.measured,
                 t.goal,

@@ -23,7 +23,8 @@ RETURNS TABLE (id bigint, permits jsonb, fail_fast boolean, deadline_passed bool
                examined boolean, age_seconds float8, problem text, external_id text,
                effective bigint)
 LANGUAGE plpgsql
-SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET enable_seqscan = off AS $$
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET enable_seqscan = off
+SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     ready bigint[];
 BEGIN
