@@ -94,7 +94,7 @@ END $$;
 CREATE OR REPLACE FUNCTION permitq.lock_batch_semaphores(names text[])
 RETURNS TABLE (id bigint, name text, capacity integer, used bigint, fair boolean, parent text,
                guarantee integer, active boolean)
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     refused text[] := permitq.make_instances(names);
     locked text[] := permitq.lock_named(permitq.nesting_lock_set(names));
@@ -148,7 +148,7 @@ GRANT EXECUTE ON FUNCTION permitq.lock_batch_semaphores(text[]) TO permitq_worke
 -- Worker, when it claimed nothing: fold the pending releases (and send their events), so `used`
 -- and the producers waiting for `released` do not wait for the next grant.
 CREATE OR REPLACE FUNCTION permitq.fold_releases() RETURNS void
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET plan_cache_mode = force_generic_plan AS $$
 BEGIN
     PERFORM permitq.fold_pending_releases('{}');
 END $$;

@@ -19,7 +19,7 @@ CREATE OR REPLACE FUNCTION permitq.apply_decision(
     charges jsonb,
     error_details jsonb DEFAULT '{}'
 ) RETURNS boolean
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     -- The high bits of this batch's tokens (functions/fencing_tokens.sql).
     epoch bigint := CASE WHEN cardinality(granted) > 0 THEN permitq.token_epoch() ELSE 0 END;

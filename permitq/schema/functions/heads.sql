@@ -24,7 +24,7 @@
 CREATE OR REPLACE FUNCTION permitq.semaphore_heads(names text[], bounds bigint[], batch_ids bigint[])
 RETURNS TABLE (semaphore text, request_id bigint, count integer, effective bigint)
 LANGUAGE plpgsql
-SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET enable_seqscan = off AS $$
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET enable_seqscan = off SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     scan_limit constant integer := 1000;
     floor_place bigint := (SELECT min(b) FROM unnest(bounds) b);

@@ -79,7 +79,7 @@ END $$;
 -- (The entry points are PL/pgSQL, which keeps its plans per session: a LANGUAGE sql function
 -- with SET clauses is never inlined, so it would be parsed and planned on every call.)
 CREATE OR REPLACE FUNCTION permitq.release(external_id text) RETURNS text
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET plan_cache_mode = force_generic_plan AS $$
 BEGIN
     RETURN permitq.release_request(external_id, 'released');
 END $$;
@@ -87,7 +87,7 @@ GRANT EXECUTE ON FUNCTION permitq.release(text) TO permitq_producer, permitq_adm
 
 -- permitq.cancel: the same as release, under the name a producer that gives up looks for.
 CREATE OR REPLACE FUNCTION permitq.cancel(external_id text) RETURNS text
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET plan_cache_mode = force_generic_plan AS $$
 BEGIN
     RETURN permitq.release(external_id);
 END $$;
@@ -96,7 +96,7 @@ GRANT EXECUTE ON FUNCTION permitq.cancel(text) TO permitq_producer, permitq_admi
 -- permitq.revoke: an operator takes a held request's permits away (release_reason = 'revoked');
 -- a request still waiting is cancelled. Returns what release returns, `revoked` for `released`.
 CREATE OR REPLACE FUNCTION permitq.revoke(external_id text) RETURNS text
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     outcome text;
 BEGIN

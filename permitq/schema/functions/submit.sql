@@ -12,7 +12,7 @@ CREATE OR REPLACE FUNCTION permitq.submit(
     wait interval DEFAULT NULL,
     priority integer DEFAULT 0
 ) RETURNS permitq.permit_request
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
 DECLARE
     problem text;
@@ -94,7 +94,7 @@ GRANT EXECUTE ON FUNCTION permitq.submit(text, jsonb, text, interval, interval, 
 -- permitq.status: the request row; no row for an unknown external_id, nor for another role's
 -- request unless the session reads every request (functions/ownership.sql).
 CREATE OR REPLACE FUNCTION permitq.status(external_id text) RETURNS SETOF permitq.permit_request
-LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET plan_cache_mode = force_generic_plan AS $$
 BEGIN
     RETURN QUERY SELECT * FROM permitq.permit_request r
     WHERE r.external_id = status.external_id
