@@ -72,22 +72,38 @@ async fn logins(db: &TestDb) -> Vec<(&'static str, String)> {
     ]
 }
 
-/// The Python package (clients/python): its unittest suite, as a producer login, an admin login,
-/// a second producer login (ownership) and the superuser (stopping the lease's backends), with
-/// psycopg from the system (Debian's python3-psycopg, which scripts/test installs).
+/// The Python package (clients/python): its suite, as a producer login, an admin login, a second
+/// producer login (ownership) and the superuser (stopping the lease's backends). Under pytest,
+/// against the package installed into the virtualenv scripts/test makes (`$PERMITQ_PYTHON`); else
+/// (cargo test run directly) under unittest, with the sources on the path and the system's psycopg.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_python_client_passes_its_suite_against_real_workers() {
     let db = TestDb::new().await;
     let logins = logins(&db).await;
     let _workers = start_workers(&db.url);
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../clients/python");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../clients/python")
+        .canonicalize()
+        .unwrap();
     let python = python_with_psycopg();
+    let installed = std::env::var_os("PERMITQ_PYTHON").is_some();
     let suite_logins = logins.clone();
     let out = tokio::task::spawn_blocking(move || {
-        Command::new(python)
-            .args(["-m", "unittest", "discover", "-v", "-s"])
-            .arg(root.join("tests"))
-            .env("PYTHONPATH", &root)
+        let tests = root.join("tests");
+        let mut command = Command::new(python);
+        if installed {
+            // From the tests' folder, so that `import permitq` is the installed package.
+            command
+                .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "-rs"])
+                .arg(&tests)
+                .current_dir(&tests);
+        } else {
+            command
+                .args(["-m", "unittest", "discover", "-v", "-s"])
+                .arg(&tests)
+                .env("PYTHONPATH", &root);
+        }
+        command
             .envs(suite_logins)
             .stdin(Stdio::null())
             .output()
@@ -95,12 +111,27 @@ async fn the_python_client_passes_its_suite_against_real_workers() {
     })
     .await
     .unwrap();
-    let report = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{report}");
-    assert!(
-        report.contains("Ran ") && !report.contains("skipped"),
-        "every test ran: {report}"
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
     );
+    assert!(out.status.success(), "{report}");
+    if installed {
+        assert!(
+            report.contains(" passed") && !report.contains("skipped") && !report.contains("failed"),
+            "every test ran: {report}"
+        );
+        assert!(
+            report.contains("clients-venv"),
+            "the suite ran under the virtualenv's pytest: {report}"
+        );
+    } else {
+        assert!(
+            report.contains("Ran ") && !report.contains("skipped"),
+            "every test ran: {report}"
+        );
+    }
     // The package README's block runs as written, as the producer.
     db.client()
         .await

@@ -351,11 +351,17 @@ async fn build_and_run_rust_example(
     .unwrap()
 }
 
-/// The Python that has psycopg: Debian's (`/usr/bin/python3`, with python3-psycopg, which
-/// scripts/test installs), else the first on PATH.
+/// The Python that has psycopg: `$PERMITQ_PYTHON` (the virtualenv scripts/test makes, with the
+/// client package and pytest installed), else Debian's (`/usr/bin/python3`, with
+/// python3-psycopg, which scripts/test installs), else the first on PATH.
 pub(crate) fn python_with_psycopg() -> &'static str {
-    ["/usr/bin/python3", "python3"]
+    let from_env: Option<&'static str> = std::env::var("PERMITQ_PYTHON")
+        .ok()
+        .filter(|p| !p.is_empty())
+        .map(|p| &*Box::leak(p.into_boxed_str()));
+    from_env
         .into_iter()
+        .chain(["/usr/bin/python3", "python3"])
         .find(|p| {
             Command::new(p)
                 .args(["-c", "import psycopg"])
