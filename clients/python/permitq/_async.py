@@ -31,6 +31,8 @@ class AsyncClient:
         self._listen = listen
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._lock = asyncio.Lock()
+        # LISTEN connections between acquires (as Client's).
+        self._listeners: list[psycopg.AsyncConnection[Any]] = []
 
     @classmethod
     async def connect(cls, url: str, *, listen: bool = True) -> "AsyncClient":
@@ -47,11 +49,25 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        """Closes the connection."""
+        """Closes the connections."""
         async with self._lock:
             if self._conn is not None:
                 await self._conn.close()
                 self._conn = None
+            for listener in self._listeners:
+                await listener.close()
+            self._listeners.clear()
+
+    async def _take_listener(self) -> psycopg.AsyncConnection[Any]:
+        """A connection that LISTENs on the events: an idle one, else a new one."""
+        while self._listeners:
+            listener = self._listeners.pop()
+            if not listener.closed and not listener.broken:
+                return listener
+            await listener.close()
+        listener = await self._connect("permitq-python-listen")
+        await listener.execute(f"LISTEN {c.EVENTS}")
+        return listener
 
     async def _connect(self, application_name: str = "permitq-python") -> psycopg.AsyncConnection[Any]:
         try:
@@ -157,20 +173,21 @@ class AsyncClient:
         """As Client.acquire: an AsyncLease (`async with`)."""
         limit = c.seconds(timeout, "timeout") or 0.0
         deadline = time.monotonic() + limit
-        listener = await self._connect("permitq-python-listen")
         woken = asyncio.Event()
+        listener: psycopg.AsyncConnection[Any] | None = None
+        listening: asyncio.Task[None] | None = None
 
-        async def listen() -> None:
+        async def listen(on: psycopg.AsyncConnection[Any]) -> None:
             try:
-                async for _ in listener.notifies():
+                async for _ in on.notifies():
                     woken.set()
             except psycopg.Error:
                 pass  # closed: the status is read every POLL_SECONDS anyway
 
         try:
             if self._listen:
-                await listener.execute(f"LISTEN {c.EVENTS}")
-                listening = asyncio.create_task(listen())
+                listener = await self._take_listener()
+                listening = asyncio.create_task(listen(listener))
             sent = time.monotonic()
             try:
                 status = await _until_deadline(
@@ -202,9 +219,18 @@ class AsyncClient:
         except psycopg.Error as e:
             raise translated(e) from e
         finally:
-            await listener.close()
-            if "listening" in locals():
+            if listening is not None:
                 listening.cancel()
+                try:
+                    await listening
+                except asyncio.CancelledError:
+                    pass
+            if listener is not None:
+                if listener.closed or listener.broken:
+                    await listener.close()
+                else:
+                    # Kept for the next acquire (as Client's).
+                    self._listeners.append(listener)
         await self._run(lambda conn: conn.execute(c.CONFIRM_DURABLE))
         if status.state == "acquired":
             return AsyncLease(self, status, sent)

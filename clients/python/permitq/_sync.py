@@ -34,6 +34,9 @@ class Client:
         self._listen = listen
         self._conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
+        # LISTEN connections between acquires (one per acquire waiting at once): opening one
+        # for every acquire cost more than the wait.
+        self._listeners: list[psycopg.Connection[Any]] = []
 
     def __enter__(self) -> "Client":
         return self
@@ -42,11 +45,34 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Closes the connection."""
+        """Closes the connections."""
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+            for listener in self._listeners:
+                listener.close()
+            self._listeners.clear()
+
+    def _take_listener(self) -> psycopg.Connection[Any]:
+        """A connection that LISTENs on the events: an idle one, else a new one."""
+        with self._lock:
+            while self._listeners:
+                listener = self._listeners.pop()
+                if not listener.closed and not listener.broken:
+                    return listener
+                listener.close()
+        listener = self._connect("permitq-python-listen")
+        listener.execute(f"LISTEN {c.EVENTS}")
+        return listener
+
+    def _give_back_listener(self, listener: psycopg.Connection[Any]) -> None:
+        """Keeps a sound listener for the next acquire (events that reach it meanwhile only
+        make that acquire read its status once more)."""
+        if listener.closed or listener.broken:
+            return
+        with self._lock:
+            self._listeners.append(listener)
 
     def _connect(self, application_name: str = "permitq-python") -> psycopg.Connection[Any]:
         try:
@@ -152,10 +178,8 @@ class Client:
         raises its RequestFailed subclass."""
         limit = c.seconds(timeout, "timeout") or 0.0
         deadline = time.monotonic() + limit
-        listener = self._connect() if self._listen else None
+        listener = self._take_listener() if self._listen else None
         try:
-            if listener is not None:
-                listener.execute(f"LISTEN {c.EVENTS}")
             sent = time.monotonic()
             try:
                 status = _until_deadline(
@@ -189,7 +213,7 @@ class Client:
             raise translated(e) from e
         finally:
             if listener is not None:
-                listener.close()
+                self._give_back_listener(listener)
         return self._granted(status, sent)
 
     def _granted(self, status: c.Status, sent: float) -> "Lease":

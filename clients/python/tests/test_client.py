@@ -205,6 +205,19 @@ class SyncClientTest(unittest.TestCase):
             for lease in holders:
                 lease.release()
 
+    def test_acquires_one_after_another_share_one_listen_connection(self) -> None:
+        with permitq.Client(URL) as client:
+            with client.acquire(new_id("reuse"), {self.sem: 1}, timeout=15):
+                pass
+            first = list(client._listeners)
+            self.assertEqual(len(first), 1)
+            for _ in range(2):
+                with client.acquire(new_id("reuse"), {self.sem: 1}, timeout=15):
+                    pass
+            self.assertEqual(client._listeners, first, "the same connection, not one per acquire")
+            self.assertFalse(first[0].closed)
+        self.assertTrue(first[0].closed, "close() closes it")
+
     def test_an_interrupted_acquire_cancels_its_request(self) -> None:
         """Ctrl-C while waiting: the request goes too, or it would be granted to nobody."""
         holders = [self.client.acquire(new_id("hold"), {self.sem: 1}, ttl=30, timeout=15) for _ in range(2)]

@@ -84,8 +84,17 @@ export declare class Client {
     });
     /** A connection of its own (a LISTEN, a lease's heartbeats), not from the pool. */
     connection(applicationName: string): pg.Client;
-    /** Closes the pool. */
+    /** Closes the pool and the idle LISTEN connections. */
     end(): Promise<void>;
+    /** LISTEN connections between acquires (one per acquire waiting at once): opening one for
+     * every acquire cost more than the wait. One idle for 10 s is closed. */
+    private readonly listeners;
+    private readonly brokenListeners;
+    /** A connection that LISTENs on the events: an idle one, else a new one. */
+    private takeListener;
+    /** Keeps a sound listener for the next acquire (events that reach it meanwhile only make that
+     * acquire read its status once more), and closes it if no acquire takes it within 10 s. */
+    private giveBackListener;
     private query;
     /** Submits a request, idempotent by `externalId` (other parameters throw ExternalIdTaken). */
     submit(externalId: string, permits: Record<string, number>, options?: SubmitOptions): Promise<Status>;

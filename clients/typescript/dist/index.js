@@ -13,7 +13,7 @@
 import { existsSync } from "node:fs";
 import { userInfo } from "node:os";
 import pg from "pg";
-import { AcquireTimeout, LeaseLost, PermitqError, DatabaseUnavailable, requestFailed, translated, } from "./errors.js";
+import { AcquireTimeout, InvalidInput, LeaseLost, PermitqError, DatabaseUnavailable, requestFailed, translated, } from "./errors.js";
 import { SQL } from "./sql.js";
 export * from "./errors.js";
 export { SQL } from "./sql.js";
@@ -100,9 +100,51 @@ export class Client {
         client.on("error", () => { }); // a broken one is replaced by its user
         return client;
     }
-    /** Closes the pool. */
+    /** Closes the pool and the idle LISTEN connections. */
     async end() {
+        const idle = this.listeners.splice(0);
+        await Promise.all(idle.map((l) => l.end().catch(() => { })));
         await this.pool.end();
+    }
+    /** LISTEN connections between acquires (one per acquire waiting at once): opening one for
+     * every acquire cost more than the wait. One idle for 10 s is closed. */
+    listeners = [];
+    brokenListeners = new WeakSet();
+    /** A connection that LISTENs on the events: an idle one, else a new one. */
+    async takeListener() {
+        for (let idle = this.listeners.pop(); idle; idle = this.listeners.pop()) {
+            if (!this.brokenListeners.has(idle))
+                return idle;
+            idle.end().catch(() => { });
+        }
+        const listener = this.connection("permitq-node-listen");
+        listener.on("error", () => this.brokenListeners.add(listener));
+        listener.on("end", () => this.brokenListeners.add(listener));
+        try {
+            await listener.connect();
+            await listener.query(`LISTEN ${EVENTS}`);
+        }
+        catch (e) {
+            listener.end().catch(() => { });
+            throw translated(e);
+        }
+        return listener;
+    }
+    /** Keeps a sound listener for the next acquire (events that reach it meanwhile only make that
+     * acquire read its status once more), and closes it if no acquire takes it within 10 s. */
+    giveBackListener(listener) {
+        if (this.brokenListeners.has(listener)) {
+            listener.end().catch(() => { });
+            return;
+        }
+        this.listeners.push(listener);
+        setTimeout(() => {
+            const at = this.listeners.indexOf(listener);
+            if (at >= 0) {
+                this.listeners.splice(at, 1);
+                listener.end().catch(() => { });
+            }
+        }, 10_000).unref();
     }
     async query(sql, args) {
         try {
@@ -115,7 +157,7 @@ export class Client {
     /** Submits a request, idempotent by `externalId` (other parameters throw ExternalIdTaken). */
     async submit(externalId, permits, options = {}) {
         if (Object.keys(permits).length === 0) {
-            throw new TypeError("permits: name at least one semaphore and its count, e.g. { gpu: 1 }");
+            throw new InvalidInput("permits: name at least one semaphore and its count, e.g. { gpu: 1 }", "permits");
         }
         const rows = await this.query(SQL.submit, [externalId, JSON.stringify(permits), options.owner ?? null, options.ttlSeconds ?? null,
             options.waitSeconds ?? null, options.priority ?? 0]);
@@ -185,19 +227,13 @@ export class Client {
         const limit = options.timeoutMs ?? 30_000;
         const deadline = performance.now() + limit;
         // A lost listener costs latency, never a hang: the status is read every POLL_MS anyway.
-        const listener = this.listen ? this.connection("permitq-node-listen") : null;
+        const listener = this.listen ? await this.takeListener() : null;
         let woken = () => { };
-        listener?.on("notification", () => woken());
+        const onNotification = () => woken();
+        listener?.on("notification", onNotification);
         let sent = 0;
         let current;
         try {
-            try {
-                await listener?.connect();
-                await listener?.query(`LISTEN ${EVENTS}`);
-            }
-            catch (e) {
-                throw translated(e);
-            }
             sent = performance.now();
             current = await untilDeadline(deadline, () => this.submit(externalId, permits, options));
             // A submit returns an ended request only when the external_id was used before.
@@ -230,7 +266,10 @@ export class Client {
             }
         }
         finally {
-            await listener?.end().catch(() => { });
+            if (listener) {
+                listener.off("notification", onNotification);
+                this.giveBackListener(listener);
+            }
         }
         // What was read reached the synchronous standby (a failover cannot take it back).
         await this.query(SQL.confirmDurable, []);

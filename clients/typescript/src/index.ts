@@ -18,6 +18,7 @@ import pg from "pg";
 
 import {
   AcquireTimeout,
+  InvalidInput,
   LeaseLost,
   PermitqError,
   DatabaseUnavailable,
@@ -180,9 +181,52 @@ export class Client {
     return client;
   }
 
-  /** Closes the pool. */
+  /** Closes the pool and the idle LISTEN connections. */
   async end(): Promise<void> {
+    const idle = this.listeners.splice(0);
+    await Promise.all(idle.map((l) => l.end().catch(() => {})));
     await this.pool.end();
+  }
+
+  /** LISTEN connections between acquires (one per acquire waiting at once): opening one for
+   * every acquire cost more than the wait. One idle for 10 s is closed. */
+  private readonly listeners: pg.Client[] = [];
+  private readonly brokenListeners = new WeakSet<pg.Client>();
+
+  /** A connection that LISTENs on the events: an idle one, else a new one. */
+  private async takeListener(): Promise<pg.Client> {
+    for (let idle = this.listeners.pop(); idle; idle = this.listeners.pop()) {
+      if (!this.brokenListeners.has(idle)) return idle;
+      idle.end().catch(() => {});
+    }
+    const listener = this.connection("permitq-node-listen");
+    listener.on("error", () => this.brokenListeners.add(listener));
+    listener.on("end", () => this.brokenListeners.add(listener));
+    try {
+      await listener.connect();
+      await listener.query(`LISTEN ${EVENTS}`);
+    } catch (e) {
+      listener.end().catch(() => {});
+      throw translated(e);
+    }
+    return listener;
+  }
+
+  /** Keeps a sound listener for the next acquire (events that reach it meanwhile only make that
+   * acquire read its status once more), and closes it if no acquire takes it within 10 s. */
+  private giveBackListener(listener: pg.Client): void {
+    if (this.brokenListeners.has(listener)) {
+      listener.end().catch(() => {});
+      return;
+    }
+    this.listeners.push(listener);
+    setTimeout(() => {
+      const at = this.listeners.indexOf(listener);
+      if (at >= 0) {
+        this.listeners.splice(at, 1);
+        listener.end().catch(() => {});
+      }
+    }, 10_000).unref();
   }
 
   private async query(sql: string, args: unknown[]): Promise<Record<string, unknown>[]> {
@@ -196,7 +240,7 @@ export class Client {
   /** Submits a request, idempotent by `externalId` (other parameters throw ExternalIdTaken). */
   async submit(externalId: string, permits: Record<string, number>, options: SubmitOptions = {}): Promise<Status> {
     if (Object.keys(permits).length === 0) {
-      throw new TypeError("permits: name at least one semaphore and its count, e.g. { gpu: 1 }");
+      throw new InvalidInput("permits: name at least one semaphore and its count, e.g. { gpu: 1 }", "permits");
     }
     const rows = await this.query(
       SQL.submit,
@@ -278,18 +322,13 @@ export class Client {
     const limit = options.timeoutMs ?? 30_000;
     const deadline = performance.now() + limit;
     // A lost listener costs latency, never a hang: the status is read every POLL_MS anyway.
-    const listener = this.listen ? this.connection("permitq-node-listen") : null;
+    const listener = this.listen ? await this.takeListener() : null;
     let woken: () => void = () => {};
-    listener?.on("notification", () => woken());
+    const onNotification = () => woken();
+    listener?.on("notification", onNotification);
     let sent = 0;
     let current: Status;
     try {
-      try {
-        await listener?.connect();
-        await listener?.query(`LISTEN ${EVENTS}`);
-      } catch (e) {
-        throw translated(e);
-      }
       sent = performance.now();
       current = await untilDeadline(deadline, () => this.submit(externalId, permits, options));
       // A submit returns an ended request only when the external_id was used before.
@@ -327,7 +366,10 @@ export class Client {
         current = (await this.status(externalId)) ?? current;
       }
     } finally {
-      await listener?.end().catch(() => {});
+      if (listener) {
+        listener.off("notification", onNotification);
+        this.giveBackListener(listener);
+      }
     }
     // What was read reached the synchronous standby (a failover cannot take it back).
     await this.query(SQL.confirmDurable, []);

@@ -48,6 +48,19 @@ describe("permitq client", () => {
     await admin.end();
   });
 
+  it("acquires one after another share one LISTEN connection, closed by end()", async () => {
+    const own = new permitq.Client({ connectionString: URL });
+    await (await own.acquire(newId("reuse"), { [sem]: 1 }, { timeoutMs: 15_000 })).release();
+    const first = [...own.listeners];
+    assert.equal(first.length, 1);
+    for (let i = 0; i < 2; i++) {
+      await (await own.acquire(newId("reuse"), { [sem]: 1 }, { timeoutMs: 15_000 })).release();
+    }
+    assert.deepEqual(own.listeners, first, "the same connection, not one per acquire");
+    await own.end();
+    assert.equal(own.listeners.length, 0);
+  });
+
   it("submits idempotently and refuses other parameters", async () => {
     const id = newId("idem");
     const first = await client.submit(id, { [sem]: 1 }, { ttlSeconds: 30 });
@@ -57,7 +70,8 @@ describe("permitq client", () => {
     await waitFor(async () => (await client.status(id)).state !== "new", "granted");
     assert.equal(await client.release(id), "released");
     assert.equal(await client.status(newId("unknown")), null);
-    await assert.rejects(client.submit(newId("none"), {}), TypeError);
+    const none = await client.submit(newId("none"), {}).catch((e) => e);
+    assert.ok(none instanceof permitq.InvalidInput && none.field === "permits", String(none));
   });
 
   it("acquires, heartbeats in the background, exposes the token and releases on dispose", async () => {

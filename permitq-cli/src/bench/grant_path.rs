@@ -123,7 +123,8 @@ where
 {
     let conn = permitq_embedded_pg::try_connect(url).await?;
     // pg_stat_database is read through a snapshot that a new transaction refreshes.
-    conn.batch_execute("SELECT pg_stat_clear_snapshot()").await?;
+    conn.batch_execute("SELECT pg_stat_clear_snapshot()")
+        .await?;
     let (wal, commits) = counters(&conn).await?;
     let cpu = CpuClock::now();
     let per_s = cycles().await?;
@@ -131,7 +132,8 @@ where
     // The statistics collector reports a backend's counts at its transaction ends, at most
     // every 0.5 s (PGSTAT_MIN_INTERVAL), and at its exit: the run's connections are closed.
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    conn.batch_execute("SELECT pg_stat_clear_snapshot()").await?;
+    conn.batch_execute("SELECT pg_stat_clear_snapshot()")
+        .await?;
     let (wal_after, commits_after) = counters(&conn).await?;
     Ok(Work {
         per_s,
@@ -156,12 +158,17 @@ async fn minimal_cycles(url: &str, duration: Duration) -> Result<f64> {
         Ok::<_, tokio_postgres::Error>(())
     });
     let t = tag();
-    let result = polling_cycles(url, duration, move |c, i| format!("m-{t}-{c}-{i}"), Polling {
-        insert: "INSERT INTO minimal.req (ext) VALUES ($1)",
-        wait: "SELECT minimal.await($1)",
-        release: "SELECT minimal.release($1)",
-        permits: None,
-    })
+    let result = polling_cycles(
+        url,
+        duration,
+        move |c, i| format!("m-{t}-{c}-{i}"),
+        Polling {
+            insert: "INSERT INTO minimal.req (ext) VALUES ($1)",
+            wait: "SELECT minimal.await($1)",
+            release: "SELECT minimal.release($1)",
+            permits: None,
+        },
+    )
     .await;
     stop_worker.store(true, Ordering::Relaxed);
     granting
@@ -211,7 +218,8 @@ async fn polling_cycles(
                         Some(permits) => conn.execute(&insert, &[&external_id, permits]).await?,
                         None => conn.execute(&insert, &[&external_id]).await?,
                     };
-                    let state: Option<String> = conn.query_one(&wait, &[&external_id]).await?.get(0);
+                    let state: Option<String> =
+                        conn.query_one(&wait, &[&external_id]).await?.get(0);
                     if state.as_deref() == Some("acquired") {
                         conn.query_one(&release, &[&external_id]).await?;
                         done.fetch_add(1, Ordering::Relaxed);
@@ -243,16 +251,23 @@ pub(super) async fn run(
     let minimal = measured(url, d, || minimal_cycles(url, d)).await?;
 
     let polled_sem = format!("gp-polled-{}", tag());
-    client.set_capacity(&polled_sem, CAPACITY, Some(true)).await?;
+    client
+        .set_capacity(&polled_sem, CAPACITY, Some(true))
+        .await?;
     let polled = measured(url, d, || async {
         let workers = fleet(url, 2, &format!("bench-gp-{}", tag()))?;
         let t = tag();
-        let result = polling_cycles(url, d, move |c, i| format!("p-{t}-{c}-{i}"), Polling {
-            insert: "INSERT INTO permitq.permit_request (external_id, permits) VALUES ($1, $2)",
-            wait: "SELECT bench.permitq_await($1)",
-            release: "SELECT permitq.release($1)",
-            permits: Some(serde_json::json!({ polled_sem.clone(): 1 })),
-        })
+        let result = polling_cycles(
+            url,
+            d,
+            move |c, i| format!("p-{t}-{c}-{i}"),
+            Polling {
+                insert: "INSERT INTO permitq.permit_request (external_id, permits) VALUES ($1, $2)",
+                wait: "SELECT bench.permitq_await($1)",
+                release: "SELECT permitq.release($1)",
+                permits: Some(serde_json::json!({ polled_sem.clone(): 1 })),
+            },
+        )
         .await;
         stop(workers).await;
         result

@@ -8,6 +8,7 @@
 //! durable single-row INSERT per statement, and a plain `FOR UPDATE SKIP LOCKED` batched drain.
 
 mod baselines;
+mod clients;
 mod deep;
 mod features;
 mod grant_path;
@@ -53,7 +54,7 @@ pub(crate) struct BenchArgs {
     /// Each drain of the flat-cost targets this many times (the median counts).
     #[arg(long, default_value_t = 1)]
     pub(crate) repeat: u32,
-    /// Only these parts (comma-separated: grant-path, targets (or some of them: hot, priorities,
+    /// Only these parts (comma-separated: grant-path, clients, targets (or some of them: hot, priorities,
     /// depth, rate, templates), hot-cycle, idle, cycle, release, drain, features, nesting, deep);
     /// all by default.
     #[arg(long, value_delimiter = ',')]
@@ -140,6 +141,9 @@ async fn measure(url: &str, args: &BenchArgs) -> Result<()> {
     }
     if args.runs("idle") {
         load::idle(&url, args, &mut report).await?;
+    }
+    if args.runs("clients") {
+        clients::run(&url, args, &mut report, &mut summary).await?;
     }
     if args.runs("cycle") {
         load::hot_cycle(&url, args, &mut report, &mut summary).await?;
