@@ -18,6 +18,9 @@
 --          min(batch_size, free) per level, whose count there fits. A full semaphore
 --          contributes nothing, however many wait on it.
 -- The caller sorts the rows.
+-- Planned once (plan_cache_mode = force_generic_plan, as every entry point of the grant path):
+-- PL/pgSQL otherwise kept making a custom plan of `ready` on every call while any request waited,
+-- since its custom plans look cheaper than the generic one; the planning cost more than the run.
 CREATE OR REPLACE FUNCTION permitq.claim_batch(cursor bigint, batch_size bigint)
 RETURNS TABLE (id bigint, permits jsonb, fail_fast boolean, deadline_passed boolean,
                examined boolean, age_seconds float8, problem text, external_id text,
