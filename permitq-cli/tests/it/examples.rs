@@ -91,9 +91,10 @@ impl Drop for Background {
     }
 }
 
-/// Every `sh` and `sql` block of the README runs as written, top to bottom, on one fresh
-/// database: the tutorial's `permitq worker &` is the worker the later blocks rely on, and the
-/// tutorial waits for its grant with `--await`, so nothing here retries or sleeps. A YAML block
+/// Every `sh`, `sql`, `python` and `ts` block of the README runs as written, top to bottom, on
+/// one fresh database (the TypeScript one in a project of its own that installs the package):
+/// the tutorial's `permitq worker &` is the worker the later blocks rely on, and the tutorial
+/// waits for its grant with `--await`, so nothing here retries or sleeps. A YAML block
 /// (the Patroni settings) must hold only settings the HA test bed runs with. Three lines
 /// cannot run inside a test and are checked instead: `cargo run --release -- ARGS` runs the
 /// binary under test with ARGS (the same code), `cargo install --locked --path DIR` must name the crate
@@ -105,14 +106,26 @@ async fn every_readme_block_runs_as_written_top_to_bottom_on_a_fresh_database() 
     let blocks = blocks(readme);
     for (language, _) in &blocks {
         assert!(
-            ["sh", "sql", "rust,no_run", "yaml", "toml"].contains(&language.as_str()),
+            ["sh", "sql", "rust,no_run", "yaml", "toml", "python", "ts"]
+                .contains(&language.as_str()),
             "a README block the test cannot run: {language:?}"
         );
     }
     // A YAML block is Patroni configuration: every setting in it is one the HA tests run with.
     let tested = common::PatroniOptions::new(true).bootstrap();
     let tested: Vec<&str> = tested.lines().map(str::trim).collect();
-    for (_, block) in blocks.iter().filter(|(language, _)| language == "yaml") {
+    // (They are in docs/high-availability.md, which the README points to.)
+    let ha = std::fs::read_to_string(root.join("docs/high-availability.md")).unwrap();
+    let ha_blocks = self::blocks(&ha);
+    assert!(
+        ha_blocks.iter().any(|(language, _)| language == "yaml"),
+        "docs/high-availability.md shows the Patroni settings"
+    );
+    for (_, block) in blocks
+        .iter()
+        .chain(&ha_blocks)
+        .filter(|(language, _)| language == "yaml")
+    {
         for line in block.lines() {
             let setting = line.split(" #").next().unwrap_or_default().trim();
             assert!(
@@ -238,6 +251,72 @@ async fn every_readme_block_runs_as_written_top_to_bottom_on_a_fresh_database() 
                         String::from_utf8_lossy(&out.stderr)
                     );
                 }
+            }
+            "python" => {
+                let python = python_with_psycopg();
+                let clients = root.join("clients/python");
+                let mut cmd = Command::new(python);
+                cmd.args(["-c", code])
+                    .current_dir(&work_dir)
+                    .env("PYTHONPATH", clients)
+                    .env("DATABASE_URL", &db.url)
+                    .stdin(Stdio::null());
+                let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
+                    .await
+                    .unwrap();
+                assert!(
+                    out.status.success()
+                        && String::from_utf8_lossy(&out.stdout).contains("python: fencing token"),
+                    "the README's Python block failed: {}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                ran += 1;
+            }
+            "ts" => {
+                // In a project of its own, with the package installed as the README says.
+                let project = work_dir.join("ts-project");
+                std::fs::create_dir_all(&project).unwrap();
+                std::fs::write(
+                    project.join("package.json"),
+                    r#"{"name":"readme","type":"module"}"#,
+                )
+                .unwrap();
+                std::fs::write(project.join("readme.mjs"), code).unwrap();
+                let package = root.join("clients/typescript").canonicalize().unwrap();
+                let (url, dir) = (db.url.clone(), project.clone());
+                let out = tokio::task::spawn_blocking(move || {
+                    let installed = Command::new("npm")
+                        .args(["install", "--no-audit", "--no-fund", "--install-links"])
+                        .arg(&package)
+                        .current_dir(&dir)
+                        .stdin(Stdio::null())
+                        .output()
+                        .unwrap();
+                    assert!(
+                        installed.status.success(),
+                        "npm install of the TypeScript client: {}",
+                        String::from_utf8_lossy(&installed.stderr)
+                    );
+                    Command::new("node")
+                        .arg("readme.mjs")
+                        .current_dir(&dir)
+                        .env("DATABASE_URL", url)
+                        .stdin(Stdio::null())
+                        .output()
+                        .unwrap()
+                })
+                .await
+                .unwrap();
+                assert!(
+                    out.status.success()
+                        && String::from_utf8_lossy(&out.stdout)
+                            .contains("typescript: fencing token"),
+                    "the README's TypeScript block failed: {}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                ran += 1;
             }
             "rust,no_run" => {
                 let dependencies = blocks
