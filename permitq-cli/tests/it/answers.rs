@@ -652,7 +652,7 @@ async fn the_python_example_on_a_database_without_the_schema_says_to_migrate() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let url = db.url.clone();
     let o = tokio::task::spawn_blocking(move || {
-        Command::new("/usr/bin/python3")
+        Command::new(crate::examples::python_with_psycopg())
             .arg(root.join("examples/python/permitq_example.py"))
             .env("DATABASE_URL", &url)
             .stdin(Stdio::null())

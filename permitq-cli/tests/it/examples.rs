@@ -137,9 +137,15 @@ async fn every_readme_block_runs_as_written_top_to_bottom_on_a_fresh_database() 
     let db = TestDb::empty().await;
     let conn = common::connect(&db.url).await;
     let binary = std::path::Path::new(env!("CARGO_BIN_EXE_permitq"));
-    // This build's `permitq` first, then the system's Python (the one with psycopg).
+    // This build's `permitq` first, then the Python with psycopg (the virtualenv scripts/test
+    // makes, else the system's) as `python3`.
+    let python_dir = std::path::Path::new(python_with_psycopg())
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .map(|d| format!("{}:", d.display()))
+        .unwrap_or_default();
     let path = format!(
-        "{}:/usr/bin:{}",
+        "{}:{python_dir}/usr/bin:{}",
         binary.parent().unwrap().display(),
         std::env::var("PATH").unwrap_or_default()
     );
@@ -431,8 +437,8 @@ async fn build_and_run_rust_example(
 }
 
 /// The Python that has psycopg: `$PERMITQ_PYTHON` (the virtualenv scripts/test makes, with the
-/// client package and pytest installed), else Debian's (`/usr/bin/python3`, with
-/// python3-psycopg, which scripts/test installs), else the first on PATH.
+/// client package and pytest installed), else one with psycopg of its own (`/usr/bin/python3`
+/// with Debian's python3-psycopg, or the first on PATH), for `cargo test` run directly.
 pub(crate) fn python_with_psycopg() -> &'static str {
     let from_env: Option<&'static str> = std::env::var("PERMITQ_PYTHON")
         .ok()
@@ -447,7 +453,7 @@ pub(crate) fn python_with_psycopg() -> &'static str {
                 .output()
                 .is_ok_and(|o| o.status.success())
         })
-        .expect("python3 with psycopg (Debian's python3-psycopg, installed by scripts/test)")
+        .expect("a Python with psycopg: run the tests with scripts/test (it makes a virtualenv)")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
