@@ -33,10 +33,19 @@ pub(crate) fn parse_config(url: &str) -> Result<Config> {
         }
         // What was wrong in it: another scheme, or an unknown option or a bad value
         // (tokio-postgres says which in the error's source).
+        // More than one @ before the query: a user or password with one in it (or with a /).
+        let authority = url
+            .split_once("://")
+            .map_or("", |(_, rest)| rest.split('?').next().unwrap_or(""));
         let what = match (url.split_once("://"), std::error::Error::source(&e)) {
             (Some((scheme, _)), _) if !matches!(scheme, "postgres" | "postgresql") => {
                 format!(" ({scheme}:// is not PostgreSQL's scheme: use postgres://)")
             }
+            (_, cause) if authority.matches('@').count() > 1 => format!(
+                "{}: a password (or user name) with an @, :, / or # in it must be \
+                 percent-encoded in the URL (@ as %40, : as %3A, / as %2F, # as %23)",
+                cause.map(|c| format!(" ({c})")).unwrap_or_default()
+            ),
             (_, Some(cause)) => format!(" ({cause})"),
             _ => String::new(),
         };

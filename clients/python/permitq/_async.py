@@ -186,7 +186,8 @@ class AsyncClient:
 
         try:
             if self._listen:
-                listener = await self._take_listener()
+                # Retried until the deadline, as the submit is.
+                listener = await _until_deadline(deadline, self._take_listener)
                 listening = asyncio.create_task(listen(listener))
             sent = time.monotonic()
             try:

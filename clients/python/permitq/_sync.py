@@ -178,7 +178,9 @@ class Client:
         raises its RequestFailed subclass."""
         limit = c.seconds(timeout, "timeout") or 0.0
         deadline = time.monotonic() + limit
-        listener = self._take_listener() if self._listen else None
+        # Retried until the deadline, as the submit is: a database that is down when acquire
+        # starts may be back before it.
+        listener = _until_deadline(deadline, self._take_listener) if self._listen else None
         try:
             sent = time.monotonic()
             try:

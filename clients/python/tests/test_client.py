@@ -278,6 +278,11 @@ class SyncClientTest(unittest.TestCase):
         with permitq.Client("postgres://nobody@127.0.0.1:1/nothing") as down:
             with self.assertRaises(permitq.DatabaseUnavailable):
                 down.status("x")
+            # acquire retries (its LISTEN connection, its idempotent submit) until its deadline.
+            started = time.monotonic()
+            with self.assertRaises(permitq.DatabaseUnavailable):
+                down.acquire(new_id("down"), {"x": 1}, timeout=1.5)
+            self.assertGreater(time.monotonic() - started, 0.5, "it retried, not gave up at once")
 
 
 class NothingGrantingTest(unittest.TestCase):

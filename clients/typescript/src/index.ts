@@ -322,7 +322,9 @@ export class Client {
     const limit = options.timeoutMs ?? 30_000;
     const deadline = performance.now() + limit;
     // A lost listener costs latency, never a hang: the status is read every POLL_MS anyway.
-    const listener = this.listen ? await this.takeListener() : null;
+    // Retried until the deadline, as the submit is: a database that is down when acquire starts
+    // may be back before it.
+    const listener = this.listen ? await untilDeadline(deadline, () => this.takeListener()) : null;
     let woken: () => void = () => {};
     const onNotification = () => woken();
     listener?.on("notification", onNotification);

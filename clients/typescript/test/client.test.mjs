@@ -239,6 +239,10 @@ describe("permitq client", () => {
   it("says an unreachable database is retryable", async () => {
     const down = new permitq.Client({ connectionString: "postgres://nobody@127.0.0.1:1/nothing" });
     await assert.rejects(down.status("x"), permitq.DatabaseUnavailable);
+    // acquire retries (its LISTEN connection, its idempotent submit) until its deadline.
+    const started = Date.now();
+    await assert.rejects(down.acquire(newId("down"), { x: 1 }, { timeoutMs: 1500 }), permitq.DatabaseUnavailable);
+    assert.ok(Date.now() - started > 500, "it retried, not gave up at once");
     await down.end();
   });
 });

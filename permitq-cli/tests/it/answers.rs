@@ -283,6 +283,17 @@ fn a_password_with_an_at_sign_is_told_to_percent_encode_it() {
             && err.contains("Percent-encode it in the URL (@ as %40"),
         "{err}"
     );
+    // With a / in it too, the URL does not even parse: the same advice.
+    let o = permitq(
+        Some("postgres://prod_at:p@ss:w/rd#1@127.0.0.1:5613/app"),
+        &["status", "x"],
+    );
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("must be percent-encoded in the URL (@ as %40, : as %3A, / as %2F"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]
