@@ -210,12 +210,21 @@ class AsyncClient:
                         await asyncio.wait_for(woken.wait(), min(c.POLL_SECONDS, remaining))
                     except asyncio.TimeoutError:
                         pass
+                    _raise_if_cancelled()
                     woken.clear()
                     status = await self.status(external_id) or status
+                    _raise_if_cancelled()
             except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
                 # The caller is gone (Ctrl-C, a cancelled task): so is the request, or it
                 # would be granted to nobody and hold its permits.
                 await self._cancel_quietly(external_id)
+                raise
+            except psycopg.Error:
+                # A cancellation that reached a query ends it with an error: still a cancel.
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    await self._cancel_quietly(external_id)
+                    raise asyncio.CancelledError from None
                 raise
         except psycopg.Error as e:
             raise translated(e) from e
@@ -241,6 +250,14 @@ class AsyncClient:
             f"request {status.external_id} is {status.state}: this external_id was granted and "
             "released before; submit under a new one"
         )
+
+
+def _raise_if_cancelled() -> None:
+    """Raises CancelledError when this task was asked to stop and an await swallowed it (Python
+    3.11's `wait_for` does when what it waits for completes at the same moment)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 async def _until_deadline(deadline: float, call: Callable[[], Awaitable[T]]) -> T:
