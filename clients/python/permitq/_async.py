@@ -221,8 +221,7 @@ class AsyncClient:
                 raise
             except psycopg.Error:
                 # A cancellation that reached a query ends it with an error: still a cancel.
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
+                if _cancelling():
                     await self._cancel_quietly(external_id)
                     raise asyncio.CancelledError from None
                 raise
@@ -252,11 +251,16 @@ class AsyncClient:
         )
 
 
+def _cancelling() -> bool:
+    """Whether this task was asked to stop (whatever an await did with the CancelledError)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def _raise_if_cancelled() -> None:
     """Raises CancelledError when this task was asked to stop and an await swallowed it (Python
     3.11's `wait_for` does when what it waits for completes at the same moment)."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
+    if _cancelling():
         raise asyncio.CancelledError
 
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use permitq::{Client, Request};
 use permitq_fleet::Percentiles;
 
-use super::targets::Targets;
+use super::targets::{ratio, Targets};
 use super::{fleet, ms, stop, tag, BenchArgs, Report};
 use crate::error::{CliError, Result};
 
@@ -144,13 +144,13 @@ pub(super) async fn run(
     for (name, measured) in others {
         match measured {
             Ok(p) => {
-                let ratio = p.p50 / rust.p50.max(1e-9);
-                report.line(format!("| {name} | {} | {ratio:.2}× |", ms(p)));
+                let vs_rust = ratio(p.p50, rust.p50);
+                report.line(format!("| {name} | {} | {vs_rust:.2}× |", ms(p)));
                 targets.at_most(
                     "C",
                     &format!("clients: {name} idle acquire p50 ÷ the Rust client's"),
                     format!("{:.2} vs {:.2} ms", p.p50, rust.p50),
-                    ratio,
+                    vs_rust,
                     1.5,
                 );
             }

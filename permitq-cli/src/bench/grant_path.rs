@@ -18,7 +18,7 @@ use permitq::Client;
 
 use super::baselines::{self, rate};
 use super::load::cycle_run;
-use super::targets::{CpuClock, Targets};
+use super::targets::{ratio, CpuClock, Targets};
 use super::{fleet, stop, tag, BenchArgs, Report};
 use crate::error::{CliError, Result};
 
@@ -296,7 +296,6 @@ pub(super) async fn run(
     report.line(format!(
         "durable single-row INSERT, {CLIENTS} clients: {insert:.0}/s; two-commit bound {bound:.0} cycles/s"
     ));
-    let ratio = |a: f64, b: f64| a / b.max(1e-9);
     targets.at_least(
         "G1",
         "hot cycle, polling client: permitq ÷ minimal design",

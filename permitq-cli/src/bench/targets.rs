@@ -671,7 +671,8 @@ impl Run<'_> {
     }
 }
 
-fn ratio(a: f64, b: f64) -> f64 {
+/// `a ÷ b`, finite when `b` is 0.
+pub(super) fn ratio(a: f64, b: f64) -> f64 {
     a / b.max(1e-9)
 }
 

@@ -154,7 +154,7 @@ async fn the_python_client_passes_its_suite_against_real_workers() {
 
 /// Runs `code` with the package on the path and `DATABASE_URL` set to `url`; what it printed
 /// (panics with its output unless it succeeds).
-async fn python_code(python: &'static str, code: String, url: String) -> String {
+pub(crate) async fn python_code(python: &'static str, code: String, url: String) -> String {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../clients/python");
     let out = tokio::task::spawn_blocking(move || {
         Command::new(python)
@@ -206,7 +206,12 @@ console.log("ok", tokens.length);
 "#;
 
 /// Runs `program args` in `dir` with `envs`; panics with its output unless it succeeds.
-fn run_ok(dir: &std::path::Path, program: &str, args: &[&str], envs: &[(&str, &str)]) -> String {
+pub(crate) fn run_ok(
+    dir: &std::path::Path,
+    program: &str,
+    args: &[&str],
+    envs: &[(&str, &str)],
+) -> String {
     let out = Command::new(program)
         .args(args)
         .current_dir(dir)
@@ -221,6 +226,29 @@ fn run_ok(dir: &std::path::Path, program: &str, args: &[&str], envs: &[(&str, &s
     );
     assert!(out.status.success(), "{program} {args:?}: {text}");
     text
+}
+
+/// A new ES-module project in `dir` with the TypeScript package at `package` installed as its
+/// README says (`npm install --install-links`: a copy with its own dependencies).
+pub(crate) fn user_project(dir: &std::path::Path, package: &std::path::Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(
+        dir.join("package.json"),
+        r#"{"name":"user","type":"module"}"#,
+    )
+    .unwrap();
+    run_ok(
+        dir,
+        "npm",
+        &[
+            "install",
+            "--no-audit",
+            "--no-fund",
+            "--install-links",
+            package.to_str().unwrap(),
+        ],
+        &[],
+    );
 }
 
 /// The TypeScript package (clients/typescript): its dependencies from the lock file, the
@@ -275,14 +303,7 @@ async fn the_typescript_client_passes_its_suite_against_real_workers() {
         );
         // Installed into a new project, it imports.
         let project = fresh.join("project");
-        std::fs::create_dir_all(&project).unwrap();
-        std::fs::write(project.join("package.json"), r#"{"name":"user","type":"module"}"#).unwrap();
-        run_ok(
-            &project,
-            "npm",
-            &["install", "--no-audit", "--no-fund", "--install-links", root.to_str().unwrap()],
-            &[],
-        );
+        user_project(&project, &root);
         let imported = run_ok(
             &project,
             "node",

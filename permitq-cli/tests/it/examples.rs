@@ -259,68 +259,38 @@ async fn every_readme_block_runs_as_written_top_to_bottom_on_a_fresh_database() 
                 }
             }
             "python" => {
-                let python = python_with_psycopg();
-                let clients = root.join("clients/python");
-                let mut cmd = Command::new(python);
-                cmd.args(["-c", code])
-                    .current_dir(&work_dir)
-                    .env("PYTHONPATH", clients)
-                    .env("DATABASE_URL", &db.url)
-                    .stdin(Stdio::null());
-                let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
-                    .await
-                    .unwrap();
+                let printed = crate::clients::python_code(
+                    python_with_psycopg(),
+                    code.clone(),
+                    db.url.clone(),
+                )
+                .await;
                 assert!(
-                    out.status.success()
-                        && String::from_utf8_lossy(&out.stdout).contains("python: fencing token"),
-                    "the README's Python block failed: {}{}",
-                    String::from_utf8_lossy(&out.stdout),
-                    String::from_utf8_lossy(&out.stderr)
+                    printed.contains("python: fencing token"),
+                    "the README's Python block: {printed}"
                 );
                 ran += 1;
             }
             "ts" => {
                 // In a project of its own, with the package installed as the README says.
                 let project = work_dir.join("ts-project");
-                std::fs::create_dir_all(&project).unwrap();
-                std::fs::write(
-                    project.join("package.json"),
-                    r#"{"name":"readme","type":"module"}"#,
-                )
-                .unwrap();
-                std::fs::write(project.join("readme.mjs"), code).unwrap();
                 let package = root.join("clients/typescript").canonicalize().unwrap();
-                let (url, dir) = (db.url.clone(), project.clone());
-                let out = tokio::task::spawn_blocking(move || {
-                    let installed = Command::new("npm")
-                        .args(["install", "--no-audit", "--no-fund", "--install-links"])
-                        .arg(&package)
-                        .current_dir(&dir)
-                        .stdin(Stdio::null())
-                        .output()
-                        .unwrap();
-                    assert!(
-                        installed.status.success(),
-                        "npm install of the TypeScript client: {}",
-                        String::from_utf8_lossy(&installed.stderr)
-                    );
-                    Command::new("node")
-                        .arg("readme.mjs")
-                        .current_dir(&dir)
-                        .env("DATABASE_URL", url)
-                        .stdin(Stdio::null())
-                        .output()
-                        .unwrap()
+                let (url, code) = (db.url.clone(), code.clone());
+                let printed = tokio::task::spawn_blocking(move || {
+                    crate::clients::user_project(&project, &package);
+                    std::fs::write(project.join("readme.mjs"), code).unwrap();
+                    crate::clients::run_ok(
+                        &project,
+                        "node",
+                        &["readme.mjs"],
+                        &[("DATABASE_URL", &url)],
+                    )
                 })
                 .await
                 .unwrap();
                 assert!(
-                    out.status.success()
-                        && String::from_utf8_lossy(&out.stdout)
-                            .contains("typescript: fencing token"),
-                    "the README's TypeScript block failed: {}{}",
-                    String::from_utf8_lossy(&out.stdout),
-                    String::from_utf8_lossy(&out.stderr)
+                    printed.contains("typescript: fencing token"),
+                    "the README's TypeScript block: {printed}"
                 );
                 ran += 1;
             }
@@ -439,21 +409,25 @@ async fn build_and_run_rust_example(
 /// The Python that has psycopg: `$PERMITQ_PYTHON` (the virtualenv scripts/test makes, with the
 /// client package and pytest installed), else one with psycopg of its own (`/usr/bin/python3`
 /// with Debian's python3-psycopg, or the first on PATH), for `cargo test` run directly.
+/// Looked for once per test process.
 pub(crate) fn python_with_psycopg() -> &'static str {
-    let from_env: Option<&'static str> = std::env::var("PERMITQ_PYTHON")
-        .ok()
-        .filter(|p| !p.is_empty())
-        .map(|p| &*Box::leak(p.into_boxed_str()));
-    from_env
-        .into_iter()
-        .chain(["/usr/bin/python3", "python3"])
-        .find(|p| {
-            Command::new(p)
-                .args(["-c", "import psycopg"])
-                .output()
-                .is_ok_and(|o| o.status.success())
-        })
-        .expect("a Python with psycopg: run the tests with scripts/test (it makes a virtualenv)")
+    static PYTHON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PYTHON.get_or_init(|| {
+        std::env::var("PERMITQ_PYTHON")
+            .ok()
+            .filter(|p| !p.is_empty())
+            .into_iter()
+            .chain(["/usr/bin/python3".to_string(), "python3".to_string()])
+            .find(|p| {
+                Command::new(p)
+                    .args(["-c", "import psycopg"])
+                    .output()
+                    .is_ok_and(|o| o.status.success())
+            })
+            .expect(
+                "a Python with psycopg: run the tests with scripts/test (it makes a virtualenv)",
+            )
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
