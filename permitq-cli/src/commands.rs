@@ -5,7 +5,9 @@ use std::time::Duration;
 use permitq::{Client, PermitRequest, ReleaseOutcome, Request, SqlState, State, Worker};
 
 use crate::args::{Cli, Command, SemaphoreCommand, SubmitArgs, TokensCommand};
-use crate::error::{CliError, Result, EXIT_NOT_GRANTED, EXIT_RUNTIME, EXIT_STILL_WAITING};
+use crate::error::{
+    CliError, Result, EXIT_INTERRUPTED, EXIT_NOT_GRANTED, EXIT_RUNTIME, EXIT_STILL_WAITING,
+};
 
 /// No request named `name` among those this login reads: the error says whether it reads all.
 async fn not_visible(client: &Client, name: String) -> CliError {
@@ -23,7 +25,15 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
         .database_url
         .as_deref()
         .is_some_and(|u| u.trim().is_empty());
-    let url = cli.database_url.filter(|u| !u.trim().is_empty());
+    // No URL, but libpq's variables name the database (PGHOST, PGDATABASE, ...): an empty URL,
+    // which the library completes from them as libpq would.
+    let from_pg_env = ["PGHOST", "PGPORT", "PGDATABASE", "PGUSER"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some_and(|v| !v.is_empty()));
+    let url = match cli.database_url.filter(|u| !u.trim().is_empty()) {
+        None if !empty && from_pg_env => Some("postgres://".to_string()),
+        url => url,
+    };
     let named = if explicit_url { url.as_deref() } else { None };
     let need_url = || {
         url.clone().ok_or_else(|| CliError::Missing {
@@ -33,7 +43,9 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
                  --database-url"
                     .to_string()
             } else {
-                "pass --database-url or set DATABASE_URL".to_string()
+                "pass --database-url or set DATABASE_URL (or libpq's PGHOST, PGDATABASE, \
+                 PGUSER)"
+                    .to_string()
             },
         })
     };
@@ -369,6 +381,23 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 settings = settings.max_instances(max_instances);
             }
             let s = client.set_semaphore(&name, capacity, &settings).await?;
+            // `GPU` beside `gpu`: two semaphores, which is rarely what was meant. Said each time.
+            let twins: Vec<String> = client
+                .similar_semaphores(&name)
+                .await
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|n| n.to_lowercase() == name.to_lowercase())
+                .map(|n| format!("{n:?}"))
+                .collect();
+            if !twins.is_empty() {
+                errln!(
+                    "permitq: note: {} also exists, a separate semaphore: names match exactly, \
+                     case included (`permitq semaphore delete {name}` removes this one while \
+                     nothing uses it)",
+                    twins.join(" and ")
+                );
+            }
             if json {
                 outln!("{}", serde_json::to_string(&s).expect("serializable"));
                 return Ok(0);
@@ -599,10 +628,18 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
                 );
             }
         }
-        row = client
-            .wait_settled(&request.external_id, limit)
-            .await?
-            .unwrap_or(row);
+        // Ctrl-C (or SIGTERM) while waiting: the caller gave up, so the request must not wait on
+        // to be granted to nobody. (Submitted before under this id, it is the same request, which
+        // this command was waiting for: the same answer.)
+        let interrupt = Shutdown::install();
+        tokio::select! {
+            settled = client.wait_settled(&request.external_id, limit) => {
+                row = settled?.unwrap_or(row);
+            }
+            () = interrupt.signalled() => {
+                return interrupted(client, &request.external_id).await;
+            }
+        }
         code = match row.state {
             State::Acquired => 0,
             // Held no more (released, or ended): not a grant to work under.
@@ -675,6 +712,27 @@ fn print_request(r: &PermitRequest, json: bool) {
         _ => String::new(),
     };
     outln!("{} {said}{lease}", r.external_id);
+}
+
+/// `submit --await` interrupted: cancels (or, if granted just then, releases) the request and
+/// says so; exit 130, as a shell reports SIGINT.
+async fn interrupted(client: &Client, external_id: &str) -> Result<u8> {
+    match client.release(external_id).await {
+        Ok(said) => {
+            let what = match said {
+                ReleaseOutcome::Cancelled => "cancelled it: it was still waiting",
+                ReleaseOutcome::Released => "released it: it was granted as you stopped",
+                _ => "it had already ended",
+            };
+            errln!("permitq: interrupted; {external_id}: {what}");
+        }
+        Err(e) => errln!(
+            "permitq: interrupted, and could not cancel {external_id} ({}): it may still be \
+             granted; `permitq release {external_id}` cancels or releases it",
+            crate::error::one_line(&e.to_string())
+        ),
+    }
+    Ok(EXIT_INTERRUPTED)
 }
 
 /// SIGTERM or SIGINT, listened for from the moment a long-running command starts, so that a

@@ -215,6 +215,13 @@ fn print_summary(r: &RunReport, peaks: &BTreeMap<String, (i64, i64)>, elapsed: D
     );
     outln!("released by reason   {}", list(&r.released_by_reason));
     outln!("errors by code       {}", list(&r.errors_by_code));
+    if !r.errors_by_code.is_empty() {
+        // Errors here are the simulated producers' choices, not faults: say which is which.
+        outln!(
+            "                     (on purpose: 1 in 10 asks with wait 0, no_capacity when full; \
+             3 in 10 wait at most 3s, timeout; one that gives up waiting cancels, cancelled)"
+        );
+    }
     outln!(
         "submit->acquired     p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms (includes waiting for \
          capacity: the semaphores are kept full on purpose)",

@@ -14,6 +14,9 @@ pub(crate) const EXIT_NOT_GRANTED: u8 = 3;
 pub(crate) const EXIT_STILL_WAITING: u8 = 4;
 /// Exit code: no such request or semaphore.
 pub(crate) const EXIT_NOT_FOUND: u8 = 5;
+/// Exit code: `submit --await` stopped by SIGINT or SIGTERM (its request cancelled), as a shell
+/// reports a process ended by SIGINT.
+pub(crate) const EXIT_INTERRUPTED: u8 = 130;
 
 /// What can go wrong running a command; each maps to one exit code and one line on stderr.
 #[derive(Debug)]

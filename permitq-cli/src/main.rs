@@ -69,6 +69,9 @@ fn main() -> ExitCode {
                 e.render().to_string()
             };
             errln!("{}", styled.trim_end());
+            if let Some(tip) = tip_for(&e) {
+                errln!("\n{tip}");
+            }
             return ExitCode::from(EXIT_USAGE);
         }
         Err(e) => {
@@ -116,6 +119,24 @@ fn main() -> ExitCode {
             ExitCode::from(e.exit_code())
         }
     }
+}
+
+/// What an option from another tool meant here, when clap has no near name to suggest
+/// (`--timeout` is nowhere near `--await`).
+fn tip_for(e: &clap::Error) -> Option<&'static str> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if e.kind() != ErrorKind::UnknownArgument {
+        return None;
+    }
+    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
+        return None;
+    };
+    let name = arg.split('=').next().unwrap_or(arg);
+    matches!(name, "--timeout" | "--deadline" | "--wait-for" | "--block").then_some(
+        "tip: `submit --await DUR` waits up to DUR for the outcome (the request stays queued after \
+         it, unless interrupted); `--wait DUR` ends the request in error `timeout` if it is not \
+         granted within DUR",
+    )
 }
 
 /// The login a database URL names (libpq's default, the OS user, when it names none), for the

@@ -199,8 +199,9 @@ impl PermitRequest {
                         no_room(&name)
                     )
                 } else {
-                    "it had room on every semaphore it names when it ran out: requests ahead of \
-                     it in line took the room first, or no worker decided it in time"
+                    "no worker found it short of room before it ran out: no worker was running \
+                     while it waited (a worker ends waits that ran out when it starts), or \
+                     requests ahead of it in line took the room first"
                         .to_string()
                 };
                 format!(

@@ -27,6 +27,7 @@ class AsyncClient:
     One connection (reopened when it breaks); calls on it take turns."""
 
     def __init__(self, url: str, *, listen: bool = True) -> None:
+        c.check_url(url)
         self._url = url
         self._listen = listen
         self._conn: psycopg.AsyncConnection[Any] | None = None

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import psycopg
+
 from ._errors import InvalidInput, PermitqError
 
 #: The channel the workers announce outcomes on (payloads: JSON arrays of request ids).
@@ -46,6 +48,38 @@ CONFIRM_DURABLE = "SELECT permitq.confirm_durable()"
 GRANTING = (
     "SELECT live_workers, extract(epoch FROM clock_timestamp() - last_seen)::float8 FROM permitq.granting()"
 )
+
+
+_URL_FORM = (
+    "expected postgres://user[:password]@host[:port]/database (e.g. postgres://app@localhost:5432/app, "
+    "or postgres:///app for the local socket), or key=value pairs (host=localhost dbname=app user=app)"
+)
+
+
+def check_url(url: str) -> None:
+    """Refuses, before connecting, a URL libpq would refuse or misread: one that does not parse,
+    another scheme, a password with an unencoded @ (libpq takes the rest as the host), a port
+    that is not a number. An empty one is libpq's defaults (PGHOST, PGUSER, ...), as in libpq."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    def invalid(what: str) -> InvalidInput:
+        return InvalidInput(f"invalid database URL: {what}: {_URL_FORM}", "database URL")
+
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() not in ("postgres", "postgresql"):
+        raise invalid(f"{scheme}:// is not PostgreSQL's scheme: use postgres://")
+    if sep and rest.split("/", 1)[0].split("?", 1)[0].count("@") > 1:
+        raise invalid(
+            "a password (or user name) with an @, :, / or # in it must be percent-encoded in the URL "
+            "(@ as %40, : as %3A, / as %2F, # as %23)"
+        )
+    try:
+        parts = conninfo_to_dict(url)
+    except psycopg.ProgrammingError as e:
+        raise invalid(" ".join(str(e).split())) from None
+    port = str(parts.get("port", "0"))
+    if not all(p.strip().isdigit() for p in port.split(",")):
+        raise invalid(f"port {port!r} is not a number")
 
 
 def seconds(value: float | dt.timedelta | None, field: str) -> float | None:

@@ -39,6 +39,16 @@ class LeaseLost(PermitqError):
     acting on what the permits guarded."""
 
 
+class NoLeaseYet(LeaseLost):
+    """A heartbeat on a request still waiting to be granted: it has no lease yet (SQLSTATE 55000,
+    hence a LeaseLost too). Heartbeat once it is acquired."""
+
+
+class LoginRejected(PermitqError):
+    """The server refused the login: no such role or database, a missing or wrong password, or
+    no pg_hba.conf entry. Retrying will not help: fix the URL or the server's settings."""
+
+
 class AcquireTimeout(PermitqError):
     """The request was not granted before the deadline; it was cancelled, so nothing waits on."""
 
@@ -159,9 +169,23 @@ def translated(e: psycopg.Error) -> PermitqError:
     message = _message(e)
     if isinstance(e, psycopg.OperationalError) and e.sqlstate is None:
         # The server answered and refused: a wrong URL or login, which retrying will not mend.
-        refused = ("does not exist", "password authentication failed", "no pg_hba.conf entry", "password is required")
-        if any(r in message for r in refused):
-            return PermitqError(f"{message} (check the URL: database, user and password)")
+        if "no password supplied" in message or "password is required" in message:
+            return LoginRejected(
+                f"the server asks for a password and none was given ({message}): put it in the URL, "
+                "postgres://user:password@host/db, or set PGPASSWORD"
+            )
+        if "password authentication failed" in message:
+            return LoginRejected(
+                f"{message}: the password was given and refused: check it (in the URL, percent-encode "
+                "@ : / # % as %40 %3A %2F %23 %25)"
+            )
+        if any(r in message for r in ("does not exist", "no pg_hba.conf entry")):
+            return LoginRejected(
+                f"{message} (check the URL's user and database; a role that exists may still need a "
+                "pg_hba.conf entry for this host)"
+            )
+        if "invalid" in message and "value" in message:
+            return InvalidInput(f"invalid database URL: {message}", "database URL")
         return DatabaseUnavailable(f"{message} (is PostgreSQL up and the URL right? Retrying is safe)")
     state = e.sqlstate or ""
     if state.startswith("08") or state in ("57P01", "57P02", "57P03"):
@@ -177,7 +201,7 @@ def translated(e: psycopg.Error) -> PermitqError:
     if state == "23505":
         return ExternalIdTaken(message)
     if state == "55000":
-        return LeaseLost(message)
+        return NoLeaseYet(message) if message.startswith("no lease yet") else LeaseLost(message)
     if state in ("3F000", "42883"):
         return PermitqError(f"{message} (the permitq schema is missing or older than this client: run `permitq migrate`)")
     return PermitqError(message)

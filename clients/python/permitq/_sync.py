@@ -28,6 +28,7 @@ class Client:
     between threads. `Client(url)`, or `with Client(url) as client:` to close it at the end."""
 
     def __init__(self, url: str, *, listen: bool = True) -> None:
+        c.check_url(url)
         self._url = url
         # Through a pooler in transaction mode LISTEN does not work: `listen=False` waits by
         # reading the status every 0.25 s only.

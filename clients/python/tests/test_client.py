@@ -179,6 +179,41 @@ class SyncClientTest(unittest.TestCase):
         with self.assertRaises(permitq.LeaseLost):
             self.client.heartbeat(new_id("never"))
 
+    def test_a_heartbeat_on_a_waiting_request_says_it_has_no_lease_yet(self) -> None:
+        holders = [self.client.acquire(new_id("hold"), {self.sem: 1}, ttl=30, timeout=15) for _ in range(2)]
+        try:
+            waiting = new_id("waiting")
+            self.client.submit(waiting, {self.sem: 1})
+            with self.assertRaises(permitq.NoLeaseYet) as caught:
+                self.client.heartbeat(waiting)
+            self.assertIsInstance(caught.exception, permitq.LeaseLost)
+            self.assertIn("still waiting to be granted", str(caught.exception))
+            self.client.release(waiting)
+        finally:
+            for holder in holders:
+                holder.release()
+
+    def test_a_malformed_url_is_refused_at_once_and_a_refused_login_is_not_retried(self) -> None:
+        for url, said in [
+            ("localhost/app", 'missing "=" after "localhost/app"'),
+            ("mysql://a@h/db", "mysql:// is not PostgreSQL's scheme"),
+            ("postgres://me:p@ss@localhost/app", "must be percent-encoded in the URL (@ as %40"),
+            ("postgres://a@h:port/db", "port 'port' is not a number"),
+        ]:
+            with self.assertRaises(permitq.InvalidInput, msg=url) as caught:
+                permitq.Client(url)
+            self.assertEqual(caught.exception.field, "database URL")
+            self.assertIn(said, str(caught.exception))
+            self.assertIn("expected postgres://user[:password]@host[:port]/database", str(caught.exception))
+        from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+        stranger_url = make_conninfo(**{**conninfo_to_dict(URL), "user": "no_such_login_here", "password": ""})
+        with permitq.Client(stranger_url) as stranger:
+            started = time.monotonic()
+            with self.assertRaises(permitq.LoginRejected):
+                stranger.acquire(new_id("stranger"), {self.sem: 1}, timeout=5)
+            self.assertLess(time.monotonic() - started, 4, "not retried until the deadline: retrying cannot help")
+
     def test_a_deadline_cancels_the_request_so_nothing_waits_on(self) -> None:
         holders = [self.client.acquire(new_id("full"), {self.sem: 1}, ttl=30, timeout=15) for _ in range(2)]
         try:

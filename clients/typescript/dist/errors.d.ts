@@ -25,6 +25,17 @@ export declare class ExternalIdTaken extends PermitqError {
 export declare class LeaseLost extends PermitqError {
     name: string;
 }
+/** A heartbeat on a request still waiting to be granted: it has no lease yet (SQLSTATE 55000). */
+export declare class NoLeaseYet extends LeaseLost {
+    name: string;
+}
+/**
+ * The server refused the login: no such role or database, a wrong or missing password, or no
+ * pg_hba.conf entry. Retrying will not help: fix the URL or the server's settings.
+ */
+export declare class LoginRejected extends PermitqError {
+    name: string;
+}
 /** Not granted before the deadline (or the signal aborted); the request was cancelled. */
 export declare class AcquireTimeout extends PermitqError {
     readonly externalId: string;

@@ -14,6 +14,7 @@ import { existsSync } from "node:fs";
 import { userInfo } from "node:os";
 import pg from "pg";
 import { AcquireTimeout, InvalidInput, LeaseLost, PermitqError, DatabaseUnavailable, requestFailed, translated, } from "./errors.js";
+import { ACQUIRE_OPTIONS, SUBMIT_OPTIONS, checkOptions, checkUrl } from "./checks.js";
 import { SQL } from "./sql.js";
 export * from "./errors.js";
 export { SQL } from "./sql.js";
@@ -89,6 +90,8 @@ export class Client {
      */
     constructor(config) {
         const { listen, ...poolConfig } = config;
+        if (poolConfig.connectionString !== undefined)
+            checkUrl(poolConfig.connectionString);
         this.listen = listen ?? true;
         this.connect = { ...poolConfig, ...localSocket(poolConfig) };
         this.pool = new pg.Pool({ max: 4, application_name: "permitq-node", keepAlive: true, ...this.connect });
@@ -156,6 +159,7 @@ export class Client {
     }
     /** Submits a request, idempotent by `externalId` (other parameters throw ExternalIdTaken). */
     async submit(externalId, permits, options = {}) {
+        checkOptions(options, SUBMIT_OPTIONS);
         if (Object.keys(permits).length === 0) {
             throw new InvalidInput("permits: name at least one semaphore and its count, e.g. { gpu: 1 }", "permits");
         }
@@ -224,7 +228,9 @@ export class Client {
      * RequestFailed subclass.
      */
     async acquire(externalId, permits, options = {}) {
-        const limit = options.timeoutMs ?? 30_000;
+        checkOptions(options, ACQUIRE_OPTIONS);
+        const { timeoutMs, signal, ...submitOptions } = options;
+        const limit = timeoutMs ?? 30_000;
         const deadline = performance.now() + limit;
         // A lost listener costs latency, never a hang: the status is read every POLL_MS anyway.
         // Retried until the deadline, as the submit is: a database that is down when acquire starts
@@ -237,7 +243,7 @@ export class Client {
         let current;
         try {
             sent = performance.now();
-            current = await untilDeadline(deadline, () => this.submit(externalId, permits, options));
+            current = await untilDeadline(deadline, () => this.submit(externalId, permits, submitOptions));
             // A submit returns an ended request only when the external_id was used before.
             if (current.state === "error" || current.state === "released") {
                 throw new PermitqError(`request ${externalId} was submitted before and has ended (${current.state} ` +
@@ -245,7 +251,7 @@ export class Client {
             }
             while (current.state === "new" || current.state === "in_progress") {
                 const remaining = deadline - performance.now();
-                if (remaining <= 0 || options.signal?.aborted) {
+                if (remaining <= 0 || signal?.aborted) {
                     // What held it back, read just before it is cancelled.
                     const why = ((await this.explain(externalId).catch(() => null))?.semaphores ?? [])
                         .filter((w) => w.reason)
@@ -256,13 +262,13 @@ export class Client {
                     const ended = outcome === "cancelled" ? "it was cancelled, so nothing waits on"
                         : outcome === "released" ? "it was granted at that very moment and released at once"
                             : `releasing it answered ${outcome}`;
-                    throw new AcquireTimeout(`request ${externalId} was not granted ${options.signal?.aborted ? "before the signal aborted" : `within ${limit} ms`}` +
+                    throw new AcquireTimeout(`request ${externalId} was not granted ${signal?.aborted ? "before the signal aborted" : `within ${limit} ms`}` +
                         `${why ? ` (${why})` : ""}${granting}; ${ended}: acquire again under a new external_id`, externalId);
                 }
                 await new Promise((resolve) => {
                     const timer = setTimeout(resolve, Math.min(POLL_MS, remaining));
                     woken = () => { clearTimeout(timer); resolve(); };
-                    options.signal?.addEventListener("abort", () => { clearTimeout(timer); resolve(); }, { once: true });
+                    signal?.addEventListener("abort", () => { clearTimeout(timer); resolve(); }, { once: true });
                 });
                 current = (await this.status(externalId)) ?? current;
             }

@@ -33,6 +33,19 @@ export class LeaseLost extends PermitqError {
   override name = "LeaseLost";
 }
 
+/** A heartbeat on a request still waiting to be granted: it has no lease yet (SQLSTATE 55000). */
+export class NoLeaseYet extends LeaseLost {
+  override name = "NoLeaseYet";
+}
+
+/**
+ * The server refused the login: no such role or database, a wrong or missing password, or no
+ * pg_hba.conf entry. Retrying will not help: fix the URL or the server's settings.
+ */
+export class LoginRejected extends PermitqError {
+  override name = "LoginRejected";
+}
+
 /** Not granted before the deadline (or the signal aborted); the request was cancelled. */
 export class AcquireTimeout extends PermitqError {
   override name = "AcquireTimeout";
@@ -147,13 +160,23 @@ export function translated(e: unknown): Error {
   const message = (err.message ?? String(e)).replace(/\s+/g, " ");
   const code = err.code ?? "";
   const sqlstate = /^[0-9A-Z]{5}$/.test(code);
-  if (/password must be a string|password authentication failed/i.test(message)) {
-    return new PermitqError(
-      `${message} (the server asks for a password: put it in the URL, postgres://user:password@host/db, or set PGPASSWORD)`,
+  if (/password must be a string/i.test(message)) {
+    return new LoginRejected(
+      `the server asks for a password and none was given (${message}): put it in the URL, postgres://user:password@host/db, or set PGPASSWORD`,
+    );
+  }
+  if (code === "28P01") {
+    return new LoginRejected(
+      `${message}: the password was given and refused: check it (in the URL, percent-encode @ : / # % as %40 %3A %2F %23 %25)`,
+    );
+  }
+  if (code === "28000" || code === "3D000") {
+    return new LoginRejected(
+      `${message} (check the URL's user and database; a role that exists may still need a pg_hba.conf entry for this host)`,
     );
   }
   if (/no PostgreSQL user name/i.test(message)) {
-    return new PermitqError(`${message} (name the user in the URL: postgres://user@host/db)`);
+    return new LoginRejected(`${message} (name the user in the URL: postgres://user@host/db)`);
   }
   const connection = !sqlstate && (code !== "" || /connection|connect|terminated|timeout/i.test(message));
   if (connection || code.startsWith("08") || code.startsWith("57P")) {
@@ -170,7 +193,7 @@ export function translated(e: unknown): Error {
     case "23505":
       return new ExternalIdTaken(message);
     case "55000":
-      return new LeaseLost(message);
+      return message.startsWith("no lease yet") ? new NoLeaseYet(message) : new LeaseLost(message);
     case "3F000":
     case "42883":
       return new PermitqError(`${message} (the permitq schema is missing or older than this client: run \`permitq migrate\`)`);

@@ -158,10 +158,79 @@ describe("permitq client", () => {
     const typo = await client.acquire(newId("typo"), { [`${sem}x`]: 1 }).catch((e) => e);
     assert.ok(typo instanceof permitq.UnknownSemaphore, String(typo));
     assert.ok(typo.errorDetail.similar.includes(sem));
-    const bad = await client.submit(newId("bad"), { [sem]: 1 }, { ttlSeconds: -1 }).catch((e) => e);
+    // Refused by the server, naming its field.
+    const bad = await client.submit(newId("bad"), { [sem]: 1 }, { ttlSeconds: 0 }).catch((e) => e);
     assert.ok(bad instanceof permitq.InvalidInput, String(bad));
     assert.equal(bad.field, "ttl");
     await assert.rejects(client.heartbeat(newId("never")), permitq.LeaseLost);
+  });
+
+  it("refuses options it does not know or of the wrong kind before sending anything", async () => {
+    const cases = [
+      [{ ttlSeconds: "30s" }, "ttlSeconds", /must be a non-negative number \(seconds, e\.g\. 30\), got "30s"/],
+      [{ ttlSeconds: -1 }, "ttlSeconds", /must be a non-negative number/],
+      [{ ttl: 30 }, "ttl", /invalid option ttl: did you mean ttlSeconds\?/],
+      [{ timeout: 5000 }, "timeout", /did you mean timeoutMs\?/],
+      [{ priority: 1.5 }, "priority", /must be a whole number/],
+      [{ owner: 7 }, "owner", /must be a string/],
+    ];
+    for (const [options, field, said] of cases) {
+      const id = newId("opt");
+      const e = await client.acquire(id, { [sem]: 1 }, options).catch((err) => err);
+      assert.ok(e instanceof permitq.InvalidInput, `${JSON.stringify(options)}: ${e}`);
+      assert.equal(e.field, field);
+      assert.match(e.message, said);
+      assert.equal(await client.status(id), null, "nothing was submitted");
+    }
+    // submit takes no acquire options: a deadline there would be ignored.
+    const e = await client.submit(newId("opt"), { [sem]: 1 }, { timeoutMs: 5 }).catch((err) => err);
+    assert.ok(e instanceof permitq.InvalidInput && e.field === "timeoutMs", String(e));
+  });
+
+  it("says a heartbeat on a waiting request has no lease yet", async () => {
+    const holders = [
+      await client.acquire(newId("hold"), { [sem]: 1 }, { ttlSeconds: 30 }),
+      await client.acquire(newId("hold"), { [sem]: 1 }, { ttlSeconds: 30 }),
+    ];
+    try {
+      const waiting = newId("waiting");
+      await client.submit(waiting, { [sem]: 1 });
+      const e = await client.heartbeat(waiting).catch((err) => err);
+      assert.ok(e instanceof permitq.NoLeaseYet && e instanceof permitq.LeaseLost, String(e));
+      assert.match(e.message, /still waiting to be granted/);
+      await client.release(waiting);
+    } finally {
+      for (const h of holders) await h.release();
+    }
+  });
+
+  it("refuses a malformed URL at once and a refused login without retrying", async () => {
+    const form = /expected postgres:\/\/user\[:password\]@host\[:port\]\/database/;
+    for (const [url, said] of [
+      ["localhost/app", /"localhost\/app" has no scheme/],
+      ["mysql://a@h/db", /mysql:\/\/ is not PostgreSQL's scheme/],
+      ["postgres://me:p@ss@localhost/app", /must be percent-encoded in the URL \(@ as %40/],
+      ["postgres://a@h/db?sslmode=bogus", /sslmode "bogus" is not one of/],
+    ]) {
+      let e;
+      try {
+        new permitq.Client({ connectionString: url });
+      } catch (err) {
+        e = err;
+      }
+      assert.ok(e instanceof permitq.InvalidInput && e.field === "database URL", `${url}: ${e}`);
+      assert.match(e.message, said);
+      assert.match(e.message, form);
+    }
+    const target = new globalThis.URL(URL);
+    target.username = "no_such_login_here";
+    target.password = "";
+    const stranger = new permitq.Client({ connectionString: target.toString() });
+    const started = Date.now();
+    const e = await stranger.acquire(newId("stranger"), { [sem]: 1 }, { timeoutMs: 5000 }).catch((err) => err);
+    assert.ok(e instanceof permitq.LoginRejected, String(e));
+    assert.ok(Date.now() - started < 4000, "not retried until the deadline: retrying cannot help");
+    await stranger.end();
   });
 
   it("cancels at the deadline or on abort, so nothing waits on", async () => {

@@ -132,9 +132,19 @@ pub(crate) async fn serve(
         .install_recorder()
         .map_err(|e| CliError::runtime(format!("cannot install metrics recorder: {e}")))?;
     describe_metrics();
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| CliError::runtime(format!("cannot listen on {addr} for HTTP: {e}")))?;
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        let hint = match e.kind() {
+            std::io::ErrorKind::AddrInUse => {
+                ": another process listens there (another `permitq serve` or worker?); give \
+                     another port with --http-addr (serve) or --metrics-addr (worker)"
+            }
+            std::io::ErrorKind::AddrNotAvailable => {
+                ": that address is not one of this machine's; use 127.0.0.1 or 0.0.0.0"
+            }
+            _ => "",
+        };
+        CliError::runtime(format!("cannot listen on {addr} for HTTP: {e}{hint}"))
+    })?;
     let bound = listener.local_addr()?;
     let app = router(State::new(metrics, client, worker))
         .layer(axum::middleware::from_fn_with_state(access, access::guard));

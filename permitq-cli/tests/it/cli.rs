@@ -12,6 +12,11 @@ pub(crate) fn permitq(url: Option<&str>, args: &[&str]) -> Output {
     cmd.args(args)
         .stdin(Stdio::null())
         .env_remove("DATABASE_URL")
+        // libpq's variables stand in for a missing URL: none from the environment tests run in.
+        .env_remove("PGHOST")
+        .env_remove("PGPORT")
+        .env_remove("PGUSER")
+        .env_remove("PGDATABASE")
         .env("RUST_LOG", "off");
     if let Some(url) = url {
         cmd.env("DATABASE_URL", url);
@@ -174,7 +179,8 @@ fn database_url_errors_share_exit_code_2() {
     assert_eq!(code(&o), 2, "{}", stderr(&o));
     assert_eq!(
         stderr(&o).trim(),
-        "permitq: no database URL given: pass --database-url or set DATABASE_URL"
+        "permitq: no database URL given: pass --database-url or set DATABASE_URL (or libpq's \
+         PGHOST, PGDATABASE, PGUSER)"
     );
     let o = permitq(Some("not a url ::"), &["status", "x"]);
     assert_eq!(code(&o), 2, "{}", stderr(&o));

@@ -3,6 +3,7 @@
 //! operators use (top in tmux, the HTTP endpoints, the status page in headless Chromium).
 
 mod answers;
+mod answers_newcomer;
 mod cli;
 mod clients;
 mod examples;

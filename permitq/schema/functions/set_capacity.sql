@@ -29,6 +29,14 @@ BEGIN
         RAISE EXCEPTION 'invalid name: must be at most % characters', permitq.rule_max_name_length()
             USING ERRCODE = '22023';
     END IF;
+    -- Names match exactly, so a space at either end makes a second semaphore no one means to
+    -- name (one made before this rule can still be changed).
+    IF set_capacity.name ~ '^\s|\s$'
+       AND NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = set_capacity.name) THEN
+        RAISE EXCEPTION 'invalid name: %: a space (or tab, newline) at its start or end; names match exactly: use %',
+            quote_literal(set_capacity.name), quote_literal(btrim(set_capacity.name, E' \t\n\r'))
+            USING ERRCODE = '22023';
+    END IF;
     IF set_capacity.name = '*' THEN
         RAISE EXCEPTION 'invalid name: a template needs a prefix before its *' USING ERRCODE = '22023';
     END IF;

@@ -1,0 +1,208 @@
+//! More answers a newcomer met: an interrupted `submit --await`, libpq's variables without a URL,
+//! names that differ only in case or a space, an option from another tool, a port already taken.
+
+use permitq_test_support as common;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{wait_until, TestDb};
+
+use crate::cli::{code, permitq, run, stderr, stdout};
+
+const SOON: Duration = Duration::from_secs(15);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_submit_await_cancels_the_request_it_made() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "gpu", "1"]).await;
+    // No worker: it waits the whole await unless interrupted.
+    let child = Command::new(env!("CARGO_BIN_EXE_permitq"))
+        .args(["submit", "int-1", "gpu=1", "--await", "60s"])
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "off")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let client = db.client().await;
+    // Its signal handler is in place before it opens its LISTEN connection to wait.
+    waiting_on_listen(&db).await;
+    signal(child.id(), "INT");
+    let o = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(code(&o), 130, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("permitq: interrupted; int-1: cancelled it: it was still waiting"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &["status", "int-1"]).await;
+    assert!(
+        stdout(&o).starts_with("int-1 error cancelled"),
+        "{}",
+        stdout(&o)
+    );
+
+    // SIGTERM too; and a request submitted before under this id is the same request.
+    run(url, &["submit", "int-2", "gpu=1"]).await;
+    let child = Command::new(env!("CARGO_BIN_EXE_permitq"))
+        .args(["submit", "int-2", "gpu=1", "--await", "60s"])
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "off")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    waiting_on_listen(&db).await;
+    signal(child.id(), "TERM");
+    let o = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(code(&o), 130, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("permitq: interrupted; int-2: cancelled it: it was still waiting"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        client.status("int-2").await.unwrap().unwrap().state,
+        permitq::State::Error
+    );
+}
+
+/// Until a `submit --await` waits: its LISTEN connection is open.
+async fn waiting_on_listen(db: &TestDb) {
+    let conn = db.conn().await;
+    wait_until(SOON, "submit --await is waiting on LISTEN", || async {
+        conn.query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND query ILIKE 'LISTEN%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0)
+            > 0
+    })
+    .await;
+}
+
+/// Sends SIG`name` to `pid` (with kill(1): the crate has no unsafe code).
+fn signal(pid: u32, name: &str) {
+    let sent = Command::new("kill")
+        .args([format!("-{name}"), pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill -{name} {pid}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libpq_variables_alone_name_the_database() {
+    let db = TestDb::new().await;
+    let config: tokio_postgres::Config = db.url.parse().unwrap();
+    let host = match &config.get_hosts()[0] {
+        tokio_postgres::config::Host::Tcp(h) => h.clone(),
+        tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
+    };
+    let o = Command::new(env!("CARGO_BIN_EXE_permitq"))
+        .args(["semaphore", "set", "from-env", "3"])
+        .env_remove("DATABASE_URL")
+        .env("PGHOST", host)
+        .env("PGPORT", config.get_ports()[0].to_string())
+        .env("PGUSER", config.get_user().unwrap())
+        .env(
+            "PGPASSWORD",
+            String::from_utf8_lossy(config.get_password().unwrap_or_default()).to_string(),
+        )
+        .env("PGDATABASE", config.get_dbname().unwrap())
+        .env("RUST_LOG", "off")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        common::semaphore(&db.client().await, "from-env")
+            .await
+            .is_some(),
+        "written to the database PG* named"
+    );
+    // Neither a URL nor a variable: what to set, the variables included.
+    let o = permitq(None, &["semaphore", "list"]);
+    assert_eq!(code(&o), 2);
+    assert!(
+        stderr(&o).contains("pass --database-url or set DATABASE_URL (or libpq's PGHOST"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_that_differ_only_in_case_or_a_space_are_pointed_out() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "gpu", "4"]).await;
+    let o = run(url, &["semaphore", "set", "GPU", "2"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "permitq: note: \"gpu\" also exists, a separate semaphore: names match exactly, case \
+             included (`permitq semaphore delete GPU` removes this one"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    for name in ["gpu ", " gpu", "gpu\t"] {
+        let o = run(url, &["semaphore", "set", name, "2"]).await;
+        assert_eq!(code(&o), 2, "{name:?}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("invalid name: ")
+                && stderr(&o).contains("at its start or end; names match exactly: use 'gpu'"),
+            "{name:?}: {}",
+            stderr(&o)
+        );
+    }
+    assert!(common::semaphore(&db.client().await, "gpu ")
+        .await
+        .is_none());
+}
+
+#[test]
+fn an_option_from_another_tool_is_told_what_permitq_calls_it() {
+    let o = permitq(None, &["submit", "a", "gpu=1", "--timeout", "5s"]);
+    assert_eq!(code(&o), 2);
+    assert!(
+        stderr(&o).contains("unexpected argument '--timeout'")
+            && stderr(&o).contains("tip: `submit --await DUR` waits up to DUR for the outcome")
+            && stderr(&o).contains("`--wait DUR` ends the request in error `timeout`"),
+        "{}",
+        stderr(&o)
+    );
+    // No tip where clap has a real suggestion to make.
+    let o = permitq(None, &["submit", "a", "gpu=1", "--awai", "5s"]);
+    assert!(
+        !stderr(&o).contains("tip: `submit --await"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_on_a_port_in_use_names_the_option_that_moves_it() {
+    let db = TestDb::new().await;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let o = run(&db.url, &["serve", "--http-addr", &addr]).await;
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(&format!("cannot listen on {addr} for HTTP"))
+            && stderr(&o).contains("another process listens there")
+            && stderr(&o).contains("--http-addr (serve) or --metrics-addr (worker)"),
+        "{}",
+        stderr(&o)
+    );
+}
