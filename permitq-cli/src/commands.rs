@@ -622,9 +622,9 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
             // Say now, not when the await runs out, that nothing will grant it.
             if let Some(warning) = client.granting().await?.warning() {
                 errln!(
-                    "permitq: {} is queued, but {warning}; waiting up to {} anyway",
+                    "permitq: {} is queued, but {warning}; waiting {} anyway",
                     row.external_id,
-                    humantime::format_duration(limit)
+                    waiting_for(limit)
                 );
             }
         }
@@ -712,6 +712,15 @@ fn print_request(r: &PermitRequest, json: bool) {
         _ => String::new(),
     };
     outln!("{} {said}{lease}", r.external_id);
+}
+
+/// How long `submit --await` waits, in words: a bare `--await` waits until the outcome.
+fn waiting_for(limit: Duration) -> String {
+    if limit >= Duration::from_secs(365 * 24 * 3600) {
+        "until it is granted (Ctrl-C cancels it)".to_string()
+    } else {
+        format!("up to {}", humantime::format_duration(limit))
+    }
 }
 
 /// `submit --await` interrupted: cancels (or, if granted just then, releases) the request and

@@ -215,12 +215,19 @@ fn print_summary(r: &RunReport, peaks: &BTreeMap<String, (i64, i64)>, elapsed: D
     );
     outln!("released by reason   {}", list(&r.released_by_reason));
     outln!("errors by code       {}", list(&r.errors_by_code));
-    if !r.errors_by_code.is_empty() {
-        // Errors here are the simulated producers' choices, not faults: say which is which.
-        outln!(
-            "                     (on purpose: 1 in 10 asks with wait 0, no_capacity when full; \
-             3 in 10 wait at most 3s, timeout; one that gives up waiting cancels, cancelled)"
-        );
+    // Errors here are the simulated producers' choices, not faults: say why each one happened.
+    let why: Vec<&str> = r
+        .errors_by_code
+        .keys()
+        .filter_map(|code| match code.as_str() {
+            "no_capacity" => Some("no_capacity: 1 in 10 asks with wait 0 and finds no room"),
+            "timeout" => Some("timeout: 3 in 10 wait at most 3s"),
+            "cancelled" => Some("cancelled: one that gives up waiting after 5s cancels"),
+            _ => None,
+        })
+        .collect();
+    if !why.is_empty() {
+        outln!("                     (on purpose: {})", why.join("; "));
     }
     outln!(
         "submit->acquired     p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms (includes waiting for \

@@ -199,9 +199,10 @@ impl PermitRequest {
                         no_room(&name)
                     )
                 } else {
-                    "no worker found it short of room before it ran out: no worker was running \
-                     while it waited (a worker ends waits that ran out when it starts), or \
-                     requests ahead of it in line took the room first"
+                    "no semaphore it names was short of room when it ran out: requests ahead of \
+                     it in line took the room first (a fair semaphore keeps room for the first \
+                     in line; `permitq semaphore show` lists the line), or no worker was running \
+                     while it waited"
                         .to_string()
                 };
                 format!(

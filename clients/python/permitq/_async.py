@@ -13,8 +13,11 @@ from . import _common as c
 from ._errors import (
     AcquireTimeout,
     DatabaseUnavailable,
+    ExternalIdTaken,
+    InvalidInput,
     LeaseLost,
     PermitqError,
+    RequestFailed,
     request_failed,
     translated,
 )
@@ -26,20 +29,22 @@ class AsyncClient:
     """`await AsyncClient.connect(url)`, or `async with await AsyncClient.connect(url) as client`.
     One connection (reopened when it breaks); calls on it take turns."""
 
-    def __init__(self, url: str, *, listen: bool = True) -> None:
+    def __init__(self, url: str, *, listen: bool = True, poll_interval: float = c.POLL_SECONDS) -> None:
         c.check_url(url)
         self._url = url
         self._listen = listen
+        self._poll_seconds = c.seconds(poll_interval, "poll_interval") or c.POLL_SECONDS
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._lock = asyncio.Lock()
-        # LISTEN connections between acquires (as Client's).
+        # LISTEN connections between acquires (as Client's), each closed after a while idle.
         self._listeners: list[psycopg.AsyncConnection[Any]] = []
+        self._idle_closers: set[asyncio.Task[None]] = set()
 
     @classmethod
-    async def connect(cls, url: str, *, listen: bool = True) -> "AsyncClient":
+    async def connect(cls, url: str, *, listen: bool = True, poll_interval: float = c.POLL_SECONDS) -> "AsyncClient":
         """A client, connected (so that a wrong URL is told at once). `listen=False` waits by
         reading the status only (through a pooler in transaction mode)."""
-        client = cls(url, listen=listen)
+        client = cls(url, listen=listen, poll_interval=poll_interval)
         await client._run(lambda conn: conn.execute("SELECT 1"))
         return client
 
@@ -58,6 +63,8 @@ class AsyncClient:
             for listener in self._listeners:
                 await listener.close()
             self._listeners.clear()
+            for closer in list(self._idle_closers):
+                closer.cancel()
 
     async def _take_listener(self) -> psycopg.AsyncConnection[Any]:
         """A connection that LISTENs on the events: an idle one, else a new one."""
@@ -67,7 +74,11 @@ class AsyncClient:
                 return listener
             await listener.close()
         listener = await self._connect("permitq-python-listen")
-        await listener.execute(f"LISTEN {c.EVENTS}")
+        try:
+            await listener.execute(f"LISTEN {c.EVENTS}")
+        except psycopg.Error as e:
+            await listener.close()
+            raise translated(e) from e
         return listener
 
     async def _connect(self, application_name: str = "permitq-python") -> psycopg.AsyncConnection[Any]:
@@ -106,7 +117,7 @@ class AsyncClient:
         priority: int = 0,
     ) -> c.Status:
         """As Client.submit."""
-        row = await self._one(c.SUBMIT, (external_id, c.permits_json(permits), owner, c.seconds(ttl, "ttl"), c.seconds(wait, "wait"), priority))
+        row = await self._one(c.SUBMIT, (external_id, c.permits_json(permits), owner, c.seconds(ttl, "ttl"), c.seconds(wait, "wait"), c.whole(priority, "priority", -100, 100)))
         assert row is not None
         return c.Status.from_row(row)
 
@@ -156,7 +167,18 @@ class AsyncClient:
         guarantee: int | None = None,
     ) -> c.Semaphore:
         """As Client.set_capacity."""
-        row = await self._one(c.SET_CAPACITY, (name, capacity, fair, c.seconds(per, "per"), max_instances, parent, guarantee))
+        row = await self._one(
+            c.SET_CAPACITY,
+            (
+                name,
+                c.whole(capacity, "capacity", 0, c.INT4_MAX),
+                fair,
+                c.seconds(per, "per"),
+                c.whole(max_instances, "max_instances", 0, c.INT4_MAX),
+                parent,
+                c.whole(guarantee, "guarantee", 0, c.INT4_MAX),
+            ),
+        )
         assert row is not None
         return c.Semaphore(*row)
 
@@ -173,6 +195,12 @@ class AsyncClient:
     ) -> "AsyncLease":
         """As Client.acquire: an AsyncLease (`async with`)."""
         limit = c.seconds(timeout, "timeout") or 0.0
+        if limit <= 0:
+            raise InvalidInput(
+                f"invalid timeout: must be positive (seconds to wait for the grant), got {timeout!r}; "
+                "to fail at once when there is no room, give wait=0",
+                "timeout",
+            )
         deadline = time.monotonic() + limit
         woken = asyncio.Event()
         listener: psycopg.AsyncConnection[Any] | None = None
@@ -183,7 +211,7 @@ class AsyncClient:
                 async for _ in on.notifies():
                     woken.set()
             except psycopg.Error:
-                pass  # closed: the status is read every POLL_SECONDS anyway
+                pass  # closed: the status is read every poll_interval anyway
 
         try:
             if self._listen:
@@ -191,43 +219,46 @@ class AsyncClient:
                 listener = await _until_deadline(deadline, self._take_listener)
                 listening = asyncio.create_task(listen(listener))
             sent = time.monotonic()
-            try:
-                status = await _until_deadline(
-                    deadline,
-                    lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
-                )
-                c.check_not_ended_before(status)
-                while not status.settled:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        why = c.why_waiting(await self.explain(external_id))
-                        granting = c.nothing_granting(await self._granting())
-                        outcome = await self.release(external_id)
-                        raise AcquireTimeout(
-                            c.timeout_message(external_id, f"within {limit:g}s", why, granting, outcome),
-                            external_id,
-                        )
-                    try:
-                        await asyncio.wait_for(woken.wait(), min(c.POLL_SECONDS, remaining))
-                    except asyncio.TimeoutError:
-                        pass
-                    _raise_if_cancelled()
-                    woken.clear()
+            status = await _until_deadline(
+                deadline,
+                lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
+            )
+            c.check_not_ended_before(status)
+            # Granted before this call (a retry): its lease may be older than `sent`.
+            granted_before = status.state == "acquired"
+            while not status.settled:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    why = await _or_empty(lambda: self.explain(external_id), c.why_waiting)
+                    granting = await _or_empty(self._granting, c.nothing_granting)
+                    outcome = await self.release(external_id)
+                    raise AcquireTimeout(
+                        c.timeout_message(external_id, f"within {limit:g}s", why, granting, outcome),
+                        external_id,
+                    )
+                try:
+                    await asyncio.wait_for(woken.wait(), min(self._poll_seconds, remaining))
+                except asyncio.TimeoutError:
+                    pass
+                _raise_if_cancelled()
+                woken.clear()
+                try:
                     status = await self.status(external_id) or status
-                    _raise_if_cancelled()
-            except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
-                # The caller is gone (Ctrl-C, a cancelled task): so is the request, or it
-                # would be granted to nobody and hold its permits.
-                await self._cancel_quietly(external_id)
-                raise
-            except psycopg.Error:
-                # A cancellation that reached a query ends it with an error: still a cancel.
-                if _cancelling():
-                    await self._cancel_quietly(external_id)
-                    raise asyncio.CancelledError from None
-                raise
-        except psycopg.Error as e:
-            raise translated(e) from e
+                except DatabaseUnavailable:
+                    pass  # read again at the next tick, until the deadline
+                _raise_if_cancelled()
+            await self._confirm_durable(external_id, deadline)
+            _raise_if_cancelled()
+        except (AcquireTimeout, RequestFailed, ExternalIdTaken):
+            raise  # cancelled already, ended, or another request's id: nothing to cancel
+        except BaseException as e:
+            # The caller is gone (Ctrl-C, a cancelled task) or the wait failed: so is the
+            # request, or it would be granted to nobody and hold its permits. A cancellation
+            # that reached a query ends it with an error: still a cancel.
+            await self._cancel_quietly(external_id)
+            if isinstance(e, PermitqError) and _cancelling():
+                raise asyncio.CancelledError from None
+            raise
         finally:
             if listening is not None:
                 listening.cancel()
@@ -236,20 +267,55 @@ class AsyncClient:
                 except asyncio.CancelledError:
                     pass
             if listener is not None:
-                if listener.closed or listener.broken:
-                    await listener.close()
-                else:
-                    # Kept for the next acquire (as Client's).
-                    self._listeners.append(listener)
-        await self._run(lambda conn: conn.execute(c.CONFIRM_DURABLE))
+                await self._give_back_listener(listener)
         if status.state == "acquired":
-            return AsyncLease(self, status, sent)
+            lease = AsyncLease(self, status, sent)
+            if granted_before:
+                await lease._heartbeat_now()
+            return lease
         if status.state == "error":
             raise request_failed(status.external_id, status.error_code or "", status.error_detail)
         raise PermitqError(
             f"request {status.external_id} is {status.state}: this external_id was granted and "
             "released before; submit under a new one"
         )
+
+    async def _confirm_durable(self, external_id: str, deadline: float) -> None:
+        """What was read reached the synchronous standby, or DatabaseUnavailable at the deadline
+        (at least 1 s): a primary that lost its standby waits for it forever."""
+        try:
+            await asyncio.wait_for(
+                self._run(lambda conn: conn.execute(c.CONFIRM_DURABLE)), max(deadline - time.monotonic(), 1.0)
+            )
+        except asyncio.TimeoutError:
+            stuck, self._conn = self._conn, None
+            if stuck is not None:
+                await stuck.close()
+            raise DatabaseUnavailable(c.unconfirmed_message(external_id)) from None
+
+    async def _give_back_listener(self, listener: psycopg.AsyncConnection[Any]) -> None:
+        """Kept for the next acquire (as Client's), and closed if none takes it in a while."""
+        if listener.closed or listener.broken:
+            await listener.close()
+            return
+        self._listeners.append(listener)
+
+        async def close_if_idle() -> None:
+            await asyncio.sleep(c.IDLE_LISTENER_SECONDS)
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+                await listener.close()
+
+        self._idle_closers.add(task := asyncio.create_task(close_if_idle()))
+        task.add_done_callback(self._idle_closers.discard)
+
+
+async def _or_empty(read: Callable[[], Awaitable[Any]], said: Callable[[Any], str]) -> str:
+    """A part of the timeout's message, or nothing when the database cannot say."""
+    try:
+        return said(await read())
+    except PermitqError:
+        return ""
 
 
 def _cancelling() -> bool:
@@ -329,6 +395,19 @@ class AsyncLease:
         if self._released is None:
             self._released = await self._client.release(self.external_id)
         return self._released
+
+    async def _heartbeat_now(self) -> None:
+        """As Lease._heartbeat_now: for a grant made before this acquire."""
+        if self.ttl is None:
+            return
+        sent = time.monotonic()
+        try:
+            await self._client.heartbeat(self.external_id)
+        except PermitqError as e:
+            self._lose(f"the lease of a grant made before this acquire could not be confirmed: {e}")
+            return
+        self._valid_until = sent + self.ttl
+        self._arm_watchdog()
 
     def _lose(self, reason: str) -> None:
         if not self.lost.is_set():

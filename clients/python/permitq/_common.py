@@ -18,6 +18,8 @@ EVENTS = "permitq_events"
 POLL_SECONDS = 0.25
 #: How long before the lease could have run out on the server a Lease says it is lost.
 SAFETY_FRACTION = 0.2
+# How long a LISTEN connection may wait idle for the next acquire before it is closed.
+IDLE_LISTENER_SECONDS = 10.0
 #: libpq's keepalive settings, so that a server that vanishes without closing the socket is
 #: noticed in well under a minute.
 KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3, "tcp_user_timeout": 30000}
@@ -65,6 +67,9 @@ def check_url(url: str) -> None:
     def invalid(what: str) -> InvalidInput:
         return InvalidInput(f"invalid database URL: {what}: {_URL_FORM}", "database URL")
 
+    if not isinstance(url, str):
+        raise invalid(f"{url!r} is not a string (os.environ.get('DATABASE_URL') is None when it is unset)")
+
     scheme, sep, rest = url.partition("://")
     if sep and scheme.lower() not in ("postgres", "postgresql"):
         raise invalid(f"{scheme}:// is not PostgreSQL's scheme: use postgres://")
@@ -97,10 +102,27 @@ def seconds(value: float | dt.timedelta | None, field: str) -> float | None:
     )
 
 
+INT4_MAX = 2**31 - 1
+
+
+def whole(value: Any, field: str, low: int, high: int) -> Any:
+    """`value` if it is a whole number within [low, high] (None passes), else InvalidInput naming
+    `field`: out of range, PostgreSQL would take it as a bigint and answer "no such function"."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidInput(f"invalid {field}: must be a whole number from {low} to {high}, got {value!r}", field)
+    return value
+
+
 def permits_json(permits: Mapping[str, int]) -> str:
     """The request's permits as the SQL API takes them."""
+    if not isinstance(permits, Mapping):
+        raise InvalidInput(f"permits: {permits!r} is not a mapping: give {{'gpu': 1}} (semaphore: count)", "permits")
     if not permits:
         raise InvalidInput("permits: name at least one semaphore and its count, e.g. {'gpu': 1}", "permits")
+    for name, count in permits.items():
+        whole(count, f"count of {name}", 1, INT4_MAX)
     return json.dumps(dict(permits))
 
 
@@ -214,6 +236,14 @@ def timeout_message(external_id: str, within: str, why: str, granting: str, outc
     return (
         f"request {external_id} was not granted {within}{why}{granting}; {ended}: acquire again "
         "under a new external_id"
+    )
+
+
+def unconfirmed_message(external_id: str) -> str:
+    """`acquire` could not confirm the outcome durable in time (it cancels the request)."""
+    return (
+        f"the outcome of request {external_id} did not reach the synchronous standby in time: this primary "
+        "may have lost its standby in a failover; the request was cancelled (or released): ask again"
     )
 
 

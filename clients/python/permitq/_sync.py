@@ -14,8 +14,11 @@ from . import _common as c
 from ._errors import (
     AcquireTimeout,
     DatabaseUnavailable,
+    ExternalIdTaken,
+    InvalidInput,
     LeaseLost,
     PermitqError,
+    RequestFailed,
     request_failed,
     translated,
 )
@@ -27,12 +30,13 @@ class Client:
     """A producer's handle on permitq: one connection (reopened when it breaks), safe to share
     between threads. `Client(url)`, or `with Client(url) as client:` to close it at the end."""
 
-    def __init__(self, url: str, *, listen: bool = True) -> None:
+    def __init__(self, url: str, *, listen: bool = True, poll_interval: float = c.POLL_SECONDS) -> None:
         c.check_url(url)
         self._url = url
         # Through a pooler in transaction mode LISTEN does not work: `listen=False` waits by
-        # reading the status every 0.25 s only.
+        # reading the status every `poll_interval` (0.25 s) only.
         self._listen = listen
+        self._poll_seconds = c.seconds(poll_interval, "poll_interval") or c.POLL_SECONDS
         self._conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
         # LISTEN connections between acquires (one per acquire waiting at once): opening one
@@ -64,7 +68,11 @@ class Client:
                     return listener
                 listener.close()
         listener = self._connect("permitq-python-listen")
-        listener.execute(f"LISTEN {c.EVENTS}")
+        try:
+            listener.execute(f"LISTEN {c.EVENTS}")
+        except psycopg.Error as e:
+            listener.close()
+            raise translated(e) from e
         return listener
 
     def _give_back_listener(self, listener: psycopg.Connection[Any]) -> None:
@@ -74,6 +82,18 @@ class Client:
             return
         with self._lock:
             self._listeners.append(listener)
+        # Nothing reads an idle listener: closed after a while, or its unread events would
+        # hold back PostgreSQL's notification queue for everyone.
+        timer = threading.Timer(c.IDLE_LISTENER_SECONDS, self._close_if_idle, (listener,))
+        timer.daemon = True
+        timer.start()
+
+    def _close_if_idle(self, listener: psycopg.Connection[Any]) -> None:
+        with self._lock:
+            if listener not in self._listeners:
+                return
+            self._listeners.remove(listener)
+        listener.close()
 
     def _connect(self, application_name: str = "permitq-python") -> psycopg.Connection[Any]:
         try:
@@ -107,7 +127,7 @@ class Client:
         """Submits a request (idempotent by `external_id`: the same call again returns the same
         request; other parameters raise ExternalIdTaken). `ttl`: the lease, heartbeat within it;
         `wait`: how long it may wait (0: fail fast); durations in seconds or timedelta."""
-        args = (external_id, c.permits_json(permits), owner, c.seconds(ttl, "ttl"), c.seconds(wait, "wait"), priority)
+        args = (external_id, c.permits_json(permits), owner, c.seconds(ttl, "ttl"), c.seconds(wait, "wait"), c.whole(priority, "priority", -100, 100))
         row = self._run(lambda conn: conn.execute(c.SUBMIT, args).fetchone())
         assert row is not None
         return c.Status.from_row(row)
@@ -157,7 +177,15 @@ class Client:
         guarantee: int | None = None,
     ) -> c.Semaphore:
         """Creates or changes a semaphore (admins). None keeps a setting."""
-        args = (name, capacity, fair, c.seconds(per, "per"), max_instances, parent, guarantee)
+        args = (
+            name,
+            c.whole(capacity, "capacity", 0, c.INT4_MAX),
+            fair,
+            c.seconds(per, "per"),
+            c.whole(max_instances, "max_instances", 0, c.INT4_MAX),
+            parent,
+            c.whole(guarantee, "guarantee", 0, c.INT4_MAX),
+        )
         row = self._run(lambda conn: conn.execute(c.SET_CAPACITY, args).fetchone())
         assert row is not None
         return c.Semaphore(*row)
@@ -178,58 +206,121 @@ class Client:
         request is cancelled (nothing waits on) and AcquireTimeout raised; an error outcome
         raises its RequestFailed subclass."""
         limit = c.seconds(timeout, "timeout") or 0.0
+        if limit <= 0:
+            raise InvalidInput(
+                f"invalid timeout: must be positive (seconds to wait for the grant), got {timeout!r}; "
+                "to fail at once when there is no room, give wait=0",
+                "timeout",
+            )
         deadline = time.monotonic() + limit
         # Retried until the deadline, as the submit is: a database that is down when acquire
         # starts may be back before it.
         listener = _until_deadline(deadline, self._take_listener) if self._listen else None
         try:
             sent = time.monotonic()
-            try:
-                status = _until_deadline(
-                    deadline,
-                    lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
-                )
-                c.check_not_ended_before(status)
-                while not status.settled:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        why = c.why_waiting(self.explain(external_id))
-                        granting = c.nothing_granting(self._granting())
-                        outcome = self.release(external_id)
-                        raise AcquireTimeout(
-                            c.timeout_message(external_id, f"within {limit:g}s", why, granting, outcome),
-                            external_id,
-                        )
-                    if listener is None:
-                        time.sleep(min(c.POLL_SECONDS, remaining))
-                    else:
-                        readable, _, _ = select.select([listener.fileno()], [], [], min(c.POLL_SECONDS, remaining))
-                        if readable:
-                            listener.execute("SELECT 1")  # takes the notifications in
+            status = _until_deadline(
+                deadline,
+                lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
+            )
+            c.check_not_ended_before(status)
+            # Granted before this call (a retry after a dropped connection): its lease may be
+            # older than `sent`, so the lease heartbeats before it is handed over.
+            granted_before = status.state == "acquired"
+            while not status.settled:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    why = _or_empty(lambda: c.why_waiting(self.explain(external_id)))
+                    granting = _or_empty(lambda: c.nothing_granting(self._granting()))
+                    outcome = self.release(external_id)
+                    raise AcquireTimeout(
+                        c.timeout_message(external_id, f"within {limit:g}s", why, granting, outcome),
+                        external_id,
+                    )
+                listener = _wait_for_event(listener, min(self._poll_seconds, remaining))
+                try:
                     status = self.status(external_id) or status
-            except (KeyboardInterrupt, SystemExit):
-                # The caller is gone (Ctrl-C, a cancelled task): so is the request, or it
-                # would be granted to nobody and hold its permits.
-                self._cancel_quietly(external_id)
-                raise
-        except psycopg.Error as e:
-            raise translated(e) from e
+                except DatabaseUnavailable:
+                    pass  # read again at the next tick, until the deadline
+            return self._granted(status, sent, deadline, granted_before)
+        except (AcquireTimeout, RequestFailed, ExternalIdTaken):
+            raise  # cancelled already, ended, or another request's id: nothing to cancel
+        except BaseException:
+            # The caller is gone (Ctrl-C, a cancelled task) or the wait failed: so is the
+            # request, or it would be granted to nobody and hold its permits.
+            self._cancel_quietly(external_id)
+            raise
         finally:
             if listener is not None:
                 self._give_back_listener(listener)
-        return self._granted(status, sent)
 
-    def _granted(self, status: c.Status, sent: float) -> "Lease":
-        # What was read reached the synchronous standby (a failover cannot take it back).
-        self._run(lambda conn: conn.execute(c.CONFIRM_DURABLE))
+    def _granted(self, status: c.Status, sent: float, deadline: float, granted_before: bool) -> "Lease":
+        self._confirm_durable(status.external_id, deadline)
         if status.state == "acquired":
-            return Lease(self, status, sent)
+            lease = Lease(self, status, sent)
+            if granted_before:
+                lease._heartbeat_now()
+            return lease
         if status.state == "error":
             raise request_failed(status.external_id, status.error_code or "", status.error_detail)
         raise PermitqError(
             f"request {status.external_id} is {status.state}: this external_id was granted and "
             "released before; submit under a new one"
         )
+
+    def _confirm_durable(self, external_id: str, deadline: float) -> None:
+        """What was read reached the synchronous standby (a failover cannot take it back), or
+        DatabaseUnavailable at the deadline (at least 1 s): a primary that lost its standby
+        waits for it forever, so the connection is abandoned to that wait."""
+        with self._lock:
+            if self._conn is None or self._conn.closed or self._conn.broken:
+                self._conn = self._connect()
+            conn = self._conn
+        done: list[BaseException | None] = []
+
+        def attempt() -> None:
+            try:
+                conn.execute(c.CONFIRM_DURABLE)
+                done.append(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.append(e)
+
+        runner = threading.Thread(target=attempt, name="permitq-confirm-durable", daemon=True)
+        runner.start()
+        runner.join(timeout=max(deadline - time.monotonic(), 1.0))
+        if not done:
+            with self._lock:
+                if self._conn is conn:
+                    self._conn = None
+            raise DatabaseUnavailable(c.unconfirmed_message(external_id))
+        error = done[0]
+        if isinstance(error, psycopg.Error):
+            raise translated(error) from error
+        if error is not None:
+            raise error
+
+
+def _or_empty(read: Callable[[], str]) -> str:
+    """A part of the timeout's message, or nothing when the database cannot say."""
+    try:
+        return read()
+    except PermitqError:
+        return ""
+
+
+def _wait_for_event(listener: psycopg.Connection[Any] | None, seconds: float) -> psycopg.Connection[Any] | None:
+    """Waits up to `seconds` for an event on `listener`; the listener, or None once it broke
+    (the wait goes on by reading the status: latency, never a failed acquire)."""
+    if listener is None:
+        time.sleep(seconds)
+        return None
+    try:
+        readable, _, _ = select.select([listener.fileno()], [], [], seconds)
+        if readable:
+            listener.execute("SELECT 1")  # takes the notifications in
+        return listener
+    except (psycopg.Error, OSError, ValueError):
+        listener.close()
+        return None
 
 
 def _until_deadline(deadline: float, call: Callable[[], T]) -> T:
@@ -302,6 +393,20 @@ class Lease:
         if self._released is None:
             self._released = self._client.release(self.external_id)
         return self._released
+
+    def _heartbeat_now(self) -> None:
+        """For a grant made before this acquire (its lease may be older than the call): the
+        clock starts at this heartbeat, or the lease is lost."""
+        if self.ttl is None:
+            return
+        sent = time.monotonic()
+        try:
+            self._client.heartbeat(self.external_id)
+        except PermitqError as e:
+            self._lose(f"the lease of a grant made before this acquire could not be confirmed: {e}")
+            return
+        self._valid_until = sent + self.ttl
+        self._arm_watchdog()
 
     def _margin(self) -> float:
         return (self.ttl or 0.0) * c.SAFETY_FRACTION

@@ -277,25 +277,92 @@ class SyncClientTest(unittest.TestCase):
     def test_a_waiting_acquire_is_woken_by_the_release(self) -> None:
         holders = [self.client.acquire(new_id("hold"), {self.sem: 1}, ttl=30, timeout=15) for _ in range(2)]
         rid = new_id("next")
-        waiter = permitq.Client(URL)
+        # Reading the status only every 60 s: only the event can wake it in time.
+        waiter = permitq.Client(URL, poll_interval=60)
         try:
             import threading
 
             got: list[permitq.Lease] = []
-            thread = threading.Thread(target=lambda: got.append(waiter.acquire(rid, {self.sem: 1}, timeout=15)))
+            thread = threading.Thread(target=lambda: got.append(waiter.acquire(rid, {self.sem: 1}, timeout=30)))
             thread.start()
             wait_for(lambda: (e := self.client.explain(rid)) and e.semaphores and e.semaphores[0].position, "examined")
             explanation = self.client.explain(rid)
             self.assertEqual(explanation.semaphores[0].shortfall, 1)
+            released = time.monotonic()
             holders[0].release()
-            thread.join(10)
+            thread.join(20)
             self.assertEqual(len(got), 1)
+            self.assertLess(time.monotonic() - released, 10, "woken by the event, not by a status read")
             self.assertEqual(got[0].status.state, "acquired")
             got[0].release()
         finally:
             for lease in holders:
                 lease.release()
             waiter.close()
+
+    @unittest.skipUnless(SUPER_URL, "PERMITQ_SUPER_URL names a superuser login")
+    def test_a_listener_that_dies_mid_wait_costs_latency_not_the_acquire(self) -> None:
+        holders = [self.client.acquire(new_id("hold"), {self.sem: 1}, ttl=30, timeout=15) for _ in range(2)]
+        rid = new_id("orphan")
+        waiter = permitq.Client(URL, poll_interval=0.2)
+        try:
+            import threading
+
+            import psycopg
+
+            got: list[object] = []
+
+            def acquire() -> None:
+                try:
+                    got.append(waiter.acquire(rid, {self.sem: 1}, timeout=30))
+                except Exception as e:  # noqa: BLE001 - asserted below
+                    got.append(e)
+
+            thread = threading.Thread(target=acquire)
+            thread.start()
+            wait_for(lambda: self.client.status(rid), "submitted")
+            with psycopg.connect(SUPER_URL, autocommit=True) as su:
+                killed = wait_for(
+                    lambda: su.execute(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE application_name = 'permitq-python-listen' AND query ILIKE 'LISTEN%'"
+                    ).fetchone()[0],
+                    "the waiter's LISTEN connection terminated",
+                )
+            self.assertGreater(killed, 0)
+            holders[0].release()
+            thread.join(20)
+            self.assertEqual(len(got), 1)
+            self.assertIsInstance(got[0], permitq.Lease, f"the acquire went on by polling: {got[0]!r}")
+            got[0].release()  # type: ignore[union-attr]
+        finally:
+            for lease in holders:
+                lease.release()
+            waiter.close()
+
+    def test_acquiring_an_earlier_grant_again_heartbeats_before_handing_it_over(self) -> None:
+        rid = new_id("again")
+        first = self.client.acquire(rid, {self.sem: 1}, ttl=30, timeout=15)
+        try:
+            granted_until = self.client.status(rid).expires_at
+            # A retry of the same acquire (after a dropped connection): the same grant, whose
+            # lease clock must not start now.
+            again = self.client.acquire(rid, {self.sem: 1}, ttl=30, timeout=15)
+            self.assertEqual(again.fencing_token, first.fencing_token)
+            self.assertFalse(again.is_lost)
+            self.assertGreater(self.client.status(rid).expires_at, granted_until, "a heartbeat extended it")
+        finally:
+            first.release()
+
+    def test_out_of_range_numbers_are_invalid_input_not_a_missing_function(self) -> None:
+        for call, field in [
+            (lambda: self.client.submit(new_id("p"), {self.sem: 1}, priority=2**40), "priority"),
+            (lambda: self.client.submit(new_id("p"), {self.sem: 1}, priority=101), "priority"),
+            (lambda: self.admin.set_capacity(new_id("cap"), 2**40), "capacity"),
+        ]:
+            with self.assertRaises(permitq.InvalidInput) as caught:
+                call()
+            self.assertEqual(caught.exception.field, field)
 
     @unittest.skipUnless(OTHER_URL, "PERMITQ_OTHER_URL names another producer login")
     def test_another_producers_request_is_not_ours(self) -> None:
@@ -388,6 +455,38 @@ class AsyncClientTest(unittest.IsolatedAsyncioTestCase):
         async with await permitq.AsyncClient.connect(URL, listen=False) as polling:
             async with await polling.acquire(new_id("apoll"), {sem: 1}, ttl=30, timeout=15) as lease:
                 self.assertGreater(lease.fencing_token, 0)
+        await admin.close()
+
+    async def test_woken_by_the_event_released_on_an_exception_and_kept_from_others(self) -> None:
+        admin = await permitq.AsyncClient.connect(ADMIN_URL)
+        sem = new_id("aev")
+        await admin.set_capacity(sem, 1)
+        # Reading the status only every 60 s: only the event can wake the waiter in time.
+        async with await permitq.AsyncClient.connect(URL, poll_interval=60) as client:
+            holder = await client.acquire(new_id("ahold"), {sem: 1}, ttl=30, timeout=15)
+            rid = new_id("anext")
+            waiting = asyncio.create_task(client.acquire(rid, {sem: 1}, ttl=30, timeout=30))
+            for _ in range(500):
+                e = await client.explain(rid)
+                if e and e.semaphores and e.semaphores[0].position:
+                    break
+                await asyncio.sleep(0.02)
+            released = time.monotonic()
+            await holder.release()
+            lease = await asyncio.wait_for(waiting, 20)
+            self.assertLess(time.monotonic() - released, 10, "woken by the event, not by a status read")
+            # Released when the block ends with an exception.
+            with self.assertRaises(RuntimeError):
+                async with lease:
+                    raise RuntimeError("work failed")
+            self.assertEqual((await client.status(rid)).state, "released")
+            if OTHER_URL:
+                mine = new_id("amine")
+                async with await client.acquire(mine, {sem: 1}, ttl=30, timeout=15):
+                    async with await permitq.AsyncClient.connect(OTHER_URL) as other:
+                        self.assertIsNone(await other.status(mine))
+                        with self.assertRaises(permitq.NotOwner):
+                            await other.release(mine)
         await admin.close()
 
 

@@ -15,3 +15,9 @@ export declare function checkOptions(options: object, allowed: readonly string[]
 export declare const SUBMIT_OPTIONS: readonly ["owner", "ttlSeconds", "waitSeconds", "priority"];
 /** The options `acquire` takes. */
 export declare const ACQUIRE_OPTIONS: readonly ["owner", "ttlSeconds", "waitSeconds", "priority", "timeoutMs", "signal"];
+/**
+ * A client config that names no database: no connectionString, host or user, and none of
+ * libpq's variables (node-postgres would try localhost as no user), or a connectionString
+ * misspelled (`connectionstring`).
+ */
+export declare function checkConfig(config: Record<string, unknown>): void;

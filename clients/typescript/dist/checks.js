@@ -25,6 +25,10 @@ export function checkUrl(connectionString) {
         throw invalid("a password (or user name) with an @, :, / or # in it must be percent-encoded in the URL " +
             "(@ as %40, : as %3A, / as %2F, # as %23)");
     }
+    // A Unix socket in the query (`postgres://me@/app?host=/run/postgresql`): an empty host,
+    // which WHATWG URL refuses with credentials and node-postgres reads.
+    if (authority.endsWith("@"))
+        return;
     let url;
     try {
         url = new URL(connectionString);
@@ -50,6 +54,7 @@ const KINDS = {
     waitSeconds: "seconds",
     priority: "integer",
     timeoutMs: "seconds",
+    pollMs: "seconds",
     signal: "signal",
 };
 /** The option a caller from another client most likely meant. */
@@ -89,7 +94,7 @@ export function checkOptions(options, allowed) {
                     : !(value instanceof AbortSignal);
         if (bad) {
             const want = kind === "seconds"
-                ? `a non-negative number (${name.endsWith("Ms") ? "milliseconds" : "seconds"}, e.g. 30)`
+                ? `a non-negative number (${name.endsWith("Ms") ? "milliseconds, e.g. 30000" : "seconds, e.g. 30"})`
                 : kind === "integer"
                     ? "a whole number"
                     : kind === "string"
@@ -103,3 +108,19 @@ export function checkOptions(options, allowed) {
 export const SUBMIT_OPTIONS = ["owner", "ttlSeconds", "waitSeconds", "priority"];
 /** The options `acquire` takes. */
 export const ACQUIRE_OPTIONS = [...SUBMIT_OPTIONS, "timeoutMs", "signal"];
+/**
+ * A client config that names no database: no connectionString, host or user, and none of
+ * libpq's variables (node-postgres would try localhost as no user), or a connectionString
+ * misspelled (`connectionstring`).
+ */
+export function checkConfig(config) {
+    const misspelled = Object.keys(config).find((k) => k !== "connectionString" && k.toLowerCase() === "connectionstring");
+    if (misspelled) {
+        throw new InvalidInput(`invalid option ${misspelled}: did you mean connectionString?`, misspelled);
+    }
+    const env = ["PGHOST", "PGUSER", "PGDATABASE"].some((v) => process.env[v]);
+    if (config.connectionString === undefined && config.host === undefined && config.user === undefined && !env) {
+        throw new InvalidInput("no database given: pass connectionString (e.g. process.env.DATABASE_URL, if it is set: " +
+            "postgres://user[:password]@host[:port]/database), or host and user, or set PGHOST and PGUSER", "connectionString");
+    }
+}

@@ -73,14 +73,18 @@ export interface Explanation {
 export declare class Client {
     private readonly pool;
     private readonly listen;
+    /** How often a waiting acquire reads its status without a notification. */
+    private readonly pollMs;
     /** How to connect: the caller's config, the local socket filled in, `listen` taken out. */
     private readonly connect;
     /**
      * `config` as node-postgres takes it; `listen: false` waits by reading the status only (through
-     * a pooler in transaction mode, where LISTEN does not work; no statement is prepared either).
+     * a pooler in transaction mode, where LISTEN does not work; no statement is prepared either);
+     * `pollMs` (250): how often a waiting acquire reads its status besides the events.
      */
     constructor(config: pg.PoolConfig & {
         listen?: boolean;
+        pollMs?: number;
     });
     /** A connection of its own (a LISTEN, a lease's heartbeats), not from the pool. */
     connection(applicationName: string): pg.Client;
@@ -128,6 +132,12 @@ export declare class Client {
      * RequestFailed subclass.
      */
     acquire(externalId: string, permits: Record<string, number>, options?: AcquireOptions): Promise<Lease>;
+    /**
+     * What was read reached the synchronous standby (a failover cannot take it back), or
+     * DatabaseUnavailable at the deadline (at least 1 s): a primary that lost its standby waits
+     * for it forever, so the connection is then destroyed, not given back to the pool.
+     */
+    private confirmDurable;
 }
 /**
  * Permits held: heartbeats every third of its ttl, releases when disposed (`await using`, or
@@ -160,6 +170,9 @@ export declare class Lease implements AsyncDisposable {
     [Symbol.asyncDispose](): Promise<void>;
     private lostAt;
     private lose;
+    /** For a grant made before this acquire (its lease may be older than the call): the clock
+     * starts at this heartbeat, or the lease is lost. */
+    heartbeatNow(): Promise<void>;
     /** Aborts `signal` when the lease would be lost without another heartbeat, whatever a
      * heartbeat in flight is waiting for. */
     private armWatchdog;

@@ -13,8 +13,8 @@
 import { existsSync } from "node:fs";
 import { userInfo } from "node:os";
 import pg from "pg";
-import { AcquireTimeout, InvalidInput, LeaseLost, PermitqError, DatabaseUnavailable, requestFailed, translated, } from "./errors.js";
-import { ACQUIRE_OPTIONS, SUBMIT_OPTIONS, checkOptions, checkUrl } from "./checks.js";
+import { AcquireTimeout, ExternalIdTaken, InvalidInput, LeaseLost, PermitqError, DatabaseUnavailable, RequestFailed, requestFailed, translated, } from "./errors.js";
+import { ACQUIRE_OPTIONS, SUBMIT_OPTIONS, checkConfig, checkOptions, checkUrl } from "./checks.js";
 import { SQL } from "./sql.js";
 export * from "./errors.js";
 export { SQL } from "./sql.js";
@@ -44,12 +44,15 @@ function status(row) {
         priority: row.priority,
     };
 }
+/** Resolves after `ms`, or at once when `signal` aborts (its listener removed either way). */
 const sleep = (ms, signal) => new Promise((resolve) => {
-    const timer = setTimeout(resolve, ms);
-    signal?.addEventListener("abort", () => {
+    const done = () => {
         clearTimeout(timer);
+        signal?.removeEventListener("abort", done);
         resolve();
-    }, { once: true });
+    };
+    const timer = setTimeout(done, ms);
+    signal?.addEventListener("abort", done, { once: true });
 });
 /**
  * As libpq does for a URL without a host (`postgres:///app`): the local server's socket
@@ -82,17 +85,23 @@ function localSocket(config) {
 export class Client {
     pool;
     listen;
+    /** How often a waiting acquire reads its status without a notification. */
+    pollMs;
     /** How to connect: the caller's config, the local socket filled in, `listen` taken out. */
     connect;
     /**
      * `config` as node-postgres takes it; `listen: false` waits by reading the status only (through
-     * a pooler in transaction mode, where LISTEN does not work; no statement is prepared either).
+     * a pooler in transaction mode, where LISTEN does not work; no statement is prepared either);
+     * `pollMs` (250): how often a waiting acquire reads its status besides the events.
      */
     constructor(config) {
-        const { listen, ...poolConfig } = config;
+        const { listen, pollMs, ...poolConfig } = config;
+        checkConfig(poolConfig);
         if (poolConfig.connectionString !== undefined)
             checkUrl(poolConfig.connectionString);
+        checkOptions({ pollMs }, ["pollMs"]);
         this.listen = listen ?? true;
+        this.pollMs = pollMs ?? POLL_MS;
         this.connect = { ...poolConfig, ...localSocket(poolConfig) };
         this.pool = new pg.Pool({ max: 4, application_name: "permitq-node", keepAlive: true, ...this.connect });
         this.pool.on("error", () => { }); // an idle connection that broke: the next query reconnects
@@ -232,23 +241,29 @@ export class Client {
         const { timeoutMs, signal, ...submitOptions } = options;
         const limit = timeoutMs ?? 30_000;
         const deadline = performance.now() + limit;
-        // A lost listener costs latency, never a hang: the status is read every POLL_MS anyway.
-        // Retried until the deadline, as the submit is: a database that is down when acquire starts
-        // may be back before it.
-        const listener = this.listen ? await untilDeadline(deadline, () => this.takeListener()) : null;
         let woken = () => { };
         const onNotification = () => woken();
-        listener?.on("notification", onNotification);
+        const onAbort = () => woken();
+        signal?.addEventListener("abort", onAbort);
+        let listener = null;
         let sent = 0;
         let current;
+        let grantedBefore = false;
         try {
+            // A lost listener costs latency, never a hang: the status is read every pollMs anyway.
+            // Retried until the deadline, as the submit is: a database that is down when acquire
+            // starts may be back before it.
+            listener = this.listen ? await untilDeadline(deadline, signal, () => this.takeListener()) : null;
+            listener?.on("notification", onNotification);
             sent = performance.now();
-            current = await untilDeadline(deadline, () => this.submit(externalId, permits, submitOptions));
+            current = await untilDeadline(deadline, signal, () => this.submit(externalId, permits, submitOptions));
             // A submit returns an ended request only when the external_id was used before.
             if (current.state === "error" || current.state === "released") {
                 throw new PermitqError(`request ${externalId} was submitted before and has ended (${current.state} ` +
                     `${current.errorCode ?? current.releaseReason ?? ""}); this is that request: acquire under a new external_id`);
             }
+            // Granted before this call (a retry): its lease may be older than `sent`.
+            grantedBefore = current.state === "acquired";
             while (current.state === "new" || current.state === "in_progress") {
                 const remaining = deadline - performance.now();
                 if (remaining <= 0 || signal?.aborted) {
@@ -266,38 +281,86 @@ export class Client {
                         `${why ? ` (${why})` : ""}${granting}; ${ended}: acquire again under a new external_id`, externalId);
                 }
                 await new Promise((resolve) => {
-                    const timer = setTimeout(resolve, Math.min(POLL_MS, remaining));
+                    const timer = setTimeout(resolve, Math.min(this.pollMs, remaining));
                     woken = () => { clearTimeout(timer); resolve(); };
-                    signal?.addEventListener("abort", () => { clearTimeout(timer); resolve(); }, { once: true });
                 });
-                current = (await this.status(externalId)) ?? current;
+                woken = () => { };
+                // A read that fails is read again at the next tick, until the deadline.
+                current = (await this.status(externalId).catch((e) => {
+                    if (e instanceof DatabaseUnavailable)
+                        return null;
+                    throw e;
+                })) ?? current;
             }
+            await this.confirmDurable(externalId, deadline);
+        }
+        catch (e) {
+            // The wait failed or was given up: the request is cancelled, or it would be granted to
+            // nobody and hold its permits (cancelled already, ended, or another's id: nothing to do).
+            if (!(e instanceof AcquireTimeout || e instanceof RequestFailed || e instanceof ExternalIdTaken)) {
+                await this.release(externalId).catch(() => { });
+            }
+            throw e;
         }
         finally {
+            signal?.removeEventListener("abort", onAbort);
             if (listener) {
                 listener.off("notification", onNotification);
                 this.giveBackListener(listener);
             }
         }
-        // What was read reached the synchronous standby (a failover cannot take it back).
-        await this.query(SQL.confirmDurable, []);
-        if (current.state === "acquired")
-            return new Lease(this, current, sent);
+        if (current.state === "acquired") {
+            const lease = new Lease(this, current, sent);
+            if (grantedBefore)
+                await lease.heartbeatNow();
+            return lease;
+        }
         if (current.state === "error")
             throw requestFailed(externalId, current.errorCode ?? "", current.errorDetail);
         throw new PermitqError(`request ${externalId} is ${current.state}: this external_id was granted and released before; submit under a new one`);
     }
+    /**
+     * What was read reached the synchronous standby (a failover cannot take it back), or
+     * DatabaseUnavailable at the deadline (at least 1 s): a primary that lost its standby waits
+     * for it forever, so the connection is then destroyed, not given back to the pool.
+     */
+    async confirmDurable(externalId, deadline) {
+        const conn = await this.pool.connect().catch((e) => { throw translated(e); });
+        let timer;
+        const late = new Promise((resolve) => {
+            timer = setTimeout(() => resolve("late"), Math.max(deadline - performance.now(), 1000));
+        });
+        try {
+            const answer = await Promise.race([conn.query(SQL.confirmDurable).then(() => "ok"), late]);
+            if (answer === "late") {
+                conn.release(true);
+                throw new DatabaseUnavailable(`the outcome of request ${externalId} did not reach the synchronous standby in time: this primary ` +
+                    "may have lost its standby in a failover; the request was cancelled (or released): ask again");
+            }
+            conn.release();
+        }
+        catch (e) {
+            if (e instanceof DatabaseUnavailable)
+                throw e;
+            conn.release(true);
+            throw translated(e);
+        }
+        finally {
+            clearTimeout(timer);
+        }
+    }
 }
-async function untilDeadline(deadline, call) {
+/** `call`, again while the database is unavailable, until `deadline` or until `signal` aborts. */
+async function untilDeadline(deadline, signal, call) {
     let pause = 50;
     for (;;) {
         try {
             return await call();
         }
         catch (e) {
-            if (!(e instanceof DatabaseUnavailable) || performance.now() + pause >= deadline)
+            if (!(e instanceof DatabaseUnavailable) || performance.now() + pause >= deadline || signal?.aborted)
                 throw e;
-            await sleep(pause);
+            await sleep(pause, signal);
             pause = Math.min(pause * 2, 1000);
         }
     }
@@ -369,6 +432,22 @@ export class Lease {
         if (!this.signal.aborted)
             this.lost.abort(reason);
     }
+    /** For a grant made before this acquire (its lease may be older than the call): the clock
+     * starts at this heartbeat, or the lease is lost. */
+    async heartbeatNow() {
+        if (this.ttlSeconds == null)
+            return;
+        const sent = performance.now();
+        try {
+            await this.client.heartbeat(this.externalId);
+        }
+        catch (e) {
+            this.lose(`the lease of a grant made before this acquire could not be confirmed: ${String(e)}`);
+            return;
+        }
+        this.validUntil = sent + this.ttlSeconds * 1000;
+        this.armWatchdog();
+    }
     /** Aborts `signal` when the lease would be lost without another heartbeat, whatever a
      * heartbeat in flight is waiting for. */
     armWatchdog() {
@@ -395,6 +474,9 @@ export class Lease {
             if (!this.conn) {
                 this.conn = this.client.connection("permitq-node-lease");
                 await this.conn.connect();
+                // A lease never released does not keep the process alive: it ends, and the lease
+                // runs out on the server.
+                this.conn.connection?.stream?.unref?.();
             }
             const conn = this.conn;
             const stuck = new Promise((resolve) => { timer = setTimeout(() => resolve("stuck"), Math.max(every / 2, 500)); });

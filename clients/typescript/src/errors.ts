@@ -159,7 +159,8 @@ export function translated(e: unknown): Error {
   const err = e as { code?: string; message?: string };
   const message = (err.message ?? String(e)).replace(/\s+/g, " ");
   const code = err.code ?? "";
-  const sqlstate = /^[0-9A-Z]{5}$/.test(code);
+  // A server's error has a severity; a socket's (EPIPE, ECONNRESET) has only a code.
+  const sqlstate = /^[0-9A-Z]{5}$/.test(code) && "severity" in (e as object);
   if (/password must be a string/i.test(message)) {
     return new LoginRejected(
       `the server asks for a password and none was given (${message}): put it in the URL, postgres://user:password@host/db, or set PGPASSWORD`,
@@ -179,7 +180,7 @@ export function translated(e: unknown): Error {
     return new LoginRejected(`${message} (name the user in the URL: postgres://user@host/db)`);
   }
   const connection = !sqlstate && (code !== "" || /connection|connect|terminated|timeout/i.test(message));
-  if (connection || code.startsWith("08") || code.startsWith("57P")) {
+  if (connection || code.startsWith("08") || code.startsWith("57P") || code === "53300") {
     return new DatabaseUnavailable(`${message} (is PostgreSQL up and the URL right? Retrying is safe)`);
   }
   if (!sqlstate) return e instanceof Error ? e : new PermitqError(message);
@@ -188,6 +189,9 @@ export function translated(e: unknown): Error {
       const field = message.startsWith("invalid ") ? message.slice(8).split(":")[0]!.trim() : null;
       return new InvalidInput(message, field);
     }
+    case "22003": // a number out of its column's range
+    case "22P02": // a number that is not one (1.5 for a count)
+      return new InvalidInput(`${message} (a count, capacity or priority must be a whole number in range)`, null);
     case "42501":
       return new NotOwner(message + roleHint(message));
     case "23505":

@@ -8,6 +8,7 @@
 
 import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";
+import { getEventListeners } from "node:events";
 import { after, before, describe, it } from "node:test";
 
 import pg from "pg";
@@ -212,6 +213,7 @@ describe("permitq client", () => {
       ["postgres://me:p@ss@localhost/app", /must be percent-encoded in the URL \(@ as %40/],
       ["postgres://a@h/db?sslmode=bogus", /sslmode "bogus" is not one of/],
     ]) {
+      // (and a Unix socket in the query is accepted: see below)
       let e;
       try {
         new permitq.Client({ connectionString: url });
@@ -222,6 +224,7 @@ describe("permitq client", () => {
       assert.match(e.message, said);
       assert.match(e.message, form);
     }
+    new permitq.Client({ connectionString: "postgres://me:secret@/app?host=/var/run/postgresql" });
     const target = new globalThis.URL(URL);
     target.username = "no_such_login_here";
     target.password = "";
@@ -267,14 +270,48 @@ describe("permitq client", () => {
       await client.acquire(newId("hold"), { [sem]: 1 }, { ttlSeconds: 30 }),
     ];
     const id = newId("next");
-    const waiting = client.acquire(id, { [sem]: 1 }, { timeoutMs: 15_000 });
+    // Reading the status only every 60 s: only the event can wake it in time.
+    const eventsOnly = new permitq.Client({ connectionString: URL, pollMs: 60_000 });
+    const waiting = eventsOnly.acquire(id, { [sem]: 1 }, { timeoutMs: 30_000 });
     await waitFor(async () => (await client.explain(id))?.semaphores[0]?.position, "examined");
     assert.equal((await client.explain(id)).semaphores[0].shortfall, 1);
+    const released = Date.now();
     await holders[0].release();
     const lease = await waiting;
+    assert.ok(Date.now() - released < 10_000, "woken by the event, not by a status read");
     assert.equal(lease.status.state, "acquired");
     await lease.release();
     await holders[1].release();
+    await eventsOnly.end();
+  });
+
+  it("leaves no abort listener behind and heartbeats an earlier grant before handing it over", async () => {
+    const controller = new AbortController();
+    const id = newId("again");
+    const first = await client.acquire(id, { [sem]: 1 }, { ttlSeconds: 30, signal: controller.signal });
+    try {
+      assert.equal(getEventListeners(controller.signal, "abort").length, 0);
+      const grantedUntil = (await client.status(id)).expiresAt;
+      // A retry of the same acquire: the same grant, whose lease clock must not start now.
+      const again = await client.acquire(id, { [sem]: 1 }, { ttlSeconds: 30, signal: controller.signal });
+      assert.equal(again.fencingToken, first.fencingToken);
+      assert.equal(again.isLost, false);
+      assert.ok((await client.status(id)).expiresAt > grantedUntil, "a heartbeat extended it");
+      assert.equal(getEventListeners(controller.signal, "abort").length, 0);
+    } finally {
+      await first.release();
+    }
+  });
+
+  it("stops retrying an unreachable database when its signal aborts", async () => {
+    const down = new permitq.Client({ connectionString: "postgres://nobody@127.0.0.1:1/nothing" });
+    const started = Date.now();
+    const e = await down
+      .acquire(newId("down"), { x: 1 }, { timeoutMs: 8000, signal: AbortSignal.timeout(200) })
+      .catch((err) => err);
+    assert.ok(e instanceof permitq.DatabaseUnavailable, String(e));
+    assert.ok(Date.now() - started < 4000, `gave up when the signal aborted, after ${Date.now() - started} ms`);
+    await down.end();
   });
 
   it("keeps another producer's request from it", { skip: !OTHER_URL }, async () => {

@@ -19,7 +19,7 @@ async fn an_interrupted_submit_await_cancels_the_request_it_made() {
     run(url, &["semaphore", "set", "gpu", "1"]).await;
     // No worker: it waits the whole await unless interrupted.
     let child = Command::new(env!("CARGO_BIN_EXE_permitq"))
-        .args(["submit", "int-1", "gpu=1", "--await", "60s"])
+        .args(["submit", "int-1", "gpu=1", "--await"])
         .env("DATABASE_URL", url)
         .env("RUST_LOG", "off")
         .stdin(Stdio::null())
@@ -36,7 +36,8 @@ async fn an_interrupted_submit_await_cancels_the_request_it_made() {
         .unwrap();
     assert_eq!(code(&o), 130, "{}", stderr(&o));
     assert!(
-        stderr(&o).contains("permitq: interrupted; int-1: cancelled it: it was still waiting"),
+        stderr(&o).contains("permitq: interrupted; int-1: cancelled it: it was still waiting")
+            && stderr(&o).contains("waiting until it is granted (Ctrl-C cancels it) anyway"),
         "{}",
         stderr(&o)
     );
