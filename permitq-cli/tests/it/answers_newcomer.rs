@@ -18,22 +18,7 @@ async fn an_interrupted_submit_await_cancels_the_request_it_made() {
     let url = &db.url;
     run(url, &["semaphore", "set", "gpu", "1"]).await;
     // No worker: it waits the whole await unless interrupted.
-    let child = Command::new(env!("CARGO_BIN_EXE_permitq"))
-        .args(["submit", "int-1", "gpu=1", "--await"])
-        .env("DATABASE_URL", url)
-        .env("RUST_LOG", "off")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let client = db.client().await;
-    // Its signal handler is in place before it opens its LISTEN connection to wait.
-    waiting_on_listen(&db).await;
-    signal(child.id(), "INT");
-    let o = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
-        .await
-        .unwrap();
+    let o = interrupted_await(&db, &["int-1", "gpu=1", "--await"], "INT").await;
     assert_eq!(code(&o), 130, "{}", stderr(&o));
     assert!(
         stderr(&o).contains("permitq: interrupted; int-1: cancelled it: it was still waiting")
@@ -50,30 +35,38 @@ async fn an_interrupted_submit_await_cancels_the_request_it_made() {
 
     // SIGTERM too; and a request submitted before under this id is the same request.
     run(url, &["submit", "int-2", "gpu=1"]).await;
-    let child = Command::new(env!("CARGO_BIN_EXE_permitq"))
-        .args(["submit", "int-2", "gpu=1", "--await", "60s"])
-        .env("DATABASE_URL", url)
-        .env("RUST_LOG", "off")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    waiting_on_listen(&db).await;
-    signal(child.id(), "TERM");
-    let o = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
-        .await
-        .unwrap();
+    let o = interrupted_await(&db, &["int-2", "gpu=1", "--await", "60s"], "TERM").await;
     assert_eq!(code(&o), 130, "{}", stderr(&o));
     assert!(
         stderr(&o).contains("permitq: interrupted; int-2: cancelled it: it was still waiting"),
         "{}",
         stderr(&o)
     );
+    let client = db.client().await;
     assert_eq!(
         client.status("int-2").await.unwrap().unwrap().state,
         permitq::State::Error
     );
+}
+
+/// `permitq submit ARGS` run until it waits, then sent SIG`signal`: what it printed and its exit.
+async fn interrupted_await(db: &TestDb, args: &[&str], signal: &str) -> std::process::Output {
+    let child = Command::new(env!("CARGO_BIN_EXE_permitq"))
+        .arg("submit")
+        .args(args)
+        .env("DATABASE_URL", &db.url)
+        .env("RUST_LOG", "off")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Its signal handler is in place before it opens its LISTEN connection to wait.
+    waiting_on_listen(db).await;
+    common::signal(child.id(), signal);
+    tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
+        .await
+        .unwrap()
 }
 
 /// Until a `submit --await` waits: its LISTEN connection is open.
@@ -91,15 +84,6 @@ async fn waiting_on_listen(db: &TestDb) {
             > 0
     })
     .await;
-}
-
-/// Sends SIG`name` to `pid` (with kill(1): the crate has no unsafe code).
-fn signal(pid: u32, name: &str) {
-    let sent = Command::new("kill")
-        .args([format!("-{name}"), pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success(), "kill -{name} {pid}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -463,11 +463,7 @@ async fn the_worker_exits_0_on_sigterm() {
         .spawn()
         .unwrap();
     wait_until_listening(&db, "term-me").await;
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    common::signal(child.id(), "TERM");
     let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
         .await
         .unwrap();
@@ -627,10 +623,7 @@ async fn sigterm_stops_a_worker_whose_stdout_and_stderr_are_a_closed_pipe() {
         .unwrap()
         .unwrap();
     assert_eq!(r.state, permitq::State::Acquired);
-    Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
+    common::signal(child.id(), "TERM");
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let status = tokio::task::spawn_blocking(move || loop {
         if let Some(status) = child.try_wait().unwrap() {
