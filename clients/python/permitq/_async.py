@@ -13,11 +13,8 @@ from . import _common as c
 from ._errors import (
     AcquireTimeout,
     DatabaseUnavailable,
-    ExternalIdTaken,
-    InvalidInput,
     LeaseLost,
     PermitqError,
-    RequestFailed,
     request_failed,
     translated,
 )
@@ -194,13 +191,7 @@ class AsyncClient:
         priority: int = 0,
     ) -> "AsyncLease":
         """As Client.acquire: an AsyncLease (`async with`)."""
-        limit = c.seconds(timeout, "timeout") or 0.0
-        if limit <= 0:
-            raise InvalidInput(
-                f"invalid timeout: must be positive (seconds to wait for the grant), got {timeout!r}; "
-                "to fail at once when there is no room, give wait=0",
-                "timeout",
-            )
+        limit = c.acquire_limit(timeout)
         deadline = time.monotonic() + limit
         woken = asyncio.Event()
         listener: psycopg.AsyncConnection[Any] | None = None
@@ -249,7 +240,7 @@ class AsyncClient:
                 _raise_if_cancelled()
             await self._confirm_durable(external_id, deadline)
             _raise_if_cancelled()
-        except (AcquireTimeout, RequestFailed, ExternalIdTaken):
+        except c.NOTHING_TO_CANCEL:
             raise  # cancelled already, ended, or another request's id: nothing to cancel
         except BaseException as e:
             # The caller is gone (Ctrl-C, a cancelled task) or the wait failed: so is the
@@ -404,7 +395,7 @@ class AsyncLease:
         try:
             await self._client.heartbeat(self.external_id)
         except PermitqError as e:
-            self._lose(f"the lease of a grant made before this acquire could not be confirmed: {e}")
+            self._lose(c.earlier_grant_unconfirmed(e))
             return
         self._valid_until = sent + self.ttl
         self._arm_watchdog()

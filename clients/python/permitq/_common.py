@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import psycopg
 
-from ._errors import InvalidInput, PermitqError
+from ._errors import AcquireTimeout, ExternalIdTaken, InvalidInput, PermitqError, RequestFailed
 
 #: The channel the workers announce outcomes on (payloads: JSON arrays of request ids).
 EVENTS = "permitq_events"
@@ -237,6 +237,28 @@ def timeout_message(external_id: str, within: str, why: str, granting: str, outc
         f"request {external_id} was not granted {within}{why}{granting}; {ended}: acquire again "
         "under a new external_id"
     )
+
+
+# What `acquire` raises without cancelling its request: its own timeout cancelled it already, a
+# failed request has ended, and ExternalIdTaken is another request's id.
+NOTHING_TO_CANCEL = (AcquireTimeout, RequestFailed, ExternalIdTaken)
+
+
+def acquire_limit(timeout: float | dt.timedelta) -> float:
+    """`acquire`'s timeout in seconds; InvalidInput unless positive (`wait=0` is fail-fast)."""
+    limit = seconds(timeout, "timeout") or 0.0
+    if limit <= 0:
+        raise InvalidInput(
+            f"invalid timeout: must be positive (seconds to wait for the grant), got {timeout!r}; "
+            "to fail at once when there is no room, give wait=0",
+            "timeout",
+        )
+    return limit
+
+
+def earlier_grant_unconfirmed(error: Exception) -> str:
+    """Why a lease acquired again (granted before the call) is lost at once."""
+    return f"the lease of a grant made before this acquire could not be confirmed: {error}"
 
 
 def unconfirmed_message(external_id: str) -> str:

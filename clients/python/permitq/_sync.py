@@ -14,11 +14,8 @@ from . import _common as c
 from ._errors import (
     AcquireTimeout,
     DatabaseUnavailable,
-    ExternalIdTaken,
-    InvalidInput,
     LeaseLost,
     PermitqError,
-    RequestFailed,
     request_failed,
     translated,
 )
@@ -205,13 +202,7 @@ class Client:
         block). Waits on LISTEN, reading the status every 0.25 s as well. At the deadline the
         request is cancelled (nothing waits on) and AcquireTimeout raised; an error outcome
         raises its RequestFailed subclass."""
-        limit = c.seconds(timeout, "timeout") or 0.0
-        if limit <= 0:
-            raise InvalidInput(
-                f"invalid timeout: must be positive (seconds to wait for the grant), got {timeout!r}; "
-                "to fail at once when there is no room, give wait=0",
-                "timeout",
-            )
+        limit = c.acquire_limit(timeout)
         deadline = time.monotonic() + limit
         # Retried until the deadline, as the submit is: a database that is down when acquire
         # starts may be back before it.
@@ -242,7 +233,7 @@ class Client:
                 except DatabaseUnavailable:
                     pass  # read again at the next tick, until the deadline
             return self._granted(status, sent, deadline, granted_before)
-        except (AcquireTimeout, RequestFailed, ExternalIdTaken):
+        except c.NOTHING_TO_CANCEL:
             raise  # cancelled already, ended, or another request's id: nothing to cancel
         except BaseException:
             # The caller is gone (Ctrl-C, a cancelled task) or the wait failed: so is the
@@ -275,18 +266,9 @@ class Client:
             if self._conn is None or self._conn.closed or self._conn.broken:
                 self._conn = self._connect()
             conn = self._conn
-        done: list[BaseException | None] = []
-
-        def attempt() -> None:
-            try:
-                conn.execute(c.CONFIRM_DURABLE)
-                done.append(None)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                done.append(e)
-
-        runner = threading.Thread(target=attempt, name="permitq-confirm-durable", daemon=True)
-        runner.start()
-        runner.join(timeout=max(deadline - time.monotonic(), 1.0))
+        done = _bounded(
+            lambda: conn.execute(c.CONFIRM_DURABLE), max(deadline - time.monotonic(), 1.0), "permitq-confirm-durable"
+        )
         if not done:
             with self._lock:
                 if self._conn is conn:
@@ -297,6 +279,25 @@ class Client:
             raise translated(error) from error
         if error is not None:
             raise error
+
+
+def _bounded(call: Callable[[], object], seconds: float, name: str) -> list[BaseException | None]:
+    """`call` in a thread of its own, waited for at most `seconds`: `[None]` if it returned,
+    `[error]` if it raised, `[]` if it is still running (a server that stopped answering keeps
+    it forever: it is abandoned to it, with its connection)."""
+    outcome: list[BaseException | None] = []
+
+    def attempt() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            outcome.append(e)
+
+    runner = threading.Thread(target=attempt, name=name, daemon=True)
+    runner.start()
+    runner.join(timeout=seconds)
+    return outcome
 
 
 def _or_empty(read: Callable[[], str]) -> str:
@@ -403,7 +404,7 @@ class Lease:
         try:
             self._client.heartbeat(self.external_id)
         except PermitqError as e:
-            self._lose(f"the lease of a grant made before this acquire could not be confirmed: {e}")
+            self._lose(c.earlier_grant_unconfirmed(e))
             return
         self._valid_until = sent + self.ttl
         self._arm_watchdog()
@@ -446,18 +447,11 @@ class Lease:
                         continue
                 # One attempt, bounded: a server that stopped answering keeps it forever, so the
                 # connection is left to it and the next attempt opens another.
-                outcome: list[BaseException | None] = []
-
-                def attempt(conn: psycopg.Connection[Any] = conn) -> None:
-                    try:
-                        conn.execute(c.HEARTBEAT, (self.external_id, None))
-                        outcome.append(None)
-                    except BaseException as e:  # noqa: BLE001 - handed to the lease thread
-                        outcome.append(e)
-
-                runner = threading.Thread(target=attempt, daemon=True)
-                runner.start()
-                runner.join(timeout=max(every / 2, 0.5))
+                outcome = _bounded(
+                    lambda conn=conn: conn.execute(c.HEARTBEAT, (self.external_id, None)),
+                    max(every / 2, 0.5),
+                    f"permitq-heartbeat-{self.external_id}",
+                )
                 if self._stop.is_set():
                     return
                 if not outcome:
