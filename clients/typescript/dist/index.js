@@ -326,13 +326,9 @@ export class Client {
      */
     async confirmDurable(externalId, deadline) {
         const conn = await this.pool.connect().catch((e) => { throw translated(e); });
-        let timer;
-        const late = new Promise((resolve) => {
-            timer = setTimeout(() => resolve("late"), Math.max(deadline - performance.now(), 1000));
-        });
         try {
-            const answer = await Promise.race([conn.query(SQL.confirmDurable).then(() => "ok"), late]);
-            if (answer === "late") {
+            const answer = await within(conn.query(SQL.confirmDurable), Math.max(deadline - performance.now(), 1000));
+            if (answer === LATE) {
                 conn.release(true);
                 throw new DatabaseUnavailable(`the outcome of request ${externalId} did not reach the synchronous standby in time: this primary ` +
                     "may have lost its standby in a failover; the request was cancelled (or released): ask again");
@@ -345,9 +341,20 @@ export class Client {
             conn.release(true);
             throw translated(e);
         }
-        finally {
-            clearTimeout(timer);
-        }
+    }
+}
+/** What `within` answers for a promise that did not settle in time. */
+const LATE = Symbol("late");
+/** `work`'s value, or LATE once `ms` pass first (`work` goes on, abandoned: its caller drops
+ * the connection it runs on). */
+async function within(work, ms) {
+    let timer;
+    const late = new Promise((resolve) => { timer = setTimeout(() => resolve(LATE), ms); });
+    try {
+        return await Promise.race([work, late]);
+    }
+    finally {
+        clearTimeout(timer);
     }
 }
 /** `call`, again while the database is unavailable, until `deadline` or until `signal` aborts. */
@@ -469,7 +476,6 @@ export class Lease {
             return;
         const every = (this.ttlSeconds ?? 0) * 1000 / 3;
         const sent = performance.now();
-        let timer;
         try {
             if (!this.conn) {
                 this.conn = this.client.connection("permitq-node-lease");
@@ -479,14 +485,10 @@ export class Lease {
                 this.conn.connection?.stream?.unref?.();
             }
             const conn = this.conn;
-            const stuck = new Promise((resolve) => { timer = setTimeout(() => resolve("stuck"), Math.max(every / 2, 500)); });
-            const answer = await Promise.race([
-                conn.query(SQL.leaseHeartbeat, [this.externalId]).then(() => "ok"),
-                stuck,
-            ]);
+            const answer = await within(conn.query(SQL.leaseHeartbeat, [this.externalId]), Math.max(every / 2, 500));
             if (this.released)
                 return;
-            if (answer === "stuck") {
+            if (answer === LATE) {
                 this.conn = null; // abandoned to its query
                 conn.end().catch(() => { });
                 this.schedule(0);
@@ -505,9 +507,6 @@ export class Lease {
             this.conn?.end().catch(() => { });
             this.conn = null;
             this.schedule(Math.min(every, 500)); // retried soon; the watchdog decides when it is lost
-        }
-        finally {
-            clearTimeout(timer);
         }
     }
 }

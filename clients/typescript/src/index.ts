@@ -424,13 +424,9 @@ export class Client {
    */
   private async confirmDurable(externalId: string, deadline: number): Promise<void> {
     const conn = await this.pool.connect().catch((e) => { throw translated(e); });
-    let timer: NodeJS.Timeout | undefined;
-    const late = new Promise<"late">((resolve) => {
-      timer = setTimeout(() => resolve("late"), Math.max(deadline - performance.now(), 1000));
-    });
     try {
-      const answer = await Promise.race([conn.query(SQL.confirmDurable).then(() => "ok" as const), late]);
-      if (answer === "late") {
+      const answer = await within(conn.query(SQL.confirmDurable), Math.max(deadline - performance.now(), 1000));
+      if (answer === LATE) {
         conn.release(true);
         throw new DatabaseUnavailable(
           `the outcome of request ${externalId} did not reach the synchronous standby in time: this primary ` +
@@ -442,9 +438,22 @@ export class Client {
       if (e instanceof DatabaseUnavailable) throw e;
       conn.release(true);
       throw translated(e);
-    } finally {
-      clearTimeout(timer);
     }
+  }
+}
+
+/** What `within` answers for a promise that did not settle in time. */
+const LATE = Symbol("late");
+
+/** `work`'s value, or LATE once `ms` pass first (`work` goes on, abandoned: its caller drops
+ * the connection it runs on). */
+async function within<T>(work: Promise<T>, ms: number): Promise<T | typeof LATE> {
+  let timer: NodeJS.Timeout | undefined;
+  const late = new Promise<typeof LATE>((resolve) => { timer = setTimeout(() => resolve(LATE), ms); });
+  try {
+    return await Promise.race([work, late]);
+  } finally {
+    clearTimeout(timer);
   }
 }
 
@@ -564,7 +573,6 @@ export class Lease implements AsyncDisposable {
     if (this.released || this.isLost) return;
     const every = (this.ttlSeconds ?? 0) * 1000 / 3;
     const sent = performance.now();
-    let timer: NodeJS.Timeout | undefined;
     try {
       if (!this.conn) {
         this.conn = this.client.connection("permitq-node-lease");
@@ -574,13 +582,9 @@ export class Lease implements AsyncDisposable {
         (this.conn as unknown as { connection?: { stream?: { unref?: () => void } } }).connection?.stream?.unref?.();
       }
       const conn = this.conn;
-      const stuck = new Promise<"stuck">((resolve) => { timer = setTimeout(() => resolve("stuck"), Math.max(every / 2, 500)); });
-      const answer = await Promise.race([
-        conn.query(SQL.leaseHeartbeat, [this.externalId]).then(() => "ok" as const),
-        stuck,
-      ]);
+      const answer = await within(conn.query(SQL.leaseHeartbeat, [this.externalId]), Math.max(every / 2, 500));
       if (this.released) return;
-      if (answer === "stuck") {
+      if (answer === LATE) {
         this.conn = null; // abandoned to its query
         conn.end().catch(() => {});
         this.schedule(0);
@@ -598,8 +602,6 @@ export class Lease implements AsyncDisposable {
       this.conn?.end().catch(() => {});
       this.conn = null;
       this.schedule(Math.min(every, 500)); // retried soon; the watchdog decides when it is lost
-    } finally {
-      clearTimeout(timer);
     }
   }
 }
