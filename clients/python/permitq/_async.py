@@ -424,6 +424,10 @@ class AsyncLease:
         try:
             while True:
                 await asyncio.sleep(pause)
+                # release() cancels this task; Python 3.11's wait_for below may swallow that
+                # cancellation (when the heartbeat answers at the same moment), and the loop
+                # would then heartbeat forever while release() waits for it.
+                _raise_if_cancelled()
                 if self.is_lost:
                     return
                 sent = time.monotonic()
