@@ -408,7 +408,8 @@ pub(crate) struct SubmitArgs {
     /// Idempotency key chosen by you (1..255 characters).
     pub external_id: String,
     /// What to acquire, all or nothing: NAME=COUNT, one or more (each semaphore once).
-    #[arg(required_unless_present = "permit", value_parser = parse_permit)]
+    /// (Checked by `submit`, which can tell a permit given in the id's place.)
+    #[arg(value_parser = parse_permit)]
     pub permits: Vec<(String, i64)>,
     /// One more semaphore and its count, for names NAME=COUNT cannot express (containing `=`).
     #[arg(long = "permit", num_args = 2, value_names = ["NAME", "COUNT"], action = clap::ArgAction::Append)]
@@ -480,7 +481,7 @@ fn parse_await(s: &str) -> std::result::Result<Duration, String> {
     parse_duration(s)
 }
 
-fn parse_permit(s: &str) -> std::result::Result<(String, i64), String> {
+pub(crate) fn parse_permit(s: &str) -> std::result::Result<(String, i64), String> {
     // The last `=` splits, so NAME=COUNT is unambiguous for names without `=`; names with one
     // go through `--permit NAME COUNT`.
     let (name, count) = s

@@ -284,11 +284,15 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
                      gives it one"
                 ),
                 Err(e) if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE) => {
-                    if client.status(&external_id).await?.is_none() {
+                    let Some(row) = client.status(&external_id).await? else {
                         return Err(CliError::not_found("request", &external_id));
-                    }
+                    };
                     errln!("permitq: {}", crate::error::one_line(&e.to_string()));
-                    return Ok(EXIT_NOT_GRANTED);
+                    // Not granted yet is not lost: a script tells them apart by the code.
+                    return Ok(match row.state {
+                        State::New | State::InProgress => EXIT_STILL_WAITING,
+                        _ => EXIT_NOT_GRANTED,
+                    });
                 }
                 Err(e) => return Err(not_extended(e)),
             }
@@ -594,6 +598,25 @@ fn release_said(outcome: ReleaseOutcome, row: &PermitRequest) -> String {
 }
 
 async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
+    if args.permits.is_empty() && args.permit.is_empty() {
+        let hint = if crate::args::parse_permit(&args.external_id).is_ok() {
+            format!(
+                "{:?} was taken as the external_id, which comes first: \
+                 `permitq submit ID {}`",
+                args.external_id, args.external_id
+            )
+        } else {
+            format!(
+                "name what to acquire after the external_id: `permitq submit {} NAME=COUNT` \
+                 (e.g. gpu=1)",
+                args.external_id
+            )
+        };
+        return Err(CliError::Missing {
+            field: "permits",
+            hint,
+        });
+    }
     let mut request = Request::new(args.external_id);
     let mut named = std::collections::BTreeSet::new();
     for (name, count) in args

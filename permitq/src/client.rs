@@ -191,9 +191,10 @@ impl Client {
                     None => {
                         let names: Vec<&str> = request.permits.keys().map(String::as_str).collect();
                         format!(
-                            "; {} had no room for it in that time (`permitq semaphore show NAME` \
+                            "; {} had no room for it in that time (`permitq semaphore show {}` \
                              shows who holds them)",
-                            names.join(", ")
+                            names.join(", "),
+                            names.first().copied().unwrap_or("NAME")
                         )
                     }
                 };

@@ -136,7 +136,7 @@ pub(crate) async fn serve(
         let hint = match e.kind() {
             std::io::ErrorKind::AddrInUse => {
                 ": another process listens there (another `permitq serve` or worker?); give \
-                     another port with --http-addr (serve) or --metrics-addr (worker)"
+                     another port with --http-addr (serve and worker)"
             }
             std::io::ErrorKind::AddrNotAvailable => {
                 ": that address is not one of this machine's; use 127.0.0.1 or 0.0.0.0"

@@ -491,7 +491,8 @@ async fn a_heartbeat_on_a_waiting_request_says_it_is_still_waiting() {
     run(url, &["semaphore", "set", "gpu", "4"]).await;
     run(url, &["submit", "wait-1", "gpu=1"]).await;
     let o = run(url, &["heartbeat", "wait-1"]).await;
-    assert_eq!(code(&o), 3, "{}", stderr(&o));
+    // 4, as `submit --await` still waiting: a script tells "not granted yet" from "lost" (3).
+    assert_eq!(code(&o), 4, "{}", stderr(&o));
     assert!(
         stderr(&o).contains("no lease yet: request wait-1 is still waiting to be granted")
             && stderr(&o).contains("heartbeat once it is acquired: `permitq status` shows when")
@@ -1186,4 +1187,31 @@ async fn a_semaphore_nothing_uses_can_be_deleted_and_its_history_says_so() {
         stdout(&o)
     );
     worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submit_without_its_id_says_the_permit_was_taken_as_the_id() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let o = run(url, &["submit", "gpu=1"]).await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            r#"no permits given: "gpu=1" was taken as the external_id, which comes first: `permitq submit ID gpu=1`"#
+        ),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &["submit", "job-1"]).await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "no permits given: name what to acquire after the external_id: `permitq submit job-1 NAME=COUNT` (e.g. gpu=1)"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    // Nothing was written.
+    let o = run(url, &["status", "gpu=1"]).await;
+    assert_eq!(code(&o), 5, "{}", stderr(&o));
 }

@@ -186,7 +186,7 @@ async fn serve_on_a_port_in_use_names_the_option_that_moves_it() {
     assert!(
         stderr(&o).contains(&format!("cannot listen on {addr} for HTTP"))
             && stderr(&o).contains("another process listens there")
-            && stderr(&o).contains("--http-addr (serve) or --metrics-addr (worker)"),
+            && stderr(&o).contains("--http-addr (serve and worker)"),
         "{}",
         stderr(&o)
     );

@@ -139,7 +139,7 @@ BEGIN
 
         reason := CASE
             WHEN NOT r.examined THEN
-                'not examined by a worker yet: a running worker does within a second or so; ask again for its place in line'
+                'not examined by a worker yet: a running worker does within a second or so, and then this shows its place in line'
             WHEN within_guarantee THEN
                 CASE WHEN shortfall > 0
                      THEN format('parent: within the guarantee of %s (%s), waits for %s more %s to be released',
