@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import psycopg
@@ -160,8 +161,19 @@ def _message(e: psycopg.Error) -> str:
         if diag.message_hint:
             text += f" ({diag.message_hint})"
     else:
-        text = str(e)
+        text = _once_per_attempt(str(e))
     return " ".join(text.split())
+
+
+def _once_per_attempt(text: str) -> str:
+    """libpq's message with each attempt's failure once: it tries a host twice (with and without
+    TLS, or over IPv4 and IPv6) and says the same thing for both."""
+    attempts: list[str] = []
+    for attempt in re.split(r"(?=connection to server )", text):
+        attempt = " ".join(attempt.split())
+        if attempt and attempt not in attempts:
+            attempts.append(attempt)
+    return " ".join(attempts)
 
 
 def translated(e: psycopg.Error) -> PermitqError:

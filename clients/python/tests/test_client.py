@@ -210,8 +210,11 @@ class SyncClientTest(unittest.TestCase):
         stranger_url = make_conninfo(**{**conninfo_to_dict(URL), "user": "no_such_login_here", "password": ""})
         with permitq.Client(stranger_url) as stranger:
             started = time.monotonic()
-            with self.assertRaises(permitq.LoginRejected):
+            with self.assertRaises(permitq.LoginRejected) as refused:
                 stranger.acquire(new_id("stranger"), {self.sem: 1}, timeout=5)
+            # libpq's failure once, though it tried the host more than once.
+            said = str(refused.exception)
+            self.assertEqual(said.count('role "no_such_login_here" does not exist'), 1, said)
             self.assertLess(time.monotonic() - started, 4, "not retried until the deadline: retrying cannot help")
 
     def test_a_deadline_cancels_the_request_so_nothing_waits_on(self) -> None:
