@@ -210,7 +210,16 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
             Ok(0)
         }
         Command::Doctor { json } => {
-            let findings = Client::connect(&need_url()?).await?.hardening().await?;
+            let client = Client::connect(&need_url()?).await?;
+            let findings = client.hardening().await?;
+            // The checks are of the database around permitq, and hold without its schema; say
+            // so when it is not there (or not this version's), as the rest of the CLI would.
+            if !json && !client.schema_is_current().await.unwrap_or(true) {
+                errln!(
+                    "permitq doctor: the permitq schema is not here, or not this version's: \
+                     run `permitq migrate` (the checks below are of the database around it)"
+                );
+            }
             if json {
                 outln!(
                     "{}",

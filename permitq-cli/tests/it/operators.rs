@@ -881,6 +881,7 @@ async fn doctor_prints_the_hardening_sql_and_passes_once_it_ran() {
     let login = common::user_of(&producer_url);
     let o = run(&db.url, &["doctor"]).await;
     assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(!stderr(&o).contains("schema is not here"), "{}", stderr(&o));
     let text = stdout(&o);
     let fix = |prefix: &str| {
         text.lines()
@@ -1213,4 +1214,20 @@ async fn many_clients_at_once_share_one_database_read_per_second() {
     );
     drop(serve);
     worker.stop().await;
+}
+
+/// `doctor` on a database without permitq's schema runs its checks (they are of the database
+/// around it) and says that the schema is missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_on_a_database_without_the_schema_says_to_migrate() {
+    let db = TestDb::empty().await;
+    let o = run(&db.url, &["doctor"]).await;
+    assert!(
+        stderr(&o).contains(
+            "the permitq schema is not here, or not this version's: run `permitq migrate`"
+        ) && stdout(&o).contains("advisory locks"),
+        "{}\n{}",
+        stdout(&o),
+        stderr(&o)
+    );
 }
