@@ -1,7 +1,7 @@
 //! Stateright's explorer on the protocol's model: browse states and step through a
 //! counterexample in a web page.
 //!
-//!     cargo run --release -p permitq-model --example explore -- [wait|skip] [sync|async] [PLANT]
+//!     cargo run --release -p permitq-model --example explore -- [wait|first] [sync|async] [PLANT]
 //!
 //! then open http://localhost:3000. PLANT is one of the planted bugs by name (e.g.
 //! `LocksUnsorted`), to see the counterexample that catches it.
@@ -12,7 +12,7 @@ use stateright::Model;
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let lock_mode = match args.first().map(String::as_str) {
-        Some("skip") => LockMode::SkipLocked,
+        Some("first") => LockMode::LockFirst,
         _ => LockMode::Wait,
     };
     let replication = match args.get(1).map(String::as_str) {

@@ -10,10 +10,12 @@
 //! [`decide`](permitq::decision_model::decide): the model checks the code that decides, not a
 //! re-statement of it.
 //!
-//! Two lock modes: [`LockMode::Wait`], the path the workers run today (a batch's semaphores
-//! locked `FOR UPDATE` in id order: a worker waits for another's batch), and
-//! [`LockMode::SkipLocked`], the rebuilt path's design (docs/design.md, "The grant path,
-//! rebuilt": a request naming a semaphore another worker holds is left for that worker).
+//! Two lock modes: [`LockMode::Wait`], the path the workers run (claim the requests, then lock
+//! their semaphores `FOR UPDATE` in id order: a worker waits for another's batch), and
+//! [`LockMode::LockFirst`], the rebuilt path's design (docs/design.md, "Step 5: semaphores
+//! before requests"): semaphores first, `SKIP LOCKED`, then only the requests whose every
+//! semaphore the worker got; a worker that got only part of a request's semaphores and nothing
+//! to claim takes its next batch the waiting way.
 //!
 //! The properties are in [`GrantProtocol::properties`](stateright::Model::properties); the
 //! bounds, the states explored and the time are in this crate's README.
@@ -41,9 +43,14 @@ pub struct SemaphoreSpec {
 pub enum LockMode {
     /// `FOR UPDATE` in id order: a worker waits until every semaphore of its batch is free.
     Wait,
-    /// `FOR UPDATE SKIP LOCKED`: a worker locks what is free, and leaves the requests that take
-    /// from a semaphore another worker holds.
-    SkipLocked,
+    /// Semaphores first, `FOR UPDATE SKIP LOCKED`: a worker locks the free semaphores of the
+    /// requests it could claim, then claims only those whose every semaphore it got; the others
+    /// are left to the worker that holds them. A worker that got only part of some request's
+    /// semaphores and has nothing to claim takes its next batch as [`LockMode::Wait`] does
+    /// (the fallback that keeps such a request from being skipped by every worker at once).
+    /// Either way may come next in the model, as workers of both ways would run side by side
+    /// during a rolling upgrade.
+    LockFirst,
 }
 
 /// What a failover loses.
@@ -64,7 +71,8 @@ pub enum Plant {
     ReleasesFoldedTwice,
     /// The claim takes rows another worker's transaction holds (no `SKIP LOCKED`).
     ClaimLockedRows,
-    /// With `SkipLocked`, requests that take from a skipped semaphore are decided anyway.
+    /// With `LockFirst`, requests that take from a semaphore another worker holds are claimed
+    /// and decided anyway.
     DecideWithoutLocks,
     /// The decision is not told the heads of the lines (the waiters outside its batch).
     NoHeads,
@@ -202,6 +210,19 @@ pub enum Phase {
     },
 }
 
+/// What a lock-first claim takes.
+#[derive(Debug)]
+struct LockFirst {
+    /// The requests it claims.
+    claimed: Vec<usize>,
+    /// The semaphores it locks.
+    locked: Vec<usize>,
+    /// Whether another worker held a semaphore it wanted.
+    skipped: bool,
+    /// Whether it got part of some request's semaphores while another worker held the rest.
+    partly_held: bool,
+}
+
 /// A state of the whole system.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct SystemState {
@@ -238,6 +259,8 @@ pub struct Seen {
     pub borrowed: bool,
     /// A worker skipped a semaphore another held.
     pub skipped: bool,
+    /// A lock-first claim got part of a request's semaphores, another worker held the rest.
+    pub partly_held: bool,
     /// A worker crashed after applying its decision.
     pub crashed_after_apply: bool,
     /// A grant committed after a failover.
@@ -267,8 +290,12 @@ pub enum Action {
     SweepSelect(usize),
     /// The sweep releases request `r` as `expired`, checking the lease again under its row lock.
     SweepRelease(usize),
-    /// Worker `w` claims its batch.
+    /// Worker `w` claims its batch (in `LockFirst`: locks its free semaphores first, then claims
+    /// the requests whose every semaphore it got).
     Claim(usize),
+    /// Worker `w`, whose lock-first claim would hold part of a request's semaphores and claim
+    /// nothing, claims its batch the waiting way (`LockMode::Wait`'s claim, then its locks).
+    ClaimWaiting(usize),
     /// Worker `w` locks its batch's semaphores and folds their releases.
     Lock(usize),
     /// Worker `w` decides (permitq's `decide`) and applies.
@@ -340,6 +367,36 @@ impl GrantProtocol {
             lock_mode,
             plant: None,
         }
+    }
+
+    /// Bounds where lock-first batches run side by side: 2 workers, 3 requests (one on `a`, one
+    /// on `b`, one on both: a worker may hold one of its semaphores while another holds the
+    /// other), 2 semaphores of capacity 1, not nested, one crash, one failover.
+    #[must_use]
+    pub fn independent(lock_mode: LockMode, replication: Replication) -> GrantProtocol {
+        let semaphore = |name| SemaphoreSpec {
+            name,
+            capacity: 1,
+            parent: None,
+            guarantee: 0,
+        };
+        GrantProtocol {
+            semaphores: vec![semaphore("a"), semaphore("b")],
+            requests: vec![vec![(0, 1)], vec![(1, 1)], vec![(0, 1), (1, 1)]],
+            leased: vec![0],
+            workers: 2,
+            crashes: 1,
+            capacity_change: None,
+            failover: Some(replication),
+            lock_mode,
+            plant: None,
+        }
+    }
+
+    /// Whether requests `a` and `b` take from a semaphore in common.
+    fn share_a_semaphore(&self, a: usize, b: usize) -> bool {
+        let taken = self.takes(b);
+        self.takes(a).keys().any(|s| taken.contains_key(s))
     }
 
     /// Semaphore `s` and its ancestors, nearest first.
@@ -454,6 +511,39 @@ impl GrantProtocol {
                         }))
             })
             .collect()
+    }
+
+    /// Worker `w`'s lock-first claim (`LockMode::LockFirst`): of the semaphores the claimable requests take from, it
+    /// locks those no other transaction holds (`SKIP LOCKED`: it never waits), then claims the
+    /// requests whose every semaphore it got. The model claims every such request, a superset of
+    /// what a batch takes.
+    fn lock_first(&self, state: &SystemState, w: usize) -> LockFirst {
+        let (_, others) = Self::locks(state, Some(w));
+        let candidates = self.claimable(state);
+        let needs: BTreeSet<usize> = candidates
+            .iter()
+            .flat_map(|r| self.takes(*r).into_keys())
+            .collect();
+        let locked: Vec<usize> = needs.difference(&others).copied().collect();
+        let partly_held = candidates.iter().any(|r| {
+            let takes = self.takes(*r);
+            takes.keys().any(|s| locked.contains(s)) && takes.keys().any(|s| others.contains(s))
+        });
+        let claimed = candidates
+            .into_iter()
+            .filter(|r| {
+                let takes = self.takes(*r);
+                takes.keys().all(|s| locked.contains(s))
+                    || (self.plant == Some(Plant::DecideWithoutLocks)
+                        && takes.keys().any(|s| locked.contains(s)))
+            })
+            .collect();
+        LockFirst {
+            claimed,
+            skipped: locked.len() < needs.len(),
+            partly_held,
+            locked,
+        }
     }
 
     /// A holder's release (`permitq.release`) or the sweep's: the permits go back to be folded.
@@ -614,10 +704,18 @@ impl GrantProtocol {
             }
             if row.state == RequestState::Acquired {
                 let token = row.token.unwrap_or(0);
-                if state.db.grants.iter().any(|(_, t)| *t >= token) {
+                // Per semaphore: grants on semaphores that share nothing commit in any order.
+                if state
+                    .db
+                    .grants
+                    .iter()
+                    .any(|(g, t)| *t >= token && self.share_a_semaphore(*g, *r))
+                {
                     Self::violate(
                         state,
-                        format!("token {token} not above every earlier grant's"),
+                        format!(
+                            "token {token} not above every earlier grant's on a semaphore it takes from"
+                        ),
                     );
                 }
                 if state.db.grants.iter().any(|(g, _)| g == r) {
@@ -850,11 +948,20 @@ impl Model for GrantProtocol {
         let claimable = !self.claimable(state).is_empty();
         for (w, phase) in state.workers.iter().enumerate() {
             match phase {
+                Phase::Idle if self.lock_mode == LockMode::LockFirst => {
+                    // A lock-first batch that finds nothing to claim commits at once: a step
+                    // that changes nothing but what was seen.
+                    if claimable {
+                        actions.push(Action::Claim(w));
+                    }
+                    // The fallback, and a worker of the previous release during an upgrade:
+                    // either may claim the waiting way whenever something is claimable.
+                    if claimable {
+                        actions.push(Action::ClaimWaiting(w));
+                    }
+                }
                 Phase::Idle if claimable => actions.push(Action::Claim(w)),
                 Phase::Idle => {}
-                Phase::Claimed(_) if self.lock_mode == LockMode::SkipLocked => {
-                    actions.push(Action::Lock(w));
-                }
                 Phase::Claimed(claimed) => {
                     // `FOR UPDATE` waits while another transaction holds the next one.
                     let (_, others) = Self::locks(state, Some(w));
@@ -925,14 +1032,40 @@ impl Model for GrantProtocol {
                 Self::committing(&mut state);
                 state.db.requests[r].state = RequestState::Error("cancelled");
             }
-            Action::Claim(w) => {
+            Action::Claim(w) if self.lock_mode == LockMode::LockFirst => {
+                let LockFirst {
+                    claimed,
+                    locked,
+                    skipped,
+                    partly_held,
+                } = self.lock_first(&state, w);
+                state.seen.skipped |= skipped;
+                state.seen.partly_held |= partly_held;
+                if state.workers.iter().any(|p| !matches!(p, Phase::Idle)) {
+                    state.seen.concurrent_batches = true;
+                }
+                let folded = locked
+                    .iter()
+                    .map(|&s| (s, state.db.semaphores[s].pending))
+                    .filter(|(_, count)| *count > 0)
+                    .collect();
+                if !claimed.is_empty() {
+                    state.workers[w] = Phase::Locked {
+                        decided: claimed.clone(),
+                        claimed,
+                        locked,
+                        folded,
+                    };
+                }
+            }
+            Action::Claim(w) | Action::ClaimWaiting(w) => {
                 let claimed = self.claimable(&state);
                 if state.workers.iter().any(|p| !matches!(p, Phase::Idle)) {
                     state.seen.concurrent_batches = true;
                 }
                 state.workers[w] = Phase::Claimed(claimed);
             }
-            Action::Lock(w) if self.lock_mode == LockMode::Wait => {
+            Action::Lock(w) => {
                 let (claimed, mut order, mut locked) = match state.workers[w].clone() {
                     Phase::Claimed(claimed) => {
                         let order = self.lock_order(&claimed, w);
@@ -966,39 +1099,6 @@ impl Model for GrantProtocol {
                         order,
                         locked,
                     }
-                };
-            }
-            Action::Lock(w) => {
-                let Phase::Claimed(claimed) = state.workers[w].clone() else {
-                    return None;
-                };
-                let (_, others) = Self::locks(&state, Some(w));
-                let needs: BTreeSet<usize> = claimed
-                    .iter()
-                    .flat_map(|r| self.takes(*r).into_keys())
-                    .collect();
-                let locked: Vec<usize> = needs.difference(&others).copied().collect();
-                if locked.len() < needs.len() {
-                    state.seen.skipped = true;
-                }
-                let decided = claimed
-                    .iter()
-                    .copied()
-                    .filter(|r| {
-                        self.plant == Some(Plant::DecideWithoutLocks)
-                            || self.takes(*r).keys().all(|s| locked.contains(s))
-                    })
-                    .collect();
-                let folded = locked
-                    .iter()
-                    .map(|&s| (s, state.db.semaphores[s].pending))
-                    .filter(|(_, count)| *count > 0)
-                    .collect();
-                state.workers[w] = Phase::Locked {
-                    claimed,
-                    decided,
-                    locked,
-                    folded,
                 };
             }
             Action::Apply(w) => self.apply(&mut state, w),
@@ -1069,9 +1169,13 @@ impl Model for GrantProtocol {
                 },
             ),
             Property::always(
-                "tokens grow in grant order",
-                |_: &GrantProtocol, s: &SystemState| {
-                    s.db.grants.windows(2).all(|w| w[0].1 < w[1].1)
+                "tokens grow in grant order on each semaphore",
+                |m: &GrantProtocol, s: &SystemState| {
+                    s.db.grants.iter().enumerate().all(|(i, (r, t))| {
+                        s.db.grants[i + 1..]
+                            .iter()
+                            .all(|(later, u)| t < u || !m.share_a_semaphore(*r, *later))
+                    })
                 },
             ),
             Property::always(
@@ -1087,8 +1191,10 @@ impl Model for GrantProtocol {
                 |_: &GrantProtocol, s: &SystemState| s.seen.waited_then_granted,
             ),
             Property::sometimes(
-                "a grant borrowed at a parent",
-                |_: &GrantProtocol, s: &SystemState| s.seen.borrowed,
+                "a grant borrowed at a parent (where something is nested)",
+                |m: &GrantProtocol, s: &SystemState| {
+                    s.seen.borrowed || m.semaphores.iter().all(|x| x.parent.is_none())
+                },
             ),
             Property::sometimes(
                 "two workers had batches open at once",
@@ -1103,9 +1209,18 @@ impl Model for GrantProtocol {
                 |_: &GrantProtocol, s: &SystemState| s.seen.granted_after_failover,
             ),
             Property::sometimes(
-                "a worker skipped a semaphore another held (SkipLocked only)",
+                "a worker skipped a semaphore another held (LockFirst only)",
                 |m: &GrantProtocol, s: &SystemState| {
                     s.seen.skipped || m.lock_mode == LockMode::Wait
+                },
+            ),
+            Property::sometimes(
+                "a worker held part of a request's semaphores, another the rest (LockFirst, \
+                 where nothing is nested)",
+                |m: &GrantProtocol, s: &SystemState| {
+                    s.seen.partly_held
+                        || m.lock_mode == LockMode::Wait
+                        || m.semaphores.iter().any(|x| x.parent.is_some())
                 },
             ),
             Property::sometimes(

@@ -7,12 +7,13 @@ use permitq_model::{GrantProtocol, LockMode, Replication};
 use stateright::{Checker, Model};
 
 fn check(lock_mode: LockMode, replication: Replication) {
+    check_model(GrantProtocol::standard(lock_mode, replication));
+}
+
+fn check_model(model: GrantProtocol) {
+    let (lock_mode, replication) = (model.lock_mode, model.failover);
     let started = Instant::now();
-    let checker = GrantProtocol::standard(lock_mode, replication)
-        .checker()
-        .threads(2)
-        .spawn_bfs()
-        .join();
+    let checker = model.checker().threads(2).spawn_bfs().join();
     eprintln!(
         "{lock_mode:?}, {replication:?}: {} states ({} unique), depth {}, {:.1?}",
         checker.state_count(),
@@ -24,23 +25,33 @@ fn check(lock_mode: LockMode, replication: Replication) {
 }
 
 #[test]
-fn todays_path_waiting_for_locks_with_a_synchronous_standby() {
+fn the_previous_path_waiting_for_locks_with_a_synchronous_standby() {
     check(LockMode::Wait, Replication::Synchronous);
 }
 
 #[test]
-fn todays_path_waiting_for_locks_with_an_asynchronous_standby() {
+fn the_previous_path_waiting_for_locks_with_an_asynchronous_standby() {
     check(LockMode::Wait, Replication::Asynchronous);
 }
 
 #[test]
-fn the_rebuilt_path_skipping_locked_semaphores_with_a_synchronous_standby() {
-    check(LockMode::SkipLocked, Replication::Synchronous);
+fn semaphores_locked_first_beside_waiting_claims_with_a_synchronous_standby() {
+    check(LockMode::LockFirst, Replication::Synchronous);
 }
 
 #[test]
-fn the_rebuilt_path_skipping_locked_semaphores_with_an_asynchronous_standby() {
-    check(LockMode::SkipLocked, Replication::Asynchronous);
+fn semaphores_locked_first_beside_waiting_claims_with_an_asynchronous_standby() {
+    check(LockMode::LockFirst, Replication::Asynchronous);
+}
+
+/// Lock-first batches side by side on semaphores that are not nested, and a request that needs
+/// a semaphore each worker holds.
+#[test]
+fn semaphores_locked_first_side_by_side_on_independent_semaphores() {
+    check_model(GrantProtocol::independent(
+        LockMode::LockFirst,
+        Replication::Asynchronous,
+    ));
 }
 
 /// Each planted bug is caught: some property finds a counterexample. Each plant is checked in
@@ -102,10 +113,10 @@ fn a_claim_of_rows_another_worker_holds_is_caught() {
 }
 
 #[test]
-fn deciding_requests_whose_semaphores_were_skipped_is_caught() {
+fn claiming_requests_whose_semaphores_another_worker_holds_is_caught() {
     caught(
         permitq_model::Plant::DecideWithoutLocks,
-        LockMode::SkipLocked,
+        LockMode::LockFirst,
         Replication::Synchronous,
     );
 }
