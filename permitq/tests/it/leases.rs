@@ -174,7 +174,7 @@ async fn dropping_a_lease_releases_it() {
     assert_eq!(
         err.to_string(),
         "request patient was not granted: still waiting after 300ms, so acquire cancelled it; s \
-         had no room for it in that time (`permitq semaphore show NAME` shows who holds them)"
+         had no room for it in that time (`permitq semaphore show s` shows who holds them)"
     );
     // An acquire dropped while it waits (an outer timeout gave up on it) cancels its request:
     // nothing is granted to a caller that has gone.
