@@ -34,6 +34,8 @@ struct View {
     holders: Vec<Holder>,
     waiters: Vec<Waiter>,
     error: Option<String>,
+    /// When the rows shown were read (the last refresh that reached the database).
+    read_at: Option<std::time::SystemTime>,
     /// The workers line (or that nothing is granting).
     workers: String,
 }
@@ -133,6 +135,7 @@ async fn refresh(
             *previous = Some((now, counts));
             view.usage = usage;
             view.error = None;
+            view.read_at = Some(std::time::SystemTime::now());
             if view.table.selected().is_none() && !view.usage.is_empty() {
                 view.table.select(Some(0));
             }
@@ -154,6 +157,25 @@ async fn refresh(
             .waiters(&name, WAITERS_SHOWN)
             .await
             .unwrap_or_default();
+    }
+}
+
+/// The first line: what the keys do; or, while the database does not answer, that the rows are
+/// the last ones read and when (first, so that 80 columns show it), then why.
+fn header_line(view: &View) -> String {
+    match (&view.error, view.read_at) {
+        (Some(e), Some(at)) => {
+            let at = humantime::format_rfc3339_seconds(at).to_string();
+            format!(
+                "permitq top  UNREACHABLE, rows as of {} UTC (retrying): {e}",
+                at.get(11..19).unwrap_or(&at)
+            )
+        }
+        (Some(e), None) => format!("permitq top  UNREACHABLE (retrying): {e}"),
+        (None, _) => format!(
+            "permitq top  {} semaphores  q quit  up/down select  enter holders/waiters",
+            view.usage.len()
+        ),
     }
 }
 
@@ -183,14 +205,7 @@ fn draw(frame: &mut Frame, view: &mut View) {
         Constraint::Length(detail_height),
     ])
     .areas(frame.area());
-    let status = match &view.error {
-        Some(e) => format!("permitq top  database: {e}"),
-        None => format!(
-            "permitq top  {} semaphores  q quit  up/down select  enter holders/waiters",
-            view.usage.len()
-        ),
-    };
-    frame.render_widget(Line::from(status), header);
+    frame.render_widget(Line::from(header_line(view)), header);
     frame.render_widget(Line::from(view.workers.as_str()), workers);
 
     let rows = view.usage.iter().map(|s| {
@@ -327,5 +342,28 @@ fn shown(s: &permitq::SemaphoreUsage) -> i64 {
         s.in_window
     } else {
         s.held
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn while_the_database_is_down_the_header_says_the_rows_are_old_and_from_when() {
+        let mut view = View {
+            read_at: Some(std::time::UNIX_EPOCH + Duration::from_secs(45_296)),
+            error: Some("cannot reach PostgreSQL at localhost:5432".into()),
+            ..View::default()
+        };
+        let line = header_line(&view);
+        assert!(
+            line.starts_with(
+                "permitq top  UNREACHABLE, rows as of 12:34:56 UTC (retrying): cannot reach"
+            ),
+            "{line}"
+        );
+        view.error = None;
+        assert!(header_line(&view).contains("q quit"));
     }
 }

@@ -11,6 +11,12 @@ export declare function checkUrl(connectionString: string): void;
  * would reach SQL). `allowed`: the names this call takes.
  */
 export declare function checkOptions(options: object, allowed: readonly string[]): void;
+/**
+ * The external_id, checked before anything is sent: called from plain JavaScript without it
+ * (`withLease(client, { gpu: 1 }, ...)`), the permits would be taken as the id and the options
+ * as the permits, and the answer would name an option as an unknown semaphore.
+ */
+export declare function checkExternalId(externalId: unknown): void;
 /** The options `submit` takes. */
 export declare const SUBMIT_OPTIONS: readonly ["owner", "ttlSeconds", "waitSeconds", "priority"];
 /** The options `acquire` takes. */

@@ -104,6 +104,18 @@ export function checkOptions(options, allowed) {
         }
     }
 }
+/**
+ * The external_id, checked before anything is sent: called from plain JavaScript without it
+ * (`withLease(client, { gpu: 1 }, ...)`), the permits would be taken as the id and the options
+ * as the permits, and the answer would name an option as an unknown semaphore.
+ */
+export function checkExternalId(externalId) {
+    if (typeof externalId !== "string" || externalId.length === 0) {
+        const got = typeof externalId === "string" ? "an empty string" : `${JSON.stringify(externalId) ?? String(externalId)}`;
+        throw new InvalidInput(`invalid externalId: the request's id, chosen by you, comes first, before the permits ` +
+            `(e.g. acquire("job-1", { gpu: 1 }) or withLease(client, "job-1", { gpu: 1 }, options, work)); got ${got}`, "externalId");
+    }
+}
 /** The options `submit` takes. */
 export const SUBMIT_OPTIONS = ["owner", "ttlSeconds", "waitSeconds", "priority"];
 /** The options `acquire` takes. */

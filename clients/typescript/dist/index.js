@@ -14,7 +14,7 @@ import { existsSync } from "node:fs";
 import { userInfo } from "node:os";
 import pg from "pg";
 import { AcquireTimeout, ExternalIdTaken, InvalidInput, LeaseLost, PermitqError, DatabaseUnavailable, RequestFailed, requestFailed, translated, } from "./errors.js";
-import { ACQUIRE_OPTIONS, SUBMIT_OPTIONS, checkConfig, checkOptions, checkUrl } from "./checks.js";
+import { ACQUIRE_OPTIONS, SUBMIT_OPTIONS, checkConfig, checkExternalId, checkOptions, checkUrl } from "./checks.js";
 import { SQL } from "./sql.js";
 export * from "./errors.js";
 export { SQL } from "./sql.js";
@@ -168,6 +168,7 @@ export class Client {
     }
     /** Submits a request, idempotent by `externalId` (other parameters throw ExternalIdTaken). */
     async submit(externalId, permits, options = {}) {
+        checkExternalId(externalId);
         checkOptions(options, SUBMIT_OPTIONS);
         if (Object.keys(permits).length === 0) {
             throw new InvalidInput("permits: name at least one semaphore and its count, e.g. { gpu: 1 }", "permits");
@@ -237,6 +238,7 @@ export class Client {
      * RequestFailed subclass.
      */
     async acquire(externalId, permits, options = {}) {
+        checkExternalId(externalId);
         checkOptions(options, ACQUIRE_OPTIONS);
         const { timeoutMs, signal, ...submitOptions } = options;
         const limit = timeoutMs ?? 30_000;

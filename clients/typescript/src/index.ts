@@ -29,7 +29,7 @@ import {
   type ErrorDetail,
 } from "./errors.js";
 
-import { ACQUIRE_OPTIONS, SUBMIT_OPTIONS, checkConfig, checkOptions, checkUrl } from "./checks.js";
+import { ACQUIRE_OPTIONS, SUBMIT_OPTIONS, checkConfig, checkExternalId, checkOptions, checkUrl } from "./checks.js";
 import { SQL } from "./sql.js";
 
 export * from "./errors.js";
@@ -252,6 +252,7 @@ export class Client {
 
   /** Submits a request, idempotent by `externalId` (other parameters throw ExternalIdTaken). */
   async submit(externalId: string, permits: Record<string, number>, options: SubmitOptions = {}): Promise<Status> {
+    checkExternalId(externalId);
     checkOptions(options, SUBMIT_OPTIONS);
     if (Object.keys(permits).length === 0) {
       throw new InvalidInput("permits: name at least one semaphore and its count, e.g. { gpu: 1 }", "permits");
@@ -333,6 +334,7 @@ export class Client {
    * RequestFailed subclass.
    */
   async acquire(externalId: string, permits: Record<string, number>, options: AcquireOptions = {}): Promise<Lease> {
+    checkExternalId(externalId);
     checkOptions(options, ACQUIRE_OPTIONS);
     const { timeoutMs, signal, ...submitOptions } = options;
     const limit = timeoutMs ?? 30_000;

@@ -186,6 +186,12 @@ describe("permitq client", () => {
     // submit takes no acquire options: a deadline there would be ignored.
     const e = await client.submit(newId("opt"), { [sem]: 1 }, { timeoutMs: 5 }).catch((err) => err);
     assert.ok(e instanceof permitq.InvalidInput && e.field === "timeoutMs", String(e));
+    // The id left out (plain JavaScript): said so, not "no semaphore named timeoutMs".
+    const noId = await permitq
+      .withLease(client, { [sem]: 1 }, { ttlSeconds: 30, timeoutMs: 3000 }, async () => {})
+      .catch((err) => err);
+    assert.ok(noId instanceof permitq.InvalidInput && noId.field === "externalId", String(noId));
+    assert.match(noId.message, /the request's id, chosen by you, comes first, before the permits/);
   });
 
   it("says a heartbeat on a waiting request has no lease yet", async () => {

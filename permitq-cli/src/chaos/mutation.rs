@@ -139,8 +139,8 @@ impl Mutation {
             Mutation::StarveHead => (
                 "claim.sql",
                 &[Patch {
-                    find: "WHERE room.free > 0 AND w.count <= room.free;",
-                    replace: "WHERE room.free > 0 AND w.count <= room.free AND w.count = 1;",
+                    find: "WHERE room.free > 0 AND w.count <= room.free\n",
+                    replace: "WHERE room.free > 0 AND w.count <= room.free AND w.count = 1\n",
                 }][..],
             ),
             Mutation::LostRequest => (

@@ -15,8 +15,9 @@
 --   ready: the first waiters of every priority level of each semaphore that has waiters and room
 --          now (found per semaphore that has waiters, however many semaphores there are)
 --          (permitq.free_room, functions/rate_windows.sql, and no more than its ancestors have), at most
---          min(batch_size, free) per level, whose count there fits. A full semaphore
---          contributes nothing, however many wait on it.
+--          min(batch_size, free) per level, whose count there fits; and a first waiter whose count
+--          the capacity no longer covers (it fails as exceeds_capacity). A full semaphore
+--          contributes one look per priority level, however many wait on it.
 -- The caller sorts the rows.
 -- Planned once (plan_cache_mode = force_generic_plan, as every entry point of the grant path):
 -- PL/pgSQL otherwise kept making a custom plan of `ready` on every call while any request waited,
@@ -48,7 +49,7 @@ BEGIN
         RETURN;
     END IF;
     WITH room AS (
-        SELECT s.id,
+        SELECT s.id, s.capacity,
                least(permitq.free_room(s),
                      -- Nested: no more than its ancestors have (functions/nesting.sql).
                      (SELECT min(permitq.free_room(a))
@@ -67,10 +68,15 @@ BEGIN
         SELECT wt.request_id, wt.count FROM permitq.waiter wt
         WHERE wt.semaphore_id = room.id AND wt.priority = level.priority
         ORDER BY wt.semaphore_id, wt.priority DESC, wt.created_at, wt.request_id -- waiter_line_idx
-        -- Each grant takes at least one permit: no more than `free` of them can go now.
-        LIMIT least(batch_size, room.free)
+        -- Each grant takes at least one permit: no more than `free` of them can go now (and
+        -- the first, to see whether it can ever fit).
+        LIMIT greatest(least(batch_size, room.free), 1)
     ) w
-    WHERE room.free > 0 AND w.count <= room.free;
+    WHERE room.free > 0 AND w.count <= room.free
+       -- A waiter whose count its semaphore's capacity no longer covers (lowered while it
+       -- waited) is decided: it fails as exceeds_capacity, as it would have at its submit,
+       -- instead of keeping a fair line's room for ever.
+       OR w.count > room.capacity;
     IF ready IS NULL THEN
         RETURN;
     END IF;

@@ -281,6 +281,49 @@ async fn releases_close_together_are_folded_while_the_worker_sleeps() {
     worker.stop().await;
 }
 
+/// A request waiting on a fair semaphore whose capacity is then lowered below its count can
+/// never be granted: it fails as `exceeds_capacity`, naming the new capacity, instead of keeping
+/// the line's room for ever (the next request then goes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_that_a_lowered_capacity_no_longer_covers_fails_and_frees_the_line() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("licence", 3, None).await.unwrap();
+    let worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("hold").permit("licence", 1))
+        .await
+        .unwrap();
+    assert_eq!(settled_state(&client, "hold").await, State::Acquired);
+    client
+        .submit(&Request::new("big").permit("licence", 3))
+        .await
+        .unwrap();
+    wait_until(SOON, "big examined and waiting", || async {
+        client
+            .status("big")
+            .await
+            .unwrap()
+            .is_some_and(|r| r.state == State::New && r.examined_at.is_some())
+    })
+    .await;
+    client.set_capacity("licence", 2, None).await.unwrap();
+    client.release("hold").await.unwrap();
+    let big = client.wait_settled("big", SOON).await.unwrap().unwrap();
+    assert_eq!(state_of(&client, "big").await, "error/exceeds_capacity");
+    let detail = serde_json::to_string(&big.error_detail).unwrap();
+    assert!(
+        detail.contains("licence") && detail.contains('2'),
+        "{detail}"
+    );
+    client
+        .submit(&Request::new("small").permit("licence", 1))
+        .await
+        .unwrap();
+    assert_eq!(settled_state(&client, "small").await, State::Acquired);
+    worker.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lowering_capacity_revokes_nothing_and_holds_new_grants() {
     let db = TestDb::new().await;
