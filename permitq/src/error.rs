@@ -172,7 +172,7 @@ impl fmt::Display for Error {
                 .map_or_else(String::new, |db| db.message().to_string());
             return write!(
                 f,
-                "the permitq schema is missing or out of date: apply the migrations first ({detail})"
+                "the permitq schema is missing or out of date: run `permitq migrate` (or `Client::migrate`) first ({detail})"
             );
         }
         match &self.kind {
