@@ -607,6 +607,28 @@ fn release_said(outcome: ReleaseOutcome, row: &PermitRequest) -> String {
 }
 
 async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
+    // An id of the form NAME=COUNT is a permit given in the id's place (the id left out): taken
+    // as the id, it would submit a request for less than was meant. (SQL and the clients take
+    // such an id; the CLI does not.)
+    if !args.permits.is_empty() && crate::args::parse_permit(&args.external_id).is_ok() {
+        let meant: Vec<String> = std::iter::once(args.external_id.clone())
+            .chain(
+                args.permits
+                    .iter()
+                    .map(|(name, count)| format!("{name}={count}")),
+            )
+            .collect();
+        return Err(CliError::usage(
+            "external_id",
+            format!(
+                "{:?} looks like a permit: the external_id comes first, then every permit: \
+                 `permitq submit ID {}` (an id of the form NAME=COUNT is taken from SQL or a \
+                 client, not the CLI)",
+                args.external_id,
+                meant.join(" ")
+            ),
+        ));
+    }
     if args.permits.is_empty() && args.permit.is_empty() {
         let hint = if crate::args::parse_permit(&args.external_id).is_ok() {
             format!(

@@ -327,9 +327,11 @@ async def _until_deadline(deadline: float, call: Callable[[], Awaitable[T]]) -> 
     while True:
         try:
             return await call()
-        except DatabaseUnavailable:
+        except DatabaseUnavailable as e:
             if time.monotonic() + pause >= deadline:
                 raise
+            if pause == 0.05:
+                c.warn_retrying(e, deadline - time.monotonic())
             await asyncio.sleep(pause)
             pause = min(pause * 2, 1.0)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -277,3 +278,12 @@ def check_not_ended_before(status: Status) -> None:
             f"request {status.external_id} was submitted before and has ended ({status.state} {how}); "
             "this is that request: acquire under a new external_id"
         )
+
+
+def warn_retrying(error: Exception, seconds_left: float) -> None:
+    """Said once when an acquire starts retrying a database that does not answer: without it the
+    caller sees nothing until the deadline, and a database that is down reads as a busy
+    semaphore. Logged on the `permitq` logger (printed to stderr when logging is not set up)."""
+    logging.getLogger("permitq").warning(
+        "%s; retrying until the acquire's deadline, %.0fs from now", error, seconds_left
+    )

@@ -330,9 +330,11 @@ def _until_deadline(deadline: float, call: Callable[[], T]) -> T:
     while True:
         try:
             return call()
-        except DatabaseUnavailable:
+        except DatabaseUnavailable as e:
             if time.monotonic() + pause >= deadline:
                 raise
+            if pause == 0.05:
+                c.warn_retrying(e, deadline - time.monotonic())
             time.sleep(pause)
             pause = min(pause * 2, 1.0)
 

@@ -385,9 +385,13 @@ class SyncClientTest(unittest.TestCase):
                 down.status("x")
             # acquire retries (its LISTEN connection, its idempotent submit) until its deadline.
             started = time.monotonic()
-            with self.assertRaises(permitq.DatabaseUnavailable):
-                down.acquire(new_id("down"), {"x": 1}, timeout=1.5)
+            # It says so when it starts retrying: a database that is down must not read as a
+            # busy semaphore.
+            with self.assertLogs("permitq", level="WARNING") as said:
+                with self.assertRaises(permitq.DatabaseUnavailable):
+                    down.acquire(new_id("down"), {"x": 1}, timeout=1.5)
             self.assertGreater(time.monotonic() - started, 0.5, "it retried, not gave up at once")
+            self.assertIn("retrying until the acquire's deadline", "\n".join(said.output))
 
 
 class NothingGrantingTest(unittest.TestCase):

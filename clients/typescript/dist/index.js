@@ -369,6 +369,11 @@ async function untilDeadline(deadline, signal, call) {
         catch (e) {
             if (!(e instanceof DatabaseUnavailable) || performance.now() + pause >= deadline || signal?.aborted)
                 throw e;
+            if (pause === 50) {
+                // Said once: without it the caller sees nothing until the deadline, and a database that
+                // is down reads as a busy semaphore. (Node prints warnings to stderr unless told not to.)
+                process.emitWarning(`${e.message}; retrying until the acquire's deadline, ${Math.round((deadline - performance.now()) / 1000)}s from now`, { code: "PERMITQ_RETRYING" });
+            }
             await sleep(pause, signal);
             pause = Math.min(pause * 2, 1000);
         }

@@ -353,8 +353,18 @@ describe("permitq client", () => {
     await assert.rejects(down.status("x"), permitq.DatabaseUnavailable);
     // acquire retries (its LISTEN connection, its idempotent submit) until its deadline.
     const started = Date.now();
+    // It says so when it starts retrying: a database that is down must not read as a busy semaphore.
+    const warnings = [];
+    const onWarning = (w) => warnings.push(w);
+    process.on("warning", onWarning);
     await assert.rejects(down.acquire(newId("down"), { x: 1 }, { timeoutMs: 1500 }), permitq.DatabaseUnavailable);
     assert.ok(Date.now() - started > 500, "it retried, not gave up at once");
+    await new Promise((resolve) => setImmediate(resolve));
+    process.off("warning", onWarning);
+    assert.ok(
+      warnings.some((w) => w.code === "PERMITQ_RETRYING" && /retrying until the acquire's deadline/.test(w.message)),
+      String(warnings),
+    );
     await down.end();
   });
 });

@@ -1211,7 +1211,20 @@ async fn a_submit_without_its_id_says_the_permit_was_taken_as_the_id() {
         "{}",
         stderr(&o)
     );
+    // With more permits after it, the first is not taken as the id either (it would hold the
+    // licence alone).
+    let o = run(url, &["submit", "gpu=2", "licence=1"]).await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            r#"invalid external_id: "gpu=2" looks like a permit: the external_id comes first, then every permit: `permitq submit ID gpu=2 licence=1`"#
+        ),
+        "{}",
+        stderr(&o)
+    );
     // Nothing was written.
-    let o = run(url, &["status", "gpu=1"]).await;
-    assert_eq!(code(&o), 5, "{}", stderr(&o));
+    for id in ["gpu=1", "gpu=2"] {
+        let o = run(url, &["status", id]).await;
+        assert_eq!(code(&o), 5, "{}", stderr(&o));
+    }
 }
