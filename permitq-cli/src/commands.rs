@@ -610,7 +610,8 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
     // An id of the form NAME=COUNT is a permit given in the id's place (the id left out): taken
     // as the id, it would submit a request for less than was meant. (SQL and the clients take
     // such an id; the CLI does not.)
-    if !args.permits.is_empty() && crate::args::parse_permit(&args.external_id).is_ok() {
+    let id_is_a_permit = crate::args::parse_permit(&args.external_id).is_ok();
+    if !args.permits.is_empty() && id_is_a_permit {
         let meant: Vec<String> = std::iter::once(args.external_id.clone())
             .chain(
                 args.permits
@@ -630,7 +631,7 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
         ));
     }
     if args.permits.is_empty() && args.permit.is_empty() {
-        let hint = if crate::args::parse_permit(&args.external_id).is_ok() {
+        let hint = if id_is_a_permit {
             format!(
                 "{:?} was taken as the external_id, which comes first: \
                  `permitq submit ID {}`",

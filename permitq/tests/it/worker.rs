@@ -311,10 +311,11 @@ async fn a_waiter_that_a_lowered_capacity_no_longer_covers_fails_and_frees_the_l
     client.release("hold").await.unwrap();
     let big = client.wait_settled("big", SOON).await.unwrap().unwrap();
     assert_eq!(state_of(&client, "big").await, "error/exceeds_capacity");
-    let detail = serde_json::to_string(&big.error_detail).unwrap();
-    assert!(
-        detail.contains("licence") && detail.contains('2'),
-        "{detail}"
+    let detail = big.error_detail.expect("an error_detail");
+    assert_eq!(
+        (detail.semaphore.as_deref(), detail.count, detail.capacity),
+        (Some("licence"), Some(3), Some(2)),
+        "{detail:?}"
     );
     client
         .submit(&Request::new("small").permit("licence", 1))
