@@ -353,6 +353,46 @@ async fn no_semaphore(client: &Client, name: String) -> CliError {
     CliError::NoSemaphore { name, similar }
 }
 
+/// After `semaphore set`: the waiting requests (of the first 1000 in line) that ask more of
+/// `name` than its new `capacity`, which a worker will end as `exceeds_capacity`. Said on
+/// stderr, as the other notes of a change; a failed read says nothing (the change is made).
+async fn say_waiters_no_longer_covered(client: &Client, name: &str, capacity: i64) {
+    let Ok(waiters) = client.waiters(name, 1000).await else {
+        return;
+    };
+    let uncovered: Vec<String> = waiters
+        .iter()
+        .filter(|w| w.count > capacity)
+        .map(|w| format!("{} ({name}={})", w.external_id, w.count))
+        .collect();
+    if uncovered.is_empty() {
+        return;
+    }
+    const SHOWN: usize = 5;
+    let more = uncovered.len().saturating_sub(SHOWN);
+    errln!(
+        "permitq: {} waiting {} more than the new capacity {capacity}: {}{}; a worker ends {} \
+         as error exceeds_capacity (the new capacity in its error_detail) once it is first in \
+         line. To keep such requests waiting, raise the capacity again \
+         (`permitq semaphore set {} {}`); one already ended is submitted again under a new id",
+        uncovered.len(),
+        if uncovered.len() == 1 {
+            "request asks"
+        } else {
+            "requests ask"
+        },
+        uncovered[..uncovered.len().min(SHOWN)].join(", "),
+        if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        },
+        if uncovered.len() == 1 { "it" } else { "each" },
+        crate::show::quoted_name(name),
+        waiters.iter().map(|w| w.count).max().unwrap_or(capacity),
+    );
+}
+
 async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
     match cmd {
         SemaphoreCommand::Show { name, json } => {
@@ -410,6 +450,9 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                      nothing uses it)",
                     twins.join(" and ")
                 );
+            }
+            if !s.is_template {
+                say_waiters_no_longer_covered(client, &s.name, s.capacity).await;
             }
             if json {
                 outln!("{}", serde_json::to_string(&s).expect("serializable"));

@@ -172,8 +172,14 @@ impl Client {
     ///
     /// Dropped while it waits (a `select!` or an outer timeout gave up on it), it cancels the
     /// request in the background, so that nothing is granted to a caller that has gone.
+    ///
+    /// A database that does not answer (down, restarting, failing over) is retried until the
+    /// timeout, the submit included (it is idempotent); the first retry logs one warning.
     pub async fn acquire(&self, request: &Request, timeout: Duration) -> Result<Lease> {
-        self.submit(request).await?;
+        let mut retry = Retry::until(Instant::now() + timeout);
+        while let Err(e) = self.submit(request).await {
+            retry.pause_or_fail(e).await?;
+        }
         let mut cancel_if_dropped = CancelIfDropped {
             client: self,
             external_id: &request.external_id,
@@ -307,7 +313,8 @@ impl Client {
     /// synchronous standby: on a primary that lost its standby in a failover, a grant can be
     /// visible locally and then be discarded when the primary is demoted. Such an outcome is
     /// never reported; once `timeout` passes (at least a second for the confirmation) the call
-    /// fails with a connection error ([`Error::is_connection`]): ask again.
+    /// fails with a connection error ([`Error::is_connection`]): ask again. A database that does
+    /// not answer is asked again until `timeout` too (the first retry logs one warning).
     pub async fn wait_settled(
         &self,
         external_id: &str,
@@ -327,9 +334,16 @@ impl Client {
                 .wait_connected(timeout.min(Duration::from_secs(1)))
                 .await;
         }
+        let mut retry = Retry::until(deadline);
         loop {
             // Subscribed before reading: a change after this read is also a notification.
-            let current = self.durable_status(external_id, deadline).await?;
+            let current = match self.durable_status(external_id, deadline).await {
+                Ok(current) => current,
+                Err(e) => {
+                    retry.pause_or_fail(e).await?;
+                    continue;
+                }
+            };
             let request_id = match &current {
                 Some(r) if r.state == State::New || r.state == State::InProgress => r.id,
                 _ => return Ok(current),
@@ -626,6 +640,47 @@ impl Drop for Checkout {
 
 /// Cancels a request whose [`Client::acquire`] was dropped while it waited (on the current tokio
 /// runtime, in the background; without one, the request's own `wait` ends it).
+/// Asking again an idempotent call while the database does not answer, until a deadline:
+/// pauses of 50 ms, doubling to 1 s. Without it, an acquire fails at once when the database
+/// restarts, and its caller cannot tell a database that is down from a busy semaphore.
+struct Retry {
+    deadline: Instant,
+    pause: Duration,
+    warned: bool,
+}
+
+impl Retry {
+    const FIRST_PAUSE: Duration = Duration::from_millis(50);
+    const LONGEST_PAUSE: Duration = Duration::from_secs(1);
+
+    fn until(deadline: Instant) -> Self {
+        Retry {
+            deadline,
+            pause: Self::FIRST_PAUSE,
+            warned: false,
+        }
+    }
+
+    /// `error` back when it is not a connection error or the deadline has passed; else the
+    /// pause, cut short at the deadline for a last try (a warning at the first pause).
+    async fn pause_or_fail(&mut self, error: Error) -> Result<()> {
+        let now = Instant::now();
+        if !error.is_connection() || now >= self.deadline {
+            return Err(error);
+        }
+        if !self.warned {
+            self.warned = true;
+            tracing::warn!(
+                "{error}; retrying until the deadline, {}s from now",
+                (self.deadline - now).as_secs()
+            );
+        }
+        tokio::time::sleep(self.pause.min(self.deadline - now)).await;
+        self.pause = (self.pause * 2).min(Self::LONGEST_PAUSE);
+        Ok(())
+    }
+}
+
 struct CancelIfDropped<'a> {
     client: &'a Client,
     external_id: &'a str,

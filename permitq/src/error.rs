@@ -287,8 +287,8 @@ fn connection_hint(e: &tokio_postgres::Error, target: &str) -> String {
     } else if text.contains("password missing") {
         return String::new();
     } else {
-        "the connection failed or was lost: is PostgreSQL up? The request is retried by \
-         running the command again (submit is idempotent)"
+        "the connection failed or was lost: is PostgreSQL up? Submitting again under the same \
+         external_id is safe (submit is idempotent)"
     };
     if e.as_db_error().is_some() {
         // The server answered: the message did not name it yet.

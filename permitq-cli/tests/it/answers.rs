@@ -50,6 +50,45 @@ async fn an_unknown_semaphore_is_named_with_the_nearest_existing_names() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lowering_a_capacity_names_the_waiters_it_no_longer_covers() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "low", "4"]).await;
+    // No worker yet: both wait, the first asking more than the capacity about to be set.
+    for (id, permit) in [("lw-big", "low=3"), ("lw-small", "low=1")] {
+        let o = run(url, &["submit", id, permit]).await;
+        assert_eq!(code(&o), 0, "{}", stderr(&o));
+    }
+    let o = run(url, &["semaphore", "set", "low", "2"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "permitq: 1 waiting request asks more than the new capacity 2: lw-big (low=3); \
+             a worker ends it as error exceeds_capacity (the new capacity in its error_detail) \
+             once it is first in line. To keep such requests waiting, raise the capacity again \
+             (`permitq semaphore set low 3`)"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    // Raising it back says nothing of the kind.
+    let o = run(url, &["semaphore", "set", "low", "3"]).await;
+    assert!(!stderr(&o).contains("waiting request"), "{}", stderr(&o));
+    // What it said is what happens.
+    run(url, &["semaphore", "set", "low", "2"]).await;
+    let worker = db.worker(quiet_config("w"));
+    let o = run(url, &["submit", "lw-big", "low=3", "--await", "10s"]).await;
+    assert!(
+        stdout(&o).starts_with("lw-big error exceeds_capacity: low=3 but low has capacity 2"),
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &["submit", "lw-small", "low=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exceeds_capacity_names_the_semaphore_or_parent_and_its_capacity_also_in_explain() {
     let db = TestDb::new().await;
     let worker = db.worker(quiet_config("w"));

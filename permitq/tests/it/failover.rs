@@ -567,3 +567,62 @@ async fn an_outcome_that_did_not_reach_the_synchronous_standby_is_not_reported()
     assert_eq!(row.state, State::Acquired);
     worker.stop().await;
 }
+
+/// The smallest failover, a restart: an acquire waiting when the server goes down waits on
+/// through it (asking its idempotent submit and its status again until its timeout, as the
+/// Python and TypeScript clients do) and is granted once a worker runs, instead of failing at
+/// once. A database that stays down fails it at its deadline, not before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_waits_through_a_database_restart_until_its_timeout() {
+    common::init_logging();
+    let server = EmbeddedPostgres::start_with(&THROWAWAY_SETTINGS).expect("server");
+    let url = server.url("postgres");
+    let client = Client::connect(&url).await.unwrap();
+    client.migrate().await.unwrap();
+    client.set_capacity("restart", 1, None).await.unwrap();
+    // No worker yet: the request waits.
+    let acquiring = tokio::spawn({
+        let client = client.clone();
+        async move {
+            let request = Request::new("through-restart").permit("restart", 1);
+            client.acquire(&request, Duration::from_secs(60)).await
+        }
+    });
+    let conn = common::connect(&url).await;
+    wait_until(Duration::from_secs(20), "the request waits", || async {
+        conn.query_opt(
+            "SELECT 1 FROM permitq.permit_request WHERE external_id = 'through-restart'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .is_some()
+    })
+    .await;
+    drop(conn);
+    server.stop(StopMode::Immediate).expect("stop the server");
+    // Down for a second: four of the acquire's 250 ms status reads meet no server.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!acquiring.is_finished(), "{:?}", acquiring.await);
+    server.start_server().expect("the server again");
+    let worker = RunningWorker::start(&url, quiet_config("restart-w"));
+    let lease = acquiring.await.unwrap().expect("granted after the restart");
+    assert_eq!(lease.request().state, State::Acquired);
+    lease.release().await.unwrap();
+    worker.stop().await;
+
+    // Down for good: the connection error, at the deadline.
+    server.stop(StopMode::Immediate).expect("stop the server");
+    let started = Instant::now();
+    let request = Request::new("never").permit("restart", 1);
+    let err = client
+        .acquire(&request, Duration::from_millis(1500))
+        .await
+        .expect_err("no server");
+    assert!(err.is_connection(), "{err}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(1000),
+        "gave up after {:?}, before its deadline",
+        started.elapsed()
+    );
+}
