@@ -30,6 +30,9 @@ use crate::usage::{self, Holder, SemaphoreUsage, Waiter};
 /// How often [`Client::wait_settled`] re-reads the status when no notification arrives.
 const STATUS_POLL: Duration = Duration::from_millis(250);
 
+/// Notifications of `permitq_events`, as one waiting call receives them.
+type Events = tokio::sync::broadcast::Receiver<ListenerEvent>;
+
 /// A handle to a permitq database. Cheap to clone.
 ///
 /// ```no_run
@@ -176,16 +179,30 @@ impl Client {
     /// A database that does not answer (down, restarting, failing over) is retried until the
     /// timeout, the submit included (it is idempotent); the first retry logs one warning.
     pub async fn acquire(&self, request: &Request, timeout: Duration) -> Result<Lease> {
-        let mut retry = Retry::until(Instant::now() + timeout);
-        while let Err(e) = self.submit(request).await {
-            retry.pause_or_fail(e).await?;
-        }
+        let deadline = Instant::now() + timeout;
+        // Subscribed before the submit: its answer is then the first read of the wait.
+        let mut events = self.subscribe_events(timeout).await;
+        let mut retry = Retry::until(deadline);
+        let submitted = loop {
+            match self.submit(request).await {
+                Ok(submitted) => break submitted,
+                Err(e) => retry.pause_or_fail(e).await?,
+            }
+        };
         let mut cancel_if_dropped = CancelIfDropped {
             client: self,
             external_id: &request.external_id,
             armed: true,
         };
-        let settled = self.wait_settled(&request.external_id, timeout).await;
+        let settled = self
+            .wait_settled_on(
+                &mut events,
+                &mut retry,
+                &request.external_id,
+                deadline,
+                Some(submitted),
+            )
+            .await;
         cancel_if_dropped.armed = false;
         let settled = settled?;
         let (settled, gave_up) = match settled {
@@ -238,10 +255,11 @@ impl Client {
         // Abandoned while the barrier waits (a primary without its standby), the connection
         // leaves the pool.
         let mut conn = Checkout(Some(self.conn().await?));
-        let row = read_status(&conn, external_id).await?;
-        if row
-            .as_ref()
-            .is_some_and(|r| r.state != State::New && r.state != State::InProgress)
+        let (row, confirm) = read_status_and_barrier(&conn, external_id).await?;
+        if confirm
+            && row
+                .as_ref()
+                .is_some_and(|r| r.state != State::New && r.state != State::InProgress)
         {
             let until = deadline.max(Instant::now() + Duration::from_secs(1));
             // The simple protocol: it answers after the commit (the extended one may hand over
@@ -321,6 +339,16 @@ impl Client {
         timeout: Duration,
     ) -> Result<Option<PermitRequest>> {
         let deadline = Instant::now() + timeout;
+        let mut events = self.subscribe_events(timeout).await;
+        let mut retry = Retry::until(deadline);
+        self.wait_settled_on(&mut events, &mut retry, external_id, deadline, None)
+            .await
+    }
+
+    /// A receiver of `permitq_events`, its LISTEN connection started (or its start awaited up
+    /// to `timeout`, at most a second: a notification lost before then costs a poll, not the
+    /// outcome).
+    async fn subscribe_events(&self, timeout: Duration) -> Events {
         let listener = self
             .inner
             .events
@@ -328,21 +356,37 @@ impl Client {
                 Listener::start(self.inner.config.clone(), &[sql::EVENTS_CHANNEL])
             })
             .await;
-        let mut events = listener.subscribe();
+        let events = listener.subscribe();
         if !listener.is_connected() {
             listener
                 .wait_connected(timeout.min(Duration::from_secs(1)))
                 .await;
         }
-        let mut retry = Retry::until(deadline);
+        events
+    }
+
+    /// [`Client::wait_settled`] on `events`, subscribed before `known` was read (the submit's
+    /// answer, when the caller has it: a request still waiting then needs no second read).
+    async fn wait_settled_on(
+        &self,
+        events: &mut Events,
+        retry: &mut Retry,
+        external_id: &str,
+        deadline: Instant,
+        known: Option<PermitRequest>,
+    ) -> Result<Option<PermitRequest>> {
+        let mut known = known.filter(|r| r.state == State::New || r.state == State::InProgress);
         loop {
             // Subscribed before reading: a change after this read is also a notification.
-            let current = match self.durable_status(external_id, deadline).await {
-                Ok(current) => current,
-                Err(e) => {
-                    retry.pause_or_fail(e).await?;
-                    continue;
-                }
+            let current = match known.take() {
+                Some(waiting) => Some(waiting),
+                None => match self.durable_status(external_id, deadline).await {
+                    Ok(current) => current,
+                    Err(e) => {
+                        retry.pause_or_fail(e).await?;
+                        continue;
+                    }
+                },
             };
             let request_id = match &current {
                 Some(r) if r.state == State::New || r.state == State::InProgress => r.id,
@@ -598,11 +642,23 @@ async fn read_status(
     conn: &deadpool_postgres::Object,
     external_id: &str,
 ) -> Result<Option<PermitRequest>> {
-    conn.query_typed_opt(sql::STATUS.as_str(), &[(&external_id, Type::TEXT)])
+    Ok(read_status_and_barrier(conn, external_id).await?.0)
+}
+
+/// The request, and whether an outcome read here needs [`sql::DURABILITY_BARRIER`] before it is
+/// acted on (read in the same statement: a server without synchronous standbys costs no second
+/// round trip).
+async fn read_status_and_barrier(
+    conn: &deadpool_postgres::Object,
+    external_id: &str,
+) -> Result<(Option<PermitRequest>, bool)> {
+    let Some(row) = conn
+        .query_typed_opt(sql::STATUS.as_str(), &[(&external_id, Type::TEXT)])
         .await?
-        .as_ref()
-        .map(db::request_from_row)
-        .transpose()
+    else {
+        return Ok((None, false));
+    };
+    Ok((Some(db::request_from_row(&row)?), row.try_get("barrier")?))
 }
 
 /// A pooled connection that goes back to the pool only if the call using it finished

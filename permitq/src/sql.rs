@@ -196,8 +196,17 @@ pub(crate) static SUBMIT: LazyLock<String> = LazyLock::new(|| {
 
 /// Client: one request by external_id.
 pub(crate) static STATUS: LazyLock<String> = LazyLock::new(|| {
-    format!("SELECT {REQUEST_COLUMNS} FROM permitq.permit_request WHERE external_id = $1")
+    format!(
+        "SELECT {REQUEST_COLUMNS}, {BARRIER_DOES_SOMETHING} AS barrier \
+         FROM permitq.permit_request WHERE external_id = $1"
+    )
 });
+
+/// Whether [`DURABILITY_BARRIER`] would do anything in this session: `permitq.confirm_durable`
+/// waits only where synchronous standbys are named, and refuses on a standby. Read beside the
+/// status, so that a server without synchronous standbys skips the barrier's round trip.
+const BARRIER_DOES_SOMETHING: &str =
+    "(pg_catalog.current_setting('synchronous_standby_names') <> '' OR pg_catalog.pg_is_in_recovery())";
 
 /// After reading an outcome (a status, or a notification on `permitq_events`), run this on the
 /// same connection before acting on it, as a simple query (`batch_execute`; with the extended

@@ -123,6 +123,11 @@ class AsyncClient:
         row = await self._one(c.STATUS, (external_id,))
         return None if row is None else c.Status.from_row(row)
 
+    async def _status_and_barrier(self, external_id: str) -> tuple[c.Status, bool] | None:
+        """As Client._status_and_barrier."""
+        row = await self._one(c.STATUS_AND_BARRIER, (external_id,))
+        return None if row is None else (c.Status.from_row(row[:-1]), bool(row[-1]))
+
     async def release(self, external_id: str) -> str:
         """As Client.release."""
         row = await self._one(c.RELEASE, (external_id,))
@@ -217,6 +222,8 @@ class AsyncClient:
             c.check_not_ended_before(status)
             # Granted before this call (a retry): its lease may be older than `sent`.
             granted_before = status.state == "acquired"
+            # The submit's answer says nothing of the standbys: an outcome it shows is confirmed.
+            barrier = True
             while not status.settled:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -234,11 +241,12 @@ class AsyncClient:
                 _raise_if_cancelled()
                 woken.clear()
                 try:
-                    status = await self.status(external_id) or status
+                    status, barrier = await self._status_and_barrier(external_id) or (status, barrier)
                 except DatabaseUnavailable:
                     pass  # read again at the next tick, until the deadline
                 _raise_if_cancelled()
-            await self._confirm_durable(external_id, deadline)
+            if barrier:
+                await self._confirm_durable(external_id, deadline)
             _raise_if_cancelled()
         except c.NOTHING_TO_CANCEL:
             raise  # cancelled already, ended, or another request's id: nothing to cancel

@@ -35,6 +35,13 @@ SUBMIT = (
     "ttl => make_interval(secs => %s), wait => make_interval(secs => %s), priority => %s)"
 )
 STATUS = f"SELECT {_COLUMNS} FROM permitq.status(%s)"
+#: STATUS, and whether `permitq.confirm_durable` would do anything in this session (synchronous
+#: standbys are named, or this is a standby, where it refuses): an acquire reads it beside the
+#: outcome, so that a server without synchronous standbys costs no extra round trip.
+STATUS_AND_BARRIER = (
+    f"SELECT {_COLUMNS}, current_setting('synchronous_standby_names') <> '' OR pg_is_in_recovery() "
+    "FROM permitq.status(%s)"
+)
 RELEASE = "SELECT permitq.release(%s)"
 HEARTBEAT = "SELECT permitq.heartbeat(%s, make_interval(secs => %s))"
 EXPLAIN = (

@@ -217,6 +217,8 @@ class Client:
             # Granted before this call (a retry after a dropped connection): its lease may be
             # older than `sent`, so the lease heartbeats before it is handed over.
             granted_before = status.state == "acquired"
+            # The submit's answer says nothing of the standbys: an outcome it shows is confirmed.
+            barrier = True
             while not status.settled:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -229,10 +231,10 @@ class Client:
                     )
                 listener = _wait_for_event(listener, min(self._poll_seconds, remaining))
                 try:
-                    status = self.status(external_id) or status
+                    status, barrier = self._status_and_barrier(external_id) or (status, barrier)
                 except DatabaseUnavailable:
                     pass  # read again at the next tick, until the deadline
-            return self._granted(status, sent, deadline, granted_before)
+            return self._granted(status, sent, deadline, granted_before, barrier)
         except c.NOTHING_TO_CANCEL:
             raise  # cancelled already, ended, or another request's id: nothing to cancel
         except BaseException:
@@ -244,8 +246,16 @@ class Client:
             if listener is not None:
                 self._give_back_listener(listener)
 
-    def _granted(self, status: c.Status, sent: float, deadline: float, granted_before: bool) -> "Lease":
-        self._confirm_durable(status.external_id, deadline)
+    def _status_and_barrier(self, external_id: str) -> tuple[c.Status, bool] | None:
+        """`status`, and whether an outcome read needs `_confirm_durable` here."""
+        row = self._run(lambda conn: conn.execute(c.STATUS_AND_BARRIER, (external_id,)).fetchone())
+        return None if row is None else (c.Status.from_row(row[:-1]), bool(row[-1]))
+
+    def _granted(
+        self, status: c.Status, sent: float, deadline: float, granted_before: bool, barrier: bool
+    ) -> "Lease":
+        if barrier:
+            self._confirm_durable(status.external_id, deadline)
         if status.state == "acquired":
             lease = Lease(self, status, sent)
             if granted_before:

@@ -65,6 +65,32 @@ class SyncClientTest(unittest.TestCase):
         self.assertEqual(self.client.release(rid), "released")
         self.assertIsNone(self.client.status(new_id("unknown")))
 
+    def test_acquire_confirms_durability_only_where_a_standby_could_take_the_grant_back(self) -> None:
+        from unittest import mock
+
+        from permitq import _common
+
+        confirmed: list[str] = []
+        confirm = self.client._confirm_durable
+
+        def counted(external_id: str, deadline: float) -> None:
+            confirmed.append(external_id)
+            confirm(external_id, deadline)
+
+        with mock.patch.object(self.client, "_confirm_durable", counted):
+            # This server names no synchronous standbys: no barrier, no round trip for it.
+            self.client.acquire(new_id("nobarrier"), {self.sem: 1}, timeout=15).release()
+            self.assertEqual(confirmed, [])
+            # Where the status says a barrier is needed, the grant waits for it.
+            needed = _common.STATUS_AND_BARRIER.replace(
+                "current_setting('synchronous_standby_names') <> '' OR pg_is_in_recovery()", "true"
+            )
+            self.assertNotEqual(needed, _common.STATUS_AND_BARRIER)
+            rid = new_id("barrier")
+            with mock.patch.object(_common, "STATUS_AND_BARRIER", needed):
+                self.client.acquire(rid, {self.sem: 1}, timeout=15).release()
+            self.assertEqual(confirmed, [rid])
+
     def test_acquire_heartbeats_releases_on_exit_and_exposes_the_token(self) -> None:
         rid = new_id("lease")
         with self.client.acquire(rid, {self.sem: 1}, ttl=1.5, timeout=15) as lease:

@@ -104,6 +104,8 @@ export declare class Client {
     submit(externalId: string, permits: Record<string, number>, options?: SubmitOptions): Promise<Status>;
     /** The request, or null for an unknown id (or another login's, for a producer). */
     status(externalId: string): Promise<Status | null>;
+    /** `status`, and whether an outcome read needs `confirmDurable` here. */
+    private statusAndBarrier;
     /** Gives the permits back: `released`, `already_released`, `cancelled`, `not_acquired`, `unknown`. */
     release(externalId: string): Promise<string>;
     /** Extends the lease (to now + `extendSeconds`, else its ttl); throws LeaseLost when it is gone. */

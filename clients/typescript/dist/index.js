@@ -182,6 +182,11 @@ export class Client {
         const rows = await this.query(SQL.status, [externalId]);
         return rows.length ? status(rows[0]) : null;
     }
+    /** `status`, and whether an outcome read needs `confirmDurable` here. */
+    async statusAndBarrier(externalId) {
+        const rows = await this.query(SQL.statusAndBarrier, [externalId]);
+        return rows.length ? [status(rows[0]), rows[0].barrier === true] : null;
+    }
     /** Gives the permits back: `released`, `already_released`, `cancelled`, `not_acquired`, `unknown`. */
     async release(externalId) {
         const rows = await this.query(SQL.release, [externalId]);
@@ -266,6 +271,8 @@ export class Client {
             }
             // Granted before this call (a retry): its lease may be older than `sent`.
             grantedBefore = current.state === "acquired";
+            // The submit's answer says nothing of the standbys: an outcome it shows is confirmed.
+            let barrier = true;
             while (current.state === "new" || current.state === "in_progress") {
                 const remaining = deadline - performance.now();
                 if (remaining <= 0 || signal?.aborted) {
@@ -288,13 +295,16 @@ export class Client {
                 });
                 woken = () => { };
                 // A read that fails is read again at the next tick, until the deadline.
-                current = (await this.status(externalId).catch((e) => {
+                const read = await this.statusAndBarrier(externalId).catch((e) => {
                     if (e instanceof DatabaseUnavailable)
                         return null;
                     throw e;
-                })) ?? current;
+                });
+                if (read)
+                    [current, barrier] = read;
             }
-            await this.confirmDurable(externalId, deadline);
+            if (barrier)
+                await this.confirmDurable(externalId, deadline);
         }
         catch (e) {
             // The wait failed or was given up: the request is cancelled, or it would be granted to

@@ -271,6 +271,12 @@ export class Client {
     return rows.length ? status(rows[0]!) : null;
   }
 
+  /** `status`, and whether an outcome read needs `confirmDurable` here. */
+  private async statusAndBarrier(externalId: string): Promise<[Status, boolean] | null> {
+    const rows = await this.query(SQL.statusAndBarrier, [externalId]);
+    return rows.length ? [status(rows[0]!), rows[0]!.barrier === true] : null;
+  }
+
   /** Gives the permits back: `released`, `already_released`, `cancelled`, `not_acquired`, `unknown`. */
   async release(externalId: string): Promise<string> {
     const rows = await this.query(SQL.release, [externalId]);
@@ -364,6 +370,8 @@ export class Client {
       }
       // Granted before this call (a retry): its lease may be older than `sent`.
       grantedBefore = current.state === "acquired";
+      // The submit's answer says nothing of the standbys: an outcome it shows is confirmed.
+      let barrier = true;
       while (current.state === "new" || current.state === "in_progress") {
         const remaining = deadline - performance.now();
         if (remaining <= 0 || signal?.aborted) {
@@ -390,12 +398,13 @@ export class Client {
         });
         woken = () => {};
         // A read that fails is read again at the next tick, until the deadline.
-        current = (await this.status(externalId).catch((e) => {
+        const read = await this.statusAndBarrier(externalId).catch((e) => {
           if (e instanceof DatabaseUnavailable) return null;
           throw e;
-        })) ?? current;
+        });
+        if (read) [current, barrier] = read;
       }
-      await this.confirmDurable(externalId, deadline);
+      if (barrier) await this.confirmDurable(externalId, deadline);
     } catch (e) {
       // The wait failed or was given up: the request is cancelled, or it would be granted to
       // nobody and hold its permits (cancelled already, ended, or another's id: nothing to do).

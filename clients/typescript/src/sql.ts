@@ -9,6 +9,11 @@ export const SQL = {
   submit: `SELECT ${COLUMNS} FROM permitq.submit($1, $2::jsonb, owner => $3, ttl => make_interval(secs => $4),
                                                wait => make_interval(secs => $5), priority => $6)`,
   status: `SELECT ${COLUMNS} FROM permitq.status($1)`,
+  // And whether permitq.confirm_durable would do anything in this session (synchronous standbys
+  // are named, or this is a standby, where it refuses): read beside the outcome an acquire waits
+  // on, so that a server without synchronous standbys costs no extra round trip.
+  statusAndBarrier: `SELECT ${COLUMNS}, current_setting('synchronous_standby_names') <> '' OR pg_is_in_recovery() AS barrier
+                     FROM permitq.status($1)`,
   release: "SELECT permitq.release($1) AS outcome",
   heartbeat: "SELECT permitq.heartbeat($1, make_interval(secs => $2)) AS until",
   explain: `SELECT request, state, outcome, semaphore, needs, capacity, free, shortfall, position::int,

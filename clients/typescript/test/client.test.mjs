@@ -62,6 +62,33 @@ describe("permitq client", () => {
     assert.equal(own.listeners.length, 0);
   });
 
+  it("confirms durability only where a standby could take the grant back", async () => {
+    const own = new permitq.Client({ connectionString: URL });
+    const confirmed = [];
+    const confirm = own.confirmDurable.bind(own);
+    own.confirmDurable = async (externalId, deadline) => {
+      confirmed.push(externalId);
+      await confirm(externalId, deadline);
+    };
+    // This server names no synchronous standbys: no barrier, no round trip for it.
+    await (await own.acquire(newId("nobarrier"), { [sem]: 1 }, { timeoutMs: 15_000 })).release();
+    assert.deepEqual(confirmed, []);
+    // Where the status says a barrier is needed, the grant waits for it.
+    const { SQL } = await import("../dist/sql.js");
+    const statement = SQL.statusAndBarrier;
+    SQL.statusAndBarrier = statement.replace(
+      "current_setting('synchronous_standby_names') <> '' OR pg_is_in_recovery()", "true");
+    assert.notEqual(SQL.statusAndBarrier, statement);
+    const id = newId("barrier");
+    try {
+      await (await own.acquire(id, { [sem]: 1 }, { timeoutMs: 15_000 })).release();
+    } finally {
+      SQL.statusAndBarrier = statement;
+      await own.end();
+    }
+    assert.deepEqual(confirmed, [id]);
+  });
+
   it("submits idempotently and refuses other parameters", async () => {
     const id = newId("idem");
     const first = await client.submit(id, { [sem]: 1 }, { ttlSeconds: 30 });

@@ -16,7 +16,8 @@ use crate::error::{CliError, Result};
 /// Capacity of the hot semaphore.
 const HOT_CAPACITY: i32 = 64;
 
-/// Submits, waits for the grant, releases. Returns the producer-observed latency in ms.
+/// Acquires (submit, wait for the grant: what a producer calls), releases. Returns the
+/// producer-observed latency in ms, from the call until the grant is in hand.
 pub(super) async fn cycle(client: &Client, id: &str, semaphore: &str) -> Result<f64> {
     cycle_at(client, id, semaphore, 0).await
 }
@@ -24,17 +25,13 @@ pub(super) async fn cycle(client: &Client, id: &str, semaphore: &str) -> Result<
 /// [`cycle`] with a priority.
 async fn cycle_at(client: &Client, id: &str, semaphore: &str, priority: i16) -> Result<f64> {
     let started = Instant::now();
-    client
-        .submit(&Request::new(id).permit(semaphore, 1).priority(priority))
-        .await?;
-    let r = client.wait_settled(id, Duration::from_secs(30)).await?;
+    let request = Request::new(id).permit(semaphore, 1).priority(priority);
+    let lease = client
+        .acquire(&request, Duration::from_secs(30))
+        .await
+        .map_err(|e| CliError::runtime(format!("bench request {id} was not granted: {e}")))?;
     let ms = started.elapsed().as_secs_f64() * 1000.0;
-    if r.map(|r| r.state) != Some(State::Acquired) {
-        return Err(CliError::runtime(format!(
-            "bench request {id} was not granted in 30s"
-        )));
-    }
-    client.release(id).await?;
+    lease.release().await?;
     Ok(ms)
 }
 
@@ -130,7 +127,7 @@ pub(super) async fn idle(url: &str, args: &BenchArgs, report: &mut Report) -> Re
         ms(db)
     ));
     report.line(format!(
-        "| submit → acquired, producer (submit call → event) | {} | |",
+        "| submit → acquired, producer (acquire call → grant in hand) | {} | |",
         ms(producer)
     ));
     report.line(format!(
