@@ -131,6 +131,7 @@ schema_files! {
     "claim.sql",
     "batch_semaphores.sql",
     "heads.sql",
+    "next_batch.sql",
     "decision_outcome.sql",
     "sweeps.sql",
     "retention.sql",

@@ -2,7 +2,8 @@
 //! comment each; the SQL API they call is in `schema/`.
 //!
 //! Lock order (see `schema/migrations/V1__baseline.sql`): request rows first, then semaphore rows
-//! in ascending id. [`CLAIM_BATCH`] is step 1 for the worker, [`LOCK_BATCH_SEMAPHORES`] step 2.
+//! in ascending id. [`CLAIM_BATCH`] is step 1 for the worker, [`LOCK_BATCH_SEMAPHORES`] step 2;
+//! [`NEXT_BATCH`] runs both, in that order, in one call.
 
 use std::sync::LazyLock;
 
@@ -131,6 +132,9 @@ pub(crate) const SCHEMA_IS_CURRENT: &str =
 /// Worker: claim what could be granted (unexamined requests after a cursor, and the first
 /// waiters of semaphores with room), FOR UPDATE SKIP LOCKED.
 pub(crate) const CLAIM_BATCH: &str = include_str!("sql/claim_batch.sql");
+/// Worker: steps 1 and 2 in one round trip: claim a batch, lock its semaphores (folding their
+/// releases) and read their heads; rows told apart by `kind`.
+pub(crate) const NEXT_BATCH: &str = include_str!("sql/next_batch.sql");
 /// Worker, isolating a failed batch: claim these requests again (one at a time).
 pub(crate) const CLAIM_REQUESTS: &str = include_str!("sql/claim_requests.sql");
 /// Worker: settle a request that failed a batch on its own as `error` / `invalid`; returns its
@@ -340,6 +344,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("WAITERS", WAITERS),
         ("CLAIM_REQUESTS", CLAIM_REQUESTS),
         ("SETTLE_INVALID", SETTLE_INVALID),
+        ("NEXT_BATCH", NEXT_BATCH),
         ("CLAIM_BATCH", CLAIM_BATCH),
         ("LOCK_BATCH_SEMAPHORES", LOCK_BATCH_SEMAPHORES),
         ("FOLD_RELEASES", FOLD_RELEASES),

@@ -30,8 +30,13 @@ use crate::types::ErrorCode;
 /// What a batch claims.
 #[derive(Debug, Clone, Copy)]
 enum Claim<'a> {
-    /// Unexamined requests after this cursor, and the first waiters of semaphores with room.
+    /// Unexamined requests after this cursor, and the first waiters of semaphores with room:
+    /// claimed, their semaphores locked and their heads read in one round trip
+    /// (`permitq.next_batch`).
     After(i64),
+    /// The same, a step a round trip: after [`Claim::After`] failed on a data error, which
+    /// requests the batch claimed is known only this way.
+    AfterStepwise(i64),
     /// Exactly these requests, if still `new` (isolating a failed batch).
     Only(&'a [i64]),
 }
@@ -140,7 +145,17 @@ impl Worker {
     async fn run_batch_isolating(&self, cursor: i64) -> Result<Option<(i64, PassOutcome)>> {
         let failed = match self.run_batch_retrying(Claim::After(cursor)).await {
             Ok(done) => return Ok(done),
-            Err(failed) if caused_by_a_row(&failed.error) && !failed.claimed.is_empty() => failed,
+            // One call failed as a whole: again a step at a time, to learn what it claims.
+            Err(failed) if caused_by_a_row(&failed.error) && failed.claimed.is_empty() => {
+                match self.run_batch_retrying(Claim::AfterStepwise(cursor)).await {
+                    Ok(done) => return Ok(done),
+                    Err(failed) if caused_by_a_row(&failed.error) && !failed.claimed.is_empty() => {
+                        failed
+                    }
+                    Err(failed) => return Err(failed.error),
+                }
+            }
+            Err(failed) if caused_by_a_row(&failed.error) => failed,
             Err(failed) => return Err(failed.error),
         };
         let FailedBatch { error, claimed } = failed;
@@ -223,8 +238,16 @@ impl Worker {
             claimed: Vec::new(),
         })?;
         let mut claimed = Vec::new();
-        let result = match claim_rows(&conn, claim, self.config.batch_size).await {
-            Ok(rows) => {
+        let read = match claim {
+            Claim::After(cursor) => next_batch(&conn, cursor, self.config.batch_size)
+                .await
+                .map(|(rows, semaphores)| (rows, Some(semaphores))),
+            _ => claim_rows(&conn, claim, self.config.batch_size)
+                .await
+                .map(|rows| (rows, None)),
+        };
+        let result = match read {
+            Ok((rows, semaphores)) => {
                 claimed = rows
                     .iter()
                     .map(|row| {
@@ -233,7 +256,7 @@ impl Worker {
                         (row.get("id"), place.filter(|_| !examined))
                     })
                     .collect();
-                self.decide_claimed(&conn, &rows, started).await
+                self.decide_claimed(&conn, &rows, semaphores, started).await
             }
             Err(e) => Err(e),
         };
@@ -243,11 +266,13 @@ impl Worker {
         })
     }
 
-    /// Steps 2 and 3 of a batch whose claim returned `rows`, to the commit.
+    /// Steps 2 and 3 of a batch whose claim returned `rows`, to the commit; `semaphores` when
+    /// step 2 came with the claim.
     async fn decide_claimed(
         &self,
         conn: &deadpool_postgres::Object,
         rows: &[tokio_postgres::Row],
+        semaphores: Option<BTreeMap<String, SemaphoreView>>,
         started: Instant,
     ) -> Result<Option<(i64, PassOutcome)>> {
         if rows.is_empty() {
@@ -257,7 +282,10 @@ impl Worker {
         // This batch folds the pending releases (of every semaphore no other batch holds).
         self.fold_clock().owed = false;
         let mut batch = ClaimedBatch::from_rows(rows)?;
-        let semaphores = lock_semaphores_and_heads(conn, &batch).await?;
+        let semaphores = match semaphores {
+            Some(semaphores) => semaphores,
+            None => lock_semaphores_and_heads(conn, &batch).await?,
+        };
         // In line: the decision goes first in line first (see decision::Rank).
         batch.candidates.sort_by_key(Candidate::rank);
         let outcome = Outcome::of(&decide(&semaphores, &batch.candidates), &batch);
@@ -321,6 +349,42 @@ struct FailedBatch {
     claimed: Vec<(i64, Option<i64>)>,
 }
 
+/// Steps 1 and 2 (lock order steps 1 and 2) in one round trip with BEGIN: the claimed rows,
+/// sorted by id, and the semaphores as the decision sees them (none when nothing was claimed).
+async fn next_batch(
+    conn: &deadpool_postgres::Object,
+    cursor: i64,
+    batch_size: i64,
+) -> Result<(Vec<tokio_postgres::Row>, BTreeMap<String, SemaphoreView>)> {
+    let statement = conn.prepare_cached(sql::NEXT_BATCH).await?;
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&cursor, &batch_size];
+    let (begun, rows) = tokio::join!(conn.batch_execute("BEGIN"), conn.query(&statement, &params));
+    begun?;
+    let (mut claimed, mut locked, mut heads) = (Vec::new(), Vec::new(), Vec::new());
+    for row in rows? {
+        match u8::from_ne_bytes(row.try_get::<_, i8>("kind")?.to_ne_bytes()) {
+            b'r' => claimed.push(row),
+            b's' => locked.push(semaphore_view_from_row(&row)?),
+            b'h' => heads.push((
+                row.try_get("name")?,
+                Head {
+                    request_id: row.try_get("head_request_id")?,
+                    count: row.try_get::<_, i32>("head_count")?.into(),
+                    effective: row.try_get("effective")?,
+                },
+            )),
+            other => {
+                return Err(Error::config(format!(
+                    "permitq.next_batch returned a row of kind {other}: is the schema newer than \
+                     this worker?"
+                )))
+            }
+        }
+    }
+    claimed.sort_by_key(|row| row.get::<_, i64>("id"));
+    Ok((claimed, with_heads(locked, heads)))
+}
+
 /// Step 1, lock order step 1: BEGIN and claim (`FOR UPDATE SKIP LOCKED`), in one round trip.
 async fn claim_rows(
     conn: &deadpool_postgres::Object,
@@ -328,7 +392,7 @@ async fn claim_rows(
     batch_size: i64,
 ) -> Result<Vec<tokio_postgres::Row>> {
     let rows = match claim {
-        Claim::After(cursor) => {
+        Claim::After(cursor) | Claim::AfterStepwise(cursor) => {
             let statement = conn.prepare_cached(sql::CLAIM_BATCH).await?;
             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&cursor, &batch_size];
             let (begun, rows) =
@@ -440,41 +504,61 @@ async fn lock_semaphores_and_heads(
         conn.query(&lock, &lock_params),
         conn.query(&heads, &head_params)
     );
-    let mut semaphores = BTreeMap::new();
-    for row in locked? {
-        // No capacity: an instance its template may not make.
-        let capacity: Option<i32> = row.try_get("capacity")?;
-        semaphores.insert(
-            row.try_get::<_, String>("name")?,
-            SemaphoreView {
-                capacity: capacity.unwrap_or(0).into(),
-                used: row.try_get::<_, Option<i64>>("used")?.unwrap_or(0),
-                fair: row.try_get::<_, Option<bool>>("fair")?.unwrap_or(false),
-                head: None,
-                refused: capacity.is_none(),
-                parent: row.try_get("parent")?,
-                guarantee: row
-                    .try_get::<_, Option<i32>>("guarantee")?
-                    .unwrap_or(0)
-                    .into(),
-                active: row.try_get::<_, Option<bool>>("active")?.unwrap_or(false),
-            },
-        );
-    }
+    let locked = locked?
+        .iter()
+        .map(semaphore_view_from_row)
+        .collect::<Result<Vec<_>>>()?;
+    let mut heads = Vec::new();
     for row in head_rows? {
-        let name: String = row.try_get(0)?;
-        let head = Head {
-            request_id: row.try_get(1)?,
-            count: row.try_get::<_, i32>(2)?.into(),
-            effective: row.try_get(3)?,
-        };
+        heads.push((
+            row.try_get("semaphore")?,
+            Head {
+                request_id: row.try_get("request_id")?,
+                count: row.try_get::<_, i32>("count")?.into(),
+                effective: row.try_get("effective")?,
+            },
+        ));
+    }
+    Ok(with_heads(locked, heads))
+}
+
+/// A semaphore as `permitq.lock_batch_semaphores` returns it (`name`, `capacity` .. `active`),
+/// without its head.
+fn semaphore_view_from_row(row: &tokio_postgres::Row) -> Result<(String, SemaphoreView)> {
+    // No capacity: an instance its template may not make.
+    let capacity: Option<i32> = row.try_get("capacity")?;
+    Ok((
+        row.try_get("name")?,
+        SemaphoreView {
+            capacity: capacity.unwrap_or(0).into(),
+            used: row.try_get::<_, Option<i64>>("used")?.unwrap_or(0),
+            fair: row.try_get::<_, Option<bool>>("fair")?.unwrap_or(false),
+            head: None,
+            refused: capacity.is_none(),
+            parent: row.try_get("parent")?,
+            guarantee: row
+                .try_get::<_, Option<i32>>("guarantee")?
+                .unwrap_or(0)
+                .into(),
+            active: row.try_get::<_, Option<bool>>("active")?.unwrap_or(false),
+        },
+    ))
+}
+
+/// The locked semaphores by name, each with the head first in line among `heads` on it.
+fn with_heads(
+    locked: Vec<(String, SemaphoreView)>,
+    heads: Vec<(String, Head)>,
+) -> BTreeMap<String, SemaphoreView> {
+    let mut semaphores: BTreeMap<String, SemaphoreView> = locked.into_iter().collect();
+    for (name, head) in heads {
         if let Some(s) = semaphores.get_mut(&name) {
             if s.head.is_none_or(|h| head.rank() < h.rank()) {
                 s.head = Some(head);
             }
         }
     }
-    Ok(semaphores)
+    semaphores
 }
 
 /// Step 3: the decision as the database takes it.
