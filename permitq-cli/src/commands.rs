@@ -294,7 +294,7 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
                 ),
                 Err(e) if e.code() == Some(&SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE) => {
                     let Some(row) = client.status(&external_id).await? else {
-                        return Err(CliError::not_found("request", &external_id));
+                        return Err(not_visible(&client, external_id).await);
                     };
                     errln!("permitq: {}", crate::error::one_line(&e.to_string()));
                     // Not granted yet is not lost: a script tells them apart by the code.
@@ -372,8 +372,8 @@ async fn say_waiters_no_longer_covered(client: &Client, name: &str, capacity: i6
     let more = uncovered.len().saturating_sub(SHOWN);
     errln!(
         "permitq: {} waiting {} more than the new capacity {capacity}: {}{}; a worker ends {} \
-         as error exceeds_capacity (the new capacity in its error_detail) once it is first in \
-         line. To keep such requests waiting, raise the capacity again \
+         as error exceeds_capacity (the new capacity in its error_detail) when it comes to it: \
+         at once, unless others are ahead of it in line. To keep such requests waiting, raise the capacity again \
          (`permitq semaphore set {} {}`); one already ended is submitted again under a new id",
         uncovered.len(),
         if uncovered.len() == 1 {
@@ -589,7 +589,11 @@ async fn outcome(
     json: bool,
 ) -> Result<u8> {
     if outcome == ReleaseOutcome::Unknown {
-        return Err(CliError::not_found("request", external_id));
+        // Another login's request is refused as such: unknown is none at all.
+        return Err(CliError::NotVisible {
+            name: external_id.to_string(),
+            sees_all: true,
+        });
     }
     if json {
         outln!(
@@ -732,7 +736,19 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
         let interrupt = Shutdown::install();
         tokio::select! {
             settled = client.wait_settled(&request.external_id, limit) => {
-                row = settled?.unwrap_or(row);
+                row = match settled {
+                    Ok(settled) => settled.unwrap_or(row),
+                    Err(e) if e.is_connection() => {
+                        errln!(
+                            "permitq: {id} was submitted, and the database stopped answering \
+                             while this waited: it may still be waiting. Once the database \
+                             answers, `permitq status {id}` says; `permitq release {id}` cancels it",
+                            id = request.external_id
+                        );
+                        return Err(e.into());
+                    }
+                    Err(e) => return Err(e.into()),
+                };
             }
             () = interrupt.signalled() => {
                 return interrupted(client, &request.external_id).await;

@@ -30,8 +30,6 @@ pub(crate) enum CliError {
     },
     /// A required input that was not given (exit 2, like an invalid one).
     Missing { field: &'static str, hint: String },
-    /// No request or semaphore by that name.
-    NotFound { what: &'static str, name: String },
     /// No semaphore by that name; the nearest existing names.
     NoSemaphore { name: String, similar: Vec<String> },
     /// No request by that name among those this login may read (`status`, `explain`);
@@ -51,13 +49,6 @@ impl CliError {
         }
     }
 
-    pub(crate) fn not_found(what: &'static str, name: &str) -> CliError {
-        CliError::NotFound {
-            what,
-            name: name.to_string(),
-        }
-    }
-
     pub(crate) fn runtime(message: impl Into<String>) -> CliError {
         CliError::Runtime(message.into())
     }
@@ -67,9 +58,7 @@ impl CliError {
     pub(crate) fn exit_code(&self) -> u8 {
         match self {
             CliError::Usage { .. } | CliError::Missing { .. } => EXIT_USAGE,
-            CliError::NotFound { .. }
-            | CliError::NoSemaphore { .. }
-            | CliError::NotVisible { .. } => EXIT_NOT_FOUND,
+            CliError::NoSemaphore { .. } | CliError::NotVisible { .. } => EXIT_NOT_FOUND,
             CliError::Permitq(e)
                 if e.invalid_field().is_some()
                     || e.code() == Some(&SqlState::INVALID_PARAMETER_VALUE)
@@ -95,7 +84,6 @@ impl fmt::Display for CliError {
             CliError::Permitq(e) => write!(f, "{e}"),
             CliError::Usage { field, message } => write!(f, "invalid {field}: {message}"),
             CliError::Missing { field, hint } => write!(f, "no {field} given: {hint}"),
-            CliError::NotFound { what, name } => write!(f, "no {what} named {name:?}"),
             CliError::NoSemaphore { name, similar } if similar.is_empty() => write!(
                 f,
                 "no semaphore named {name:?} (`permitq semaphore list` shows them all)"

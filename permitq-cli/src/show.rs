@@ -459,7 +459,8 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
                 if window {
                     "when its rate window opens"
                 } else {
-                    "an estimate from recent releases"
+                    "from the rate of recent releases here, not from these holders' leases: a \
+                     holder may release early, or heartbeat past its lease's end"
                 }
             ));
         }

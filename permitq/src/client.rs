@@ -30,6 +30,9 @@ use crate::usage::{self, Holder, SemaphoreUsage, Waiter};
 /// How often [`Client::wait_settled`] re-reads the status when no notification arrives.
 const STATUS_POLL: Duration = Duration::from_millis(250);
 
+/// How long an `acquire` that gave up waits for its request's cancellation.
+const CANCEL_WITHIN: Duration = Duration::from_secs(2);
+
 /// Notifications of `permitq_events`, as one waiting call receives them.
 type Events = tokio::sync::broadcast::Receiver<ListenerEvent>;
 
@@ -204,11 +207,25 @@ impl Client {
             )
             .await;
         cancel_if_dropped.armed = false;
-        let settled = settled?;
+        let settled = match settled {
+            Ok(settled) => settled,
+            // The database did not answer until the deadline: cancel the request if it answers
+            // now, or say that it may still wait (an unconfirmed grant, on a primary waiting for
+            // a lost standby, would hang the cancel: it is left to the caller).
+            Err(e) if e.is_connection() && !e.is_unconfirmed() => {
+                return Err(match self.cancel_within(&request.external_id).await {
+                    Ok(_) => e,
+                    Err(_) => e.left_waiting(&request.external_id),
+                });
+            }
+            Err(e) => return Err(e),
+        };
         let (settled, gave_up) = match settled {
             Some(r) if r.state == State::New => {
                 // Give up: cancel, unless it was granted in the meantime; say why it waited.
-                self.release(&request.external_id).await?;
+                if let Err(e) = self.cancel_within(&request.external_id).await {
+                    return Err(e.left_waiting(&request.external_id));
+                }
                 let why = match self.granting().await.ok().and_then(|g| g.warning()) {
                     Some(warning) => format!("; {warning}"),
                     None => {
@@ -274,6 +291,28 @@ impl Client {
         }
         conn.finished();
         Ok(row)
+    }
+
+    /// [`Client::release`] for an `acquire` that gave up, within [`CANCEL_WITHIN`]: a database
+    /// that does not answer must not keep the caller past its deadline for long.
+    async fn cancel_within(&self, external_id: &str) -> Result<ReleaseOutcome> {
+        let attempt = async {
+            // Abandoned midway (a link that died without a word), the connection leaves the pool.
+            let mut conn = Checkout(Some(self.conn().await?));
+            let text: String = conn
+                .query_typed_one(sql::RELEASE, &[(&external_id, Type::TEXT)])
+                .await?
+                .get(0);
+            conn.finished();
+            Ok(text.parse()?)
+        };
+        match tokio::time::timeout(CANCEL_WITHIN, attempt).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(Error::config(format!(
+                "cancelling request {external_id} got no answer within {}",
+                humantime::format_duration(CANCEL_WITHIN)
+            ))),
+        }
     }
 
     /// Gives a held request's permits back, or cancels it while it waits. Idempotent.

@@ -14,6 +14,9 @@ pub struct Error {
     kind: Kind,
     /// The server a connection error was about (`localhost:5432`), for its message.
     target: Option<String>,
+    /// The request an `acquire` submitted and could not cancel when it gave up (the database
+    /// did not answer): it may still wait, and be granted with nobody to hold it.
+    left_waiting: Option<String>,
 }
 
 #[derive(Debug)]
@@ -39,6 +42,7 @@ impl Error {
     pub(crate) fn invalid(field: &'static str, message: impl Into<String>) -> Error {
         Error {
             target: None,
+            left_waiting: None,
             kind: Kind::InvalidInput {
                 field,
                 message: message.into(),
@@ -49,6 +53,7 @@ impl Error {
     pub(crate) fn config(message: impl Into<String>) -> Error {
         Error {
             target: None,
+            left_waiting: None,
             kind: Kind::Config(message.into()),
         }
     }
@@ -56,6 +61,7 @@ impl Error {
     pub(crate) fn unconfirmed(external_id: &str) -> Error {
         Error {
             target: None,
+            left_waiting: None,
             kind: Kind::Unconfirmed(external_id.to_string()),
         }
     }
@@ -77,6 +83,7 @@ impl Error {
     pub(crate) fn refused(request: crate::types::PermitRequest, gave_up: Option<String>) -> Error {
         Error {
             target: None,
+            left_waiting: None,
             kind: Kind::NotGranted(Box::new(request), gave_up),
         }
     }
@@ -165,6 +172,32 @@ impl Error {
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.fmt_kind(f)?;
+        if let Some(id) = &self.left_waiting {
+            write!(
+                f,
+                "; request {id} was submitted and could not be cancelled, so it may still be \
+                 waiting: once the database answers, cancel it (`permitq release {id}`, or \
+                 `Client::release`), or it may be granted with nobody to use it"
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl Error {
+    /// An outcome the synchronous standby did not confirm ([`Error::is_connection`] too).
+    pub(crate) fn is_unconfirmed(&self) -> bool {
+        matches!(self.kind, Kind::Unconfirmed(_))
+    }
+
+    /// This error, from an `acquire` that gave up and could not cancel `external_id`.
+    pub(crate) fn left_waiting(mut self, external_id: &str) -> Error {
+        self.left_waiting = Some(external_id.to_string());
+        self
+    }
+
+    fn fmt_kind(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.is_missing_schema() {
             let detail = self
                 .as_postgres()
@@ -397,6 +430,7 @@ impl From<tokio_postgres::Error> for Error {
         Error {
             kind: Kind::Db(e),
             target: None,
+            left_waiting: None,
         }
     }
 }
@@ -405,6 +439,7 @@ impl From<deadpool_postgres::PoolError> for Error {
     fn from(e: deadpool_postgres::PoolError) -> Error {
         Error {
             target: None,
+            left_waiting: None,
             kind: Kind::Pool(e),
         }
     }

@@ -142,12 +142,13 @@ class AsyncClient:
     async def _granting(self) -> tuple[Any, ...] | None:
         return await self._one(c.GRANTING, ())
 
-    async def _cancel_quietly(self, external_id: str) -> None:
-        """Cancels a request whose caller has gone; a failure leaves it to its `wait`."""
+    async def _cancel_quietly(self, external_id: str) -> bool:
+        """As Client._cancel_quietly."""
         try:
             await self.release(external_id)
+            return True
         except Exception:  # noqa: BLE001 - the interruption is what the caller sees
-            pass
+            return False
 
     async def explain(self, external_id: str) -> c.Explanation | None:
         """As Client.explain."""
@@ -224,6 +225,7 @@ class AsyncClient:
             granted_before = status.state == "acquired"
             # The submit's answer says nothing of the standbys: an outcome it shows is confirmed.
             barrier = True
+            warned = False
             while not status.settled:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -242,8 +244,11 @@ class AsyncClient:
                 woken.clear()
                 try:
                     status, barrier = await self._status_and_barrier(external_id) or (status, barrier)
-                except DatabaseUnavailable:
-                    pass  # read again at the next tick, until the deadline
+                except DatabaseUnavailable as e:
+                    # Read again at the next tick, until the deadline; said once.
+                    if not warned:
+                        c.warn_retrying(e, deadline - time.monotonic())
+                        warned = True
                 _raise_if_cancelled()
             if barrier:
                 await self._confirm_durable(external_id, deadline)
@@ -254,9 +259,13 @@ class AsyncClient:
             # The caller is gone (Ctrl-C, a cancelled task) or the wait failed: so is the
             # request, or it would be granted to nobody and hold its permits. A cancellation
             # that reached a query ends it with an error: still a cancel.
-            await self._cancel_quietly(external_id)
+            cancelled = await self._cancel_quietly(external_id)
             if isinstance(e, PermitqError) and _cancelling():
                 raise asyncio.CancelledError from None
+            if isinstance(e, KeyboardInterrupt):
+                c.say_interrupted(external_id, cancelled)
+            elif not cancelled and isinstance(e, DatabaseUnavailable):
+                raise DatabaseUnavailable(f"{e}; {c.left_waiting(external_id)}") from e
             raise
         finally:
             if listening is not None:

@@ -287,6 +287,23 @@ def check_not_ended_before(status: Status) -> None:
         )
 
 
+def left_waiting(external_id: str) -> str:
+    """What an acquire that gave up while the database did not answer says of its request."""
+    return (
+        f"request {external_id} was submitted and could not be cancelled, so it may still be "
+        f"waiting: once the database answers, cancel it (client.release({external_id!r}) or "
+        f"`permitq release {external_id}`), or it may be granted with nobody to use it"
+    )
+
+
+def say_interrupted(external_id: str, cancelled: bool) -> None:
+    """Said when Ctrl-C (or a cancelled task) ends an acquire: what became of its request."""
+    logging.getLogger("permitq").warning(
+        "acquire interrupted: %s",
+        f"request {external_id} cancelled, nothing waits on" if cancelled else left_waiting(external_id),
+    )
+
+
 def warn_retrying(error: Exception, seconds_left: float) -> None:
     """Said once when an acquire starts retrying a database that does not answer: without it the
     caller sees nothing until the deadline, and a database that is down reads as a busy

@@ -30,6 +30,11 @@ class NotOwner(PermitqError):
     """The request belongs to another login, or this login lacks the role (SQLSTATE 42501)."""
 
 
+class RoleMissing(NotOwner):
+    """This login lacks the permitq role the call needs (SQLSTATE 42501, "permission denied"):
+    the message names the role. A NotOwner, as it always was."""
+
+
 class ExternalIdTaken(PermitqError):
     """The external_id was submitted before with other parameters (SQLSTATE 23505): submit
     under a new one."""
@@ -198,18 +203,24 @@ def translated(e: psycopg.Error) -> PermitqError:
             )
         if "invalid" in message and "value" in message:
             return InvalidInput(f"invalid database URL: {message}", "database URL")
-        return DatabaseUnavailable(f"{message} (is PostgreSQL up and the URL right? Retrying is safe)")
+        return DatabaseUnavailable(
+            f"{message} (is PostgreSQL up and the URL right? Retrying under the same external_id is safe)"
+        )
     state = e.sqlstate or ""
     if state.startswith("08") or state in ("57P01", "57P02", "57P03"):
         return DatabaseUnavailable(message)
     if state == "22023":
         field = message.split(":", 1)[0].removeprefix("invalid ").strip() if message.startswith("invalid ") else None
         return InvalidInput(message, field)
-    if state == "42501":
+    if state == "42501" and message.startswith("permission denied for"):
         function = message.rsplit(" ", 1)[-1] if message.startswith("permission denied for function") else ""
-        role = _ROLES.get(function)
-        hint = f"; this needs the role {role}: use a login that has it, or a DBA grants it" if role else ""
-        return NotOwner(message + hint)
+        role = _ROLES.get(function) or "permitq_producer"
+        return RoleMissing(
+            f"{message}; this needs the role {role}: use a login that has it, or a DBA runs "
+            f"GRANT {role.split(' ')[0]} TO <your login>"
+        )
+    if state == "42501":
+        return NotOwner(message)
     if state == "23505":
         return ExternalIdTaken(message)
     if state == "55000":

@@ -150,12 +150,14 @@ class Client:
     def _granting(self) -> tuple[Any, ...] | None:
         return self._run(lambda conn: conn.execute(c.GRANTING).fetchone())
 
-    def _cancel_quietly(self, external_id: str) -> None:
-        """Cancels a request whose caller has gone; a failure leaves it to its `wait`."""
+    def _cancel_quietly(self, external_id: str) -> bool:
+        """Cancels a request whose caller has gone; False when that failed (it is left to its
+        `wait`)."""
         try:
             self.release(external_id)
+            return True
         except Exception:  # noqa: BLE001 - the interruption is what the caller sees
-            pass
+            return False
 
     def explain(self, external_id: str) -> c.Explanation | None:
         """Why the request waits, per semaphore; or how it ended. None for an unknown id."""
@@ -219,6 +221,7 @@ class Client:
             granted_before = status.state == "acquired"
             # The submit's answer says nothing of the standbys: an outcome it shows is confirmed.
             barrier = True
+            warned = False
             while not status.settled:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -232,15 +235,22 @@ class Client:
                 listener = _wait_for_event(listener, min(self._poll_seconds, remaining))
                 try:
                     status, barrier = self._status_and_barrier(external_id) or (status, barrier)
-                except DatabaseUnavailable:
-                    pass  # read again at the next tick, until the deadline
+                except DatabaseUnavailable as e:
+                    # Read again at the next tick, until the deadline; said once.
+                    if not warned:
+                        c.warn_retrying(e, deadline - time.monotonic())
+                        warned = True
             return self._granted(status, sent, deadline, granted_before, barrier)
         except c.NOTHING_TO_CANCEL:
             raise  # cancelled already, ended, or another request's id: nothing to cancel
-        except BaseException:
+        except BaseException as e:
             # The caller is gone (Ctrl-C, a cancelled task) or the wait failed: so is the
             # request, or it would be granted to nobody and hold its permits.
-            self._cancel_quietly(external_id)
+            cancelled = self._cancel_quietly(external_id)
+            if isinstance(e, KeyboardInterrupt):
+                c.say_interrupted(external_id, cancelled)
+            elif not cancelled and isinstance(e, DatabaseUnavailable):
+                raise DatabaseUnavailable(f"{e}; {c.left_waiting(external_id)}") from e
             raise
         finally:
             if listener is not None:

@@ -405,6 +405,58 @@ class SyncClientTest(unittest.TestCase):
         finally:
             lease.release()
 
+    @unittest.skipUnless(SUPER_URL, "PERMITQ_SUPER_URL names a superuser login (to make a login)")
+    def test_a_login_without_a_permitq_role_is_told_which_role(self) -> None:
+        import psycopg
+
+        login = new_id("norole").replace("-", "_")
+        with psycopg.connect(SUPER_URL, autocommit=True) as su:
+            su.execute(f"CREATE ROLE {login} LOGIN PASSWORD 'pw'")
+        try:
+            url = psycopg.conninfo.make_conninfo(SUPER_URL, user=login, password="pw")
+            with permitq.Client(url) as plain:
+                with self.assertRaises(permitq.RoleMissing) as caught:
+                    plain.submit(new_id("p"), {self.sem: 1})
+            self.assertIsInstance(caught.exception, permitq.NotOwner)
+            self.assertIn(
+                "permission denied for schema permitq; this needs the role permitq_producer: use a login "
+                "that has it, or a DBA runs GRANT permitq_producer TO <your login>",
+                str(caught.exception),
+            )
+        finally:
+            with psycopg.connect(SUPER_URL, autocommit=True) as su:
+                su.execute(f"DROP ROLE {login}")
+
+    def test_a_database_gone_at_the_deadline_leaves_the_request_said_to_wait(self) -> None:
+        """The outage as the client meets it (its reads and its cancel fail) after a real submit:
+        it says so once while it waits, and at the deadline that the request may still wait."""
+        from unittest import mock
+
+        rid = new_id("left")
+        holders = [self.client.acquire(new_id("hold"), {self.sem: 1}, ttl=30, timeout=15) for _ in range(2)]
+        waiter = permitq.Client(URL)
+        down = permitq.DatabaseUnavailable("connection refused (simulated)")
+        try:
+            with (
+                mock.patch.object(waiter, "_status_and_barrier", side_effect=down),
+                mock.patch.object(waiter, "release", side_effect=down),
+                self.assertLogs("permitq", level="WARNING") as said,
+                self.assertRaises(permitq.DatabaseUnavailable) as caught,
+            ):
+                waiter.acquire(rid, {self.sem: 1}, timeout=1)
+            self.assertIn("retrying until the acquire's deadline", "\n".join(said.output))
+            self.assertIn(
+                f"request {rid} was submitted and could not be cancelled, so it may still be waiting: "
+                f"once the database answers, cancel it (client.release('{rid}') or `permitq release {rid}`)",
+                str(caught.exception),
+            )
+            self.assertEqual(self.client.status(rid).state, "new", "what the error said")
+        finally:
+            self.client.release(rid)
+            for lease in holders:
+                lease.release()
+            waiter.close()
+
     def test_an_unreachable_database_is_retryable_and_says_so(self) -> None:
         with permitq.Client("postgres://nobody@127.0.0.1:1/nothing") as down:
             with self.assertRaises(permitq.DatabaseUnavailable):

@@ -17,6 +17,10 @@ export declare class InvalidInput extends PermitqError {
 export declare class NotOwner extends PermitqError {
     name: string;
 }
+/** This login lacks the permitq role the call needs (SQLSTATE 42501, "permission denied"): the message names the role. A NotOwner, as it always was. */
+export declare class RoleMissing extends NotOwner {
+    name: string;
+}
 /** The external_id was submitted before with other parameters (SQLSTATE 23505). */
 export declare class ExternalIdTaken extends PermitqError {
     name: string;

@@ -273,6 +273,7 @@ export class Client {
             grantedBefore = current.state === "acquired";
             // The submit's answer says nothing of the standbys: an outcome it shows is confirmed.
             let barrier = true;
+            let warned = false;
             while (current.state === "new" || current.state === "in_progress") {
                 const remaining = deadline - performance.now();
                 if (remaining <= 0 || signal?.aborted) {
@@ -296,9 +297,12 @@ export class Client {
                 woken = () => { };
                 // A read that fails is read again at the next tick, until the deadline.
                 const read = await this.statusAndBarrier(externalId).catch((e) => {
-                    if (e instanceof DatabaseUnavailable)
-                        return null;
-                    throw e;
+                    if (!(e instanceof DatabaseUnavailable))
+                        throw e;
+                    if (!warned)
+                        warnRetrying(e, deadline);
+                    warned = true;
+                    return null;
                 });
                 if (read)
                     [current, barrier] = read;
@@ -310,7 +314,10 @@ export class Client {
             // The wait failed or was given up: the request is cancelled, or it would be granted to
             // nobody and hold its permits (cancelled already, ended, or another's id: nothing to do).
             if (!(e instanceof AcquireTimeout || e instanceof RequestFailed || e instanceof ExternalIdTaken)) {
-                await this.release(externalId).catch(() => { });
+                const cancelled = await this.release(externalId).then(() => true, () => false);
+                if (!cancelled && e instanceof DatabaseUnavailable) {
+                    throw new DatabaseUnavailable(`${e.message}; ${leftWaiting(externalId)}`);
+                }
             }
             throw e;
         }
@@ -370,6 +377,20 @@ async function within(work, ms) {
     }
 }
 /** `call`, again while the database is unavailable, until `deadline` or until `signal` aborts. */
+/**
+ * Said once when an acquire starts retrying a database that does not answer: without it the
+ * caller sees nothing until the deadline, and a database that is down reads as a busy semaphore.
+ * (Node prints warnings to stderr unless told not to.)
+ */
+function warnRetrying(e, deadline) {
+    process.emitWarning(`${e.message}; retrying until the acquire's deadline, ${Math.round((deadline - performance.now()) / 1000)}s from now`, { code: "PERMITQ_RETRYING" });
+}
+/** What an acquire that gave up while the database did not answer says of its request. */
+function leftWaiting(externalId) {
+    return `request ${externalId} was submitted and could not be cancelled, so it may still be waiting: ` +
+        `once the database answers, cancel it (client.release("${externalId}") or \`permitq release ${externalId}\`), ` +
+        "or it may be granted with nobody to use it";
+}
 async function untilDeadline(deadline, signal, call) {
     let pause = 50;
     for (;;) {
@@ -379,11 +400,8 @@ async function untilDeadline(deadline, signal, call) {
         catch (e) {
             if (!(e instanceof DatabaseUnavailable) || performance.now() + pause >= deadline || signal?.aborted)
                 throw e;
-            if (pause === 50) {
-                // Said once: without it the caller sees nothing until the deadline, and a database that
-                // is down reads as a busy semaphore. (Node prints warnings to stderr unless told not to.)
-                process.emitWarning(`${e.message}; retrying until the acquire's deadline, ${Math.round((deadline - performance.now()) / 1000)}s from now`, { code: "PERMITQ_RETRYING" });
-            }
+            if (pause === 50)
+                warnRetrying(e, deadline);
             await sleep(pause, signal);
             pause = Math.min(pause * 2, 1000);
         }

@@ -23,6 +23,11 @@ export class NotOwner extends PermitqError {
   override name = "NotOwner";
 }
 
+/** This login lacks the permitq role the call needs (SQLSTATE 42501, "permission denied"): the message names the role. A NotOwner, as it always was. */
+export class RoleMissing extends NotOwner {
+  override name = "RoleMissing";
+}
+
 /** The external_id was submitted before with other parameters (SQLSTATE 23505). */
 export class ExternalIdTaken extends PermitqError {
   override name = "ExternalIdTaken";
@@ -143,14 +148,13 @@ function explained(code: string, d: ErrorDetail): string {
 
 /** The role a refused function needs, as the CLI says it. */
 function roleHint(message: string): string {
-  const fn = /permission denied for function (\w+)/.exec(message)?.[1];
-  if (!fn) return "";
+  const fn = /permission denied for function (\w+)/.exec(message)?.[1] ?? "";
   const role = ["set_capacity", "delete_semaphore", "revoke"].includes(fn)
     ? "permitq_admin"
     : ["submit", "release", "cancel", "heartbeat", "fence"].includes(fn)
       ? "permitq_producer (or permitq_admin)"
-      : null;
-  return role ? `; this needs the role ${role}: use a login that has it, or a DBA grants it` : "";
+      : "permitq_producer";
+  return `; this needs the role ${role}: use a login that has it, or a DBA runs GRANT ${role.split(" ")[0]} TO <your login>`;
 }
 
 /** A node-postgres error as this package's type, with the server's message. */
@@ -181,7 +185,7 @@ export function translated(e: unknown): Error {
   }
   const connection = !sqlstate && (code !== "" || /connection|connect|terminated|timeout/i.test(message));
   if (connection || code.startsWith("08") || code.startsWith("57P") || code === "53300") {
-    return new DatabaseUnavailable(`${message} (is PostgreSQL up and the URL right? Retrying is safe)`);
+    return new DatabaseUnavailable(`${message} (is PostgreSQL up and the URL right? Retrying under the same external_id is safe)`);
   }
   if (!sqlstate) return e instanceof Error ? e : new PermitqError(message);
   switch (code) {
@@ -193,7 +197,9 @@ export function translated(e: unknown): Error {
     case "22P02": // a number that is not one (1.5 for a count)
       return new InvalidInput(`${message} (a count, capacity or priority must be a whole number in range)`, null);
     case "42501":
-      return new NotOwner(message + roleHint(message));
+      return message.startsWith("permission denied for")
+        ? new RoleMissing(message + roleHint(message))
+        : new NotOwner(message);
     case "23505":
       return new ExternalIdTaken(message);
     case "55000":

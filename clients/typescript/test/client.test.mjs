@@ -347,6 +347,55 @@ describe("permitq client", () => {
     await down.end();
   });
 
+  it("names the role a login without one needs", { skip: !SUPER_URL }, async () => {
+    const login = newId("norole").replaceAll("-", "_");
+    const su = new pg.Client({ connectionString: SUPER_URL });
+    await su.connect();
+    await su.query(`CREATE ROLE ${login} LOGIN PASSWORD 'pw'`);
+    const url = new globalThis.URL(SUPER_URL);
+    url.username = login;
+    url.password = "pw";
+    const plain = new permitq.Client({ connectionString: url.toString() });
+    try {
+      const e = await plain.submit(newId("p"), { [sem]: 1 }).catch((err) => err);
+      assert.ok(e instanceof permitq.RoleMissing && e instanceof permitq.NotOwner, String(e));
+      assert.match(e.message, /permission denied for schema permitq; this needs the role permitq_producer: use a login that has it, or a DBA runs GRANT permitq_producer TO <your login>/);
+    } finally {
+      await plain.end();
+      await su.query(`DROP ROLE ${login}`);
+      await su.end();
+    }
+  });
+
+  it("says once that it retries, and at the deadline that the request may still wait", async () => {
+    const holders = [];
+    for (let i = 0; i < 2; i++) holders.push(await client.acquire(newId("hold"), { [sem]: 1 }, { ttlSeconds: 30 }));
+    const id = newId("left");
+    const waiter = new permitq.Client({ connectionString: URL });
+    // The outage as the client meets it (its reads and its cancel fail), after a real submit.
+    const down = () => Promise.reject(new permitq.DatabaseUnavailable("connection refused (simulated)"));
+    waiter.statusAndBarrier = down;
+    waiter.release = down;
+    const warnings = [];
+    const onWarning = (w) => warnings.push(w);
+    process.on("warning", onWarning);
+    try {
+      const e = await waiter.acquire(id, { [sem]: 1 }, { timeoutMs: 1000 }).catch((err) => err);
+      assert.ok(e instanceof permitq.DatabaseUnavailable, String(e));
+      assert.ok(e.message.includes(
+        `request ${id} was submitted and could not be cancelled, so it may still be waiting: ` +
+          `once the database answers, cancel it (client.release("${id}") or \`permitq release ${id}\`)`), e.message);
+      await new Promise((resolve) => setImmediate(resolve));
+      assert.ok(warnings.some((w) => w.code === "PERMITQ_RETRYING"), "said once that it retries");
+      assert.equal((await client.status(id)).state, "new", "what the error said");
+    } finally {
+      process.off("warning", onWarning);
+      await client.release(id);
+      for (const lease of holders) await lease.release();
+      await waiter.end();
+    }
+  });
+
   it("keeps another producer's request from it", { skip: !OTHER_URL }, async () => {
     const id = newId("mine");
     const lease = await client.acquire(id, { [sem]: 1 }, { ttlSeconds: 30 });

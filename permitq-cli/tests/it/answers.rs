@@ -65,8 +65,8 @@ async fn lowering_a_capacity_names_the_waiters_it_no_longer_covers() {
         stderr(&o).contains(
             "permitq: 1 waiting request asks more than the new capacity 2: lw-big (low=3); \
              a worker ends it as error exceeds_capacity (the new capacity in its error_detail) \
-             once it is first in line. To keep such requests waiting, raise the capacity again \
-             (`permitq semaphore set low 3`)"
+             when it comes to it: at once, unless others are ahead of it in line. To keep such \
+             requests waiting, raise the capacity again (`permitq semaphore set low 3`)"
         ),
         "{}",
         stderr(&o)
@@ -85,6 +85,51 @@ async fn lowering_a_capacity_names_the_waiters_it_no_longer_covers() {
     );
     let o = run(url, &["submit", "lw-small", "low=1", "--await", "10s"]).await;
     assert_eq!(code(&o), 0, "{}", stdout(&o));
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_estimated_wait_says_what_it_is_made_from() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let worker = db.worker(quiet_config("w"));
+    run(url, &["semaphore", "set", "est", "1"]).await;
+    // Releases here make a rate; then a holder with a long lease, and a request behind it.
+    for i in 0..3 {
+        let id = format!("e-done-{i}");
+        let o = run(url, &["submit", &id, "est=1", "--await", "10s"]).await;
+        assert_eq!(code(&o), 0, "{}", stderr(&o));
+        run(url, &["release", &id]).await;
+    }
+    let o = run(
+        url,
+        &[
+            "submit", "e-hold", "est=1", "--ttl", "60s", "--await", "10s",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    run(url, &["submit", "e-wait", "est=1"]).await;
+    let client = db.client().await;
+    wait_until(SOON, "e-wait examined", || async {
+        client
+            .waiters("est", 10)
+            .await
+            .unwrap()
+            .iter()
+            .any(|w| w.external_id == "e-wait")
+    })
+    .await;
+    let o = run(url, &["explain", "e-wait"]).await;
+    assert!(
+        stdout(&o).contains("lease ends in")
+            && stdout(&o).contains(
+                "(from the rate of recent releases here, not from these holders' leases: a \
+                 holder may release early, or heartbeat past its lease's end)"
+            ),
+        "{}",
+        stdout(&o)
+    );
     worker.stop().await;
 }
 

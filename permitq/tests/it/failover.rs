@@ -611,6 +611,44 @@ async fn an_acquire_waits_through_a_database_restart_until_its_timeout() {
     lease.release().await.unwrap();
     worker.stop().await;
 
+    // Down from the middle of the wait until past its deadline: the acquire cannot cancel its
+    // request, and says that it may still wait and how to cancel it.
+    let acquiring = tokio::spawn({
+        let client = client.clone();
+        async move {
+            let request = Request::new("left-behind").permit("restart", 1);
+            client.acquire(&request, Duration::from_secs(2)).await
+        }
+    });
+    let conn = common::connect(&url).await;
+    wait_until(Duration::from_secs(20), "the request waits", || async {
+        conn.query_opt(
+            "SELECT 1 FROM permitq.permit_request WHERE external_id = 'left-behind'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .is_some()
+    })
+    .await;
+    drop(conn);
+    server.stop(StopMode::Immediate).expect("stop the server");
+    let err = acquiring
+        .await
+        .unwrap()
+        .expect_err("no server at the deadline");
+    assert!(err.is_connection(), "{err}");
+    assert!(
+        err.to_string().contains(
+            "; request left-behind was submitted and could not be cancelled, so it may still be \
+             waiting: once the database answers, cancel it (`permitq release left-behind`"
+        ),
+        "{err}"
+    );
+    server.start_server().expect("the server again");
+    let waiting = client.status("left-behind").await.unwrap().unwrap();
+    assert_eq!(waiting.state, State::New, "what the error said");
+
     // Down for good: the connection error, at the deadline.
     server.stop(StopMode::Immediate).expect("stop the server");
     let started = Instant::now();
