@@ -20,6 +20,25 @@ async fn not_visible(client: &Client, name: String) -> CliError {
 /// Runs one command. `explicit_url`: `--database-url` was given on the command line (not only
 /// through `DATABASE_URL`), which `demo` and `bench` require before they write to a database.
 pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
+    // A missing schema may be a URL naming the wrong database: say which one was looked in.
+    let place = match cli.database_url.as_deref().filter(|u| !u.trim().is_empty()) {
+        Some(url) => Client::connect(url).await.ok().map(|c| c.database()),
+        None => None,
+    };
+    run_command(cli, explicit_url)
+        .await
+        .map_err(|e| match (&e, place) {
+            (CliError::Permitq(p), Some(place)) if p.is_missing_schema() => {
+                CliError::runtime(format!(
+            "{e} (looked in {place}: if permitq was migrated into another database, fix the URL \
+             instead)"
+        ))
+            }
+            _ => e,
+        })
+}
+
+async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
     // An empty DATABASE_URL (`DATABASE_URL=`) is no URL, not the defaults of an empty one.
     let empty = cli
         .database_url
@@ -297,6 +316,12 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
                         return Err(not_visible(&client, external_id).await);
                     };
                     errln!("permitq: {}", crate::error::one_line(&e.to_string()));
+                    if !matches!(row.state, State::New | State::InProgress) {
+                        errln!(
+                            "permitq: stop the work it guarded (its fencing token is refused \
+                             from now on); submit again under a new external_id to hold it again"
+                        );
+                    }
                     // Not granted yet is not lost: a script tells them apart by the code.
                     return Ok(match row.state {
                         State::New | State::InProgress => EXIT_STILL_WAITING,
@@ -322,10 +347,11 @@ async fn wait_for_schema(client: &Client) -> Result<()> {
     loop {
         let why = match client.schema_is_current().await {
             Ok(true) => return Ok(()),
-            Ok(false) => {
-                "the schema is missing or not at this build's version (run `permitq migrate`)"
-                    .to_string()
-            }
+            Ok(false) => format!(
+                "the schema is missing or not at this build's version in {} (run `permitq \
+                 migrate` there; or, if permitq was migrated into another database, fix the URL)",
+                client.database()
+            ),
             Err(e) if e.is_retryable() => format!("database not reachable yet: {e}"),
             Err(e) => return Err(e.into()),
         };
@@ -772,6 +798,7 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
                     row.external_id
                 );
             }
+            errln!("permitq: {}", stays_in_line(&row));
         }
     }
     print_request(&row, args.json);
@@ -826,6 +853,35 @@ fn print_request(r: &PermitRequest, json: bool) {
         _ => String::new(),
     };
     outln!("{} {said}{lease}", r.external_id);
+    // Acquired on the books, but its lease ran out: no worker has swept it yet.
+    if let (State::Acquired, Some(t)) = (r.state, r.expires_at) {
+        if t < std::time::SystemTime::now() {
+            errln!(
+                "permitq: {id}'s lease ran out at {} with no heartbeat in time: it is no longer \
+                 held (a heartbeat says lease lost), and a worker's next sweep releases it; stop \
+                 the work it guarded",
+                humantime::format_rfc3339_seconds(t),
+                id = r.external_id
+            );
+        }
+    }
+}
+
+/// What becomes of a request `submit --await` stopped waiting for: how long it stays in line,
+/// and how to take it out.
+fn stays_in_line(r: &PermitRequest) -> String {
+    let until = match (r.wait, r.created_at) {
+        (Some(wait), Some(created)) => format!(
+            "until its wait ends at {}",
+            humantime::format_rfc3339_seconds(created + wait)
+        ),
+        _ => "with no time limit (`--wait DUR` bounds a request's wait)".to_string(),
+    };
+    format!(
+        "{id} stays in line {until}, and is granted when its turn comes, whether anyone waits for \
+         it then or not; `permitq release {id}` cancels it",
+        id = r.external_id
+    )
 }
 
 /// How long `submit --await` waits, in words: a bare `--await` waits until the outcome.

@@ -53,6 +53,17 @@ impl CliError {
         CliError::Runtime(message.into())
     }
 
+    /// The database refused the permitq schema itself to this login: it has no permitq role.
+    pub(crate) fn is_schema_refused(&self) -> bool {
+        let CliError::Permitq(e) = self else {
+            return false;
+        };
+        e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE)
+            && e.as_postgres()
+                .and_then(|p| p.as_db_error())
+                .is_some_and(|d| d.message().starts_with("permission denied for schema"))
+    }
+
     /// 2 for input rejected as invalid (by the CLI or the database, SQLSTATE 22023, or an
     /// external_id already taken, 23505: retrying will not help), 5 for not found, else 1.
     pub(crate) fn exit_code(&self) -> u8 {

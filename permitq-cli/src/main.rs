@@ -111,14 +111,48 @@ fn main() -> ExitCode {
         }
     };
     let login = login_of(cli.database_url.as_deref());
+    let role = role_needed(&cli.command);
     match runtime.block_on(commands::run(cli, explicit_url)) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            let message = e.to_string().replace("<your login>", &login);
+            let message = match role {
+                // No permitq role at all: the one this command needs, not a list.
+                Some(role) if e.is_schema_refused() => format!(
+                    "the login {login} has no permitq role (permission denied for schema \
+                     permitq): this command needs {role}; a DBA runs GRANT {role} TO {login}, or \
+                     use a login that has it"
+                ),
+                _ => e.to_string().replace("<your login>", &login),
+            };
             errln!("permitq: {}", error::one_line(&message));
             ExitCode::from(e.exit_code())
         }
     }
+}
+
+/// The permitq role `command` needs (None: it needs none, or runs its own database).
+fn role_needed(command: &Command) -> Option<&'static str> {
+    use args::{SemaphoreCommand, TokensCommand};
+    Some(match command {
+        Command::Worker(_) => "permitq_worker",
+        Command::Submit(_)
+        | Command::Status { .. }
+        | Command::Explain { .. }
+        | Command::Release { .. }
+        | Command::Heartbeat { .. } => "permitq_producer",
+        Command::Top { .. }
+        | Command::Serve { .. }
+        | Command::Doctor { .. }
+        | Command::Semaphore(
+            SemaphoreCommand::Show { .. }
+            | SemaphoreCommand::List { .. }
+            | SemaphoreCommand::History { .. },
+        ) => "permitq_operator",
+        Command::Revoke { .. }
+        | Command::Semaphore(SemaphoreCommand::Set { .. } | SemaphoreCommand::Delete { .. })
+        | Command::Tokens(TokensCommand::Raise { .. }) => "permitq_admin",
+        _ => return None,
+    })
 }
 
 /// What an option from another tool meant here, when clap has no near name to suggest

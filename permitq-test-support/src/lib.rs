@@ -28,7 +28,7 @@ pub fn scratch_dir(name: &str) -> std::path::PathBuf {
 }
 
 pub use testdb::{
-    as_user, check_invariants, connect, event_ids, init_logging, quiet_config, requests_by_id,
-    semaphore, semaphore_locked, settled_state, signal, state_of, until_marker, user_of,
-    wait_folded, wait_until, with_dbname, RunningWorker, TestDb,
+    as_user, check_invariants, connect, db_of, event_ids, init_logging, quiet_config,
+    requests_by_id, semaphore, semaphore_locked, settled_state, signal, state_of, until_marker,
+    user_of, wait_folded, wait_until, with_dbname, RunningWorker, TestDb,
 };

@@ -88,6 +88,15 @@ pub fn user_of(url: &str) -> String {
         .to_string()
 }
 
+/// The database a URL names.
+pub fn db_of(url: &str) -> String {
+    url.parse::<tokio_postgres::Config>()
+        .expect("a database URL")
+        .get_dbname()
+        .expect("a URL with a database")
+        .to_string()
+}
+
 /// A plain connection (driven on a task); panics when it cannot connect.
 pub async fn connect(url: &str) -> tokio_postgres::Client {
     try_connect(url).await.expect("connect")

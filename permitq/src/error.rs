@@ -371,10 +371,15 @@ fn role_hint(db: &tokio_postgres::error::DbError) -> String {
              as the command needs"
         }
     };
-    format!(
-        "; this needs the role {role}: use a login that has it, or a DBA runs GRANT {} TO \
-         <your login>",
+    // One role named: the GRANT to run; a list: the GRANT of the one the command needs.
+    let grant = if role.contains(',') {
+        "that role"
+    } else {
         role.split(' ').next().unwrap_or(role)
+    };
+    format!(
+        "; this needs the role {role}: use a login that has it, or a DBA runs GRANT {grant} TO \
+         <your login>"
     )
 }
 

@@ -95,7 +95,7 @@ class AsyncClient:
             try:
                 return await work(self._conn)
             except psycopg.Error as e:
-                raise translated(e) from e
+                raise translated(e, self._conn.info) from e
 
     async def _one(self, sql: str, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         async def work(conn: psycopg.AsyncConnection[Any]) -> tuple[Any, ...] | None:
@@ -106,7 +106,7 @@ class AsyncClient:
     async def submit(
         self,
         external_id: str,
-        permits: Mapping[str, int],
+        permits: Mapping[str, int] | None = None,
         *,
         owner: str | None = None,
         ttl: float | dt.timedelta | None = None,
@@ -114,7 +114,7 @@ class AsyncClient:
         priority: int = 0,
     ) -> c.Status:
         """As Client.submit."""
-        row = await self._one(c.SUBMIT, (external_id, c.permits_json(permits), owner, c.seconds(ttl, "ttl"), c.seconds(wait, "wait"), c.whole(priority, "priority", -100, 100)))
+        row = await self._one(c.SUBMIT, (external_id, c.permits_json(c.checked_request(external_id, permits)), owner, c.seconds(ttl, "ttl"), c.seconds(wait, "wait"), c.whole(priority, "priority", -100, 100)))
         assert row is not None
         return c.Status.from_row(row)
 
@@ -188,7 +188,7 @@ class AsyncClient:
     async def acquire(
         self,
         external_id: str,
-        permits: Mapping[str, int],
+        permits: Mapping[str, int] | None = None,
         *,
         timeout: float | dt.timedelta = 30.0,
         owner: str | None = None,
@@ -197,6 +197,7 @@ class AsyncClient:
         priority: int = 0,
     ) -> "AsyncLease":
         """As Client.acquire: an AsyncLease (`async with`)."""
+        permits = c.checked_request(external_id, permits)
         limit = c.acquire_limit(timeout)
         deadline = time.monotonic() + limit
         woken = asyncio.Event()

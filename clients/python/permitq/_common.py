@@ -123,6 +123,22 @@ def whole(value: Any, field: str, low: int, high: int) -> Any:
     return value
 
 
+def checked_request(external_id: object, permits: Mapping[str, int] | None) -> Mapping[str, int]:
+    """`permits`, once the call named an id first and then permits; else InvalidInput saying
+    which (a dict alone, `acquire({"gpu": 1})`, is an id left out, not permits)."""
+    if isinstance(external_id, Mapping) and permits is None:
+        raise InvalidInput(
+            f"the request's id, chosen by you, comes first, then the permits: "
+            f"acquire('job-1', {dict(external_id)!r}) ({dict(external_id)!r} was taken as the id)",
+            "external_id",
+        )
+    if not isinstance(external_id, str):
+        raise InvalidInput(f"external_id must be a string, not {type(external_id).__name__}", "external_id")
+    if permits is None:
+        raise InvalidInput("name what to acquire after the id: acquire('job-1', {'gpu': 1})", "permits")
+    return permits
+
+
 def permits_json(permits: Mapping[str, int]) -> str:
     """The request's permits as the SQL API takes them."""
     if not isinstance(permits, Mapping):

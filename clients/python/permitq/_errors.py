@@ -181,7 +181,16 @@ def _once_per_attempt(text: str) -> str:
     return " ".join(attempts)
 
 
-def translated(e: psycopg.Error) -> PermitqError:
+def _looked_in(info: Any) -> str:
+    """Where an error happened, from a connection's `info`: " in database app at host:5432 as
+    app" (nothing without one)."""
+    try:
+        return f" in database {info.dbname} at {info.host}:{info.port} as {info.user}"
+    except Exception:  # noqa: BLE001 - no connection at hand: the message goes without it
+        return ""
+
+
+def translated(e: psycopg.Error, info: Any = None) -> PermitqError:
     """A psycopg error as this package's type, with the server's message."""
     message = _message(e)
     if isinstance(e, psycopg.OperationalError) and e.sqlstate is None:
@@ -226,5 +235,8 @@ def translated(e: psycopg.Error) -> PermitqError:
     if state == "55000":
         return NoLeaseYet(message) if message.startswith("no lease yet") else LeaseLost(message)
     if state in ("3F000", "42883"):
-        return PermitqError(f"{message} (the permitq schema is missing or older than this client: run `permitq migrate`)")
+        return PermitqError(
+            f"{message} (the permitq schema is missing or older than this client{_looked_in(info)}: run "
+            "`permitq migrate` there; or, if permitq was migrated into another database, fix the URL)"
+        )
     return PermitqError(message)

@@ -109,12 +109,12 @@ class Client:
             try:
                 return work(self._conn)
             except psycopg.Error as e:
-                raise translated(e) from e
+                raise translated(e, self._conn.info) from e
 
     def submit(
         self,
         external_id: str,
-        permits: Mapping[str, int],
+        permits: Mapping[str, int] | None = None,
         *,
         owner: str | None = None,
         ttl: float | dt.timedelta | None = None,
@@ -124,7 +124,7 @@ class Client:
         """Submits a request (idempotent by `external_id`: the same call again returns the same
         request; other parameters raise ExternalIdTaken). `ttl`: the lease, heartbeat within it;
         `wait`: how long it may wait (0: fail fast); durations in seconds or timedelta."""
-        args = (external_id, c.permits_json(permits), owner, c.seconds(ttl, "ttl"), c.seconds(wait, "wait"), c.whole(priority, "priority", -100, 100))
+        args = (external_id, c.permits_json(c.checked_request(external_id, permits)), owner, c.seconds(ttl, "ttl"), c.seconds(wait, "wait"), c.whole(priority, "priority", -100, 100))
         row = self._run(lambda conn: conn.execute(c.SUBMIT, args).fetchone())
         assert row is not None
         return c.Status.from_row(row)
@@ -192,7 +192,7 @@ class Client:
     def acquire(
         self,
         external_id: str,
-        permits: Mapping[str, int],
+        permits: Mapping[str, int] | None = None,
         *,
         timeout: float | dt.timedelta = 30.0,
         owner: str | None = None,
@@ -204,6 +204,7 @@ class Client:
         block). Waits on LISTEN, reading the status every 0.25 s as well. At the deadline the
         request is cancelled (nothing waits on) and AcquireTimeout raised; an error outcome
         raises its RequestFailed subclass."""
+        permits = c.checked_request(external_id, permits)
         limit = c.acquire_limit(timeout)
         deadline = time.monotonic() + limit
         # Retried until the deadline, as the submit is: a database that is down when acquire

@@ -197,6 +197,12 @@ class SyncClientTest(unittest.TestCase):
         with self.assertRaises(permitq.InvalidInput) as caught:
             self.client.submit(new_id("none"), {})
         self.assertEqual(caught.exception.field, "permits")
+        # The id left out: the permits were taken as the id, and it says so (nothing sent).
+        for call in (self.client.acquire, self.client.submit):
+            with self.assertRaises(permitq.InvalidInput) as caught:
+                call({self.sem: 1})  # type: ignore[arg-type]
+            self.assertEqual(caught.exception.field, "external_id")
+            self.assertIn("the request's id, chosen by you, comes first, then the permits", str(caught.exception))
         # A duration is seconds or a timedelta; anything else is refused naming the field.
         with self.assertRaises(permitq.InvalidInput) as caught:
             self.client.submit(new_id("units"), {self.sem: 1}, ttl="30s")  # type: ignore[arg-type]
@@ -404,6 +410,27 @@ class SyncClientTest(unittest.TestCase):
                     other.release(rid)
         finally:
             lease.release()
+
+    @unittest.skipUnless(SUPER_URL, "PERMITQ_SUPER_URL names a superuser login (to make a database)")
+    def test_a_missing_schema_names_the_database_it_was_looked_for_in(self) -> None:
+        import psycopg
+
+        db = new_id("noschema").replace("-", "_")
+        with psycopg.connect(SUPER_URL, autocommit=True) as su:
+            su.execute(f"CREATE DATABASE {db}")
+        try:
+            url = psycopg.conninfo.make_conninfo(SUPER_URL, dbname=db)
+            with permitq.Client(url) as elsewhere:
+                with self.assertRaises(permitq.PermitqError) as caught:
+                    elsewhere.status("x")
+            self.assertIn(f"older than this client in database {db} at ", str(caught.exception))
+            self.assertIn(
+                "run `permitq migrate` there; or, if permitq was migrated into another database, fix the URL",
+                str(caught.exception),
+            )
+        finally:
+            with psycopg.connect(SUPER_URL, autocommit=True) as su:
+                su.execute(f"DROP DATABASE {db}")
 
     @unittest.skipUnless(SUPER_URL, "PERMITQ_SUPER_URL names a superuser login (to make a login)")
     def test_a_login_without_a_permitq_role_is_told_which_role(self) -> None:

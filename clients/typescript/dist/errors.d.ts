@@ -92,5 +92,8 @@ export declare class InvalidRequest extends RequestFailed {
 }
 /** The typed error of a request that ended with `code`. */
 export declare function requestFailed(externalId: string, code: string, detail: ErrorDetail | null): RequestFailed;
-/** A node-postgres error as this package's type, with the server's message. */
-export declare function translated(e: unknown): Error;
+/**
+ * A node-postgres error as this package's type, with the server's message; `where` names the
+ * database the client works in (`database app at localhost:5432 as app`), for a missing schema.
+ */
+export declare function translated(e: unknown, where?: string): Error;

@@ -137,8 +137,11 @@ function roleHint(message) {
             : "permitq_producer";
     return `; this needs the role ${role}: use a login that has it, or a DBA runs GRANT ${role.split(" ")[0]} TO <your login>`;
 }
-/** A node-postgres error as this package's type, with the server's message. */
-export function translated(e) {
+/**
+ * A node-postgres error as this package's type, with the server's message; `where` names the
+ * database the client works in (`database app at localhost:5432 as app`), for a missing schema.
+ */
+export function translated(e, where) {
     if (e instanceof PermitqError)
         return e;
     const err = e;
@@ -182,7 +185,8 @@ export function translated(e) {
             return message.startsWith("no lease yet") ? new NoLeaseYet(message) : new LeaseLost(message);
         case "3F000":
         case "42883":
-            return new PermitqError(`${message} (the permitq schema is missing or older than this client: run \`permitq migrate\`)`);
+            return new PermitqError(`${message} (the permitq schema is missing or older than this client${where ? ` in ${where}` : ""}: ` +
+                "run `permitq migrate` there; or, if permitq was migrated into another database, fix the URL)");
         default:
             return new PermitqError(message);
     }

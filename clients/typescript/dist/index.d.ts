@@ -100,6 +100,8 @@ export declare class Client {
      * acquire read its status once more), and closes it if no acquire takes it within 10 s. */
     private giveBackListener;
     private query;
+    /** Where this client works, as messages name it: `database app at localhost:5432 as app`. */
+    private database;
     /** Submits a request, idempotent by `externalId` (other parameters throw ExternalIdTaken). */
     submit(externalId: string, permits: Record<string, number>, options?: SubmitOptions): Promise<Status>;
     /** The request, or null for an unknown id (or another login's, for a producer). */

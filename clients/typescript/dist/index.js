@@ -163,7 +163,22 @@ export class Client {
             return (await this.pool.query(sql, args)).rows;
         }
         catch (e) {
-            throw translated(e);
+            throw translated(e, this.database());
+        }
+    }
+    /** Where this client works, as messages name it: `database app at localhost:5432 as app`. */
+    database() {
+        const o = this.pool.options;
+        try {
+            const url = o.connectionString ? new URL(o.connectionString) : null;
+            const user = decodeURIComponent(url?.username || "") || o.user || process.env.PGUSER || "(the OS user)";
+            const db = decodeURIComponent(url?.pathname.slice(1) || "") || o.database || process.env.PGDATABASE || user;
+            const host = url?.hostname || o.host || process.env.PGHOST || "localhost";
+            const port = url?.port || o.port || process.env.PGPORT || 5432;
+            return `database ${db} at ${host}:${port} as ${user}`;
+        }
+        catch {
+            return undefined;
         }
     }
     /** Submits a request, idempotent by `externalId` (other parameters throw ExternalIdTaken). */

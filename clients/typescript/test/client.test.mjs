@@ -347,6 +347,26 @@ describe("permitq client", () => {
     await down.end();
   });
 
+  it("names the database a missing schema was looked for in", { skip: !SUPER_URL }, async () => {
+    const db = newId("noschema").replaceAll("-", "_");
+    const su = new pg.Client({ connectionString: SUPER_URL });
+    await su.connect();
+    await su.query(`CREATE DATABASE ${db}`);
+    const url = new globalThis.URL(SUPER_URL);
+    url.pathname = `/${db}`;
+    const elsewhere = new permitq.Client({ connectionString: url.toString() });
+    try {
+      const e = await elsewhere.status("x").catch((err) => err);
+      assert.ok(e instanceof permitq.PermitqError, String(e));
+      assert.ok(e.message.includes(`older than this client in database ${db} at ${url.hostname}:${url.port} as `), e.message);
+      assert.ok(e.message.includes("run `permitq migrate` there; or, if permitq was migrated into another database, fix the URL"), e.message);
+    } finally {
+      await elsewhere.end();
+      await su.query(`DROP DATABASE ${db}`);
+      await su.end();
+    }
+  });
+
   it("names the role a login without one needs", { skip: !SUPER_URL }, async () => {
     const login = newId("norole").replaceAll("-", "_");
     const su = new pg.Client({ connectionString: SUPER_URL });

@@ -91,19 +91,29 @@ struct Work {
     cpu_ms: f64,
     wal_bytes: f64,
     commits: f64,
+    /// Top-level statements (pg_stat_statements), when the server tracks them.
+    statements: Option<f64>,
 }
 
 impl Work {
     fn row(&self, what: &str) -> String {
         format!(
-            "| {what} | {:.0} | {:.2} | {:.0} | {:.1} |",
-            self.per_s, self.cpu_ms, self.wal_bytes, self.commits
+            "| {what} | {:.0} | {:.2} | {:.0} | {:.1} | {} |",
+            self.per_s,
+            self.cpu_ms,
+            self.wal_bytes,
+            self.commits,
+            self.statements
+                .map_or_else(|| "n/a".to_string(), |n| format!("{n:.1}"))
         )
     }
 }
 
-/// The WAL position (bytes) and the database's committed transactions, for the figures per cycle.
-async fn counters(conn: &tokio_postgres::Client) -> Result<(f64, f64)> {
+/// The WAL position (bytes) and the database's committed transactions, for the figures per cycle;
+/// and the top-level statements run, where pg_stat_statements is loaded (the bench's own cluster
+/// loads it): every statement a client or worker sends, pipelined or not, but the minimal
+/// design's pause between batches (`SELECT pg_sleep(..)`), which is no work.
+async fn counters(conn: &tokio_postgres::Client) -> Result<(f64, f64, Option<f64>)> {
     let row = conn
         .query_one(
             "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8,
@@ -112,7 +122,16 @@ async fn counters(conn: &tokio_postgres::Client) -> Result<(f64, f64)> {
             &[],
         )
         .await?;
-    Ok((row.get(0), row.get(1)))
+    let statements = conn
+        .query_one(
+            "SELECT coalesce(sum(calls), 0)::float8 FROM pg_stat_statements
+             WHERE toplevel AND query NOT LIKE 'SELECT pg_sleep(%'",
+            &[],
+        )
+        .await
+        .ok()
+        .map(|r| r.get(0));
+    Ok((row.get(0), row.get(1), statements))
 }
 
 /// Runs `cycles` (returning cycles per second) and measures its work per cycle.
@@ -125,7 +144,7 @@ where
     // pg_stat_database is read through a snapshot that a new transaction refreshes.
     conn.batch_execute("SELECT pg_stat_clear_snapshot()")
         .await?;
-    let (wal, commits) = counters(&conn).await?;
+    let (wal, commits, statements) = counters(&conn).await?;
     let cpu = CpuClock::now();
     let per_s = cycles().await?;
     let n = per_s * duration.as_secs_f64();
@@ -134,12 +153,15 @@ where
     tokio::time::sleep(Duration::from_millis(1100)).await;
     conn.batch_execute("SELECT pg_stat_clear_snapshot()")
         .await?;
-    let (wal_after, commits_after) = counters(&conn).await?;
+    let (wal_after, commits_after, statements_after) = counters(&conn).await?;
     Ok(Work {
         per_s,
         cpu_ms: cpu.ms_per(n),
         wal_bytes: (wal_after - wal) / n.max(1.0),
         commits: (commits_after - commits) / n.max(1.0),
+        statements: statements
+            .zip(statements_after)
+            .map(|(before, after)| (after - before) / n.max(1.0)),
     })
 }
 
@@ -288,7 +310,7 @@ pub(super) async fn run(
          {CLIENTS} clients, full cycles (submit → acquired → release)"
     ));
     report.line(
-        "| design | cycles/s | CPU ms per cycle (all processes) | WAL bytes per cycle | transactions per cycle |\n|---|---:|---:|---:|---:|",
+        "| design | cycles/s | CPU ms per cycle (all processes) | WAL bytes per cycle | transactions per cycle | statements per cycle |\n|---|---:|---:|---:|---:|---:|",
     );
     report.line(minimal.row("minimal design, polling client, 1 worker"));
     report.line(polled.row("permitq, the same polling client, 2 workers"));
@@ -329,5 +351,12 @@ pub(super) async fn run(
         "transactions per cycle (polling client): permitq vs minimal design",
         format!("{:.1} vs {:.1}", polled.commits, minimal.commits),
     );
+    if let (Some(permitq), Some(baseline)) = (polled.statements, minimal.statements) {
+        targets.reported(
+            "G2",
+            "statements per cycle (polling client; pipelined ones share a round trip): permitq vs minimal design",
+            format!("{permitq:.1} vs {baseline:.1}"),
+        );
+    }
     Ok(())
 }

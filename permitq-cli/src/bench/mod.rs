@@ -86,26 +86,32 @@ pub(crate) async fn run(named: Option<&str>, args: BenchArgs) -> Result<()> {
     let profile = args.profile;
     errln!("bench: fsync={fsync}");
     let scratch = crate::scratch::open(named, args.yes, "bench", move || {
-        let mut settings = vec![("fsync", fsync)];
+        // pg_stat_statements always: the grant path's statements per cycle are read from it.
+        let mut settings = vec![
+            ("fsync", fsync),
+            ("shared_preload_libraries", "pg_stat_statements"),
+        ];
         if profile {
-            settings.push(("shared_preload_libraries", "pg_stat_statements"));
             settings.push(("pg_stat_statements.track", "all"));
         }
         EmbeddedPostgres::start_with(&settings)
     })
     .await?;
-    let result = measure(&scratch.url, &args).await;
+    let result = measure(&scratch.url, &args, named.is_none()).await;
     scratch.clean_up().await?;
     result
 }
 
-async fn measure(url: &str, args: &BenchArgs) -> Result<()> {
+/// `own_cluster`: the bench started the server (and may add extensions to it).
+async fn measure(url: &str, args: &BenchArgs, own_cluster: bool) -> Result<()> {
     let url = url.to_string();
     let client = Client::connect(&url).await?;
     client.migrate().await?;
     let conn = permitq_embedded_pg::try_connect(&url).await?;
     baselines::create_tables(&conn).await?;
-    if args.profile {
+    // Loaded in the bench's own cluster; on a server named with --database-url only with
+    // --profile (the statements per cycle read n/a there otherwise).
+    if own_cluster || args.profile {
         conn.batch_execute(
             "CREATE EXTENSION IF NOT EXISTS pg_stat_statements; SELECT pg_stat_statements_reset();",
         )

@@ -134,6 +134,162 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_without_any_permitq_role_is_told_the_role_its_command_needs() {
+    let db = TestDb::new().await;
+    let user = format!("plain_{}", std::process::id());
+    db.conn()
+        .await
+        .batch_execute(&format!("CREATE ROLE {user} LOGIN PASSWORD 'pw'"))
+        .await
+        .unwrap();
+    let url = common::as_user(&db.url, &user, "pw");
+    for (args, role) in [
+        (&["worker"][..], "permitq_worker"),
+        (&["submit", "p-1", "gpu=1"][..], "permitq_producer"),
+        (&["semaphore", "show", "gpu"][..], "permitq_operator"),
+        (&["semaphore", "set", "gpu", "2"][..], "permitq_admin"),
+    ] {
+        let o = tokio::time::timeout(SOON, run(&url, args))
+            .await
+            .expect("it fails at once");
+        assert_eq!(code(&o), 1, "{args:?}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains(&format!(
+                "the login {user} has no permitq role (permission denied for schema permitq): \
+                 this command needs {role}; a DBA runs GRANT {role} TO {user}, or use a login \
+                 that has it"
+            )),
+            "{args:?}: {}",
+            stderr(&o)
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_schema_names_the_database_it_was_looked_for_in() {
+    let db = TestDb::empty().await;
+    let o = run(&db.url, &["submit", "nm-1", "gpu=1"]).await;
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    let user = common::user_of(&db.url);
+    assert!(
+        stderr(&o).contains("the permitq schema is missing or out of date: run `permitq migrate`")
+            && stderr(&o).contains(&format!(
+                "(looked in database {} at 127.0.0.1:",
+                common::db_of(&db.url)
+            ))
+            && stderr(&o).contains(&format!(
+                " as {user}: if permitq was migrated into another database, fix the URL instead)"
+            )),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_run_out_with_no_worker_says_it_is_no_longer_held() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "kw", "1"]).await;
+    let worker = db.worker(quiet_config("w"));
+    let o = run(
+        url,
+        &["submit", "kw-1", "kw=1", "--ttl", "1s", "--await", "10s"],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    // The only worker gone, nothing sweeps it: the row still reads acquired.
+    worker.stop().await;
+    let client = db.client().await;
+    wait_until(SOON, "the lease run out", || async {
+        let r = client.status("kw-1").await.unwrap().unwrap();
+        r.expires_at
+            .is_some_and(|t| t < std::time::SystemTime::now())
+    })
+    .await;
+    let o = run(url, &["status", "kw-1"]).await;
+    assert!(stdout(&o).starts_with("kw-1 acquired"), "{}", stdout(&o));
+    assert!(
+        stderr(&o).contains("kw-1's lease ran out at ")
+            && stderr(&o).contains(
+                "with no heartbeat in time: it is no longer held (a heartbeat says lease lost), \
+                 and a worker's next sweep releases it; stop the work it guarded"
+            ),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &["heartbeat", "kw-1"]).await;
+    assert_eq!(code(&o), 3, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "stop the work it guarded (its fencing token is refused from now on); submit again \
+             under a new external_id to hold it again"
+        ),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_counts_what_is_held_beyond_a_lowered_capacity_in_the_shortfall() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "gpu", "4"]).await;
+    let worker = db.worker(quiet_config("w"));
+    let o = run(url, &["submit", "low-h", "gpu=3", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    run(url, &["semaphore", "set", "gpu", "2"]).await;
+    run(url, &["submit", "low-w2", "gpu=2"]).await;
+    let client = db.client().await;
+    wait_until(SOON, "low-w2 examined", || async {
+        client
+            .waiters("gpu", 10)
+            .await
+            .unwrap()
+            .iter()
+            .any(|w| w.external_id == "low-w2")
+    })
+    .await;
+    // 3 held against 2: all 3 must go before 2 fit.
+    let o = run(url, &["explain", "low-w2"]).await;
+    assert!(
+        stdout(&o).contains("gpu: needs 2, 0 free of 2, short 3"),
+        "{}",
+        stdout(&o)
+    );
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_await_that_runs_out_says_how_long_the_request_stays_in_line() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "gpu", "4"]).await;
+    // No worker: both still wait when the await runs out.
+    let o = run(url, &["submit", "nw-1", "gpu=1", "--await", "1s"]).await;
+    assert_eq!(code(&o), 4, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "permitq: nw-1 stays in line with no time limit (`--wait DUR` bounds a request's \
+             wait), and is granted when its turn comes, whether anyone waits for it then or not; \
+             `permitq release nw-1` cancels it"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(
+        url,
+        &["submit", "nw-2", "gpu=1", "--wait", "5m", "--await", "1s"],
+    )
+    .await;
+    assert_eq!(code(&o), 4, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("permitq: nw-2 stays in line until its wait ends at "),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exceeds_capacity_names_the_semaphore_or_parent_and_its_capacity_also_in_explain() {
     let db = TestDb::new().await;
     let worker = db.worker(quiet_config("w"));
@@ -759,8 +915,12 @@ async fn the_python_example_on_a_database_without_the_schema_says_to_migrate() {
     .unwrap();
     assert_eq!(code(&o), 1, "{}", stderr(&o));
     assert!(
-        stderr(&o).contains(
-            "the permitq schema is missing or older than this client: run `permitq migrate`"
+        stderr(&o).contains(&format!(
+            "the permitq schema is missing or older than this client in database {} at ",
+            common::db_of(&db.url)
+        )) && stderr(&o).contains(
+            ": run `permitq migrate` there; or, if permitq was migrated into another database, \
+             fix the URL"
         ),
         "{}",
         stderr(&o)

@@ -35,6 +35,9 @@ DECLARE
     child permitq.semaphore;
     within_guarantee boolean;
     kept_for text;
+    -- Capacity less what is held: below zero after a capacity lowered under what is held,
+    -- when more than the request's count must be released first.
+    room bigint;
 BEGIN
     SELECT * INTO r FROM permitq.permit_request pr
     WHERE pr.external_id = explain.external_id
@@ -66,9 +69,10 @@ BEGIN
             CONTINUE;
         END IF;
         capacity := s.capacity;
-        free := least(greatest(permitq.free_room(s), 0), 2147483647);
+        room := permitq.free_room(s);
+        free := least(greatest(room, 0), 2147483647);
         opens_at := permitq.window_opens_at(s);
-        shortfall := least(greatest(needs::int8 - free, 0), 2147483647);
+        shortfall := least(greatest(needs::int8 - room, 0), 2147483647);
         -- A parent: within the guarantee of the child below it (`via`'s chain), room is all it
         -- needs; beyond it, or named itself, the room kept for the other active children's
         -- unused guarantees is not its.
@@ -91,7 +95,7 @@ BEGIN
         -- A borrower's room is what is free beyond the room kept: the rest must be released
         -- first (releases below the kept children raise what is kept as much as what is free).
         IF NOT within_guarantee AND kept > 0 THEN
-            shortfall := least(greatest(needs::int8 + kept - free, 0), 2147483647);
+            shortfall := least(greatest(needs::int8 + kept - room, 0), 2147483647);
         END IF;
 
         -- The line: the first of every priority level (a loose index scan), the best placed of
