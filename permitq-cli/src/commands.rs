@@ -28,6 +28,7 @@ pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
     run_command(cli, explicit_url)
         .await
         .map_err(|e| match (&e, place) {
+            // The CLI's own words for a missing schema (crate::error), and where it looked.
             (CliError::Permitq(p), Some(place)) if p.is_missing_schema() => {
                 CliError::runtime(format!(
             "{e} (looked in {place}: if permitq was migrated into another database, fix the URL \
@@ -191,9 +192,17 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
             match client.status(&external_id).await? {
                 Some(r) => {
                     print_request(&r, json);
-                    if r.state == State::New && !json {
+                    let lease_ran_out = r.state == State::Acquired
+                        && r.expires_at
+                            .is_some_and(|t| t < std::time::SystemTime::now());
+                    if (r.state == State::New || lease_ran_out) && !json {
                         if let Some(warning) = client.granting().await?.warning() {
-                            errln!("permitq: {external_id} waits, and {warning}");
+                            let what = if lease_ran_out {
+                                "is not swept"
+                            } else {
+                                "waits"
+                            };
+                            errln!("permitq: {external_id} {what}, and {warning}");
                         }
                     }
                 }

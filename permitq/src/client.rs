@@ -130,6 +130,16 @@ impl Client {
         crate::migrate::migrate(&mut conn).await
     }
 
+    /// `e`, saying where it looked when the schema was missing there: a URL naming the wrong
+    /// database reads as an unmigrated one.
+    fn located(&self, e: Error) -> Error {
+        if e.is_missing_schema() {
+            e.looked_in(self.database())
+        } else {
+            e
+        }
+    }
+
     /// Where this client works, as messages name it: `database app at 127.0.0.1:5432 as app`.
     #[must_use]
     pub fn database(&self) -> String {
@@ -177,7 +187,8 @@ impl Client {
                     (&request.priority, Type::INT2),
                 ],
             )
-            .await?;
+            .await
+            .map_err(|e| self.located(e.into()))?;
         let submitted = db::request_from_row(&row)?;
         tracing::debug!(external_id = %submitted.external_id, state = %submitted.state, "submitted");
         Ok(submitted)
@@ -270,7 +281,9 @@ impl Client {
 
     /// The request with this `external_id`, if any.
     pub async fn status(&self, external_id: &str) -> Result<Option<PermitRequest>> {
-        read_status(&self.conn().await?, external_id).await
+        read_status(&self.conn().await?, external_id)
+            .await
+            .map_err(|e| self.located(e))
     }
 
     /// [`Client::status`], and once the request has left `new`, a commit on the same
@@ -284,7 +297,9 @@ impl Client {
         // Abandoned while the barrier waits (a primary without its standby), the connection
         // leaves the pool.
         let mut conn = Checkout(Some(self.conn().await?));
-        let (row, confirm) = read_status_and_barrier(&conn, external_id).await?;
+        let (row, confirm) = read_status_and_barrier(&conn, external_id)
+            .await
+            .map_err(|e| self.located(e))?;
         if confirm
             && row
                 .as_ref()
@@ -341,7 +356,8 @@ impl Client {
         let conn = self.conn().await?;
         let text: String = conn
             .query_typed_one(query, &[(&external_id, Type::TEXT)])
-            .await?
+            .await
+            .map_err(|e| self.located(e.into()))?
             .get(0);
         tracing::debug!(%external_id, outcome = %text, "released");
         Ok(text.parse()?)
@@ -370,7 +386,7 @@ impl Client {
             )
             .await;
         conn.finished();
-        Ok(row?.get(0))
+        Ok(row.map_err(|e| self.located(e.into()))?.get(0))
     }
 
     /// Waits until the request leaves `new`, or `timeout` passes, and returns it as it is then
@@ -531,7 +547,8 @@ impl Client {
                         (&settings.max_instances, Type::INT4),
                     ],
                 )
-                .await?,
+                .await
+                .map_err(|e| self.located(e.into()))?,
         )
     }
 
@@ -607,7 +624,8 @@ impl Client {
         let conn = self.conn().await?;
         let rows = conn
             .query_typed(sql::EXPLAIN, &[(&external_id, Type::TEXT)])
-            .await?;
+            .await
+            .map_err(|e| self.located(e.into()))?;
         let Some(mut explanation) = explain::explanation_from_rows(&rows)? else {
             return Ok(None);
         };

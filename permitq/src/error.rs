@@ -17,6 +17,8 @@ pub struct Error {
     /// The request an `acquire` submitted and could not cancel when it gave up (the database
     /// did not answer): it may still wait, and be granted with nobody to hold it.
     left_waiting: Option<String>,
+    /// Where a missing schema was looked for (`database app at host:5432 as app`).
+    looked_in: Option<String>,
 }
 
 #[derive(Debug)]
@@ -43,6 +45,7 @@ impl Error {
         Error {
             target: None,
             left_waiting: None,
+            looked_in: None,
             kind: Kind::InvalidInput {
                 field,
                 message: message.into(),
@@ -54,6 +57,7 @@ impl Error {
         Error {
             target: None,
             left_waiting: None,
+            looked_in: None,
             kind: Kind::Config(message.into()),
         }
     }
@@ -62,6 +66,7 @@ impl Error {
         Error {
             target: None,
             left_waiting: None,
+            looked_in: None,
             kind: Kind::Unconfirmed(external_id.to_string()),
         }
     }
@@ -84,6 +89,7 @@ impl Error {
         Error {
             target: None,
             left_waiting: None,
+            looked_in: None,
             kind: Kind::NotGranted(Box::new(request), gave_up),
         }
     }
@@ -173,6 +179,13 @@ impl Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.fmt_kind(f)?;
+        if let Some(place) = &self.looked_in {
+            write!(
+                f,
+                " (looked in {place}: if permitq was migrated into another database, fix the URL \
+                 instead)"
+            )?;
+        }
         if let Some(id) = &self.left_waiting {
             write!(
                 f,
@@ -189,6 +202,12 @@ impl Error {
     /// An outcome the synchronous standby did not confirm ([`Error::is_connection`] too).
     pub(crate) fn is_unconfirmed(&self) -> bool {
         matches!(self.kind, Kind::Unconfirmed(_))
+    }
+
+    /// This error, saying where the schema was looked for (see [`crate::Client::database`]).
+    pub(crate) fn looked_in(mut self, place: String) -> Error {
+        self.looked_in = Some(place);
+        self
     }
 
     /// This error, from an `acquire` that gave up and could not cancel `external_id`.
@@ -436,6 +455,7 @@ impl From<tokio_postgres::Error> for Error {
             kind: Kind::Db(e),
             target: None,
             left_waiting: None,
+            looked_in: None,
         }
     }
 }
@@ -445,6 +465,7 @@ impl From<deadpool_postgres::PoolError> for Error {
         Error {
             target: None,
             left_waiting: None,
+            looked_in: None,
             kind: Kind::Pool(e),
         }
     }

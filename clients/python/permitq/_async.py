@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
+import weakref
 from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
 import psycopg
@@ -29,6 +30,8 @@ class AsyncClient:
     def __init__(self, url: str, *, listen: bool = True, poll_interval: float = c.POLL_SECONDS) -> None:
         c.check_url(url)
         self._url = url
+        # As Client._leases.
+        self._leases: weakref.WeakValueDictionary[str, AsyncLease] = weakref.WeakValueDictionary()
         self._listen = listen
         self._poll_seconds = c.seconds(poll_interval, "poll_interval") or c.POLL_SECONDS
         self._conn: psycopg.AsyncConnection[Any] | None = None
@@ -132,6 +135,9 @@ class AsyncClient:
         """As Client.release."""
         row = await self._one(c.RELEASE, (external_id,))
         assert row is not None
+        lease = self._leases.pop(external_id, None)
+        if lease is not None:
+            lease._given_back(str(row[0]))
         return str(row[0])
 
     async def heartbeat(self, external_id: str, extend: float | dt.timedelta | None = None) -> dt.datetime | None:
@@ -211,6 +217,8 @@ class AsyncClient:
             except psycopg.Error:
                 pass  # closed: the status is read every poll_interval anyway
 
+        # Whether the submit answered: only then may a request be left waiting.
+        submitted = False
         try:
             if self._listen:
                 # Retried until the deadline, as the submit is.
@@ -221,6 +229,7 @@ class AsyncClient:
                 deadline,
                 lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
             )
+            submitted = True
             c.check_not_ended_before(status)
             # Granted before this call (a retry): its lease may be older than `sent`.
             granted_before = status.state == "acquired"
@@ -265,7 +274,7 @@ class AsyncClient:
                 raise asyncio.CancelledError from None
             if isinstance(e, KeyboardInterrupt):
                 c.say_interrupted(external_id, cancelled)
-            elif not cancelled and isinstance(e, DatabaseUnavailable):
+            elif not cancelled and submitted and isinstance(e, DatabaseUnavailable):
                 raise DatabaseUnavailable(f"{e}; {c.left_waiting(external_id)}") from e
             raise
         finally:
@@ -279,6 +288,7 @@ class AsyncClient:
                 await self._give_back_listener(listener)
         if status.state == "acquired":
             lease = AsyncLease(self, status, sent)
+            self._leases[status.external_id] = lease
             if granted_before:
                 await lease._heartbeat_now()
             return lease
@@ -404,8 +414,18 @@ class AsyncLease:
             except (asyncio.CancelledError, Exception):
                 pass
         if self._released is None:
+            self._client._leases.pop(self.external_id, None)
             self._released = await self._client.release(self.external_id)
         return self._released
+
+    def _given_back(self, outcome: str) -> None:
+        """As Lease._given_back."""
+        self._released = outcome
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self._task is not None:
+            self._task.cancel()
+        self._lose(f"released through client.release({self.external_id!r}) ({outcome}): the permits are given back")
 
     async def _heartbeat_now(self) -> None:
         """As Lease._heartbeat_now: for a grant made before this acquire."""

@@ -6,6 +6,7 @@ import datetime as dt
 import select
 import threading
 import time
+import weakref
 from typing import Any, Callable, Mapping, TypeVar
 
 import psycopg
@@ -30,6 +31,9 @@ class Client:
     def __init__(self, url: str, *, listen: bool = True, poll_interval: float = c.POLL_SECONDS) -> None:
         c.check_url(url)
         self._url = url
+        # The leases this client handed out and not released: a `release(id)` of one of them
+        # tells it, so that it says lost rather than go on as if it held the permits.
+        self._leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
         # Through a pooler in transaction mode LISTEN does not work: `listen=False` waits by
         # reading the status every `poll_interval` (0.25 s) only.
         self._listen = listen
@@ -139,6 +143,9 @@ class Client:
         waiting), `not_acquired` (it failed) or `unknown`."""
         row = self._run(lambda conn: conn.execute(c.RELEASE, (external_id,)).fetchone())
         assert row is not None
+        lease = self._leases.pop(external_id, None)
+        if lease is not None:
+            lease._given_back(str(row[0]))
         return str(row[0])
 
     def heartbeat(self, external_id: str, extend: float | dt.timedelta | None = None) -> dt.datetime | None:
@@ -210,12 +217,15 @@ class Client:
         # Retried until the deadline, as the submit is: a database that is down when acquire
         # starts may be back before it.
         listener = _until_deadline(deadline, self._take_listener) if self._listen else None
+        # Whether the submit answered: only then may a request be left waiting.
+        submitted = False
         try:
             sent = time.monotonic()
             status = _until_deadline(
                 deadline,
                 lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
             )
+            submitted = True
             c.check_not_ended_before(status)
             # Granted before this call (a retry after a dropped connection): its lease may be
             # older than `sent`, so the lease heartbeats before it is handed over.
@@ -250,7 +260,7 @@ class Client:
             cancelled = self._cancel_quietly(external_id)
             if isinstance(e, KeyboardInterrupt):
                 c.say_interrupted(external_id, cancelled)
-            elif not cancelled and isinstance(e, DatabaseUnavailable):
+            elif not cancelled and submitted and isinstance(e, DatabaseUnavailable):
                 raise DatabaseUnavailable(f"{e}; {c.left_waiting(external_id)}") from e
             raise
         finally:
@@ -269,6 +279,7 @@ class Client:
             self._confirm_durable(status.external_id, deadline)
         if status.state == "acquired":
             lease = Lease(self, status, sent)
+            self._leases[status.external_id] = lease
             if granted_before:
                 lease._heartbeat_now()
             return lease
@@ -415,8 +426,17 @@ class Lease:
             # A heartbeat stuck on a server that stopped answering is left behind.
             self._thread.join(timeout=1.0)
         if self._released is None:
+            self._client._leases.pop(self.external_id, None)
             self._released = self._client.release(self.external_id)
         return self._released
+
+    def _given_back(self, outcome: str) -> None:
+        """Released through `client.release(id)`, not this lease: it holds nothing any more."""
+        self._released = outcome
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._lose(f"released through client.release({self.external_id!r}) ({outcome}): the permits are given back")
 
     def _heartbeat_now(self) -> None:
         """For a grant made before this acquire (its lease may be older than the call): the

@@ -91,6 +91,19 @@ class SyncClientTest(unittest.TestCase):
                 self.client.acquire(rid, {self.sem: 1}, timeout=15).release()
             self.assertEqual(confirmed, [rid])
 
+    def test_a_lease_released_through_the_client_says_it_is_lost(self) -> None:
+        rid = new_id("given-back")
+        with self.client.acquire(rid, {self.sem: 1}, ttl=30, timeout=15) as lease:
+            self.assertEqual(self.client.release(rid), "released")
+            self.assertTrue(lease.is_lost)
+            with self.assertRaises(permitq.LeaseLost) as caught:
+                lease.check()
+            self.assertIn(
+                f"released through client.release({rid!r}) (released): the permits are given back",
+                str(caught.exception),
+            )
+        self.assertEqual(lease.release(), "released", "the outcome, not a second release")
+
     def test_acquire_heartbeats_releases_on_exit_and_exposes_the_token(self) -> None:
         rid = new_id("lease")
         with self.client.acquire(rid, {self.sem: 1}, ttl=1.5, timeout=15) as lease:
@@ -493,8 +506,10 @@ class SyncClientTest(unittest.TestCase):
             # It says so when it starts retrying: a database that is down must not read as a
             # busy semaphore.
             with self.assertLogs("permitq", level="WARNING") as said:
-                with self.assertRaises(permitq.DatabaseUnavailable):
+                with self.assertRaises(permitq.DatabaseUnavailable) as caught:
                     down.acquire(new_id("down"), {"x": 1}, timeout=1.5)
+            # Never reached, nothing was submitted: it does not say a request may be waiting.
+            self.assertNotIn("was submitted", str(caught.exception))
             self.assertGreater(time.monotonic() - started, 0.5, "it retried, not gave up at once")
             self.assertIn("retrying until the acquire's deadline", "\n".join(said.output))
 

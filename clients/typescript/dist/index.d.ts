@@ -69,7 +69,8 @@ export interface Explanation {
     outcome: string | null;
     semaphores: SemaphoreWait[];
 }
-/** A producer's handle on permitq: a small pool, and a connection of its own per waiting acquire. */
+/** How a client tells a lease it was released through `client.release(id)`. */
+declare const GIVEN_BACK: unique symbol;
 export declare class Client {
     private readonly pool;
     private readonly listen;
@@ -171,6 +172,8 @@ export declare class Lease implements AsyncDisposable {
     check(): void;
     /** Stops heartbeating and gives the permits back (once): the release outcome. */
     release(): Promise<string>;
+    /** Released through `client.release(id)`, not this lease: it holds nothing any more. */
+    [GIVEN_BACK](outcome: string): void;
     [Symbol.asyncDispose](): Promise<void>;
     private lostAt;
     private lose;

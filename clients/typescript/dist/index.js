@@ -82,6 +82,13 @@ function localSocket(config) {
     return { connectionString: url.toString() };
 }
 /** A producer's handle on permitq: a small pool, and a connection of its own per waiting acquire. */
+/**
+ * The leases each client handed out and not released: a `client.release(id)` of one of them tells
+ * it, so that it says lost rather than go on as if it held the permits.
+ */
+const leasesOf = new WeakMap();
+/** How a client tells a lease it was released through `client.release(id)`. */
+const GIVEN_BACK = Symbol("givenBack");
 export class Client {
     pool;
     listen;
@@ -205,7 +212,11 @@ export class Client {
     /** Gives the permits back: `released`, `already_released`, `cancelled`, `not_acquired`, `unknown`. */
     async release(externalId) {
         const rows = await this.query(SQL.release, [externalId]);
-        return rows[0].outcome;
+        const outcome = rows[0].outcome;
+        const lease = leasesOf.get(this)?.get(externalId)?.deref();
+        leasesOf.get(this)?.delete(externalId);
+        lease?.[GIVEN_BACK](outcome);
+        return outcome;
     }
     /** Extends the lease (to now + `extendSeconds`, else its ttl); throws LeaseLost when it is gone. */
     async heartbeat(externalId, extendSeconds) {
@@ -271,6 +282,8 @@ export class Client {
         let sent = 0;
         let current;
         let grantedBefore = false;
+        // Whether the submit answered: only then may a request be left waiting.
+        let submitted = false;
         try {
             // A lost listener costs latency, never a hang: the status is read every pollMs anyway.
             // Retried until the deadline, as the submit is: a database that is down when acquire
@@ -279,6 +292,7 @@ export class Client {
             listener?.on("notification", onNotification);
             sent = performance.now();
             current = await untilDeadline(deadline, signal, () => this.submit(externalId, permits, submitOptions));
+            submitted = true;
             // A submit returns an ended request only when the external_id was used before.
             if (current.state === "error" || current.state === "released") {
                 throw new PermitqError(`request ${externalId} was submitted before and has ended (${current.state} ` +
@@ -330,7 +344,7 @@ export class Client {
             // nobody and hold its permits (cancelled already, ended, or another's id: nothing to do).
             if (!(e instanceof AcquireTimeout || e instanceof RequestFailed || e instanceof ExternalIdTaken)) {
                 const cancelled = await this.release(externalId).then(() => true, () => false);
-                if (!cancelled && e instanceof DatabaseUnavailable) {
+                if (!cancelled && submitted && e instanceof DatabaseUnavailable) {
                     throw new DatabaseUnavailable(`${e.message}; ${leftWaiting(externalId)}`);
                 }
             }
@@ -345,6 +359,9 @@ export class Client {
         }
         if (current.state === "acquired") {
             const lease = new Lease(this, current, sent);
+            if (!leasesOf.has(this))
+                leasesOf.set(this, new Map());
+            leasesOf.get(this).set(externalId, new WeakRef(lease));
             if (grantedBefore)
                 await lease.heartbeatNow();
             return lease;
@@ -476,8 +493,21 @@ export class Lease {
         this.timer = this.watchdog = null;
         this.conn?.end().catch(() => { });
         this.conn = null;
+        if (!this.released)
+            leasesOf.get(this.client)?.delete(this.externalId);
         this.released ??= this.client.release(this.externalId);
         return this.released;
+    }
+    /** Released through `client.release(id)`, not this lease: it holds nothing any more. */
+    [GIVEN_BACK](outcome) {
+        for (const t of [this.timer, this.watchdog])
+            if (t)
+                clearTimeout(t);
+        this.timer = this.watchdog = null;
+        this.conn?.end().catch(() => { });
+        this.conn = null;
+        this.released ??= Promise.resolve(outcome);
+        this.lose(`released through client.release("${this.externalId}") (${outcome}): the permits are given back`);
     }
     async [Symbol.asyncDispose]() {
         await this.release();

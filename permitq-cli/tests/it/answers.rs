@@ -213,7 +213,8 @@ async fn a_lease_run_out_with_no_worker_says_it_is_no_longer_held() {
             && stderr(&o).contains(
                 "with no heartbeat in time: it is no longer held (a heartbeat says lease lost), \
                  and a worker's next sweep releases it; stop the work it guarded"
-            ),
+            )
+            && stderr(&o).contains("permitq: kw-1 is not swept, and nothing is granting"),
         "{}",
         stderr(&o)
     );

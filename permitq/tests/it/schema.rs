@@ -226,3 +226,32 @@ fn every_schema_file_is_applied_and_no_function_is_defined_twice() {
         }
     }
 }
+
+/// A URL naming a database without the schema (the wrong one, often): the client's errors say
+/// which database it looked in, beside "run `permitq migrate`".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_schema_names_the_database_the_client_looked_in() {
+    let db = TestDb::empty().await;
+    let client = permitq::Client::connect(&db.url).await.unwrap();
+    let looked_in = format!(
+        "(looked in database {} at 127.0.0.1:",
+        permitq_test_support::db_of(&db.url)
+    );
+    let submitted = client
+        .submit(&permitq::Request::new("nm-1").permit("gpu", 1))
+        .await
+        .expect_err("no schema");
+    let read = client.status("nm-1").await.expect_err("no schema");
+    for err in [submitted, read] {
+        assert!(err.is_missing_schema(), "{err}");
+        let said = err.to_string();
+        assert!(
+            said.contains("run `permitq migrate`")
+                && said.contains(&looked_in)
+                && said.contains(
+                    "if permitq was migrated into another database, fix the URL instead)"
+                ),
+            "{said}"
+        );
+    }
+}
