@@ -230,21 +230,23 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
     outln!("\nholders ({}{hidden}):", d.holders.len());
     if !d.holders.is_empty() {
         outln!(
-            "  {:<32} {:<16} {:>6} {:>10} {:>8}",
+            "  {:<32} {:<16} {:>6} {:>10} {:>14} {:>8}",
             "external_id",
             "owner",
             "count",
             "held for",
+            "lease",
             "token"
         );
     }
     for h in &d.holders {
         outln!(
-            "  {:<32} {:<16} {:>6} {:>10} {:>8}",
+            "  {:<32} {:<16} {:>6} {:>10} {:>14} {:>8}",
             h.external_id,
             h.owner.as_deref().unwrap_or("-"),
             h.count,
             ago(h.acquired_at),
+            lease_end(h.expires_at),
             h.fencing_token.map_or("-".to_string(), |t| t.to_string())
         );
     }
@@ -470,6 +472,22 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
 
 /// `name` as it is typed in a shell: as is, or in single quotes when it has other characters
 /// than letters, digits and `-_.:/@` (a template's `*`, a space).
+/// A holder's lease, as the holders table says it: `ends in 28s`, `ran out 3s ago` (not swept
+/// yet: no longer held), or `none` (no ttl: held until released).
+fn lease_end(expires_at: Option<SystemTime>) -> String {
+    let Some(t) = expires_at else {
+        return "none".to_string();
+    };
+    let now = SystemTime::now();
+    match t.duration_since(now) {
+        Ok(left) => format!("ends in {}s", left.as_secs()),
+        Err(_) => format!(
+            "ran out {}s ago",
+            now.duration_since(t).unwrap_or_default().as_secs()
+        ),
+    }
+}
+
 pub(crate) fn quoted_name(name: &str) -> String {
     if !name.is_empty()
         && name

@@ -42,6 +42,13 @@ struct View {
 
 /// Runs until the user quits.
 pub(crate) async fn run(client: Client, interval: Duration) -> Result<()> {
+    // A refusal that retrying cannot mend (no permitq role, no schema) is said in full, before
+    // the screen is drawn; a database that does not answer is shown and retried.
+    if let Err(e) = client.usage().await {
+        if !e.is_retryable() {
+            return Err(e.into());
+        }
+    }
     let mut terminal = ratatui::try_init()
         .map_err(|e| CliError::runtime(format!("cannot set up the terminal: {e}")))?;
     let result = event_loop(&mut terminal, &client, interval).await;

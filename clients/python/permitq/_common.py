@@ -325,5 +325,7 @@ def warn_retrying(error: Exception, seconds_left: float) -> None:
     caller sees nothing until the deadline, and a database that is down reads as a busy
     semaphore. Logged on the `permitq` logger (printed to stderr when logging is not set up)."""
     logging.getLogger("permitq").warning(
-        "%s; retrying until the acquire's deadline, %.0fs from now", error, seconds_left
+        "permitq: the database did not answer (%s); retrying until the acquire's deadline, %.0fs from now",
+        error,
+        seconds_left,
     )

@@ -162,6 +162,25 @@ function localSocket(config: pg.PoolConfig): pg.PoolConfig {
 
 /** A producer's handle on permitq: a small pool, and a connection of its own per waiting acquire. */
 /**
+ * A node-postgres client whose failed connection attempt closes its socket: node-postgres leaves
+ * it open (after a password the server asked for and none was given, say), and the server's
+ * `authentication_timeout` then keeps the process alive for up to a minute after `end()`.
+ */
+const ClosingClient = class extends pg.Client {
+  // @ts-expect-error one signature for node-postgres's overloads (a callback, or a promise)
+  override connect(callback?: (err: Error | null, client?: pg.Client) => void): Promise<pg.Client> | void {
+    const close = <E>(err: E): E => {
+      (this as unknown as { connection?: { stream?: { destroy(): void } } }).connection?.stream?.destroy();
+      return err;
+    };
+    if (callback) {
+      return super.connect((err: Error | null) => (err ? callback(close(err)) : callback(null, this as unknown as pg.Client)));
+    }
+    return super.connect().catch((err: unknown) => { throw close(err); });
+  }
+} as unknown as typeof pg.Client;
+
+/**
  * The leases each client handed out and not released: a `client.release(id)` of one of them tells
  * it, so that it says lost rather than go on as if it held the permits.
  */
@@ -191,13 +210,13 @@ export class Client {
     this.listen = listen ?? true;
     this.pollMs = pollMs ?? POLL_MS;
     this.connect = { ...poolConfig, ...localSocket(poolConfig) };
-    this.pool = new pg.Pool({ max: 4, application_name: "permitq-node", keepAlive: true, ...this.connect });
+    this.pool = new pg.Pool({ max: 4, application_name: "permitq-node", keepAlive: true, ...this.connect, Client: ClosingClient });
     this.pool.on("error", () => {}); // an idle connection that broke: the next query reconnects
   }
 
   /** A connection of its own (a LISTEN, a lease's heartbeats), not from the pool. */
   connection(applicationName: string): pg.Client {
-    const client = new pg.Client({ ...this.connect, application_name: applicationName, keepAlive: true });
+    const client = new ClosingClient({ ...this.connect, application_name: applicationName, keepAlive: true });
     client.on("error", () => {}); // a broken one is replaced by its user
     return client;
   }
@@ -514,7 +533,8 @@ async function within<T>(work: Promise<T>, ms: number): Promise<T | typeof LATE>
  */
 function warnRetrying(e: Error, deadline: number): void {
   process.emitWarning(
-    `${e.message}; retrying until the acquire's deadline, ${Math.round((deadline - performance.now()) / 1000)}s from now`,
+    `permitq: the database did not answer (${e.message}); retrying until the acquire's deadline, ` +
+      `${Math.round((deadline - performance.now()) / 1000)}s from now`,
     { code: "PERMITQ_RETRYING" },
   );
 }

@@ -218,6 +218,13 @@ async fn a_lease_run_out_with_no_worker_says_it_is_no_longer_held() {
         "{}",
         stderr(&o)
     );
+    // The holders table says so too.
+    let o = run(url, &["semaphore", "show", "kw"]).await;
+    assert!(
+        stdout(&o).contains("lease") && stdout(&o).contains("ran out "),
+        "{}",
+        stdout(&o)
+    );
     let o = run(url, &["heartbeat", "kw-1"]).await;
     assert_eq!(code(&o), 3, "{}", stderr(&o));
     assert!(
