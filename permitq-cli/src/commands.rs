@@ -469,6 +469,30 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 settings = settings.max_instances(max_instances);
             }
             let s = client.set_semaphore(&name, capacity, &settings).await?;
+            // A typo makes a new semaphore: say that this one is new, and what it is near.
+            let created = client.capacity_history(&s.name).await.is_ok_and(|history| {
+                history
+                    .iter()
+                    .max_by_key(|c| c.changed_at)
+                    .is_some_and(|c| c.old_capacity.is_none())
+            });
+            if created {
+                let near = client.similar_semaphores(&name).await.unwrap_or_default();
+                errln!(
+                    "permitq: created {}: no semaphore had that name{}",
+                    s.name,
+                    if near.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            " (did you mean {}? `permitq semaphore delete {}` removes this one \
+                             while nothing uses it)",
+                            near.join(" or "),
+                            crate::show::quoted_name(&s.name)
+                        )
+                    }
+                );
+            }
             // `GPU` beside `gpu`: two semaphores, which is rarely what was meant. Said each time.
             let twins: Vec<String> = client
                 .similar_semaphores(&name)

@@ -298,6 +298,70 @@ async fn an_await_that_runs_out_says_how_long_the_request_stays_in_line() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_semaphore_says_it_is_new_and_what_it_is_near() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let o = run(url, &["semaphore", "set", "gpu", "4"]).await;
+    assert!(
+        stderr(&o).contains("permitq: created gpu: no semaphore had that name"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &["semaphore", "set", "gpu", "5"]).await;
+    assert!(
+        !stderr(&o).contains("created"),
+        "a change, not a creation: {}",
+        stderr(&o)
+    );
+    let o = run(url, &["semaphore", "set", "gpuu", "5"]).await;
+    assert!(
+        stderr(&o).contains(
+            "permitq: created gpuu: no semaphore had that name (did you mean gpu? `permitq \
+             semaphore delete gpuu` removes this one while nothing uses it)"
+        ),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_of_a_rate_window_with_some_room_says_when_room_for_the_count_opens() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let worker = db.worker(quiet_config("w"));
+    run(url, &["semaphore", "set", "rl2", "3", "--per", "10m"]).await;
+    let o = run(url, &["submit", "r2-1", "rl2=2", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    run(url, &["release", "r2-1"]).await;
+    run(url, &["submit", "r2-2", "rl2=2"]).await;
+    let client = db.client().await;
+    wait_until(SOON, "r2-2 examined", || async {
+        client
+            .waiters("rl2", 10)
+            .await
+            .unwrap()
+            .iter()
+            .any(|w| w.external_id == "r2-2")
+    })
+    .await;
+    // Nothing is held: it waits for r2-1's grant to leave the window, about 10 minutes.
+    let o = run(url, &["explain", "r2-2"]).await;
+    let text = stdout(&o);
+    assert!(
+        text.contains(
+            "rate limit: its window has room for 1 of the 2 it needs (2 / 3 granted per 10m); \
+             room for 2 opens in "
+        ) && text.contains(", as earlier grants leave the window")
+            // About ten minutes (the window's buckets round a grant's time up).
+            && (text.contains("estimated wait: about 10m") || text.contains("estimated wait: about 9m 5"))
+            && text.contains("(when its rate window opens)")
+            && !text.contains("released"),
+        "{text}"
+    );
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exceeds_capacity_names_the_semaphore_or_parent_and_its_capacity_also_in_explain() {
     let db = TestDb::new().await;
     let worker = db.worker(quiet_config("w"));

@@ -71,7 +71,8 @@ BEGIN
         capacity := s.capacity;
         room := permitq.free_room(s);
         free := least(greatest(room, 0), 2147483647);
-        opens_at := permitq.window_opens_at(s);
+        -- When the window has room for this request's count (not for one permit).
+        opens_at := permitq.window_room_at(s, needs);
         shortfall := least(greatest(needs::int8 - room, 0), 2147483647);
         -- A parent: within the guarantee of the child below it (`via`'s chain), room is all it
         -- needs; beyond it, or named itself, the room kept for the other active children's
@@ -157,6 +158,10 @@ BEGIN
                             ELSE format('%s borrows beyond its guarantee (%s)', child.name, child.guarantee) END,
                        kept, CASE WHEN kept = 1 THEN 'is' ELSE 'are' END, kept_for, needs, kept, free,
                        shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END)
+            WHEN opens_at IS NOT NULL AND shortfall > 0 AND free > 0 THEN
+                format('rate limit: its window has room for %s of the %s it needs (%s / %s granted per %s); room for %s opens in %s, as earlier grants leave the window',
+                       free, needs, s.capacity - free, s.capacity, permitq.human_duration(s.per),
+                       needs, permitq.human_duration(greatest(opens_at - now(), interval '0')))
             WHEN opens_at IS NOT NULL AND shortfall > 0 THEN
                 format('rate limit: its window is spent (%s / %s granted per %s); opens in %s',
                        s.capacity - free, s.capacity, permitq.human_duration(s.per),

@@ -52,10 +52,12 @@ LANGUAGE sql STABLE AS $$
                                  WHERE p.semaphore = s.name), 0) END
 $$;
 
--- When the window of `s` next has room for one permit: NULL when it has room now or is no rate
--- limit; else when enough of its oldest buckets have left the window that fewer than
--- `capacity` permits remain in it (after a capacity was lowered, that may take several).
-CREATE OR REPLACE FUNCTION permitq.window_opens_at(s permitq.semaphore) RETURNS timestamptz
+-- When the window of `s` next has room for `needs` permits: NULL when it has that room now, is
+-- no rate limit, or never will (`needs` above its capacity); else when enough of its oldest
+-- buckets have left the window that at most `capacity - needs` permits remain in it (after a
+-- capacity was lowered, or for a count above one, that may take several).
+CREATE OR REPLACE FUNCTION permitq.window_room_at(s permitq.semaphore, needs bigint)
+RETURNS timestamptz
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     IF s.per IS NULL THEN
@@ -69,8 +71,17 @@ BEGIN
                          sum(b.count) OVER (ORDER BY b.ends_at) AS gone
                   FROM permitq.rate_bucket b
                   WHERE b.semaphore_id = s.id AND b.ends_at > now() - s.per) leaving
-            WHERE leaving.granted >= s.capacity AND leaving.granted - leaving.gone < s.capacity);
+            WHERE leaving.granted > s.capacity - needs
+              AND leaving.granted - leaving.gone <= s.capacity - needs);
 END $$;
+GRANT EXECUTE ON FUNCTION permitq.window_room_at(permitq.semaphore, bigint)
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
+
+-- When the window of `s` next has room for one permit (see permitq.window_room_at).
+CREATE OR REPLACE FUNCTION permitq.window_opens_at(s permitq.semaphore) RETURNS timestamptz
+LANGUAGE sql STABLE AS $$
+    SELECT permitq.window_room_at(s, 1)
+$$;
 -- The semaphore_usage view calls it as its reader.
 GRANT EXECUTE ON FUNCTION permitq.window_opens_at(permitq.semaphore)
     TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
