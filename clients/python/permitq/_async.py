@@ -287,9 +287,11 @@ class AsyncClient:
             if listener is not None:
                 await self._give_back_listener(listener)
         if status.state == "acquired":
-            lease = AsyncLease(self, status, sent)
+            # As Client's: after a long wait, the clock starts at the grant, confirmed at once.
+            waited_long = c.waited_long(sent, status.ttl)
+            lease = AsyncLease(self, status, time.monotonic() if waited_long else sent)
             self._leases[status.external_id] = lease
-            if granted_before:
+            if granted_before or waited_long:
                 await lease._heartbeat_now()
             return lease
         if status.state == "error":

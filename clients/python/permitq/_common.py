@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -301,6 +302,12 @@ def check_not_ended_before(status: Status) -> None:
             f"request {status.external_id} was submitted before and has ended ({status.state} {how}); "
             "this is that request: acquire under a new external_id"
         )
+
+
+def waited_long(sent: float, ttl: float | None) -> bool:
+    """Whether a grant came so long after its request was sent (a third of its ttl) that the
+    lease, whose clock starts at the send, must heartbeat before it is handed over."""
+    return ttl is not None and time.monotonic() - sent > ttl / 3
 
 
 def left_waiting(external_id: str) -> str:

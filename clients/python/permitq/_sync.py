@@ -278,9 +278,13 @@ class Client:
         if barrier:
             self._confirm_durable(status.external_id, deadline)
         if status.state == "acquired":
-            lease = Lease(self, status, sent)
+            # The lease's clock starts when the request was sent: after a long wait it would be
+            # handed over already near its end, so it starts at the grant just read, and a
+            # heartbeat, at once, confirms it from its own send.
+            waited_long = c.waited_long(sent, status.ttl)
+            lease = Lease(self, status, time.monotonic() if waited_long else sent)
             self._leases[status.external_id] = lease
-            if granted_before:
+            if granted_before or waited_long:
                 lease._heartbeat_now()
             return lease
         if status.state == "error":

@@ -91,6 +91,31 @@ class SyncClientTest(unittest.TestCase):
                 self.client.acquire(rid, {self.sem: 1}, timeout=15).release()
             self.assertEqual(confirmed, [rid])
 
+    def test_a_lease_granted_after_a_wait_longer_than_its_ttl_is_not_handed_over_lost(self) -> None:
+        import threading
+
+        holders = [self.client.acquire(new_id("hold"), {self.sem: 1}, ttl=30, timeout=15) for _ in range(2)]
+        waiter = permitq.Client(URL)
+        got: list[object] = []
+        thread = threading.Thread(
+            target=lambda: got.append(waiter.acquire(new_id("longwait"), {self.sem: 1}, ttl=3, timeout=20))
+        )
+        try:
+            thread.start()
+            # Longer than the lease's 3 s ttl: its clock, started at the submit, would have run out.
+            time.sleep(4)
+            holders[0].release()
+            thread.join(20)
+            lease = got[0]
+            assert isinstance(lease, permitq.Lease), lease
+            self.assertFalse(lease.is_lost, lease.lost_reason)
+            lease.check()
+            lease.release()
+        finally:
+            for h in holders:
+                h.release()
+            waiter.close()
+
     def test_a_lease_released_through_the_client_says_it_is_lost(self) -> None:
         rid = new_id("given-back")
         with self.client.acquire(rid, {self.sem: 1}, ttl=30, timeout=15) as lease:

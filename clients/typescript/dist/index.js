@@ -376,11 +376,15 @@ export class Client {
             }
         }
         if (current.state === "acquired") {
-            const lease = new Lease(this, current, sent);
+            // The lease's clock starts when the request was sent: after a long wait (a third of its
+            // ttl) it would be handed over already near its end, so it starts at the grant just read,
+            // and a heartbeat, at once, confirms it from its own send.
+            const waitedLong = current.ttlSeconds != null && performance.now() - sent > current.ttlSeconds * 1000 / 3;
+            const lease = new Lease(this, current, waitedLong ? performance.now() : sent);
             if (!leasesOf.has(this))
                 leasesOf.set(this, new Map());
             leasesOf.get(this).set(externalId, new WeakRef(lease));
-            if (grantedBefore)
+            if (grantedBefore || waitedLong)
                 await lease.heartbeatNow();
             return lease;
         }

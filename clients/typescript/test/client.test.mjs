@@ -367,6 +367,25 @@ describe("permitq client", () => {
     }
   });
 
+  it("hands over a lease granted after a wait longer than its ttl not lost", async () => {
+    const holders = [];
+    for (let i = 0; i < 2; i++) holders.push(await client.acquire(newId("hold"), { [sem]: 1 }, { ttlSeconds: 30 }));
+    const waiter = new permitq.Client({ connectionString: URL });
+    try {
+      const acquiring = waiter.acquire(newId("longwait"), { [sem]: 1 }, { ttlSeconds: 3, timeoutMs: 20_000 });
+      // Longer than the lease's 3 s ttl: its clock, started at the submit, would have run out.
+      await sleep(4000);
+      await holders[0].release();
+      const lease = await acquiring;
+      assert.ok(!lease.isLost, String(lease.signal.reason));
+      lease.check();
+      await lease.release();
+    } finally {
+      for (const h of holders) await h.release();
+      await waiter.end();
+    }
+  });
+
   it("says lost once its request is released through the client", async () => {
     const id = newId("given-back");
     const lease = await client.acquire(id, { [sem]: 1 }, { ttlSeconds: 30, timeoutMs: 15_000 });
