@@ -111,13 +111,13 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     run(url, &["submit", "e-wait", "est=1"]).await;
     let client = db.client().await;
+    // Examined by the worker (the waiters list holds unexamined requests too).
     wait_until(SOON, "e-wait examined", || async {
         client
-            .waiters("est", 10)
+            .status("e-wait")
             .await
             .unwrap()
-            .iter()
-            .any(|w| w.external_id == "e-wait")
+            .is_some_and(|r| r.examined_at.is_some())
     })
     .await;
     let o = run(url, &["explain", "e-wait"]).await;
@@ -248,13 +248,13 @@ async fn explain_counts_what_is_held_beyond_a_lowered_capacity_in_the_shortfall(
     run(url, &["semaphore", "set", "gpu", "2"]).await;
     run(url, &["submit", "low-w2", "gpu=2"]).await;
     let client = db.client().await;
+    // Examined by the worker (the waiters list holds unexamined requests too).
     wait_until(SOON, "low-w2 examined", || async {
         client
-            .waiters("gpu", 10)
+            .status("low-w2")
             .await
             .unwrap()
-            .iter()
-            .any(|w| w.external_id == "low-w2")
+            .is_some_and(|r| r.examined_at.is_some())
     })
     .await;
     // 3 held against 2: all 3 must go before 2 fit.
@@ -335,13 +335,13 @@ async fn explain_of_a_rate_window_with_some_room_says_when_room_for_the_count_op
     run(url, &["release", "r2-1"]).await;
     run(url, &["submit", "r2-2", "rl2=2"]).await;
     let client = db.client().await;
+    // Examined by the worker (the waiters list holds unexamined requests too).
     wait_until(SOON, "r2-2 examined", || async {
         client
-            .waiters("rl2", 10)
+            .status("r2-2")
             .await
             .unwrap()
-            .iter()
-            .any(|w| w.external_id == "r2-2")
+            .is_some_and(|r| r.examined_at.is_some())
     })
     .await;
     // Nothing is held: it waits for r2-1's grant to leave the window, about 10 minutes.
