@@ -20,23 +20,26 @@ async fn not_visible(client: &Client, name: String) -> CliError {
 /// Runs one command. `explicit_url`: `--database-url` was given on the command line (not only
 /// through `DATABASE_URL`), which `demo` and `bench` require before they write to a database.
 pub(crate) async fn run(cli: Cli, explicit_url: bool) -> Result<u8> {
-    // A missing schema may be a URL naming the wrong database: say which one was looked in.
-    let place = match cli.database_url.as_deref().filter(|u| !u.trim().is_empty()) {
-        Some(url) => Client::connect(url).await.ok().map(|c| c.database()),
-        None => None,
-    };
-    run_command(cli, explicit_url)
-        .await
-        .map_err(|e| match (&e, place) {
-            // The CLI's own words for a missing schema (crate::error), and where it looked.
-            (CliError::Permitq(p), Some(place)) if p.is_missing_schema() => {
-                CliError::runtime(format!(
-            "{e} (looked in {place}: if permitq was migrated into another database, fix the URL \
-             instead)"
-        ))
-            }
-            _ => e,
-        })
+    let url = cli.database_url.clone().filter(|u| !u.trim().is_empty());
+    match run_command(cli, explicit_url).await {
+        // A missing schema may be a URL naming the wrong database: the CLI's own words for it
+        // (crate::error), and which database was looked in.
+        Err(CliError::Permitq(e)) if e.is_missing_schema() => {
+            let place = match url {
+                Some(url) => Client::connect(&url).await.ok().map(|c| c.database()),
+                None => None,
+            };
+            let e = CliError::Permitq(e);
+            Err(match place {
+                Some(place) => CliError::runtime(format!(
+                    "{e} (looked in {place}: if permitq was migrated into another database, fix \
+                     the URL instead)"
+                )),
+                None => e,
+            })
+        }
+        other => other,
+    }
 }
 
 async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
@@ -192,9 +195,7 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
             match client.status(&external_id).await? {
                 Some(r) => {
                     print_request(&r, json);
-                    let lease_ran_out = r.state == State::Acquired
-                        && r.expires_at
-                            .is_some_and(|t| t < std::time::SystemTime::now());
+                    let lease_ran_out = lease_ran_out_at(&r).is_some();
                     if (r.state == State::New || lease_ran_out) && !json {
                         if let Some(warning) = client.granting().await?.warning() {
                             let what = if lease_ran_out {
@@ -886,18 +887,22 @@ fn print_request(r: &PermitRequest, json: bool) {
         _ => String::new(),
     };
     outln!("{} {said}{lease}", r.external_id);
-    // Acquired on the books, but its lease ran out: no worker has swept it yet.
-    if let (State::Acquired, Some(t)) = (r.state, r.expires_at) {
-        if t < std::time::SystemTime::now() {
-            errln!(
-                "permitq: {id}'s lease ran out at {} with no heartbeat in time: it is no longer \
-                 held (a heartbeat says lease lost), and a worker's next sweep releases it; stop \
-                 the work it guarded",
-                humantime::format_rfc3339_seconds(t),
-                id = r.external_id
-            );
-        }
+    if let Some(t) = lease_ran_out_at(r) {
+        errln!(
+            "permitq: {id}'s lease ran out at {} with no heartbeat in time: it is no longer held \
+             (a heartbeat says lease lost), and a worker's next sweep releases it; stop the work \
+             it guarded",
+            humantime::format_rfc3339_seconds(t),
+            id = r.external_id
+        );
     }
+}
+
+/// When the lease of a request still `acquired` on the books ran out, if it has: no worker has
+/// swept it yet, and it is no longer held.
+fn lease_ran_out_at(r: &PermitRequest) -> Option<std::time::SystemTime> {
+    r.expires_at
+        .filter(|t| r.state == State::Acquired && *t < std::time::SystemTime::now())
 }
 
 /// What becomes of a request `submit --await` stopped waiting for: how long it stays in line,

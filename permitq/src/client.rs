@@ -323,17 +323,7 @@ impl Client {
     /// [`Client::release`] for an `acquire` that gave up, within [`CANCEL_WITHIN`]: a database
     /// that does not answer must not keep the caller past its deadline for long.
     async fn cancel_within(&self, external_id: &str) -> Result<ReleaseOutcome> {
-        let attempt = async {
-            // Abandoned midway (a link that died without a word), the connection leaves the pool.
-            let mut conn = Checkout(Some(self.conn().await?));
-            let text: String = conn
-                .query_typed_one(sql::RELEASE, &[(&external_id, Type::TEXT)])
-                .await?
-                .get(0);
-            conn.finished();
-            Ok(text.parse()?)
-        };
-        match tokio::time::timeout(CANCEL_WITHIN, attempt).await {
+        match tokio::time::timeout(CANCEL_WITHIN, self.release(external_id)).await {
             Ok(outcome) => outcome,
             Err(_) => Err(Error::config(format!(
                 "cancelling request {external_id} got no answer within {}",
@@ -353,12 +343,14 @@ impl Client {
     }
 
     async fn outcome(&self, query: &str, external_id: &str) -> Result<ReleaseOutcome> {
-        let conn = self.conn().await?;
-        let text: String = conn
+        // Abandoned midway (an acquire's bounded cancel, on a link that died without a word),
+        // the connection leaves the pool.
+        let mut conn = Checkout(Some(self.conn().await?));
+        let row = conn
             .query_typed_one(query, &[(&external_id, Type::TEXT)])
-            .await
-            .map_err(|e| self.located(e.into()))?
-            .get(0);
+            .await;
+        conn.finished();
+        let text: String = row.map_err(|e| self.located(e.into()))?.get(0);
         tracing::debug!(%external_id, outcome = %text, "released");
         Ok(text.parse()?)
     }

@@ -175,6 +175,8 @@ export declare class Lease implements AsyncDisposable {
     /** Released through `client.release(id)`, not this lease: it holds nothing any more. */
     [GIVEN_BACK](outcome: string): void;
     [Symbol.asyncDispose](): Promise<void>;
+    /** No more heartbeats, nor the watchdog, nor the heartbeat connection. */
+    private stopHeartbeats;
     private lostAt;
     private lose;
     /** For a grant made before this acquire (its lease may be older than the call): the clock

@@ -510,12 +510,7 @@ export class Lease {
     }
     /** Stops heartbeating and gives the permits back (once): the release outcome. */
     release() {
-        for (const t of [this.timer, this.watchdog])
-            if (t)
-                clearTimeout(t);
-        this.timer = this.watchdog = null;
-        this.conn?.end().catch(() => { });
-        this.conn = null;
+        this.stopHeartbeats();
         if (!this.released)
             leasesOf.get(this.client)?.delete(this.externalId);
         this.released ??= this.client.release(this.externalId);
@@ -523,17 +518,21 @@ export class Lease {
     }
     /** Released through `client.release(id)`, not this lease: it holds nothing any more. */
     [GIVEN_BACK](outcome) {
+        this.stopHeartbeats();
+        this.released ??= Promise.resolve(outcome);
+        this.lose(`released through client.release("${this.externalId}") (${outcome}): the permits are given back`);
+    }
+    async [Symbol.asyncDispose]() {
+        await this.release();
+    }
+    /** No more heartbeats, nor the watchdog, nor the heartbeat connection. */
+    stopHeartbeats() {
         for (const t of [this.timer, this.watchdog])
             if (t)
                 clearTimeout(t);
         this.timer = this.watchdog = null;
         this.conn?.end().catch(() => { });
         this.conn = null;
-        this.released ??= Promise.resolve(outcome);
-        this.lose(`released through client.release("${this.externalId}") (${outcome}): the permits are given back`);
-    }
-    async [Symbol.asyncDispose]() {
-        await this.release();
     }
     lostAt() {
         return (this.validUntil ?? 0) - (this.ttlSeconds ?? 0) * 1000 * SAFETY_FRACTION;

@@ -611,10 +611,7 @@ export class Lease implements AsyncDisposable {
 
   /** Stops heartbeating and gives the permits back (once): the release outcome. */
   release(): Promise<string> {
-    for (const t of [this.timer, this.watchdog]) if (t) clearTimeout(t);
-    this.timer = this.watchdog = null;
-    this.conn?.end().catch(() => {});
-    this.conn = null;
+    this.stopHeartbeats();
     if (!this.released) leasesOf.get(this.client)?.delete(this.externalId);
     this.released ??= this.client.release(this.externalId);
     return this.released;
@@ -622,16 +619,21 @@ export class Lease implements AsyncDisposable {
 
   /** Released through `client.release(id)`, not this lease: it holds nothing any more. */
   [GIVEN_BACK](outcome: string): void {
-    for (const t of [this.timer, this.watchdog]) if (t) clearTimeout(t);
-    this.timer = this.watchdog = null;
-    this.conn?.end().catch(() => {});
-    this.conn = null;
+    this.stopHeartbeats();
     this.released ??= Promise.resolve(outcome);
     this.lose(`released through client.release("${this.externalId}") (${outcome}): the permits are given back`);
   }
 
   async [Symbol.asyncDispose](): Promise<void> {
     await this.release();
+  }
+
+  /** No more heartbeats, nor the watchdog, nor the heartbeat connection. */
+  private stopHeartbeats(): void {
+    for (const t of [this.timer, this.watchdog]) if (t) clearTimeout(t);
+    this.timer = this.watchdog = null;
+    this.conn?.end().catch(() => {});
+    this.conn = null;
   }
 
   private lostAt(): number {

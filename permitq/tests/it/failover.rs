@@ -568,6 +568,34 @@ async fn an_outcome_that_did_not_reach_the_synchronous_standby_is_not_reported()
     worker.stop().await;
 }
 
+/// An acquire of one `restart` permit as `id`, running once its request is in the table.
+async fn acquiring_in_line(
+    client: &Client,
+    url: &str,
+    id: &'static str,
+    timeout: Duration,
+) -> tokio::task::JoinHandle<permitq::Result<permitq::Lease>> {
+    let acquiring = tokio::spawn({
+        let client = client.clone();
+        async move {
+            let request = Request::new(id).permit("restart", 1);
+            client.acquire(&request, timeout).await
+        }
+    });
+    let conn = common::connect(url).await;
+    wait_until(Duration::from_secs(20), "the request waits", || async {
+        conn.query_opt(
+            "SELECT 1 FROM permitq.permit_request WHERE external_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .is_some()
+    })
+    .await;
+    acquiring
+}
+
 /// The smallest failover, a restart: an acquire waiting when the server goes down waits on
 /// through it (asking its idempotent submit and its status again until its timeout, as the
 /// Python and TypeScript clients do) and is granted once a worker runs, instead of failing at
@@ -581,25 +609,8 @@ async fn an_acquire_waits_through_a_database_restart_until_its_timeout() {
     client.migrate().await.unwrap();
     client.set_capacity("restart", 1, None).await.unwrap();
     // No worker yet: the request waits.
-    let acquiring = tokio::spawn({
-        let client = client.clone();
-        async move {
-            let request = Request::new("through-restart").permit("restart", 1);
-            client.acquire(&request, Duration::from_secs(60)).await
-        }
-    });
-    let conn = common::connect(&url).await;
-    wait_until(Duration::from_secs(20), "the request waits", || async {
-        conn.query_opt(
-            "SELECT 1 FROM permitq.permit_request WHERE external_id = 'through-restart'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .is_some()
-    })
-    .await;
-    drop(conn);
+    let acquiring =
+        acquiring_in_line(&client, &url, "through-restart", Duration::from_secs(60)).await;
     server.stop(StopMode::Immediate).expect("stop the server");
     // Down for a second: four of the acquire's 250 ms status reads meet no server.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -613,25 +624,7 @@ async fn an_acquire_waits_through_a_database_restart_until_its_timeout() {
 
     // Down from the middle of the wait until past its deadline: the acquire cannot cancel its
     // request, and says that it may still wait and how to cancel it.
-    let acquiring = tokio::spawn({
-        let client = client.clone();
-        async move {
-            let request = Request::new("left-behind").permit("restart", 1);
-            client.acquire(&request, Duration::from_secs(2)).await
-        }
-    });
-    let conn = common::connect(&url).await;
-    wait_until(Duration::from_secs(20), "the request waits", || async {
-        conn.query_opt(
-            "SELECT 1 FROM permitq.permit_request WHERE external_id = 'left-behind'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .is_some()
-    })
-    .await;
-    drop(conn);
+    let acquiring = acquiring_in_line(&client, &url, "left-behind", Duration::from_secs(2)).await;
     server.stop(StopMode::Immediate).expect("stop the server");
     let err = acquiring
         .await
