@@ -115,12 +115,14 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
             Ok(0)
         }
         Command::Migrate { json } => {
-            let migrated = Client::connect(&need_url()?).await?.migrate().await?;
+            let client = Client::connect(&need_url()?).await?;
+            let migrated = client.migrate().await?;
             if json {
                 outln!("{}", serde_json::json!({ "applied": migrated }));
             } else if migrated.is_empty() {
-                outln!("schema is up to date");
+                outln!("schema is up to date in {}", client.database());
             } else {
+                outln!("migrated {}", client.database());
                 if migrated.upgraded_prerelease {
                     outln!("upgraded a pre-release schema in place");
                 }

@@ -124,9 +124,9 @@ impl Presence {
     pub(crate) async fn read(client: &permitq::Client) -> permitq::Result<Presence> {
         let granting = client.granting().await?;
         Ok(Presence {
+            nothing_granting: granting.warning(),
             granting,
             workers: client.workers().await?,
-            nothing_granting: granting.warning(),
         })
     }
 
@@ -433,7 +433,7 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
                 .iter()
                 .map(|h| {
                     let lease = h.expires_at.map_or(", no lease".to_string(), |t| {
-                        format!(", lease ends {}", until(t))
+                        format!(", lease {}", lease_end(Some(t)))
                     });
                     format!(
                         "{} ({} for {:.1}s{lease})",
@@ -448,7 +448,10 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
             && short
             && !s.holders.is_empty()
             && s.holders.iter().all(|h| h.expires_at.is_none());
-        if unleased {
+        if e.nothing_granting.is_some() && short {
+            // No worker: neither releases nor lease ends grant it, so no estimate holds.
+            lines.push("  no estimated wait: nothing grants it until a worker runs".to_string());
+        } else if unleased {
             lines.push(
                 "  its holders have no lease: it waits until one releases (`permitq release ID` \
                  by its owner, or an admin's `permitq revoke ID`)"
@@ -470,8 +473,6 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
     lines
 }
 
-/// `name` as it is typed in a shell: as is, or in single quotes when it has other characters
-/// than letters, digits and `-_.:/@` (a template's `*`, a space).
 /// A holder's lease, as the holders table says it: `ends in 28s`, `ran out 3s ago` (not swept
 /// yet: no longer held), or `none` (no ttl: held until released).
 fn lease_end(expires_at: Option<SystemTime>) -> String {
@@ -488,6 +489,8 @@ fn lease_end(expires_at: Option<SystemTime>) -> String {
     }
 }
 
+/// `name` as it is typed in a shell: as is, or in single quotes when it has other characters
+/// than letters, digits and `-_.:/@` (a template's `*`, a space).
 pub(crate) fn quoted_name(name: &str) -> String {
     if !name.is_empty()
         && name

@@ -143,13 +143,7 @@ impl Client {
     /// Where this client works, as messages name it: `database app at 127.0.0.1:5432 as app`.
     #[must_use]
     pub fn database(&self) -> String {
-        let config = &self.inner.config;
-        let user = config.get_user().unwrap_or("(the OS user)");
-        format!(
-            "database {} at {} as {user}",
-            config.get_dbname().unwrap_or(user),
-            self.inner.target
-        )
+        db::place(&self.inner.config)
     }
 
     /// Whether the database's schema is exactly the one this build expects (every migration

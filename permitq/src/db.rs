@@ -194,6 +194,16 @@ pub(crate) fn target(config: &Config) -> String {
         .join(",")
 }
 
+/// Where a connection works, as messages name it: `database app at 127.0.0.1:5432 as app`.
+pub(crate) fn place(config: &Config) -> String {
+    let user = config.get_user().unwrap_or("(the OS user)");
+    format!(
+        "database {} at {} as {user}",
+        config.get_dbname().unwrap_or(user),
+        target(config)
+    )
+}
+
 /// Where a URL without a host looks for the local server's socket (Debian's, then the
 /// upstream default), before falling back to localhost.
 const DEFAULT_SOCKET_DIRS: [&str; 2] = ["/var/run/postgresql", "/tmp"];

@@ -13,7 +13,7 @@ use crate::types::{ErrorCode, PermitRequest, ReleaseReason, State};
 /// | `unknown_semaphore` | `semaphore` (the name not found), `named` (when it is a missing parent of that one), `similar` |
 /// | `exceeds_capacity` | `semaphore`, `count`, `capacity`, `named` (when the bound is a parent's), `per` (a rate limit's window) |
 /// | `no_capacity` | `semaphore`, `count`, `capacity`, `free`, `named`, `per` |
-/// | `too_many_instances` | `semaphore`, `template`, `max_instances`, `parent` and `guarantee` (nested) |
+/// | `too_many_instances` | `semaphore`, `template`, `capacity` (the template's), `max_instances`, `idle_instances`, `parent`, `guarantee` and `parent_needs` (nested) |
 /// | `invalid` | `problem` |
 ///
 /// `timeout` and `cancelled` carry none: the request's `wait` and state say it all.
@@ -51,6 +51,13 @@ pub struct ErrorDetail {
     /// What each of its instances is guaranteed of `parent`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub guarantee: Option<i64>,
+    /// The template's instances that hold nothing and have no waiters (at most 3): deleting one
+    /// makes room for a new instance.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub idle_instances: Vec<String>,
+    /// The capacity `parent` would need for one more guaranteed instance, when it has less.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent_needs: Option<i64>,
     /// Existing semaphores or templates whose names are nearest the one not found.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub similar: Vec<String>,
@@ -212,22 +219,7 @@ impl PermitRequest {
             }
             ErrorCode::Cancelled => "released while it was still waiting".to_string(),
             ErrorCode::TooManyInstances => match (&d.template, d.max_instances) {
-                (Some(template), Some(bound)) => {
-                    let fits = match (&d.parent, d.guarantee) {
-                        (Some(parent), Some(g)) if g > 0 => format!(
-                            "; each instance is guaranteed {g} of {parent}, so N × {g} must fit \
-                             in {parent}'s capacity beside its other children's guarantees"
-                        ),
-                        _ => String::new(),
-                    };
-                    format!(
-                        "{name} would be a new instance of template {template}, which has its \
-                         max_instances of {bound} already; the workers remove an instance idle \
-                         for --idle-instance-after (1h by default), or raise the bound \
-                         (`permitq semaphore set '{template}' CAPACITY --max-instances N`{fits}), \
-                         then submit again under a new external_id"
-                    )
-                }
+                (Some(template), Some(bound)) => too_many_instances(&name, template, bound, &d),
                 _ => format!("{name} would be one instance too many of its template"),
             },
             ErrorCode::Invalid => format!(
@@ -236,6 +228,47 @@ impl PermitRequest {
             ),
         }
     }
+}
+
+/// The answer to `too_many_instances`: which instances could go, and what raising the bound
+/// takes (a nested template's parent may have to grow first).
+fn too_many_instances(name: &str, template: &str, bound: i64, d: &ErrorDetail) -> String {
+    let show = format!("`permitq semaphore show '{template}'` lists them");
+    let free_one =
+        match d.idle_instances.first() {
+            Some(idle) => format!(
+            "{} {} nothing: delete one (`permitq semaphore delete {idle}`), or let the workers \
+             remove an instance idle for --idle-instance-after (1h by default)",
+            d.idle_instances.join(", "),
+            if d.idle_instances.len() == 1 { "holds" } else { "hold" }
+        ),
+            None => "each holds permits or has waiters: once one is idle, delete it (`permitq \
+                 semaphore delete NAME`) or the workers remove an instance idle for \
+                 --idle-instance-after (1h by default)"
+                .to_string(),
+        };
+    let capacity = d
+        .capacity
+        .map_or_else(|| "CAPACITY".to_string(), |c| c.to_string());
+    let raise = format!(
+        "`permitq semaphore set '{template}' {capacity} --max-instances {}`",
+        bound + 1
+    );
+    let raise = match (&d.parent, d.guarantee, d.parent_needs) {
+        (Some(parent), Some(g), Some(needs)) => format!(
+            "or raise the bound: each instance is guaranteed {g} of {parent}, so {parent} needs \
+             capacity {needs} first (`permitq semaphore set {parent} {needs}`), then {raise}"
+        ),
+        (Some(parent), Some(g), None) if g > 0 => format!(
+            "or raise the bound ({raise}; each instance is guaranteed {g} of {parent}, so N × \
+             {g} must fit in {parent}'s capacity beside its other children's guarantees)"
+        ),
+        _ => format!("or raise the bound ({raise})"),
+    };
+    format!(
+        "{name} would be a new instance of template {template}, which has its max_instances of \
+         {bound} already ({show}); {free_one}; {raise}; then submit again under a new external_id"
+    )
 }
 
 #[cfg(test)]

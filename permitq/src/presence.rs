@@ -46,7 +46,7 @@ impl WorkerSeen {
 }
 
 /// Whether anything is granting ([`crate::Client::granting`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct Granting {
     /// Workers that said they are alive within the last few seconds.
@@ -54,6 +54,8 @@ pub struct Granting {
     /// When any worker last said so (`None`: none in the last hour).
     #[serde(serialize_with = "ser_time")]
     pub last_seen: Option<SystemTime>,
+    /// The database asked: a worker started against another one is not seen here.
+    pub database: String,
 }
 
 impl Granting {
@@ -61,6 +63,7 @@ impl Granting {
         Ok(Granting {
             live_workers: row.try_get("live_workers")?,
             last_seen: row.try_get("last_seen")?,
+            database: row.try_get("database")?,
         })
     }
 
@@ -85,7 +88,10 @@ impl Granting {
         };
         Some(format!(
             "nothing is granting: {since}; start one with `permitq worker` (if you started \
-             one, it has exited: its log says why; requests wait until a worker runs)"
+             one, it has exited, or it works on another database than {}: its log says why, \
+             and its `worker started` line names its database; requests wait until a worker \
+             runs)",
+            self.database
         ))
     }
 }

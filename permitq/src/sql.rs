@@ -175,7 +175,8 @@ pub(crate) const DELETE_DEAD_WORKERS: &str =
      DELETE FROM permitq.worker_seen WHERE live_until < now() - interval '1 hour'";
 /// Anyone: whether anything is granting (live workers, the last seen); see
 /// schema/functions/workers.sql.
-pub(crate) const GRANTING: &str = "SELECT live_workers, last_seen FROM permitq.granting()";
+pub(crate) const GRANTING: &str =
+    "SELECT live_workers, last_seen, current_database()::text AS database FROM permitq.granting()";
 /// Worker, at start: whether this login may work (member of permitq_worker or permitq_admin,
 /// or a superuser), and its name.
 pub(crate) const MAY_WORK: &str =

@@ -300,7 +300,11 @@ impl Worker {
         ));
         let seen = tokio::spawn(self.clone().say_alive(stop.clone()));
 
-        tracing::info!(worker = %self.config.id, "worker started");
+        tracing::info!(
+            worker = %self.config.id,
+            "worker started on {}",
+            crate::db::place(&self.listen_config)
+        );
         self.claim_loop(&wake, stop.clone()).await;
 
         forward.abort();

@@ -57,7 +57,8 @@ SET_CAPACITY = (
 )
 CONFIRM_DURABLE = "SELECT permitq.confirm_durable()"
 GRANTING = (
-    "SELECT live_workers, extract(epoch FROM clock_timestamp() - last_seen)::float8 FROM permitq.granting()"
+    "SELECT live_workers, extract(epoch FROM clock_timestamp() - last_seen)::float8,"
+    " current_database()::text FROM permitq.granting()"
 )
 
 
@@ -247,7 +248,8 @@ def nothing_granting(row: tuple[Any, ...] | None) -> str:
     since = "in the last hour" if row[1] is None else f"for {row[1]:.0f}s"
     return (
         f"; nothing is granting: no worker seen {since}; start one with `permitq worker` "
-        "(if you started one, it has exited: its log says why)"
+        f"(if you started one, it has exited, or it works on another database than {row[2]}: "
+        "its log says why, and its `worker started` line names its database)"
     )
 
 

@@ -137,7 +137,24 @@ def _explained(code: str, d: dict[str, Any]) -> str:
     if code in ("no_capacity", "timeout") and "semaphore" in d:
         return f"{name}={d.get('count')}, {d.get('free')} of {d.get('capacity')} free; submit again under a new external_id with a longer wait"
     if code == "too_many_instances":
-        return f"template {d.get('template')} has its max_instances of {d.get('max_instances')} already"
+        template = d.get("template")
+        idle = d.get("idle_instances") or []
+        free = (
+            f"{', '.join(idle)} hold{'s' if len(idle) == 1 else ''} nothing: delete one "
+            f"(`permitq semaphore delete {idle[0]}`)"
+            if idle
+            else "once one is idle, delete it (`permitq semaphore delete NAME`)"
+        )
+        raise_ = (
+            f"or raise the bound once {d.get('parent')} has capacity {d['parent_needs']}"
+            if d.get("parent_needs")
+            else "or raise the bound (`--max-instances`)"
+        )
+        return (
+            f"template {template} has its max_instances of {d.get('max_instances')} already "
+            f"(`permitq semaphore show '{template}'` lists them); {free}, {raise_}; "
+            "then submit again under a new external_id"
+        )
     if code == "invalid":
         return str(d.get("problem", "the stored row cannot be decided"))
     return code

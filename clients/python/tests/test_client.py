@@ -229,6 +229,16 @@ class SyncClientTest(unittest.TestCase):
         with self.assertRaises(permitq.UnknownSemaphore) as caught:
             self.client.acquire(new_id("typo"), {self.sem + "x": 1}, timeout=15)
         self.assertIn(self.sem, caught.exception.error_detail.get("similar", []))
+        # A template at its bound: the idle instance to delete is named.
+        lab = new_id("lab")
+        self.admin.set_capacity(lab + "-*", 1, max_instances=1)
+        with self.client.acquire(new_id("inst"), {lab + "-1": 1}, timeout=15):
+            pass
+        with self.assertRaises(permitq.TooManyInstances) as caught:
+            self.client.acquire(new_id("inst"), {lab + "-2": 1}, timeout=15)
+        self.assertIn(
+            f"{lab}-1 holds nothing: delete one (`permitq semaphore delete {lab}-1`)", str(caught.exception)
+        )
         with self.assertRaises(permitq.InvalidInput) as caught:
             self.client.submit(new_id("bad"), {self.sem: 1}, ttl=-1)
         self.assertEqual(caught.exception.field, "ttl")
@@ -544,10 +554,11 @@ class NothingGrantingTest(unittest.TestCase):
         """GRANTING's row as the message reads it (the contract test runs the statement)."""
         from permitq import _common
 
-        self.assertEqual(_common.nothing_granting((2, 0.4)), "")
-        said = _common.nothing_granting((0, 42.2))
+        self.assertEqual(_common.nothing_granting((2, 0.4, "app")), "")
+        said = _common.nothing_granting((0, 42.2, "app"))
         self.assertIn("nothing is granting: no worker seen for 42s; start one with `permitq worker`", said)
-        self.assertIn("no worker seen in the last hour", _common.nothing_granting((0, None)))
+        self.assertIn("or it works on another database than app", said)
+        self.assertIn("no worker seen in the last hour", _common.nothing_granting((0, None, "app")))
         message = _common.timeout_message("r-1", "within 5s", " (gpu: full)", said, "cancelled")
         self.assertTrue(message.startswith("request r-1 was not granted within 5s (gpu: full); nothing is granting"), message)
         self.assertNotIn("cancelled (cancelled)", message)

@@ -53,6 +53,11 @@ export type ErrorDetail = Record<string, unknown> & {
     capacity?: number;
     free?: number;
     similar?: string[];
+    template?: string;
+    max_instances?: number;
+    idle_instances?: string[];
+    parent?: string;
+    parent_needs?: number;
 };
 /** The request ended in `error`; one subclass per `errorCode`. */
 export declare class RequestFailed extends PermitqError {

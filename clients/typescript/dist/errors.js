@@ -121,8 +121,16 @@ function explained(code, d) {
             return d.semaphore
                 ? `${name}=${d.count}, ${d.free} of ${d.capacity} free; submit again under a new external_id with a longer wait`
                 : "submit again under a new external_id with a longer wait";
-        case "too_many_instances":
-            return `template ${String(d.template)} has its max_instances of ${String(d.max_instances)} already`;
+        case "too_many_instances": {
+            const idle = d.idle_instances ?? [];
+            const free = idle.length
+                ? `${idle.join(", ")} hold${idle.length === 1 ? "s" : ""} nothing: delete one (\`permitq semaphore delete ${idle[0]}\`)`
+                : "once one is idle, delete it (`permitq semaphore delete NAME`)";
+            const raise = d.parent_needs
+                ? `or raise the bound once ${String(d.parent)} has capacity ${d.parent_needs}`
+                : "or raise the bound (`--max-instances`)";
+            return `template ${String(d.template)} has its max_instances of ${String(d.max_instances)} already (\`permitq semaphore show '${String(d.template)}'\` lists them); ${free}, ${raise}; then submit again under a new external_id`;
+        }
         default:
             return String(d.problem ?? code);
     }

@@ -66,6 +66,11 @@ export type ErrorDetail = Record<string, unknown> & {
   capacity?: number;
   free?: number;
   similar?: string[];
+  template?: string;
+  max_instances?: number;
+  idle_instances?: string[];
+  parent?: string;
+  parent_needs?: number;
 };
 
 /** The request ended in `error`; one subclass per `errorCode`. */
@@ -139,8 +144,16 @@ function explained(code: string, d: ErrorDetail): string {
       return d.semaphore
         ? `${name}=${d.count}, ${d.free} of ${d.capacity} free; submit again under a new external_id with a longer wait`
         : "submit again under a new external_id with a longer wait";
-    case "too_many_instances":
-      return `template ${String(d.template)} has its max_instances of ${String(d.max_instances)} already`;
+    case "too_many_instances": {
+      const idle = d.idle_instances ?? [];
+      const free = idle.length
+        ? `${idle.join(", ")} hold${idle.length === 1 ? "s" : ""} nothing: delete one (\`permitq semaphore delete ${idle[0]}\`)`
+        : "once one is idle, delete it (`permitq semaphore delete NAME`)";
+      const raise = d.parent_needs
+        ? `or raise the bound once ${String(d.parent)} has capacity ${d.parent_needs}`
+        : "or raise the bound (`--max-instances`)";
+      return `template ${String(d.template)} has its max_instances of ${String(d.max_instances)} already (\`permitq semaphore show '${String(d.template)}'\` lists them); ${free}, ${raise}; then submit again under a new external_id`;
+    }
     default:
       return String(d.problem ?? code);
   }

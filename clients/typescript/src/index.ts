@@ -372,10 +372,10 @@ export class Client {
   /** `; nothing is granting: ...` when no worker runs, else empty. */
   private async nothingGranting(): Promise<string> {
     const rows = await this.query(SQL.granting, []);
-    const row = rows[0] as { live_workers: number; seen_ago: number | null } | undefined;
+    const row = rows[0] as { live_workers: number; seen_ago: number | null; database: string } | undefined;
     if (!row || row.live_workers > 0) return "";
     const since = row.seen_ago == null ? "in the last hour" : `for ${Math.round(row.seen_ago)}s`;
-    return `; nothing is granting: no worker seen ${since}; start one with \`permitq worker\` (if you started one, it has exited: its log says why)`;
+    return `; nothing is granting: no worker seen ${since}; start one with \`permitq worker\` (if you started one, it has exited, or it works on another database than ${row.database}: its log says why, and its \`worker started\` line names its database)`;
   }
 
   /**

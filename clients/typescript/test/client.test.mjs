@@ -186,6 +186,16 @@ describe("permitq client", () => {
     const typo = await client.acquire(newId("typo"), { [`${sem}x`]: 1 }).catch((e) => e);
     assert.ok(typo instanceof permitq.UnknownSemaphore, String(typo));
     assert.ok(typo.errorDetail.similar.includes(sem));
+    // A template at its bound: the idle instance to delete is named.
+    const lab = newId("lab");
+    await admin.setCapacity(`${lab}-*`, 1, { maxInstances: 1 });
+    await permitq.withLease(client, newId("inst"), { [`${lab}-1`]: 1 }, {}, async () => {});
+    const over = await client.acquire(newId("inst"), { [`${lab}-2`]: 1 }).catch((e) => e);
+    assert.ok(over instanceof permitq.TooManyInstances, String(over));
+    assert.ok(
+      over.message.includes(`${lab}-1 holds nothing: delete one (\`permitq semaphore delete ${lab}-1\`)`),
+      over.message,
+    );
     // Refused by the server, naming its field.
     const bad = await client.submit(newId("bad"), { [sem]: 1 }, { ttlSeconds: 0 }).catch((e) => e);
     assert.ok(bad instanceof permitq.InvalidInput, String(bad));

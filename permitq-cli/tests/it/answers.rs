@@ -445,7 +445,11 @@ async fn too_many_instances_names_the_template_and_its_bound_also_in_json() {
     assert!(
         stdout(&o).starts_with(
             "lab-5 error too_many_instances: lab-5 would be a new instance of template lab-*, \
-             which has its max_instances of 4 already"
+             which has its max_instances of 4 already (`permitq semaphore show 'lab-*'` lists \
+             them); each holds permits or has waiters: once one is idle, delete it (`permitq \
+             semaphore delete NAME`) or the workers remove an instance idle for \
+             --idle-instance-after (1h by default); or raise the bound (`permitq semaphore set \
+             'lab-*' 1 --max-instances 5`); then submit again under a new external_id"
         ),
         "{}",
         stdout(&o)
@@ -453,10 +457,8 @@ async fn too_many_instances_names_the_template_and_its_bound_also_in_json() {
     let o = run(url, &["status", "lab-5", "--json"]).await;
     assert_eq!(
         json(&o)["error_detail"],
-        serde_json::json!({ "semaphore": "lab-5", "template": "lab-*", "max_instances": 4 })
+        serde_json::json!({ "semaphore": "lab-5", "template": "lab-*", "capacity": 1, "max_instances": 4 })
     );
-    assert!(stdout(&run(url, &["status", "lab-5"]).await)
-        .contains("the workers remove an instance idle for --idle-instance-after (1h by default)"));
     // The bound and how many it has, where the template is shown.
     let o = run(url, &["semaphore", "show", "lab-*"]).await;
     assert!(
@@ -465,6 +467,24 @@ async fn too_many_instances_names_the_template_and_its_bound_also_in_json() {
         "{}",
         stdout(&o)
     );
+    // An instance that holds nothing is named, and the command it gives frees a place.
+    assert_eq!(code(&run(url, &["release", "lab-2"]).await), 0);
+    let o = run(url, &["submit", "lab-6", "lab-6=1", "--await", "10s"]).await;
+    assert!(
+        stdout(&o).contains(
+            "lab-2 holds nothing: delete one (`permitq semaphore delete lab-2`), or let the \
+             workers remove an instance idle for --idle-instance-after (1h by default)"
+        ),
+        "{}",
+        stdout(&o)
+    );
+    assert!(stdout(&run(url, &["status", "lab-6"]).await).contains("lab-2 holds nothing"));
+    wait_until(SOON, "lab-2 deleted once its release is folded", || async {
+        code(&run(url, &["semaphore", "delete", "lab-2"]).await) == 0
+    })
+    .await;
+    let o = run(url, &["submit", "lab-7", "lab-7=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
     // Nested and guaranteed: raising the bound must fit the parent, and the answer says so.
     run(url, &["semaphore", "set", "gpus", "4"]).await;
     run(
@@ -492,8 +512,9 @@ async fn too_many_instances_names_the_template_and_its_bound_also_in_json() {
     assert_eq!(code(&o), 3);
     assert!(
         stdout(&o).contains(
-            "each instance is guaranteed 2 of gpus, so N × 2 must fit in gpus's capacity beside \
-             its other children's guarantees"
+            "or raise the bound: each instance is guaranteed 2 of gpus, so gpus needs capacity 6 \
+             first (`permitq semaphore set gpus 6`), then `permitq semaphore set 'glab-*' 2 \
+             --max-instances 3`; then submit"
         ),
         "{}",
         stdout(&o)
@@ -510,6 +531,14 @@ async fn too_many_instances_names_the_template_and_its_bound_also_in_json() {
         "{}",
         stderr(&o)
     );
+    // The two commands the answer gave, in its order, are accepted.
+    assert_eq!(code(&run(url, &["semaphore", "set", "gpus", "6"]).await), 0);
+    let o = run(
+        url,
+        &["semaphore", "set", "glab-*", "2", "--max-instances", "3"],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
     worker.stop().await;
 }
 
@@ -891,7 +920,11 @@ async fn once_the_last_worker_stops_explain_and_semaphore_show_say_nothing_is_gr
     let first_out = db.worker(quiet_config("first-out"));
     let worker = db.worker(quiet_config("only-worker"));
     run(url, &["semaphore", "set", "nw", "1"]).await;
-    let o = run(url, &["submit", "held", "nw=1", "--await", "10s"]).await;
+    let o = run(
+        url,
+        &["submit", "held", "nw=1", "--ttl", "5m", "--await", "10s"],
+    )
+    .await;
     assert_eq!(code(&o), 0, "{}", stdout(&o));
     run(url, &["submit", "nw-2", "nw=1"]).await;
     // Two running: each counted once.
@@ -921,15 +954,37 @@ async fn once_the_last_worker_stops_explain_and_semaphore_show_say_nothing_is_gr
     );
     worker.stop().await;
 
+    // Each answer names the database it looked in: a worker started on another is not seen.
+    let elsewhere = format!("or it works on another database than {}", db.name);
     for args in [&["explain", "nw-2"][..], &["semaphore", "show", "nw"]] {
         let o = run(url, args).await;
         assert!(
             stdout(&o).contains("nothing is granting: no worker seen for ")
-                && stdout(&o).contains("start one with `permitq worker`"),
+                && stdout(&o).contains("start one with `permitq worker`")
+                && stdout(&o).contains(&elsewhere),
             "{args:?}: {}",
             stdout(&o)
         );
     }
+    // The holder's lease runs out unswept (shortened now that no worker sweeps): explain says
+    // so as the holders table does, and gives no estimate while nothing grants.
+    assert_eq!(
+        code(&run(url, &["heartbeat", "held", "--extend", "1s"]).await),
+        0
+    );
+    wait_until(SOON, "explain says the holder's lease ran out", || async {
+        let text = stdout(&run(url, &["explain", "nw-2"]).await);
+        text.contains("held by held (1 for ") && text.contains("lease ran out ")
+    })
+    .await;
+    let text = stdout(&run(url, &["explain", "nw-2"]).await);
+    assert!(
+        text.contains("  no estimated wait: nothing grants it until a worker runs")
+            && !text.contains("estimated wait: about")
+            && !text.contains("lease ends"),
+        "{text}"
+    );
+    assert!(stdout(&run(url, &["semaphore", "show", "nw"]).await).contains("ran out "));
     let o = run(url, &["semaphore", "show", "nw", "--json"]).await;
     let show = json(&o);
     assert_eq!(show["granting"]["live_workers"], 0, "{show}");

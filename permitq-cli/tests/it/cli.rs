@@ -245,7 +245,22 @@ async fn a_database_without_the_schema_says_run_migrate_and_migrate_is_idempoten
     );
     let again = run(&db.url, &["migrate"]).await;
     assert_eq!(code(&again), 0);
-    assert!(stdout(&again).contains("up to date"));
+    // It names the database it looked at: a URL naming another one would be seen here.
+    assert!(
+        stdout(&again).contains(&format!("schema is up to date in database {} at ", db.name)),
+        "{}",
+        stdout(&again)
+    );
+    let first = if stdout(&a).contains("applied") {
+        &a
+    } else {
+        &b
+    };
+    assert!(
+        stdout(first).starts_with(&format!("migrated database {} at ", db.name)),
+        "{}",
+        stdout(first)
+    );
     let versions: i64 = conn
         .query_one("SELECT count(*) FROM permitq.schema_migration", &[])
         .await

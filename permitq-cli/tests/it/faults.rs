@@ -365,8 +365,9 @@ async fn a_database_outage_is_logged_once_when_it_starts_and_once_when_it_ends()
         .spawn()
         .unwrap();
     let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    // Its first line names where it works: a worker on another database is told apart.
     wait_until(SOON, "the worker started", || async {
-        read_log().contains("worker started")
+        read_log().contains("worker started on database postgres at ")
     })
     .await;
     let pg_ref = &pg;

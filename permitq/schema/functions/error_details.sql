@@ -2,7 +2,8 @@
 -- types::ErrorDetail). The decision (src/decision.rs, `failure_detail`) names the semaphore, the
 -- count and the bound it saw; the worker's apply adds what only the database knows:
 --   unknown_semaphore: `similar`, the existing names nearest the one not found;
---   too_many_instances: `template` and its `max_instances`.
+--   too_many_instances: `template`, its `capacity` and `max_instances`, its instances holding
+--   nothing (`idle_instances`), and `parent_needs` when one more would not fit its parent.
 
 -- Up to 3 existing semaphore or template names nearest `semaphore_name`, nearest first: the same
 -- name in another case, then names that contain it or that it contains, then those sharing most
@@ -81,8 +82,9 @@ $$;
 
 -- A failed request's detail, completed: `detail` as the decision gave it, plus `similar` for
 -- unknown_semaphore, `per` (the window) for a rate-limited semaphore's no_capacity and
--- exceeds_capacity (and `template` for an instance's), and `template` / `max_instances` (and its `parent` and `guarantee`, when
--- nested) for too_many_instances.
+-- exceeds_capacity (and `template` for an instance's), and for too_many_instances the template's
+-- `capacity` and `max_instances`, `idle_instances`, and its `parent`, `guarantee` and
+-- `parent_needs` when nested.
 CREATE OR REPLACE FUNCTION permitq.completed_error_detail(code text, detail jsonb) RETURNS jsonb
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -104,11 +106,29 @@ BEGIN
     ELSIF code = 'too_many_instances' AND detail ? 'semaphore' THEN
         template := permitq.template_for(detail ->> 'semaphore');
         IF template.name IS NOT NULL THEN
+            -- What to do about it: the instances holding nothing (a delete frees a place), and
+            -- what the parent would need for one more guaranteed instance. Released permits not folded
+            -- yet count as free (the delete waits for the fold).
             RETURN detail || jsonb_strip_nulls(jsonb_build_object(
                 'template', template.name,
+                'capacity', template.capacity,
                 'max_instances', coalesce(template.max_instances, permitq.rule_max_instances()),
                 'parent', template.parent,
-                'guarantee', nullif(template.guarantee, 0)));
+                'guarantee', nullif(template.guarantee, 0),
+                'idle_instances', (SELECT nullif(jsonb_agg(i.name ORDER BY i.name), '[]')
+                                   FROM (SELECT i.name FROM permitq.semaphore i
+                                         WHERE i.template = template.name
+                                           AND i.used <= coalesce((SELECT sum(p.count)
+                                                                   FROM permitq.pending_release p
+                                                                   WHERE p.semaphore = i.name), 0)
+                                           AND NOT EXISTS (SELECT 1 FROM permitq.waiter w
+                                                           WHERE w.semaphore_id = i.id)
+                                         ORDER BY i.name LIMIT 3) i),
+                'parent_needs', (SELECT permitq.promised_to_children(p.name) + template.guarantee
+                                 FROM permitq.semaphore p
+                                 WHERE p.name = template.parent AND template.guarantee > 0
+                                   AND permitq.promised_to_children(p.name) + template.guarantee
+                                       > p.capacity)));
         END IF;
     END IF;
     RETURN detail;

@@ -47,6 +47,21 @@ LANGUAGE sql STABLE AS $$
     ORDER BY min(a.depth), a.ancestor
 $$;
 
+-- What `parent` promises its children: the sum of their guarantees, a template's once per
+-- instance it may make or has made (a lowered bound leaves instances beyond it until the idle
+-- sweep removes them). At most its capacity (checked by set_capacity's nesting check below);
+-- also what a too_many_instances answer counts with (functions/error_details.sql).
+CREATE OR REPLACE FUNCTION permitq.promised_to_children(parent text) RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(sum(CASE WHEN c.is_template
+                             THEN c.guarantee::bigint * greatest(
+                                      coalesce(c.max_instances, permitq.rule_max_instances()),
+                                      (SELECT count(*) FROM permitq.semaphore i WHERE i.template = c.name))
+                             ELSE c.guarantee END), 0)::bigint
+    FROM permitq.semaphore c
+    WHERE c.parent = promised_to_children.parent AND c.guarantee > 0 AND c.template IS NULL
+$$;
+
 -- The semaphores a batch naming `names` locks: those and their ancestors, every one once.
 -- Cheap when nothing is nested (the partial index semaphore_parent_idx is empty). The
 -- guaranteed children of these are read, not locked (functions/batch_semaphores.sql).
@@ -123,16 +138,7 @@ BEGIN
     END IF;
     -- What the parent promises its children, and what `s` promises its own.
     FOR p IN SELECT * FROM permitq.semaphore t WHERE t.name IN (s.parent, s.name) LOOP
-        -- A template's, once per instance it may make or has made (a lowered bound leaves
-        -- instances beyond it until the idle sweep removes them).
-        SELECT coalesce(sum(CASE WHEN c.is_template
-                                 THEN c.guarantee::bigint * greatest(
-                                          coalesce(c.max_instances, permitq.rule_max_instances()),
-                                          (SELECT count(*) FROM permitq.semaphore i WHERE i.template = c.name))
-                                 ELSE c.guarantee END), 0)
-        INTO promised
-        FROM permitq.semaphore c
-        WHERE c.parent = p.name AND c.guarantee > 0 AND c.template IS NULL;
+        promised := permitq.promised_to_children(p.name);
         IF promised > p.capacity THEN
             -- A template's bound is the likely cause (10000 instances unless set): name it.
             SELECT c.name, c.guarantee, coalesce(c.max_instances, permitq.rule_max_instances()) AS max_instances
