@@ -2,7 +2,7 @@
 //! comment each; the SQL API they call is in `schema/`.
 //!
 //! Lock order (see `schema/migrations/V1__baseline.sql`): request rows first, then semaphore rows
-//! in ascending id. [`CLAIM_BATCH`] is step 1 for the worker, [`LOCK_BATCH_SEMAPHORES`] step 2;
+//! in ascending id. [`CLAIM_BATCH`] is step 1 for the worker, [`LOCK_BATCH_AND_HEADS`] step 2;
 //! [`NEXT_BATCH`] runs both, in that order, in one call.
 
 use std::sync::LazyLock;
@@ -140,9 +140,10 @@ pub(crate) const CLAIM_REQUESTS: &str = include_str!("sql/claim_requests.sql");
 /// Worker: settle a request that failed a batch on its own as `error` / `invalid`; returns its
 /// external_id (NULL when it is no longer `new`).
 pub(crate) const SETTLE_INVALID: &str = "SELECT permitq.settle_invalid($1, $2)";
-/// Worker: make the batch's missing template instances, lock its semaphores in id order, fold
-/// pending releases into `used`, and read the semaphores as the decision sees them.
-pub(crate) const LOCK_BATCH_SEMAPHORES: &str = include_str!("sql/lock_batch_semaphores.sql");
+/// Worker, for a batch claimed stepwise: make its missing template instances, lock its
+/// semaphores in id order, fold pending releases into `used`, and read the semaphores as the
+/// decision sees them, then the heads (step 2 of [`NEXT_BATCH`] on its own).
+pub(crate) const LOCK_BATCH_AND_HEADS: &str = include_str!("sql/lock_batch_and_heads.sql");
 /// Worker, when it claimed nothing: fold pending releases (and send their events).
 pub(crate) const FOLD_RELEASES: &str = "SELECT permitq.fold_releases()";
 /// Worker: say whether it is asleep (waiting for a notification), and until when that holds
@@ -184,8 +185,6 @@ pub(crate) const MAY_WORK: &str =
 /// Operators: the workers seen in the last hour, live first.
 pub(crate) const WORKERS: &str = "SELECT worker_id, host, version, pid, started_at, seen_at, live \
      FROM permitq.workers ORDER BY live DESC, worker_id";
-/// Worker: the waiters outside the batch that fair semaphores keep room for.
-pub(crate) const SEMAPHORE_HEADS: &str = include_str!("sql/semaphore_heads.sql");
 /// Worker: write a batch's outcome.
 pub(crate) const APPLY_DECISION: &str = include_str!("sql/apply_decision.sql");
 
@@ -347,7 +346,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("SETTLE_INVALID", SETTLE_INVALID),
         ("NEXT_BATCH", NEXT_BATCH),
         ("CLAIM_BATCH", CLAIM_BATCH),
-        ("LOCK_BATCH_SEMAPHORES", LOCK_BATCH_SEMAPHORES),
+        ("LOCK_BATCH_AND_HEADS", LOCK_BATCH_AND_HEADS),
         ("FOLD_RELEASES", FOLD_RELEASES),
         ("WORKER_SLEEPING", WORKER_SLEEPING),
         ("WORKER_GONE", WORKER_GONE),
@@ -357,7 +356,6 @@ fn all() -> Vec<(&'static str, String)> {
         ("WORK_WAITING", WORK_WAITING),
         ("WAKE_GATE_FREE", WAKE_GATE_FREE),
         ("DELETE_DEAD_WORKERS", DELETE_DEAD_WORKERS),
-        ("SEMAPHORE_HEADS", SEMAPHORE_HEADS),
         ("APPLY_DECISION", APPLY_DECISION),
         ("RELEASE", RELEASE),
         ("REVOKE", REVOKE),

@@ -1,16 +1,56 @@
+-- Worker step 2 for a claimed batch: lock its semaphores and fold their releases
+-- (permitq.lock_batch_semaphores, lock order step 2), then read their heads
+-- (permitq.semaphore_heads). Two statements, in this order, so that in READ COMMITTED the heads
+-- are read with a snapshot taken once the semaphore locks are held (a single statement would
+-- read them as of before the lock waits). The one definition of a batch's semaphores: the keys
+-- of its requests' permits (of those that are JSON objects: any other is `invalid` and names
+-- none), each with the lowest place in line of the batch's requests on it (the heads' bound).
+-- `permits`, `places` and `ids` are the claimed requests', in one order. Rows of kind 's': a
+-- locked semaphore (semaphore_id .. active, as lock_batch_semaphores); 'h': a head (name,
+-- head_request_id, head_count, effective, as semaphore_heads). Called by permitq.next_batch, and
+-- by the worker directly when it claimed stepwise (isolating a failed batch).
+CREATE OR REPLACE FUNCTION permitq.lock_batch_and_heads(permits jsonb[], places bigint[],
+                                                        ids bigint[])
+RETURNS TABLE (kind "char", semaphore_id bigint, name text, capacity integer, used bigint,
+               fair boolean, parent text, guarantee integer, active boolean,
+               head_request_id bigint, head_count integer, effective bigint)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
+SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    names text[];
+    bounds bigint[];
+BEGIN
+    SELECT array_agg(n.name ORDER BY n.name), array_agg(n.bound ORDER BY n.name)
+    INTO names, bounds
+    FROM (SELECT k AS name, min(c.place) AS bound
+          FROM unnest(lock_batch_and_heads.permits, lock_batch_and_heads.places) c(permits, place)
+          CROSS JOIN LATERAL jsonb_object_keys(
+              CASE WHEN jsonb_typeof(c.permits) = 'object' THEN c.permits ELSE '{}' END) k
+          GROUP BY k) n;
+    IF names IS NULL THEN
+        RETURN;
+    END IF;
+
+    RETURN QUERY
+    SELECT 's'::"char", l.id, l.name, l.capacity, l.used, l.fair, l.parent, l.guarantee,
+           l.active, NULL::bigint, NULL::integer, NULL::bigint
+    FROM permitq.lock_batch_semaphores(names) l;
+
+    RETURN QUERY
+    SELECT 'h'::"char", NULL::bigint, h.semaphore, NULL::integer, NULL::bigint, NULL::boolean,
+           NULL::text, NULL::integer, NULL::boolean, h.request_id, h.count, h.effective
+    FROM permitq.semaphore_heads(names, bounds, lock_batch_and_heads.ids) h;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.lock_batch_and_heads(jsonb[], bigint[], bigint[])
+    TO permitq_worker;
+
 -- Worker steps 1 and 2 in one call, one round trip: claim a batch (permitq.claim_batch, lock
--- order step 1), lock its semaphores and fold their releases (permitq.lock_batch_semaphores,
--- lock order step 2), then read their heads (permitq.semaphore_heads). Each is a statement of
--- its own, in this order, so that in READ COMMITTED the heads are read with a snapshot taken
--- once the semaphore locks are held (a single statement would read them as of before the lock
--- waits). The three results come back as one set of rows, told apart by `kind`:
+-- order step 1), then lock its semaphores, fold their releases and read their heads
+-- (permitq.lock_batch_and_heads, lock order step 2). The results come back as one set of rows,
+-- told apart by `kind`:
 --   'r': a claimed request (id .. effective, as claim_batch returns them);
---   's': a locked semaphore (semaphore_id, name .. active, as lock_batch_semaphores);
---   'h': a head (name, head_request_id, head_count, effective, as semaphore_heads).
--- No rows: nothing could be claimed; nothing was locked. The batch's semaphore names are the keys
--- of the claimed requests' permits (of those that are JSON objects: any other is `invalid`, and
--- names none), each with the lowest place in line of the batch's requests on it (the heads'
--- bounds).
+--   's', 'h': a locked semaphore and a head, as lock_batch_and_heads returns them.
+-- No rows: nothing could be claimed; nothing was locked.
 CREATE OR REPLACE FUNCTION permitq.next_batch(cursor bigint, batch_size bigint)
 RETURNS TABLE (kind "char", id bigint, permits jsonb, fail_fast boolean, deadline_passed boolean,
                examined boolean, age_seconds float8, problem text, external_id text,
@@ -29,8 +69,6 @@ DECLARE
     problems text[];
     external_ids text[];
     places bigint[];
-    names text[];
-    bounds bigint[];
 BEGIN
     SELECT array_agg(c.id), array_agg(c.permits), array_agg(c.fail_fast),
            array_agg(c.deadline_passed), array_agg(c.examined), array_agg(c.age_seconds),
@@ -47,29 +85,11 @@ BEGIN
     FROM unnest(ids, permits_of, fail_fast_of, deadline_passed_of, examined_of, ages, problems,
                 external_ids, places) c;
 
-    SELECT array_agg(n.name ORDER BY n.name), array_agg(n.bound ORDER BY n.name)
-    INTO names, bounds
-    FROM (SELECT k AS name, min(c.place) AS bound
-          FROM unnest(permits_of, places) c(permits, place)
-          CROSS JOIN LATERAL jsonb_object_keys(
-              CASE WHEN jsonb_typeof(c.permits) = 'object' THEN c.permits ELSE '{}' END) k
-          GROUP BY k) n;
-    IF names IS NULL THEN
-        RETURN;
-    END IF;
-
     RETURN QUERY
-    SELECT 's'::"char", NULL::bigint, NULL::jsonb, NULL::boolean, NULL::boolean, NULL::boolean,
-           NULL::float8, NULL::text, NULL::text, NULL::bigint,
-           l.id, l.name, l.capacity, l.used, l.fair, l.parent, l.guarantee, l.active,
-           NULL::bigint, NULL::integer
-    FROM permitq.lock_batch_semaphores(names) l;
-
-    RETURN QUERY
-    SELECT 'h'::"char", NULL::bigint, NULL::jsonb, NULL::boolean, NULL::boolean, NULL::boolean,
-           NULL::float8, NULL::text, NULL::text, h.effective,
-           NULL::bigint, h.semaphore, NULL::integer, NULL::bigint, NULL::boolean, NULL::text,
-           NULL::integer, NULL::boolean, h.request_id, h.count
-    FROM permitq.semaphore_heads(names, bounds, ids) h;
+    SELECT l.kind, NULL::bigint, NULL::jsonb, NULL::boolean, NULL::boolean, NULL::boolean,
+           NULL::float8, NULL::text, NULL::text, l.effective,
+           l.semaphore_id, l.name, l.capacity, l.used, l.fair, l.parent, l.guarantee, l.active,
+           l.head_request_id, l.head_count
+    FROM permitq.lock_batch_and_heads(permits_of, places, ids) l;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.next_batch(bigint, bigint) TO permitq_worker;

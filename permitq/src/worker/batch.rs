@@ -284,7 +284,7 @@ impl Worker {
         let mut batch = ClaimedBatch::from_rows(rows)?;
         let semaphores = match semaphores {
             Some(semaphores) => semaphores,
-            None => lock_semaphores_and_heads(conn, &batch).await?,
+            None => lock_semaphores_and_heads(conn, rows).await?,
         };
         // In line: the decision goes first in line first (see decision::Rank).
         batch.candidates.sort_by_key(Candidate::rank);
@@ -360,29 +360,16 @@ async fn next_batch(
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&cursor, &batch_size];
     let (begun, rows) = tokio::join!(conn.batch_execute("BEGIN"), conn.query(&statement, &params));
     begun?;
-    let (mut claimed, mut locked, mut heads) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut claimed, mut locked) = (Vec::new(), LockedBatch::default());
     for row in rows? {
-        match u8::from_ne_bytes(row.try_get::<_, i8>("kind")?.to_ne_bytes()) {
-            b'r' => claimed.push(row),
-            b's' => locked.push(semaphore_view_from_row(&row)?),
-            b'h' => heads.push((
-                row.try_get("name")?,
-                Head {
-                    request_id: row.try_get("head_request_id")?,
-                    count: row.try_get::<_, i32>("head_count")?.into(),
-                    effective: row.try_get("effective")?,
-                },
-            )),
-            other => {
-                return Err(Error::config(format!(
-                    "permitq.next_batch returned a row of kind {other}: is the schema newer than \
-                     this worker?"
-                )))
-            }
+        if row_kind(&row)? == b'r' {
+            claimed.push(row);
+        } else {
+            locked.read(&row, "permitq.next_batch")?;
         }
     }
     claimed.sort_by_key(|row| row.get::<_, i64>("id"));
-    Ok((claimed, with_heads(locked, heads)))
+    Ok((claimed, locked.semaphores()))
 }
 
 /// Step 1, lock order step 1: BEGIN and claim (`FOR UPDATE SKIP LOCKED`), in one round trip.
@@ -471,55 +458,75 @@ impl ClaimedBatch {
             .min()
             .unwrap_or(i64::MAX)
     }
+}
 
-    /// Every semaphore the batch names, once, by name, and beside each the place in line of the
-    /// batch's last request there (the lowest `effective`): only waiting requests ahead of that
-    /// can be heads that matter to the batch.
-    fn semaphores_and_last_places(&self) -> (Vec<&str>, Vec<i64>) {
-        let mut last: BTreeMap<&str, i64> = BTreeMap::new();
-        for c in &self.candidates {
-            for (name, _) in &c.permits {
-                let place = last.entry(name.as_str()).or_insert(c.effective);
-                *place = (*place).min(c.effective);
+/// Step 2 for a batch claimed stepwise, lock order step 2: lock the semaphores that the claimed
+/// `rows` name (and fold), then read the heads, in one call (`permitq.lock_batch_and_heads`, also
+/// step 2 of `permitq.next_batch`); the semaphores as the decision sees them, each with its head.
+async fn lock_semaphores_and_heads(
+    conn: &deadpool_postgres::Object,
+    rows: &[tokio_postgres::Row],
+) -> Result<BTreeMap<String, SemaphoreView>> {
+    let mut permits: Vec<serde_json::Value> = Vec::with_capacity(rows.len());
+    let mut places: Vec<i64> = Vec::with_capacity(rows.len());
+    let mut ids: Vec<i64> = Vec::with_capacity(rows.len());
+    for row in rows {
+        permits.push(row.try_get("permits")?);
+        places.push(row.try_get("effective")?);
+        ids.push(row.try_get("id")?);
+    }
+    let statement = conn.prepare_cached(sql::LOCK_BATCH_AND_HEADS).await?;
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&permits, &places, &ids];
+    let mut locked = LockedBatch::default();
+    for row in conn.query(&statement, &params).await? {
+        locked.read(&row, "permitq.lock_batch_and_heads")?;
+    }
+    Ok(locked.semaphores())
+}
+
+/// The rows of step 2 (`permitq.lock_batch_and_heads`, or `permitq.next_batch`'s rows of the
+/// same kinds): the locked semaphores, and the heads among the waiting requests.
+#[derive(Default)]
+struct LockedBatch {
+    locked: Vec<(String, SemaphoreView)>,
+    heads: Vec<(String, Head)>,
+}
+
+impl LockedBatch {
+    /// Reads one row of kind `s` (a semaphore) or `h` (a head); `from` names the function, for
+    /// the error a row of another kind is.
+    fn read(&mut self, row: &tokio_postgres::Row, from: &str) -> Result<()> {
+        match row_kind(row)? {
+            b's' => self.locked.push(semaphore_view_from_row(row)?),
+            b'h' => self.heads.push((
+                row.try_get("name")?,
+                Head {
+                    request_id: row.try_get("head_request_id")?,
+                    count: row.try_get::<_, i32>("head_count")?.into(),
+                    effective: row.try_get("effective")?,
+                },
+            )),
+            other => {
+                return Err(Error::config(format!(
+                    "{from} returned a row of kind {}: is the schema newer than this worker?",
+                    char::from(other)
+                )))
             }
         }
-        last.into_iter().unzip()
+        Ok(())
+    }
+
+    /// The locked semaphores by name, each with the head first in line among the heads on it.
+    fn semaphores(self) -> BTreeMap<String, SemaphoreView> {
+        with_heads(self.locked, self.heads)
     }
 }
 
-/// Step 2, lock order step 2: lock the batch's semaphores (and fold), then read the heads, in
-/// one round trip; the semaphores as the decision sees them, each with its head.
-async fn lock_semaphores_and_heads(
-    conn: &deadpool_postgres::Object,
-    batch: &ClaimedBatch,
-) -> Result<BTreeMap<String, SemaphoreView>> {
-    let (names, bounds) = batch.semaphores_and_last_places();
-    let batch_ids: Vec<i64> = batch.candidates.iter().map(|c| c.id).collect();
-    let lock = conn.prepare_cached(sql::LOCK_BATCH_SEMAPHORES).await?;
-    let heads = conn.prepare_cached(sql::SEMAPHORE_HEADS).await?;
-    let lock_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&names];
-    let head_params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
-        [&names, &bounds, &batch_ids];
-    let (locked, head_rows) = tokio::join!(
-        conn.query(&lock, &lock_params),
-        conn.query(&heads, &head_params)
-    );
-    let locked = locked?
-        .iter()
-        .map(semaphore_view_from_row)
-        .collect::<Result<Vec<_>>>()?;
-    let mut heads = Vec::new();
-    for row in head_rows? {
-        heads.push((
-            row.try_get("semaphore")?,
-            Head {
-                request_id: row.try_get("request_id")?,
-                count: row.try_get::<_, i32>("count")?.into(),
-                effective: row.try_get("effective")?,
-            },
-        ));
-    }
-    Ok(with_heads(locked, heads))
+/// The `kind` of a row of `permitq.next_batch` or `permitq.lock_batch_and_heads` (a `"char"`).
+fn row_kind(row: &tokio_postgres::Row) -> Result<u8> {
+    Ok(u8::from_ne_bytes(
+        row.try_get::<_, i8>("kind")?.to_ne_bytes(),
+    ))
 }
 
 /// A semaphore as `permitq.lock_batch_semaphores` returns it (`name`, `capacity` .. `active`),

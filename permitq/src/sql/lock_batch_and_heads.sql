@@ -1,0 +1,8 @@
+-- Lock order step 2 for a batch claimed stepwise (see permitq.lock_batch_and_heads in
+-- schema/functions/next_batch.sql): make the batch's missing template instances, lock its
+-- semaphores (with their ancestors) in ascending id, fold the pending releases, then read the
+-- heads. Rows of kind 's' are the semaphores, 'h' the heads. $1 the claimed requests' permits,
+-- $2 their places in line, $3 their ids, in one order.
+SELECT kind, semaphore_id, name, capacity, used, fair, parent, guarantee, active,
+       head_request_id, head_count, effective
+FROM permitq.lock_batch_and_heads($1, $2, $3)
