@@ -143,6 +143,12 @@ BEGIN
         END IF;
 
         reason := CASE
+            -- Not examined yet, on a spent window: the window is what it waits for either way
+            -- (and the estimate below is the window's), so it is named first.
+            WHEN NOT r.examined AND opens_at IS NOT NULL AND shortfall > 0 THEN
+                format('rate limit: its window has room for %s of the %s it needs (%s / %s granted per %s); room opens in %s (not examined by a worker yet: a running worker does within a second or so, and then this shows its place in line)',
+                       free, needs, s.capacity - free, s.capacity, permitq.human_duration(s.per),
+                       permitq.human_duration(greatest(opens_at - now(), interval '0')))
             WHEN NOT r.examined THEN
                 'not examined by a worker yet: a running worker does within a second or so, and then this shows its place in line'
             WHEN within_guarantee THEN
