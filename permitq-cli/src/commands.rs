@@ -384,6 +384,20 @@ async fn wait_for_schema(client: &Client) -> Result<()> {
     }
 }
 
+/// After the submit of a new request: the names it gives that no semaphore or template has
+/// (a worker will fail it with unknown_semaphore), said now, while it can still be fixed.
+/// A failed read says nothing: the request is submitted either way.
+async fn say_names_not_found(client: &Client, external_id: &str) {
+    let Ok(Some(explanation)) = client.explain(external_id).await else {
+        return;
+    };
+    for s in &explanation.semaphores {
+        if s.capacity.is_none() && s.reason.starts_with("no semaphore or template is named") {
+            errln!("permitq: {external_id} is queued, but {}", s.reason);
+        }
+    }
+}
+
 /// No semaphore `name`: the error, with the existing names nearest it (as an
 /// `unknown_semaphore` error names them).
 async fn no_semaphore(client: &Client, name: String) -> CliError {
@@ -696,7 +710,7 @@ fn release_said(outcome: ReleaseOutcome, row: &PermitRequest) -> String {
             let by = match row.release_reason {
                 Some(permitq::ReleaseReason::Expired) => "when its lease ran out",
                 Some(permitq::ReleaseReason::Stale) => "by a worker's --max-hold",
-                Some(permitq::ReleaseReason::Revoked) => "by an operator (revoked)",
+                Some(permitq::ReleaseReason::Revoked) => "by an admin (revoked)",
                 _ => "by its holder",
             };
             format!(
@@ -780,7 +794,11 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
     let mut row = client.submit(&request).await?;
     // A new request is always `new`: one that is not was submitted before under this id.
     let earlier = row.state != State::New && row.state != State::InProgress;
+    if !earlier && row.state == State::New {
+        say_names_not_found(client, &row.external_id).await;
+    }
     let mut code = 0;
+    let mut said_nothing_grants = false;
     if let Some(limit) = args.await_for {
         if !earlier {
             // Say now, not when the await runs out, that nothing will grant it.
@@ -790,6 +808,7 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
                     row.external_id,
                     waiting_for(limit)
                 );
+                said_nothing_grants = true;
             }
         }
         // Ctrl-C (or SIGTERM) while waiting: the caller gave up, so the request must not wait on
@@ -825,7 +844,14 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
         if code == EXIT_STILL_WAITING {
             // Why it still waits, when the answer is that nothing grants.
             if let Some(warning) = client.granting().await?.warning() {
-                errln!("permitq: {} still waits: {warning}", row.external_id);
+                if said_nothing_grants {
+                    errln!(
+                        "permitq: {} still waits: nothing is granting (as said above)",
+                        row.external_id
+                    );
+                } else {
+                    errln!("permitq: {} still waits: {warning}", row.external_id);
+                }
             } else {
                 errln!(
                     "permitq: {} still waits after {}; `permitq explain {}` says why",

@@ -406,7 +406,7 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
                 format!("{}{kept}, short {short}", free_of(free, capacity))
             }
             (Some(free), Some(capacity), _) => format!("{}{kept}", free_of(free, capacity)),
-            _ => "no such semaphore".to_string(),
+            _ => "not there".to_string(),
         };
         let place = match (s.position, s.permits_ahead) {
             (Some(p), Some(a)) => format!(
@@ -468,6 +468,12 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
                      holder may release early, or heartbeat past its lease's end"
                 }
             ));
+        } else if short && !window && !s.holders.is_empty() {
+            lines.push(
+                "  no estimated wait yet: nothing was released here recently to estimate from \
+                 (the holders' leases are above)"
+                    .to_string(),
+            );
         }
     }
     lines

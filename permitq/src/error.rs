@@ -371,6 +371,8 @@ fn role_hint(db: &tokio_postgres::error::DbError) -> String {
         | "raise_token_epoch"
         | "apply_decision"
         | "lock_batch_semaphores"
+        | "lock_batch_and_heads"
+        | "next_batch"
         | "fold_releases"
         | "settle_invalid"
         | "worker_wake"

@@ -354,6 +354,7 @@ impl Worker {
     /// Writes this worker's row of `permitq.worker_seen` every [`SEEN_EVERY`] until `stop`, so
     /// that readers can tell that something is granting (schema/functions/workers.sql).
     async fn say_alive(self, stop: watch::Receiver<bool>) {
+        // Live for 8 s past the last sign of life (what `explain` tells a user, functions/explain.sql).
         let live_for = sql::interval(SEEN_EVERY * 3 + Duration::from_secs(2));
         let host = host_name();
         let version = env!("CARGO_PKG_VERSION").to_string();

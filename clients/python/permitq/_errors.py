@@ -222,6 +222,11 @@ def translated(e: psycopg.Error, info: Any = None) -> PermitqError:
                 f"{message}: the password was given and refused: check it (in the URL, percent-encode "
                 "@ : / # % as %40 %3A %2F %23 %25)"
             )
+        if "database" in message and "does not exist" in message:
+            return LoginRejected(
+                f"{message}: create it (createdb, or CREATE DATABASE as a superuser), or name "
+                "another in the URL, postgres://user@host/db"
+            )
         if any(r in message for r in ("does not exist", "no pg_hba.conf entry")):
             return LoginRejected(
                 f"{message} (check the URL's user and database; a role that exists may still need a "

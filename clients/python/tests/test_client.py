@@ -296,6 +296,13 @@ class SyncClientTest(unittest.TestCase):
             said = str(refused.exception)
             self.assertEqual(said.count('role "no_such_login_here" does not exist'), 1, said)
             self.assertLess(time.monotonic() - started, 4, "not retried until the deadline: retrying cannot help")
+        # A database that does not exist: create it or name another (not pg_hba.conf).
+        nowhere_url = make_conninfo(**{**conninfo_to_dict(URL), "dbname": "no_such_database_here"})
+        with permitq.Client(nowhere_url) as nowhere:
+            with self.assertRaises(permitq.LoginRejected) as refused:
+                nowhere.acquire(new_id("nowhere"), {self.sem: 1}, timeout=5)
+            self.assertIn("create it (createdb", str(refused.exception))
+            self.assertNotIn("pg_hba.conf", str(refused.exception))
 
     def test_a_deadline_cancels_the_request_so_nothing_waits_on(self) -> None:
         holders = [self.client.acquire(new_id("full"), {self.sem: 1}, ttl=30, timeout=15) for _ in range(2)]

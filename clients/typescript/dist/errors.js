@@ -163,7 +163,10 @@ export function translated(e, where) {
     if (code === "28P01") {
         return new LoginRejected(`${message}: the password was given and refused: check it (in the URL, percent-encode @ : / # % as %40 %3A %2F %23 %25)`);
     }
-    if (code === "28000" || code === "3D000") {
+    if (code === "3D000") {
+        return new LoginRejected(`${message}: create it (createdb, or CREATE DATABASE as a superuser), or name another in the URL, postgres://user@host/db`);
+    }
+    if (code === "28000") {
         return new LoginRejected(`${message} (check the URL's user and database; a role that exists may still need a pg_hba.conf entry for this host)`);
     }
     if (/no PostgreSQL user name/i.test(message)) {

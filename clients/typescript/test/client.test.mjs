@@ -277,6 +277,15 @@ describe("permitq client", () => {
     assert.ok(e instanceof permitq.LoginRejected, String(e));
     assert.ok(Date.now() - started < 4000, "not retried until the deadline: retrying cannot help");
     await stranger.end();
+    // A database that does not exist: create it or name another (not pg_hba.conf).
+    const elsewhere = new globalThis.URL(URL);
+    elsewhere.pathname = "/no_such_database_here";
+    const nowhere = new permitq.Client({ connectionString: elsewhere.toString() });
+    const missing = await nowhere.acquire(newId("nowhere"), { [sem]: 1 }, { timeoutMs: 5000 }).catch((err) => err);
+    assert.ok(missing instanceof permitq.LoginRejected, String(missing));
+    assert.match(missing.message, /create it \(createdb/);
+    assert.doesNotMatch(missing.message, /pg_hba/);
+    await nowhere.end();
   });
 
   it("cancels at the deadline or on abort, so nothing waits on", async () => {

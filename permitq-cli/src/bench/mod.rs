@@ -12,6 +12,7 @@ mod clients;
 mod deep;
 mod features;
 mod grant_path;
+mod hostile;
 mod load;
 mod nesting;
 mod targets;
@@ -55,8 +56,8 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 1)]
     pub(crate) repeat: u32,
     /// Only these parts (comma-separated: grant-path, clients, targets (or some of them: hot, priorities,
-    /// depth, rate, templates), hot-cycle, idle, cycle, release, drain, features, nesting, deep);
-    /// all by default.
+    /// depth, rate, templates), hot-cycle, idle, cycle, release, drain, features, nesting, deep,
+    /// hostile); all by default.
     #[arg(long, value_delimiter = ',')]
     pub(crate) only: Vec<String>,
 }
@@ -170,6 +171,9 @@ async fn measure(url: &str, args: &BenchArgs, own_cluster: bool) -> Result<()> {
     }
     if args.runs("deep") && args.deep_rows > 0 {
         deep::run(&url, args, &mut report, &mut summary).await?;
+    }
+    if args.runs("hostile") {
+        hostile::run(&url, &mut report, &mut summary).await?;
     }
     if args.profile {
         profile(&conn, &mut report).await?;

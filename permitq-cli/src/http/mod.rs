@@ -191,8 +191,9 @@ pub(crate) fn access(
     if token.is_none() && !open_without_token {
         tracing::warn!(
             %addr,
-            "no --http-token-file: beyond loopback the status page and /api/* answer 401; \
-             /metrics and the probes are served"
+            "no --http-token-file while listening beyond loopback: the status page and /api/* \
+             answer 401 to every client, loopback ones too (give --http-token-file FILE, or \
+             --http-no-auth behind a proxy that authenticates); /metrics and the probes are served"
         );
     }
     Ok(access::Access::new(

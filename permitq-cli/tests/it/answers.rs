@@ -94,6 +94,28 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
     let url = &db.url;
     let worker = db.worker(quiet_config("w"));
     run(url, &["semaphore", "set", "est", "1"]).await;
+    // No release here yet: no estimate, and it says why.
+    run(url, &["semaphore", "set", "fresh", "1"]).await;
+    let o = run(
+        url,
+        &[
+            "submit", "f-hold", "fresh=1", "--ttl", "60s", "--await", "10s",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    run(url, &["submit", "f-wait", "fresh=1"]).await;
+    wait_until(
+        SOON,
+        "explain has no estimate to give, and says so",
+        || async {
+            stdout(&run(url, &["explain", "f-wait"]).await).contains(
+            "  no estimated wait yet: nothing was released here recently to estimate from (the \
+             holders' leases are above)",
+        )
+        },
+    )
+    .await;
     // Releases here make a rate; then a holder with a long lease, and a request behind it.
     for i in 0..3 {
         let id = format!("e-done-{i}");
@@ -887,7 +909,7 @@ async fn submit_await_says_that_no_worker_is_running() {
     assert_eq!(stdout(&o).trim(), "nw-1 new");
     assert!(
         stderr(&o).contains(
-            "nw-1 still waits: nothing is granting: no worker seen in the last hour; start one \
+            "nw-1 is queued, but nothing is granting: no worker seen in the last hour; start one \
              with `permitq worker`"
         ),
         "{}",
@@ -904,12 +926,43 @@ async fn submit_await_says_that_no_worker_is_running() {
         "{}",
         stderr(&o)
     );
+    // Said once: the end of the wait refers to it.
+    assert_eq!(
+        stderr(&o).matches("no worker seen").count(),
+        1,
+        "{}",
+        stderr(&o)
+    );
+    assert!(
+        stderr(&o).contains("permitq: nw-1 still waits: nothing is granting (as said above)"),
+        "{}",
+        stderr(&o)
+    );
     let o = run(url, &["status", "nw-1"]).await;
     assert_eq!(stdout(&o).trim(), "nw-1 new");
     assert!(
         stderr(&o).starts_with("permitq: nw-1 waits, and nothing is granting: "),
         "{}",
         stderr(&o)
+    );
+    // A name no semaphore or template has is said at the submit, while it can be fixed, with
+    // the nearest names; an instance of a template is not.
+    run(url, &["semaphore", "set", "lab:*", "1"]).await;
+    let o = run(url, &["submit", "nw-typo", "NW=1", "lab:a=1"]).await;
+    assert!(
+        stderr(&o).contains(
+            "permitq: nw-typo is queued, but no semaphore or template is named NW: a worker fails \
+             the request with unknown_semaphore (did you mean nw?); create it (`permitq semaphore \
+             set NW CAPACITY`) before a worker examines it, or submit again under a new external_id"
+        ) && !stderr(&o).contains("named lab:a"),
+        "{}",
+        stderr(&o)
+    );
+    let text = stdout(&run(url, &["explain", "nw-typo"]).await);
+    assert!(
+        text.contains("lab:a: needs 1, not there")
+            && text.contains("not made yet: a worker makes it from template lab:* at the grant"),
+        "{text}"
     );
 }
 
@@ -1273,13 +1326,39 @@ async fn a_guaranteed_template_without_a_bound_is_told_to_set_max_instances() {
         stderr(&o).contains(
             "template t:* guarantees 1 to each of up to 10000 instances (its max_instances, by \
              default); bound them: `permitq semaphore set 't:*' CAPACITY --guarantee 1 \
-             --max-instances N` with N × 1 fitting in gpus"
+             --max-instances N` with N at most 8 (its other children's guarantees leave 8 of \
+             gpus)"
         ) && !stderr(&o).contains("or raise gpus"),
         "{}",
         stderr(&o)
     );
     let o = run(url, &[&guaranteed[..], &["--max-instances", "8"]].concat()).await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
+    // Nothing left for another guaranteed template: no N fits, and the answer says what to raise.
+    let o = run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "u:*",
+            "6",
+            "--parent",
+            "gpus",
+            "--guarantee",
+            "3",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "its other children's guarantees leave 0 of gpus, less than one instance's 3: raise \
+             gpus first (to 8 + N × 3 for N instances: `permitq semaphore set gpus 11` for one), \
+             or lower a guarantee"
+        ),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

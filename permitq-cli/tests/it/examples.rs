@@ -468,7 +468,8 @@ async fn the_python_example_submits_waits_heartbeats_and_releases() {
     let client = db.client().await;
     let id = stdout
         .lines()
-        .find_map(|l| l.strip_prefix("submitted "))
+        .find_map(|l| l.strip_prefix("acquiring as "))
+        .and_then(|rest| rest.split(':').next())
         .unwrap()
         .to_string();
     let row = client.status(&id).await.unwrap().unwrap();

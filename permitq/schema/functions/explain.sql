@@ -48,7 +48,15 @@ BEGIN
     request := r.external_id;
     state := r.state::text;
     IF r.state NOT IN ('new', 'in_progress') THEN
-        outcome := concat_ws(' ', r.state, r.error_code, r.release_reason);
+        -- In words, as `permitq status` says it: `error exceeds_capacity`, `released (by its
+        -- holder)`, `acquired`.
+        outcome := concat_ws(' ', r.state, r.error_code,
+                             CASE r.release_reason
+                                 WHEN 'released' THEN '(by its holder)'
+                                 WHEN 'expired' THEN '(expired: its lease ran out)'
+                                 WHEN 'revoked' THEN '(revoked by an admin)'
+                                 WHEN 'stale' THEN '(stale: held past the workers'' --max-hold)'
+                                 ELSE '(' || r.release_reason || ')' END);
         RETURN NEXT;
         RETURN;
     END IF;
@@ -63,8 +71,19 @@ BEGIN
         within_guarantee := false;
         SELECT * INTO s FROM permitq.semaphore sem WHERE sem.name = named.name;
         IF NOT FOUND THEN
-            reason := 'no such semaphore: a template makes it at the grant, else the request '
-                      'fails with unknown_semaphore';
+            reason := CASE
+                WHEN (permitq.template_for(named.name)).name IS NOT NULL THEN
+                    format('not made yet: a worker makes it from template %s at the grant',
+                           (permitq.template_for(named.name)).name)
+                ELSE format('no semaphore or template is named %s: a worker fails the request '
+                            'with unknown_semaphore%s; create it (`permitq semaphore set %s '
+                            'CAPACITY`) before a worker examines it, or submit again under a new '
+                            'external_id',
+                            named.name,
+                            coalesce(' (did you mean ' || nullif(array_to_string(
+                                permitq.similar_semaphore_names(named.name), ' or '), '') || '?)',
+                                     ''),
+                            named.name) END;
             RETURN NEXT;
             CONTINUE;
         END IF;
@@ -150,7 +169,7 @@ BEGIN
                        free, needs, s.capacity - free, s.capacity, permitq.human_duration(s.per),
                        permitq.human_duration(greatest(opens_at - now(), interval '0')))
             WHEN NOT r.examined THEN
-                'not examined by a worker yet: a running worker does within a second or so, and then this shows its place in line'
+                'not examined by a worker yet: a running worker does within a second or so, and then this shows its place in line (a worker that died counts as running until its last sign of life runs out, up to 8s; then this says that nothing is granting)'
             WHEN within_guarantee THEN
                 CASE WHEN shortfall > 0
                      THEN format('parent: within the guarantee of %s (%s), waits for %s more %s to be released',

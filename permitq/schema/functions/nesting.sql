@@ -84,6 +84,7 @@ DECLARE
     below integer;
     cyclic boolean := false;
     promised bigint;
+    left_over bigint;
     biggest record;
     used_now bigint;
     waiting_now bigint;
@@ -148,15 +149,24 @@ BEGIN
             ORDER BY c.guarantee::bigint * coalesce(c.max_instances, permitq.rule_max_instances()) DESC
             LIMIT 1;
             IF biggest.name IS NOT NULL THEN
-                -- Raising the parent is offered only for a bound someone set: for the default
-                -- one it would mean a capacity in the tens of thousands.
-                RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: template %s guarantees %s to each of up to %s instances (its max_instances%s); bound them: `permitq semaphore set ''%s'' CAPACITY --guarantee %s --max-instances N` with N × %s fitting in %s beside its other children''s guarantees%s',
+                -- What the others leave it: the bound to set, or (none left) the parent to raise
+                -- first. Raising the parent to the whole sum is offered only for a bound someone
+                -- set: for the default one it would mean a capacity in the tens of thousands.
+                left_over := p.capacity - (promised - biggest.guarantee::bigint * biggest.max_instances);
+                RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: template %s guarantees %s to each of up to %s instances (its max_instances%s); %s',
                               p.name, promised, p.capacity, biggest.name, biggest.guarantee,
                               biggest.max_instances,
                               CASE WHEN biggest.max_instances = permitq.rule_max_instances() THEN ', by default' ELSE '' END,
-                              biggest.name, biggest.guarantee, biggest.guarantee, p.name,
-                              CASE WHEN biggest.max_instances = permitq.rule_max_instances() THEN ''
-                                   ELSE format(', or raise %s (`permitq semaphore set %s %s`)', p.name, p.name, promised) END);
+                              CASE WHEN left_over >= biggest.guarantee
+                                   THEN format('bound them: `permitq semaphore set ''%s'' CAPACITY --guarantee %s --max-instances N` with N at most %s (its other children''s guarantees leave %s of %s)%s',
+                                               biggest.name, biggest.guarantee, left_over / biggest.guarantee,
+                                               left_over, p.name,
+                                               CASE WHEN biggest.max_instances = permitq.rule_max_instances() THEN ''
+                                                    ELSE format(', or raise %s (`permitq semaphore set %s %s`)', p.name, p.name, promised) END)
+                                   ELSE format('its other children''s guarantees leave %s of %s, less than one instance''s %s: raise %s first (to %s for N instances: `permitq semaphore set %s %s` for one), or lower a guarantee',
+                                               greatest(left_over, 0), p.name, biggest.guarantee, p.name,
+                                               format('%s + N × %s', p.capacity - greatest(left_over, 0), biggest.guarantee),
+                                               p.name, p.capacity - greatest(left_over, 0) + biggest.guarantee) END);
             END IF;
             RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: raise it (`permitq semaphore set %s %s`), or lower a guarantee',
                           p.name, promised, p.capacity, p.name, promised);

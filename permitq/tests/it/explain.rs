@@ -112,6 +112,15 @@ async fn explain_names_what_is_short_the_place_in_line_the_holders_and_the_rule(
     assert!(gpu.estimated_wait.is_some(), "{gpu:?}");
 
     assert!(client.explain("nobody").await.unwrap().is_none());
+    // From SQL, a settled request's outcome is in words, as `permitq status` says it.
+    let outcome: String = db
+        .conn()
+        .await
+        .query_one("SELECT outcome FROM permitq.explain('holder')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(outcome, "released (by its holder)");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
