@@ -385,16 +385,12 @@ async fn wait_for_schema(client: &Client) -> Result<()> {
 }
 
 /// After the submit of a new request: the names it gives that no semaphore or template has
-/// (a worker will fail it with unknown_semaphore), said now, while it can still be fixed.
+/// (a worker will fail it with unknown_semaphore), said now, while they can still be created.
 /// A failed read says nothing: the request is submitted either way.
-async fn say_names_not_found(client: &Client, external_id: &str) {
-    let Ok(Some(explanation)) = client.explain(external_id).await else {
-        return;
-    };
-    for s in &explanation.semaphores {
-        if s.capacity.is_none() && s.reason.starts_with("no semaphore or template is named") {
-            errln!("permitq: {external_id} is queued, but {}", s.reason);
-        }
+async fn say_names_not_found(client: &Client, row: &permitq::PermitRequest) {
+    let names: Vec<&str> = row.permits.keys().map(String::as_str).collect();
+    for answer in client.unknown_names(&names).await.unwrap_or_default() {
+        errln!("permitq: {} is queued, but {answer}", row.external_id);
     }
 }
 
@@ -795,7 +791,7 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
     // A new request is always `new`: one that is not was submitted before under this id.
     let earlier = row.state != State::New && row.state != State::InProgress;
     if !earlier && row.state == State::New {
-        say_names_not_found(client, &row.external_id).await;
+        say_names_not_found(client, &row).await;
     }
     let mut code = 0;
     let mut said_nothing_grants = false;

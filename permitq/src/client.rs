@@ -572,6 +572,19 @@ impl Client {
             .get(0))
     }
 
+    /// For each of `names` that no semaphore or template has, what to tell the user: a worker
+    /// will fail a request naming it with `unknown_semaphore`; the nearest names; how to create
+    /// it. Empty when every name exists (or is an instance a template makes).
+    pub async fn unknown_names(&self, names: &[&str]) -> Result<Vec<String>> {
+        let conn = self.conn().await?;
+        Ok(conn
+            .query_typed(sql::UNKNOWN_NAMES, &[(&names, Type::TEXT_ARRAY)])
+            .await?
+            .iter()
+            .map(|row| row.get(0))
+            .collect())
+    }
+
     /// Whether this login reads every producer's requests (an operator, worker or admin, or a
     /// superuser), or only those it submitted.
     pub async fn reads_every_request(&self) -> Result<bool> {

@@ -89,6 +89,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "semaphore_delete",
         sql: include_str!("../schema/migrations/V10__semaphore_delete.sql"),
     },
+    Migration {
+        version: 11,
+        name: "waiter_place",
+        sql: include_str!("../schema/migrations/V11__waiter_place.sql"),
+    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.

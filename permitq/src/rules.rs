@@ -159,8 +159,8 @@ pub(crate) fn schema_sql() -> String {
     }
     // The place in line (schema/functions/queue_order.sql): SQL, so that queries inline it, and
     // immutable (the epoch of a difference of two timestamptz does not depend on the time zone),
-    // so that the unexamined requests are indexed by it. A change of AGING_STEP needs a migration
-    // that rebuilds permit_request_unexamined_place_idx.
+    // so that the unexamined requests and the waiters are indexed by it. A change of AGING_STEP
+    // needs a migration that rebuilds permit_request_unexamined_place_idx and waiter_place_idx.
     let _ = writeln!(
         sql,
         "CREATE OR REPLACE FUNCTION permitq.rule_place_in_line(priority smallint, created_at timestamptz)\n\

@@ -260,6 +260,9 @@ pub(crate) const LIST_SEMAPHORES: &str = concat!(
     " FROM permitq.semaphore ORDER BY name"
 );
 /// The existing semaphore or template names nearest $1, nearest first (at most 3).
+/// Producers and the CLI: what to say of each of $1 (names) that no semaphore or template has.
+pub(crate) const UNKNOWN_NAMES: &str = "SELECT a FROM unnest($1::text[]) n, \
+     permitq.unknown_name_answer(n) a WHERE a IS NOT NULL";
 pub(crate) const SIMILAR_SEMAPHORES: &str = "SELECT permitq.similar_semaphore_names($1)";
 /// Whether this login reads every producer's requests (functions/ownership.sql).
 pub(crate) const READS_EVERY_REQUEST: &str = "SELECT permitq.reads_every_request()";
@@ -367,6 +370,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("NEXT_WINDOW_OPENING", NEXT_WINDOW_OPENING),
         ("CAPACITY_HISTORY", CAPACITY_HISTORY),
         ("SIMILAR_SEMAPHORES", SIMILAR_SEMAPHORES),
+        ("UNKNOWN_NAMES", UNKNOWN_NAMES),
         ("MAY_WORK", MAY_WORK),
         ("FENCE", FENCE),
         ("TAKE_TURN", TAKE_TURN),

@@ -12,12 +12,13 @@
 --          not waited for). In place order, a backlog of mixed priorities is examined in the
 --          order it is granted in, and nothing unclaimed is ahead of the batch but what other
 --          workers hold (functions/heads.sql);
---   ready: the first waiters of every priority level of each semaphore that has waiters and room
---          now (found per semaphore that has waiters, however many semaphores there are)
---          (permitq.free_room, functions/rate_windows.sql, and no more than its ancestors have), at most
---          min(batch_size, free) per level, whose count there fits; and a first waiter whose count
---          the capacity no longer covers (it fails as exceeds_capacity). A full semaphore
---          contributes one look per priority level, however many wait on it.
+--   ready: the first waiters in line of each semaphore that has waiters and room now (found
+--          per semaphore that has waiters, however many semaphores there are)
+--          (permitq.free_room, functions/rate_windows.sql, and no more than its ancestors have):
+--          of its first batch_size, those whose count there fits, at most min(batch_size, free);
+--          and up to batch_size waiters whose count the capacity no longer covers (they fail as
+--          exceeds_capacity). Work per semaphore with waiters is at most 2 × batch_size waiters
+--          read, however long its line and however many priority levels it has.
 -- The caller sorts the rows.
 -- Planned once (plan_cache_mode = force_generic_plan, as every entry point of the grant path):
 -- PL/pgSQL otherwise kept making a custom plan of `ready` on every call while any request waited,
@@ -59,24 +60,42 @@ BEGIN
         FROM permitq.waited_semaphores() AS waited(id)
         JOIN permitq.semaphore s ON s.id = waited.id
     )
-    SELECT array_agg(DISTINCT w.request_id) INTO ready
-    FROM room
-    -- Every priority level of its queue, and the first waiters of each (the decision puts them
-    -- in line).
-    CROSS JOIN LATERAL permitq.waiter_levels(room.id) AS level(priority)
-    CROSS JOIN LATERAL (
-        SELECT wt.request_id, wt.count FROM permitq.waiter wt
-        WHERE wt.semaphore_id = room.id AND wt.priority = level.priority
-        ORDER BY wt.semaphore_id, wt.priority DESC, wt.created_at, wt.request_id -- waiter_line_idx
-        -- Each grant takes at least one permit: no more than `free` of them can go now (and
-        -- the first, to see whether it can ever fit).
-        LIMIT greatest(least(batch_size, room.free), 1)
-    ) w
-    WHERE room.free > 0 AND w.count <= room.free
-       -- A waiter whose count its semaphore's capacity no longer covers (lowered while it
-       -- waited) is decided: it fails as exceeds_capacity, as it would have at its submit,
-       -- instead of keeping a fair line's room for ever.
-       OR w.count > room.capacity;
+    SELECT array_agg(DISTINCT x.request_id) INTO ready
+    FROM (
+        -- The first of its line (waiter_place_idx, in line order), at most batch_size looked
+        -- at, of which those whose count fits, no more than `free` of them (each grant takes at
+        -- least one permit): the decision puts them in line.
+        SELECT fit.request_id
+        FROM room
+        CROSS JOIN LATERAL (
+            SELECT w.request_id
+            FROM (SELECT wt.request_id, wt.count, wt.priority, wt.created_at
+                  FROM permitq.waiter wt
+                  -- A full one is not read at all (a one-time filter).
+                  WHERE wt.semaphore_id = room.id AND room.free > 0
+                  ORDER BY wt.semaphore_id,
+                           permitq.rule_place_in_line(wt.priority, wt.created_at) DESC,
+                           wt.request_id -- waiter_place_idx
+                  LIMIT batch_size) w
+            WHERE room.free > 0 AND w.count <= room.free
+            ORDER BY permitq.rule_place_in_line(w.priority, w.created_at) DESC, w.request_id
+            LIMIT least(batch_size, room.free)
+        ) fit
+        UNION ALL
+        -- A waiter whose count its semaphore's capacity no longer covers (lowered while it
+        -- waited) is decided: it fails as exceeds_capacity, as it would have at its submit,
+        -- instead of keeping a fair line's room for ever. Found by count (waiter_count_idx),
+        -- room or not: one index read per semaphore with waiters, empty unless the capacity
+        -- was lowered below a waiter's count.
+        SELECT big.request_id
+        FROM room
+        CROSS JOIN LATERAL (
+            SELECT wt.request_id FROM permitq.waiter wt
+            WHERE wt.semaphore_id = room.id AND wt.count > room.capacity
+            ORDER BY wt.semaphore_id, wt.count DESC -- waiter_count_idx
+            LIMIT batch_size
+        ) big
+    ) x;
     IF ready IS NULL THEN
         RETURN;
     END IF;

@@ -47,6 +47,25 @@ $$;
 GRANT EXECUTE ON FUNCTION permitq.similar_semaphore_names(text)
     TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
 
+-- What to tell whoever submitted a request naming `semaphore_name` when no semaphore or template
+-- has that name (a worker will fail it with unknown_semaphore), with the nearest names; NULL when
+-- one has it (an instance is made by its template at the grant). Said by `permitq explain` and
+-- by `permitq submit` at once, while the name can still be created.
+CREATE OR REPLACE FUNCTION permitq.unknown_name_answer(semaphore_name text) RETURNS text
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT format('no semaphore or template is named %s: a worker fails the request with '
+                  'unknown_semaphore%s; create it (`permitq semaphore set %s CAPACITY`) before a '
+                  'worker examines it, or submit again under a new external_id',
+                  semaphore_name,
+                  coalesce(' (did you mean ' || nullif(array_to_string(
+                      permitq.similar_semaphore_names(semaphore_name), ' or '), '') || '?)', ''),
+                  semaphore_name)
+    WHERE NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = semaphore_name)
+      AND (permitq.template_for(semaphore_name)).name IS NULL
+$$;
+GRANT EXECUTE ON FUNCTION permitq.unknown_name_answer(text)
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
+
 -- A duration as `semaphore show` writes it: `250ms`, `8.9s`, `1m`, `1h30m`, `2d`.
 CREATE OR REPLACE FUNCTION permitq.human_duration(d interval) RETURNS text
 LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$

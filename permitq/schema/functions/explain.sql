@@ -75,15 +75,7 @@ BEGIN
                 WHEN (permitq.template_for(named.name)).name IS NOT NULL THEN
                     format('not made yet: a worker makes it from template %s at the grant',
                            (permitq.template_for(named.name)).name)
-                ELSE format('no semaphore or template is named %s: a worker fails the request '
-                            'with unknown_semaphore%s; create it (`permitq semaphore set %s '
-                            'CAPACITY`) before a worker examines it, or submit again under a new '
-                            'external_id',
-                            named.name,
-                            coalesce(' (did you mean ' || nullif(array_to_string(
-                                permitq.similar_semaphore_names(named.name), ' or '), '') || '?)',
-                                     ''),
-                            named.name) END;
+                ELSE permitq.unknown_name_answer(named.name) END;
             RETURN NEXT;
             CONTINUE;
         END IF;

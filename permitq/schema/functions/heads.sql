@@ -5,8 +5,9 @@
 -- READ COMMITTED it sees everything the previous holders of those locks committed.
 --
 -- Waiting requests are of two kinds:
---   recorded: examined and left waiting (permitq.waiter). Per semaphore, the first outside the
---             batch of every priority level (the caller keeps the one first in line);
+--   recorded: examined and left waiting (permitq.waiter). Per semaphore, the first in line
+--             outside the batch (waiter_place_idx: the batch's own waiters are read past, at
+--             most a batch of them, however many priority levels the line has);
 --   unexamined: committed but not examined yet (another worker holds them right now, or they
 --             were committed after the caller's claim, or the backlog is longer than a batch).
 --             Until someone examines them they count as waiting, so a batch cannot slip past a
@@ -44,12 +45,11 @@ BEGIN
     SELECT s.name, w.request_id, w.count, permitq.rule_place_in_line(w.priority, w.created_at)
     FROM unnest(names) AS n(name)
     JOIN permitq.semaphore s ON s.name = n.name AND s.fair AND NOT s.is_template
-    CROSS JOIN LATERAL permitq.waiter_levels(s.id) AS level(priority)
     CROSS JOIN LATERAL (
         SELECT wt.request_id, wt.count, wt.priority, wt.created_at FROM permitq.waiter wt
-        WHERE wt.semaphore_id = s.id AND wt.priority = level.priority
-          AND wt.request_id <> ALL(batch_ids)
-        ORDER BY wt.semaphore_id, wt.priority DESC, wt.created_at, wt.request_id -- waiter_line_idx
+        WHERE wt.semaphore_id = s.id AND wt.request_id <> ALL(batch_ids)
+        ORDER BY wt.semaphore_id, permitq.rule_place_in_line(wt.priority, wt.created_at) DESC,
+                 wt.request_id -- waiter_place_idx: past at most the batch's own waiters
         LIMIT 1
     ) w;
 
