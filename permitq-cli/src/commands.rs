@@ -132,6 +132,14 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                 if !migrated.files.is_empty() {
                     outln!("applied schema files {}", migrated.files.join(", "));
                 }
+                if migrated.versions.first() == Some(&1) {
+                    // A new schema: what comes next.
+                    outln!(
+                        "next: `permitq semaphore set NAME CAPACITY`, then `permitq worker`; \
+                         other logins need a permitq role (e.g. GRANT permitq_producer TO LOGIN; \
+                         the README's Permissions part lists them)"
+                    );
+                }
             }
             Ok(0)
         }

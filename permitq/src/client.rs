@@ -27,6 +27,9 @@ use crate::types::{
 };
 use crate::usage::{self, Holder, SemaphoreUsage, Waiter};
 
+/// How long a wait runs before it asks, once, whether any worker runs.
+const SAY_NOTHING_GRANTING_AFTER: Duration = Duration::from_secs(3);
+
 /// How often [`Client::wait_settled`] re-reads the status when no notification arrives.
 const STATUS_POLL: Duration = Duration::from_millis(250);
 
@@ -221,6 +224,7 @@ impl Client {
                 &request.external_id,
                 deadline,
                 Some(submitted),
+                true,
             )
             .await;
         cancel_if_dropped.armed = false;
@@ -394,7 +398,7 @@ impl Client {
         let deadline = Instant::now() + timeout;
         let mut events = self.subscribe_events(timeout).await;
         let mut retry = Retry::until(deadline);
-        self.wait_settled_on(&mut events, &mut retry, external_id, deadline, None)
+        self.wait_settled_on(&mut events, &mut retry, external_id, deadline, None, false)
             .await
     }
 
@@ -420,6 +424,8 @@ impl Client {
 
     /// [`Client::wait_settled`] on `events`, subscribed before `known` was read (the submit's
     /// answer, when the caller has it: a request still waiting then needs no second read).
+    /// `warn_nothing_granting`: after a few seconds of waiting, log once that no worker runs,
+    /// if none does (an `acquire` would otherwise be silent until its timeout).
     async fn wait_settled_on(
         &self,
         events: &mut Events,
@@ -427,8 +433,11 @@ impl Client {
         external_id: &str,
         deadline: Instant,
         known: Option<PermitRequest>,
+        warn_nothing_granting: bool,
     ) -> Result<Option<PermitRequest>> {
         let mut known = known.filter(|r| r.state == State::New || r.state == State::InProgress);
+        let started = Instant::now();
+        let mut asked_granting = !warn_nothing_granting;
         loop {
             // Subscribed before reading: a change after this read is also a notification.
             let current = match known.take() {
@@ -448,6 +457,14 @@ impl Client {
             let now = Instant::now();
             if now >= deadline {
                 return Ok(current);
+            }
+            // Waiting a while: whether anything grants at all, said once (a wait with no worker
+            // running would otherwise be silent until its timeout).
+            if !asked_granting && started.elapsed() >= SAY_NOTHING_GRANTING_AFTER {
+                asked_granting = true;
+                if let Some(warning) = self.granting().await.ok().and_then(|g| g.warning()) {
+                    tracing::warn!("permitq: {external_id} waits, and {warning}");
+                }
             }
             let poll_at = now + STATUS_POLL.min(deadline - now);
             loop {

@@ -50,7 +50,8 @@ pub struct SemaphoreWait {
     pub permits_ahead: Option<i64>,
     /// What holds it back here, in words.
     pub reason: String,
-    /// The holders, soonest to end first (at most 10).
+    /// The holders, soonest to end first (at most 10), where the request is short of room
+    /// (`shortfall` > 0); none elsewhere.
     pub holders: Vec<BlockingHolder>,
     /// An estimate of the wait, from how fast this semaphore's permits were released lately
     /// (or when a spent rate window opens); `None` without history. Seconds in JSON.

@@ -89,7 +89,7 @@ impl Granting {
         Some(format!(
             "nothing is granting: {since}; start one with `permitq worker` (if you started \
              one, it has exited, or it works on another database than {}: its log says why, \
-             and its `worker started` line names its database; requests wait until a worker \
+             unless it was killed, and its `worker started` line names its database; requests wait until a worker \
              runs)",
             self.database
         ))

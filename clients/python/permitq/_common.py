@@ -249,7 +249,7 @@ def nothing_granting(row: tuple[Any, ...] | None) -> str:
     return (
         f"; nothing is granting: no worker seen {since}; start one with `permitq worker` "
         f"(if you started one, it has exited, or it works on another database than {row[2]}: "
-        "its log says why, and its `worker started` line names its database)"
+        "its log says why, unless it was killed, and its `worker started` line names its database)"
     )
 
 

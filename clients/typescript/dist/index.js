@@ -277,7 +277,7 @@ export class Client {
         if (!row || row.live_workers > 0)
             return "";
         const since = row.seen_ago == null ? "in the last hour" : `for ${Math.round(row.seen_ago)}s`;
-        return `; nothing is granting: no worker seen ${since}; start one with \`permitq worker\` (if you started one, it has exited, or it works on another database than ${row.database}: its log says why, and its \`worker started\` line names its database)`;
+        return `; nothing is granting: no worker seen ${since}; start one with \`permitq worker\` (if you started one, it has exited, or it works on another database than ${row.database}: its log says why, unless it was killed, and its \`worker started\` line names its database)`;
     }
     /**
      * Submits and waits for the grant: a Lease (`await using`, or `withLease`). Waits on LISTEN

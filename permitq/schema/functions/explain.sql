@@ -200,6 +200,9 @@ BEGIN
             ELSE 'it fits here, and waits for its other semaphores'
         END;
 
+        -- The holders it waits on, where it is short of room (elsewhere none are what it needs):
+        -- read from the held requests, a scan of them per semaphore read, so only there.
+        IF shortfall > 0 THEN
         SELECT coalesce(jsonb_agg(jsonb_build_object(
                    'external_id', h.external_id, 'count', h.count,
                    'held_for_s', round(extract(epoch FROM now() - h.acquired_at)::numeric, 1),
@@ -217,6 +220,7 @@ BEGIN
               WHERE pr.state = 'acquired' AND coalesce(pr.charged, pr.permits) ? s.name
               ORDER BY pr.expires_at NULLS LAST, pr.acquired_at
               LIMIT 10) h;
+        END IF;
 
         IF opens_at IS NOT NULL AND shortfall > 0 THEN
             estimated_wait := greatest(opens_at - now(), interval '0');

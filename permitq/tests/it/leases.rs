@@ -694,3 +694,56 @@ async fn the_sweep_times_out_requests_no_worker_has_examined_yet() {
         );
     }
 }
+
+/// The log lines a test's own subscriber receives.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// An `acquire` with no worker running says so once while it waits, not only when its timeout
+/// runs out (logged through `tracing`, as its retries are).
+#[test]
+fn an_acquire_with_no_worker_running_says_so_while_it_waits() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    // A runtime on this thread alone: every task of the client logs to this subscriber.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(subscriber, || {
+        runtime.block_on(async {
+            let db = TestDb::new().await;
+            let client = db.client().await;
+            client.set_capacity("idle-gpu", 1, None).await.unwrap();
+            let e = client
+                .acquire(
+                    &Request::new("no-worker").permit("idle-gpu", 1),
+                    Duration::from_secs(5),
+                )
+                .await
+                .unwrap_err();
+            assert!(e.to_string().contains("nothing is granting"), "{e}");
+        });
+    });
+    let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    assert_eq!(
+        log.matches("permitq: no-worker waits, and nothing is granting: ")
+            .count(),
+        1,
+        "{log}"
+    );
+}
