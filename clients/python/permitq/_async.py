@@ -236,7 +236,12 @@ class AsyncClient:
             # The submit's answer says nothing of the standbys: an outcome it shows is confirmed.
             barrier = True
             warned = False
+            waiting_since = time.monotonic()
+            asked_granting = False
             while not status.settled:
+                if not asked_granting and time.monotonic() - waiting_since >= c.SAY_NOTHING_GRANTING_AFTER:
+                    asked_granting = True
+                    c.warn_nothing_granting(external_id, await _or_empty(self._granting, c.nothing_granting))
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     why = await _or_empty(lambda: self.explain(external_id), c.why_waiting)

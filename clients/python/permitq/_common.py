@@ -329,6 +329,17 @@ def say_interrupted(external_id: str, cancelled: bool) -> None:
     )
 
 
+SAY_NOTHING_GRANTING_AFTER = 3.0
+"""Seconds an acquire waits before it asks, once, whether any worker runs."""
+
+
+def warn_nothing_granting(external_id: str, granting: str) -> None:
+    """Said once when an acquire has waited a while and no worker runs (`granting`, as
+    nothing_granting returns it): without it the caller sees nothing until the deadline."""
+    if granting:
+        logging.getLogger("permitq").warning("permitq: %s waits, and %s", external_id, granting.removeprefix("; "))
+
+
 def warn_retrying(error: Exception, seconds_left: float) -> None:
     """Said once when an acquire starts retrying a database that does not answer: without it the
     caller sees nothing until the deadline, and a database that is down reads as a busy

@@ -233,7 +233,12 @@ class Client:
             # The submit's answer says nothing of the standbys: an outcome it shows is confirmed.
             barrier = True
             warned = False
+            waiting_since = time.monotonic()
+            asked_granting = False
             while not status.settled:
+                if not asked_granting and time.monotonic() - waiting_since >= c.SAY_NOTHING_GRANTING_AFTER:
+                    asked_granting = True
+                    c.warn_nothing_granting(external_id, _or_empty(lambda: c.nothing_granting(self._granting())))
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     why = _or_empty(lambda: c.why_waiting(self.explain(external_id)))

@@ -422,7 +422,19 @@ export class Client {
       // The submit's answer says nothing of the standbys: an outcome it shows is confirmed.
       let barrier = true;
       let warned = false;
+      const waitingSince = performance.now();
+      let askedGranting = false;
       while (current.state === "new" || current.state === "in_progress") {
+        // Waiting a while: whether any worker runs, said once (else silent until the deadline).
+        if (!askedGranting && performance.now() - waitingSince >= SAY_NOTHING_GRANTING_AFTER_MS) {
+          askedGranting = true;
+          const granting = await this.nothingGranting().catch(() => "");
+          if (granting) {
+            process.emitWarning(`permitq: ${externalId} waits, and ${granting.replace(/^; /, "")}`, {
+              code: "PERMITQ_NOTHING_GRANTING",
+            });
+          }
+        }
         const remaining = deadline - performance.now();
         if (remaining <= 0 || signal?.aborted) {
           // What held it back, read just before it is cancelled.
@@ -535,6 +547,9 @@ async function within<T>(work: Promise<T>, ms: number): Promise<T | typeof LATE>
  * caller sees nothing until the deadline, and a database that is down reads as a busy semaphore.
  * (Node prints warnings to stderr unless told not to.)
  */
+/** How long an acquire waits before it asks, once, whether any worker runs. */
+const SAY_NOTHING_GRANTING_AFTER_MS = 3_000;
+
 function warnRetrying(e: Error, deadline: number): void {
   process.emitWarning(
     `permitq: the database did not answer (${e.message}); retrying until the acquire's deadline, ` +

@@ -205,6 +205,51 @@ if (!(tokens[0] < tokens[1] && tokens[1] < tokens[2])) throw new Error(String(to
 console.log("ok", tokens.length);
 "#;
 
+/// An acquire on a database no worker serves, for 5 s: its warning, then its timeout's name.
+const NO_WORKER_JS: &str = r#"
+const permitq = await import("permitq");
+const client = new permitq.Client({ connectionString: process.env.DATABASE_URL });
+try { await client.acquire("ts-nw", { gpu: 1 }, { timeoutMs: 5000 }); } catch (e) { console.log(e.name); }
+await client.end();
+"#;
+
+/// The same in Python, its `permitq` logger printed.
+const NO_WORKER_PY: &str = r#"
+import logging, os, sys
+import permitq
+logging.basicConfig(stream=sys.stdout, format="%(message)s")
+with permitq.Client(os.environ["DATABASE_URL"]) as client:
+    try:
+        client.acquire("py-nw", {"gpu": 1}, timeout=5)
+    except permitq.AcquireTimeout:
+        print("AcquireTimeout")
+"#;
+
+/// A Python acquire with no worker running says so once while it waits (on the `permitq`
+/// logger), not only at its timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_acquire_says_while_it_waits_that_no_worker_runs() {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .set_capacity("gpu", 4, None)
+        .await
+        .unwrap();
+    let said = python_code(
+        python_with_psycopg(),
+        NO_WORKER_PY.to_string(),
+        db.url.clone(),
+    )
+    .await;
+    assert!(said.contains("AcquireTimeout"), "{said}");
+    assert_eq!(
+        said.matches("permitq: py-nw waits, and nothing is granting: ")
+            .count(),
+        1,
+        "{said}"
+    );
+}
+
 /// Runs `program args` in `dir` with `envs`; panics with its output unless it succeeds.
 pub(crate) fn run_ok(
     dir: &std::path::Path,
@@ -259,6 +304,15 @@ async fn the_typescript_client_passes_its_suite_against_real_workers() {
     let db = TestDb::new().await;
     let logins = logins(&db).await;
     let _workers = start_workers(&db.url);
+    // A database no worker serves: an acquire there says so while it waits.
+    let unserved = TestDb::new().await;
+    unserved
+        .client()
+        .await
+        .set_capacity("gpu", 4, None)
+        .await
+        .unwrap();
+    let unserved_url = unserved.url.clone();
     let superuser = db.url.clone();
     let db_name = db.name.clone();
     db.client()
@@ -336,6 +390,18 @@ async fn the_typescript_client_passes_its_suite_against_real_workers() {
             &[("DATABASE_URL", &pooled)],
         );
         assert_eq!(through.trim(), "ok 3");
+        let said = run_ok(
+            &project,
+            "node",
+            &["--input-type=module", "-e", NO_WORKER_JS],
+            &[("DATABASE_URL", &unserved_url)],
+        );
+        assert!(said.contains("AcquireTimeout"), "{said}");
+        assert_eq!(
+            said.matches("permitq: ts-nw waits, and nothing is granting: ").count(),
+            1,
+            "{said}"
+        );
         let _ = std::fs::remove_dir_all(&fresh);
         report
     })
