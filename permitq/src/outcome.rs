@@ -234,19 +234,24 @@ impl PermitRequest {
 /// takes (a nested template's parent may have to grow first).
 fn too_many_instances(name: &str, template: &str, bound: i64, d: &ErrorDetail) -> String {
     let show = format!("`permitq semaphore show '{template}'` lists them");
-    let free_one =
-        match d.idle_instances.first() {
-            Some(idle) => format!(
-            "{} {} nothing: delete one (`permitq semaphore delete {idle}`), or let the workers \
-             remove an instance idle for --idle-instance-after (1h by default)",
-            d.idle_instances.join(", "),
-            if d.idle_instances.len() == 1 { "holds" } else { "hold" }
-        ),
-            None => "each holds permits or has waiters: once one is idle, delete it (`permitq \
+    let free_one = match d.idle_instances.first() {
+        Some(idle) => {
+            let verb = if d.idle_instances.len() == 1 {
+                "holds"
+            } else {
+                "hold"
+            };
+            format!(
+                "{} {verb} nothing: delete one (`permitq semaphore delete {idle}`), or let the \
+                 workers remove an instance idle for --idle-instance-after (1h by default)",
+                d.idle_instances.join(", ")
+            )
+        }
+        None => "each holds permits or has waiters: once one is idle, delete it (`permitq \
                  semaphore delete NAME`) or the workers remove an instance idle for \
                  --idle-instance-after (1h by default)"
-                .to_string(),
-        };
+            .to_string(),
+    };
     let capacity = d
         .capacity
         .map_or_else(|| "CAPACITY".to_string(), |c| c.to_string());

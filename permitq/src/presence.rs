@@ -89,8 +89,8 @@ impl Granting {
         Some(format!(
             "nothing is granting: {since}; start one with `permitq worker` (if you started \
              one, it has exited, or it works on another database than {}: its log says why, \
-             unless it was killed, and its `worker started` line names its database; requests wait until a worker \
-             runs)",
+             unless it was killed, and its `worker started` line names its database; requests \
+             wait until a worker runs)",
             self.database
         ))
     }

@@ -185,24 +185,7 @@ async fn measure(
         &[&full[0], &full[1], &args.deep_rows],
     )
     .await?;
-    loop {
-        let unexamined: i64 = conn
-            .query_one(
-                "SELECT count(*) FROM permitq.permit_request WHERE state = 'new' AND NOT examined",
-                &[],
-            )
-            .await?
-            .get(0);
-        if unexamined == 0 {
-            break;
-        }
-        if started.elapsed() > Duration::from_secs(600) {
-            return Err(CliError::runtime(format!(
-                "{unexamined} backlog requests still unexamined after 10 minutes"
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_examined(conn, "backlog").await?;
     let examine = started.elapsed();
     // Steady state: what autovacuum would do after such a load, done now so it does not run
     // during the measurement.
@@ -245,8 +228,32 @@ async fn measure(
     })
 }
 
+/// Waits (up to 10 minutes, polling) until a worker has examined every request; `what` names
+/// them in the error.
+pub(super) async fn wait_examined(conn: &tokio_postgres::Client, what: &str) -> Result<()> {
+    let started = Instant::now();
+    loop {
+        let unexamined: i64 = conn
+            .query_one(
+                "SELECT count(*) FROM permitq.permit_request WHERE state = 'new' AND NOT examined",
+                &[],
+            )
+            .await?
+            .get(0);
+        if unexamined == 0 {
+            return Ok(());
+        }
+        if started.elapsed() > Duration::from_secs(600) {
+            return Err(CliError::runtime(format!(
+                "{unexamined} {what} requests still unexamined after 10 minutes"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// `VACUUM (ANALYZE)` of the tables a pass reads.
-async fn vacuum(conn: &tokio_postgres::Client) -> Result<()> {
+pub(super) async fn vacuum(conn: &tokio_postgres::Client) -> Result<()> {
     for table in [
         "permitq.permit_request",
         "permitq.waiter",

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use permitq::{Client, Request};
 use permitq_fleet::Percentiles;
 
+use super::deep::{vacuum, wait_examined};
 use super::load::cycle;
 use super::targets::Targets;
 use super::{fleet, stop, tag, Report};
@@ -82,7 +83,7 @@ fn line(
 /// drops it.
 async fn in_fresh_database<T, F, Fut>(url: &str, name: &str, case: F) -> Result<T>
 where
-    F: FnOnce(String, Client, tokio_postgres::Client) -> Fut,
+    F: FnOnce(Client, tokio_postgres::Client) -> Fut,
     Fut: std::future::Future<Output = Result<T>>,
 {
     let admin = permitq_embedded_pg::try_connect(url).await?;
@@ -102,7 +103,7 @@ where
         client.migrate().await?;
         let conn = permitq_embedded_pg::try_connect(&fresh).await?;
         let workers = fleet(&fresh, 1, &format!("hostile-{name}"))?;
-        let result = case(fresh.clone(), client, conn).await;
+        let result = case(client, conn).await;
         stop(workers).await;
         result
     }
@@ -160,44 +161,15 @@ async fn hold(client: &Client, full: &str) -> Result<()> {
     Ok(())
 }
 
-/// Waits (up to 10 minutes) until no request is left unexamined, then vacuums, as autovacuum
-/// would after such a load.
+/// Waits until the load is examined, then vacuums, as autovacuum would after such a load.
 async fn examined_and_vacuumed(conn: &tokio_postgres::Client) -> Result<()> {
-    let started = Instant::now();
-    loop {
-        let unexamined: bool = conn
-            .query_one(
-                "SELECT EXISTS (SELECT 1 FROM permitq.permit_request \
-                 WHERE state = 'new' AND NOT examined)",
-                &[],
-            )
-            .await?
-            .get(0);
-        if !unexamined {
-            break;
-        }
-        if started.elapsed() > Duration::from_secs(600) {
-            return Err(CliError::runtime(
-                "the hostile load was still unexamined after 10 minutes",
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    for table in [
-        "permitq.permit_request",
-        "permitq.waiter",
-        "permitq.semaphore",
-    ] {
-        conn.batch_execute(&format!("VACUUM (ANALYZE) {table}"))
-            .await?;
-    }
-    Ok(())
+    wait_examined(conn, "hostile").await?;
+    vacuum(conn).await
 }
 
 /// 20,100 then 40,200 requests on a semaphore with room and a full one, over 201 priorities:
 /// (rows, idle p50 before, idle p50 with them waiting).
 async fn priorities(
-    _url: String,
     client: Client,
     conn: tokio_postgres::Client,
 ) -> Result<Vec<(String, f64, f64)>> {
@@ -225,7 +197,7 @@ async fn priorities(
 
 /// 50,000 requests inserted at once on a full semaphore, then at once an unrelated request:
 /// (idle p50 before, that request's submit → acquired).
-async fn burst(_url: String, client: Client, conn: tokio_postgres::Client) -> Result<(f64, f64)> {
+async fn burst(client: Client, conn: tokio_postgres::Client) -> Result<(f64, f64)> {
     client.set_capacity("idle", 1_000_000, Some(true)).await?;
     hold(&client, "full").await?;
     examined_and_vacuumed(&conn).await?;
@@ -242,7 +214,7 @@ async fn burst(_url: String, client: Client, conn: tokio_postgres::Client) -> Re
 
 /// `explain` of a request on 64 semaphores (one full) in an empty database, then beside 50,000
 /// holders on another semaphore: (p50 ms empty, p50 ms crowded).
-async fn explain(_url: String, client: Client, conn: tokio_postgres::Client) -> Result<(f64, f64)> {
+async fn explain(client: Client, conn: tokio_postgres::Client) -> Result<(f64, f64)> {
     // 63 with room and the full one: 64, the most a request names.
     let mut request = Request::new("wide");
     for i in 0..63 {

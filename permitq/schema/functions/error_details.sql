@@ -143,11 +143,12 @@ BEGIN
                                            AND NOT EXISTS (SELECT 1 FROM permitq.waiter w
                                                            WHERE w.semaphore_id = i.id)
                                          ORDER BY i.name LIMIT 3) i),
-                'parent_needs', (SELECT permitq.promised_to_children(p.name) + template.guarantee
+                'parent_needs', (SELECT n.needs
                                  FROM permitq.semaphore p
+                                 CROSS JOIN LATERAL (SELECT permitq.promised_to_children(p.name)
+                                                            + template.guarantee AS needs) n
                                  WHERE p.name = template.parent AND template.guarantee > 0
-                                   AND permitq.promised_to_children(p.name) + template.guarantee
-                                       > p.capacity)));
+                                   AND n.needs > p.capacity)));
         END IF;
     END IF;
     RETURN detail;
