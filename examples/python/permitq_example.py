@@ -43,7 +43,7 @@ def main() -> int:
         if os.environ.get("PERMITQ_EXAMPLE_SETUP") == "1":
             client.set_capacity("gpu", 4)
             client.set_capacity("licence", 2)
-        print(f"acquiring as {external_id}: gpu=1, licence=1, waiting up to 30s")
+        print(f"acquiring as {external_id}: gpu=1, licence=1, waiting up to 30s (`permitq explain {external_id}` says why it waits)")
         with client.acquire(external_id, {"gpu": 1, "licence": 1}, owner="python-example", ttl=30, wait=60, timeout=30) as lease:
             print(f"acquired with fencing token {lease.fencing_token}")
             for _ in range(2):  # the work; the lease heartbeats by itself every ttl/3

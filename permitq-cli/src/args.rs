@@ -331,6 +331,7 @@ pub(crate) enum TokensCommand {
 #[derive(Debug, Subcommand)]
 pub(crate) enum SemaphoreCommand {
     /// Create a semaphore or change its capacity (and fairness, window, parent, guarantee).
+    /// Options left out keep their current values: `set api 50` keeps api's `--per` window.
     Set {
         /// Name.
         name: String,

@@ -587,6 +587,12 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                         "new grants wait until fewer are held"
                     }
                 );
+            } else if s.capacity == 0 {
+                errln!(
+                    "permitq: {} has capacity 0: while it is, every new request naming it ends at \
+                     once in exceeds_capacity (none can ever fit); raise it to let requests wait",
+                    s.name
+                );
             }
         }
         SemaphoreCommand::List { json } => {
@@ -595,6 +601,13 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 outln!("{}", serde_json::to_string(&list).expect("serializable"));
             } else {
                 outln!("{:<32} {:>10} {:>10}  mode", "name", "capacity", "used");
+                if list.is_empty() {
+                    errln!(
+                        "permitq: no semaphores yet in {}: `permitq semaphore set NAME CAPACITY` \
+                         makes one",
+                        client.database()
+                    );
+                }
                 for s in list {
                     let mut kind = crate::show::origin(s.is_template, s.template.as_deref())
                         .map(|o| format!("  {o}"))

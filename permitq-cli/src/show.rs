@@ -215,6 +215,26 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             outln!("  instances: {}{more}", i.names.join(", "));
         }
     }
+    if !d.children.is_empty() {
+        let children: Vec<String> = d
+            .children
+            .iter()
+            .map(|c| {
+                let guarantee = if c.guarantee > 0 {
+                    format!(", guarantee {}", c.guarantee)
+                } else {
+                    String::new()
+                };
+                format!(
+                    "{} (capacity {}{guarantee}, {} used)",
+                    quoted_name(&c.name),
+                    c.capacity,
+                    c.used
+                )
+            })
+            .collect();
+        outln!("  children: {}", children.join(", "));
+    }
     outln!("  {}", d.presence.summary());
     // A producer login sees its own requests only: say what it does not see.
     let shown: i64 = d.holders.iter().map(|h| h.count).sum();
@@ -460,7 +480,7 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
         } else if let Some(wait) = s.estimated_wait {
             lines.push(format!(
                 "  estimated wait: about {} ({})",
-                humantime::format_duration(std::time::Duration::from_secs(wait.as_secs().max(1))),
+                seconds(wait),
                 if window {
                     "when its rate window opens"
                 } else {
@@ -475,8 +495,42 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
                     .to_string(),
             );
         }
+        // Beside an estimate from releases, what the leases say: the two can be far apart.
+        if let (false, true, None, Some(bound)) = (
+            window,
+            short,
+            &e.nothing_granting,
+            leases_bound(s, SystemTime::now()),
+        ) {
+            lines.push(format!(
+                "  by the holders' leases: enough of them end in {} if none heartbeats (a \
+                 heartbeat extends one; a release comes sooner)",
+                seconds(bound)
+            ));
+        }
     }
     lines
+}
+
+/// A wait in whole seconds, at least 1: `1m 30s`.
+fn seconds(wait: std::time::Duration) -> humantime::FormattedDuration {
+    humantime::format_duration(std::time::Duration::from_secs(wait.as_secs().max(1)))
+}
+
+/// When enough of the holders' leases end, if none is extended, to free what the request and
+/// those ahead of it need there (`shortfall` and `permits_ahead`): `None` when the holders shown
+/// (at most 10, soonest lease end first) do not hold that much with leases.
+fn leases_bound(s: &permitq::SemaphoreWait, now: SystemTime) -> Option<std::time::Duration> {
+    let needed = s.shortfall.unwrap_or(0) + s.permits_ahead.unwrap_or(0);
+    let mut freed = 0;
+    for h in &s.holders {
+        let end = h.expires_at?;
+        freed += h.count;
+        if freed >= needed {
+            return Some(end.duration_since(now).unwrap_or_default());
+        }
+    }
+    None
 }
 
 /// A holder's lease, as the holders table says it: `ends in 28s`, `ran out 3s ago` (not swept

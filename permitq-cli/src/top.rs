@@ -2,8 +2,10 @@
 //!
 //! Every semaphore with a bar and use/capacity (permits held, `#`; for a rate limit, grants in its
 //! current window, `=`, since a rate limit bounds grants, not holders), waiting, oldest wait, grants
-//! per second and its kind (template, instance, rate window), and the workers that run (or that none does); ↑/↓ (or j/k) select one, Enter shows its holders and
-//! waiters (in place-in-line order, with priorities) below, `q` (or Esc, Ctrl-C) quits.
+//! per second and its kind (template, instance, rate window; cut to fit, ending in `..`), and the
+//! workers that run (or that none does); ↑/↓ (or j/k) select one, Enter shows its whole kind,
+//! holders and waiters (in place-in-line order, with priorities) below, and Enter or Esc closes
+//! them; `q` (or Esc, Ctrl-C) quits.
 //! Plain ASCII-safe drawing that fits 80×24 and works over SSH.
 
 use std::collections::HashMap;
@@ -179,8 +181,12 @@ fn header_line(view: &View) -> String {
             )
         }
         (Some(e), None) => format!("permitq top  UNREACHABLE (retrying): {e}"),
+        (None, _) if view.detail => format!(
+            "permitq top  {} semaphores  q quit  up/down select  enter or esc: back",
+            view.usage.len()
+        ),
         (None, _) => format!(
-            "permitq top  {} semaphores  q quit  up/down select  enter holders/waiters",
+            "permitq top  {} semaphores  q quit  up/down select  enter: holders, waiters",
             view.usage.len()
         ),
     }
@@ -215,9 +221,19 @@ fn draw(frame: &mut Frame, view: &mut View) {
     frame.render_widget(Line::from(header_line(view)), header);
     frame.render_widget(Line::from(view.workers.as_str()), workers);
 
+    // The name column as wide as the longest name (9 to 20); the kind column takes the rest
+    // (the others and their gaps take 42), and a kind cut to fit ends in `..`: Enter shows it whole.
+    let name_width = view
+        .usage
+        .iter()
+        .map(|s| s.name.chars().count())
+        .max()
+        .unwrap_or(0)
+        .clamp(9, 20);
+    let kind_width = usize::from(list.width).saturating_sub(42 + name_width);
     let rows = view.usage.iter().map(|s| {
         Row::new(vec![
-            s.name.clone(),
+            cut(&s.name, name_width),
             // A rate limit bounds grants per window, not holders: its bar is the window's, drawn
             // with `=` so that it does not read as permits held.
             bar(
@@ -234,20 +250,20 @@ fn draw(frame: &mut Frame, view: &mut View) {
                 "-".to_string()
             },
             format!("{:.1}", view.rates.get(&s.name).copied().unwrap_or(0.0)),
-            crate::show::short_kind(s),
+            cut(&crate::show::short_kind(s), kind_width),
         ])
     });
     let table = Table::new(
         rows,
         [
-            // 80 columns: 10 + 10 + 9 + 4 + 6 + 7 + 12 and 6 gaps leave 16 to share.
-            Constraint::Min(10),
+            #[allow(clippy::cast_possible_truncation, reason = "at most 20")]
+            Constraint::Length(name_width as u16),
             Constraint::Length(10),
             Constraint::Length(9),
             Constraint::Length(4),
             Constraint::Length(6),
             Constraint::Length(7),
-            Constraint::Min(12),
+            Constraint::Fill(1),
         ],
     )
     .header(
@@ -343,6 +359,16 @@ fn draw(frame: &mut Frame, view: &mut View) {
     }
 }
 
+/// `text` in at most `width` characters: cut, ending in `..` (ASCII), when longer.
+fn cut(text: &str, width: usize) -> String {
+    if text.chars().count() <= width {
+        return text.to_string();
+    }
+    let mut short: String = text.chars().take(width.saturating_sub(2)).collect();
+    short.push_str(&"..".chars().take(width).collect::<String>());
+    short
+}
+
 /// What the held column shows: permits held, or for a rate limit the grants in its window.
 fn shown(s: &permitq::SemaphoreUsage) -> i64 {
     if s.per.is_some() {
@@ -372,5 +398,17 @@ mod tests {
         );
         view.error = None;
         assert!(header_line(&view).contains("q quit"));
+        view.detail = true;
+        assert!(header_line(&view).contains("enter or esc: back"));
+    }
+
+    #[test]
+    fn a_cut_text_ends_in_two_dots_and_fits() {
+        assert_eq!(cut("in pool; per 1h", 20), "in pool; per 1h");
+        assert_eq!(cut("template; in shared-pool; per 1h", 12), "template; ..");
+        assert_eq!(
+            (cut("abc", 1), cut("abc", 0)),
+            (".".to_string(), String::new())
+        );
     }
 }

@@ -648,6 +648,9 @@ impl Client {
         if matches!(explanation.state, State::New | State::InProgress) {
             let granting = Granting::from_row(&conn.query_typed_one(sql::GRANTING, &[]).await?)?;
             explanation.nothing_granting = granting.warning();
+            if explanation.nothing_granting.is_some() {
+                explanation.say_no_worker_examines();
+            }
         } else if let Some(r) = read_status(&conn, external_id).await? {
             explanation.outcome = r.outcome();
             explanation.error_detail = r.error_detail;

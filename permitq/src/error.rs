@@ -398,9 +398,16 @@ fn role_hint(db: &tokio_postgres::error::DbError) -> String {
     } else {
         role.split(' ').next().unwrap_or(role)
     };
+    // Revoking is for another login's request: one's own is given back by a release.
+    let own = if object == "revoke" {
+        "; to end a request this login submitted, `permitq release ID` (or release()) needs no \
+         admin"
+    } else {
+        ""
+    };
     format!(
         "; this needs the role {role}: use a login that has it, or a DBA runs GRANT {grant} TO \
-         <your login>"
+         <your login>{own}"
     )
 }
 

@@ -138,3 +138,89 @@ pub(crate) fn explanation_from_rows(rows: &[Row]) -> Result<Option<Explanation>>
     }
     Ok(Some(explanation))
 }
+
+/// The words `permitq.explain` uses for a request no worker has examined yet, up to the end of
+/// its reason: they speak of a running worker.
+const NOT_EXAMINED: &str = "not examined by a worker yet: a running worker does";
+
+impl Explanation {
+    /// While nothing is granting, a request not examined yet is said to wait for a worker to
+    /// run, not for a running one to examine it (the reason's words would contradict
+    /// [`Explanation::nothing_granting`]).
+    pub(crate) fn say_no_worker_examines(&mut self) {
+        for s in &mut self.semaphores {
+            if let Some(at) = s.reason.find(NOT_EXAMINED) {
+                let closes = s.reason[..at].ends_with('(');
+                s.reason.truncate(at);
+                s.reason.push_str(
+                    "not examined by a worker yet, and no worker runs to examine it: start one \
+                     (`permitq worker`)",
+                );
+                if closes {
+                    s.reason.push(')');
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn waiting(reason: &str) -> Explanation {
+        Explanation {
+            external_id: "r".into(),
+            state: State::New,
+            outcome: None,
+            error_detail: None,
+            nothing_granting: Some("nothing is granting".into()),
+            semaphores: vec![SemaphoreWait {
+                semaphore: "gpu".into(),
+                needs: 1,
+                capacity: Some(1),
+                free: Some(0),
+                shortfall: Some(1),
+                position: None,
+                permits_ahead: None,
+                reason: reason.into(),
+                holders: Vec::new(),
+                estimated_wait: None,
+                via: None,
+                kept: None,
+            }],
+        }
+    }
+
+    #[test]
+    fn a_request_not_examined_while_nothing_grants_waits_for_a_worker_to_run() {
+        let mut e = waiting(
+            "not examined by a worker yet: a running worker does within a second or so (…)",
+        );
+        e.say_no_worker_examines();
+        assert_eq!(
+            e.semaphores[0].reason,
+            "not examined by a worker yet, and no worker runs to examine it: start one \
+             (`permitq worker`)"
+        );
+        let mut e = waiting(
+            "rate limit: its window is spent; room opens in 3s (not examined by a worker yet: a \
+             running worker does within a second or so, and then …)",
+        );
+        e.say_no_worker_examines();
+        assert!(
+            e.semaphores[0].reason.ends_with(
+                "opens in 3s (not examined by a worker yet, and no worker runs to examine it: \
+                 start one (`permitq worker`))"
+            ),
+            "{}",
+            e.semaphores[0].reason
+        );
+        let mut e = waiting("waits for 1 more permit to be released (first in line)");
+        e.say_no_worker_examines();
+        assert_eq!(
+            e.semaphores[0].reason,
+            "waits for 1 more permit to be released (first in line)"
+        );
+    }
+}

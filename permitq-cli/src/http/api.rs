@@ -84,6 +84,10 @@ pub(crate) struct Detail {
     /// For a template: the most instances it may make, and how many it has now.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) instances: Option<Instances>,
+    /// For a parent (nested limits): its children, by name (a template's instances through
+    /// the template), at most [`INSTANCES_NAMED`].
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(crate) children: Vec<permitq::Semaphore>,
     /// The workers, and whether anything is granting.
     #[serde(flatten)]
     pub(crate) presence: crate::show::Presence,
@@ -98,7 +102,7 @@ pub(crate) struct Instances {
     pub(crate) names: Vec<String>,
 }
 
-/// How many of a template's instances `semaphore show` names.
+/// How many of a template's instances, or of a parent's children, `semaphore show` names.
 const INSTANCES_NAMED: usize = 10;
 
 /// Usage, holders, waiters and recent capacity changes of `name`, or None when unknown.
@@ -128,8 +132,15 @@ pub(super) async fn detail_of(
         Some(w) => client.explain(&w.external_id).await?,
         None => None,
     };
+    let all = client.semaphores().await?;
+    let mut children: Vec<permitq::Semaphore> = all
+        .iter()
+        .filter(|s| s.parent.as_deref() == Some(name) && s.template.is_none())
+        .cloned()
+        .collect();
+    children.sort_by(|a, b| a.name.cmp(&b.name));
+    children.truncate(INSTANCES_NAMED);
     let instances = if usage.is_template {
-        let all = client.semaphores().await?;
         let mut names: Vec<String> = all
             .iter()
             .filter(|s| s.template.as_deref() == Some(name))
@@ -157,6 +168,7 @@ pub(super) async fn detail_of(
         waiters,
         first_in_line,
         capacity_history: history,
+        children,
         presence,
     })
 }

@@ -148,7 +148,10 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
             && stdout(&o).contains(
                 "(from the rate of recent releases here, not from these holders' leases: a \
                  holder may release early, or heartbeat past its lease's end)"
-            ),
+            )
+            // Beside it, what e-hold's 60s lease says.
+            && stdout(&o).contains("  by the holders' leases: enough of them end in 5")
+            && stdout(&o).contains("s if none heartbeats (a heartbeat extends one"),
         "{}",
         stdout(&o)
     );
@@ -758,6 +761,19 @@ async fn a_permission_error_names_the_role_needed() {
         "{}",
         stderr(&o)
     );
+    // A producer revoking its own request is shown the release it may run instead.
+    run(&db.url, &["semaphore", "set", "gpu", "4"]).await;
+    run(&producer, &["submit", "mine-1", "gpu=1"]).await;
+    let o = run(&producer, &["revoke", "mine-1"]).await;
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("this needs the role permitq_admin")
+            && stderr(&o).contains("`permitq release ID` (or release()) needs no admin"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(&producer, &["release", "mine-1"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
     // An operator or worker login submitting is told the producer's role, not its own.
     for role in ["permitq_operator", "permitq_worker"] {
         let login = db.login(role).await;
@@ -1038,6 +1054,14 @@ async fn once_the_last_worker_stops_explain_and_semaphore_show_say_nothing_is_gr
         "{text}"
     );
     assert!(stdout(&run(url, &["semaphore", "show", "nw"]).await).contains("ran out "));
+    // A request submitted now: no worker will examine it, and explain does not say one will.
+    run(url, &["submit", "nw-3", "nw=1"]).await;
+    let text = stdout(&run(url, &["explain", "nw-3"]).await);
+    assert!(
+        text.contains("not examined by a worker yet, and no worker runs to examine it: start one")
+            && !text.contains("a running worker does"),
+        "{text}"
+    );
     let o = run(url, &["semaphore", "show", "nw", "--json"]).await;
     let show = json(&o);
     assert_eq!(show["granting"]["live_workers"], 0, "{show}");
@@ -1698,4 +1722,69 @@ async fn a_submit_without_its_id_says_the_permit_was_taken_as_the_id() {
         let o = run(url, &["status", id]).await;
         assert_eq!(code(&o), 5, "{}", stderr(&o));
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn semaphore_set_list_and_show_say_what_is_kept_what_zero_means_and_the_children() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    // Nothing yet: the list says how to make one.
+    let o = run(url, &["semaphore", "list"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(&format!(
+            "permitq: no semaphores yet in database {}",
+            db.name
+        )) && stderr(&o).contains("`permitq semaphore set NAME CAPACITY` makes one"),
+        "{}",
+        stderr(&o)
+    );
+    // A later set without --per keeps the window, and says it in its line.
+    run(url, &["semaphore", "set", "api", "2", "--per", "1h"]).await;
+    let o = run(url, &["semaphore", "set", "api", "3"]).await;
+    assert!(
+        stdout(&o).starts_with("api capacity=3 per=1h "),
+        "{}",
+        stdout(&o)
+    );
+    // Capacity 0 is announced: what becomes of requests while it is.
+    let o = run(url, &["semaphore", "set", "off", "0"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "permitq: off has capacity 0: while it is, every new request naming it ends at once \
+             in exceeds_capacity"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!stderr(&o).contains("list"), "{}", stderr(&o));
+    // A parent's show names its children.
+    run(url, &["semaphore", "set", "pool", "4"]).await;
+    for args in [
+        &[
+            "semaphore",
+            "set",
+            "team-a",
+            "4",
+            "--parent",
+            "pool",
+            "--guarantee",
+            "2",
+        ][..],
+        &["semaphore", "set", "team-b", "2", "--parent", "pool"],
+    ] {
+        let o = run(url, args).await;
+        assert_eq!(code(&o), 0, "{}", stderr(&o));
+    }
+    let o = run(url, &["semaphore", "show", "pool"]).await;
+    assert!(
+        stdout(&o).contains(
+            "  children: team-a (capacity 4, guarantee 2, 0 used), team-b (capacity 2, 0 used)"
+        ),
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &["semaphore", "show", "team-a"]).await;
+    assert!(!stdout(&o).contains("children:"), "{}", stdout(&o));
 }

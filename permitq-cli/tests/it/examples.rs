@@ -359,7 +359,7 @@ async fn build_and_run_rust_example(
     std::fs::create_dir_all(project.join("src")).unwrap();
     let library = root.join("permitq").canonicalize().unwrap();
     let dependencies = dependencies.replace(
-        "path = \"../permitq/permitq\"",
+        "path = \"CLONE/permitq\"",
         &format!("path = {:?}", library.display().to_string()),
     );
     assert!(

@@ -77,6 +77,18 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
         .await
         .unwrap();
     lease.release().await.unwrap();
+    // A kind longer than its column at 80 columns: cut, ending in `..`.
+    client.set_capacity("shared-pool", 8, None).await.unwrap();
+    client
+        .set_semaphore(
+            "t-*",
+            2,
+            &permitq::SemaphoreSettings::new()
+                .parent("shared-pool")
+                .per(Duration::from_secs(3600)),
+        )
+        .await
+        .unwrap();
     let session = format!("permitq-top-{}", std::process::id());
     let _ = tmux(&["kill-session", "-t", &session]);
     let command = format!(
@@ -110,6 +122,11 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
                 && screen.lines().any(|l| {
                     l.contains("quota") && l.contains("[==......]") && l.contains("per 1h")
                 })
+                && screen.lines().any(|l| {
+                    l.contains("t-*")
+                        && l.contains("template; in shared-pool")
+                        && l.trim_end().ends_with("..")
+                })
         },
     )
     .await;
@@ -132,6 +149,10 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
     .await;
     let screen = capture();
     assert!(screen.lines().all(|l| l.chars().count() <= 80), "{screen}");
+    assert!(
+        screen.contains("enter or esc: back"),
+        "the way back is shown: {screen}"
+    );
     // Every column's header is whole at 80 columns, and the workers line names the worker.
     let header = screen
         .lines()

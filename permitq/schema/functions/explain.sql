@@ -35,6 +35,8 @@ DECLARE
     child permitq.semaphore;
     within_guarantee boolean;
     kept_for text;
+    lent_to text;
+    every_name text[];
     -- Capacity less what is held: below zero after a capacity lowered under what is held,
     -- when more than the request's count must be released first.
     room bigint;
@@ -61,6 +63,7 @@ BEGIN
         RETURN;
     END IF;
     place := permitq.rule_place_in_line(r.priority, r.created_at);
+    SELECT array_agg(t.name ORDER BY t.depth, t.name) INTO every_name FROM permitq.taken_by(r.permits) t;
     -- What it takes from each semaphore: what it names there, or below it.
     FOR named IN SELECT * FROM permitq.taken_by(r.permits) LOOP
         semaphore := named.name;
@@ -104,6 +107,20 @@ BEGIN
         WHERE c.parent = s.name AND c.guarantee > 0 AND c.name IS DISTINCT FROM child.name
           AND NOT c.is_template
           AND (c.used > 0 OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = c.id));
+        -- Within a guarantee and short, the parent's room is held by children beyond their own
+        -- guarantees (and by requests naming the parent itself): named, as what must end.
+        lent_to := NULL;
+        IF within_guarantee THEN
+            SELECT string_agg(x.what, ', ' ORDER BY x.what) INTO lent_to
+            FROM (SELECT format('%s (%s held, guarantee %s)', c.name, c.used, c.guarantee) AS what
+                  FROM permitq.semaphore c
+                  WHERE c.parent = s.name AND NOT c.is_template AND c.used > c.guarantee
+                  UNION ALL
+                  SELECT format('requests naming %s itself (%s held)', s.name, d.held)
+                  FROM (SELECT s.used - coalesce(sum(c.used), 0) AS held FROM permitq.semaphore c
+                        WHERE c.parent = s.name AND NOT c.is_template) d
+                  WHERE d.held > 0) x;
+        END IF;
         -- A borrower's room is what is free beyond the room kept: the rest must be released
         -- first (releases below the kept children raise what is kept as much as what is free).
         IF NOT within_guarantee AND kept > 0 THEN
@@ -164,9 +181,12 @@ BEGIN
                 'not examined by a worker yet: a running worker does within a second or so, and then this shows its place in line (a worker that died counts as running until its last sign of life runs out, up to 8s; then this says that nothing is granting)'
             WHEN within_guarantee THEN
                 CASE WHEN shortfall > 0
-                     THEN format('parent: within the guarantee of %s (%s), waits for %s more %s to be released',
+                     THEN format('parent: within the guarantee of %s (%s), waits for %s more %s to be released%s; granted as they end: by a release, at a lease''s end, past a worker''s --max-hold, or by an admin''s `permitq revoke ID`',
                                  child.name, child.guarantee, shortfall,
-                                 CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END)
+                                 CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END,
+                                 CASE WHEN lent_to IS NOT NULL
+                                      THEN format(' (its room is lent beyond their guarantees to: %s)', lent_to)
+                                      ELSE '' END)
                      ELSE format('parent: it fits within the guarantee of %s (%s)', child.name, child.guarantee) END
             WHEN kept > 0 AND shortfall > 0 THEN
                 -- The arithmetic spelled out: the free room beyond what is kept is the borrower's.
@@ -193,11 +213,14 @@ BEGIN
                        head.priority, head.count,
                        CASE WHEN shortfall > 0 THEN format(', and %s more %s must be released', shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END)
                             WHEN free::int8 - needs < head.count THEN ': what is free would not leave it its room'
-                            ELSE ': it fits, and waits for its other semaphores' END)
+                            ELSE format(': it fits, and waits for its other rows: %s',
+                                        array_to_string(array_remove(every_name, named.name), ', ')) END)
             WHEN shortfall > 0 THEN
                 format('waits for %s more %s to be released%s', shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END,
                        CASE WHEN s.fair THEN ' (first in line)' ELSE ' (greedy)' END)
-            ELSE 'it fits here, and waits for its other semaphores'
+            WHEN cardinality(every_name) = 1 THEN 'it fits: a worker grants it at its next pass'
+            ELSE format('it fits here; what holds it back is on its other rows: %s',
+                        array_to_string(array_remove(every_name, named.name), ', '))
         END;
 
         -- The holders it waits on, where it is short of room (elsewhere none are what it needs):

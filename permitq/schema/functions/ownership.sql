@@ -1,20 +1,32 @@
 -- Ownership: a request belongs to the login role that submitted it (`submitted_by`, the
--- session's role). Only that role, or a member of permitq_admin, may release, cancel or
+-- session's role). Only that role, or an admin (permitq.is_admin), may release, cancel or
 -- heartbeat it, and producers read only their own requests (row-level security, migration V3).
 -- Applications that share one login role share ownership of their requests.
+
+-- Whether the session is an admin: a member of permitq_admin, or of the role that owns the
+-- permitq schema (the login that migrated it, which owns every table and function already).
+CREATE OR REPLACE FUNCTION permitq.is_admin() RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT pg_catalog.pg_has_role(session_user, 'permitq_admin', 'MEMBER')
+        OR pg_catalog.pg_has_role(session_user,
+                                  (SELECT n.nspowner FROM pg_catalog.pg_namespace n
+                                   WHERE n.nspname = 'permitq'), 'MEMBER')
+$$;
+GRANT EXECUTE ON FUNCTION permitq.is_admin()
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
 
 -- Whether the session may act on a request submitted by `submitted_by`.
 CREATE OR REPLACE FUNCTION permitq.may_act_on(submitted_by text) RETURNS boolean
 LANGUAGE sql STABLE AS $$
-    SELECT submitted_by = session_user
-        OR pg_catalog.pg_has_role(session_user, 'permitq_admin', 'MEMBER')
+    SELECT submitted_by = session_user OR permitq.is_admin()
 $$;
 
--- Whether the session reads every request (admins, workers and operators), not only its own.
+-- Whether the session reads every request (admins, the schema's owner among them, workers and
+-- operators), not only its own.
 -- The views call it as their reader.
 CREATE OR REPLACE FUNCTION permitq.reads_every_request() RETURNS boolean
 LANGUAGE sql STABLE AS $$
-    SELECT pg_catalog.pg_has_role(session_user, 'permitq_admin', 'MEMBER')
+    SELECT permitq.is_admin()
         OR pg_catalog.pg_has_role(session_user, 'permitq_worker', 'MEMBER')
         OR pg_catalog.pg_has_role(session_user, 'permitq_operator', 'MEMBER')
 $$;

@@ -67,7 +67,8 @@ async fn explain_names_what_is_short_the_place_in_line_the_holders_and_the_rule(
     );
     assert_eq!(disk.position, Some(1));
     assert!(
-        disk.reason.contains("waits for its other semaphores"),
+        disk.reason
+            .ends_with("it fits here; what holds it back is on its other rows: gpu"),
         "{}",
         disk.reason
     );
@@ -303,6 +304,48 @@ async fn explain_shows_the_parents_and_the_room_kept_for_guarantees() {
     assert_eq!(pool.position, Some(2));
     assert!(
         pool.reason.contains("request b2 is first in line"),
+        "{}",
+        pool.reason
+    );
+}
+
+/// A request within its child's guarantee, short on the parent: the explanation names who holds
+/// the parent's room beyond their guarantees, and the ways their permits end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_within_a_guarantee_names_the_borrowers_and_the_ways_out() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("pool", 2, None).await.unwrap();
+    for (name, guarantee) in [("a", 1), ("b", 0)] {
+        let settings = permitq::SemaphoreSettings::new()
+            .parent("pool")
+            .guarantee(guarantee);
+        client.set_semaphore(name, 2, &settings).await.unwrap();
+    }
+    let _worker = db.notified_worker("explain-w");
+    // b borrows the whole pool while a is idle; then a asks within its guarantee.
+    let _b = client
+        .acquire(&Request::new("b1").permit("b", 2), SOON)
+        .await
+        .unwrap();
+    client
+        .submit(&Request::new("a1").permit("a", 1))
+        .await
+        .unwrap();
+    examined(&client, "a1").await;
+    let e = client.explain("a1").await.unwrap().unwrap();
+    let (a, pool) = (&e.semaphores[0], &e.semaphores[1]);
+    assert_eq!(
+        a.reason, "it fits here; what holds it back is on its other rows: pool",
+        "{e:?}"
+    );
+    assert_eq!(pool.shortfall, Some(1), "{e:?}");
+    assert!(
+        pool.reason.starts_with(
+            "parent: within the guarantee of a (1), waits for 1 more permit to be released \
+             (its room is lent beyond their guarantees to: b (2 held, guarantee 0))"
+        ) && pool.reason.contains("past a worker's --max-hold")
+            && pool.reason.contains("`permitq revoke ID`"),
         "{}",
         pool.reason
     );

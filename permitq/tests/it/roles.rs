@@ -149,7 +149,39 @@ async fn a_non_superuser_that_owns_the_database_or_the_schema_migrates_it() {
     assert_eq!(applied.versions.len(), permitq::migrate::MIGRATIONS.len());
     assert!(client.migrate().await.unwrap().is_empty());
     client.set_capacity("x", 1, None).await.unwrap();
-    drop(client);
+    // The login that migrated acts as an admin: it reads and ends a producer's request.
+    let producer = format!("prod_{}", &db.name[db.name.len() - 8..]);
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE {producer} LOGIN PASSWORD 'pw' IN ROLE permitq_producer"
+        ))
+        .await
+        .unwrap();
+    let producer_client = Client::connect(&common::with_dbname(
+        &as_user(&db.url, &producer, "pw"),
+        &fresh,
+    ))
+    .await
+    .unwrap();
+    producer_client
+        .submit(&permitq::Request::new("theirs").permit("x", 1))
+        .await
+        .unwrap();
+    assert!(!producer_client.reads_every_request().await.unwrap());
+    assert!(
+        client.reads_every_request().await.unwrap(),
+        "the owner reads every request"
+    );
+    assert!(
+        client.explain("theirs").await.unwrap().is_some(),
+        "the owner explains another login's request"
+    );
+    assert_eq!(
+        client.release("theirs").await.unwrap(),
+        permitq::ReleaseOutcome::Cancelled,
+        "the owner cancels another login's request, as an admin does"
+    );
+    drop((client, producer_client));
 
     // A role that owns only the permitq schema (no CREATE on the database) migrates too; one
     // that owns nothing is told what it needs.
@@ -187,6 +219,7 @@ async fn a_non_superuser_that_owns_the_database_or_the_schema_migrates_it() {
         format!("DROP DATABASE {fresh} WITH (FORCE)"),
         format!("DROP DATABASE {schema_only} WITH (FORCE)"),
         format!("DROP ROLE {owner}"),
+        format!("DROP ROLE {producer}"),
     ] {
         admin.batch_execute(&statement).await.unwrap();
     }
