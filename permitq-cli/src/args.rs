@@ -175,6 +175,11 @@ pub(crate) struct ChaosArgs {
     /// With --ha: Patroni's synchronous_mode off (asynchronous replication).
     #[arg(long, requires = "ha")]
     pub asynchronous: bool,
+    /// A rolling upgrade under load from an earlier build: start on the schema of this
+    /// `permitq` binary with its workers, then migrate with this build a quarter into the load
+    /// and replace the workers one at a time (SIGTERM, this build's in its place).
+    #[arg(long, value_name = "BINARY", conflicts_with_all = ["mutation", "ha"])]
+    pub previous: Option<std::path::PathBuf>,
     /// With --ha: etcd members.
     #[arg(long, default_value_t = 1, requires = "ha", value_parser = clap::builder::TypedValueParser::map(clap::builder::PossibleValuesParser::new(["1", "3"]), |s: String| s.parse::<usize>().unwrap_or(1)))]
     pub etcd_members: usize,

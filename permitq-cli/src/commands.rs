@@ -95,6 +95,7 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                     synchronous: !args.asynchronous,
                     etcd_members: args.etcd_members,
                 }),
+                previous: args.previous,
             };
             let report = crate::chaos::run(config).await?;
             out!("{}", report.summary());

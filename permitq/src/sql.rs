@@ -259,10 +259,10 @@ pub(crate) const LIST_SEMAPHORES: &str = concat!(
     semaphore_columns!(),
     " FROM permitq.semaphore ORDER BY name"
 );
-/// The existing semaphore or template names nearest $1, nearest first (at most 3).
 /// Producers and the CLI: what to say of each of $1 (names) that no semaphore or template has.
 pub(crate) const UNKNOWN_NAMES: &str = "SELECT a FROM unnest($1::text[]) n, \
      permitq.unknown_name_answer(n) a WHERE a IS NOT NULL";
+/// The existing semaphore or template names nearest $1, nearest first (at most 3).
 pub(crate) const SIMILAR_SEMAPHORES: &str = "SELECT permitq.similar_semaphore_names($1)";
 /// Whether this login reads every producer's requests (functions/ownership.sql).
 pub(crate) const READS_EVERY_REQUEST: &str = "SELECT permitq.reads_every_request()";

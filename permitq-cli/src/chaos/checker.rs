@@ -63,6 +63,8 @@ fn aftermath(kind: Fault) -> Micros {
         Fault::RestartDatabase => 3_000_000,
         Fault::KillWorker | Fault::TerminateConnections | Fault::SlowLink => 2_000_000,
         Fault::PauseHolder | Fault::LowerCapacity | Fault::TimeoutBurst => 1_000_000,
+        // A migration's locks are gone at its commit; a worker replaced starts in a second.
+        Fault::Migrate | Fault::UpgradeWorker => 2_000_000,
         // The fault ends once the cluster is healthy; workers and producers then find the new
         // leader (connect_timeout 2 s per dead host), and leases have their grace.
         Fault::KillLeaderPostgres

@@ -15,6 +15,7 @@ pub(crate) mod load;
 pub(crate) mod mutation;
 pub(crate) mod nemesis;
 pub(crate) mod state;
+pub(crate) mod upgrade;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -84,6 +85,8 @@ pub(crate) struct ChaosConfig {
     pub network: bool,
     /// Under Patroni (on the bed), with the HA faults.
     pub ha: Option<ha::HaConfig>,
+    /// A rolling upgrade from this earlier build's binary (chaos/upgrade.rs).
+    pub previous: Option<PathBuf>,
 }
 
 /// What a run did and found.
@@ -172,7 +175,16 @@ impl ChaosReport {
             );
         }
         s += "faults injected:";
-        for fault in Fault::kinds(c.network, c.ha.is_some()) {
+        let upgrade = [Fault::Migrate, Fault::UpgradeWorker];
+        let upgrade = if c.previous.is_some() {
+            &upgrade[..]
+        } else {
+            &[]
+        };
+        for fault in Fault::kinds(c.network, c.ha.is_some())
+            .into_iter()
+            .chain(upgrade.iter().copied())
+        {
             s += &format!(
                 " {fault:?} {}",
                 self.faults.get(&fault).copied().unwrap_or(0)
@@ -324,7 +336,13 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         }
     };
     let client = Client::connect(&url).await?;
-    client.migrate().await?;
+    match &config.previous {
+        // The previous build's schema, as its users have it.
+        Some(previous) => upgrade::migrate_with(previous, &url).await?,
+        None => {
+            client.migrate().await?;
+        }
+    }
     // Hardened as `permitq doctor` says (the stranger below tries what it guards against).
     harden(&url, &client).await?;
     for (name, capacity, fair) in SEMAPHORES {
@@ -382,7 +400,10 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
 
     let workers = Arc::new(
         nemesis::Workers::start(
-            config.binary.clone(),
+            config
+                .previous
+                .clone()
+                .unwrap_or_else(|| config.binary.clone()),
             worker_url,
             config.workers,
             bed.as_ref().map(|b| {
@@ -446,14 +467,32 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         ))
     });
 
+    let upgrade = config.previous.as_ref().map(|_| {
+        tokio::spawn(upgrade::roll(
+            config.binary.clone(),
+            url.clone(),
+            workers.clone(),
+            config.workers,
+            config.duration,
+        ))
+    });
+
     tokio::time::sleep(config.duration).await;
     stop.store(true, Ordering::Relaxed);
     let load_end = SystemTime::now();
     let at_load_end = snapshot(&url).await.unwrap_or_default();
-    let injected = match nemesis {
+    let mut injected = match nemesis {
         Some(n) => n.await.map_err(|e| CliError::runtime(e.to_string()))?,
         None => nemesis::Injected::default(),
     };
+    if let Some(upgrade) = upgrade {
+        let rolled = upgrade
+            .await
+            .map_err(|e| CliError::runtime(e.to_string()))?;
+        injected.counts.extend(rolled.counts);
+        injected.faults.extend(rolled.faults);
+        injected.failed.extend(rolled.failed);
+    }
     for c in clients.into_iter().chain(watchers) {
         let _ = c.await;
     }

@@ -52,6 +52,12 @@ pub(crate) enum Fault {
     Switchover,
     /// (--ha) A replica's Patroni and PostgreSQL killed and started again.
     RestartReplica,
+    /// (--previous, a rolling upgrade) This build's `permitq migrate`, while the previous
+    /// build's workers grant under load. Not drawn at random.
+    Migrate,
+    /// (--previous) A previous build's worker stopped with SIGTERM and this build's started in
+    /// its place. Not drawn at random.
+    UpgradeWorker,
 }
 
 impl Fault {
@@ -126,16 +132,16 @@ pub(crate) struct Injected {
     pub failed: Vec<(Fault, String)>,
 }
 
-/// The worker processes, restartable.
+/// The worker processes, restartable; each runs the binary of its slot (a rolling upgrade
+/// replaces them one at a time).
 pub(crate) struct Workers {
-    binary: PathBuf,
     url: String,
     /// How many run.
     count: usize,
     /// With --network: worker i runs in namespace `namespaces[i]`.
     namespaces: Option<Vec<String>>,
     sweep_interval: Duration,
-    children: Mutex<Vec<Child>>,
+    children: Mutex<Vec<(Child, PathBuf)>>,
 }
 
 impl Workers {
@@ -148,7 +154,6 @@ impl Workers {
         sweep_interval: Duration,
     ) -> Result<Workers> {
         let workers = Workers {
-            binary,
             url,
             count: n,
             namespaces,
@@ -156,19 +161,18 @@ impl Workers {
             children: Mutex::new(Vec::new()),
         };
         for i in 0..n {
-            let child = workers.spawn(i)?;
-            workers.children.lock().await.push(child);
+            let child = workers.spawn(i, &binary)?;
+            workers.children.lock().await.push((child, binary.clone()));
         }
         Ok(workers)
     }
 
-    fn spawn(&self, i: usize) -> Result<Child> {
+    fn spawn(&self, i: usize, binary: &PathBuf) -> Result<Child> {
         let mut cmd = match &self.namespaces {
-            None => Command::new(&self.binary),
+            None => Command::new(binary),
             Some(namespaces) => {
                 let mut cmd = Command::new("ip");
-                cmd.args(["netns", "exec", &namespaces[i]])
-                    .arg(&self.binary);
+                cmd.args(["netns", "exec", &namespaces[i]]).arg(binary);
                 cmd
             }
         };
@@ -202,10 +206,37 @@ impl Workers {
     async fn kill_and_restart(&self, i: usize) -> Result<()> {
         let mut children = self.children.lock().await;
         let i = i % children.len();
-        children[i].kill().await?; // SIGKILL
+        let (child, binary) = &mut children[i];
+        child.kill().await?; // SIGKILL
         tokio::time::sleep(Duration::from_millis(300)).await;
-        children[i] = self.spawn(i)?;
+        *child = self.spawn(i, binary)?;
         Ok(())
+    }
+
+    /// Stops worker `i` as a rolling restart does (SIGTERM, then waits for it to exit, at most
+    /// 15 s) and starts `binary` in its place. Its exit status is returned: a worker that stopped
+    /// on its own before (an old worker that refused the new schema) shows here.
+    pub(crate) async fn replace(
+        &self,
+        i: usize,
+        binary: &PathBuf,
+    ) -> Result<std::process::ExitStatus> {
+        let mut children = self.children.lock().await;
+        let (child, slot) = &mut children[i];
+        if let Some(pid) = child.id() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status()
+                .await;
+        }
+        let status = tokio::time::timeout(Duration::from_secs(15), child.wait())
+            .await
+            .map_err(|_| {
+                CliError::runtime(format!("worker {i} did not stop within 15 s of SIGTERM"))
+            })??;
+        *child = self.spawn(i, binary)?;
+        *slot = binary.clone();
+        Ok(status)
     }
 
     /// How many workers run.
@@ -215,7 +246,7 @@ impl Workers {
 
     /// SIGTERM to every worker; waits for them to exit.
     pub(crate) async fn stop(&self) {
-        for child in self.children.lock().await.iter_mut() {
+        for (child, _) in self.children.lock().await.iter_mut() {
             if let Some(pid) = child.id() {
                 let _ = Command::new("kill")
                     .args(["-TERM", &pid.to_string()])
@@ -320,6 +351,9 @@ async fn inject(
             .map_err(|e| crate::error::CliError::runtime(e.to_string()))?
             .map_err(CliError::from)
         }
+        Fault::Migrate | Fault::UpgradeWorker => Err(CliError::runtime(
+            "a rolling upgrade's steps are not drawn at random (--previous)",
+        )),
         Fault::KillLeaderPostgres
         | Fault::KillLeaderPatroni
         | Fault::PartitionLeader
