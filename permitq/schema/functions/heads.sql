@@ -29,11 +29,14 @@ SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET enable_
 DECLARE
     scan_limit constant integer := 1000;
     floor_place bigint := (SELECT min(b) FROM unnest(bounds) b);
+    nested boolean := EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.parent IS NOT NULL);
 BEGIN
     -- Nested limits (functions/nesting.sql): the ancestors have lines too (waiter rows of the
-    -- requests below them), each bounded by the lowest bound below it. Only recorded waiters
-    -- count there: an unexamined request names a child, and is found there.
-    IF EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.parent IS NOT NULL) THEN
+    -- requests below them), each bounded by the lowest bound below it. An unexamined request
+    -- is in the line of every ancestor of what it names, with what it would take there: it
+    -- may name a child the batch does not (a sibling of the batch's), and be ahead on the
+    -- parent they share.
+    IF nested THEN
         SELECT array_agg(c.ancestor), array_agg(c.bound) INTO names, bounds
         FROM (SELECT a.ancestor, min(b.bound) AS bound
               FROM unnest(names, bounds) AS b(name, bound)
@@ -65,19 +68,35 @@ BEGIN
     ),
     stopped_short AS (
         SELECT a.place FROM ahead a WHERE a.n = scan_limit
+    ),
+    -- What each names, read defensively (a count that is not one counts as 1).
+    named AS (
+        SELECT a.id, a.place, e.key AS name,
+               CASE WHEN jsonb_typeof(e.value) = 'number'
+                         AND (e.value #>> '{}')::numeric BETWEEN 1 AND 2147483647
+                    THEN (e.value #>> '{}')::numeric::int ELSE 1 END AS count
+        FROM ahead a
+        CROSS JOIN LATERAL jsonb_each(CASE WHEN jsonb_typeof(a.permits) = 'object'
+                                           THEN a.permits ELSE '{}'::jsonb END) e
+        WHERE a.id <> ALL(batch_ids)
+    ),
+    -- And with nested limits, what that takes from each ancestor (summed over its children).
+    lined AS (
+        SELECT x.id, x.place, x.name, x.count FROM named x
+        UNION ALL
+        SELECT x.id, x.place, an.ancestor, x.count
+        FROM named x
+        JOIN permitq.ancestors(ARRAY(SELECT DISTINCT y.name FROM named y)) an
+          ON nested AND an.name = x.name AND an.depth > 0
     )
     SELECT DISTINCT ON (b.name) b.name, h.id, h.count, h.place
     FROM unnest(names, bounds) AS b(name, bound)
     JOIN permitq.semaphore s ON s.name = b.name AND s.fair AND NOT s.is_template
     CROSS JOIN LATERAL (
-        SELECT a.id,
-               CASE WHEN jsonb_typeof(a.permits -> b.name) = 'number'
-                         AND (a.permits ->> b.name)::numeric BETWEEN 1 AND 2147483647
-                    THEN (a.permits ->> b.name)::numeric::int ELSE 1 END AS count,
-               a.place
-        FROM ahead a
-        WHERE a.place >= b.bound AND a.id <> ALL(batch_ids)
-          AND jsonb_typeof(a.permits) = 'object' AND a.permits ? b.name
+        SELECT l.id, least(sum(l.count), 2147483647)::int AS count, l.place
+        FROM lined l
+        WHERE l.place >= b.bound AND l.name = b.name
+        GROUP BY l.id, l.place
         UNION ALL
         SELECT 0, 2147483647, c.place FROM stopped_short c WHERE c.place >= b.bound
     ) h

@@ -488,6 +488,35 @@ async fn a_borrower_keeps_the_room_of_the_parents_recorded_head() {
     assert_eq!(b_borrows_while_a_waits(true, 0).await, "Error/no_capacity");
 }
 
+/// A borrower does not pass the room of a parent's head that no worker has examined yet (another
+/// worker holds its row): the request names a child, and is ahead on the parent too. No
+/// guarantee, so no reserve hides a missed head.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_borrower_keeps_the_room_of_the_parents_unexamined_head() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let mut locker = db.conn().await;
+    pool_of_a_and_b(&client, true, 0).await;
+    let worker = db.notified_worker("w1");
+    submit(&client, "hog", "b", 3).await;
+    acquired(&client, "hog").await;
+    worker.stop().await;
+    // a1 is first in the pool's line, unexamined: its row held as a worker's claim holds it.
+    submit(&client, "a1", "a", 1).await;
+    let tx = locker.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM permitq.permit_request WHERE external_id = 'a1' FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    let _worker = db.notified_worker("w2");
+    // b2 comes after a1, and the pool's last free permit is a1's.
+    assert_eq!(fails_fast(&client, "b2", "b", 1).await, "Error/no_capacity");
+    tx.rollback().await.unwrap();
+    acquired(&client, "a1").await;
+}
+
 /// Explain's `kept` counts a sibling active only by its waiters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_keeps_room_for_a_sibling_active_only_by_its_waiters() {
