@@ -535,18 +535,60 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             if !s.is_template {
                 say_waiters_no_longer_covered(client, &s.name, s.capacity).await;
             }
+            // A bound lowered below the instances there are removes none of them.
+            if let (true, Some(bound)) = (s.is_template, s.max_instances) {
+                let made = client
+                    .semaphores()
+                    .await
+                    .map(|all| {
+                        all.iter()
+                            .filter(|i| i.template.as_deref() == Some(s.name.as_str()))
+                            .count()
+                    })
+                    .unwrap_or(0);
+                let made = i64::try_from(made).unwrap_or(i64::MAX);
+                if made > bound {
+                    let counted = match &s.parent {
+                        Some(parent) if s.guarantee > 0 => {
+                            format!(", their guarantees still promised by {parent},")
+                        }
+                        _ => String::new(),
+                    };
+                    errln!(
+                        "permitq: {} has {made} instances, more than max_instances {bound}: none \
+                         is removed; they stay{counted} until deleted (`permitq semaphore delete \
+                         NAME` once one holds nothing; `permitq semaphore show {}` lists them) \
+                         or idle for --idle-instance-after, and no new instance is made until \
+                         fewer than {bound} remain",
+                        s.name,
+                        crate::show::quoted_name(&s.name)
+                    );
+                }
+            }
             if json {
                 outln!("{}", serde_json::to_string(&s).expect("serializable"));
                 return Ok(0);
             }
+            // A rate limit's capacity bounds grants in its window: those, beside what is held.
+            let used = match s.per {
+                Some(_) => match client.usage().await {
+                    Ok(usage) => usage
+                        .iter()
+                        .find(|u| u.name == s.name)
+                        .map_or(format!("used={}", s.used), |u| {
+                            format!("granted_in_window={} held={}", u.in_window, u.held)
+                        }),
+                    Err(_) => format!("used={}", s.used),
+                },
+                None => format!("used={}", s.used),
+            };
             outln!(
-                "{} capacity={}{} used={} {}{}{}",
+                "{} capacity={}{} {used} {}{}{}",
                 s.name,
                 s.capacity,
                 s.per
                     .map(|p| format!(" per={}", humantime::format_duration(p)))
                     .unwrap_or_default(),
-                s.used,
                 if s.fair { "fair" } else { "greedy" },
                 s.parent
                     .as_ref()
@@ -602,6 +644,8 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 outln!("{}", serde_json::to_string(&list).expect("serializable"));
             } else {
                 outln!("{:<32} {:>10} {:>10}  mode", "name", "capacity", "used");
+                // A rate limit's `used` is its grants in the window (what its capacity bounds).
+                let usage = client.usage().await.unwrap_or_default();
                 if list.is_empty() {
                     errln!(
                         "permitq: no semaphores yet in {}: `permitq semaphore set NAME CAPACITY` \
@@ -613,11 +657,14 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                     let mut kind = crate::show::origin(s.is_template, s.template.as_deref())
                         .map(|o| format!("  {o}"))
                         .unwrap_or_default();
+                    let mut used = s.used;
                     if let Some(per) = s.per {
-                        // Its capacity bounds grants per window; `used` still counts holders.
+                        let row = usage.iter().find(|u| u.name == s.name);
+                        used = row.map_or(s.used, |u| u.in_window);
                         kind.push_str(&format!(
-                            "  per {} (capacity: grants per window)",
-                            humantime::format_duration(per)
+                            "  per {} (capacity and used: grants in the window; {} held)",
+                            humantime::format_duration(per),
+                            row.map_or(s.used, |u| u.held)
                         ));
                     }
                     if let Some(parent) = &s.parent {
@@ -630,7 +677,7 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                         "{:<32} {:>10} {:>10}  {}{kind}",
                         s.name,
                         s.capacity,
-                        s.used,
+                        used,
                         if s.fair { "fair" } else { "greedy" }
                     );
                 }

@@ -77,7 +77,7 @@ pub(crate) fn kind(u: &permitq::SemaphoreUsage) -> String {
 }
 
 /// [`kind`] in the fewest words, for `top`'s narrow column: `per 1m, opens 41s`, `in gpus, 2
-/// kept`, `inst` (the use column shows a rate limit's grants in its window).
+/// guaranteed`, `inst` (the use column shows a rate limit's grants in its window).
 pub(crate) fn short_kind(u: &permitq::SemaphoreUsage) -> String {
     let origin = if u.is_template {
         Some("template".to_string())
@@ -86,7 +86,7 @@ pub(crate) fn short_kind(u: &permitq::SemaphoreUsage) -> String {
     };
     let nesting = u.parent.as_ref().map(|parent| {
         if u.guarantee > 0 {
-            format!("in {parent}, {} kept", u.guarantee)
+            format!("in {parent}, {} guaranteed", u.guarantee)
         } else {
             format!("in {parent}")
         }
@@ -225,12 +225,22 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
                 } else {
                     String::new()
                 };
-                format!(
-                    "{} (capacity {}{guarantee}, {} used)",
-                    quoted_name(&c.name),
-                    c.capacity,
-                    c.used
-                )
+                // A template's own row holds nothing: what its instances hold is what counts.
+                match c.instances {
+                    Some(n) => format!(
+                        "{} (template: {n} {}, {} used; each capacity {}{guarantee})",
+                        quoted_name(&c.name),
+                        if n == 1 { "instance" } else { "instances" },
+                        c.used,
+                        c.capacity
+                    ),
+                    None => format!(
+                        "{} (capacity {}{guarantee}, {} used)",
+                        quoted_name(&c.name),
+                        c.capacity,
+                        c.used
+                    ),
+                }
             })
             .collect();
         outln!("  children: {}", children.join(", "));
@@ -468,7 +478,7 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
             && short
             && !s.holders.is_empty()
             && s.holders.iter().all(|h| h.expires_at.is_none());
-        if e.nothing_granting.is_some() && short {
+        if e.nothing_granting.is_some() && (short || s.estimated_wait.is_some()) {
             // No worker: neither releases nor lease ends grant it, so no estimate holds.
             lines.push("  no estimated wait: nothing grants it until a worker runs".to_string());
         } else if unleased {

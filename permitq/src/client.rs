@@ -248,12 +248,16 @@ impl Client {
                     return Err(e.left_waiting(&request.external_id));
                 }
                 let why = match self.granting().await.ok().and_then(|g| g.warning()) {
-                    Some(warning) => format!("; {warning}"),
+                    Some(warning) => format!(
+                        "; {warning} (this request is cancelled: acquire again under a new \
+                         external_id once one runs)"
+                    ),
                     None => {
                         let names: Vec<&str> = request.permits.keys().map(String::as_str).collect();
                         format!(
                             "; {} had no room for it in that time (`permitq semaphore show {}` \
-                             shows who holds them)",
+                             shows who holds them: a producer login sees its own holders, an \
+                             operator login every one)",
                             names.join(", "),
                             names.first().copied().unwrap_or("NAME")
                         )

@@ -45,6 +45,10 @@ pub struct ErrorDetail {
     /// That template's bound on its instances.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_instances: Option<i64>,
+    /// How many instances that template has (more than `max_instances` after the bound was
+    /// lowered below them: they stay until deleted or idle).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub instances: Option<i64>,
     /// That template's parent, when its instances are nested.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
@@ -255,10 +259,21 @@ fn too_many_instances(name: &str, template: &str, bound: i64, d: &ErrorDetail) -
     let capacity = d
         .capacity
         .map_or_else(|| "CAPACITY".to_string(), |c| c.to_string());
+    // A bound lowered below the instances there are: one more than those it has.
+    let instances = d.instances.unwrap_or(bound);
     let raise = format!(
         "`permitq semaphore set '{template}' {capacity} --max-instances {}`",
-        bound + 1
+        instances.max(bound) + 1
     );
+    let has = if instances > bound {
+        format!(
+            "has {instances} instances, more than its max_instances of {bound} (lowered below \
+             them: they stay until deleted or idle, and no new one is made until fewer than \
+             {bound} remain)"
+        )
+    } else {
+        format!("has its max_instances of {bound} already")
+    };
     let raise = match (&d.parent, d.guarantee, d.parent_needs) {
         (Some(parent), Some(g), Some(needs)) => format!(
             "or raise the bound: each instance is guaranteed {g} of {parent}, so {parent} needs \
@@ -271,8 +286,8 @@ fn too_many_instances(name: &str, template: &str, bound: i64, d: &ErrorDetail) -
         _ => format!("or raise the bound ({raise})"),
     };
     format!(
-        "{name} would be a new instance of template {template}, which has its max_instances of \
-         {bound} already ({show}); {free_one}; {raise}; then submit again under a new external_id"
+        "{name} would be a new instance of template {template}, which {has} ({show}); \
+         {free_one}; {raise}; then submit again under a new external_id"
     )
 }
 

@@ -243,8 +243,9 @@ impl Worker {
                     if !may_work {
                         return Err(Error::config(format!(
                             "the login {login} is not a permitq worker: a worker needs the role \
-                             permitq_worker (GRANT permitq_worker TO {login}; as a login that has \
-                             it with ADMIN OPTION, or a superuser), or run it with a worker login"
+                             permitq_worker (GRANT permitq_worker TO {login}, run by a superuser, \
+                             a CREATEROLE login, or one that has it with ADMIN OPTION), or run it \
+                             with a worker login (or the login that ran `permitq migrate`)"
                         )));
                     }
                 }

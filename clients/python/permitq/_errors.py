@@ -150,8 +150,15 @@ def _explained(code: str, d: dict[str, Any]) -> str:
             if d.get("parent_needs")
             else "or raise the bound (`--max-instances`)"
         )
+        bound, instances = d.get("max_instances"), d.get("instances")
+        has = (
+            f"has {instances} instances, more than its max_instances of {bound} (lowered below "
+            "them: they stay until deleted or idle)"
+            if isinstance(instances, int) and isinstance(bound, int) and instances > bound
+            else f"has its max_instances of {bound} already"
+        )
         return (
-            f"template {template} has its max_instances of {d.get('max_instances')} already "
+            f"template {template} {has} "
             f"(`permitq semaphore show '{template}'` lists them); {free}, {raise_}; "
             "then submit again under a new external_id"
         )

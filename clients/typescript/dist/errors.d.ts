@@ -55,6 +55,8 @@ export type ErrorDetail = Record<string, unknown> & {
     similar?: string[];
     template?: string;
     max_instances?: number;
+    /** How many instances the template has (more than max_instances after a lowered bound). */
+    instances?: number;
     idle_instances?: string[];
     parent?: string;
     parent_needs?: number;

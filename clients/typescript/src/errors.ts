@@ -68,6 +68,8 @@ export type ErrorDetail = Record<string, unknown> & {
   similar?: string[];
   template?: string;
   max_instances?: number;
+  /** How many instances the template has (more than max_instances after a lowered bound). */
+  instances?: number;
   idle_instances?: string[];
   parent?: string;
   parent_needs?: number;
@@ -152,7 +154,11 @@ function explained(code: string, d: ErrorDetail): string {
       const raise = d.parent_needs
         ? `or raise the bound once ${String(d.parent)} has capacity ${d.parent_needs}`
         : "or raise the bound (`--max-instances`)";
-      return `template ${String(d.template)} has its max_instances of ${String(d.max_instances)} already (\`permitq semaphore show '${String(d.template)}'\` lists them); ${free}, ${raise}; then submit again under a new external_id`;
+      const has =
+        typeof d.instances === "number" && typeof d.max_instances === "number" && d.instances > d.max_instances
+          ? `has ${d.instances} instances, more than its max_instances of ${d.max_instances} (lowered below them: they stay until deleted or idle)`
+          : `has its max_instances of ${String(d.max_instances)} already`;
+      return `template ${String(d.template)} ${has} (\`permitq semaphore show '${String(d.template)}'\` lists them); ${free}, ${raise}; then submit again under a new external_id`;
     }
     default:
       return String(d.problem ?? code);

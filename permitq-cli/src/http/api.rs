@@ -87,10 +87,24 @@ pub(crate) struct Detail {
     /// For a parent (nested limits): its children, by name (a template's instances through
     /// the template), at most [`INSTANCES_NAMED`].
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub(crate) children: Vec<permitq::Semaphore>,
+    pub(crate) children: Vec<Child>,
     /// The workers, and whether anything is granting.
     #[serde(flatten)]
     pub(crate) presence: crate::show::Presence,
+}
+
+/// A parent's child: its settings and what it uses; for a template, over its instances.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(crate) struct Child {
+    pub(crate) name: String,
+    pub(crate) capacity: i64,
+    pub(crate) guarantee: i64,
+    /// What it holds (a template: its instances together), releases not yet counted back
+    /// included.
+    pub(crate) used: i64,
+    /// For a template: how many instances it has.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) instances: Option<usize>,
 }
 
 /// A template's instances: how many it has, the most it may make, and the first few by name.
@@ -133,10 +147,22 @@ pub(super) async fn detail_of(
         None => None,
     };
     let all = client.semaphores().await?;
-    let mut children: Vec<permitq::Semaphore> = all
+    let mut children: Vec<Child> = all
         .iter()
         .filter(|s| s.parent.as_deref() == Some(name) && s.template.is_none())
-        .cloned()
+        .map(|s| {
+            let instances: Vec<&permitq::Semaphore> = all
+                .iter()
+                .filter(|i| s.is_template && i.template.as_deref() == Some(s.name.as_str()))
+                .collect();
+            Child {
+                name: s.name.clone(),
+                capacity: s.capacity,
+                guarantee: s.guarantee,
+                used: s.used + instances.iter().map(|i| i.used).sum::<i64>(),
+                instances: s.is_template.then_some(instances.len()),
+            }
+        })
         .collect();
     children.sort_by(|a, b| a.name.cmp(&b.name));
     children.truncate(INSTANCES_NAMED);

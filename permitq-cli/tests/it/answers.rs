@@ -482,7 +482,7 @@ async fn too_many_instances_names_the_template_and_its_bound_also_in_json() {
     let o = run(url, &["status", "lab-5", "--json"]).await;
     assert_eq!(
         json(&o)["error_detail"],
-        serde_json::json!({ "semaphore": "lab-5", "template": "lab-*", "capacity": 1, "max_instances": 4 })
+        serde_json::json!({ "semaphore": "lab-5", "template": "lab-*", "capacity": 1, "max_instances": 4, "instances": 4 })
     );
     // The bound and how many it has, where the template is shown.
     let o = run(url, &["semaphore", "show", "lab-*"]).await;
@@ -822,7 +822,7 @@ async fn a_worker_run_as_a_login_that_may_not_work_says_so_once_and_exits() {
     assert!(
         stderr(&o).contains(&format!(
             "the login {user} is not a permitq worker: a worker needs the role permitq_worker \
-             (GRANT permitq_worker TO {user};"
+             (GRANT permitq_worker TO {user}, run by a superuser, a CREATEROLE login"
         )) && !stderr(&o).contains("worker started"),
         "{}",
         stderr(&o)
@@ -1377,12 +1377,107 @@ async fn a_guaranteed_template_without_a_bound_is_told_to_set_max_instances() {
     assert!(
         stderr(&o).contains(
             "its other children's guarantees leave 0 of gpus, less than one instance's 3: raise \
-             gpus first (to 8 + N × 3 for N instances: `permitq semaphore set gpus 11` for one), \
-             or lower a guarantee"
+             gpus and bound the template (8 + N × 3 for N instances): for one, `permitq \
+             semaphore set gpus 11`, then `permitq semaphore set 'u:*' CAPACITY --guarantee 3 \
+             --max-instances 1`; or lower a guarantee"
         ),
         "{}",
         stderr(&o)
     );
+    // Followed as said, both commands are accepted.
+    let o = run(url, &["semaphore", "set", "gpus", "11"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "u:*",
+            "6",
+            "--parent",
+            "gpus",
+            "--guarantee",
+            "3",
+            "--max-instances",
+            "1",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+}
+
+/// A template's bound lowered below the instances it has: said at once, and the answers that
+/// follow count the instances, so that following them works the first time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bound_lowered_below_a_templates_instances_is_counted_from_the_instances() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let worker = db.worker(quiet_config("w"));
+    run(url, &["semaphore", "set", "gpus", "8"]).await;
+    let template = [
+        "semaphore",
+        "set",
+        "lab:*",
+        "2",
+        "--parent",
+        "gpus",
+        "--guarantee",
+        "2",
+    ];
+    let o = run(url, &[&template[..], &["--max-instances", "4"]].concat()).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    for lab in ["a", "b", "c"] {
+        let id = format!("lab-{lab}");
+        let o = run(
+            url,
+            &["submit", &id, &format!("lab:{lab}=1"), "--await", "10s"],
+        )
+        .await;
+        assert_eq!(code(&o), 0, "{}", stdout(&o));
+    }
+    // The parent's show counts the template's instances.
+    let o = run(url, &["semaphore", "show", "gpus"]).await;
+    assert!(
+        stdout(&o).contains(
+            "  children: 'lab:*' (template: 3 instances, 3 used; each capacity 2, guarantee 2)"
+        ),
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &[&template[..], &["--max-instances", "2"]].concat()).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "permitq: lab:* has 3 instances, more than max_instances 2: none is removed; they \
+             stay, their guarantees still promised by gpus, until deleted"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    // The parent cannot shrink below what the 3 instances are promised: the answer says so.
+    let o = run(url, &["semaphore", "set", "gpus", "2"]).await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("(its max_instances), and has 3 now; bound them")
+            && stderr(&o).contains("with N at most 1 ")
+            && stderr(&o).contains("delete 2 of them"),
+        "{}",
+        stderr(&o)
+    );
+    // A new instance: refused, and the raise it names is one above the 3 there are.
+    let o = run(url, &["submit", "lab-d-1", "lab:d=1", "--await", "10s"]).await;
+    assert!(
+        stdout(&o).contains(
+            "which has 3 instances, more than its max_instances of 2 (lowered below them"
+        ) && stdout(&o).contains("--max-instances 4`"),
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &[&template[..], &["--max-instances", "4"]].concat()).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = run(url, &["submit", "lab-d-2", "lab:d=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    worker.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1743,7 +1838,13 @@ async fn semaphore_set_list_and_show_say_what_is_kept_what_zero_means_and_the_ch
     run(url, &["semaphore", "set", "api", "2", "--per", "1h"]).await;
     let o = run(url, &["semaphore", "set", "api", "3"]).await;
     assert!(
-        stdout(&o).starts_with("api capacity=3 per=1h "),
+        stdout(&o).starts_with("api capacity=3 per=1h granted_in_window=0 held=0 "),
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &["semaphore", "list"]).await;
+    assert!(
+        stdout(&o).contains("per 1h (capacity and used: grants in the window; 0 held)"),
         "{}",
         stdout(&o)
     );

@@ -78,6 +78,16 @@ BEGIN
                            wt.request_id -- waiter_place_idx
                   LIMIT batch_size) w
             WHERE room.free > 0 AND w.count <= room.free
+              -- Nor one that another of its semaphores has no room for now (its waiter row
+              -- there, waiter_request_idx): claimed, it could only be decided again to wait,
+              -- by every batch. A release there notifies the workers, and the next pass sees it.
+              -- (A scalar subquery, looked up per candidate: as NOT EXISTS it was planned as an
+              -- anti-join over every waiter.)
+              AND NOT coalesce((SELECT bool_or(o.count > permitq.free_room(s2))
+                                FROM permitq.waiter o
+                                JOIN permitq.semaphore s2 ON s2.id = o.semaphore_id
+                                WHERE o.request_id = w.request_id
+                                  AND o.semaphore_id <> room.id), false)
             ORDER BY permitq.rule_place_in_line(w.priority, w.created_at) DESC, w.request_id
             LIMIT least(batch_size, room.free)
         ) fit

@@ -102,7 +102,8 @@ $$;
 -- A failed request's detail, completed: `detail` as the decision gave it, plus `similar` for
 -- unknown_semaphore, `per` (the window) for a rate-limited semaphore's no_capacity and
 -- exceeds_capacity (and `template` for an instance's), and for too_many_instances the template's
--- `capacity` and `max_instances`, `idle_instances`, and its `parent`, `guarantee` and
+-- `capacity`, `max_instances` and `instances` (how many it has), `idle_instances`, and its
+-- `parent`, `guarantee` and
 -- `parent_needs` when nested.
 CREATE OR REPLACE FUNCTION permitq.completed_error_detail(code text, detail jsonb) RETURNS jsonb
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
@@ -132,6 +133,7 @@ BEGIN
                 'template', template.name,
                 'capacity', template.capacity,
                 'max_instances', coalesce(template.max_instances, permitq.rule_max_instances()),
+                'instances', (SELECT count(*) FROM permitq.semaphore i WHERE i.template = template.name),
                 'parent', template.parent,
                 'guarantee', nullif(template.guarantee, 0),
                 'idle_instances', (SELECT nullif(jsonb_agg(i.name ORDER BY i.name), '[]')

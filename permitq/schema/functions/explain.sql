@@ -213,6 +213,8 @@ BEGIN
                        head.priority, head.count,
                        CASE WHEN shortfall > 0 THEN format(', and %s more %s must be released', shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END)
                             WHEN free::int8 - needs < head.count THEN ': what is free would not leave it its room'
+                            WHEN cardinality(every_name) = 1
+                                 THEN ': it fits and leaves that its room, so a worker grants it at its next pass'
                             ELSE format(': it fits, and waits for its other rows: %s',
                                         array_to_string(array_remove(every_name, named.name), ', ')) END)
             WHEN shortfall > 0 THEN

@@ -141,8 +141,10 @@ BEGIN
     FOR p IN SELECT * FROM permitq.semaphore t WHERE t.name IN (s.parent, s.name) LOOP
         promised := permitq.promised_to_children(p.name);
         IF promised > p.capacity THEN
-            -- A template's bound is the likely cause (10000 instances unless set): name it.
-            SELECT c.name, c.guarantee, coalesce(c.max_instances, permitq.rule_max_instances()) AS max_instances
+            -- A template's bound is the likely cause (10000 instances unless set): name it,
+            -- with the instances it has (they count while they exist, above a bound too).
+            SELECT c.name, c.guarantee, coalesce(c.max_instances, permitq.rule_max_instances()) AS max_instances,
+                   (SELECT count(*) FROM permitq.semaphore i WHERE i.template = c.name) AS made
             INTO biggest
             FROM permitq.semaphore c
             WHERE c.parent = p.name AND c.guarantee > 0 AND c.is_template
@@ -150,23 +152,34 @@ BEGIN
             LIMIT 1;
             IF biggest.name IS NOT NULL THEN
                 -- What the others leave it: the bound to set, or (none left) the parent to raise
-                -- first. Raising the parent to the whole sum is offered only for a bound someone
-                -- set: for the default one it would mean a capacity in the tens of thousands.
-                left_over := p.capacity - (promised - biggest.guarantee::bigint * biggest.max_instances);
-                RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: template %s guarantees %s to each of up to %s instances (its max_instances%s); %s',
+                -- first, and the bound with it. Raising the parent to the whole sum is offered
+                -- only for a bound someone set: for the default one it would mean a capacity in
+                -- the tens of thousands.
+                left_over := p.capacity - (promised - biggest.guarantee::bigint
+                                                      * greatest(biggest.max_instances, biggest.made));
+                RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: template %s guarantees %s to each of up to %s instances (its max_instances%s)%s; %s',
                               p.name, promised, p.capacity, biggest.name, biggest.guarantee,
                               biggest.max_instances,
                               CASE WHEN biggest.max_instances = permitq.rule_max_instances() THEN ', by default' ELSE '' END,
+                              CASE WHEN biggest.made > 0
+                                   THEN format(', and has %s now', biggest.made) ELSE '' END,
                               CASE WHEN left_over >= biggest.guarantee
-                                   THEN format('bound them: `permitq semaphore set ''%s'' CAPACITY --guarantee %s --max-instances N` with N at most %s (its other children''s guarantees leave %s of %s)%s',
+                                   THEN format('bound them: `permitq semaphore set ''%s'' CAPACITY --guarantee %s --max-instances N` with N at most %s (its other children''s guarantees leave %s of %s)%s%s',
                                                biggest.name, biggest.guarantee, left_over / biggest.guarantee,
                                                left_over, p.name,
+                                               CASE WHEN biggest.made > left_over / biggest.guarantee
+                                                    THEN format('; instances beyond the bound count until they are gone: delete %s of them (`permitq semaphore show ''%s''` lists them, `permitq semaphore delete NAME` removes one that holds nothing)',
+                                                                biggest.made - left_over / biggest.guarantee, biggest.name)
+                                                    ELSE '' END,
                                                CASE WHEN biggest.max_instances = permitq.rule_max_instances() THEN ''
                                                     ELSE format(', or raise %s (`permitq semaphore set %s %s`)', p.name, p.name, promised) END)
-                                   ELSE format('its other children''s guarantees leave %s of %s, less than one instance''s %s: raise %s first (to %s for N instances: `permitq semaphore set %s %s` for one), or lower a guarantee',
+                                   ELSE format('its other children''s guarantees leave %s of %s, less than one instance''s %s: raise %s and bound the template (%s for N instances): for %s, `permitq semaphore set %s %s`, then `permitq semaphore set ''%s'' CAPACITY --guarantee %s --max-instances %s`; or lower a guarantee',
                                                greatest(left_over, 0), p.name, biggest.guarantee, p.name,
                                                format('%s + N × %s', p.capacity - greatest(left_over, 0), biggest.guarantee),
-                                               p.name, p.capacity - greatest(left_over, 0) + biggest.guarantee) END);
+                                               CASE WHEN biggest.made > 1 THEN format('its %s', biggest.made) ELSE 'one' END,
+                                               p.name, p.capacity - greatest(left_over, 0)
+                                                       + biggest.guarantee::bigint * greatest(biggest.made, 1),
+                                               biggest.name, biggest.guarantee, greatest(biggest.made, 1)) END);
             END IF;
             RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: raise it (`permitq semaphore set %s %s`), or lower a guarantee',
                           p.name, promised, p.capacity, p.name, promised);

@@ -388,3 +388,42 @@ async fn unexamined_requests_placed_ahead_count_in_the_place_in_line() {
         "two unexamined requests of priority 10 go before it: {gpu:?}"
     );
 }
+
+/// A request that fits behind a fair head and leaves it its room, while no worker runs: the
+/// reason says it is granted at the next pass (it named no other semaphore to wait for).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_fits_beside_the_head_is_granted_at_the_next_pass() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("gpu", 3, Some(true)).await.unwrap();
+    let worker = db.notified_worker("explain-w");
+    client
+        .submit(&Request::new("holder").permit("gpu", 2))
+        .await
+        .unwrap();
+    assert_eq!(
+        client
+            .wait_settled("holder", SOON)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        State::Acquired
+    );
+    for (id, count) in [("head", 2), ("small", 1)] {
+        client
+            .submit(&Request::new(id).permit("gpu", count))
+            .await
+            .unwrap();
+        examined(&client, id).await;
+    }
+    worker.stop().await;
+    client.release("holder").await.unwrap();
+    let e = client.explain("small").await.unwrap().unwrap();
+    assert_eq!(
+        e.semaphores[0].reason,
+        "fair: request head is first in line (priority 0, needs 2): it fits and leaves that its \
+         room, so a worker grants it at its next pass",
+        "{e:?}"
+    );
+}

@@ -174,7 +174,8 @@ async fn dropping_a_lease_releases_it() {
     assert_eq!(
         err.to_string(),
         "request patient was not granted: still waiting after 300ms, so acquire cancelled it; s \
-         had no room for it in that time (`permitq semaphore show s` shows who holds them)"
+         had no room for it in that time (`permitq semaphore show s` shows who holds them: a \
+         producer login sees its own holders, an operator login every one)"
     );
     // An acquire dropped while it waits (an outer timeout gave up on it) cancels its request:
     // nothing is granted to a caller that has gone.
@@ -212,7 +213,10 @@ async fn dropping_a_lease_releases_it() {
         .unwrap();
     assert!(
         err.to_string()
-            .contains("so acquire cancelled it; nothing is granting: "),
+            .contains("so acquire cancelled it; nothing is granting: ")
+            && err.to_string().ends_with(
+                "(this request is cancelled: acquire again under a new external_id once one runs)"
+            ),
         "{err}"
     );
 }

@@ -181,6 +181,19 @@ async fn a_non_superuser_that_owns_the_database_or_the_schema_migrates_it() {
         permitq::ReleaseOutcome::Cancelled,
         "the owner cancels another login's request, as an admin does"
     );
+    // And it may run a worker (it owns every function a worker calls).
+    let worker = RunningWorker::start(&url, quiet_config("owner-w"));
+    client
+        .acquire(
+            &Request::new("owners").permit("x", 1),
+            Duration::from_secs(15),
+        )
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    worker.stop().await;
     drop((client, producer_client));
 
     // A role that owns only the permitq schema (no CREATE on the database) migrates too; one
