@@ -33,9 +33,9 @@ DECLARE
 BEGIN
     -- Nested limits (functions/nesting.sql): the ancestors have lines too (waiter rows of the
     -- requests below them), each bounded by the lowest bound below it. An unexamined request
-    -- is in the line of every ancestor of what it names, with what it would take there: it
-    -- may name a child the batch does not (a sibling of the batch's), and be ahead on the
-    -- parent they share.
+    -- is in the line of every ancestor of what it names (for an instance not made yet, of its
+    -- template's parent), with what it would take there: it may name a child the batch does
+    -- not (a sibling of the batch's), and be ahead on the parent they share.
     IF nested THEN
         SELECT array_agg(c.ancestor), array_agg(c.bound) INTO names, bounds
         FROM (SELECT a.ancestor, min(b.bound) AS bound
@@ -88,6 +88,15 @@ BEGIN
         FROM named x
         JOIN permitq.ancestors(ARRAY(SELECT DISTINCT y.name FROM named y)) an
           ON nested AND an.name = x.name AND an.depth > 0
+        UNION ALL
+        -- A template's instance not made yet (a worker makes it at the grant): the chain of
+        -- its template's parent.
+        SELECT x.id, x.place, an.ancestor, x.count
+        FROM named x
+        CROSS JOIN LATERAL (SELECT t.parent FROM permitq.template_for(x.name) t) tp
+        JOIN permitq.ancestors(ARRAY[tp.parent]) an ON true
+        WHERE nested AND tp.parent IS NOT NULL
+          AND NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = x.name)
     )
     SELECT DISTINCT ON (b.name) b.name, h.id, h.count, h.place
     FROM unnest(names, bounds) AS b(name, bound)

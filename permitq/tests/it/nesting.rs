@@ -517,6 +517,55 @@ async fn a_borrower_keeps_the_room_of_the_parents_unexamined_head() {
     acquired(&client, "a1").await;
 }
 
+/// The same for a request on a template's instance not made yet (a worker makes it at the
+/// grant): its place on the template's parent is kept, examined or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_borrower_keeps_the_room_of_a_head_on_an_instance_not_made_yet() {
+    for examined in [true, false] {
+        let db = TestDb::new().await;
+        let client = db.client().await;
+        let conn = db.conn().await;
+        let mut locker = db.conn().await;
+        client.set_capacity("pool", 4, Some(true)).await.unwrap();
+        nest(&client, "lab:*", 4, "pool", 0).await;
+        nest(&client, "b", 4, "pool", 0).await;
+        client.set_capacity("full", 1, Some(true)).await.unwrap();
+        let worker = db.notified_worker("w1");
+        for (id, name, count) in [("hog", "b", 3), ("filler", "full", 1)] {
+            submit(&client, id, name, count).await;
+            acquired(&client, id).await;
+        }
+        // a1 asks for the pool's last permit through lab:new, which does not exist yet, and
+        // for `full`, which keeps it waiting; examined by a worker, or not (its row held).
+        let a1 = Request::new("a1").permit("lab:new", 1).permit("full", 1);
+        let tx = if examined {
+            client.submit(&a1).await.unwrap();
+            left_waiting(&conn, "a1").await;
+            None
+        } else {
+            worker.stop().await;
+            client.submit(&a1).await.unwrap();
+            let tx = locker.transaction().await.unwrap();
+            tx.execute(
+                "SELECT 1 FROM permitq.permit_request WHERE external_id = 'a1' FOR UPDATE",
+                &[],
+            )
+            .await
+            .unwrap();
+            Some(tx)
+        };
+        let _worker = db.notified_worker("w2");
+        assert_eq!(
+            fails_fast(&client, "b2", "b", 1).await,
+            "Error/no_capacity",
+            "examined: {examined}"
+        );
+        if let Some(tx) = tx {
+            tx.rollback().await.unwrap();
+        }
+    }
+}
+
 /// Explain's `kept` counts a sibling active only by its waiters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_keeps_room_for_a_sibling_active_only_by_its_waiters() {
