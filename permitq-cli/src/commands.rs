@@ -410,6 +410,49 @@ async fn no_semaphore(client: &Client, name: String) -> CliError {
     CliError::NoSemaphore { name, similar }
 }
 
+/// After a template was set: what its new settings leave as it was in its instances. A bound
+/// lowered below the instances there are removes none of them; a capacity lowered below what
+/// an instance holds revokes nothing.
+async fn say_instances_over_the_template(client: &Client, template: &permitq::Semaphore) {
+    let Ok(all) = client.semaphores().await else {
+        return;
+    };
+    let instances: Vec<&permitq::Semaphore> = all
+        .iter()
+        .filter(|i| i.template.as_deref() == Some(template.name.as_str()))
+        .collect();
+    let made = i64::try_from(instances.len()).unwrap_or(i64::MAX);
+    if let Some(bound) = template.max_instances.filter(|bound| made > *bound) {
+        let counted = match &template.parent {
+            Some(parent) if template.guarantee > 0 => {
+                format!(", their guarantees still promised by {parent},")
+            }
+            _ => String::new(),
+        };
+        errln!(
+            "permitq: {} has {made} instances, more than max_instances {bound}: none is removed; \
+             they stay{counted} until deleted (`permitq semaphore delete NAME` once one holds \
+             nothing; `permitq semaphore show {}` lists them) or idle for \
+             --idle-instance-after, and no new instance is made until fewer than {bound} remain",
+            template.name,
+            crate::show::quoted_name(&template.name)
+        );
+    }
+    let over: Vec<String> = instances
+        .iter()
+        .filter(|i| template.per.is_none() && i.used > template.capacity)
+        .map(|i| format!("{} holds {}", i.name, i.used))
+        .collect();
+    if !over.is_empty() {
+        errln!(
+            "permitq: {}, more than the new capacity {} of each instance: nothing is revoked; \
+             new grants there wait until fewer are held",
+            over.join(", "),
+            template.capacity
+        );
+    }
+}
+
 /// After `semaphore set`: the waiting requests (of the first 1000 in line) that ask more of
 /// `name` than its new `capacity`, which a worker will end as `exceeds_capacity`. Said on
 /// stderr, as the other notes of a change; a failed read says nothing (the change is made).
@@ -535,35 +578,8 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             if !s.is_template {
                 say_waiters_no_longer_covered(client, &s.name, s.capacity).await;
             }
-            // A bound lowered below the instances there are removes none of them.
-            if let (true, Some(bound)) = (s.is_template, s.max_instances) {
-                let made = client
-                    .semaphores()
-                    .await
-                    .map(|all| {
-                        all.iter()
-                            .filter(|i| i.template.as_deref() == Some(s.name.as_str()))
-                            .count()
-                    })
-                    .unwrap_or(0);
-                let made = i64::try_from(made).unwrap_or(i64::MAX);
-                if made > bound {
-                    let counted = match &s.parent {
-                        Some(parent) if s.guarantee > 0 => {
-                            format!(", their guarantees still promised by {parent},")
-                        }
-                        _ => String::new(),
-                    };
-                    errln!(
-                        "permitq: {} has {made} instances, more than max_instances {bound}: none \
-                         is removed; they stay{counted} until deleted (`permitq semaphore delete \
-                         NAME` once one holds nothing; `permitq semaphore show {}` lists them) \
-                         or idle for --idle-instance-after, and no new instance is made until \
-                         fewer than {bound} remain",
-                        s.name,
-                        crate::show::quoted_name(&s.name)
-                    );
-                }
+            if s.is_template {
+                say_instances_over_the_template(client, &s).await;
             }
             if json {
                 outln!("{}", serde_json::to_string(&s).expect("serializable"));

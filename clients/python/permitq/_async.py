@@ -244,8 +244,10 @@ class AsyncClient:
                     c.warn_nothing_granting(external_id, await _or_empty(self._granting, c.nothing_granting))
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    why = await _or_empty(lambda: self.explain(external_id), c.why_waiting)
                     granting = await _or_empty(self._granting, c.nothing_granting)
+                    why = await _or_empty(
+                        lambda: self.explain(external_id), lambda e: c.why_waiting(e, granting)
+                    )
                     outcome = await self.release(external_id)
                     raise AcquireTimeout(
                         c.timeout_message(external_id, f"within {limit:g}s", why, granting, outcome),

@@ -232,11 +232,21 @@ class Semaphore:
     max_instances: int | None
 
 
-def why_waiting(explanation: Explanation | None) -> str:
-    """What held the request back, from `explain` just before it is cancelled: ` (gpu: ...)`."""
+# The start of `explain`'s reason for a request no worker has examined yet: it speaks of a
+# running worker, which "nothing is granting" contradicts.
+NOT_EXAMINED = "not examined by a worker yet: a running worker does"
+
+
+def why_waiting(explanation: Explanation | None, nothing_granting: str = "") -> str:
+    """What held the request back, from `explain` just before it is cancelled: ` (gpu: ...)`.
+    While nothing is granting, a row not examined yet says nothing more than that does."""
     if explanation is None:
         return ""
-    reasons = [f"{w.semaphore}: {w.reason}" for w in explanation.semaphores if w.reason]
+    reasons = [
+        f"{w.semaphore}: {w.reason}"
+        for w in explanation.semaphores
+        if w.reason and not (nothing_granting and NOT_EXAMINED in w.reason)
+    ]
     return f" ({'; '.join(reasons)})" if reasons else ""
 
 

@@ -241,8 +241,8 @@ class Client:
                     c.warn_nothing_granting(external_id, _or_empty(lambda: c.nothing_granting(self._granting())))
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    why = _or_empty(lambda: c.why_waiting(self.explain(external_id)))
                     granting = _or_empty(lambda: c.nothing_granting(self._granting()))
+                    why = _or_empty(lambda: c.why_waiting(self.explain(external_id), granting))
                     outcome = self.release(external_id)
                     raise AcquireTimeout(
                         c.timeout_message(external_id, f"within {limit:g}s", why, granting, outcome),

@@ -570,6 +570,17 @@ class NothingGrantingTest(unittest.TestCase):
         self.assertTrue(message.startswith("request r-1 was not granted within 5s (gpu: full); nothing is granting"), message)
         self.assertNotIn("cancelled (cancelled)", message)
         self.assertIn("granted at that very moment", _common.timeout_message("r", "", "", "", "released"))
+        # While nothing is granting, a row not examined yet (which speaks of a running worker)
+        # is left out; the others stay.
+        def wait(semaphore: str, reason: str) -> _common.SemaphoreWait:
+            return _common.SemaphoreWait(semaphore, 1, 1, 0, 1, None, None, reason, [], None, None, None)
+
+        unexamined = _common.Explanation("r", "new", None, [
+            wait("gpu", "not examined by a worker yet: a running worker does within a second or so"),
+            wait("disk", "waits for 1 more permit to be released (first in line)"),
+        ])
+        self.assertEqual(_common.why_waiting(unexamined, said), " (disk: waits for 1 more permit to be released (first in line))")
+        self.assertIn("gpu: not examined", _common.why_waiting(unexamined))
 
 
 class ContractTest(unittest.TestCase):

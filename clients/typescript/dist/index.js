@@ -24,6 +24,9 @@ const EVENTS = "permitq_events";
 const POLL_MS = 250;
 /** How long before the lease could have run out on the server a Lease says it is lost. */
 const SAFETY_FRACTION = 0.2;
+/** The start of `explain`'s reason for a request no worker has examined yet: it speaks of a
+ * running worker, which "nothing is granting" contradicts. */
+const NOT_EXAMINED = "not examined by a worker yet: a running worker does";
 function status(row) {
     const optionalBig = (v) => (v == null ? null : BigInt(v));
     return {
@@ -336,12 +339,13 @@ export class Client {
                 }
                 const remaining = deadline - performance.now();
                 if (remaining <= 0 || signal?.aborted) {
-                    // What held it back, read just before it is cancelled.
+                    // What held it back, read just before it is cancelled (while nothing is granting, a
+                    // row not examined yet speaks of a running worker: that says nothing more).
+                    const granting = await this.nothingGranting().catch(() => "");
                     const why = ((await this.explain(externalId).catch(() => null))?.semaphores ?? [])
-                        .filter((w) => w.reason)
+                        .filter((w) => w.reason && !(granting && w.reason.includes(NOT_EXAMINED)))
                         .map((w) => `${w.semaphore}: ${w.reason}`)
                         .join("; ");
-                    const granting = await this.nothingGranting().catch(() => "");
                     const outcome = await this.release(externalId);
                     const ended = outcome === "cancelled" ? "it was cancelled, so nothing waits on"
                         : outcome === "released" ? "it was granted at that very moment and released at once"

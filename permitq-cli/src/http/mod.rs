@@ -5,7 +5,8 @@
 //!   (`permitq_semaphore_capacity`, `_used`, `_held`, `_waiting`, `_oldest_wait_seconds`); on a
 //!   worker also `permitq_worker_listener_connected` and `permitq_worker_last_pass_age_seconds`.
 //! - `GET /healthz`: the process is up. `GET /readyz`: the database answers, its schema is the one
-//!   this build expects, and (on a worker) the LISTEN connection is up; else 503 with the reason.
+//!   this build expects, and (on a worker) the LISTEN connection is up and a pass completed
+//!   within twice the poll interval and 10 s; else 503 with the reason.
 //! - `GET /api/semaphores`, `GET /api/semaphores/{name}` (usage, holders, the first 100 waiters,
 //!   the last 20 capacity changes): JSON, read-only (see [`api`]).
 //! - Access ([`access`]): probes open; `/metrics` open unless a token is set; the page and
@@ -375,7 +376,8 @@ async fn readyz(axum::extract::State(state): axum::extract::State<State>) -> Res
 }
 
 /// Whether this server is ready: the database answers with this build's schema, and (on a
-/// worker) its LISTEN connection is up; `serve` adds that nothing is granting.
+/// worker) its LISTEN connection is up and its passes complete; `serve` adds that nothing is
+/// granting.
 async fn ready(state: &State) -> (StatusCode, String) {
     let not_ready = |why: String| (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n"));
     match state.client.schema_is_current().await {
@@ -393,6 +395,13 @@ async fn ready(state: &State) -> (StatusCode, String) {
     if let Some(worker) = &state.worker {
         if !worker.listener_connected() {
             return not_ready("the worker's LISTEN connection is down".into());
+        }
+        if let Some(age) = worker.pass_overdue() {
+            return not_ready(format!(
+                "no pass of this worker has completed for {}s: it grants nothing (its log says \
+                 why: `pass failed` lines)",
+                age.as_secs()
+            ));
         }
         return (StatusCode::OK, "ready\n".to_string());
     }

@@ -1359,20 +1359,17 @@ async fn a_guaranteed_template_without_a_bound_is_told_to_set_max_instances() {
     let o = run(url, &[&guaranteed[..], &["--max-instances", "8"]].concat()).await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     // Nothing left for another guaranteed template: no N fits, and the answer says what to raise.
-    let o = run(
-        url,
-        &[
-            "semaphore",
-            "set",
-            "u:*",
-            "6",
-            "--parent",
-            "gpus",
-            "--guarantee",
-            "3",
-        ],
-    )
-    .await;
+    let another = [
+        "semaphore",
+        "set",
+        "u:*",
+        "6",
+        "--parent",
+        "gpus",
+        "--guarantee",
+        "3",
+    ];
+    let o = run(url, &another).await;
     assert_eq!(code(&o), 2, "{}", stderr(&o));
     assert!(
         stderr(&o).contains(
@@ -1387,22 +1384,7 @@ async fn a_guaranteed_template_without_a_bound_is_told_to_set_max_instances() {
     // Followed as said, both commands are accepted.
     let o = run(url, &["semaphore", "set", "gpus", "11"]).await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
-    let o = run(
-        url,
-        &[
-            "semaphore",
-            "set",
-            "u:*",
-            "6",
-            "--parent",
-            "gpus",
-            "--guarantee",
-            "3",
-            "--max-instances",
-            "1",
-        ],
-    )
-    .await;
+    let o = run(url, &[&another[..], &["--max-instances", "1"]].concat()).await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
 }
 
@@ -1477,6 +1459,32 @@ async fn a_bound_lowered_below_a_templates_instances_is_counted_from_the_instanc
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     let o = run(url, &["submit", "lab-d-2", "lab:d=1", "--await", "10s"]).await;
     assert_eq!(code(&o), 0, "{}", stdout(&o));
+    // The template's capacity lowered below what an instance holds: said, as for a semaphore.
+    let o = run(url, &["submit", "lab-a-2", "lab:a=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    let o = run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "lab:*",
+            "1",
+            "--parent",
+            "gpus",
+            "--guarantee",
+            "1",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "permitq: lab:a holds 2, more than the new capacity 1 of each instance: nothing is \
+             revoked"
+        ),
+        "{}",
+        stderr(&o)
+    );
     worker.stop().await;
 }
 

@@ -236,6 +236,55 @@ fn check_prometheus_text(text: &str) {
     }
 }
 
+/// A worker whose passes fail (here: a function it calls is gone) is not ready, and says why;
+/// ready again once its passes complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_passes_fail_is_not_ready() {
+    let db = TestDb::new().await;
+    db.client().await.migrate().await.unwrap();
+    let url = db.url.clone();
+    let (_child, addr) = tokio::task::spawn_blocking(move || {
+        spawn_server(
+            &url,
+            &[
+                "worker",
+                "--id",
+                "failing",
+                "--poll-interval",
+                "100ms",
+                "--http-addr",
+                "127.0.0.1:0",
+            ],
+        )
+    })
+    .await
+    .unwrap();
+    let readyz = || async move {
+        tokio::task::spawn_blocking(move || get(addr, "/readyz"))
+            .await
+            .unwrap()
+    };
+    wait_until(SOON, "ready", || async { readyz().await.0 == 200 }).await;
+    let conn = db.conn().await;
+    let rename = |from: &str, to: &str| {
+        format!("ALTER FUNCTION permitq.{from}(bigint, bigint) RENAME TO {to}")
+    };
+    conn.batch_execute(&rename("next_batch", "next_batch_gone"))
+        .await
+        .unwrap();
+    wait_until(Duration::from_secs(30), "not ready, and why", || async {
+        let (status, body) = readyz().await;
+        status == 503
+            && body.contains("no pass of this worker has completed for ")
+            && body.contains("its log says why")
+    })
+    .await;
+    conn.batch_execute(&rename("next_batch_gone", "next_batch"))
+        .await
+        .unwrap();
+    wait_until(SOON, "ready again", || async { readyz().await.0 == 200 }).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_http_serves_health_readiness_metrics_and_the_json_api() {
     let db = TestDb::new().await;

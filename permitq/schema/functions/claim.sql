@@ -89,7 +89,9 @@ BEGIN
                                 WHERE o.request_id = w.request_id
                                   AND o.semaphore_id <> room.id), false)
             ORDER BY permitq.rule_place_in_line(w.priority, w.created_at) DESC, w.request_id
-            LIMIT least(batch_size, room.free)
+            -- `free` is below 0 while a capacity lowered under what is held: LIMIT refuses a
+            -- negative count (2201W), which would fail every pass.
+            LIMIT greatest(least(batch_size, room.free), 0)
         ) fit
         UNION ALL
         -- A waiter whose count its semaphore's capacity no longer covers (lowered while it

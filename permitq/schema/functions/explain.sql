@@ -58,7 +58,11 @@ BEGIN
                                  WHEN 'expired' THEN '(expired: its lease ran out)'
                                  WHEN 'revoked' THEN '(revoked by an admin)'
                                  WHEN 'stale' THEN '(stale: held past the workers'' --max-hold)'
-                                 ELSE '(' || r.release_reason || ')' END);
+                                 ELSE '(' || r.release_reason || ')' END,
+                             -- What an error hit, as `status` has it (`permitq explain` says it
+                             -- in words): {"semaphore": "gpu", "count": 5, "capacity": 4}.
+                             CASE WHEN r.error_detail IS NOT NULL AND r.error_detail <> '{}'
+                                  THEN r.error_detail::text END);
         RETURN NEXT;
         RETURN;
     END IF;
@@ -211,16 +215,21 @@ BEGIN
                                            AND permitq.may_read(x.submitted_by))
                             THEN head.external_id ELSE '(another login''s)' END,
                        head.priority, head.count,
-                       CASE WHEN shortfall > 0 THEN format(', and %s more %s must be released', shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END)
+                       -- Short: the head goes first, so its count is released for too.
+                       CASE WHEN shortfall > 0
+                            THEN format(', and %s more %s must be released (%s for it, after the %s of the head)',
+                                        shortfall + head.count,
+                                        CASE WHEN shortfall + head.count = 1 THEN 'permit' ELSE 'permits' END,
+                                        shortfall, head.count)
                             WHEN free::int8 - needs < head.count THEN ': what is free would not leave it its room'
                             WHEN cardinality(every_name) = 1
-                                 THEN ': it fits and leaves that its room, so a worker grants it at its next pass'
+                                 THEN ': it fits and leaves that its room, so a worker grants it at its next pass (within a second or so, if a worker runs)'
                             ELSE format(': it fits, and waits for its other rows: %s',
                                         array_to_string(array_remove(every_name, named.name), ', ')) END)
             WHEN shortfall > 0 THEN
                 format('waits for %s more %s to be released%s', shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END,
                        CASE WHEN s.fair THEN ' (first in line)' ELSE ' (greedy)' END)
-            WHEN cardinality(every_name) = 1 THEN 'it fits: a worker grants it at its next pass'
+            WHEN cardinality(every_name) = 1 THEN 'it fits: a worker grants it at its next pass (within a second or so; if not, no worker runs: one that died counts as running for up to 8s, then this says that nothing is granting)'
             ELSE format('it fits here; what holds it back is on its other rows: %s',
                         array_to_string(array_remove(every_name, named.name), ', '))
         END;

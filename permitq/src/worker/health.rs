@@ -17,6 +17,8 @@ struct Inner {
     listener_connected: AtomicBool,
     /// Unix time in ms of the last pass that ran to the end (0: none yet).
     last_pass_ms: AtomicU64,
+    /// How long a pass may take before it is overdue, in ms (0: never).
+    overdue_after_ms: AtomicU64,
 }
 
 impl WorkerHealth {
@@ -37,6 +39,23 @@ impl WorkerHealth {
         self.inner
             .listener_connected
             .store(connected, Ordering::Relaxed);
+    }
+
+    /// How long since the last completed pass, when that is longer than a working worker
+    /// ever goes without one (twice its poll interval and 10 s: an idle worker completes a
+    /// pass every poll interval). Its passes fail, or one hangs: its log says why.
+    pub fn pass_overdue(&self) -> Option<Duration> {
+        let bound = self.inner.overdue_after_ms.load(Ordering::Relaxed);
+        let age = SystemTime::now().duration_since(self.last_pass()?).ok()?;
+        (bound > 0 && age > Duration::from_millis(bound)).then_some(age)
+    }
+
+    pub(crate) fn set_poll_interval(&self, poll_interval: Duration) {
+        let bound = poll_interval * 2 + Duration::from_secs(10);
+        self.inner.overdue_after_ms.store(
+            u64::try_from(bound.as_millis()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
     }
 
     pub(crate) fn pass_done(&self) {

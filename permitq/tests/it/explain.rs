@@ -92,8 +92,10 @@ async fn explain_names_what_is_short_the_place_in_line_the_holders_and_the_rule(
     let gpu = &second.semaphores[0];
     assert_eq!((gpu.position, gpu.permits_ahead), (Some(2), Some(2)));
     assert!(
-        gpu.reason
-            .contains("request first is first in line (priority 0, needs 2)"),
+        gpu.reason.contains(
+            "request first is first in line (priority 0, needs 2), and 3 more permits must be \
+             released (1 for it, after the 2 of the head)"
+        ),
         "{}",
         gpu.reason
     );
@@ -122,6 +124,25 @@ async fn explain_names_what_is_short_the_place_in_line_the_holders_and_the_rule(
         .unwrap()
         .get(0);
     assert_eq!(outcome, "released (by its holder)");
+    // An error's carries what it hit.
+    client
+        .submit(&Request::new("too-big").permit("gpu", 9))
+        .await
+        .unwrap();
+    client.wait_settled("too-big", SOON).await.unwrap();
+    let outcome: String = db
+        .conn()
+        .await
+        .query_one("SELECT outcome FROM permitq.explain('too-big')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        outcome.starts_with("error exceeds_capacity {")
+            && outcome.contains(r#""semaphore": "gpu""#)
+            && outcome.contains(r#""capacity": "#),
+        "{outcome}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -423,7 +444,7 @@ async fn a_request_that_fits_beside_the_head_is_granted_at_the_next_pass() {
     assert_eq!(
         e.semaphores[0].reason,
         "fair: request head is first in line (priority 0, needs 2): it fits and leaves that its \
-         room, so a worker grants it at its next pass",
+         room, so a worker grants it at its next pass (within a second or so, if a worker runs)",
         "{e:?}"
     );
 }

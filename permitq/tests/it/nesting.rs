@@ -488,6 +488,22 @@ async fn a_borrower_keeps_the_room_of_the_parents_recorded_head() {
     assert_eq!(b_borrows_while_a_waits(true, 0).await, "Error/no_capacity");
 }
 
+/// A transaction holding request `id`'s row, as a worker's claim holds it: workers skip it, so
+/// it stays unexamined while the transaction lasts.
+async fn row_held<'a>(
+    locker: &'a mut tokio_postgres::Client,
+    id: &str,
+) -> tokio_postgres::Transaction<'a> {
+    let tx = locker.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM permitq.permit_request WHERE external_id = $1 FOR UPDATE",
+        &[&id],
+    )
+    .await
+    .unwrap();
+    tx
+}
+
 /// A borrower does not pass the room of a parent's head that no worker has examined yet (another
 /// worker holds its row): the request names a child, and is ahead on the parent too. No
 /// guarantee, so no reserve hides a missed head.
@@ -503,13 +519,7 @@ async fn a_borrower_keeps_the_room_of_the_parents_unexamined_head() {
     worker.stop().await;
     // a1 is first in the pool's line, unexamined: its row held as a worker's claim holds it.
     submit(&client, "a1", "a", 1).await;
-    let tx = locker.transaction().await.unwrap();
-    tx.execute(
-        "SELECT 1 FROM permitq.permit_request WHERE external_id = 'a1' FOR UPDATE",
-        &[],
-    )
-    .await
-    .unwrap();
+    let tx = row_held(&mut locker, "a1").await;
     let _worker = db.notified_worker("w2");
     // b2 comes after a1, and the pool's last free permit is a1's.
     assert_eq!(fails_fast(&client, "b2", "b", 1).await, "Error/no_capacity");
@@ -545,14 +555,7 @@ async fn a_borrower_keeps_the_room_of_a_head_on_an_instance_not_made_yet() {
         } else {
             worker.stop().await;
             client.submit(&a1).await.unwrap();
-            let tx = locker.transaction().await.unwrap();
-            tx.execute(
-                "SELECT 1 FROM permitq.permit_request WHERE external_id = 'a1' FOR UPDATE",
-                &[],
-            )
-            .await
-            .unwrap();
-            Some(tx)
+            Some(row_held(&mut locker, "a1").await)
         };
         let _worker = db.notified_worker("w2");
         assert_eq!(

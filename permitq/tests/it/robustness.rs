@@ -13,6 +13,51 @@ use permitq::{Request, State};
 
 const SOON: Duration = Duration::from_secs(20);
 
+/// A capacity lowered below what is held while a request waits there revokes nothing and
+/// stalls nothing: other semaphores keep granting, and the waiter is granted once enough is
+/// released. (The claim's room there is below zero: it once made every pass fail.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capacity_lowered_below_what_is_held_with_a_waiter_stalls_nothing() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("gpu", 4, None).await.unwrap();
+    client.set_capacity("licence", 2, None).await.unwrap();
+    let _worker = db.notified_worker("w1");
+    let held = client
+        .acquire(&Request::new("q-1").permit("gpu", 4), SOON)
+        .await
+        .unwrap();
+    client
+        .submit(&Request::new("q-2").permit("gpu", 2))
+        .await
+        .unwrap();
+    wait_until(SOON, "q-2 examined", || async {
+        client
+            .status("q-2")
+            .await
+            .unwrap()
+            .is_some_and(|r| r.examined_at.is_some())
+    })
+    .await;
+    client.set_capacity("gpu", 3, None).await.unwrap();
+    let other = client
+        .acquire(&Request::new("q-3").permit("licence", 1), SOON)
+        .await
+        .expect("another semaphore keeps granting");
+    other.release().await.unwrap();
+    held.release().await.unwrap();
+    assert_eq!(
+        client
+            .wait_settled("q-2", SOON)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        State::Acquired
+    );
+    check_invariants(&db.conn().await).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_rows_fail_alone_as_invalid_and_other_semaphores_keep_granting() {
     let db = TestDb::new().await;
