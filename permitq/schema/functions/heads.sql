@@ -69,7 +69,9 @@ BEGIN
     stopped_short AS (
         SELECT a.place FROM ahead a WHERE a.n = scan_limit
     ),
-    -- What each names, read defensively (a count that is not one counts as 1).
+    -- With nested limits only (`nested` gates these: a one-time filter), what each names, read
+    -- defensively (a count that is not one counts as 1), and what that takes from each
+    -- ancestor, summed over its children.
     named AS (
         SELECT a.id, a.place, e.key AS name,
                CASE WHEN jsonb_typeof(e.value) = 'number'
@@ -78,16 +80,15 @@ BEGIN
         FROM ahead a
         CROSS JOIN LATERAL jsonb_each(CASE WHEN jsonb_typeof(a.permits) = 'object'
                                            THEN a.permits ELSE '{}'::jsonb END) e
-        WHERE a.id <> ALL(batch_ids)
+        WHERE nested AND a.id <> ALL(batch_ids)
     ),
-    -- And with nested limits, what that takes from each ancestor (summed over its children).
-    lined AS (
+    lined AS MATERIALIZED (
         SELECT x.id, x.place, x.name, x.count FROM named x
         UNION ALL
         SELECT x.id, x.place, an.ancestor, x.count
         FROM named x
         JOIN permitq.ancestors(ARRAY(SELECT DISTINCT y.name FROM named y)) an
-          ON nested AND an.name = x.name AND an.depth > 0
+          ON an.name = x.name AND an.depth > 0
         UNION ALL
         -- A template's instance not made yet (a worker makes it at the grant): the chain of
         -- its template's parent.
@@ -95,14 +96,24 @@ BEGIN
         FROM named x
         CROSS JOIN LATERAL (SELECT t.parent FROM permitq.template_for(x.name) t) tp
         JOIN permitq.ancestors(ARRAY[tp.parent]) an ON true
-        WHERE nested AND tp.parent IS NOT NULL
+        WHERE tp.parent IS NOT NULL
           AND NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = x.name)
     )
     SELECT DISTINCT ON (b.name) b.name, h.id, h.count, h.place
     FROM unnest(names, bounds) AS b(name, bound)
     JOIN permitq.semaphore s ON s.name = b.name AND s.fair AND NOT s.is_template
     CROSS JOIN LATERAL (
-        SELECT l.id, least(sum(l.count), 2147483647)::int AS count, l.place
+        -- Without nesting: the requests that name it.
+        SELECT a.id,
+               CASE WHEN jsonb_typeof(a.permits -> b.name) = 'number'
+                         AND (a.permits ->> b.name)::numeric BETWEEN 1 AND 2147483647
+                    THEN (a.permits ->> b.name)::numeric::int ELSE 1 END AS count,
+               a.place
+        FROM ahead a
+        WHERE NOT nested AND a.place >= b.bound AND a.id <> ALL(batch_ids)
+          AND jsonb_typeof(a.permits) = 'object' AND a.permits ? b.name
+        UNION ALL
+        SELECT l.id, least(sum(l.count), 2147483647)::int, l.place
         FROM lined l
         WHERE l.place >= b.bound AND l.name = b.name
         GROUP BY l.id, l.place
