@@ -159,7 +159,7 @@ pub(crate) struct ChaosArgs {
     pub no_faults: bool,
     /// Plant a known bug (no-semaphore-lock, fold-twice, double-release, skip-fairness,
     /// ignore-window, never-claimed, lost-request, leases-never-expire, tokens-reused,
-    /// tokens-backwards, grant-twice, starve-head).
+    /// tokens-backwards, grant-twice, starve-head, negative-room, ...).
     #[arg(long)]
     pub mutation: Option<crate::chaos::Mutation>,
     /// Run on a bed of network namespaces (needs root): PostgreSQL and each worker on a host of

@@ -95,7 +95,7 @@ fn passing_run(args: &[&str]) -> String {
 }
 
 /// How many checkers a summary reports.
-const CHECKERS: usize = 12;
+const CHECKERS: usize = 13;
 
 /// The summary's "faults injected:" line.
 fn faults_line(summary: &str) -> &str {
@@ -274,6 +274,16 @@ fn chaos_catches_a_fencing_token_below_an_earlier_one() {
 fn chaos_catches_a_request_granted_twice() {
     let (found, summary) = planted("grant-twice", &[]);
     assert!(found["no double grant"] > 0, "{summary}");
+}
+
+/// A pass failing on a program error while a capacity is lowered below what is held (the
+/// LowerCapacity fault, with waiters there) stalls every semaphore of the worker: the `passes`
+/// checker reads it from the workers' logs.
+#[test]
+fn chaos_catches_passes_that_fail_while_a_capacity_is_lowered() {
+    let (found, summary) = planted_under(&PLANTED_LOAD_WITH_FAULTS, "negative-room", &[]);
+    assert!(found["passes"] > 0, "{summary}");
+    assert!(summary.contains("(SQLSTATE 2201W)"), "{summary}");
 }
 
 #[test]

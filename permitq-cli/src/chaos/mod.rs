@@ -114,7 +114,7 @@ pub(crate) struct ChaosReport {
 }
 
 /// Checker names, in report order.
-pub(crate) const CHECKERS: [&str; 12] = [
+pub(crate) const CHECKERS: [&str; 13] = [
     "safety",
     "guarantees",
     "no double grant",
@@ -127,6 +127,7 @@ pub(crate) const CHECKERS: [&str; 12] = [
     "fairness",
     "history",
     "sampler",
+    "passes",
 ];
 
 impl ChaosReport {
@@ -530,6 +531,18 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         }
         None => Vec::new(),
     };
+    // A worker pass that failed on a program error: every semaphore of that worker stalled.
+    let failed_passes = workers.failed_passes();
+    for line in &failed_passes {
+        verdict
+            .violations
+            .entry("passes")
+            .or_default()
+            .push(line.clone());
+    }
+    if failed_passes.is_empty() {
+        workers.remove_logs();
+    }
     for finding in sampler_findings.lock().expect("findings").drain(..) {
         verdict
             .violations

@@ -56,6 +56,9 @@ pub(crate) enum Mutation {
     /// The guaranteed children a batch reads without locking them are read with guarantee 0:
     /// borrowers at their parent take the share kept for them.
     ReserveDropped,
+    /// The claim's room on a semaphore whose capacity was lowered below what is held is used
+    /// as a LIMIT unclamped: below zero, every pass fails while a request waits there.
+    NegativeRoom,
 }
 
 /// One replacement in a schema file: `find` must occur exactly once.
@@ -76,7 +79,7 @@ enum Plant {
 
 impl Mutation {
     /// Every mutation.
-    pub(crate) const ALL: [Mutation; 17] = [
+    pub(crate) const ALL: [Mutation; 18] = [
         Mutation::NoSemaphoreLock,
         Mutation::FoldTwice,
         Mutation::DoubleRelease,
@@ -94,6 +97,7 @@ impl Mutation {
         Mutation::FenceAfterExpiry,
         Mutation::ParentWindowNotCharged,
         Mutation::ReserveDropped,
+        Mutation::NegativeRoom,
     ];
 
     /// How it is planted.
@@ -183,6 +187,13 @@ impl Mutation {
                 &[Patch {
                     find: "           c.fair, c.parent, c.guarantee,\n",
                     replace: "           c.fair, c.parent, 0,\n",
+                }][..],
+            ),
+            Mutation::NegativeRoom => (
+                "claim.sql",
+                &[Patch {
+                    find: "LIMIT greatest(least(batch_size, room.free), 0)",
+                    replace: "LIMIT least(batch_size, room.free)",
                 }][..],
             ),
             Mutation::LeasesNeverExpire => (
@@ -329,6 +340,7 @@ impl Mutation {
             Mutation::FenceAfterExpiry => "fence-after-expiry",
             Mutation::ParentWindowNotCharged => "parent-window-not-charged",
             Mutation::ReserveDropped => "reserve-dropped",
+            Mutation::NegativeRoom => "negative-room",
         }
     }
 }

@@ -136,6 +136,9 @@ pub(crate) struct Injected {
 /// replaces them one at a time).
 pub(crate) struct Workers {
     url: String,
+    /// Where each worker's log goes (`w<i>.log`, appended across restarts): ERROR lines at the
+    /// least, for [`Workers::failed_passes`].
+    logs: PathBuf,
     /// How many run.
     count: usize,
     /// With --network: worker i runs in namespace `namespaces[i]`.
@@ -153,8 +156,15 @@ impl Workers {
         namespaces: Option<Vec<String>>,
         sweep_interval: Duration,
     ) -> Result<Workers> {
+        let nanos = SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let logs =
+            std::env::temp_dir().join(format!("permitq-chaos-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&logs)?;
         let workers = Workers {
             url,
+            logs,
             count: n,
             namespaces,
             sweep_interval,
@@ -176,8 +186,16 @@ impl Workers {
                 cmd
             }
         };
-        // The workers' logs, on this process's stderr: PERMITQ_CHAOS_WORKER_LOG=warn (a filter).
-        let log = std::env::var("PERMITQ_CHAOS_WORKER_LOG").unwrap_or_else(|_| "off".to_string());
+        // The workers' logs, in files of their own: their errors at the least, or the filter
+        // PERMITQ_CHAOS_WORKER_LOG (e.g. `warn`), whose lines also go to this process's stderr.
+        let filter = std::env::var("PERMITQ_CHAOS_WORKER_LOG").ok();
+        let log = filter
+            .clone()
+            .unwrap_or_else(|| "permitq::worker=error".to_string());
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.logs.join(format!("w{i}.log")))?;
         Ok(cmd
             .args([
                 "worker",
@@ -192,12 +210,13 @@ impl Workers {
             ])
             .env("DATABASE_URL", &self.url)
             .env("RUST_LOG", &log)
+            .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(if log == "off" {
-                Stdio::null()
-            } else {
+            .stderr(if filter.is_some() {
                 Stdio::inherit()
+            } else {
+                Stdio::from(file)
             })
             .kill_on_drop(true)
             .spawn()?)
@@ -242,6 +261,37 @@ impl Workers {
     /// How many workers run.
     fn len(&self) -> usize {
         self.count
+    }
+
+    /// The workers' passes that failed on a program error: a data exception (SQLSTATE class
+    /// 22), an undefined or invalid object (42), an internal error (XX). No fault makes those
+    /// (faults make connection errors, timeouts, cancels and serialization failures): each one
+    /// stalled every semaphore of the worker until it passed. With PERMITQ_CHAOS_WORKER_LOG set
+    /// the lines go to stderr instead, and none is found.
+    pub(crate) fn failed_passes(&self) -> Vec<String> {
+        let Ok(dir) = std::fs::read_dir(&self.logs) else {
+            return Vec::new();
+        };
+        let mut found = Vec::new();
+        for entry in dir.flatten() {
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            found.extend(
+                text.lines()
+                    .filter(|l| l.contains("pass failed"))
+                    .filter(|l| {
+                        ["(SQLSTATE 22", "(SQLSTATE 42", "(SQLSTATE XX"]
+                            .iter()
+                            .any(|class| l.contains(class))
+                    })
+                    .map(|l| format!("{}: {l}", entry.file_name().to_string_lossy())),
+            );
+        }
+        found
+    }
+
+    /// Removes the workers' logs.
+    pub(crate) fn remove_logs(&self) {
+        let _ = std::fs::remove_dir_all(&self.logs);
     }
 
     /// SIGTERM to every worker; waits for them to exit.
