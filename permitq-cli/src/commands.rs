@@ -544,13 +544,13 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             if created {
                 let near = client.similar_semaphores(&name).await.unwrap_or_default();
                 errln!(
-                    "permitq: created {}: no semaphore had that name{}",
+                    "permitq: created {}, a new semaphore{}",
                     s.name,
                     if near.is_empty() {
                         String::new()
                     } else {
                         format!(
-                            " (did you mean {}? `permitq semaphore delete {}` removes this one \
+                            ": did you mean {}? (`permitq semaphore delete {}` removes this one \
                              while nothing uses it)",
                             near.join(" or "),
                             crate::show::quoted_name(&s.name)

@@ -328,7 +328,9 @@ async fn a_new_semaphore_says_it_is_new_and_what_it_is_near() {
     let url = &db.url;
     let o = run(url, &["semaphore", "set", "gpu", "4"]).await;
     assert!(
-        stderr(&o).contains("permitq: created gpu: no semaphore had that name"),
+        stderr(&o)
+            .trim_end()
+            .ends_with("permitq: created gpu, a new semaphore"),
         "{}",
         stderr(&o)
     );
@@ -341,8 +343,8 @@ async fn a_new_semaphore_says_it_is_new_and_what_it_is_near() {
     let o = run(url, &["semaphore", "set", "gpuu", "5"]).await;
     assert!(
         stderr(&o).contains(
-            "permitq: created gpuu: no semaphore had that name (did you mean gpu? `permitq \
-             semaphore delete gpuu` removes this one while nothing uses it)"
+            "permitq: created gpuu, a new semaphore: did you mean gpu? (`permitq semaphore \
+             delete gpuu` removes this one while nothing uses it)"
         ),
         "{}",
         stderr(&o)
