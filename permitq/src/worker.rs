@@ -152,8 +152,7 @@ impl Worker {
     /// The pool's connections should carry the settings [`Worker::connect`] gives them
     /// (`lock_timeout`, `idle_in_transaction_session_timeout`) in their `options`.
     fn new(pool: Pool, listen_config: tokio_postgres::Config, config: WorkerConfig) -> Worker {
-        let health = WorkerHealth::default();
-        health.set_poll_interval(config.poll_interval);
+        let health = WorkerHealth::for_poll_interval(config.poll_interval);
         Worker {
             pool,
             listen_config,

@@ -121,6 +121,8 @@ impl Worker {
                 };
                 cursor = cursor.min(last_place);
                 total.add(outcome);
+                // A long pass (a deep backlog) is progress too: readiness counts each batch.
+                self.health.pass_done();
                 if !outcome.did_work() {
                     break;
                 }
