@@ -438,6 +438,9 @@ async fn say_instances_over_the_template(client: &Client, template: &permitq::Se
             crate::show::quoted_name(&template.name)
         );
     }
+    for instance in &instances {
+        say_waiters_no_longer_covered(client, &instance.name, template.capacity).await;
+    }
     let over: Vec<String> = instances
         .iter()
         .filter(|i| template.per.is_none() && i.used > template.capacity)

@@ -321,12 +321,19 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
     }
     outln!("\ncapacity changes (latest {}):", d.capacity_history.len());
     for c in &d.capacity_history {
+        let mut change = capacity_change(c);
+        // An instance is set again by every change of its template.
+        if let (Some(template), true) = (&u.template, change.ends_with("(set again, unchanged)")) {
+            change = change.replace(
+                "(set again, unchanged)",
+                &format!("(set again by a change of template {template}, unchanged here)"),
+            );
+        }
         outln!(
-            "  {} {} by {}",
+            "  {} {change} by {}",
             c.changed_at
                 .map(|t| humantime::format_rfc3339_seconds(t).to_string())
                 .unwrap_or_default(),
-            capacity_change(c),
             c.changed_by
         );
     }

@@ -287,7 +287,24 @@ fn draw(frame: &mut Frame, view: &mut View) {
         let [kind_line, detail] =
             Layout::vertical([Constraint::Length(1), Constraint::Min(1)]).areas(detail);
         if let Some(s) = view.table.selected().and_then(|i| view.usage.get(i)) {
-            let kind = crate::show::kind(s);
+            let children: Vec<&str> = view
+                .usage
+                .iter()
+                .filter(|c| c.parent.as_deref() == Some(s.name.as_str()))
+                .map(|c| c.name.as_str())
+                .collect();
+            let kind = [
+                crate::show::kind(s),
+                if children.is_empty() {
+                    String::new()
+                } else {
+                    format!("parent of {}", children.join(", "))
+                },
+            ]
+            .into_iter()
+            .filter(|k| !k.is_empty())
+            .collect::<Vec<_>>()
+            .join("; ");
             let kind = if kind.is_empty() {
                 "plain semaphore".to_string()
             } else {

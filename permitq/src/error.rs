@@ -387,9 +387,9 @@ fn role_hint(db: &tokio_postgres::error::DbError) -> String {
         "submit" | "release" | "cancel" | "heartbeat" | "fence" | "confirm_durable"
         | "lease_grace_since" => "permitq_producer (or permitq_admin)",
         _ => {
-            "permitq_producer (submit, status, release, heartbeat, explain), permitq_operator \
-             (read-only: semaphore list and show, top, serve), permitq_worker or permitq_admin, \
-             as the command needs"
+            "permitq_producer (a producer's calls: submit, acquire, status, release, heartbeat, \
+             explain), or permitq_operator (read-only: semaphore list and show, top, serve), \
+             permitq_worker or permitq_admin, as the command needs"
         }
     };
     // One role named: the GRANT to run; a list: the GRANT of the one the command needs.

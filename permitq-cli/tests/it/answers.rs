@@ -1461,9 +1461,11 @@ async fn a_bound_lowered_below_a_templates_instances_is_counted_from_the_instanc
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     let o = run(url, &["submit", "lab-d-2", "lab:d=1", "--await", "10s"]).await;
     assert_eq!(code(&o), 0, "{}", stdout(&o));
-    // The template's capacity lowered below what an instance holds: said, as for a semaphore.
+    // The template's capacity lowered below what an instance holds, and below what a request
+    // waiting on an instance asks: both said, as for a semaphore.
     let o = run(url, &["submit", "lab-a-2", "lab:a=1", "--await", "10s"]).await;
     assert_eq!(code(&o), 0, "{}", stdout(&o));
+    run(url, &["submit", "lab-a-3", "lab:a=2"]).await;
     let o = run(
         url,
         &[
@@ -1483,6 +1485,8 @@ async fn a_bound_lowered_below_a_templates_instances_is_counted_from_the_instanc
         stderr(&o).contains(
             "permitq: lab:a holds 2, more than the new capacity 1 of each instance: nothing is \
              revoked"
+        ) && stderr(&o).contains(
+            "permitq: 1 waiting request asks more than the new capacity 1: lab-a-3 (lab:a=2)"
         ),
         "{}",
         stderr(&o)

@@ -234,6 +234,17 @@ BEGIN
                         array_to_string(array_remove(every_name, named.name), ', '))
         END;
 
+        -- A capacity lowered below what is held: what is held here beyond it must go too.
+        IF room < 0 AND s.per IS NULL THEN
+            reason := reason || format(' (%s held here, more than its capacity %s: it was lowered below what is held, which revokes nothing)',
+                                       s.capacity - room, s.capacity);
+        END IF;
+        -- Past its wait, it is not granted: the next pass ends it.
+        IF r.wait_until <= now() THEN
+            reason := format('its wait ran out %s ago: the next worker pass ends it as timeout, not granted (before that: %s)',
+                             permitq.human_duration(now() - r.wait_until), reason);
+        END IF;
+
         -- The holders it waits on, where it is short of room (elsewhere none are what it needs):
         -- read from the held requests, a scan of them per semaphore read, so only there.
         IF shortfall > 0 THEN

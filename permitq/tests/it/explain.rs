@@ -448,3 +448,38 @@ async fn a_request_that_fits_beside_the_head_is_granted_at_the_next_pass() {
         "{e:?}"
     );
 }
+
+/// Explain says when a capacity was lowered below what is held (its arithmetic would not add
+/// up otherwise), and when a request's wait ran out with no pass to end it yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_says_a_capacity_under_what_is_held_and_a_wait_that_ran_out() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("gpu", 4, None).await.unwrap();
+    let worker = db.notified_worker("explain-w");
+    let _held = client
+        .acquire(&Request::new("holder").permit("gpu", 4), SOON)
+        .await
+        .unwrap();
+    client
+        .submit(
+            &Request::new("late")
+                .permit("gpu", 1)
+                .wait(Duration::from_secs(1)),
+        )
+        .await
+        .unwrap();
+    examined(&client, "late").await;
+    worker.stop().await;
+    client.set_capacity("gpu", 2, None).await.unwrap();
+    common::wait_until(SOON, "the wait ran out, and explain says so", || async {
+        let e = client.explain("late").await.unwrap().unwrap();
+        let reason = &e.semaphores[0].reason;
+        reason.starts_with("its wait ran out ")
+            && reason.contains("the next worker pass ends it as timeout, not granted")
+            && reason.contains(
+                "(4 held here, more than its capacity 2: it was lowered below what is held",
+            )
+    })
+    .await;
+}

@@ -280,3 +280,34 @@ async fn without_createrole_and_without_the_roles_migrate_says_what_a_dba_must_r
     assert!(client.schema_is_current().await.unwrap());
     drop(client);
 }
+
+/// A login with no permitq role calling the library is told the producer's role first: a
+/// library's calls are a producer's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_library_call_without_a_role_names_the_producers_role_first() {
+    let db = TestDb::new().await;
+    let user = format!("bare_{}", &db.name[db.name.len() - 8..]);
+    db.conn()
+        .await
+        .batch_execute(&format!("CREATE ROLE {user} LOGIN PASSWORD 'pw'"))
+        .await
+        .unwrap();
+    let client = Client::connect(&as_user(&db.url, &user, "pw"))
+        .await
+        .unwrap();
+    let err = client
+        .submit(&Request::new("r-1").permit("gpu", 1))
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("this needs the role permitq_producer (a producer's calls: submit, acquire"),
+        "{err}"
+    );
+    drop(client);
+    db.conn()
+        .await
+        .batch_execute(&format!("DROP ROLE {user}"))
+        .await
+        .unwrap();
+}
