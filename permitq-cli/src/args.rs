@@ -413,8 +413,8 @@ pub(crate) enum SemaphoreCommand {
 pub(crate) struct SubmitArgs {
     /// Idempotency key chosen by you (1..255 characters).
     pub external_id: String,
-    /// What to acquire, all or nothing: NAME=COUNT, one or more (each semaphore once).
-    /// (Checked by `submit`, which can tell a permit given in the id's place.)
+    /// What to acquire, all or nothing: NAME=COUNT, one or more (each semaphore once). A
+    /// NAME=COUNT given first, in the id's place, is refused with that said.
     #[arg(value_parser = parse_permit)]
     pub permits: Vec<(String, i64)>,
     /// One more semaphore and its count, for names NAME=COUNT cannot express (containing `=`).

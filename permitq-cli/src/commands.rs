@@ -337,10 +337,16 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                         return Err(not_visible(&client, external_id).await);
                     };
                     errln!("permitq: {}", crate::error::one_line(&e.to_string()));
-                    if !matches!(row.state, State::New | State::InProgress) {
+                    if row.fencing_token.is_some() {
                         errln!(
                             "permitq: stop the work it guarded (its fencing token is refused \
                              from now on); submit again under a new external_id to hold it again"
+                        );
+                    } else if !matches!(row.state, State::New | State::InProgress) {
+                        // Never granted: no work to stop.
+                        errln!(
+                            "permitq: it was never granted; submit again under a new \
+                             external_id to hold it"
                         );
                     }
                     // Not granted yet is not lost: a script tells them apart by the code.

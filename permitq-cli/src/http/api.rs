@@ -50,10 +50,23 @@ pub(super) async fn semaphore(
     };
     match detail.as_ref().map(Option::as_deref) {
         Ok(Some(detail)) => json(StatusCode::OK, detail),
-        Ok(None) => json(
-            StatusCode::NOT_FOUND,
-            &serde_json::json!({ "error": format!("no semaphore named {name:?}") }),
-        ),
+        Ok(None) => {
+            // As the CLI says it: the names nearest, or where the list is.
+            let similar = state
+                .client
+                .similar_semaphores(&name)
+                .await
+                .unwrap_or_default();
+            let hint = if similar.is_empty() {
+                " (GET /api/semaphores lists them all)".to_string()
+            } else {
+                format!("; did you mean {}?", similar.join(" or "))
+            };
+            json(
+                StatusCode::NOT_FOUND,
+                &serde_json::json!({ "error": format!("no semaphore named {name:?}{hint}") }),
+            )
+        }
         Err(e) => database_error(e),
     }
 }

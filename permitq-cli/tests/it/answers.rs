@@ -260,6 +260,17 @@ async fn a_lease_run_out_with_no_worker_says_it_is_no_longer_held() {
         "{}",
         stderr(&o)
     );
+    // A request cancelled before any grant had no work to stop, and no token.
+    run(url, &["submit", "kw-2", "kw=1"]).await;
+    run(url, &["release", "kw-2"]).await;
+    let o = run(url, &["heartbeat", "kw-2"]).await;
+    assert_eq!(code(&o), 3, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("permitq: it was never granted; submit again under a new external_id")
+            && !stderr(&o).contains("stop the work"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -377,6 +377,13 @@ async fn worker_http_serves_health_readiness_metrics_and_the_json_api() {
     assert_eq!(gpu["waiters"][0]["external_id"], "train-3");
     assert_eq!(gpu["waiters"][0]["position"], 1);
     assert_eq!(get("/api/semaphores/nope").await.unwrap().0, 404);
+    // A typo is answered with the nearest names, as the CLI does.
+    let (status, body) = get("/api/semaphores/gpuu").await.unwrap();
+    assert_eq!(status, 404);
+    assert!(
+        body.contains(r#"no semaphore named \"gpuu\"; did you mean gpu?"#),
+        "{body}"
+    );
     drop(child);
 }
 
