@@ -178,12 +178,13 @@ pub(crate) const DELETE_DEAD_WORKERS: &str =
 /// schema/functions/workers.sql.
 pub(crate) const GRANTING: &str =
     "SELECT live_workers, last_seen, current_database()::text AS database FROM permitq.granting()";
-/// Worker, at start: whether this login may work (member of permitq_worker, or of the role that
-/// owns the permitq schema, which owns every function a worker calls; or a superuser), and its
-/// name.
+/// Worker, at start: whether this login may work (member of permitq_worker, or with the
+/// privileges of the role that owns the permitq schema, which owns every function a worker
+/// calls; or a superuser), and its name.
 pub(crate) const MAY_WORK: &str = "SELECT pg_catalog.pg_has_role(session_user, 'permitq_worker', \
-     'MEMBER') OR pg_catalog.pg_has_role(session_user, (SELECT n.nspowner FROM \
-     pg_catalog.pg_namespace n WHERE n.nspname = 'permitq'), 'MEMBER'), session_user::text";
+     'MEMBER') OR coalesce(pg_catalog.pg_has_role(session_user, (SELECT n.nspowner FROM \
+     pg_catalog.pg_namespace n WHERE n.nspname = 'permitq'), 'USAGE'), false), \
+     session_user::text";
 /// Operators: the workers seen in the last hour, live first.
 pub(crate) const WORKERS: &str = "SELECT worker_id, host, version, pid, started_at, seen_at, live \
      FROM permitq.workers ORDER BY live DESC, worker_id";

@@ -30,6 +30,9 @@ DECLARE
     scan_limit constant integer := 1000;
     floor_place bigint := (SELECT min(b) FROM unnest(bounds) b);
     nested boolean := EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.parent IS NOT NULL);
+    -- A template with a parent: its instances not made yet have ancestors too.
+    nested_templates boolean := EXISTS (SELECT 1 FROM permitq.semaphore s
+                                        WHERE s.is_template AND s.parent IS NOT NULL);
 BEGIN
     -- Nested limits (functions/nesting.sql): the ancestors have lines too (waiter rows of the
     -- requests below them), each bounded by the lowest bound below it. An unexamined request
@@ -82,6 +85,15 @@ BEGIN
                                            THEN a.permits ELSE '{}'::jsonb END) e
         WHERE nested AND a.id <> ALL(batch_ids)
     ),
+    -- A template's instances not made yet (a worker makes them at the grant), each name once,
+    -- with its template's parent: their chain is that parent's.
+    unmade AS MATERIALIZED (
+        SELECT u.name, t.parent
+        FROM (SELECT DISTINCT y.name FROM named y WHERE nested_templates) u
+        CROSS JOIN LATERAL (SELECT t.parent FROM permitq.template_for(u.name) t) t
+        WHERE t.parent IS NOT NULL
+          AND NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = u.name)
+    ),
     lined AS MATERIALIZED (
         SELECT x.id, x.place, x.name, x.count FROM named x
         UNION ALL
@@ -90,14 +102,11 @@ BEGIN
         JOIN permitq.ancestors(ARRAY(SELECT DISTINCT y.name FROM named y)) an
           ON an.name = x.name AND an.depth > 0
         UNION ALL
-        -- A template's instance not made yet (a worker makes it at the grant): the chain of
-        -- its template's parent.
         SELECT x.id, x.place, an.ancestor, x.count
         FROM named x
-        CROSS JOIN LATERAL (SELECT t.parent FROM permitq.template_for(x.name) t) tp
-        JOIN permitq.ancestors(ARRAY[tp.parent]) an ON true
-        WHERE tp.parent IS NOT NULL
-          AND NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = x.name)
+        JOIN unmade um ON um.name = x.name
+        JOIN permitq.ancestors(ARRAY(SELECT DISTINCT p.parent FROM unmade p)) an
+          ON an.name = um.parent
     )
     SELECT DISTINCT ON (b.name) b.name, h.id, h.count, h.place
     FROM unnest(names, bounds) AS b(name, bound)

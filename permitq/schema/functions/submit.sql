@@ -50,7 +50,7 @@ BEGIN
         END IF;
         SELECT * INTO existing FROM permitq.permit_request r WHERE r.external_id = submit.external_id;
         IF FOUND THEN
-            IF NOT permitq.may_act_on(existing.submitted_by) THEN
+            IF permitq.may_act_on(existing.submitted_by) IS NOT TRUE THEN
                 RAISE EXCEPTION 'external_id % already exists', submit.external_id
                     USING ERRCODE = '23505',
                           HINT = 'external ids are one namespace for the whole database, shared by '

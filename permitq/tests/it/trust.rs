@@ -1294,3 +1294,43 @@ async fn a_producers_own_condition_on_a_view_sees_no_other_logins_rows() {
         assert_eq!(n, 0, "{view}");
     }
 }
+
+/// A producer cannot read others' requests through the views by putting its own `=` ahead of
+/// pg_catalog's on its search_path: the ownership functions name pg_catalog's operators.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producers_own_operator_on_its_search_path_reads_nothing_more() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.set_capacity("gpu", 4, None).await.unwrap();
+    admin
+        .submit(&Request::new("admins").permit("gpu", 1))
+        .await
+        .unwrap();
+    let producer_url = login(&db, "hijacker", Some("permitq_producer")).await;
+    let user = common::user_of(&producer_url);
+    db.conn()
+        .await
+        .batch_execute(&format!("CREATE SCHEMA evil AUTHORIZATION {user}"))
+        .await
+        .unwrap();
+    let producer = common::connect(&producer_url).await;
+    producer
+        .batch_execute(
+            "CREATE FUNCTION evil.yes(text, name) RETURNS boolean LANGUAGE sql AS 'SELECT true';
+             CREATE OPERATOR evil.= (LEFTARG = text, RIGHTARG = name, FUNCTION = evil.yes);
+             CREATE FUNCTION evil.yes2(text, text) RETURNS boolean LANGUAGE sql AS 'SELECT true';
+             CREATE OPERATOR evil.= (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.yes2);
+             SET search_path = evil, pg_catalog",
+        )
+        .await
+        .unwrap();
+    let seen: i64 = producer
+        .query_one(
+            "SELECT count(*) FROM permitq.waiters WHERE external_id = 'admins'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(seen, 0, "another login's request read through the view");
+}
