@@ -182,7 +182,8 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             String::new()
         };
         let over = if u.held > u.capacity {
-            " (over capacity: it was lowered below what is held; nothing is revoked)"
+            " (over capacity: set below what is held, by a lowered capacity or a removed rate \
+             window; nothing is revoked)"
         } else {
             ""
         };

@@ -267,7 +267,7 @@ def timeout_message(external_id: str, within: str, why: str, granting: str, outc
     """AcquireTimeout's message: what held the request back, whether anything grants, and what
     became of it (release's answer at the deadline)."""
     ended = {
-        "cancelled": "it was cancelled, so nothing waits on",
+        "cancelled": "it was cancelled, so it no longer waits",
         "released": "it was granted at that very moment and released at once",
     }.get(outcome, f"releasing it answered {outcome}")
     return (

@@ -56,7 +56,7 @@ class LoginRejected(PermitqError):
 
 
 class AcquireTimeout(PermitqError):
-    """The request was not granted before the deadline; it was cancelled, so nothing waits on."""
+    """The request was not granted before the deadline; it was cancelled, so it no longer waits."""
 
     def __init__(self, message: str, external_id: str) -> None:
         super().__init__(message)

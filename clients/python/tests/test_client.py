@@ -317,7 +317,7 @@ class SyncClientTest(unittest.TestCase):
             self.assertEqual((status.state, status.error_code), ("error", "cancelled"))
             # It says what held it back, read before the cancel, and what became of it.
             self.assertIn(f"({self.sem}: ", str(caught.exception))
-            self.assertIn("; it was cancelled, so nothing waits on: acquire again", str(caught.exception))
+            self.assertIn("; it was cancelled, so it no longer waits: acquire again", str(caught.exception))
             # Workers run: nothing says otherwise.
             self.assertNotIn("nothing is granting", str(caught.exception))
             # The same id again is that ended request, and says so.

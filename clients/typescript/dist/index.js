@@ -347,7 +347,7 @@ export class Client {
                         .map((w) => `${w.semaphore}: ${w.reason}`)
                         .join("; ");
                     const outcome = await this.release(externalId);
-                    const ended = outcome === "cancelled" ? "it was cancelled, so nothing waits on"
+                    const ended = outcome === "cancelled" ? "it was cancelled, so it no longer waits"
                         : outcome === "released" ? "it was granted at that very moment and released at once"
                             : `releasing it answered ${outcome}`;
                     throw new AcquireTimeout(`request ${externalId} was not granted ${signal?.aborted ? "before the signal aborted" : `within ${limit} ms`}` +

@@ -449,7 +449,7 @@ export class Client {
             .join("; ");
           const outcome = await this.release(externalId);
           const ended =
-            outcome === "cancelled" ? "it was cancelled, so nothing waits on"
+            outcome === "cancelled" ? "it was cancelled, so it no longer waits"
             : outcome === "released" ? "it was granted at that very moment and released at once"
             : `releasing it answered ${outcome}`;
           throw new AcquireTimeout(

@@ -302,7 +302,7 @@ describe("permitq client", () => {
       const s = await client.status(late);
       assert.deepEqual([s.state, s.errorCode], ["error", "cancelled"]);
       assert.match(e.message, new RegExp(`\\(${sem}: `), "what held it back");
-      assert.match(e.message, /; it was cancelled, so nothing waits on: acquire again/);
+      assert.match(e.message, /; it was cancelled, so it no longer waits: acquire again/);
       assert.doesNotMatch(e.message, /nothing is granting/, "workers run");
       const again = await client.acquire(late, { [sem]: 1 }, { timeoutMs: 1000 }).catch((err) => err);
       assert.match(String(again), /was submitted before and has ended/);

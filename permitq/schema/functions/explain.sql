@@ -194,10 +194,13 @@ BEGIN
                      ELSE format('parent: it fits within the guarantee of %s (%s)', child.name, child.guarantee) END
             WHEN kept > 0 AND shortfall > 0 THEN
                 -- The arithmetic spelled out: the free room beyond what is kept is the borrower's.
-                format('parent: %s; %s of its room %s kept for the guarantees of its other active children: %s. %s needed + %s kept - %s free = %s more %s must be released here first',
+                format('parent: %s; %s of its room %s kept for the guarantees of its other active children: %s. %s needed + %s kept %s = %s more %s must be released here first',
                        CASE WHEN child.name IS NULL THEN 'a request naming the parent itself borrows'
                             ELSE format('%s borrows beyond its guarantee (%s)', child.name, child.guarantee) END,
-                       kept, CASE WHEN kept = 1 THEN 'is' ELSE 'are' END, kept_for, needs, kept, free,
+                       kept, CASE WHEN kept = 1 THEN 'is' ELSE 'are' END, kept_for, needs, kept,
+                       -- Held beyond a capacity lowered under it counts as well.
+                       CASE WHEN room < 0 THEN format('+ %s held beyond its capacity', -room)
+                            ELSE format('- %s free', free) END,
                        shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END)
             WHEN opens_at IS NOT NULL AND shortfall > 0 AND free > 0 THEN
                 format('rate limit: its window has room for %s of the %s it needs (%s / %s granted per %s); room for %s opens in %s, as earlier grants leave the window',
@@ -215,12 +218,15 @@ BEGIN
                                            AND permitq.may_read(x.submitted_by))
                             THEN head.external_id ELSE '(another login''s)' END,
                        head.priority, head.count,
-                       -- Short: the head goes first, so its count is released for too.
+                       -- Short: those ahead go first (the head among them), so their
+                       -- permits are released for too (the head's alone until examined).
                        CASE WHEN shortfall > 0
-                            THEN format(', and %s more %s must be released (%s for it, after the %s of the head)',
-                                        shortfall + head.count,
-                                        CASE WHEN shortfall + head.count = 1 THEN 'permit' ELSE 'permits' END,
-                                        shortfall, head.count)
+                            THEN format(', and %s more %s must be released (%s for it, after the %s of %s)',
+                                        shortfall + coalesce(permits_ahead, head.count),
+                                        CASE WHEN shortfall + coalesce(permits_ahead, head.count) = 1 THEN 'permit' ELSE 'permits' END,
+                                        shortfall, coalesce(permits_ahead, head.count),
+                                        CASE WHEN permits_ahead IS NULL OR ahead_count <= 1 THEN 'the head'
+                                             ELSE format('the %s requests ahead', ahead_count) END)
                             WHEN free::int8 - needs < head.count THEN ': what is free would not leave it its room'
                             WHEN cardinality(every_name) = 1
                                  THEN ': it fits and leaves that its room, so a worker grants it at its next pass (within a second or so, if a worker runs)'

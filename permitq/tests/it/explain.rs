@@ -483,3 +483,30 @@ async fn explain_says_a_capacity_under_what_is_held_and_a_wait_that_ran_out() {
     })
     .await;
 }
+
+/// Behind several requests on a fair semaphore, what must be released counts all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fair_shortfall_counts_every_request_ahead() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("gpu", 4, Some(true)).await.unwrap();
+    let _worker = db.notified_worker("explain-w");
+    let _held = client
+        .acquire(&Request::new("h1").permit("gpu", 4), SOON)
+        .await
+        .unwrap();
+    for (id, count, priority) in [("a1", 1, 10), ("b1", 1, 0), ("c1", 3, 0)] {
+        client
+            .submit(&Request::new(id).permit("gpu", count).priority(priority))
+            .await
+            .unwrap();
+        examined(&client, id).await;
+    }
+    let e = client.explain("c1").await.unwrap().unwrap();
+    assert!(
+        e.semaphores[0].reason.ends_with(
+            "and 5 more permits must be released (3 for it, after the 2 of the 2 requests ahead)"
+        ),
+        "{e:?}"
+    );
+}
