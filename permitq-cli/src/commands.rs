@@ -420,10 +420,10 @@ async fn no_semaphore(client: &Client, name: String) -> CliError {
 /// lowered below the instances there are removes none of them; a capacity lowered below what
 /// an instance holds revokes nothing.
 async fn say_instances_over_the_template(client: &Client, template: &permitq::Semaphore) {
-    let Ok(all) = client.semaphores().await else {
+    let Ok(all) = client.usage().await else {
         return;
     };
-    let instances: Vec<&permitq::Semaphore> = all
+    let instances: Vec<&permitq::SemaphoreUsage> = all
         .iter()
         .filter(|i| i.template.as_deref() == Some(template.name.as_str()))
         .collect();
@@ -444,7 +444,8 @@ async fn say_instances_over_the_template(client: &Client, template: &permitq::Se
             crate::show::quoted_name(&template.name)
         );
     }
-    for instance in &instances {
+    // The waiters of those that have any (a read each), not of every instance.
+    for instance in instances.iter().filter(|i| i.waiting > 0) {
         say_waiters_no_longer_covered(client, &instance.name, template.capacity).await;
     }
     let over: Vec<String> = instances
@@ -735,7 +736,7 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                     outln!(
                         "{when} {} {} by {} ({})",
                         c.semaphore,
-                        crate::show::capacity_change(&c),
+                        crate::show::capacity_change(&c, None),
                         c.changed_by,
                         c.application_name.as_deref().unwrap_or_default()
                     );

@@ -322,19 +322,12 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
     }
     outln!("\ncapacity changes (latest {}):", d.capacity_history.len());
     for c in &d.capacity_history {
-        let mut change = capacity_change(c);
-        // An instance is set again by every change of its template.
-        if let (Some(template), true) = (&u.template, change.ends_with("(set again, unchanged)")) {
-            change = change.replace(
-                "(set again, unchanged)",
-                &format!("(set again by a change of template {template}, unchanged here)"),
-            );
-        }
         outln!(
-            "  {} {change} by {}",
+            "  {} {} by {}",
             c.changed_at
                 .map(|t| humantime::format_rfc3339_seconds(t).to_string())
                 .unwrap_or_default(),
+            capacity_change(c, u.template.as_deref()),
             c.changed_by
         );
     }
@@ -342,7 +335,7 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
 
 /// What one audited change set, in words: `created: capacity 4, fair, per 1m` at creation,
 /// else each bound that moved (`capacity 4 -> 8; max_instances - -> 20`), or that nothing did.
-pub(crate) fn capacity_change(c: &permitq::CapacityChange) -> String {
+pub(crate) fn capacity_change(c: &permitq::CapacityChange, template: Option<&str>) -> String {
     fn opt<T: ToString>(v: Option<T>) -> String {
         v.map_or("-".to_string(), |v| v.to_string())
     }
@@ -406,7 +399,14 @@ pub(crate) fn capacity_change(c: &permitq::CapacityChange) -> String {
         moved.push(format!("per {} -> {}", per(c.old_per), per(c.new_per)));
     }
     if moved.is_empty() {
-        format!("capacity {} (set again, unchanged)", c.new_capacity)
+        match template {
+            // An instance is set again by every change of its template.
+            Some(template) => format!(
+                "capacity {} (set again by a change of template {template}, unchanged here)",
+                c.new_capacity
+            ),
+            None => format!("capacity {} (set again, unchanged)", c.new_capacity),
+        }
     } else {
         moved.join("; ")
     }

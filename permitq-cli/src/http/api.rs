@@ -45,7 +45,10 @@ pub(super) async fn semaphore(
         Err(e) => return database_error(&e),
     };
     let detail = match overview.0.iter().find(|s| s.name == name) {
-        Some(usage) => state.detail(usage, &overview.1).await.map(Some),
+        Some(usage) => state
+            .detail(usage, &overview.0, &overview.1)
+            .await
+            .map(Some),
         None => Ok(None),
     };
     match detail.as_ref().map(Option::as_deref) {
@@ -137,17 +140,20 @@ pub(crate) async fn detail(
     client: &permitq::Client,
     name: &str,
 ) -> permitq::Result<Option<Detail>> {
-    let Some(usage) = client.usage().await?.into_iter().find(|s| s.name == name) else {
+    let all = client.usage().await?;
+    let Some(usage) = all.iter().find(|s| s.name == name).cloned() else {
         return Ok(None);
     };
     let presence = crate::show::Presence::read(client).await?;
-    detail_of(client, usage, presence).await.map(Some)
+    detail_of(client, usage, &all, presence).await.map(Some)
 }
 
-/// [`detail`] of the semaphore whose usage row and workers were read already.
+/// [`detail`] of the semaphore whose usage row, every semaphore's (`all`, for its children)
+/// and the workers were read already.
 pub(super) async fn detail_of(
     client: &permitq::Client,
     usage: permitq::SemaphoreUsage,
+    all: &[permitq::SemaphoreUsage],
     presence: crate::show::Presence,
 ) -> permitq::Result<Detail> {
     let name = usage.name.as_str();
@@ -159,12 +165,11 @@ pub(super) async fn detail_of(
         Some(w) => client.explain(&w.external_id).await?,
         None => None,
     };
-    let all = client.semaphores().await?;
     let mut children: Vec<Child> = all
         .iter()
         .filter(|s| s.parent.as_deref() == Some(name) && s.template.is_none())
         .map(|s| {
-            let instances: Vec<&permitq::Semaphore> = all
+            let instances: Vec<&permitq::SemaphoreUsage> = all
                 .iter()
                 .filter(|i| s.is_template && i.template.as_deref() == Some(s.name.as_str()))
                 .collect();
@@ -180,6 +185,7 @@ pub(super) async fn detail_of(
     children.sort_by(|a, b| a.name.cmp(&b.name));
     children.truncate(INSTANCES_NAMED);
     let instances = if usage.is_template {
+        let all = client.semaphores().await?;
         let mut names: Vec<String> = all
             .iter()
             .filter(|s| s.template.as_deref() == Some(name))

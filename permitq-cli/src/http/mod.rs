@@ -94,17 +94,18 @@ impl State {
             .await
     }
 
-    /// The semaphore of `usage` in full, with the workers of `presence` (both from the
-    /// overview), read at most once per period per name.
+    /// The semaphore of `usage` in full, with its children among `all` and the workers of
+    /// `presence` (all from the overview), read at most once per period per name.
     async fn detail(
         &self,
         usage: &permitq::SemaphoreUsage,
+        all: &[permitq::SemaphoreUsage],
         presence: &crate::show::Presence,
     ) -> Answer<api::Detail> {
         self.details
             .get(&usage.name, || async {
                 read("detail");
-                api::detail_of(&self.client, usage.clone(), presence.clone())
+                api::detail_of(&self.client, usage.clone(), all, presence.clone())
                     .await
                     .map(Arc::new)
                     .map_err(|e| e.to_string())

@@ -1449,6 +1449,13 @@ async fn a_bound_lowered_below_a_templates_instances_is_counted_from_the_instanc
         "{}",
         stderr(&o)
     );
+    // An instance's history says the template's change set it again.
+    let o = run(url, &["semaphore", "show", "lab:a"]).await;
+    assert!(
+        stdout(&o).contains("capacity 2 (set again by a change of template lab:*, unchanged here)"),
+        "{}",
+        stdout(&o)
+    );
     // The parent cannot shrink below what the 3 instances are promised: the answer says so.
     let o = run(url, &["semaphore", "set", "gpus", "2"]).await;
     assert_eq!(code(&o), 2, "{}", stderr(&o));
