@@ -495,7 +495,8 @@ pub(crate) fn parse_permit(s: &str) -> std::result::Result<(String, i64), String
         .ok_or_else(|| format!("expected NAME=COUNT, got {s:?}"))?;
     if name.contains('=') {
         return Err(format!(
-            "semaphore names containing '=' need --permit NAME COUNT, got {s:?}"
+            "{s:?} has more than one '=': a semaphore named {name:?} is given as `--permit \
+             '{name}' {count}`; several permits go apart, each NAME=COUNT (`gpu=1 disk=2`)"
         ));
     }
     permit(name, count)

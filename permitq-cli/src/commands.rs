@@ -446,7 +446,9 @@ async fn say_instances_over_the_template(client: &Client, template: &permitq::Se
     }
     // The waiters of those that have any (a read each), not of every instance.
     for instance in instances.iter().filter(|i| i.waiting > 0) {
-        say_waiters_no_longer_covered(client, &instance.name, template.capacity).await;
+        if let Ok(waiters) = client.waiters(&instance.name, 1000).await {
+            say_waiters_no_longer_covered(&waiters, &instance.name, template.capacity);
+        }
     }
     let over: Vec<String> = instances
         .iter()
@@ -463,13 +465,10 @@ async fn say_instances_over_the_template(client: &Client, template: &permitq::Se
     }
 }
 
-/// After `semaphore set`: the waiting requests (of the first 1000 in line) that ask more of
-/// `name` than its new `capacity`, which a worker will end as `exceeds_capacity`. Said on
-/// stderr, as the other notes of a change; a failed read says nothing (the change is made).
-async fn say_waiters_no_longer_covered(client: &Client, name: &str, capacity: i64) {
-    let Ok(waiters) = client.waiters(name, 1000).await else {
-        return;
-    };
+/// After `semaphore set`: the requests that waited before it (the first 1000 in line) and ask
+/// more of `name` than its new `capacity`, which a worker ends as `exceeds_capacity` (perhaps
+/// already). Said on stderr, as the other notes of a change; a failed read says nothing.
+fn say_waiters_no_longer_covered(waiters: &[permitq::Waiter], name: &str, capacity: i64) {
     let uncovered: Vec<String> = waiters
         .iter()
         .filter(|w| w.count > capacity)
@@ -483,7 +482,7 @@ async fn say_waiters_no_longer_covered(client: &Client, name: &str, capacity: i6
     errln!(
         "permitq: {} waiting {} more than the new capacity {capacity}: {}{}; a worker ends {} \
          as error exceeds_capacity (the new capacity in its error_detail) when it comes to it: \
-         at once, unless others are ahead of it in line. To keep such requests waiting, raise the capacity again \
+         at once (perhaps already), unless others are ahead of it in line. To keep such requests waiting, raise the capacity again \
          (`permitq semaphore set {} {}`); one already ended is submitted again under a new id",
         uncovered.len(),
         if uncovered.len() == 1 {
@@ -543,6 +542,9 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             if let Some(max_instances) = max_instances {
                 settings = settings.max_instances(max_instances);
             }
+            // Read before the change: a worker may end those the new capacity no longer
+            // covers before a read after it.
+            let waiting_before = client.waiters(&name, 1000).await.unwrap_or_default();
             let s = client.set_semaphore(&name, capacity, &settings).await?;
             // A typo makes a new semaphore: say that this one is new, and what it is near.
             let created = client.capacity_history(&s.name).await.is_ok_and(|history| {
@@ -586,7 +588,7 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 );
             }
             if !s.is_template {
-                say_waiters_no_longer_covered(client, &s.name, s.capacity).await;
+                say_waiters_no_longer_covered(&waiting_before, &s.name, s.capacity);
             }
             if s.is_template {
                 say_instances_over_the_template(client, &s).await;

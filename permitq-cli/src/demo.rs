@@ -214,6 +214,14 @@ fn print_summary(r: &RunReport, peaks: &BTreeMap<String, (i64, i64)>, elapsed: D
         r.granted - released
     );
     outln!("released by reason   {}", list(&r.released_by_reason));
+    if r.released_by_reason.contains_key("expired") {
+        // A holder that "crashed": its semaphore stays as full as it left it for up to 2s.
+        outln!(
+            "                     (on purpose: expired: 1 holder in 50 \"crashes\" without releasing; \
+             its permits stay held until its 2s lease ends, so a full semaphore may grant \
+             nothing for up to 2s)"
+        );
+    }
     outln!("errors by code       {}", list(&r.errors_by_code));
     // Errors here are the simulated producers' choices, not faults: say why each one happened.
     let why: Vec<&str> = r

@@ -500,16 +500,35 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
                 "  estimated wait: about {} ({})",
                 seconds(wait),
                 if window {
-                    "when its rate window opens"
+                    "when its rate window opens".to_string()
                 } else {
-                    "from the rate of recent releases here, not from these holders' leases: a \
-                     holder may release early, or heartbeat past its lease's end"
+                    format!(
+                        "from the rate of recent releases here{}, not from these holders' \
+                         leases: a holder may release early, or heartbeat past its lease's end",
+                        s.since_last_release.map_or(String::new(), |ago| format!(
+                            ", the last {} ago",
+                            seconds(ago)
+                        ))
+                    )
+                }
+            ));
+        } else if let (false, true, Some(ago)) = (window, short, s.since_last_release) {
+            // Releases came, then stopped for longer than they would have taken: their rate
+            // says nothing of when the next comes.
+            lines.push(format!(
+                "  no estimated wait: nothing was released here for {} (releases have stopped, so \
+                 their rate says nothing); {}",
+                seconds(ago),
+                if s.holders.is_empty() {
+                    "it waits for the holders to release"
+                } else {
+                    "the holders' leases are above"
                 }
             ));
         } else if short && !window && !s.holders.is_empty() {
             lines.push(
-                "  no estimated wait yet: nothing was released here recently to estimate from \
-                 (the holders' leases are above)"
+                "  no estimated wait yet: too few releases here recently (two at least) to estimate \
+                 a rate from (the holders' leases are above)"
                     .to_string(),
             );
         }

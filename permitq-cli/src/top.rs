@@ -16,7 +16,7 @@ use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers
 use ratatui::layout::{Constraint, Layout};
 use ratatui::style::{Modifier, Style};
 use ratatui::text::Line;
-use ratatui::widgets::{Block, Borders, Row, Table, TableState};
+use ratatui::widgets::{Block, Borders, Paragraph, Row, Table, TableState, Wrap};
 use ratatui::{DefaultTerminal, Frame};
 
 use crate::error::{CliError, Result};
@@ -209,17 +209,45 @@ fn bar(used: i64, capacity: i64, width: usize, fill: &str) -> String {
     format!("[{}{}]", fill.repeat(filled), ".".repeat(width - filled))
 }
 
+/// The lines `text` takes wrapped at word boundaries to `width` columns (at least 1).
+fn wrapped_height(text: &str, width: u16) -> u16 {
+    let width = usize::from(width.max(1));
+    let mut lines = 1u16;
+    let mut used = 0;
+    for word in text.split_whitespace() {
+        let len = word.chars().count();
+        if used > 0 && used + 1 + len > width {
+            lines = lines.saturating_add(1);
+            used = 0;
+        }
+        // A word longer than the line takes as many lines as it fills.
+        let whole = len.div_ceil(width).max(1);
+        lines = lines.saturating_add(u16::try_from(whole - 1).unwrap_or(u16::MAX));
+        used = if used == 0 {
+            len - (whole - 1) * width
+        } else {
+            used + 1 + len
+        };
+    }
+    lines
+}
+
 fn draw(frame: &mut Frame, view: &mut View) {
     let detail_height = if view.detail { 11 } else { 0 };
+    // The workers line wraps: that nothing is granting, and what to do, is said whole.
+    let workers_height = wrapped_height(&view.workers, frame.area().width).min(6);
     let [header, workers, list, detail] = Layout::vertical([
         Constraint::Length(1),
-        Constraint::Length(1),
+        Constraint::Length(workers_height),
         Constraint::Min(3),
         Constraint::Length(detail_height),
     ])
     .areas(frame.area());
     frame.render_widget(Line::from(header_line(view)), header);
-    frame.render_widget(Line::from(view.workers.as_str()), workers);
+    frame.render_widget(
+        Paragraph::new(view.workers.as_str()).wrap(Wrap { trim: true }),
+        workers,
+    );
 
     // The name column as wide as the longest name (9 to 20); the kind column takes the rest
     // (the others and their gaps take 42), and a kind cut to fit ends in `..`: Enter shows it whole.
@@ -398,6 +426,15 @@ fn shown(s: &permitq::SemaphoreUsage) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wrapped_height_counts_the_lines_of_a_word_wrap() {
+        assert_eq!(wrapped_height("", 80), 1);
+        assert_eq!(wrapped_height("one two", 7), 1);
+        assert_eq!(wrapped_height("one two", 6), 2);
+        assert_eq!(wrapped_height("abcdefghij", 4), 3);
+        assert_eq!(wrapped_height("ab abcdefghij", 4), 4);
+    }
 
     #[test]
     fn while_the_database_is_down_the_header_says_the_rows_are_old_and_from_when() {

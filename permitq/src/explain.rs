@@ -61,6 +61,11 @@ pub struct SemaphoreWait {
     pub via: Option<String>,
     /// For a parent: the room it keeps for its other active children's unused guarantees.
     pub kept: Option<i64>,
+    /// How long ago the last release here was, among those the estimate is made from (`None`
+    /// without one). Past the estimate, releases have stopped and `estimated_wait` is `None`.
+    /// Seconds in JSON.
+    #[serde(serialize_with = "ser_secs")]
+    pub since_last_release: Option<Duration>,
 }
 
 /// A request holding permits that a waiting request needs.
@@ -134,6 +139,9 @@ pub(crate) fn explanation_from_rows(rows: &[Row]) -> Result<Option<Explanation>>
                 .map(|s| Duration::from_secs_f64(s.max(0.0))),
             via: row.try_get(13)?,
             kept: int(14)?,
+            since_last_release: row
+                .try_get::<_, Option<f64>>(15)?
+                .map(|s| Duration::from_secs_f64(s.max(0.0))),
         });
     }
     Ok(Some(explanation))
@@ -188,6 +196,7 @@ mod tests {
                 estimated_wait: None,
                 via: None,
                 kept: None,
+                since_last_release: None,
             }],
         }
     }

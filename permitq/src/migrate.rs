@@ -94,6 +94,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "waiter_place",
         sql: include_str!("../schema/migrations/V11__waiter_place.sql"),
     },
+    Migration {
+        version: 12,
+        name: "explain_last_release",
+        sql: include_str!("../schema/migrations/V12__explain_last_release.sql"),
+    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.

@@ -68,6 +68,10 @@ pub struct ErrorDetail {
     /// Why a stored row could not be decided.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub problem: Option<String>,
+    /// For `cancelled`: the admin login whose `permitq revoke` ended it while it waited (none:
+    /// its owner released or cancelled it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub revoked_by: Option<String>,
 }
 
 impl ErrorDetail {
@@ -221,7 +225,13 @@ impl PermitRequest {
                      external_id, with a longer --wait"
                 )
             }
-            ErrorCode::Cancelled => "released while it was still waiting".to_string(),
+            ErrorCode::Cancelled => match &d.revoked_by {
+                Some(admin) => format!(
+                    "revoked by {admin} (`permitq revoke`) while it was still waiting; submit \
+                     again under a new external_id if it is still wanted"
+                ),
+                None => "released while it was still waiting".to_string(),
+            },
             ErrorCode::TooManyInstances => match (&d.template, d.max_instances) {
                 (Some(template), Some(bound)) => too_many_instances(&name, template, bound, &d),
                 _ => format!("{name} would be one instance too many of its template"),

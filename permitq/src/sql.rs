@@ -228,7 +228,8 @@ pub const DURABILITY_BARRIER: &str = "SELECT permitq.confirm_durable()";
 pub(crate) const EXPLAIN: &str =
     "SELECT request, state, outcome, semaphore, needs, capacity, free, \
      shortfall, position, permits_ahead, reason, holders, \
-     extract(epoch FROM estimated_wait)::float8, via, kept FROM permitq.explain($1)";
+     extract(epoch FROM estimated_wait)::float8, via, kept, \
+     extract(epoch FROM now() - last_released_at)::float8 FROM permitq.explain($1)";
 
 /// Client: release (or cancel) by external_id.
 pub(crate) const RELEASE: &str = "SELECT permitq.release($1)";

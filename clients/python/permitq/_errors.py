@@ -164,6 +164,11 @@ def _explained(code: str, d: dict[str, Any]) -> str:
         )
     if code == "invalid":
         return str(d.get("problem", "the stored row cannot be decided"))
+    if code == "cancelled" and d.get("revoked_by"):
+        return (
+            f"revoked by {d['revoked_by']} (`permitq revoke`) while it was still waiting; "
+            "submit again under a new external_id if it is still wanted"
+        )
     return code
 
 

@@ -556,6 +556,14 @@ class SyncClientTest(unittest.TestCase):
             self.assertIn("retrying until the acquire's deadline", "\n".join(said.output))
 
 
+class OutcomeWordsTest(unittest.TestCase):
+    def test_a_revoke_while_waiting_names_who_revoked_it(self) -> None:
+        from permitq._errors import request_failed
+
+        failed = request_failed("r-1", "cancelled", {"revoked_by": "ops"})
+        self.assertIn("revoked by ops (`permitq revoke`) while it was still waiting", str(failed))
+
+
 class NothingGrantingTest(unittest.TestCase):
     def test_the_timeout_says_when_no_worker_runs(self) -> None:
         """GRANTING's row as the message reads it (the contract test runs the statement)."""

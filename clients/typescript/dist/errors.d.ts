@@ -60,6 +60,8 @@ export type ErrorDetail = Record<string, unknown> & {
     idle_instances?: string[];
     parent?: string;
     parent_needs?: number;
+    /** For `cancelled`: the admin login whose `permitq revoke` ended it while it waited. */
+    revoked_by?: string;
 };
 /** The request ended in `error`; one subclass per `errorCode`. */
 export declare class RequestFailed extends PermitqError {

@@ -134,6 +134,10 @@ function explained(code, d) {
                 : `has its max_instances of ${String(d.max_instances)} already`;
             return `template ${String(d.template)} ${has} (\`permitq semaphore show '${String(d.template)}'\` lists them); ${free}, ${raise}; then submit again under a new external_id`;
         }
+        case "cancelled":
+            return d.revoked_by
+                ? `revoked by ${d.revoked_by} (\`permitq revoke\`) while it was still waiting; submit again under a new external_id if it is still wanted`
+                : code;
         default:
             return String(d.problem ?? code);
     }

@@ -73,6 +73,8 @@ export type ErrorDetail = Record<string, unknown> & {
   idle_instances?: string[];
   parent?: string;
   parent_needs?: number;
+  /** For `cancelled`: the admin login whose `permitq revoke` ended it while it waited. */
+  revoked_by?: string;
 };
 
 /** The request ended in `error`; one subclass per `errorCode`. */
@@ -160,6 +162,10 @@ function explained(code: string, d: ErrorDetail): string {
           : `has its max_instances of ${String(d.max_instances)} already`;
       return `template ${String(d.template)} ${has} (\`permitq semaphore show '${String(d.template)}'\` lists them); ${free}, ${raise}; then submit again under a new external_id`;
     }
+    case "cancelled":
+      return d.revoked_by
+        ? `revoked by ${d.revoked_by} (\`permitq revoke\`) while it was still waiting; submit again under a new external_id if it is still wanted`
+        : code;
     default:
       return String(d.problem ?? code);
   }

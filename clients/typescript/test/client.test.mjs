@@ -288,6 +288,11 @@ describe("permitq client", () => {
     await nowhere.end();
   });
 
+  it("names who revoked a request while it waited", () => {
+    const e = permitq.requestFailed("r-1", "cancelled", { revoked_by: "ops" });
+    assert.match(e.message, /revoked by ops \(`permitq revoke`\) while it was still waiting/);
+  });
+
   it("cancels at the deadline or on abort, so nothing waits on", async () => {
     const holders = [
       await client.acquire(newId("full"), { [sem]: 1 }, { ttlSeconds: 30 }),

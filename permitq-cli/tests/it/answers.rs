@@ -65,7 +65,8 @@ async fn lowering_a_capacity_names_the_waiters_it_no_longer_covers() {
         stderr(&o).contains(
             "permitq: 1 waiting request asks more than the new capacity 2: lw-big (low=3); \
              a worker ends it as error exceeds_capacity (the new capacity in its error_detail) \
-             when it comes to it: at once, unless others are ahead of it in line. To keep such \
+             when it comes to it: at once (perhaps already), unless others are ahead of it in \
+             line. To keep such \
              requests waiting, raise the capacity again (`permitq semaphore set low 3`)"
         ),
         "{}",
@@ -85,6 +86,30 @@ async fn lowering_a_capacity_names_the_waiters_it_no_longer_covers() {
     );
     let o = run(url, &["submit", "lw-small", "low=1", "--await", "10s"]).await;
     assert_eq!(code(&o), 0, "{}", stdout(&o));
+    // With a worker running, which may end it before `semaphore set` could read it after the
+    // change: still named (read before).
+    run(url, &["semaphore", "set", "low", "4"]).await;
+    run(url, &["release", "lw-small"]).await;
+    let o = run(url, &["submit", "lw-hold", "low=2", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    run(url, &["submit", "lw-big2", "low=3"]).await;
+    let client = db.client().await;
+    wait_until(SOON, "lw-big2 examined", || async {
+        client
+            .status("lw-big2")
+            .await
+            .unwrap()
+            .is_some_and(|r| r.examined_at.is_some())
+    })
+    .await;
+    let o = run(url, &["semaphore", "set", "low", "2"]).await;
+    assert!(
+        stderr(&o).contains(
+            "permitq: 1 waiting request asks more than the new capacity 2: lw-big2 (low=3)"
+        ),
+        "{}",
+        stderr(&o)
+    );
     worker.stop().await;
 }
 
@@ -110,13 +135,15 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
         "explain has no estimate to give, and says so",
         || async {
             stdout(&run(url, &["explain", "f-wait"]).await).contains(
-            "  no estimated wait yet: nothing was released here recently to estimate from (the \
-             holders' leases are above)",
+            "  no estimated wait yet: too few releases here recently (two at least) to estimate a \
+             rate from (the holders' leases are above)",
         )
         },
     )
     .await;
-    // Releases here make a rate; then a holder with a long lease, and a request behind it.
+    // Releases here make a rate (2 permits over the span of 3 releases); then a holder of all
+    // 50 with a long lease, and a request of 50 behind it: about 25 spans away.
+    run(url, &["semaphore", "set", "est", "50"]).await;
     for i in 0..3 {
         let id = format!("e-done-{i}");
         let o = run(url, &["submit", &id, "est=1", "--await", "10s"]).await;
@@ -126,12 +153,12 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
     let o = run(
         url,
         &[
-            "submit", "e-hold", "est=1", "--ttl", "60s", "--await", "10s",
+            "submit", "e-hold", "est=50", "--ttl", "60s", "--await", "10s",
         ],
     )
     .await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
-    run(url, &["submit", "e-wait", "est=1"]).await;
+    run(url, &["submit", "e-wait", "est=50"]).await;
     let client = db.client().await;
     // Examined by the worker (the waiters list holds unexamined requests too).
     wait_until(SOON, "e-wait examined", || async {
@@ -145,9 +172,10 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
     let o = run(url, &["explain", "e-wait"]).await;
     assert!(
         stdout(&o).contains("lease ends in")
+            && stdout(&o).contains("(from the rate of recent releases here, the last ")
             && stdout(&o).contains(
-                "(from the rate of recent releases here, not from these holders' leases: a \
-                 holder may release early, or heartbeat past its lease's end)"
+                " ago, not from these holders' leases: a holder may release early, or heartbeat \
+                 past its lease's end)"
             )
             // Beside it, what e-hold's 60s lease says.
             && stdout(&o).contains("  by the holders' leases: enough of them end in 5")
@@ -155,6 +183,38 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
         "{}",
         stdout(&o)
     );
+    // A rate that would have freed a request of 1 by now: releases stopped, and the estimate
+    // does not grow with the time since (it is gone, and says since when).
+    run(url, &["semaphore", "set", "halt", "1"]).await;
+    for i in 0..3 {
+        let id = format!("h-done-{i}");
+        let o = run(url, &["submit", &id, "halt=1", "--await", "10s"]).await;
+        assert_eq!(code(&o), 0, "{}", stderr(&o));
+        run(url, &["release", &id]).await;
+    }
+    let o = run(
+        url,
+        &[
+            "submit", "h-hold", "halt=1", "--ttl", "60s", "--await", "10s",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    run(url, &["submit", "h-wait", "halt=1"]).await;
+    wait_until(
+        SOON,
+        "the estimate is gone, since releases stopped",
+        || async {
+            let out = stdout(&run(url, &["explain", "h-wait"]).await);
+            out.contains("  no estimated wait: nothing was released here for ")
+            && out.contains(
+                " (releases have stopped, so their rate says nothing); the holders' leases are \
+                 above",
+            )
+            && !out.contains("estimated wait: about")
+        },
+    )
+    .await;
     worker.stop().await;
 }
 
@@ -760,6 +820,47 @@ fn a_malformed_url_shows_the_form_expected() {
     }
 }
 
+/// An admin's revoke of a request still waiting is not recorded as its owner's cancel: its
+/// history names the login that revoked it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoke_of_a_waiting_request_is_recorded_as_a_revoke() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let admin = common::user_of(url);
+    run(url, &["semaphore", "set", "rv", "1"]).await;
+    // No worker runs: both wait; one is revoked, the other cancelled by its owner.
+    for id in ["rv-revoked", "rv-cancelled"] {
+        let o = run(url, &["submit", id, "rv=1"]).await;
+        assert_eq!(code(&o), 0, "{}", stderr(&o));
+    }
+    let o = run(url, &["revoke", "rv-revoked"]).await;
+    assert!(
+        stdout(&o).contains("it was still waiting: it held nothing and will not be granted"),
+        "{}",
+        stdout(&o)
+    );
+    run(url, &["release", "rv-cancelled"]).await;
+    let o = run(url, &["status", "rv-revoked"]).await;
+    assert!(
+        stdout(&o).contains(&format!(
+            "error cancelled: revoked by {admin} (`permitq revoke`) while it was still waiting"
+        )),
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &["status", "rv-revoked", "--json"]).await;
+    assert_eq!(
+        json(&o)["error_detail"],
+        serde_json::json!({ "revoked_by": admin })
+    );
+    let o = run(url, &["status", "rv-cancelled"]).await;
+    assert!(
+        stdout(&o).contains("error cancelled: released while it was still waiting"),
+        "{}",
+        stdout(&o)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_permission_error_names_the_role_needed() {
     let db = TestDb::new().await;
@@ -870,9 +971,17 @@ async fn a_resubmit_with_other_parameters_shows_what_the_existing_request_asked(
     assert!(
         err.contains("already exists with different parameters")
             && err.contains(r#"the existing request asked permits {"gpu": 1}"#)
-            && err.contains("ttl 5m, wait none (waits until granted)")
+            && err.contains("ttl 5m, wait none (waits until granted), priority 0 (its state: new)")
             && err.contains("a new request needs a new external_id"),
         "{err}"
+    );
+    // Ended: its state says how.
+    run(url, &["release", "dup"]).await;
+    let o = run(url, &["submit", "dup", "gpu=2"]).await;
+    assert!(
+        stderr(&o).contains("(its state: error cancelled)"),
+        "{}",
+        stderr(&o)
     );
 }
 
@@ -980,9 +1089,10 @@ async fn submit_await_says_that_no_worker_is_running() {
     let o = run(url, &["submit", "nw-typo", "NW=1", "lab:a=1"]).await;
     assert!(
         stderr(&o).contains(
-            "permitq: nw-typo is queued, but no semaphore or template is named NW: a worker fails \
-             the request with unknown_semaphore (did you mean nw?); create it (`permitq semaphore \
-             set NW CAPACITY`) before a worker examines it, or submit again under a new external_id"
+            "permitq: nw-typo is queued, but no semaphore or template is named NW; did you mean \
+             nw? A worker fails the request with unknown_semaphore: submit again naming it, under \
+             a new external_id (or create NW with `permitq semaphore set NW CAPACITY` before a \
+             worker examines it)"
         ) && !stderr(&o).contains("named lab:a"),
         "{}",
         stderr(&o)

@@ -586,6 +586,13 @@ async fn demo_refuses_a_named_database_with_permitq_data_and_cleans_up_after_its
     )
     .await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
+    // A lease that ran out is the demo's doing, and the summary says so.
+    assert!(
+        !stdout(&o).contains("released by reason   expired") && !stdout(&o).contains(", expired")
+            || stdout(&o).contains("1 holder in 50 \"crashes\" without releasing"),
+        "{}",
+        stdout(&o)
+    );
     let conn = db.conn().await;
     let left: Vec<String> = conn
         .query("SELECT name FROM permitq.semaphore ORDER BY name", &[])
@@ -868,4 +875,22 @@ async fn tokens_raise_sets_the_floor_of_later_tokens_and_refuses_a_bad_one() {
     let o = run(url, &["tokens", "raise", "--above=-1"]).await;
     assert_eq!(code(&o), 2, "{}", stderr(&o));
     assert!(stderr(&o).contains("invalid above"), "{}", stderr(&o));
+}
+
+/// A permit with two `=`: a name that has one, or two permits run together; both ways out said.
+#[test]
+fn a_permit_with_two_equals_signs_says_how_to_write_either_meaning() {
+    let o = permitq(
+        Some("postgres://ignored@127.0.0.1/x"),
+        &["submit", "j", "a=b=1"],
+    );
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "\"a=b=1\" has more than one '=': a semaphore named \"a=b\" is given as `--permit \
+             'a=b' 1`; several permits go apart, each NAME=COUNT (`gpu=1 disk=2`)"
+        ),
+        "{}",
+        stderr(&o)
+    );
 }

@@ -174,6 +174,19 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
     }
     assert!(screen.contains("workers (1): "), "{screen}");
     std::fs::write(screenshots().join("top.txt"), &screen).unwrap();
+    // With the worker gone, that nothing is granting, and what to do, is there whole (wrapped
+    // at 80 columns), the detail still open below it.
+    worker.stop().await;
+    wait_until(SOON, "top says nothing is granting, whole", || async {
+        let screen = capture();
+        let said: String = screen.lines().map(str::trim).collect::<Vec<_>>().join(" ");
+        said.contains("nothing is granting: ")
+            && said.contains("requests wait until a worker runs)")
+            && said.contains("holders (2)")
+    })
+    .await;
+    let screen = capture();
+    assert!(screen.lines().all(|l| l.chars().count() <= 80), "{screen}");
     tmux(&["send-keys", "-t", &session, "q"]);
     wait_until(SOON, "top quit on q", || async {
         !Command::new("tmux")
@@ -183,7 +196,6 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
             .success()
     })
     .await;
-    worker.stop().await;
 }
 
 /// Checks Prometheus text format line by line: comments, or `name{labels} value` with a float

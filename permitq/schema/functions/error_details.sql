@@ -53,13 +53,20 @@ GRANT EXECUTE ON FUNCTION permitq.similar_semaphore_names(text)
 -- by `permitq submit` at once, while the name can still be created.
 CREATE OR REPLACE FUNCTION permitq.unknown_name_answer(semaphore_name text) RETURNS text
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
-    SELECT format('no semaphore or template is named %s: a worker fails the request with '
-                  'unknown_semaphore%s; create it (`permitq semaphore set %s CAPACITY`) before a '
-                  'worker examines it, or submit again under a new external_id',
-                  semaphore_name,
-                  coalesce(' (did you mean ' || nullif(array_to_string(
-                      permitq.similar_semaphore_names(semaphore_name), ' or '), '') || '?)', ''),
-                  semaphore_name)
+    -- A near name first (most often a typo): submitted again naming it, as a worker's
+    -- unknown_semaphore says; else the name created in time.
+    SELECT CASE WHEN x.similar IS NOT NULL
+        THEN format('no semaphore or template is named %s; did you mean %s? A worker fails the '
+                    'request with unknown_semaphore: submit again naming it, under a new '
+                    'external_id (or create %s with `permitq semaphore set %s CAPACITY` before a '
+                    'worker examines it)',
+                    semaphore_name, x.similar, semaphore_name, semaphore_name)
+        ELSE format('no semaphore or template is named %s: a worker fails the request with '
+                    'unknown_semaphore; create it (`permitq semaphore set %s CAPACITY`) before a '
+                    'worker examines it, or submit again under a new external_id',
+                    semaphore_name, semaphore_name) END
+    FROM (SELECT nullif(array_to_string(permitq.similar_semaphore_names(semaphore_name), ' or '), '')
+                 AS similar) x
     WHERE NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = semaphore_name)
       AND (permitq.template_for(semaphore_name)).name IS NULL
 $$;

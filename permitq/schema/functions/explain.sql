@@ -10,15 +10,16 @@
 --
 -- The estimate is labelled as one: the permits to be freed (the shortfall plus what the requests
 -- ahead need) over the rate at which this semaphore's permits were released lately (among the
--- last 2000 requests settled anywhere); for a spent rate window, when it opens; NULL when there
--- is no history. Cost: per semaphore named, the waiters ahead (counted from waiter_line_idx,
+-- last 2000 requests settled anywhere, between the first of them and the last,
+-- `last_released_at`); for a spent rate window, when it opens; NULL with fewer than two releases
+-- there, or when none came for longer than the estimate (releases stopped). Cost: per semaphore named, the waiters ahead (counted from waiter_line_idx,
 -- and the unexamined requests placed ahead, at most 10000 each), the held requests, and those
 -- 2000 settled rows: never the whole backlog.
 CREATE OR REPLACE FUNCTION permitq.explain(external_id text)
 RETURNS TABLE (request text, state text, outcome text, semaphore text, needs integer,
                capacity integer, free integer, shortfall integer, "position" bigint,
                permits_ahead bigint, reason text, holders jsonb, estimated_wait interval,
-               via text, kept integer)
+               via text, kept integer, last_released_at timestamptz)
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 #variable_conflict use_variable
 DECLARE
@@ -75,6 +76,7 @@ BEGIN
         via := named.via;
         capacity := NULL; free := NULL; shortfall := NULL; "position" := NULL; kept := NULL;
         permits_ahead := NULL; holders := '[]'; estimated_wait := NULL; opens_at := NULL;
+        last_released_at := NULL;
         within_guarantee := false;
         SELECT * INTO s FROM permitq.semaphore sem WHERE sem.name = named.name;
         IF NOT FOUND THEN
@@ -193,15 +195,23 @@ BEGIN
                                       ELSE '' END)
                      ELSE format('parent: it fits within the guarantee of %s (%s)', child.name, child.guarantee) END
             WHEN kept > 0 AND shortfall > 0 THEN
-                -- The arithmetic spelled out: the free room beyond what is kept is the borrower's.
-                format('parent: %s; %s of its room %s kept for the guarantees of its other active children: %s. %s needed + %s kept %s = %s more %s must be released here first',
+                -- The arithmetic spelled out: the free room beyond what is kept is the borrower's;
+                -- on a fair parent, the requests ahead in its line take theirs first.
+                format('parent: %s; %s of its room %s kept for the guarantees of its other active children: %s. %s needed + %s kept%s %s = %s more %s must be released here first',
                        CASE WHEN child.name IS NULL THEN 'a request naming the parent itself borrows'
                             ELSE format('%s borrows beyond its guarantee (%s)', child.name, child.guarantee) END,
                        kept, CASE WHEN kept = 1 THEN 'is' ELSE 'are' END, kept_for, needs, kept,
+                       CASE WHEN s.fair AND permits_ahead > 0
+                            THEN format(' + %s for the %s ahead in its line', permits_ahead,
+                                        CASE WHEN ahead_count = 1 THEN 'request'
+                                             ELSE format('%s requests', ahead_count) END)
+                            ELSE '' END,
                        -- Held beyond a capacity lowered under it counts as well.
                        CASE WHEN room < 0 THEN format('+ %s held beyond its capacity', -room)
                             ELSE format('- %s free', free) END,
-                       shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END)
+                       shortfall + CASE WHEN s.fair THEN coalesce(permits_ahead, 0) ELSE 0 END,
+                       CASE WHEN shortfall + CASE WHEN s.fair THEN coalesce(permits_ahead, 0) ELSE 0 END = 1
+                            THEN 'permit' ELSE 'permits' END)
             WHEN opens_at IS NOT NULL AND shortfall > 0 AND free > 0 THEN
                 format('rate limit: its window has room for %s of the %s it needs (%s / %s granted per %s); room for %s opens in %s, as earlier grants leave the window',
                        free, needs, s.capacity - free, s.capacity, permitq.human_duration(s.per),
@@ -276,17 +286,28 @@ BEGIN
         IF opens_at IS NOT NULL AND shortfall > 0 THEN
             estimated_wait := greatest(opens_at - now(), interval '0');
         ELSIF shortfall > 0 OR coalesce(permits_ahead, 0) > 0 THEN
-            SELECT sum((x.permits ->> s.name)::int), min(x.released_at)
-            INTO released_permits, released_since
+            -- The rate between the first release of the sample and the last (what the first
+            -- released came before that span): it does not fall as time passes with no
+            -- release. When none came for longer than the estimate, releases have stopped: no
+            -- estimate, and `last_released_at` says since when.
+            -- One release makes no rate: none, and no `last_released_at` either.
+            SELECT sum((x.permits ->> s.name)::int)
+                       - (array_agg((x.permits ->> s.name)::int ORDER BY x.released_at))[1],
+                   min(x.released_at),
+                   CASE WHEN count(*) > 1 THEN max(x.released_at) END
+            INTO released_permits, released_since, last_released_at
             FROM (SELECT coalesce(pr.charged, pr.permits) AS permits, pr.released_at
                   FROM permitq.permit_request pr
                   WHERE pr.state IN ('released', 'error')
                   ORDER BY pr.settled_at DESC LIMIT 2000) x
             WHERE x.released_at IS NOT NULL AND x.permits ? s.name;
-            rate := released_permits / nullif(extract(epoch FROM now() - released_since), 0);
+            rate := released_permits / nullif(extract(epoch FROM last_released_at - released_since), 0);
             IF rate > 0 THEN
                 estimated_wait := make_interval(secs => least((shortfall + coalesce(permits_ahead, 0)) / rate,
                                                               315360000));
+                IF now() - last_released_at > estimated_wait THEN
+                    estimated_wait := NULL;
+                END IF;
             END IF;
         END IF;
         RETURN NEXT;

@@ -78,11 +78,12 @@ BEGIN
                              + (existing.priority <> submit.priority)::int > 1
                         THEN ' differ' ELSE ' differs' END
                 USING ERRCODE = '23505',
-                      DETAIL = format('the existing request asked permits %s, owner %s, ttl %s, wait %s, priority %s (it is %s)',
+                      DETAIL = format('the existing request asked permits %s, owner %s, ttl %s, wait %s, priority %s (its state: %s)',
                           existing.permits, coalesce(existing.owner, 'none'),
                           coalesce(permitq.human_duration(existing.ttl), 'none (no lease)'),
                           coalesce(permitq.human_duration(existing.wait), 'none (waits until granted)'),
-                          existing.priority, existing.state),
+                          existing.priority,
+                          concat_ws(' ', existing.state, existing.error_code, existing.release_reason)),
                       HINT = 'a new request needs a new external_id; the same parameters return the existing one';
         END IF;
         -- The conflicting row was deleted (retention) between the two statements: insert again.

@@ -100,8 +100,8 @@ async fn explain_names_what_is_short_the_place_in_line_the_holders_and_the_rule(
         gpu.reason
     );
 
-    // The holder releases: the head is granted; explain gives its outcome. The release is
-    // history: the second now has an estimate.
+    // The holder releases: the head is granted; explain gives its outcome. One release makes
+    // no rate: still no estimate.
     holder.release().await.unwrap();
     let settled = client.wait_settled("first", SOON).await.unwrap().unwrap();
     assert_eq!(settled.state, State::Acquired);
@@ -112,7 +112,11 @@ async fn explain_names_what_is_short_the_place_in_line_the_holders_and_the_rule(
     let gpu = &second.semaphores[0];
     assert_eq!((gpu.position, gpu.shortfall), (Some(1), Some(1)));
     assert!(gpu.reason.contains("1 more permit "), "{}", gpu.reason);
-    assert!(gpu.estimated_wait.is_some(), "{gpu:?}");
+    assert_eq!(
+        (gpu.estimated_wait, gpu.since_last_release),
+        (None, None),
+        "{gpu:?}"
+    );
 
     assert!(client.explain("nobody").await.unwrap().is_none());
     // From SQL, a settled request's outcome is in words, as `permitq status` says it.
@@ -312,6 +316,25 @@ async fn explain_shows_the_parents_and_the_room_kept_for_guarantees() {
         2,
         "the pool's holders are those below it: {held:?}"
     );
+
+    // A second borrower behind b2: what b2 takes first is in its arithmetic (the pool is fair).
+    client
+        .submit(&Request::new("b3").permit("b", 1))
+        .await
+        .unwrap();
+    examined(&client, "b3").await;
+    let e = client.explain("b3").await.unwrap().unwrap();
+    let pool = &e.semaphores[1];
+    assert_eq!(pool.position, Some(2));
+    assert!(
+        pool.reason.ends_with(
+            "1 needed + 1 kept + 1 for the request ahead in its line - 1 free = 2 more permits \
+             must be released here first"
+        ),
+        "{}",
+        pool.reason
+    );
+    client.release("b3").await.unwrap();
 
     // a's 2 go beyond its guarantee (it has 1 of it unused): a borrows, and takes its turn in
     // the pool's line, behind b2.
