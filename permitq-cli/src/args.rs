@@ -93,6 +93,13 @@ pub(crate) enum Command {
     Release {
         /// The request's external_id.
         external_id: String,
+        /// How the holder's use went, for adaptive semaphores it held: ok, overloaded (a 429,
+        /// a timeout, a pool exhausted) or failed. Left out: no report.
+        #[arg(long, value_parser = parse_outcome)]
+        outcome: Option<permitq::Outcome>,
+        /// With --outcome: how long its calls took (250ms).
+        #[arg(long, value_parser = parse_duration, requires = "outcome")]
+        latency: Option<Duration>,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -256,6 +263,10 @@ pub(crate) struct WorkerArgs {
     #[arg(long, default_value_t = HumanDuration(worker_defaults().maintenance.sweep_interval),
           value_parser = human_duration)]
     pub sweep_interval: HumanDuration,
+    /// How often adaptive semaphores' capacities are set from their holders' reports.
+    #[arg(long, default_value_t = HumanDuration(worker_defaults().maintenance.adaptive_cadence),
+          value_parser = human_duration)]
+    pub adaptive_cadence: HumanDuration,
     /// Release anything held longer than this (release_reason = stale). Off by default.
     #[arg(long, value_parser = parse_lease_duration, allow_hyphen_values = true)]
     pub max_hold: Option<Duration>,
@@ -309,6 +320,7 @@ impl WorkerArgs {
         config.batch_size = self.batch_size;
         config.poll_interval = self.poll_interval.0;
         config.maintenance.sweep_interval = self.sweep_interval.0;
+        config.maintenance.adaptive_cadence = self.adaptive_cadence.0;
         config.maintenance.max_hold = self.max_hold;
         config.maintenance.retention = self.retention.0;
         config.maintenance.audit_retention = self.audit_retention.0;
@@ -371,6 +383,21 @@ pub(crate) enum SemaphoreCommand {
         #[arg(long, allow_negative_numbers = true,
               value_parser = clap::value_parser!(i32).range(0..))]
         max_instances: Option<i32>,
+        /// Let the workers set the capacity from what holders report (`permitq release ID
+        /// --outcome overloaded`): aimd (from overloaded reports) or gradient (from latency as
+        /// well), between --floor and --ceiling; CAPACITY is where it starts.
+        #[arg(long, value_parser = parse_algorithm, requires_all = ["floor", "ceiling"],
+              conflicts_with = "no_adaptive")]
+        adaptive: Option<permitq::Algorithm>,
+        /// With --adaptive: the lowest capacity it sets.
+        #[arg(long, requires = "adaptive", value_parser = clap::value_parser!(i32).range(1..))]
+        floor: Option<i32>,
+        /// With --adaptive: the highest capacity it sets.
+        #[arg(long, requires = "adaptive", value_parser = clap::value_parser!(i32).range(1..))]
+        ceiling: Option<i32>,
+        /// The capacity is fixed again (at CAPACITY): the workers no longer adapt it.
+        #[arg(long)]
+        no_adaptive: bool,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -471,6 +498,14 @@ fn parse_lease_duration(s: &str) -> std::result::Result<Duration, String> {
         return Err(format!("must be positive, got {s}"));
     }
     Ok(d)
+}
+
+fn parse_outcome(s: &str) -> std::result::Result<permitq::Outcome, String> {
+    s.parse()
+}
+
+fn parse_algorithm(s: &str) -> std::result::Result<permitq::Algorithm, String> {
+    s.parse()
 }
 
 fn parse_await(s: &str) -> std::result::Result<Duration, String> {

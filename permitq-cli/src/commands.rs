@@ -290,9 +290,21 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
             }
             Ok(u8::from(findings.iter().any(|f| !f.ok)))
         }
-        Command::Release { external_id, json } => {
+        Command::Release {
+            external_id,
+            outcome: report,
+            latency,
+            json,
+        } => {
             let client = Client::connect(&need_url()?).await?;
-            let said = client.release(&external_id).await?;
+            let said = match report {
+                Some(report) => {
+                    client
+                        .release_reporting(&external_id, report, latency)
+                        .await?
+                }
+                None => client.release(&external_id).await?,
+            };
             outcome(&client, said, &external_id, json).await
         }
         Command::Revoke { external_id, json } => {
@@ -524,6 +536,10 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             no_parent,
             guarantee,
             max_instances,
+            adaptive,
+            floor,
+            ceiling,
+            no_adaptive,
             json,
         } => {
             let mut settings = permitq::SemaphoreSettings::new();
@@ -593,6 +609,45 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             if s.is_template {
                 say_instances_over_the_template(client, &s).await;
             }
+            // Adaptive (or fixed again) after the capacity is set: CAPACITY is where it starts.
+            let s = match (adaptive, floor, ceiling, no_adaptive) {
+                (Some(algorithm), Some(floor), Some(ceiling), _) => {
+                    let limit = permitq::AdaptiveLimit::new(algorithm, floor, ceiling);
+                    client.set_adaptive(&s.name, Some(&limit)).await?;
+                    errln!(
+                        "permitq: {} is adaptive ({}): the workers set its capacity between \
+                         {floor} and {ceiling} from what its holders report (`permitq release ID \
+                         --outcome ok|overloaded|failed [--latency 30ms]`), every \
+                         --adaptive-cadence (1s)",
+                        s.name,
+                        algorithm.as_str()
+                    );
+                    let name = s.name.clone();
+                    client
+                        .semaphores()
+                        .await?
+                        .into_iter()
+                        .find(|x| x.name == name)
+                        .unwrap_or(s)
+                }
+                (_, _, _, true) => {
+                    client.set_adaptive(&s.name, None).await?;
+                    s
+                }
+                _ => {
+                    if let Ok(Some(limit)) = client.adaptive(&s.name).await {
+                        errln!(
+                            "permitq: note: {} is adaptive ({}, {} to {}): the workers move its \
+                             capacity again from its holders' reports; `--no-adaptive` fixes it",
+                            s.name,
+                            limit.algorithm.as_str(),
+                            limit.floor,
+                            limit.ceiling
+                        );
+                    }
+                    s
+                }
+            };
             if json {
                 outln!("{}", serde_json::to_string(&s).expect("serializable"));
                 return Ok(0);

@@ -320,17 +320,43 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             outln!("  {line}");
         }
     }
+    if let Some(a) = &d.adaptive {
+        outln!(
+            "\nadaptive ({}): the workers set its capacity between {} and {} from what its \
+             holders report (`permitq release ID --outcome ok|overloaded|failed`)",
+            a.algorithm.as_str(),
+            a.floor,
+            a.ceiling
+        );
+    }
     outln!("\ncapacity changes (latest {}):", d.capacity_history.len());
     for c in &d.capacity_history {
         outln!(
-            "  {} {} by {}",
+            "  {} {} by {}{}",
             c.changed_at
                 .map(|t| humantime::format_rfc3339_seconds(t).to_string())
                 .unwrap_or_default(),
             capacity_change(c, u.template.as_deref()),
-            c.changed_by
+            c.changed_by,
+            c.inputs.as_ref().map_or(String::new(), adaptive_inputs)
         );
     }
+}
+
+/// An adaptive change's inputs, in words: ` (from 3 ok, 1 overloaded, 0 failed, latency 20ms,
+/// 6 in use)`.
+fn adaptive_inputs(inputs: &serde_json::Value) -> String {
+    let n = |key: &str| inputs[key].as_i64().unwrap_or(0);
+    let latency = inputs["latency_ms"]
+        .as_f64()
+        .map_or(String::new(), |ms| format!(", latency {ms:.0}ms"));
+    format!(
+        " (from {} ok, {} overloaded, {} failed{latency}, {} in use)",
+        n("ok"),
+        n("overloaded"),
+        n("failed"),
+        n("used")
+    )
 }
 
 /// What one audited change set, in words: `created: capacity 4, fair, per 1m` at creation,

@@ -135,7 +135,7 @@ impl Client {
 
     /// `e`, saying where it looked when the schema was missing there: a URL naming the wrong
     /// database reads as an unmigrated one.
-    fn located(&self, e: Error) -> Error {
+    pub(crate) fn located(&self, e: Error) -> Error {
         if e.is_missing_schema() {
             e.looked_in(self.database())
         } else {

@@ -355,6 +355,7 @@ pub(crate) fn capacity_change_from_row(row: &Row) -> Result<CapacityChange> {
         old_per: from_micros(row.try_get(14)?),
         new_per: from_micros(row.try_get(15)?),
         deleted: row.try_get(16)?,
+        inputs: row.try_get(17)?,
     })
 }
 

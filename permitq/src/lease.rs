@@ -117,6 +117,22 @@ impl Lease {
         }
         self.client.release(&self.request.external_id).await
     }
+
+    /// Releases as [`Lease::release`] does, reporting how the use went for the adaptive
+    /// semaphores it held ([`crate::Client::release_reporting`]).
+    pub async fn release_reporting(
+        mut self,
+        outcome: crate::Outcome,
+        latency: Option<Duration>,
+    ) -> Result<ReleaseOutcome> {
+        self.released = true;
+        if let Some(h) = self.heartbeat.take() {
+            h.abort();
+        }
+        self.client
+            .release_reporting(&self.request.external_id, outcome, latency)
+            .await
+    }
 }
 
 impl Drop for Lease {

@@ -51,6 +51,7 @@
 //! # Ok(()) }
 //! ```
 
+mod adaptive;
 mod client;
 mod db;
 mod decision;
@@ -69,6 +70,7 @@ mod types;
 mod usage;
 mod worker;
 
+pub use adaptive::{next_capacity, AdaptiveLimit, Algorithm, Memory, Outcome, Signals};
 pub use client::Client;
 pub use error::{Error, Result, SqlState};
 pub use explain::{BlockingHolder, Explanation, SemaphoreWait};

@@ -37,6 +37,8 @@ pub struct MaintenanceConfig {
     /// Remove instances of templates that held nothing, had nobody waiting and saw no grant or
     /// release for this long (they are made again when named).
     pub idle_instance_after: Duration,
+    /// How often the workers set adaptive semaphores' capacities from their reports.
+    pub adaptive_cadence: Duration,
 }
 
 impl Default for MaintenanceConfig {
@@ -47,6 +49,7 @@ impl Default for MaintenanceConfig {
             retention: Duration::from_secs(7 * 24 * 3600),
             audit_retention: Duration::from_secs(30 * 24 * 3600),
             idle_instance_after: Duration::from_secs(3600),
+            adaptive_cadence: Duration::from_secs(1),
         }
     }
 }
@@ -469,6 +472,33 @@ pub(crate) async fn run_sweeps(
                 Ok(now) => notifications_skipped.store(now, std::sync::atomic::Ordering::Relaxed),
                 Err(e) if outage.failed("NOTIFY queue checks", &e) => {}
                 Err(e) => tracing::warn!(error = %e, "NOTIFY queue check failed"),
+            }
+        })
+    })
+    .await
+}
+
+/// The worker's adaptive task: [`crate::adaptive::adapt_once`] every `adaptive_cadence`.
+pub(crate) async fn run_adaptive(
+    pool: Pool,
+    config: Arc<MaintenanceConfig>,
+    outage: Arc<Outage>,
+    stop: watch::Receiver<bool>,
+) {
+    let cadence = config.adaptive_cadence.max(Duration::from_millis(100));
+    every(cadence, stop, move || {
+        let (pool, outage) = (pool.clone(), outage.clone());
+        Box::pin(async move {
+            let began = std::time::Instant::now();
+            match crate::adaptive::adapt_once(&pool, cadence).await {
+                Ok(changes) => {
+                    outage.succeeded(began);
+                    for c in changes {
+                        tracing::info!(semaphore = %c.name, from = c.from, to = c.to, "adaptive capacity");
+                    }
+                }
+                Err(e) if outage.failed("adaptive capacities", &e) => {}
+                Err(e) => tracing::warn!(error = %e, "adaptive cadence failed"),
             }
         })
     })

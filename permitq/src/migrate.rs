@@ -99,6 +99,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "explain_last_release",
         sql: include_str!("../schema/migrations/V12__explain_last_release.sql"),
     },
+    Migration {
+        version: 13,
+        name: "adaptive_capacity",
+        sql: include_str!("../schema/migrations/V13__adaptive_capacity.sql"),
+    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.
@@ -138,6 +143,7 @@ schema_files! {
     "heartbeat.sql",
     "fence.sql",
     "set_capacity.sql",
+    "adaptive.sql",
     "claim.sql",
     "batch_semaphores.sql",
     "heads.sql",

@@ -224,6 +224,23 @@ const BARRIER_DOES_SOMETHING: &str =
 /// [`crate::Client::wait_settled`] (and so `acquire`) runs it itself.
 pub const DURABILITY_BARRIER: &str = "SELECT permitq.confirm_durable()";
 
+/// Worker, an adaptive cadence's first step: the due semaphores and their reports (taken).
+pub(crate) const ADAPTIVE_TURN: &str = "SELECT * FROM permitq.adaptive_turn($1::text::interval)";
+/// Worker, its second: the capacity an algorithm chose for one of them.
+pub(crate) const ADAPTIVE_APPLY: &str = "SELECT permitq.adaptive_apply($1, $2, $3, $4)";
+
+/// Admin: make a semaphore adaptive ($2 the algorithm, NULL: fixed again).
+pub(crate) const SET_ADAPTIVE: &str =
+    "SELECT algorithm, floor, ceiling FROM permitq.set_adaptive($1, $2, $3, $4)";
+/// The adaptive settings of a semaphore.
+pub(crate) const ADAPTIVE_OF: &str = "SELECT a.algorithm, a.floor, a.ceiling \
+     FROM permitq.adaptive_limit a JOIN permitq.semaphore s ON s.id = a.semaphore_id \
+     WHERE s.name = $1";
+/// Holder: release with a report of how its use went.
+pub(crate) const RELEASE_REPORTING: &str = "SELECT permitq.release($1, $2, $3::text::interval)";
+/// Holder: a report while it holds.
+pub(crate) const REPORT: &str = "SELECT permitq.report($1, $2, $3::text::interval)";
+
 /// Why a request waits (`permitq.explain`): one row per semaphore, or its outcome.
 pub(crate) const EXPLAIN: &str =
     "SELECT request, state, outcome, semaphore, needs, capacity, free, \
@@ -277,7 +294,7 @@ pub(crate) const CAPACITY_HISTORY: &str =
      old_parent, new_parent, old_guarantee::int8, new_guarantee::int8, \
      old_max_instances::int8, new_max_instances::int8, \
      (extract(epoch FROM old_per) * 1000000)::int8, (extract(epoch FROM new_per) * 1000000)::int8, \
-     deleted FROM permitq.capacity_change WHERE semaphore = $1 ORDER BY id";
+     deleted, inputs FROM permitq.capacity_change WHERE semaphore = $1 ORDER BY id";
 /// Operators: every semaphore's usage.
 pub(crate) const USAGE: &str = "SELECT name, capacity::int8, used::int8, held::int8, \
      waiting::int8, oldest_wait_since, fair, granted, in_window::int8, \
@@ -375,6 +392,12 @@ fn all() -> Vec<(&'static str, String)> {
         ("CAPACITY_HISTORY", CAPACITY_HISTORY),
         ("SIMILAR_SEMAPHORES", SIMILAR_SEMAPHORES),
         ("UNKNOWN_NAMES", UNKNOWN_NAMES),
+        ("ADAPTIVE_TURN", ADAPTIVE_TURN),
+        ("ADAPTIVE_APPLY", ADAPTIVE_APPLY),
+        ("SET_ADAPTIVE", SET_ADAPTIVE),
+        ("ADAPTIVE_OF", ADAPTIVE_OF),
+        ("RELEASE_REPORTING", RELEASE_REPORTING),
+        ("REPORT", REPORT),
         ("MAY_WORK", MAY_WORK),
         ("FENCE", FENCE),
         ("TAKE_TURN", TAKE_TURN),

@@ -427,6 +427,10 @@ pub struct CapacityChange {
     /// The semaphore was deleted ([`Client::delete_semaphore`](crate::Client::delete_semaphore));
     /// the `new_*` fields are the bounds it had.
     pub deleted: bool,
+    /// For a change an adaptive cadence made (`changed_by` `adaptive (ALGORITHM)`): the reports
+    /// and state it was made from (`ok`, `overloaded`, `failed`, `latency_ms`, `used`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inputs: Option<serde_json::Value>,
 }
 
 pub(crate) fn ser_secs<S: Serializer>(

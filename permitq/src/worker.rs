@@ -294,6 +294,12 @@ impl Worker {
             self.outage.clone(),
             stop.clone(),
         ));
+        let adapter = tokio::spawn(maintenance::run_adaptive(
+            self.pool.clone(),
+            maintenance_config.clone(),
+            self.outage.clone(),
+            stop.clone(),
+        ));
         let cleaner = tokio::spawn(maintenance::run_retention(
             self.pool.clone(),
             maintenance_config,
@@ -314,6 +320,7 @@ impl Worker {
         drop(listener);
         let _ = sweeper.await;
         let _ = cleaner.await;
+        let _ = adapter.await;
         let _ = seen.await;
         tracing::info!(worker = %self.config.id, "worker stopped");
         Ok(())

@@ -104,6 +104,9 @@ pub(crate) struct Detail {
     /// the template), at most [`INSTANCES_NAMED`].
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub(crate) children: Vec<Child>,
+    /// When its capacity adapts: the algorithm and its bounds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) adaptive: Option<permitq::AdaptiveLimit>,
     /// The workers, and whether anything is granting.
     #[serde(flatten)]
     pub(crate) presence: crate::show::Presence,
@@ -206,6 +209,7 @@ pub(super) async fn detail_of(
     } else {
         None
     };
+    let adaptive = client.adaptive(name).await?;
     Ok(Detail {
         instances,
         holders: client.holders(name).await?,
@@ -214,6 +218,7 @@ pub(super) async fn detail_of(
         first_in_line,
         capacity_history: history,
         children,
+        adaptive,
         presence,
     })
 }

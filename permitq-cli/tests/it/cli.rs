@@ -894,3 +894,84 @@ fn a_permit_with_two_equals_signs_says_how_to_write_either_meaning() {
         stderr(&o)
     );
 }
+
+/// An adaptive semaphore from the command line: made, shown, moved by a holder's report, the
+/// change audited with what moved it; bounds without --adaptive refused; fixed again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let mut config = quiet_config("w");
+    config.maintenance.adaptive_cadence = Duration::from_millis(200);
+    let worker = db.worker(config);
+    let o = run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "api",
+            "10",
+            "--adaptive",
+            "aimd",
+            "--floor",
+            "2",
+            "--ceiling",
+            "20",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "permitq: api is adaptive (aimd): the workers set its capacity between 2 and 20 from \
+             what its holders report (`permitq release ID --outcome ok|overloaded|failed \
+             [--latency 30ms]`)"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &["semaphore", "set", "api", "10", "--floor", "2"]).await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(stderr(&o).contains("--adaptive"), "{}", stderr(&o));
+    let o = run(url, &["submit", "a1", "api=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = run(
+        url,
+        &[
+            "release",
+            "a1",
+            "--outcome",
+            "overloaded",
+            "--latency",
+            "900ms",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    wait_until(Duration::from_secs(10), "backed off to 9", || async {
+        let show = stdout(&run(url, &["semaphore", "show", "api"]).await);
+        show.contains("adaptive (aimd): the workers set its capacity between 2 and 20")
+            && show
+                .contains("capacity 10 -> 9 by adaptive (aimd) (from 0 ok, 1 overloaded, 0 failed")
+    })
+    .await;
+    let o = run(url, &["release", "a1", "--outcome", "great"]).await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("unknown outcome \"great\": ok, overloaded"),
+        "{}",
+        stderr(&o)
+    );
+    // A capacity set by hand on it is noted; --no-adaptive fixes it.
+    let o = run(url, &["semaphore", "set", "api", "12"]).await;
+    assert!(
+        stderr(&o).contains("permitq: note: api is adaptive (aimd, 2 to 20)"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &["semaphore", "set", "api", "12", "--no-adaptive"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let show = stdout(&run(url, &["semaphore", "show", "api"]).await);
+    assert!(!show.contains("adaptive (aimd):"), "{show}");
+    worker.stop().await;
+}

@@ -1,5 +1,6 @@
 //! The library's integration tests against real PostgreSQL (one test binary: link time).
 
+mod adaptive;
 mod explain;
 mod failover;
 mod leases;

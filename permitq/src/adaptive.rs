@@ -1,0 +1,522 @@
+//! Adaptive capacity: the algorithms (pure functions of one cadence's reports) and the
+//! workers' cadence that applies them (schema/functions/adaptive.sql has the protocol).
+//!
+//! Each cadence, for each adaptive semaphore, the reports since the last one become
+//! [`Signals`], and [`next_capacity`] turns them and the semaphore's current capacity into the
+//! next one, always within its floor and ceiling:
+//! - **AIMD** (additive increase, multiplicative decrease): any `overloaded` report lowers the
+//!   capacity to 90% (at least one less); otherwise, when `ok` reports outnumber `failed` ones
+//!   and at least half the capacity is in use, it grows by one.
+//! - **Gradient** (after Netflix's Gradient2): a long-term latency (a slow moving average, kept
+//!   between cadences) against this cadence's; while this cadence's stays under 1.5× the long
+//!   one the capacity grows by its square root, past it the capacity shrinks by their ratio
+//!   (at most halved), smoothed; an `overloaded` report lowers it as AIMD does.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::Result;
+
+/// How an adaptive semaphore turns its holders' reports into its capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum Algorithm {
+    /// Additive increase, multiplicative decrease, from `overloaded` (and `failed`) reports.
+    Aimd,
+    /// From latency as well: shrinks as it rises past the long-term latency.
+    Gradient,
+}
+
+impl Algorithm {
+    /// Its name in SQL and on the command line: `aimd`, `gradient`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Algorithm::Aimd => "aimd",
+            Algorithm::Gradient => "gradient",
+        }
+    }
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "aimd" => Ok(Algorithm::Aimd),
+            "gradient" => Ok(Algorithm::Gradient),
+            other => Err(format!(
+                "unknown adaptive algorithm {other:?}: use aimd (from overloaded reports) or \
+                 gradient (from latency as well)"
+            )),
+        }
+    }
+}
+
+/// How a holder's use of the resource went, as it reports it on release or while it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum Outcome {
+    /// It worked.
+    Ok,
+    /// The resource pushed back: a 429, a timeout, a pool exhausted.
+    Overloaded,
+    /// It failed for another reason.
+    Failed,
+}
+
+impl Outcome {
+    /// Its name in SQL and on the command line: `ok`, `overloaded`, `failed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Overloaded => "overloaded",
+            Outcome::Failed => "failed",
+        }
+    }
+}
+
+impl std::str::FromStr for Outcome {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "ok" => Ok(Outcome::Ok),
+            "overloaded" => Ok(Outcome::Overloaded),
+            "failed" => Ok(Outcome::Failed),
+            other => Err(format!(
+                "unknown outcome {other:?}: ok, overloaded (a 429, a timeout, a pool exhausted) \
+                 or failed"
+            )),
+        }
+    }
+}
+
+/// An adaptive semaphore's settings, as `permitq.adaptive_limit` holds them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct AdaptiveLimit {
+    /// The algorithm.
+    pub algorithm: Algorithm,
+    /// The lowest capacity it sets.
+    pub floor: i32,
+    /// The highest capacity it sets.
+    pub ceiling: i32,
+}
+
+impl AdaptiveLimit {
+    /// Adapts by `algorithm` between `floor` and `ceiling`.
+    pub fn new(algorithm: Algorithm, floor: i32, ceiling: i32) -> AdaptiveLimit {
+        AdaptiveLimit {
+            algorithm,
+            floor,
+            ceiling,
+        }
+    }
+}
+
+/// One cadence's reports for one semaphore, and its state when they were read.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+#[non_exhaustive]
+pub struct Signals {
+    /// `ok` reports.
+    pub ok: i64,
+    /// `overloaded` reports.
+    pub overloaded: i64,
+    /// `failed` reports.
+    pub failed: i64,
+    /// The mean latency of the `ok` reports that gave one, in milliseconds.
+    pub latency_ms: Option<f64>,
+    /// Permits held (the workers' count).
+    pub used: i64,
+}
+
+/// What an algorithm keeps from one cadence to the next.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Memory {
+    /// The gradient's long-term latency, in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub long_latency_ms: Option<f64>,
+    /// The gradient's unrounded estimate of the capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimate: Option<f64>,
+}
+
+/// The decrease on `overloaded`: to 90%, at least one less.
+fn decreased(capacity: f64) -> f64 {
+    (capacity * 0.9).min(capacity - 1.0)
+}
+
+/// The next capacity of a semaphore at `capacity` with these `signals`, within `floor` and
+/// `ceiling` (a ceiling below the floor counts as the floor), and the memory for the next
+/// cadence. A pure function: never above the ceiling nor below the floor; more `overloaded`
+/// reports, or a higher latency, never give a higher capacity.
+pub fn next_capacity(
+    algorithm: Algorithm,
+    signals: &Signals,
+    capacity: i32,
+    floor: i32,
+    ceiling: i32,
+    memory: Memory,
+) -> (i32, Memory) {
+    let floor = floor.max(1);
+    let ceiling = ceiling.max(floor);
+    let bound = |x: f64| x.clamp(f64::from(floor), f64::from(ceiling));
+    let current = bound(f64::from(capacity));
+    let in_use = signals.used.saturating_mul(2) >= i64::from(capacity);
+    let (next, memory) = match algorithm {
+        Algorithm::Aimd => {
+            let next = if signals.overloaded > 0 {
+                decreased(current)
+            } else if signals.ok > signals.failed && in_use {
+                current + 1.0
+            } else {
+                current
+            };
+            (next, Memory::default())
+        }
+        Algorithm::Gradient => {
+            // Its own estimate, unless the capacity was set by hand since.
+            let estimate = memory
+                .estimate
+                .map(bound)
+                .filter(|e| e.floor() == current)
+                .unwrap_or(current);
+            let short = signals.latency_ms.filter(|l| l.is_finite() && *l >= 0.0);
+            let long = match (memory.long_latency_ms, short) {
+                (None, s) => s,
+                // A slow average; pulled down at once when latency falls well below it, so a
+                // baseline measured under load does not linger.
+                (Some(long), Some(s)) if s < long / 2.0 => Some(s),
+                (Some(long), Some(s)) => Some(long * 0.95 + s * 0.05),
+                (Some(long), None) => Some(long),
+            };
+            let next = if signals.overloaded > 0 {
+                decreased(estimate)
+            } else {
+                match (long, short) {
+                    (Some(long), Some(short)) if short > 0.0 => {
+                        let gradient = (1.5 * long / short).clamp(0.5, 1.0);
+                        let growth = if gradient >= 1.0 && in_use {
+                            estimate.sqrt()
+                        } else {
+                            0.0
+                        };
+                        let target = estimate * gradient + growth;
+                        estimate * 0.8 + target * 0.2
+                    }
+                    _ => estimate,
+                }
+            };
+            let next = bound(next);
+            (
+                next,
+                Memory {
+                    long_latency_ms: long,
+                    estimate: Some(next),
+                },
+            )
+        }
+    };
+    // Rounded down: a capacity grows once its estimate reaches the next whole permit.
+    let next = bound(next).floor();
+    #[allow(clippy::cast_possible_truncation)]
+    let next = next as i32;
+    (next, memory)
+}
+
+/// One adaptive semaphore's change in a cadence.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Adapted {
+    pub name: String,
+    pub from: i32,
+    pub to: i32,
+}
+
+/// One cadence: takes the due adaptive semaphores and their reports, and applies each one's
+/// next capacity, in one transaction. Nothing when none is due or another session has the turn.
+pub(crate) async fn adapt_once(
+    pool: &deadpool_postgres::Pool,
+    cadence: Duration,
+) -> Result<Vec<Adapted>> {
+    let mut conn = pool.get().await?;
+    let tx = conn.transaction().await?;
+    let rows = tx
+        .query(
+            crate::sql::ADAPTIVE_TURN,
+            &[&format!("{} milliseconds", cadence.as_millis())],
+        )
+        .await?;
+    let mut adapted = Vec::new();
+    for row in rows {
+        let algorithm: String = row.try_get("algorithm")?;
+        let Ok(algorithm) = algorithm.parse::<Algorithm>() else {
+            continue;
+        };
+        let signals = Signals {
+            ok: row.try_get("ok")?,
+            overloaded: row.try_get("overloaded")?,
+            failed: row.try_get("failed")?,
+            latency_ms: row.try_get("latency_ms")?,
+            used: row.try_get("used")?,
+        };
+        let memory: serde_json::Value = row.try_get("memory")?;
+        let memory: Memory = serde_json::from_value(memory).unwrap_or_default();
+        let capacity: i32 = row.try_get("capacity")?;
+        let (next, memory) = next_capacity(
+            algorithm,
+            &signals,
+            capacity,
+            row.try_get("floor")?,
+            row.try_get("ceiling")?,
+            memory,
+        );
+        let inputs = serde_json::json!({
+            "ok": signals.ok,
+            "overloaded": signals.overloaded,
+            "failed": signals.failed,
+            "latency_ms": signals.latency_ms,
+            "used": signals.used,
+            "long_latency_ms": memory.long_latency_ms,
+        });
+        let set: Option<i32> = tx
+            .query_one(
+                crate::sql::ADAPTIVE_APPLY,
+                &[
+                    &row.try_get::<_, i64>("semaphore_id")?,
+                    &next,
+                    &serde_json::to_value(memory).unwrap_or_default(),
+                    &inputs,
+                ],
+            )
+            .await?
+            .try_get(0)?;
+        if let Some(to) = set.filter(|to| *to != capacity) {
+            adapted.push(Adapted {
+                name: row.try_get("name")?,
+                from: capacity,
+                to,
+            });
+        }
+    }
+    tx.commit().await?;
+    Ok(adapted)
+}
+
+impl crate::Client {
+    /// Makes `name` adaptive (`Some`): from now on the workers set its capacity from its
+    /// holders' reports, within the limit's floor and ceiling (the capacity is brought within
+    /// them at once); or fixed again at its current capacity (`None`). Admins only; not for
+    /// templates, instances or rate limits.
+    pub async fn set_adaptive(
+        &self,
+        name: &str,
+        limit: Option<&AdaptiveLimit>,
+    ) -> Result<Option<AdaptiveLimit>> {
+        let conn = self.conn().await?;
+        let rows = conn
+            .query(
+                crate::sql::SET_ADAPTIVE,
+                &[
+                    &name,
+                    &limit.map(|l| l.algorithm.as_str()),
+                    &limit.map(|l| l.floor),
+                    &limit.map(|l| l.ceiling),
+                ],
+            )
+            .await
+            .map_err(|e| self.located(e.into()))?;
+        rows.first().map(limit_from_row).transpose()
+    }
+
+    /// The adaptive settings of `name`; `None` when its capacity is fixed (or it does not exist).
+    pub async fn adaptive(&self, name: &str) -> Result<Option<AdaptiveLimit>> {
+        let conn = self.conn().await?;
+        let rows = conn
+            .query(crate::sql::ADAPTIVE_OF, &[&name])
+            .await
+            .map_err(|e| self.located(e.into()))?;
+        rows.first().map(limit_from_row).transpose()
+    }
+
+    /// Releases as [`crate::Client::release`] does, and reports how the holder's use went for
+    /// the adaptive semaphores it held (`latency`: how long its calls took, if measured). A
+    /// repeated release reports nothing again.
+    pub async fn release_reporting(
+        &self,
+        external_id: &str,
+        outcome: Outcome,
+        latency: Option<Duration>,
+    ) -> Result<crate::ReleaseOutcome> {
+        let conn = self.conn().await?;
+        let text: String = conn
+            .query_one(
+                crate::sql::RELEASE_REPORTING,
+                &[
+                    &external_id,
+                    &outcome.as_str(),
+                    &latency.map(crate::sql::interval),
+                ],
+            )
+            .await
+            .map_err(|e| self.located(e.into()))?
+            .get(0);
+        Ok(text.parse()?)
+    }
+
+    /// Reports how the holder's use went so far, while it still holds. `false` when the
+    /// request is not held (any more).
+    pub async fn report(
+        &self,
+        external_id: &str,
+        outcome: Outcome,
+        latency: Option<Duration>,
+    ) -> Result<bool> {
+        let conn = self.conn().await?;
+        Ok(conn
+            .query_one(
+                crate::sql::REPORT,
+                &[
+                    &external_id,
+                    &outcome.as_str(),
+                    &latency.map(crate::sql::interval),
+                ],
+            )
+            .await
+            .map_err(|e| self.located(e.into()))?
+            .get(0))
+    }
+}
+
+fn limit_from_row(row: &tokio_postgres::Row) -> Result<AdaptiveLimit> {
+    let algorithm: String = row.try_get(0)?;
+    Ok(AdaptiveLimit {
+        algorithm: algorithm
+            .parse()
+            .map_err(|e: String| crate::Error::invalid("algorithm", e))?,
+        floor: row.try_get(1)?,
+        ceiling: row.try_get(2)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn signals(ok: i64, overloaded: i64, latency_ms: Option<f64>, used: i64) -> Signals {
+        Signals {
+            ok,
+            overloaded,
+            failed: 0,
+            latency_ms,
+            used,
+        }
+    }
+
+    #[test]
+    fn aimd_grows_by_one_in_use_and_backs_off_on_overload() {
+        let m = Memory::default();
+        let aimd = |s: &Signals, c| next_capacity(Algorithm::Aimd, s, c, 2, 50, m).0;
+        assert_eq!(aimd(&signals(10, 0, None, 8), 10), 11);
+        assert_eq!(aimd(&signals(10, 0, None, 2), 10), 10, "idle: no growth");
+        assert_eq!(aimd(&signals(10, 1, None, 10), 10), 9);
+        assert_eq!(aimd(&signals(10, 1, None, 40), 40), 36);
+        assert_eq!(
+            aimd(&signals(0, 0, None, 0), 10),
+            10,
+            "no reports: unchanged"
+        );
+        assert_eq!(aimd(&signals(0, 5, None, 2), 2), 2, "never below the floor");
+        assert_eq!(
+            aimd(&signals(9, 0, None, 50), 50),
+            50,
+            "never above the ceiling"
+        );
+        let failing = Signals {
+            failed: 10,
+            ..signals(3, 0, None, 10)
+        };
+        assert_eq!(aimd(&failing, 10), 10, "failures hold it");
+    }
+
+    #[test]
+    fn gradient_grows_while_latency_holds_and_shrinks_as_it_rises() {
+        let mut memory = Memory::default();
+        let mut capacity = 4;
+        for _ in 0..20 {
+            (capacity, memory) = next_capacity(
+                Algorithm::Gradient,
+                &signals(20, 0, Some(10.0), i64::from(capacity)),
+                capacity,
+                2,
+                100,
+                memory,
+            );
+        }
+        assert!(capacity > 10, "it grew: {capacity}");
+        let before = capacity;
+        for _ in 0..10 {
+            (capacity, memory) = next_capacity(
+                Algorithm::Gradient,
+                &signals(20, 0, Some(60.0), i64::from(capacity)),
+                capacity,
+                2,
+                100,
+                memory,
+            );
+        }
+        assert!(
+            capacity < before,
+            "latency 6x: it shrank from {before} to {capacity}"
+        );
+    }
+
+    fn any_algorithm() -> impl Strategy<Value = Algorithm> {
+        prop_oneof![Just(Algorithm::Aimd), Just(Algorithm::Gradient)]
+    }
+
+    fn any_memory() -> impl Strategy<Value = Memory> {
+        (
+            proptest::option::of(0.1f64..1000.0),
+            proptest::option::of(0.0f64..200.0),
+        )
+            .prop_map(|(long_latency_ms, estimate)| Memory {
+                long_latency_ms,
+                estimate,
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn within_its_floor_and_ceiling(
+            algorithm in any_algorithm(),
+            (ok, overloaded, failed, used) in (0i64..1000, 0i64..10, 0i64..100, 0i64..300),
+            latency in proptest::option::of(0.0f64..10_000.0),
+            capacity in 0i32..300,
+            (floor, span) in (1i32..100, 0i32..100),
+            memory in any_memory(),
+        ) {
+            let s = Signals { ok, overloaded, failed, latency_ms: latency, used };
+            let (next, _) = next_capacity(algorithm, &s, capacity, floor, floor + span, memory);
+            prop_assert!((floor..=floor + span).contains(&next), "{next} outside {floor}..={}", floor + span);
+        }
+
+        #[test]
+        fn more_overloads_or_more_latency_never_raise_it(
+            algorithm in any_algorithm(),
+            (ok, overloaded, used) in (0i64..1000, 0i64..10, 0i64..300),
+            (latency, more_latency) in (0.1f64..1000.0, 0.0f64..1000.0),
+            extra in 1i64..10,
+            capacity in 1i32..200,
+            memory in any_memory(),
+        ) {
+            let at = |overloaded, latency| {
+                next_capacity(algorithm, &signals(ok, overloaded, Some(latency), used), capacity, 1, 200, memory).0
+            };
+            prop_assert!(at(overloaded + extra, latency) <= at(overloaded, latency));
+            prop_assert!(at(overloaded, latency + more_latency) <= at(overloaded, latency));
+        }
+    }
+}

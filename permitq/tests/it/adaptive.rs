@@ -1,0 +1,301 @@
+//! Adaptive capacity: holders report, two workers apply each report once per cadence, a worker
+//! dying mid-cadence loses none, a repeated release reports nothing again; bad settings and bad
+//! reports are refused and write nothing.
+
+use permitq_test_support as common;
+
+use std::time::Duration;
+
+use common::{quiet_config, wait_until, TestDb};
+use permitq::{AdaptiveLimit, Algorithm, Outcome, Request, SqlState};
+
+const SOON: Duration = Duration::from_secs(10);
+const CADENCE: Duration = Duration::from_millis(150);
+
+fn adaptive_worker(db: &TestDb, id: &str) -> common::RunningWorker {
+    let mut config = quiet_config(id);
+    config.maintenance.adaptive_cadence = CADENCE;
+    db.worker(config)
+}
+
+async fn capacity(conn: &tokio_postgres::Client, name: &str) -> i32 {
+    conn.query_one(
+        "SELECT capacity FROM permitq.semaphore WHERE name = $1",
+        &[&name],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// Waits until every worker has run at least two cadences after now (the adaptive row's
+/// `applied_at` moved twice), so that a change that should not come would have.
+async fn two_more_cadences(conn: &tokio_postgres::Client) {
+    for _ in 0..2 {
+        let before: std::time::SystemTime = conn
+            .query_one("SELECT clock_timestamp()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        wait_until(SOON, "a cadence ran", || async {
+            let at: std::time::SystemTime = conn
+                .query_one("SELECT applied_at FROM permitq.adaptive_limit", &[])
+                .await
+                .unwrap()
+                .get(0);
+            at > before
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workers_apply_each_report_once_and_a_dead_cadence_loses_none() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client.set_capacity("api", 10, None).await.unwrap();
+    let limit = AdaptiveLimit::new(Algorithm::Aimd, 2, 20);
+    assert_eq!(
+        client.set_adaptive("api", Some(&limit)).await.unwrap(),
+        Some(limit.clone())
+    );
+    assert_eq!(client.adaptive("api").await.unwrap(), Some(limit));
+    let _w1 = adaptive_worker(&db, "w1");
+    let _w2 = adaptive_worker(&db, "w2");
+    // Six held (at least half in use: AIMD grows), three come and go reporting ok.
+    let mut held = Vec::new();
+    for i in 0..6 {
+        held.push(
+            client
+                .acquire(&Request::new(format!("h{i}")).permit("api", 1), SOON)
+                .await
+                .unwrap(),
+        );
+    }
+    for i in 0..3 {
+        let lease = client
+            .acquire(&Request::new(format!("ok{i}")).permit("api", 1), SOON)
+            .await
+            .unwrap();
+        lease
+            .release_reporting(Outcome::Ok, Some(Duration::from_millis(20)))
+            .await
+            .unwrap();
+    }
+    wait_until(SOON, "grown by one", || async {
+        capacity(&conn, "api").await == 11
+    })
+    .await;
+    two_more_cadences(&conn).await;
+    assert_eq!(capacity(&conn, "api").await, 11, "one cadence applied them");
+    let history = client.capacity_history("api").await.unwrap();
+    let change = history.iter().max_by_key(|c| c.changed_at).unwrap();
+    assert_eq!(
+        (
+            change.old_capacity,
+            change.new_capacity,
+            change.changed_by.as_str()
+        ),
+        (Some(10), 11, "adaptive (aimd)")
+    );
+    let inputs: serde_json::Value = conn
+        .query_one(
+            "SELECT inputs FROM permitq.capacity_change WHERE semaphore = 'api' ORDER BY id DESC LIMIT 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        (inputs["ok"].as_i64(), inputs["overloaded"].as_i64()),
+        (Some(3), Some(0))
+    );
+    assert_eq!(inputs["latency_ms"].as_f64(), Some(20.0));
+
+    // An overload: to 90%, at least one less (11 -> 9), once. Released again: no second report.
+    let first = held.remove(0);
+    first
+        .release_reporting(Outcome::Overloaded, None)
+        .await
+        .unwrap();
+    let again = client
+        .release_reporting("h0", Outcome::Overloaded, None)
+        .await
+        .unwrap();
+    assert_eq!(again, permitq::ReleaseOutcome::AlreadyReleased);
+    wait_until(SOON, "backed off", || async {
+        capacity(&conn, "api").await == 9
+    })
+    .await;
+    two_more_cadences(&conn).await;
+    assert_eq!(
+        capacity(&conn, "api").await,
+        9,
+        "applied once, the repeat not at all"
+    );
+
+    // A cadence that dies after reading (and deleting) the reports: they come back with its
+    // rollback, and the workers apply them (9 -> 8). While it holds the gate, they move on.
+    // The dying session takes the gate first, so that no worker applies the report before it.
+    let dying = db.conn().await;
+    dying
+        .batch_execute("BEGIN; LOCK TABLE permitq.nesting_gate IN EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let second = held.remove(0);
+    second
+        .release_reporting(Outcome::Overloaded, None)
+        .await
+        .unwrap();
+    let taken: i64 = dying
+        .query_one(
+            "SELECT overloaded FROM permitq.adaptive_turn('0 seconds')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(taken, 1, "it read the report (and deleted it, uncommitted)");
+    assert_eq!(capacity(&conn, "api").await, 9);
+    drop(dying);
+    wait_until(SOON, "the report applied after all", || async {
+        capacity(&conn, "api").await == 8
+    })
+    .await;
+    two_more_cadences(&conn).await;
+    assert_eq!(capacity(&conn, "api").await, 8);
+    let left: i64 = conn
+        .query_one("SELECT count(*) FROM permitq.outcome_report", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0, "every report applied is gone");
+
+    // Fixed again: no more changes, the capacity stays where it was.
+    client.set_adaptive("api", None).await.unwrap();
+    assert_eq!(client.adaptive("api").await.unwrap(), None);
+    assert_eq!(capacity(&conn, "api").await, 8);
+    for lease in held {
+        lease.release().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_settings_and_bad_reports_are_refused_and_write_nothing() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client.set_capacity("api", 10, None).await.unwrap();
+    client.set_capacity("lab-*", 2, None).await.unwrap();
+    client
+        .set_rate_limit("quota", 5, Duration::from_secs(60), None)
+        .await
+        .unwrap();
+    let refused = |e: permitq::Error, needle: &str| {
+        assert_eq!(e.code(), Some(&SqlState::INVALID_PARAMETER_VALUE), "{e}");
+        assert!(e.to_string().contains(needle), "{needle}: {e}");
+    };
+    for (name, limit, needle) in [
+        (
+            "nope",
+            AdaptiveLimit::new(Algorithm::Aimd, 1, 5),
+            "no semaphore named nope: create it first (`permitq semaphore set nope CAPACITY`)",
+        ),
+        (
+            "lab-*",
+            AdaptiveLimit::new(Algorithm::Aimd, 1, 5),
+            "a template cannot adapt",
+        ),
+        (
+            "quota",
+            AdaptiveLimit::new(Algorithm::Aimd, 1, 5),
+            "it is a rate limit (5 per 1m)",
+        ),
+        (
+            "api",
+            AdaptiveLimit::new(Algorithm::Aimd, 0, 5),
+            "floor 0 and ceiling 5: need 1 <= floor <= ceiling",
+        ),
+        (
+            "api",
+            AdaptiveLimit::new(Algorithm::Gradient, 6, 5),
+            "floor 6 and ceiling 5",
+        ),
+    ] {
+        refused(
+            client.set_adaptive(name, Some(&limit)).await.unwrap_err(),
+            needle,
+        );
+    }
+    let rows: i64 = conn
+        .query_one("SELECT count(*) FROM permitq.adaptive_limit", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 0);
+    let e = conn
+        .query_one("SELECT permitq.set_adaptive('api', 'vegas', 1, 5)", &[])
+        .await
+        .unwrap_err();
+    assert!(
+        e.as_db_error().unwrap().message().contains(
+            "invalid adaptive algorithm: vegas: use aimd (from overloaded and failed reports) or gradient"
+        ),
+        "{e:?}"
+    );
+
+    // Bounds bring the capacity within them at once.
+    client
+        .set_adaptive("api", Some(&AdaptiveLimit::new(Algorithm::Aimd, 2, 8)))
+        .await
+        .unwrap();
+    assert_eq!(capacity(&conn, "api").await, 8);
+
+    // A report that says nothing valid: refused, and the release with it did not happen.
+    let _worker = db.notified_worker("w");
+    let lease = client
+        .acquire(&Request::new("r1").permit("api", 1), SOON)
+        .await
+        .unwrap();
+    let e = conn
+        .query_one("SELECT permitq.release('r1', 'great')", &[])
+        .await
+        .unwrap_err();
+    assert!(
+        e.as_db_error().unwrap().message().contains(
+            "invalid outcome 'great': ok, overloaded (a 429, a timeout, a pool exhausted) or failed"
+        ),
+        "{e:?}"
+    );
+    let e = conn
+        .query_one("SELECT permitq.report('r1', 'ok', '-1 second')", &[])
+        .await
+        .unwrap_err();
+    assert!(
+        e.as_db_error()
+            .unwrap()
+            .message()
+            .contains("invalid latency"),
+        "{e:?}"
+    );
+    let (state, reports): (String, i64) = {
+        let row = conn
+            .query_one(
+                "SELECT (SELECT state::text FROM permitq.permit_request WHERE external_id = 'r1'),
+                        (SELECT count(*) FROM permitq.outcome_report)",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!((state.as_str(), reports), ("acquired", 0));
+    // While it holds, a report counts; once released, none.
+    assert!(client
+        .report("r1", Outcome::Ok, Some(Duration::from_millis(5)))
+        .await
+        .unwrap());
+    lease.release().await.unwrap();
+    assert!(!client.report("r1", Outcome::Ok, None).await.unwrap());
+}
