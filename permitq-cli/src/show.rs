@@ -69,6 +69,14 @@ pub(crate) fn kind(u: &permitq::SemaphoreUsage) -> String {
         origin(u.is_template, u.template.as_deref()),
         nesting(u),
         window(u),
+        u.adaptive.as_ref().map(|a| {
+            format!(
+                "adaptive ({}, {} to {})",
+                a.algorithm.as_str(),
+                a.floor,
+                a.ceiling
+            )
+        }),
     ]
     .into_iter()
     .flatten()
@@ -101,7 +109,11 @@ pub(crate) fn short_kind(u: &permitq::SemaphoreUsage) -> String {
         }
         w
     });
-    [origin, nesting, window]
+    let adaptive = u
+        .adaptive
+        .as_ref()
+        .map(|a| format!("adaptive {}", a.algorithm.as_str()));
+    [origin, nesting, window, adaptive]
         .into_iter()
         .flatten()
         .collect::<Vec<_>>()
@@ -320,7 +332,10 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             outln!("  {line}");
         }
     }
-    if let Some(a) = &d.adaptive {
+    // An adaptive semaphore's capacity over time: each change's new capacity, oldest first;
+    // then only the latest changes in full.
+    let mut changes = &d.capacity_history[..];
+    if let Some(a) = &d.usage.adaptive {
         outln!(
             "\nadaptive ({}): the workers set its capacity between {} and {} from what its \
              holders report (`permitq release ID --outcome ok|overloaded|failed`)",
@@ -328,9 +343,20 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             a.floor,
             a.ceiling
         );
+        let trace: Vec<String> = changes
+            .iter()
+            .filter(|c| !c.deleted)
+            .map(|c| c.new_capacity.to_string())
+            .collect();
+        outln!(
+            "capacity over its last {} changes, oldest first: {}",
+            trace.len(),
+            trace.join(" ")
+        );
+        changes = &changes[changes.len().saturating_sub(10)..];
     }
-    outln!("\ncapacity changes (latest {}):", d.capacity_history.len());
-    for c in &d.capacity_history {
+    outln!("\ncapacity changes (latest {}):", changes.len());
+    for c in changes {
         outln!(
             "  {} {} by {}{}",
             c.changed_at

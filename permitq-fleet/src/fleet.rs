@@ -42,10 +42,20 @@ pub struct WorkerFleet {
 impl WorkerFleet {
     /// Starts `n` workers named `{prefix}-worker-{i}`.
     pub fn start(url: &str, n: u16, prefix: &str) -> Result<WorkerFleet> {
+        Self::start_with(url, n, prefix, WorkerConfig::default())
+    }
+
+    /// Starts `n` workers named `{prefix}-worker-{i}`, each with `config` (its id replaced).
+    pub fn start_with(
+        url: &str,
+        n: u16,
+        prefix: &str,
+        config: WorkerConfig,
+    ) -> Result<WorkerFleet> {
         let (stop, stop_rx) = watch::channel(false);
         let mut tasks = Vec::new();
         for i in 0..n {
-            let mut config = WorkerConfig::default();
+            let mut config = config.clone();
             config.id = format!("{prefix}-worker-{i}");
             let worker = Worker::connect(url, config)?;
             let mut stop = stop_rx.clone();

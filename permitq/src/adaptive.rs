@@ -7,10 +7,11 @@
 //! - **AIMD** (additive increase, multiplicative decrease): any `overloaded` report lowers the
 //!   capacity to 90% (at least one less); otherwise, when `ok` reports outnumber `failed` ones
 //!   and at least half the capacity is in use, it grows by one.
-//! - **Gradient** (after Netflix's Gradient2): a long-term latency (a slow moving average, kept
-//!   between cadences) against this cadence's; while this cadence's stays under 1.5× the long
-//!   one the capacity grows by its square root, past it the capacity shrinks by their ratio
-//!   (at most halved), smoothed; an `overloaded` report lowers it as AIMD does.
+//! - **Gradient** (after Netflix's Gradient2): a long-term latency (the latency without load:
+//!   down at once to a lower cadence's, up by 1% of the difference a cadence) against this
+//!   cadence's: up to 1.05× the long one (no queueing) the capacity grows by its square root,
+//!   up to 1.2× it holds, past that it shrinks by their ratio (at most halved); smoothed (a
+//!   fifth of the way a cadence); an `overloaded` report lowers it as AIMD does.
 
 use std::time::Duration;
 
@@ -143,6 +144,12 @@ pub struct Memory {
     pub estimate: Option<f64>,
 }
 
+/// How far above its long-term latency a cadence's may be before the gradient lowers the
+/// capacity: a little queueing is allowed, not much.
+const TOLERANCE: f64 = 1.2;
+/// Up to how far above it a cadence's counts as no queueing, where the gradient grows.
+const QUEUEING: f64 = 1.05;
+
 /// The decrease on `overloaded`: to 90%, at least one less.
 fn decreased(capacity: f64) -> f64 {
     (capacity * 0.9).min(capacity - 1.0)
@@ -186,24 +193,28 @@ pub fn next_capacity(
             let short = signals.latency_ms.filter(|l| l.is_finite() && *l >= 0.0);
             let long = match (memory.long_latency_ms, short) {
                 (None, s) => s,
-                // A slow average; pulled down at once when latency falls well below it, so a
-                // baseline measured under load does not linger.
-                (Some(long), Some(s)) if s < long / 2.0 => Some(s),
-                (Some(long), Some(s)) => Some(long * 0.95 + s * 0.05),
+                // The latency without load: down at once to a lower one, up only slowly (1% of
+                // the difference a cadence), so that latency raised by load does not become the
+                // baseline.
+                (Some(long), Some(s)) if s < long => Some(s),
+                (Some(long), Some(s)) => Some(long * 0.99 + s * 0.01),
                 (Some(long), None) => Some(long),
             };
             let next = if signals.overloaded > 0 {
                 decreased(estimate)
             } else {
                 match (long, short) {
-                    (Some(long), Some(short)) if short > 0.0 => {
-                        let gradient = (1.5 * long / short).clamp(0.5, 1.0);
-                        let growth = if gradient >= 1.0 && in_use {
-                            estimate.sqrt()
+                    (Some(long), Some(short)) if short > 0.0 && long > 0.0 => {
+                        // No queueing: grow by the square root; a little: hold; more: shrink by
+                        // how far past the tolerance it is (at most halved).
+                        let ratio = short / long;
+                        let target = if ratio <= QUEUEING {
+                            estimate + if in_use { estimate.sqrt() } else { 0.0 }
+                        } else if ratio <= TOLERANCE {
+                            estimate
                         } else {
-                            0.0
+                            estimate * (TOLERANCE / ratio).max(0.5)
                         };
-                        let target = estimate * gradient + growth;
                         estimate * 0.8 + target * 0.2
                     }
                     _ => estimate,

@@ -299,7 +299,8 @@ pub(crate) const CAPACITY_HISTORY: &str =
 pub(crate) const USAGE: &str = "SELECT name, capacity::int8, used::int8, held::int8, \
      waiting::int8, oldest_wait_since, fair, granted, in_window::int8, \
      (extract(epoch FROM per) * 1000000)::int8, window_opens_at, is_template, template, \
-     parent, guarantee::int8 FROM permitq.semaphore_usage ORDER BY name";
+     parent, guarantee::int8, adaptive, adaptive_floor, adaptive_ceiling \
+     FROM permitq.semaphore_usage ORDER BY name";
 /// Operators: the holders of one semaphore.
 pub(crate) const HOLDERS: &str = "SELECT semaphore, external_id, owner, count::int8, \
      acquired_at, expires_at, fencing_token FROM permitq.holders WHERE semaphore = $1 \

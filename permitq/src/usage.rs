@@ -51,6 +51,9 @@ pub struct SemaphoreUsage {
     pub parent: Option<String>,
     /// Its guaranteed share of its parent while active.
     pub guarantee: i64,
+    /// When the workers set its capacity from its holders' reports: how.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adaptive: Option<crate::AdaptiveLimit>,
 }
 
 /// A request holding permits of one semaphore (a row of `permitq.holders`).
@@ -145,5 +148,15 @@ pub(crate) fn usage_from_row(row: &Row) -> Result<SemaphoreUsage> {
         template: row.try_get(12)?,
         parent: row.try_get(13)?,
         guarantee: row.try_get(14)?,
+        adaptive: match row.try_get::<_, Option<String>>(15)? {
+            Some(algorithm) => Some(crate::AdaptiveLimit::new(
+                algorithm
+                    .parse()
+                    .map_err(|e: String| crate::Error::invalid("adaptive", e))?,
+                row.try_get(16)?,
+                row.try_get(17)?,
+            )),
+            None => None,
+        },
     })
 }

@@ -131,9 +131,10 @@ class AsyncClient:
         row = await self._one(c.STATUS_AND_BARRIER, (external_id,))
         return None if row is None else (c.Status.from_row(row[:-1]), bool(row[-1]))
 
-    async def release(self, external_id: str) -> str:
+    async def release(self, external_id: str, outcome: str | None = None, latency: float | dt.timedelta | None = None) -> str:
         """As Client.release."""
-        row = await self._one(c.RELEASE, (external_id,))
+        query, args = c.release_args(external_id, outcome, latency)
+        row = await self._one(query, args)
         assert row is not None
         lease = self._leases.pop(external_id, None)
         if lease is not None:
@@ -412,8 +413,8 @@ class AsyncLease:
         if self.is_lost:
             raise LeaseLost(f"lease of {self.external_id} lost: {self.lost_reason}")
 
-    async def release(self) -> str:
-        """Stops heartbeating and gives the permits back (once)."""
+    async def release(self, outcome: str | None = None, latency: float | dt.timedelta | None = None) -> str:
+        """Stops heartbeating and gives the permits back (once); with `outcome`, reports."""
         if self._watchdog is not None:
             self._watchdog.cancel()
         if self._task is not None:
@@ -424,7 +425,7 @@ class AsyncLease:
                 pass
         if self._released is None:
             self._client._leases.pop(self.external_id, None)
-            self._released = await self._client.release(self.external_id)
+            self._released = await self._client.release(self.external_id, outcome, latency)
         return self._released
 
     def _given_back(self, outcome: str) -> None:

@@ -44,6 +44,20 @@ STATUS_AND_BARRIER = (
     "FROM permitq.status(%s)"
 )
 RELEASE = "SELECT permitq.release(%s)"
+#: A release with a report of how the use went (adaptive capacity).
+RELEASE_REPORTING = "SELECT permitq.release(%s, %s, make_interval(secs => %s))"
+OUTCOMES = ("ok", "overloaded", "failed")
+
+
+def release_args(external_id: str, outcome: str | None, latency: float | dt.timedelta | None) -> tuple[str, tuple[Any, ...]]:
+    """The statement and arguments of a release, with a report when `outcome` is given."""
+    if outcome is None:
+        if latency is not None:
+            raise InvalidInput("latency: a latency is reported with an outcome: give outcome= too", "latency")
+        return RELEASE, (external_id,)
+    if outcome not in OUTCOMES:
+        raise InvalidInput(f"outcome: must be ok, overloaded (a 429, a timeout, a pool exhausted) or failed, got {outcome!r}", "outcome")
+    return RELEASE_REPORTING, (external_id, outcome, seconds(latency, "latency"))
 HEARTBEAT = "SELECT permitq.heartbeat(%s, make_interval(secs => %s))"
 EXPLAIN = (
     "SELECT request, state, outcome, semaphore, needs, capacity, free, shortfall, position, "

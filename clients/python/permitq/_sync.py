@@ -138,10 +138,13 @@ class Client:
         row = self._run(lambda conn: conn.execute(c.STATUS, (external_id,)).fetchone())
         return None if row is None else c.Status.from_row(row)
 
-    def release(self, external_id: str) -> str:
+    def release(self, external_id: str, outcome: str | None = None, latency: float | dt.timedelta | None = None) -> str:
         """Gives the permits back: `released`, `already_released`, `cancelled` (it was still
-        waiting), `not_acquired` (it failed) or `unknown`."""
-        row = self._run(lambda conn: conn.execute(c.RELEASE, (external_id,)).fetchone())
+        waiting), `not_acquired` (it failed) or `unknown`. With `outcome` (ok, overloaded,
+        failed) and an optional `latency`, it reports how the use went to the adaptive
+        semaphores it held."""
+        query, args = c.release_args(external_id, outcome, latency)
+        row = self._run(lambda conn: conn.execute(query, args).fetchone())
         assert row is not None
         lease = self._leases.pop(external_id, None)
         if lease is not None:
@@ -426,8 +429,9 @@ class Lease:
         if self.is_lost:
             raise LeaseLost(f"lease of {self.external_id} lost: {self.lost_reason}")
 
-    def release(self) -> str:
-        """Stops heartbeating and gives the permits back (once): the release outcome."""
+    def release(self, outcome: str | None = None, latency: float | dt.timedelta | None = None) -> str:
+        """Stops heartbeating and gives the permits back (once): the release outcome. With
+        `outcome` (and `latency`), reports how the use went (Client.release)."""
         self._stop.set()
         if self._watchdog is not None:
             self._watchdog.cancel()
@@ -436,7 +440,7 @@ class Lease:
             self._thread.join(timeout=1.0)
         if self._released is None:
             self._client._leases.pop(self.external_id, None)
-            self._released = self._client.release(self.external_id)
+            self._released = self._client.release(self.external_id, outcome, latency)
         return self._released
 
     def _given_back(self, outcome: str) -> None:

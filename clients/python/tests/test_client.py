@@ -147,6 +147,20 @@ class SyncClientTest(unittest.TestCase):
                 raise RuntimeError("work failed")
         self.assertEqual(self.client.status(rid).state, "released")
 
+    def test_a_release_reports_to_an_adaptive_semaphore(self) -> None:
+        sem = new_id("py-adaptive")
+        self.admin.set_capacity(sem, 5)
+        self.admin._run(lambda conn: conn.execute("SELECT permitq.set_adaptive(%s, 'aimd', 1, 10)", (sem,)))
+        lease = self.client.acquire(new_id("adapt"), {sem: 1}, ttl=30, timeout=15)
+        with self.assertRaises(permitq.InvalidInput) as caught:
+            self.client.release(lease.external_id, outcome="great")
+        self.assertEqual(caught.exception.field, "outcome")
+        self.assertEqual(lease.release(outcome="overloaded", latency=0.05), "released")
+        capacity = lambda: self.admin._run(
+            lambda conn: conn.execute("SELECT capacity FROM permitq.semaphore WHERE name = %s", (sem,)).fetchone()[0]
+        )
+        wait_for(lambda: capacity() == 4, "the overload reported lowers the capacity")
+
     def test_a_revoked_lease_is_lost_and_check_raises(self) -> None:
         rid = new_id("revoked")
         with self.client.acquire(rid, {self.sem: 1}, ttl=1.5, timeout=15) as lease:

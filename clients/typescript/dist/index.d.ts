@@ -69,6 +69,13 @@ export interface Explanation {
     outcome: string | null;
     semaphores: SemaphoreWait[];
 }
+/** How a holder's use went, reported on release to the adaptive semaphores it held. */
+export interface Report {
+    /** `ok`, `overloaded` (a 429, a timeout, a pool exhausted) or `failed`. */
+    outcome: "ok" | "overloaded" | "failed";
+    /** How long its calls took, if measured. */
+    latencyMs?: number;
+}
 /** How a client tells a lease it was released through `client.release(id)`. */
 declare const GIVEN_BACK: unique symbol;
 export declare class Client {
@@ -109,8 +116,12 @@ export declare class Client {
     status(externalId: string): Promise<Status | null>;
     /** `status`, and whether an outcome read needs `confirmDurable` here. */
     private statusAndBarrier;
-    /** Gives the permits back: `released`, `already_released`, `cancelled`, `not_acquired`, `unknown`. */
-    release(externalId: string): Promise<string>;
+    /**
+     * Gives the permits back: `released`, `already_released`, `cancelled`, `not_acquired`, `unknown`.
+     * With `report.outcome` (`ok`, `overloaded`, `failed`) and an optional `latencyMs`, reports how the
+     * use went to the adaptive semaphores it held.
+     */
+    release(externalId: string, report?: Report): Promise<string>;
     /** Extends the lease (to now + `extendSeconds`, else its ttl); throws LeaseLost when it is gone. */
     heartbeat(externalId: string, extendSeconds?: number): Promise<Date | null>;
     /** Why the request waits, per semaphore; or how it ended. Null for an unknown id. */
@@ -170,8 +181,8 @@ export declare class Lease implements AsyncDisposable {
     get isLost(): boolean;
     /** Throws LeaseLost once the lease is lost. */
     check(): void;
-    /** Stops heartbeating and gives the permits back (once): the release outcome. */
-    release(): Promise<string>;
+    /** Stops heartbeating and gives the permits back (once): the release outcome; with `report`, reports. */
+    release(report?: Report): Promise<string>;
     /** Released through `client.release(id)`, not this lease: it holds nothing any more. */
     [GIVEN_BACK](outcome: string): void;
     [Symbol.asyncDispose](): Promise<void>;

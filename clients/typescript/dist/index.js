@@ -27,6 +27,20 @@ const SAFETY_FRACTION = 0.2;
 /** The start of `explain`'s reason for a request no worker has examined yet: it speaks of a
  * running worker, which "nothing is granting" contradicts. */
 const NOT_EXAMINED = "not examined by a worker yet: a running worker does";
+function checkedOutcome(outcome) {
+    if (!["ok", "overloaded", "failed"].includes(outcome)) {
+        throw new InvalidInput(`outcome: must be ok, overloaded (a 429, a timeout, a pool exhausted) or failed, got ${JSON.stringify(outcome)}`, "outcome");
+    }
+    return outcome;
+}
+function reportLatency(latencyMs) {
+    if (latencyMs === undefined)
+        return null;
+    if (!Number.isFinite(latencyMs) || latencyMs < 0) {
+        throw new InvalidInput(`latencyMs: must be a number of milliseconds, 0 or more, got ${String(latencyMs)}`, "latencyMs");
+    }
+    return latencyMs / 1000;
+}
 function status(row) {
     const optionalBig = (v) => (v == null ? null : BigInt(v));
     return {
@@ -230,9 +244,15 @@ export class Client {
         const rows = await this.query(SQL.statusAndBarrier, [externalId]);
         return rows.length ? [status(rows[0]), rows[0].barrier === true] : null;
     }
-    /** Gives the permits back: `released`, `already_released`, `cancelled`, `not_acquired`, `unknown`. */
-    async release(externalId) {
-        const rows = await this.query(SQL.release, [externalId]);
+    /**
+     * Gives the permits back: `released`, `already_released`, `cancelled`, `not_acquired`, `unknown`.
+     * With `report.outcome` (`ok`, `overloaded`, `failed`) and an optional `latencyMs`, reports how the
+     * use went to the adaptive semaphores it held.
+     */
+    async release(externalId, report) {
+        const rows = report
+            ? await this.query(SQL.releaseReporting, [externalId, checkedOutcome(report.outcome), reportLatency(report.latencyMs)])
+            : await this.query(SQL.release, [externalId]);
         const outcome = rows[0].outcome;
         const lease = leasesOf.get(this)?.get(externalId)?.deref();
         leasesOf.get(this)?.delete(externalId);
@@ -526,12 +546,12 @@ export class Lease {
         if (this.isLost)
             throw new LeaseLost(`lease of ${this.externalId} lost: ${String(this.signal.reason)}`);
     }
-    /** Stops heartbeating and gives the permits back (once): the release outcome. */
-    release() {
+    /** Stops heartbeating and gives the permits back (once): the release outcome; with `report`, reports. */
+    release(report) {
         this.stopHeartbeats();
         if (!this.released)
             leasesOf.get(this.client)?.delete(this.externalId);
-        this.released ??= this.client.release(this.externalId);
+        this.released ??= this.client.release(this.externalId, report);
         return this.released;
     }
     /** Released through `client.release(id)`, not this lease: it holds nothing any more. */

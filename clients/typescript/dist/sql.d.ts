@@ -4,6 +4,7 @@ export declare const SQL: {
     readonly status: "SELECT id::text, external_id, permits, owner, state, error_code, error_detail, release_reason, fencing_token::text, acquired_at, expires_at, released_at, extract(epoch FROM ttl)::float8 AS ttl, extract(epoch FROM wait)::float8 AS wait, priority FROM permitq.status($1)";
     readonly statusAndBarrier: "SELECT id::text, external_id, permits, owner, state, error_code, error_detail, release_reason, fencing_token::text, acquired_at, expires_at, released_at, extract(epoch FROM ttl)::float8 AS ttl, extract(epoch FROM wait)::float8 AS wait, priority, current_setting('synchronous_standby_names') <> '' OR pg_is_in_recovery() AS barrier\n                     FROM permitq.status($1)";
     readonly release: "SELECT permitq.release($1) AS outcome";
+    readonly releaseReporting: "SELECT permitq.release($1, $2, make_interval(secs => $3::float8)) AS outcome";
     readonly heartbeat: "SELECT permitq.heartbeat($1, make_interval(secs => $2)) AS until";
     readonly explain: "SELECT request, state, outcome, semaphore, needs, capacity, free, shortfall, position::int,\n                   permits_ahead::int, reason, extract(epoch FROM estimated_wait)::float8 AS estimated\n            FROM permitq.explain($1)";
     readonly setCapacity: "SELECT name, capacity, used::int FROM permitq.set_capacity($1, $2, fair => $3,\n                  per => make_interval(secs => $4), max_instances => $5, parent => $6, guarantee => $7)";

@@ -105,6 +105,32 @@ export interface Explanation {
   semaphores: SemaphoreWait[];
 }
 
+/** How a holder's use went, reported on release to the adaptive semaphores it held. */
+export interface Report {
+  /** `ok`, `overloaded` (a 429, a timeout, a pool exhausted) or `failed`. */
+  outcome: "ok" | "overloaded" | "failed";
+  /** How long its calls took, if measured. */
+  latencyMs?: number;
+}
+
+function checkedOutcome(outcome: string): string {
+  if (!["ok", "overloaded", "failed"].includes(outcome)) {
+    throw new InvalidInput(
+      `outcome: must be ok, overloaded (a 429, a timeout, a pool exhausted) or failed, got ${JSON.stringify(outcome)}`,
+      "outcome",
+    );
+  }
+  return outcome;
+}
+
+function reportLatency(latencyMs: number | undefined): number | null {
+  if (latencyMs === undefined) return null;
+  if (!Number.isFinite(latencyMs) || latencyMs < 0) {
+    throw new InvalidInput(`latencyMs: must be a number of milliseconds, 0 or more, got ${String(latencyMs)}`, "latencyMs");
+  }
+  return latencyMs / 1000;
+}
+
 function status(row: Record<string, unknown>): Status {
   const optionalBig = (v: unknown) => (v == null ? null : BigInt(v as string));
   return {
@@ -322,9 +348,15 @@ export class Client {
     return rows.length ? [status(rows[0]!), rows[0]!.barrier === true] : null;
   }
 
-  /** Gives the permits back: `released`, `already_released`, `cancelled`, `not_acquired`, `unknown`. */
-  async release(externalId: string): Promise<string> {
-    const rows = await this.query(SQL.release, [externalId]);
+  /**
+   * Gives the permits back: `released`, `already_released`, `cancelled`, `not_acquired`, `unknown`.
+   * With `report.outcome` (`ok`, `overloaded`, `failed`) and an optional `latencyMs`, reports how the
+   * use went to the adaptive semaphores it held.
+   */
+  async release(externalId: string, report?: Report): Promise<string> {
+    const rows = report
+      ? await this.query(SQL.releaseReporting, [externalId, checkedOutcome(report.outcome), reportLatency(report.latencyMs)])
+      : await this.query(SQL.release, [externalId]);
     const outcome = rows[0]!.outcome as string;
     const lease = leasesOf.get(this)?.get(externalId)?.deref();
     leasesOf.get(this)?.delete(externalId);
@@ -628,11 +660,11 @@ export class Lease implements AsyncDisposable {
     if (this.isLost) throw new LeaseLost(`lease of ${this.externalId} lost: ${String(this.signal.reason)}`);
   }
 
-  /** Stops heartbeating and gives the permits back (once): the release outcome. */
-  release(): Promise<string> {
+  /** Stops heartbeating and gives the permits back (once): the release outcome; with `report`, reports. */
+  release(report?: Report): Promise<string> {
     this.stopHeartbeats();
     if (!this.released) leasesOf.get(this.client)?.delete(this.externalId);
-    this.released ??= this.client.release(this.externalId);
+    this.released ??= this.client.release(this.externalId, report);
     return this.released;
   }
 

@@ -15,6 +15,7 @@ export const SQL = {
   statusAndBarrier: `SELECT ${COLUMNS}, current_setting('synchronous_standby_names') <> '' OR pg_is_in_recovery() AS barrier
                      FROM permitq.status($1)`,
   release: "SELECT permitq.release($1) AS outcome",
+  releaseReporting: "SELECT permitq.release($1, $2, make_interval(secs => $3::float8)) AS outcome",
   heartbeat: "SELECT permitq.heartbeat($1, make_interval(secs => $2)) AS until",
   explain: `SELECT request, state, outcome, semaphore, needs, capacity, free, shortfall, position::int,
                    permits_ahead::int, reason, extract(epoch FROM estimated_wait)::float8 AS estimated

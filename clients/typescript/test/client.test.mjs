@@ -125,6 +125,22 @@ describe("permitq client", () => {
     assert.equal((await client.status(id)).state, "released");
   });
 
+  it("reports on release to an adaptive semaphore", async () => {
+    const adaptive = newId("ts-adaptive");
+    const pool = new pg.Pool({ connectionString: ADMIN_URL });
+    await pool.query("SELECT permitq.set_capacity($1, 5)", [adaptive]);
+    await pool.query("SELECT permitq.set_adaptive($1, 'aimd', 1, 10)", [adaptive]);
+    const lease = await client.acquire(newId("adapt"), { [adaptive]: 1 }, { ttlSeconds: 30 });
+    await assert.rejects(client.release(lease.externalId, { outcome: "great" }), permitq.InvalidInput);
+    assert.equal(await lease.release({ outcome: "overloaded", latencyMs: 50 }), "released");
+    await waitFor(
+      async () => (await pool.query("SELECT capacity FROM permitq.semaphore WHERE name = $1", [adaptive])).rows[0].capacity === 4,
+      "the overload reported lowers the capacity",
+      15000,
+    );
+    await pool.end();
+  });
+
   it("signals a revoked lease as lost", async () => {
     const id = newId("revoked");
     const lease = await client.acquire(id, { [sem]: 1 }, { ttlSeconds: 1.5 });

@@ -7,6 +7,7 @@
 //! the naive per-request transaction of seed 000, the conditional counter of seed 001, one
 //! durable single-row INSERT per statement, and a plain `FOR UPDATE SKIP LOCKED` batched drain.
 
+mod adaptive;
 mod baselines;
 mod clients;
 mod deep;
@@ -57,7 +58,7 @@ pub(crate) struct BenchArgs {
     pub(crate) repeat: u32,
     /// Only these parts (comma-separated: grant-path, clients, targets (or some of them: hot, priorities,
     /// depth, rate, templates), hot-cycle, idle, cycle, release, drain, features, nesting, deep,
-    /// hostile); all by default.
+    /// hostile, adaptive); all by default.
     #[arg(long, value_delimiter = ',')]
     pub(crate) only: Vec<String>,
 }
@@ -174,6 +175,9 @@ async fn measure(url: &str, args: &BenchArgs, own_cluster: bool) -> Result<()> {
     }
     if args.runs("hostile") {
         hostile::run(&url, &mut report, &mut summary).await?;
+    }
+    if args.runs("adaptive") {
+        adaptive::run(&url, args, &mut report).await?;
     }
     if args.profile {
         profile(&conn, &mut report).await?;

@@ -12,6 +12,8 @@ use serde::Serialize;
 const WAITERS_SHOWN: i64 = 100;
 /// The latest capacity changes shown for one semaphore.
 const HISTORY_SHOWN: usize = 20;
+/// The capacity changes of an adaptive semaphore the detail holds: its plot's points.
+pub(crate) const ADAPTIVE_HISTORY_SHOWN: usize = 200;
 
 pub(super) fn json(status: StatusCode, value: &impl Serialize) -> Response {
     match serde_json::to_string(value) {
@@ -104,9 +106,6 @@ pub(crate) struct Detail {
     /// the template), at most [`INSTANCES_NAMED`].
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub(crate) children: Vec<Child>,
-    /// When its capacity adapts: the algorithm and its bounds.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub(crate) adaptive: Option<permitq::AdaptiveLimit>,
     /// The workers, and whether anything is granting.
     #[serde(flatten)]
     pub(crate) presence: crate::show::Presence,
@@ -161,7 +160,13 @@ pub(super) async fn detail_of(
 ) -> permitq::Result<Detail> {
     let name = usage.name.as_str();
     let mut history = client.capacity_history(name).await?;
-    let keep_from = history.len().saturating_sub(HISTORY_SHOWN);
+    // An adaptive semaphore's changes draw its capacity over time: more of them.
+    let shown = if usage.adaptive.is_some() {
+        ADAPTIVE_HISTORY_SHOWN
+    } else {
+        HISTORY_SHOWN
+    };
+    let keep_from = history.len().saturating_sub(shown);
     history.drain(..keep_from);
     let waiters = client.waiters(name, WAITERS_SHOWN).await?;
     let first_in_line = match waiters.iter().find(|w| w.position == 1) {
@@ -209,7 +214,6 @@ pub(super) async fn detail_of(
     } else {
         None
     };
-    let adaptive = client.adaptive(name).await?;
     Ok(Detail {
         instances,
         holders: client.holders(name).await?,
@@ -218,7 +222,6 @@ pub(super) async fn detail_of(
         first_in_line,
         capacity_history: history,
         children,
-        adaptive,
         presence,
     })
 }

@@ -113,6 +113,32 @@ async fn lowering_a_capacity_names_the_waiters_it_no_longer_covers() {
     worker.stop().await;
 }
 
+/// On a new semaphore `name` of `capacity`: three requests of 1 granted and released (a rate of
+/// 2 permits over their span), then `NAME-hold` holding all of it with a 60s lease and
+/// `NAME-wait` asking all of it behind.
+async fn releases_then_a_holder_and_a_waiter(url: &str, name: &str, capacity: i32) {
+    run(url, &["semaphore", "set", name, &capacity.to_string()]).await;
+    for i in 0..3 {
+        let id = format!("{name}-done-{i}");
+        let o = run(
+            url,
+            &["submit", &id, &format!("{name}=1"), "--await", "10s"],
+        )
+        .await;
+        assert_eq!(code(&o), 0, "{}", stderr(&o));
+        run(url, &["release", &id]).await;
+    }
+    let all = format!("{name}={capacity}");
+    let hold = format!("{name}-hold");
+    let o = run(
+        url,
+        &["submit", &hold, &all, "--ttl", "60s", "--await", "10s"],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    run(url, &["submit", &format!("{name}-wait"), &all]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_estimated_wait_says_what_it_is_made_from() {
     let db = TestDb::new().await;
@@ -143,33 +169,18 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
     .await;
     // Releases here make a rate (2 permits over the span of 3 releases); then a holder of all
     // 50 with a long lease, and a request of 50 behind it: about 25 spans away.
-    run(url, &["semaphore", "set", "est", "50"]).await;
-    for i in 0..3 {
-        let id = format!("e-done-{i}");
-        let o = run(url, &["submit", &id, "est=1", "--await", "10s"]).await;
-        assert_eq!(code(&o), 0, "{}", stderr(&o));
-        run(url, &["release", &id]).await;
-    }
-    let o = run(
-        url,
-        &[
-            "submit", "e-hold", "est=50", "--ttl", "60s", "--await", "10s",
-        ],
-    )
-    .await;
-    assert_eq!(code(&o), 0, "{}", stderr(&o));
-    run(url, &["submit", "e-wait", "est=50"]).await;
+    releases_then_a_holder_and_a_waiter(url, "est", 50).await;
     let client = db.client().await;
     // Examined by the worker (the waiters list holds unexamined requests too).
     wait_until(SOON, "e-wait examined", || async {
         client
-            .status("e-wait")
+            .status("est-wait")
             .await
             .unwrap()
             .is_some_and(|r| r.examined_at.is_some())
     })
     .await;
-    let o = run(url, &["explain", "e-wait"]).await;
+    let o = run(url, &["explain", "est-wait"]).await;
     assert!(
         stdout(&o).contains("lease ends in")
             && stdout(&o).contains("(from the rate of recent releases here, the last ")
@@ -177,7 +188,7 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
                 " ago, not from these holders' leases: a holder may release early, or heartbeat \
                  past its lease's end)"
             )
-            // Beside it, what e-hold's 60s lease says.
+            // Beside it, what est-hold's 60s lease says.
             && stdout(&o).contains("  by the holders' leases: enough of them end in 5")
             && stdout(&o).contains("s if none heartbeats (a heartbeat extends one"),
         "{}",
@@ -185,27 +196,12 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
     );
     // A rate that would have freed a request of 1 by now: releases stopped, and the estimate
     // does not grow with the time since (it is gone, and says since when).
-    run(url, &["semaphore", "set", "halt", "1"]).await;
-    for i in 0..3 {
-        let id = format!("h-done-{i}");
-        let o = run(url, &["submit", &id, "halt=1", "--await", "10s"]).await;
-        assert_eq!(code(&o), 0, "{}", stderr(&o));
-        run(url, &["release", &id]).await;
-    }
-    let o = run(
-        url,
-        &[
-            "submit", "h-hold", "halt=1", "--ttl", "60s", "--await", "10s",
-        ],
-    )
-    .await;
-    assert_eq!(code(&o), 0, "{}", stderr(&o));
-    run(url, &["submit", "h-wait", "halt=1"]).await;
+    releases_then_a_holder_and_a_waiter(url, "halt", 1).await;
     wait_until(
         SOON,
         "the estimate is gone, since releases stopped",
         || async {
-            let out = stdout(&run(url, &["explain", "h-wait"]).await);
+            let out = stdout(&run(url, &["explain", "halt-wait"]).await);
             out.contains("  no estimated wait: nothing was released here for ")
             && out.contains(
                 " (releases have stopped, so their rate says nothing); the holders' leases are \

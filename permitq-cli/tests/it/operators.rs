@@ -89,6 +89,19 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
         )
         .await
         .unwrap();
+    // An adaptive semaphore says so in its kind.
+    client.set_capacity("llm", 3, None).await.unwrap();
+    client
+        .set_adaptive(
+            "llm",
+            Some(&permitq::AdaptiveLimit::new(
+                permitq::Algorithm::Aimd,
+                1,
+                10,
+            )),
+        )
+        .await
+        .unwrap();
     let session = format!("permitq-top-{}", std::process::id());
     let _ = tmux(&["kill-session", "-t", &session]);
     let command = format!(
@@ -127,6 +140,9 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
                         && l.contains("template; in shared-pool")
                         && l.trim_end().ends_with("..")
                 })
+                && screen
+                    .lines()
+                    .any(|l| l.contains("llm") && l.contains("adaptive aimd"))
         },
     )
     .await;
@@ -1319,4 +1335,95 @@ async fn doctor_on_a_database_without_the_schema_says_to_migrate() {
         stdout(&o),
         stderr(&o)
     );
+}
+
+/// An adaptive semaphore on the status page: its capacity over time as a plot (a dot per change,
+/// red for down), and what moved the last change, as the audit has it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_page_plots_an_adaptive_capacity_and_what_moved_it() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let mut config = quiet_config("w");
+    config.maintenance.adaptive_cadence = Duration::from_millis(150);
+    let worker = db.worker(config);
+    client.set_capacity("api", 10, None).await.unwrap();
+    client
+        .set_adaptive(
+            "api",
+            Some(&permitq::AdaptiveLimit::new(
+                permitq::Algorithm::Aimd,
+                2,
+                20,
+            )),
+        )
+        .await
+        .unwrap();
+    // Two overloads, a cadence apart: 10 -> 9 -> 8.
+    for (i, expected) in [(0, 9), (1, 8)] {
+        let lease = client
+            .acquire(&Request::new(format!("o{i}")).permit("api", 1), SOON)
+            .await
+            .unwrap();
+        lease
+            .release_reporting(permitq::Outcome::Overloaded, None)
+            .await
+            .unwrap();
+        wait_until(SOON, "the capacity backed off", || async {
+            client
+                .usage()
+                .await
+                .unwrap()
+                .iter()
+                .any(|u| u.name == "api" && u.capacity == expected)
+        })
+        .await;
+    }
+    let url = db.url.clone();
+    let (serve, addr) = tokio::task::spawn_blocking(move || {
+        spawn_server(&url, &["serve", "--http-addr", "127.0.0.1:0"])
+    })
+    .await
+    .unwrap();
+    let browser = std::sync::Arc::new(tokio::task::spawn_blocking(Browser::start).await.unwrap());
+    let page = format!("http://{addr}/");
+    {
+        let b = browser.clone();
+        tokio::task::spawn_blocking(move || b.open(&page))
+            .await
+            .unwrap();
+    }
+    let eval = |script: &'static str| {
+        let b = browser.clone();
+        async move {
+            tokio::task::spawn_blocking(move || b.eval(script))
+                .await
+                .unwrap()
+        }
+    };
+    eval("document.querySelector('tr.sem[data-name=\"api\"]').click(); return 0").await;
+    wait_until(SOON, "the plot and what moved it", || async {
+        let said = eval(
+            "const p = document.querySelector('#detail svg.capacity'); \
+             const s = document.querySelector('#detail .signal'); \
+             return p && s ? p.querySelectorAll('circle.down').length + ' ' \
+               + (p.querySelector('polyline').getAttribute('points').split(' ').length > 3) + ' ' \
+               + s.textContent : ''",
+        )
+        .await;
+        let said = said.as_str().unwrap_or("");
+        said.starts_with("2 true last change ")
+            && said.contains(": 9 → 8 by adaptive (aimd) from 0 ok, 1 overloaded, 0 failed")
+    })
+    .await;
+    let heading = eval("return document.getElementById('detail').innerText").await;
+    assert!(
+        heading
+            .as_str()
+            .unwrap()
+            .contains("capacity over time (adaptive: aimd, 2 to 20)"),
+        "{heading}"
+    );
+    drop(browser);
+    drop(serve);
+    worker.stop().await;
 }

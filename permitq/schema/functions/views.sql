@@ -26,7 +26,7 @@ WHERE r.acquired_at IS NOT NULL
 -- ahead until releases are folded), held (the sum of acquired permits), how many requests wait
 -- on it and since when the oldest waits, grants so far, and for a rate-limited semaphore its
 -- window, the permits granted in it and when the window next has room, whether it is a
--- template or made from one, and its parent and guarantee. A parent's `held` counts what is
+-- template or made from one, its parent and guarantee, and whether its capacity adapts. A parent's `held` counts what is
 -- held below it, and its `waiting` the requests waiting below it once a worker has examined
 -- them (until then they count where they name).
 -- Cost: the waiters are counted from the narrow lines (permitq.waiter) and the requests no
@@ -47,8 +47,13 @@ SELECT s.name,
        s.is_template,
        s.template,
        s.parent,
-       s.guarantee
+       s.guarantee,
+       -- An adaptive semaphore's algorithm and bounds (functions/adaptive.sql); NULL: fixed.
+       a.algorithm AS adaptive,
+       a.floor AS adaptive_floor,
+       a.ceiling AS adaptive_ceiling
 FROM permitq.semaphore s
+LEFT JOIN permitq.adaptive_limit a ON a.semaphore_id = s.id
 LEFT JOIN (SELECT e.key AS name, sum(e.value::int) AS held
            FROM permitq.permit_request r
            CROSS JOIN LATERAL jsonb_each(coalesce(r.charged, r.permits)) e

@@ -1,0 +1,258 @@
+//! Adaptive capacity against a simulated downstream, in process: a service whose latency is its
+//! base while at most C calls run at once, and rises with the square of the excess past C (a
+//! server with C workers and a queue that slows as it grows), and which answers "overloaded" at
+//! once past 1.5 C. Holders acquire a permit of one semaphore, call it with a timeout of 1.5×
+//! the base latency, and release reporting `ok` with the call's latency, or `overloaded` (a
+//! timeout or the service's answer). Measured: goodput (`ok` calls per second) at
+//! fixed capacities (a sweep: the best one is the reference), and for each algorithm, from a
+//! start of 2 and of 50, when the capacity reaches and stays within ±25% of C, and its goodput
+//! after that; then C doubled mid-run, and when it follows.
+
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use permitq::{AdaptiveLimit, Algorithm, Client, Outcome, Request, WorkerConfig};
+
+use super::{tag, BenchArgs, Report};
+use crate::error::Result;
+
+/// The downstream's true capacity.
+const C: usize = 12;
+/// Its latency with room.
+const BASE: Duration = Duration::from_millis(40);
+/// The holders' timeout: a call that would take longer is given up and reported overloaded.
+const TIMEOUT: Duration = Duration::from_millis(60);
+/// Holders calling it at once: more than 1.5 C, so that a capacity past it overloads it.
+const HOLDERS: usize = 40;
+/// The workers' cadence in this bench.
+const CADENCE: Duration = Duration::from_millis(250);
+/// How long each adaptive run lasts, and each fixed capacity of the sweep.
+const RUN: Duration = Duration::from_secs(40);
+const SWEEP_STEP: Duration = Duration::from_secs(8);
+
+/// The simulated service: calls in flight, and its capacity (changed mid-run).
+struct Downstream {
+    in_flight: AtomicUsize,
+    capacity: AtomicUsize,
+    ok: AtomicI64,
+}
+
+impl Downstream {
+    /// One call: its outcome and latency.
+    async fn call(&self) -> (Outcome, Duration) {
+        let n = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        let c = self.capacity.load(Ordering::Relaxed);
+        let result = if n * 2 > c * 3 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            (Outcome::Overloaded, Duration::from_millis(2))
+        } else {
+            #[allow(clippy::cast_precision_loss)]
+            let factor = (n as f64 / c as f64).max(1.0).powi(2);
+            let latency = BASE.mul_f64(factor);
+            if latency > TIMEOUT {
+                tokio::time::sleep(TIMEOUT).await;
+                (Outcome::Overloaded, TIMEOUT)
+            } else {
+                tokio::time::sleep(latency).await;
+                self.ok.fetch_add(1, Ordering::Relaxed);
+                (Outcome::Ok, latency)
+            }
+        };
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        result
+    }
+}
+
+/// One run's samples: (seconds since start, capacity), and the `ok` calls per second over its
+/// last `tail`.
+struct Trace {
+    samples: Vec<(f64, i32)>,
+    goodput_tail: f64,
+}
+
+impl Trace {
+    /// When the capacity entered `band` for good (seconds), if it did.
+    fn settled(&self, band: std::ops::RangeInclusive<i32>, from: f64) -> Option<f64> {
+        let mut since = None;
+        for &(t, c) in self.samples.iter().filter(|(t, _)| *t >= from) {
+            match (band.contains(&c), since) {
+                (true, None) => since = Some(t),
+                (false, _) => since = None,
+                _ => {}
+            }
+        }
+        since.map(|s| s - from)
+    }
+}
+
+/// Runs the holders for `length` against `downstream` on semaphore `name`, sampling its capacity
+/// every 250 ms; `change` doubles C at that moment.
+async fn drive(
+    url: &str,
+    name: &str,
+    downstream: &Arc<Downstream>,
+    length: Duration,
+    tail: Duration,
+    change: Option<Duration>,
+) -> Result<Trace> {
+    let started = Instant::now();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for h in 0..HOLDERS {
+        let (url, name, downstream, stop) = (
+            url.to_string(),
+            name.to_string(),
+            downstream.clone(),
+            stop.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let client = Client::connect_with_pool_size(&url, 2).await?;
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let request = Request::new(format!("{name}-{h}-{i}")).permit(&name, 1);
+                let Ok(lease) = client.acquire(&request, Duration::from_secs(30)).await else {
+                    continue;
+                };
+                let (outcome, latency) = downstream.call().await;
+                lease.release_reporting(outcome, Some(latency)).await?;
+            }
+            Ok::<(), permitq::Error>(())
+        }));
+    }
+    let conn = permitq_embedded_pg::try_connect(url).await?;
+    let mut samples = Vec::new();
+    let mut ok_at_tail = None;
+    let mut changed = false;
+    while started.elapsed() < length {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let t = started.elapsed();
+        if change.is_some_and(|at| t >= at) && !changed {
+            downstream.capacity.store(C * 2, Ordering::Relaxed);
+            changed = true;
+        }
+        if ok_at_tail.is_none() && t >= length - tail {
+            ok_at_tail = Some((downstream.ok.load(Ordering::Relaxed), t));
+        }
+        let capacity: i32 = conn
+            .query_one(
+                "SELECT capacity FROM permitq.semaphore WHERE name = $1",
+                &[&name],
+            )
+            .await?
+            .get(0);
+        samples.push((t.as_secs_f64(), capacity));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await
+            .map_err(|e| crate::error::CliError::runtime(format!("a holder task failed: {e}")))??;
+    }
+    let (ok_then, at) = ok_at_tail.unwrap_or((0, Duration::ZERO));
+    #[allow(clippy::cast_precision_loss)]
+    let goodput_tail = (downstream.ok.load(Ordering::Relaxed) - ok_then) as f64
+        / (started.elapsed() - at).as_secs_f64();
+    Ok(Trace {
+        samples,
+        goodput_tail,
+    })
+}
+
+fn downstream() -> Arc<Downstream> {
+    Arc::new(Downstream {
+        in_flight: AtomicUsize::new(0),
+        capacity: AtomicUsize::new(C),
+        ok: AtomicI64::new(0),
+    })
+}
+
+/// The bench part `adaptive`.
+pub(crate) async fn run(url: &str, _args: &BenchArgs, report: &mut Report) -> Result<()> {
+    let client = Client::connect(url).await?;
+    let mut config = WorkerConfig::default();
+    config.maintenance.adaptive_cadence = CADENCE;
+    let fleet = permitq_fleet::WorkerFleet::start_with(url, 2, "adaptive", config)?;
+    report.line(format!(
+        "\n## Adaptive capacity: a simulated downstream (true capacity C = {C}, latency {}ms \
+         with room, x (n/C)^2 past it, overloaded past 1.5 C; holders time out after {}ms), {HOLDERS} \
+         holders, 2 workers, cadence {}ms",
+        BASE.as_millis(),
+        TIMEOUT.as_millis(),
+        CADENCE.as_millis()
+    ));
+    // The sweep: goodput at fixed capacities; the best is the reference.
+    report.line("| fixed capacity | goodput (ok calls/s) |\n|---:|---:|");
+    let mut best = 0.0f64;
+    for capacity in [6, 9, 12, 15, 18] {
+        let name = format!("fixed-{capacity}-{}", tag());
+        client.set_capacity(&name, capacity, None).await?;
+        let trace = drive(url, &name, &downstream(), SWEEP_STEP, SWEEP_STEP / 2, None).await?;
+        best = best.max(trace.goodput_tail);
+        report.line(format!("| {capacity} | {:.0} |", trace.goodput_tail));
+    }
+    report.line(format!(
+        "\n| algorithm | start | within ±25% of C for good after | goodput, last 15 s | ÷ best fixed ({best:.0}/s) | capacity at the end |\n|---|---:|---:|---:|---:|---:|"
+    ));
+    let band = |c: usize| {
+        #[allow(clippy::cast_possible_truncation, clippy::cast_possible_wrap)]
+        let c = c as i32;
+        (c * 3 + 3) / 4..=(c * 5) / 4
+    };
+    for algorithm in [Algorithm::Gradient, Algorithm::Aimd] {
+        for start in [2, 50] {
+            let name = format!("adaptive-{}-{start}-{}", algorithm.as_str(), tag());
+            client.set_capacity(&name, start, None).await?;
+            client
+                .set_adaptive(&name, Some(&AdaptiveLimit::new(algorithm, 1, 100)))
+                .await?;
+            let trace = drive(
+                url,
+                &name,
+                &downstream(),
+                RUN,
+                Duration::from_secs(15),
+                None,
+            )
+            .await?;
+            let settled = trace.settled(band(C), 0.0);
+            report.line(format!(
+                "| {} | {start} | {} | {:.0} | {:.2}× | {} |",
+                algorithm.as_str(),
+                settled.map_or("never".to_string(), |s| format!("{s:.1} s")),
+                trace.goodput_tail,
+                trace.goodput_tail / best.max(1.0),
+                trace.samples.last().map_or(0, |s| s.1)
+            ));
+        }
+    }
+    // C doubled mid-run: does it follow?
+    let name = format!("adaptive-follow-{}", tag());
+    client.set_capacity(&name, 2, None).await?;
+    client
+        .set_adaptive(
+            &name,
+            Some(&AdaptiveLimit::new(Algorithm::Gradient, 1, 100)),
+        )
+        .await?;
+    let change = Duration::from_secs(20);
+    let trace = drive(
+        url,
+        &name,
+        &downstream(),
+        change + RUN,
+        Duration::from_secs(15),
+        Some(change),
+    )
+    .await?;
+    let followed = trace.settled(band(C * 2), change.as_secs_f64());
+    report.line(format!(
+        "\ngradient, C doubled to {} at {}s: within ±25% of it for good {} after; capacity at the end {}",
+        C * 2,
+        change.as_secs(),
+        followed.map_or("never".to_string(), |s| format!("{s:.1} s")),
+        trace.samples.last().map_or(0, |s| s.1)
+    ));
+    fleet.stop().await;
+    Ok(())
+}
