@@ -41,6 +41,12 @@ pub(crate) enum Command {
     },
     /// Run a worker until SIGINT/SIGTERM.
     Worker(WorkerArgs),
+    /// The workers seen in the last hour, live first, or that nothing is granting.
+    Workers {
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// A live terminal view of every semaphore (q quits).
     Top {
         /// Refresh interval.

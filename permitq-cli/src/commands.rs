@@ -167,6 +167,28 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
             worker.run(shutdown.signalled()).await?;
             Ok(0)
         }
+        Command::Workers { json } => {
+            let client = Client::connect(&need_url()?).await?;
+            let presence = crate::show::Presence::read(&client).await?;
+            if json {
+                outln!(
+                    "{}",
+                    serde_json::to_string(&presence).expect("serializable")
+                );
+            } else {
+                outln!("{}", presence.summary());
+                for w in presence.workers.iter().filter(|w| !w.live) {
+                    outln!(
+                        "  gone: {} on {} ({}, last seen {} ago)",
+                        w.worker_id,
+                        w.host,
+                        w.version,
+                        crate::show::ago(w.seen_at)
+                    );
+                }
+            }
+            Ok(0)
+        }
         Command::Top { interval } => {
             crate::top::check_terminal()?;
             crate::top::run(Client::connect(&need_url()?).await?, interval).await?;
@@ -331,6 +353,16 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                 }
             };
             let client = Client::connect(&need_url()?).await.map_err(not_extended)?;
+            // The end before, to say when --extend moved it earlier (it sets now + DUR).
+            let before = match extend {
+                Some(_) => client
+                    .status(&external_id)
+                    .await
+                    .ok()
+                    .flatten()
+                    .and_then(|r| r.expires_at),
+                None => None,
+            };
             match client.heartbeat(&external_id, extend).await {
                 Ok(expiry) if json => outln!(
                     "{}",
@@ -339,7 +371,17 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                         "expires_at": expiry.map(|t| humantime::format_rfc3339_micros(t).to_string()),
                     })
                 ),
-                Ok(Some(t)) => outln!("expires_at={}", humantime::format_rfc3339_seconds(t)),
+                Ok(Some(t)) => {
+                    outln!("expires_at={}", humantime::format_rfc3339_seconds(t));
+                    if let Some(was) = before.filter(|was| *was > t) {
+                        errln!(
+                            "permitq: note: the lease now ends earlier than before ({}): a \
+                             heartbeat sets its end to now + --extend, and --extend was shorter \
+                             than what was left",
+                            humantime::format_rfc3339_seconds(was)
+                        );
+                    }
+                }
                 Ok(None) => outln!(
                     "held until released (it has no ttl): no lease to extend; --extend DUR \
                      gives it one"
@@ -851,8 +893,14 @@ fn release_said(outcome: ReleaseOutcome, row: &PermitRequest) -> String {
     match outcome {
         ReleaseOutcome::Released => format!("{permits} given back{held}"),
         ReleaseOutcome::Revoked => format!(
-            "{permits} taken back from its holder{held}; its fencing token {} is now stale",
-            row.fencing_token.map_or("-".to_string(), |t| t.to_string())
+            "{permits} taken back from its holder{held}; its fencing token {} is now stale; the \
+             holder learns it at its next heartbeat{}",
+            row.fencing_token.map_or("-".to_string(), |t| t.to_string()),
+            // The client libraries heartbeat every third of the ttl.
+            row.ttl.map_or(String::new(), |ttl| format!(
+                " (a client library's comes every third of its ttl: within {})",
+                humantime::format_duration(Duration::from_secs((ttl.as_secs() / 3).max(1)))
+            ))
         ),
         ReleaseOutcome::AlreadyReleased => {
             let by = match row.release_reason {

@@ -487,7 +487,13 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
         };
         // Room a parent keeps for other children's guarantees is not this request's: it is
         // named before the shortfall, which counts it (needs + kept - free).
+        // Within its own guarantee, a child may take that room too: said, so that the
+        // shortfall adds up (needs - free).
         let kept = match s.kept {
+            Some(k) if k > 0 && s.reason.starts_with("parent: within the guarantee") => format!(
+                ", {k} kept for other children's guarantees (within its own guarantee it may \
+                 use them)"
+            ),
             Some(k) if k > 0 => format!(", {k} kept for other children's guarantees"),
             _ => String::new(),
         };

@@ -4,14 +4,17 @@
 //! Each cadence, for each adaptive semaphore, the reports since the last one become
 //! [`Signals`], and [`next_capacity`] turns them and the semaphore's current capacity into the
 //! next one, always within its floor and ceiling:
-//! - **AIMD** (additive increase, multiplicative decrease): any `overloaded` report lowers the
-//!   capacity to 90% (at least one less); otherwise, when `ok` reports outnumber `failed` ones
-//!   and at least half the capacity is in use, it grows by one.
+//! Requests report once per cadence each (a later report of the same request replaces its
+//! earlier one), so a holder weighs as its grants do, not as its calls.
+//! - **AIMD** (additive increase, multiplicative decrease): when a tenth of the reports or more
+//!   say `overloaded`, the capacity goes to 90% (at least one less); otherwise, when `ok`
+//!   reports outnumber `failed` ones and at least half the capacity is in use, it grows by one.
 //! - **Gradient** (after Netflix's Gradient2): a long-term latency (the latency without load:
-//!   down at once to a lower cadence's, up by 1% of the difference a cadence) against this
-//!   cadence's: up to 1.05× the long one (no queueing) the capacity grows by its square root,
-//!   up to 1.2× it holds, past that it shrinks by their ratio (at most halved); smoothed (a
-//!   fifth of the way a cadence); an `overloaded` report lowers it as AIMD does.
+//!   down to a lower cadence's by a fifth at most, up by 1% of the difference a cadence)
+//!   against this cadence's mean: up to 1.05× the long one (no queueing) the capacity grows by
+//!   its square root, up to 1.2× it holds, past that it shrinks by their ratio (at most
+//!   halved); smoothed (a fifth of the way a cadence); overloads lower it as AIMD does. A
+//!   latency of 0 is no measurement.
 
 use std::time::Duration;
 
@@ -150,6 +153,13 @@ const TOLERANCE: f64 = 1.2;
 /// Up to how far above it a cadence's counts as no queueing, where the gradient grows.
 const QUEUEING: f64 = 1.05;
 
+/// Whether the share of `overloaded` reports calls for a decrease: a tenth of them at least (a
+/// request reports once per cadence, so one holder's reports weigh as its grants do).
+fn overloaded(signals: &Signals) -> bool {
+    let reports = signals.ok + signals.overloaded + signals.failed;
+    signals.overloaded > 0 && signals.overloaded.saturating_mul(10) >= reports
+}
+
 /// The decrease on `overloaded`: to 90%, at least one less.
 fn decreased(capacity: f64) -> f64 {
     (capacity * 0.9).min(capacity - 1.0)
@@ -174,7 +184,7 @@ pub fn next_capacity(
     let in_use = signals.used.saturating_mul(2) >= i64::from(capacity);
     let (next, memory) = match algorithm {
         Algorithm::Aimd => {
-            let next = if signals.overloaded > 0 {
+            let next = if overloaded(signals) {
                 decreased(current)
             } else if signals.ok > signals.failed && in_use {
                 current + 1.0
@@ -190,17 +200,18 @@ pub fn next_capacity(
                 .map(bound)
                 .filter(|e| e.floor() == current)
                 .unwrap_or(current);
-            let short = signals.latency_ms.filter(|l| l.is_finite() && *l >= 0.0);
+            let short = signals.latency_ms.filter(|l| l.is_finite() && *l > 0.0);
             let long = match (memory.long_latency_ms, short) {
                 (None, s) => s,
-                // The latency without load: down at once to a lower one, up only slowly (1% of
-                // the difference a cadence), so that latency raised by load does not become the
+                // The latency without load: down to a lower one (by a fifth at most a cadence,
+                // so that a burst of tiny latencies does not reset it), up only slowly (1% of the
+                // difference a cadence), so that latency raised by load does not become the
                 // baseline.
-                (Some(long), Some(s)) if s < long => Some(s),
+                (Some(long), Some(s)) if s < long => Some(s.max(long * 0.8)),
                 (Some(long), Some(s)) => Some(long * 0.99 + s * 0.01),
                 (Some(long), None) => Some(long),
             };
-            let next = if signals.overloaded > 0 {
+            let next = if overloaded(signals) {
                 decreased(estimate)
             } else {
                 match (long, short) {
@@ -432,8 +443,13 @@ mod tests {
         let aimd = |s: &Signals, c| next_capacity(Algorithm::Aimd, s, c, 2, 50, m).0;
         assert_eq!(aimd(&signals(10, 0, None, 8), 10), 11);
         assert_eq!(aimd(&signals(10, 0, None, 2), 10), 10, "idle: no growth");
-        assert_eq!(aimd(&signals(10, 1, None, 10), 10), 9);
-        assert_eq!(aimd(&signals(10, 1, None, 40), 40), 36);
+        assert_eq!(aimd(&signals(9, 1, None, 10), 10), 9, "a tenth overloaded");
+        assert_eq!(
+            aimd(&signals(10, 1, None, 10), 10),
+            11,
+            "under a tenth: not"
+        );
+        assert_eq!(aimd(&signals(0, 1, None, 40), 40), 36);
         assert_eq!(
             aimd(&signals(0, 0, None, 0), 10),
             10,

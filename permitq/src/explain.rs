@@ -150,13 +150,22 @@ pub(crate) fn explanation_from_rows(rows: &[Row]) -> Result<Option<Explanation>>
 /// The words `permitq.explain` uses for a request no worker has examined yet, up to the end of
 /// its reason: they speak of a running worker.
 const NOT_EXAMINED: &str = "not examined by a worker yet: a running worker does";
+/// The start of its reason for a request that fits: it speaks of a worker's next pass.
+const FITS: &str = "it fits: a worker grants it at its next pass";
 
 impl Explanation {
     /// While nothing is granting, a request not examined yet is said to wait for a worker to
-    /// run, not for a running one to examine it (the reason's words would contradict
+    /// run, not for a running one to examine it, and one that fits to be granted once a worker
+    /// runs, not at its next pass (the reason's words would contradict
     /// [`Explanation::nothing_granting`]).
     pub(crate) fn say_no_worker_examines(&mut self) {
         for s in &mut self.semaphores {
+            if s.reason.starts_with(FITS) {
+                s.reason = "it fits: a worker grants it once one runs (none does: start one, \
+                            `permitq worker`)"
+                    .to_string();
+                continue;
+            }
             if let Some(at) = s.reason.find(NOT_EXAMINED) {
                 let closes = s.reason[..at].ends_with('(');
                 s.reason.truncate(at);
@@ -199,6 +208,18 @@ mod tests {
                 since_last_release: None,
             }],
         }
+    }
+
+    #[test]
+    fn a_request_that_fits_while_nothing_grants_waits_for_a_worker_to_run() {
+        let mut e = waiting(
+            "it fits: a worker grants it at its next pass (within a second or so; if not, …)",
+        );
+        e.say_no_worker_examines();
+        assert_eq!(
+            e.semaphores[0].reason,
+            "it fits: a worker grants it once one runs (none does: start one, `permitq worker`)"
+        );
     }
 
     #[test]

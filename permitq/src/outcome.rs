@@ -196,7 +196,7 @@ impl PermitRequest {
                 };
                 format!(
                     "{at} {bound}: it can never be granted; {ask}raise the capacity (`permitq \
-                     semaphore set {set} {count}`), under a new external_id"
+                     semaphore set {set} {count}`); then submit again under a new external_id"
                 )
             }
             ErrorCode::NoCapacity => format!(

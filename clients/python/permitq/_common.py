@@ -44,6 +44,15 @@ STATUS_AND_BARRIER = (
     "FROM permitq.status(%s)"
 )
 RELEASE = "SELECT permitq.release(%s)"
+def lost_message(external_id: str, reason: str | None) -> str:
+    """What Lease.check raises: `lease of ID lost: REASON` (a reason that says "lease lost" already
+    is not said twice)."""
+    reason = reason or ""
+    if reason.startswith("lease lost: "):
+        reason = reason[len("lease lost: "):]
+    return f"lease of {external_id} lost: {reason}"
+
+
 #: A release with a report of how the use went (adaptive capacity).
 RELEASE_REPORTING = "SELECT permitq.release(%s, %s, make_interval(secs => %s))"
 OUTCOMES = ("ok", "overloaded", "failed")

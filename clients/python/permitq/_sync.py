@@ -427,7 +427,7 @@ class Lease:
     def check(self) -> None:
         """Raises LeaseLost once the lease is lost."""
         if self.is_lost:
-            raise LeaseLost(f"lease of {self.external_id} lost: {self.lost_reason}")
+            raise LeaseLost(c.lost_message(self.external_id, self.lost_reason))
 
     def release(self, outcome: str | None = None, latency: float | dt.timedelta | None = None) -> str:
         """Stops heartbeating and gives the permits back (once): the release outcome. With

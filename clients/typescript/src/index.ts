@@ -657,7 +657,9 @@ export class Lease implements AsyncDisposable {
 
   /** Throws LeaseLost once the lease is lost. */
   check(): void {
-    if (this.isLost) throw new LeaseLost(`lease of ${this.externalId} lost: ${String(this.signal.reason)}`);
+    if (this.isLost) {
+      throw new LeaseLost(`lease of ${this.externalId} lost: ${String(this.signal.reason).replace(/^lease lost: /, "")}`);
+    }
   }
 
   /** Stops heartbeating and gives the permits back (once): the release outcome; with `report`, reports. */

@@ -72,6 +72,16 @@ struct Trace {
 }
 
 impl Trace {
+    /// The capacity every 2 s: `2 5 9 12 13 12`.
+    fn every_2s(&self) -> String {
+        self.samples
+            .iter()
+            .step_by(8)
+            .map(|s| s.1.to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
     /// When the capacity entered `band` for good (seconds), if it did.
     fn settled(&self, band: std::ops::RangeInclusive<i32>, from: f64) -> Option<f64> {
         let mut since = None;
@@ -199,6 +209,7 @@ pub(crate) async fn run(url: &str, _args: &BenchArgs, report: &mut Report) -> Re
         let c = c as i32;
         (c * 3 + 3) / 4..=(c * 5) / 4
     };
+    let mut traces = Vec::new();
     for algorithm in [Algorithm::Gradient, Algorithm::Aimd] {
         for start in [2, 50] {
             let name = format!("adaptive-{}-{start}-{}", algorithm.as_str(), tag());
@@ -224,7 +235,15 @@ pub(crate) async fn run(url: &str, _args: &BenchArgs, report: &mut Report) -> Re
                 trace.goodput_tail / best.max(1.0),
                 trace.samples.last().map_or(0, |s| s.1)
             ));
+            traces.push(format!(
+                "{} from {start}, capacity every 2 s: {}",
+                algorithm.as_str(),
+                trace.every_2s()
+            ));
         }
+    }
+    for t in traces {
+        report.line(t);
     }
     // C doubled mid-run: does it follow?
     let name = format!("adaptive-follow-{}", tag());
@@ -253,6 +272,7 @@ pub(crate) async fn run(url: &str, _args: &BenchArgs, report: &mut Report) -> Re
         followed.map_or("never".to_string(), |s| format!("{s:.1} s")),
         trace.samples.last().map_or(0, |s| s.1)
     ));
+    report.line(format!("capacity every 2 s: {}", trace.every_2s()));
     fleet.stop().await;
     Ok(())
 }

@@ -113,11 +113,45 @@ async fn lowering_a_capacity_names_the_waiters_it_no_longer_covers() {
     worker.stop().await;
 }
 
-/// On a new semaphore `name` of `capacity`: three requests of 1 granted and released (a rate of
-/// 2 permits over their span), then `NAME-hold` holding all of it with a 60s lease and
-/// `NAME-wait` asking all of it behind.
-async fn releases_then_a_holder_and_a_waiter(url: &str, name: &str, capacity: i32) {
-    run(url, &["semaphore", "set", name, &capacity.to_string()]).await;
+/// On a new greedy semaphore `name` of `capacity` + 1: `NAME-hold` holding `capacity` with a 60s
+/// lease and `NAME-wait` asking all of it behind (examined), then three requests of 1 granted
+/// and released on the permit left (a rate of 2 permits over their span), the last just now.
+async fn a_holder_a_waiter_then_releases(
+    url: &str,
+    client: &permitq::Client,
+    name: &str,
+    capacity: i32,
+) {
+    run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            name,
+            &(capacity + 1).to_string(),
+            "--greedy",
+        ],
+    )
+    .await;
+    let all = format!("{name}={capacity}");
+    let hold = format!("{name}-hold");
+    let o = run(
+        url,
+        &["submit", &hold, &all, "--ttl", "60s", "--await", "10s"],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let wait = format!("{name}-wait");
+    run(url, &["submit", &wait, &format!("{name}={}", capacity + 1)]).await;
+    // Examined by the worker (the waiters list holds unexamined requests too).
+    wait_until(SOON, "the waiter examined", || async {
+        client
+            .status(&wait)
+            .await
+            .unwrap()
+            .is_some_and(|r| r.examined_at.is_some())
+    })
+    .await;
     for i in 0..3 {
         let id = format!("{name}-done-{i}");
         let o = run(
@@ -128,15 +162,6 @@ async fn releases_then_a_holder_and_a_waiter(url: &str, name: &str, capacity: i3
         assert_eq!(code(&o), 0, "{}", stderr(&o));
         run(url, &["release", &id]).await;
     }
-    let all = format!("{name}={capacity}");
-    let hold = format!("{name}-hold");
-    let o = run(
-        url,
-        &["submit", &hold, &all, "--ttl", "60s", "--await", "10s"],
-    )
-    .await;
-    assert_eq!(code(&o), 0, "{}", stderr(&o));
-    run(url, &["submit", &format!("{name}-wait"), &all]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -167,19 +192,11 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
         },
     )
     .await;
-    // Releases here make a rate (2 permits over the span of 3 releases); then a holder of all
-    // 50 with a long lease, and a request of 50 behind it: about 25 spans away.
-    releases_then_a_holder_and_a_waiter(url, "est", 50).await;
+    // A holder of 50 with a long lease, a request of 51 behind it, then releases of the permit
+    // left make a rate (2 permits over the span of 3 releases): 50 more are about 25 spans away,
+    // counted from the last release, just now.
     let client = db.client().await;
-    // Examined by the worker (the waiters list holds unexamined requests too).
-    wait_until(SOON, "e-wait examined", || async {
-        client
-            .status("est-wait")
-            .await
-            .unwrap()
-            .is_some_and(|r| r.examined_at.is_some())
-    })
-    .await;
+    a_holder_a_waiter_then_releases(url, &client, "est", 50).await;
     let o = run(url, &["explain", "est-wait"]).await;
     assert!(
         stdout(&o).contains("lease ends in")
@@ -194,9 +211,9 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
         "{}",
         stdout(&o)
     );
-    // A rate that would have freed a request of 1 by now: releases stopped, and the estimate
-    // does not grow with the time since (it is gone, and says since when).
-    releases_then_a_holder_and_a_waiter(url, "halt", 1).await;
+    // No release for three mean gaps between them (at least a second): releases stopped, and
+    // the estimate does not grow with the time since (it is gone, and says since when).
+    a_holder_a_waiter_then_releases(url, &client, "halt", 1).await;
     wait_until(
         SOON,
         "the estimate is gone, since releases stopped",
@@ -498,7 +515,8 @@ async fn exceeds_capacity_names_the_semaphore_or_parent_and_its_capacity_also_in
     let o = run(url, &["submit", "t5", "tenant:acme=6", "--await", "10s"]).await;
     assert!(
         stdout(&o).contains(
-            "or raise the capacity (`permitq semaphore set 'tenant:*' 6`), under a new external_id"
+            "or raise the capacity (`permitq semaphore set 'tenant:*' 6`); then submit again under \
+             a new external_id"
         ),
         "{}",
         stdout(&o)
@@ -1132,6 +1150,12 @@ async fn once_the_last_worker_stops_explain_and_semaphore_show_say_nothing_is_gr
         },
     )
     .await;
+    // `permitq workers` lists them: the running one, and the one gone.
+    let text = stdout(&run(url, &["workers"]).await);
+    assert!(
+        text.starts_with("workers (1): only-worker on ") && text.contains("  gone: first-out on "),
+        "{text}"
+    );
     let show = json(&run(url, &["semaphore", "show", "nw", "--json"]).await);
     assert_eq!(show["granting"]["live_workers"], 1, "{show}");
     let o = run(url, &["explain", "nw-2"]).await;
@@ -1144,7 +1168,11 @@ async fn once_the_last_worker_stops_explain_and_semaphore_show_say_nothing_is_gr
 
     // Each answer names the database it looked in: a worker started on another is not seen.
     let elsewhere = format!("or it works on another database than {}", db.name);
-    for args in [&["explain", "nw-2"][..], &["semaphore", "show", "nw"]] {
+    for args in [
+        &["explain", "nw-2"][..],
+        &["semaphore", "show", "nw"],
+        &["workers"],
+    ] {
         let o = run(url, args).await;
         assert!(
             stdout(&o).contains("nothing is granting: no worker seen for ")
@@ -1837,7 +1865,7 @@ async fn a_semaphore_nothing_uses_can_be_deleted_and_its_history_says_so() {
     run(url, &["semaphore", "set", "pool", "4"]).await;
     run(url, &["semaphore", "set", "team", "2", "--parent", "pool"]).await;
     let o = run(url, &["semaphore", "delete", "pool"]).await;
-    refused(&o, "pool is the parent of team: take them out");
+    refused(&o, "pool is the parent of team: take it out");
     // A template's instances are named by their template.
     run(url, &["semaphore", "set", "kid-*", "1", "--parent", "pool"]).await;
     let o = run(url, &["submit", "k-1", "kid-1=1", "--await", "10s"]).await;
@@ -2026,4 +2054,44 @@ async fn semaphore_set_list_and_show_say_what_is_kept_what_zero_means_and_the_ch
     );
     let o = run(url, &["semaphore", "show", "team-a"]).await;
     assert!(!stdout(&o).contains("children:"), "{}", stdout(&o));
+}
+
+/// A child within its guarantee, short on its parent: the room kept for the other children's
+/// guarantees is shown with why it does not count against this request (its shortfall adds up).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn within_a_guarantee_the_room_kept_for_others_is_said_not_to_count() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let worker = db.worker(quiet_config("w"));
+    run(url, &["semaphore", "set", "accelerators", "8"]).await;
+    let o = run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "lab:*",
+            "6",
+            "--parent",
+            "accelerators",
+            "--guarantee",
+            "2",
+            "--max-instances",
+            "4",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    for (id, permit) in [("la-1", "lab:a=6"), ("lb-1", "lab:b=1")] {
+        let o = run(url, &["submit", id, permit, "--await", "10s"]).await;
+        assert_eq!(code(&o), 0, "{}", stdout(&o));
+    }
+    run(url, &["submit", "lc-1", "lab:c=2"]).await;
+    wait_until(SOON, "lc-1 explained on its parent", || async {
+        stdout(&run(url, &["explain", "lc-1"]).await).contains(
+            "accelerators (parent, through lab:c): needs 2, 1 free of 8, 1 kept for other \
+             children's guarantees (within its own guarantee it may use them), short 1",
+        )
+    })
+    .await;
+    worker.stop().await;
 }

@@ -158,7 +158,7 @@ fn usage_errors_show_the_whole_message() {
     let o = permitq(None, &["wokrer"]);
     assert_eq!(code(&o), 2);
     assert!(
-        stderr(&o).contains("similar subcommand exists: 'worker'"),
+        stderr(&o).contains("similar subcommands exist: 'workers', 'worker'"),
         "{}",
         stderr(&o)
     );
@@ -366,6 +366,17 @@ async fn submit_await_status_release_and_their_exit_codes() {
     let o = run(url, &["heartbeat", "job-1", "--extend", "1m"]).await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     assert!(stdout(&o).starts_with("expires_at=20"));
+    assert!(!stderr(&o).contains("ends earlier"), "{}", stderr(&o));
+    // A shorter --extend moves the end earlier, and says so.
+    let o = run(url, &["heartbeat", "job-1", "--extend", "5s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("permitq: note: the lease now ends earlier than before (20")
+            && stderr(&o).contains("a heartbeat sets its end to now + --extend"),
+        "{}",
+        stderr(&o)
+    );
+    run(url, &["heartbeat", "job-1", "--extend", "1m"]).await;
     let o = run(url, &["release", "job-1"]).await;
     assert!(
         stdout(&o).starts_with("released: db=2 gpu=1 given back after "),
@@ -401,7 +412,8 @@ async fn submit_await_status_release_and_their_exit_codes() {
     assert!(
         stdout(&o).starts_with("revoked: db=")
             && stdout(&o).contains(" taken back from its holder after ")
-            && stdout(&o).contains("; its fencing token "),
+            && stdout(&o).contains("; its fencing token ")
+            && stdout(&o).contains(" is now stale; the holder learns it at its next heartbeat"),
         "{}",
         stdout(&o)
     );

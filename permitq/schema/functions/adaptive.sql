@@ -37,6 +37,7 @@ BEGIN
     END IF;
     IF algorithm IS NULL THEN
         DELETE FROM permitq.adaptive_limit a WHERE a.semaphore_id = s.id;
+        DELETE FROM permitq.outcome_report r WHERE r.semaphore_id = s.id;
         RETURN;
     END IF;
     IF algorithm NOT IN ('aimd', 'gradient') THEN
@@ -57,11 +58,15 @@ BEGIN
             name, coalesce(floor::text, 'missing'), coalesce(ceiling::text, 'missing')
             USING ERRCODE = '22023';
     END IF;
-    SELECT coalesce(sum(c.guarantee), 0) INTO children_guaranteed
-    FROM permitq.semaphore c WHERE c.parent = s.name AND NOT c.is_template;
+    -- Never below what its children are promised (a template's guarantee once per instance it
+    -- may make) nor its own guarantee in its parent: the nesting rules set_capacity keeps.
+    children_guaranteed := greatest(permitq.promised_to_children(s.name), s.guarantee);
     IF floor < children_guaranteed THEN
-        RAISE EXCEPTION 'invalid adaptive bounds for %: floor % is below the % its children are guaranteed: raise the floor to % at least',
-            name, floor, children_guaranteed, children_guaranteed USING ERRCODE = '22023';
+        RAISE EXCEPTION 'invalid adaptive bounds for %: floor % is below the % %: raise the floor to % at least',
+            name, floor, children_guaranteed,
+            CASE WHEN s.guarantee >= permitq.promised_to_children(s.name)
+                 THEN 'it is guaranteed in its parent' ELSE 'its children are guaranteed' END,
+            children_guaranteed USING ERRCODE = '22023';
     END IF;
     IF s.capacity NOT BETWEEN floor AND ceiling THEN
         UPDATE permitq.semaphore x SET capacity = least(greatest(s.capacity, floor), ceiling),
@@ -93,15 +98,21 @@ LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
     END
 $$;
 
--- Records one report per adaptive semaphore `permits` holds (a request's `charged`: its
--- ancestors included). Nothing for a request on no adaptive semaphore.
-CREATE OR REPLACE FUNCTION permitq.record_report(permits jsonb, outcome text, latency interval)
+-- Records request `request_id`'s report for each adaptive semaphore `permits` holds (a request's
+-- `charged`: its ancestors included), replacing one it made before and not applied yet: one
+-- report per request and semaphore, however often it reports. Nothing for a request on no
+-- adaptive semaphore.
+CREATE OR REPLACE FUNCTION permitq.record_report(request_id bigint, permits jsonb, outcome text,
+                                                 latency interval)
 RETURNS void LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
-    INSERT INTO permitq.outcome_report (semaphore_id, outcome, latency_ms)
-    SELECT a.semaphore_id, outcome, extract(epoch FROM latency) * 1000
+    INSERT INTO permitq.outcome_report AS o (semaphore_id, request_id, outcome, latency_ms)
+    SELECT a.semaphore_id, request_id, outcome, extract(epoch FROM latency) * 1000
     FROM jsonb_object_keys(permits) k
     JOIN permitq.semaphore s ON s.name = k
     JOIN permitq.adaptive_limit a ON a.semaphore_id = s.id
+    ON CONFLICT (request_id, semaphore_id) DO UPDATE
+        SET outcome = EXCLUDED.outcome, latency_ms = EXCLUDED.latency_ms,
+            reported_at = EXCLUDED.reported_at
 $$;
 
 -- permitq.release with a report: gives the permits back as permitq.release(external_id) does,
@@ -121,7 +132,7 @@ BEGIN
     END IF;
     said := permitq.release_request(external_id, 'released');
     IF said = 'released' THEN
-        PERFORM permitq.record_report(coalesce(r.charged, r.permits), outcome, latency)
+        PERFORM permitq.record_report(r.id, coalesce(r.charged, r.permits), outcome, latency)
         FROM permitq.permit_request r WHERE r.external_id = release.external_id;
     END IF;
     RETURN said;
@@ -129,7 +140,9 @@ END $$;
 GRANT EXECUTE ON FUNCTION permitq.release(text, text, interval) TO permitq_producer, permitq_admin;
 
 -- permitq.report: a holder's report while it still holds (beside a heartbeat): how its use went
--- so far. Only its owner (or an admin), only while it is acquired; returns false otherwise.
+-- so far, replacing its earlier one until a cadence applies it (one report per request and
+-- semaphore a cadence). Only its owner (or an admin), only while it is acquired; returns false
+-- otherwise.
 CREATE OR REPLACE FUNCTION permitq.report(external_id text, outcome text, latency interval DEFAULT NULL)
 RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
@@ -149,7 +162,7 @@ BEGIN
     IF r.state <> 'acquired' THEN
         RETURN false;
     END IF;
-    PERFORM permitq.record_report(coalesce(r.charged, r.permits), outcome, latency);
+    PERFORM permitq.record_report(r.id, coalesce(r.charged, r.permits), outcome, latency);
     RETURN true;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.report(text, text, interval) TO permitq_producer, permitq_admin;
@@ -193,8 +206,9 @@ BEGIN
            count(t.outcome) FILTER (WHERE t.outcome = 'ok'),
            count(t.outcome) FILTER (WHERE t.outcome = 'overloaded'),
            count(t.outcome) FILTER (WHERE t.outcome = 'failed'),
-           avg(t.latency_ms) FILTER (WHERE t.outcome = 'ok')::float8,
-           count(t.latency_ms) FILTER (WHERE t.outcome = 'ok')
+           -- A latency of 0 is no measurement.
+           avg(t.latency_ms) FILTER (WHERE t.outcome = 'ok' AND t.latency_ms > 0)::float8,
+           count(t.latency_ms) FILTER (WHERE t.outcome = 'ok' AND t.latency_ms > 0)
     FROM due d
     JOIN permitq.semaphore s ON s.id = d.semaphore_id
     LEFT JOIN taken t ON t.semaphore_id = d.semaphore_id
@@ -218,13 +232,16 @@ DECLARE
     lowest bigint;
     wanted integer;
 BEGIN
-    SELECT * INTO a FROM permitq.adaptive_limit x WHERE x.semaphore_id = adaptive_apply.semaphore_id;
+    -- The lock order of adaptive_turn (already held there: free), whoever calls it.
+    LOCK TABLE permitq.nesting_gate IN EXCLUSIVE MODE;
+    SELECT * INTO a FROM permitq.adaptive_limit x WHERE x.semaphore_id = adaptive_apply.semaphore_id
+    FOR UPDATE;
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
     SELECT * INTO s FROM permitq.semaphore x WHERE x.id = a.semaphore_id FOR UPDATE;
-    SELECT greatest(a.floor, coalesce(sum(c.guarantee), 0)) INTO lowest
-    FROM permitq.semaphore c WHERE c.parent = s.name AND NOT c.is_template;
+    -- What its children are promised and its own guarantee, as set_adaptive refuses below.
+    lowest := greatest(a.floor, permitq.promised_to_children(s.name), s.guarantee);
     wanted := least(greatest(capacity, lowest), greatest(a.ceiling, lowest));
     IF wanted <> s.capacity THEN
         UPDATE permitq.semaphore x SET capacity = wanted, updated_at = now() WHERE x.id = s.id;

@@ -11,8 +11,9 @@
 -- The estimate is labelled as one: the permits to be freed (the shortfall plus what the requests
 -- ahead need) over the rate at which this semaphore's permits were released lately (among the
 -- last 2000 requests settled anywhere, between the first of them and the last,
--- `last_released_at`); for a spent rate window, when it opens; NULL with fewer than two releases
--- there, or when none came for longer than the estimate (releases stopped). Cost: per semaphore named, the waiters ahead (counted from waiter_line_idx,
+-- `last_released_at`), counted from the last release; for a spent rate window, when it opens;
+-- NULL with fewer than two releases there, or once none came for three mean gaps between them
+-- (releases stopped: the same for every waiter on the semaphore). Cost: per semaphore named, the waiters ahead (counted from waiter_line_idx,
 -- and the unexamined requests placed ahead, at most 10000 each), the held requests, and those
 -- 2000 settled rows: never the whole backlog.
 CREATE OR REPLACE FUNCTION permitq.explain(external_id text)
@@ -32,6 +33,7 @@ DECLARE
     opens_at timestamptz;
     released_permits bigint;
     released_since timestamptz;
+    released_count bigint;
     rate float8;
     child permitq.semaphore;
     within_guarantee boolean;
@@ -220,7 +222,11 @@ BEGIN
                 format('rate limit: its window is spent (%s / %s granted per %s); opens in %s',
                        s.capacity - free, s.capacity, permitq.human_duration(s.per),
                        permitq.human_duration(greatest(opens_at - now(), interval '0')))
-            WHEN s.fair AND head.request_id IS NOT NULL AND head.request_id <> r.id THEN
+            -- Fair, behind the head, and short or taking the head's room: the head is what it
+            -- waits for. Where it fits and leaves the head its room, fairness holds nothing
+            -- back: the branches below say so.
+            WHEN s.fair AND head.request_id IS NOT NULL AND head.request_id <> r.id
+                 AND (shortfall > 0 OR free::int8 - needs < head.count) THEN
                 format('fair: request %s is first in line (priority %s, needs %s)%s',
                        -- Named to a producer only when it is its own (reads follow ownership).
                        CASE WHEN EXISTS (SELECT 1 FROM permitq.permit_request x
@@ -237,11 +243,9 @@ BEGIN
                                         shortfall, coalesce(permits_ahead, head.count),
                                         CASE WHEN permits_ahead IS NULL OR ahead_count <= 1 THEN 'the head'
                                              ELSE format('the %s requests ahead', ahead_count) END)
-                            WHEN free::int8 - needs < head.count THEN ': what is free would not leave it its room'
-                            WHEN cardinality(every_name) = 1
-                                 THEN ': it fits and leaves that its room, so a worker grants it at its next pass (within a second or so, if a worker runs)'
-                            ELSE format(': it fits, and waits for its other rows: %s',
-                                        array_to_string(array_remove(every_name, named.name), ', ')) END)
+                            ELSE format(': what is free would not leave it its room, so %s more %s must be released first',
+                                        head.count - (free::int8 - needs),
+                                        CASE WHEN head.count - (free::int8 - needs) = 1 THEN 'permit' ELSE 'permits' END) END)
             WHEN shortfall > 0 THEN
                 format('waits for %s more %s to be released%s', shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END,
                        CASE WHEN s.fair THEN ' (first in line)' ELSE ' (greedy)' END)
@@ -287,27 +291,30 @@ BEGIN
             estimated_wait := greatest(opens_at - now(), interval '0');
         ELSIF shortfall > 0 OR coalesce(permits_ahead, 0) > 0 THEN
             -- The rate between the first release of the sample and the last (what the first
-            -- released came before that span): it does not fall as time passes with no
-            -- release. When none came for longer than the estimate, releases have stopped: no
-            -- estimate, and `last_released_at` says since when.
+            -- released came before that span), and the mean gap between releases. The estimate
+            -- counts from the last release, so it falls as time passes. Releases have stopped
+            -- when none came for three mean gaps (at least a second): then no estimate, the same
+            -- for every waiter here, and `last_released_at` says since when.
             -- One release makes no rate: none, and no `last_released_at` either.
             SELECT sum((x.permits ->> s.name)::int)
                        - (array_agg((x.permits ->> s.name)::int ORDER BY x.released_at))[1],
                    min(x.released_at),
-                   CASE WHEN count(*) > 1 THEN max(x.released_at) END
-            INTO released_permits, released_since, last_released_at
+                   CASE WHEN count(*) > 1 THEN max(x.released_at) END,
+                   count(*)
+            INTO released_permits, released_since, last_released_at, released_count
             FROM (SELECT coalesce(pr.charged, pr.permits) AS permits, pr.released_at
                   FROM permitq.permit_request pr
                   WHERE pr.state IN ('released', 'error')
                   ORDER BY pr.settled_at DESC LIMIT 2000) x
             WHERE x.released_at IS NOT NULL AND x.permits ? s.name;
             rate := released_permits / nullif(extract(epoch FROM last_released_at - released_since), 0);
-            IF rate > 0 THEN
-                estimated_wait := make_interval(secs => least((shortfall + coalesce(permits_ahead, 0)) / rate,
-                                                              315360000));
-                IF now() - last_released_at > estimated_wait THEN
-                    estimated_wait := NULL;
-                END IF;
+            IF rate > 0 AND now() - last_released_at
+                            <= greatest(3 * (last_released_at - released_since) / (released_count - 1),
+                                        interval '1 second') THEN
+                estimated_wait := greatest(
+                    make_interval(secs => least((shortfall + coalesce(permits_ahead, 0)) / rate, 315360000))
+                        - (now() - last_released_at),
+                    interval '0');
             END IF;
         END IF;
         RETURN NEXT;

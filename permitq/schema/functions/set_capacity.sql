@@ -173,8 +173,9 @@ BEGIN
     FROM (SELECT DISTINCT coalesce(x.template, x.name) AS name FROM permitq.semaphore x
           WHERE x.parent = s.name ORDER BY 1 LIMIT 10) c;
     IF n > 0 THEN
-        RAISE EXCEPTION '% is the parent of %: take them out (`permitq semaphore set NAME CAPACITY --no-parent`; a template''s instances follow it) or delete them first',
-            s.name, names USING ERRCODE = '55006';
+        RAISE EXCEPTION '% is the parent of %: take % out (`permitq semaphore set NAME CAPACITY --no-parent`; a template''s instances follow it) or delete % first',
+            s.name, names, CASE WHEN n = 1 THEN 'it' ELSE 'them' END,
+            CASE WHEN n = 1 THEN 'it' ELSE 'them' END USING ERRCODE = '55006';
     END IF;
     SELECT count(*), string_agg(c.name, ', ' ORDER BY c.name) INTO n, names
     FROM (SELECT x.name FROM permitq.semaphore x WHERE x.template = s.name

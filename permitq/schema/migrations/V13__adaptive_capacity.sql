@@ -17,17 +17,20 @@ CREATE TABLE permitq.adaptive_limit (
     memory          jsonb NOT NULL DEFAULT '{}'
 );
 
--- The holders' reports: one per adaptive semaphore a released request held (and, optionally,
--- one per heartbeat). Deleted by the cadence that applies them.
+-- The holders' reports: at most one per request and adaptive semaphore it held (a report while
+-- it holds is replaced by the one at its release), so that a holder's weight is its grants, not
+-- its calls. Deleted by the cadence that applies them, and with their semaphore.
 CREATE TABLE permitq.outcome_report (
     id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    semaphore_id bigint NOT NULL,
+    semaphore_id bigint NOT NULL REFERENCES permitq.semaphore (id) ON DELETE CASCADE,
+    request_id   bigint NOT NULL,
     outcome      text NOT NULL CONSTRAINT outcome_report_outcome_valid
                      CHECK (outcome IN ('ok', 'overloaded', 'failed')),
     latency_ms   real CONSTRAINT outcome_report_latency_valid CHECK (latency_ms >= 0),
     reported_at  timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE INDEX outcome_report_semaphore_idx ON permitq.outcome_report (semaphore_id, id);
+CREATE UNIQUE INDEX outcome_report_request_idx ON permitq.outcome_report (request_id, semaphore_id);
 
 GRANT SELECT ON permitq.adaptive_limit
     TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;

@@ -134,6 +134,19 @@ async fn two_workers_apply_each_report_once_and_a_dead_cadence_loses_none() {
         9,
         "applied once, the repeat not at all"
     );
+    let inputs: serde_json::Value = conn
+        .query_one(
+            "SELECT inputs FROM permitq.capacity_change WHERE semaphore = 'api' ORDER BY id DESC LIMIT 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        inputs["overloaded"].as_i64(),
+        Some(1),
+        "one report: {inputs}"
+    );
 
     // A cadence that dies after reading (and deleting) the reports: they come back with its
     // rollback, and the workers apply them (9 -> 8). While it holds the gate, they move on.
@@ -298,4 +311,110 @@ async fn bad_settings_and_bad_reports_are_refused_and_write_nothing() {
         .unwrap());
     lease.release().await.unwrap();
     assert!(!client.report("r1", Outcome::Ok, None).await.unwrap());
+}
+
+/// An adaptive parent never goes below what its children are promised (a template's guarantee
+/// once per instance it may make), nor a child below its own guarantee: set_adaptive refuses
+/// such a floor, and a cadence's capacity is clamped to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adaptive_capacity_keeps_the_nesting_promises() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client.set_capacity("pool", 60, None).await.unwrap();
+    let team = permitq::SemaphoreSettings::new()
+        .parent("pool")
+        .guarantee(5)
+        .max_instances(10);
+    client.set_semaphore("team:*", 6, &team).await.unwrap();
+    let kid = permitq::SemaphoreSettings::new()
+        .parent("pool")
+        .guarantee(4);
+    client.set_semaphore("kid", 8, &kid).await.unwrap();
+    let e = client
+        .set_adaptive("pool", Some(&AdaptiveLimit::new(Algorithm::Aimd, 1, 100)))
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("floor 1 is below the 54 its children are guaranteed: raise the floor to 54"),
+        "{e}"
+    );
+    let e = client
+        .set_adaptive("kid", Some(&AdaptiveLimit::new(Algorithm::Aimd, 1, 10)))
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("floor 1 is below the 4 it is guaranteed in its parent"),
+        "{e}"
+    );
+    client
+        .set_adaptive("pool", Some(&AdaptiveLimit::new(Algorithm::Aimd, 54, 100)))
+        .await
+        .unwrap();
+    // Whatever an algorithm asks, the promise holds (the cadence's second step, called as a
+    // worker's would be).
+    let id: i64 = conn
+        .query_one("SELECT id FROM permitq.semaphore WHERE name = 'pool'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let set: i32 = conn
+        .query_one("SELECT permitq.adaptive_apply($1, 1, '{}', '{}')", &[&id])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!((set, capacity(&conn, "pool").await), (54, 54));
+}
+
+/// Only admins make a semaphore adaptive, only workers run a cadence; a producer reports only
+/// on its own requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_admins_set_it_and_only_workers_apply_it() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("api", 10, None).await.unwrap();
+    client
+        .set_adaptive("api", Some(&AdaptiveLimit::new(Algorithm::Aimd, 1, 20)))
+        .await
+        .unwrap();
+    let user = format!("adapt_producer_{}", std::process::id());
+    db.conn()
+        .await
+        .batch_execute(&format!(
+            "CREATE ROLE {user} LOGIN PASSWORD 'pw' IN ROLE permitq_producer"
+        ))
+        .await
+        .unwrap();
+    let producer = common::connect(&common::as_user(&db.url, &user, "pw")).await;
+    for statement in [
+        "SELECT permitq.set_adaptive('api', 'aimd', 1, 2)",
+        "SELECT * FROM permitq.adaptive_turn('0 seconds')",
+        "SELECT permitq.adaptive_apply(1, 1, '{}', '{}')",
+    ] {
+        let e = producer.query(statement, &[]).await.unwrap_err();
+        assert_eq!(
+            e.code(),
+            Some(&SqlState::INSUFFICIENT_PRIVILEGE),
+            "{statement}: {e:?}"
+        );
+    }
+    // Another login's request: its report is refused.
+    let _worker = db.notified_worker("w");
+    let _lease = client
+        .acquire(&Request::new("admins").permit("api", 1), SOON)
+        .await
+        .unwrap();
+    let e = producer
+        .query("SELECT permitq.report('admins', 'overloaded')", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{e:?}");
+    drop(producer);
+    db.conn()
+        .await
+        .batch_execute(&format!("DROP OWNED BY {user}; DROP ROLE {user}"))
+        .await
+        .unwrap();
 }

@@ -464,12 +464,74 @@ async fn a_request_that_fits_beside_the_head_is_granted_at_the_next_pass() {
     worker.stop().await;
     client.release("holder").await.unwrap();
     let e = client.explain("small").await.unwrap().unwrap();
+    // It fits and leaves the head its room: fairness holds nothing back, so it is not named
+    // (and with the worker stopped, it waits for one to run).
     assert_eq!(
         e.semaphores[0].reason,
-        "fair: request head is first in line (priority 0, needs 2): it fits and leaves that its \
-         room, so a worker grants it at its next pass (within a second or so, if a worker runs)",
+        "it fits: a worker grants it once one runs (none does: start one, `permitq worker`)",
         "{e:?}"
     );
+}
+
+/// Behind a fair head, a request that fits and leaves the head its room is not held back by
+/// fairness: its explanation points at its other rows; one that would take the head's room
+/// says how many permits must be released first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fairness_is_named_only_where_it_holds_a_request_back() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("gpu", 4, Some(true)).await.unwrap();
+    client
+        .set_capacity("licence", 2, Some(false))
+        .await
+        .unwrap();
+    let _worker = db.notified_worker("explain-w");
+    let hold = client
+        .acquire(&Request::new("m-h").permit("licence", 2), SOON)
+        .await
+        .unwrap();
+    // The head of gpu's line waits for licence; m-w behind it takes 1 of 4 free gpus.
+    let mut head = Request::new("m-x").permit("licence", 1).permit("gpu", 1);
+    head.priority = 50;
+    client.submit(&head).await.unwrap();
+    examined(&client, "m-x").await;
+    client
+        .submit(&Request::new("m-w").permit("gpu", 1).permit("licence", 1))
+        .await
+        .unwrap();
+    examined(&client, "m-w").await;
+    let e = client.explain("m-w").await.unwrap().unwrap();
+    let gpu = e.semaphores.iter().find(|s| s.semaphore == "gpu").unwrap();
+    assert_eq!(
+        gpu.reason, "it fits here; what holds it back is on its other rows: licence",
+        "{e:?}"
+    );
+    hold.release().await.unwrap();
+    for id in ["m-x", "m-w"] {
+        assert_eq!(common::settled_state(&client, id).await, State::Acquired);
+        client.release(id).await.unwrap();
+    }
+
+    // gpu: 3 held, 1 free; the head needs 2, w3 needs 1: taking it would leave the head 0.
+    let held = client
+        .acquire(&Request::new("f-h").permit("gpu", 3), SOON)
+        .await
+        .unwrap();
+    for (id, count) in [("f-head", 2), ("f-1", 1)] {
+        client
+            .submit(&Request::new(id).permit("gpu", count))
+            .await
+            .unwrap();
+        examined(&client, id).await;
+    }
+    let e = client.explain("f-1").await.unwrap().unwrap();
+    assert!(
+        e.semaphores[0].reason.ends_with(
+            "what is free would not leave it its room, so 2 more permits must be released first"
+        ),
+        "{e:?}"
+    );
+    held.release().await.unwrap();
 }
 
 /// Explain says when a capacity was lowered below what is held (its arithmetic would not add
