@@ -6,7 +6,7 @@
 //! next one, always within its floor and ceiling:
 //! Requests report once per cadence each (a later report of the same request replaces its
 //! earlier one), so a holder weighs as its grants do, not as its calls.
-//! - **AIMD** (additive increase, multiplicative decrease): when a tenth of the reports or more
+//! - **AIMD** (additive increase, multiplicative decrease): when two reports or a tenth of them
 //!   say `overloaded`, the capacity goes to 90% (at least one less); otherwise, when `ok`
 //!   reports outnumber `failed` ones and at least half the capacity is in use, it grows by one.
 //! - **Gradient** (after Netflix's Gradient2): a long-term latency (the latency without load:
@@ -153,11 +153,13 @@ const TOLERANCE: f64 = 1.2;
 /// Up to how far above it a cadence's counts as no queueing, where the gradient grows.
 const QUEUEING: f64 = 1.05;
 
-/// Whether the share of `overloaded` reports calls for a decrease: a tenth of them at least (a
-/// request reports once per cadence, so one holder's reports weigh as its grants do).
+/// Whether the `overloaded` reports call for a decrease: two of them, or a tenth of the reports
+/// (a request reports once per cadence, so one holder's reports weigh as its grants do, and a
+/// single stray one among many does not move the capacity).
 fn overloaded(signals: &Signals) -> bool {
     let reports = signals.ok + signals.overloaded + signals.failed;
-    signals.overloaded > 0 && signals.overloaded.saturating_mul(10) >= reports
+    signals.overloaded >= 2
+        || (signals.overloaded > 0 && signals.overloaded.saturating_mul(10) >= reports)
 }
 
 /// The decrease on `overloaded`: to 90%, at least one less.
@@ -447,8 +449,9 @@ mod tests {
         assert_eq!(
             aimd(&signals(10, 1, None, 10), 10),
             11,
-            "under a tenth: not"
+            "one, under a tenth: not"
         );
+        assert_eq!(aimd(&signals(100, 2, None, 10), 10), 9, "two: yes");
         assert_eq!(aimd(&signals(0, 1, None, 40), 40), 36);
         assert_eq!(
             aimd(&signals(0, 0, None, 0), 10),

@@ -82,6 +82,18 @@ impl Trace {
             .join(" ")
     }
 
+    /// When the capacity first entered `band` (seconds after `from`), and the share of the
+    /// samples from then on that stayed in it.
+    fn reached(&self, band: &std::ops::RangeInclusive<i32>, from: f64) -> Option<(f64, f64)> {
+        let after: Vec<&(f64, i32)> = self.samples.iter().filter(|(t, _)| *t >= from).collect();
+        let first = after.iter().position(|(_, c)| band.contains(c))?;
+        let rest = &after[first..];
+        #[allow(clippy::cast_precision_loss)]
+        let share =
+            rest.iter().filter(|(_, c)| band.contains(c)).count() as f64 / rest.len() as f64;
+        Some((after[first].0 - from, share))
+    }
+
     /// When the capacity entered `band` for good (seconds), if it did.
     fn settled(&self, band: std::ops::RangeInclusive<i32>, from: f64) -> Option<f64> {
         let mut since = None;
@@ -202,7 +214,7 @@ pub(crate) async fn run(url: &str, _args: &BenchArgs, report: &mut Report) -> Re
         report.line(format!("| {capacity} | {:.0} |", trace.goodput_tail));
     }
     report.line(format!(
-        "\n| algorithm | start | within ±25% of C for good after | goodput, last 15 s | ÷ best fixed ({best:.0}/s) | capacity at the end |\n|---|---:|---:|---:|---:|---:|"
+        "\n| algorithm | start | first within ±25% of C | in it from then on | for good after | goodput, last 15 s | ÷ best fixed ({best:.0}/s) | capacity at the end |\n|---|---:|---:|---:|---:|---:|---:|---:|"
     ));
     let band = |c: usize| {
         #[allow(clippy::cast_possible_truncation, clippy::cast_possible_wrap)]
@@ -227,9 +239,12 @@ pub(crate) async fn run(url: &str, _args: &BenchArgs, report: &mut Report) -> Re
             )
             .await?;
             let settled = trace.settled(band(C), 0.0);
+            let reached = trace.reached(&band(C), 0.0);
             report.line(format!(
-                "| {} | {start} | {} | {:.0} | {:.2}× | {} |",
+                "| {} | {start} | {} | {} | {} | {:.0} | {:.2}× | {} |",
                 algorithm.as_str(),
+                reached.map_or("never".to_string(), |r| format!("{:.1} s", r.0)),
+                reached.map_or("-".to_string(), |r| format!("{:.0}%", r.1 * 100.0)),
                 settled.map_or("never".to_string(), |s| format!("{s:.1} s")),
                 trace.goodput_tail,
                 trace.goodput_tail / best.max(1.0),
@@ -265,10 +280,13 @@ pub(crate) async fn run(url: &str, _args: &BenchArgs, report: &mut Report) -> Re
     )
     .await?;
     let followed = trace.settled(band(C * 2), change.as_secs_f64());
+    let reached = trace.reached(&band(C * 2), change.as_secs_f64());
     report.line(format!(
-        "\ngradient, C doubled to {} at {}s: within ±25% of it for good {} after; capacity at the end {}",
+        "\ngradient, C doubled to {} at {}s: first within ±25% of it {} after ({} of the time from then on), for good {} after; capacity at the end {}",
         C * 2,
         change.as_secs(),
+        reached.map_or("never".to_string(), |r| format!("{:.1} s", r.0)),
+        reached.map_or("-".to_string(), |r| format!("{:.0}%", r.1 * 100.0)),
         followed.map_or("never".to_string(), |s| format!("{s:.1} s")),
         trace.samples.last().map_or(0, |s| s.1)
     ));
