@@ -40,6 +40,9 @@ struct View {
     read_at: Option<std::time::SystemTime>,
     /// The workers line (or that nothing is granting).
     workers: String,
+    /// For an adaptive semaphore selected: its last capacities, oldest first, and what moved
+    /// the last one.
+    trace: String,
 }
 
 /// Runs until the user quits.
@@ -161,6 +164,28 @@ async fn refresh(
         .and_then(|i| view.usage.get(i.min(view.usage.len().saturating_sub(1))))
         .map(|s| s.name.clone());
     if let (true, Some(name)) = (view.detail, selected) {
+        let adaptive = view
+            .usage
+            .iter()
+            .any(|u| u.name == name && u.adaptive.is_some());
+        view.trace = if adaptive {
+            let history = client.capacity_history(&name).await.unwrap_or_default();
+            let last = &history[history.len().saturating_sub(12)..];
+            let capacities: Vec<String> = last.iter().map(|c| c.new_capacity.to_string()).collect();
+            let moved = last
+                .last()
+                .and_then(|c| c.inputs.as_ref())
+                .map_or(String::new(), |i| {
+                    format!(
+                        " (last: {} ok, {} overloaded)",
+                        i["ok"].as_i64().unwrap_or(0),
+                        i["overloaded"].as_i64().unwrap_or(0)
+                    )
+                });
+            format!("capacity {}{moved}", capacities.join(" "))
+        } else {
+            String::new()
+        };
         view.holders = client.holders(&name).await.unwrap_or_default();
         view.waiters = client
             .waiters(&name, WAITERS_SHOWN)
@@ -327,6 +352,11 @@ fn draw(frame: &mut Frame, view: &mut View) {
                     String::new()
                 } else {
                     format!("parent of {}", children.join(", "))
+                },
+                if s.adaptive.is_some() {
+                    view.trace.clone()
+                } else {
+                    String::new()
                 },
             ]
             .into_iter()

@@ -175,6 +175,7 @@ class AsyncClient:
         max_instances: int | None = None,
         parent: str | None = None,
         guarantee: int | None = None,
+        adaptive: Mapping[str, Any] | bool | None = None,
     ) -> c.Semaphore:
         """As Client.set_capacity."""
         row = await self._one(
@@ -187,6 +188,7 @@ class AsyncClient:
                 c.whole(max_instances, "max_instances", 0, c.INT4_MAX),
                 parent,
                 c.whole(guarantee, "guarantee", 0, c.INT4_MAX),
+                c.adaptive_json(adaptive),
             ),
         )
         assert row is not None

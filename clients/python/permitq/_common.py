@@ -44,6 +44,20 @@ STATUS_AND_BARRIER = (
     "FROM permitq.status(%s)"
 )
 RELEASE = "SELECT permitq.release(%s)"
+def adaptive_json(adaptive: Mapping[str, Any] | bool | None) -> str | None:
+    """set_capacity's `adaptive`: {"algorithm", "floor", "ceiling"} makes it adaptive, False fixes
+    it again, None keeps it."""
+    if adaptive is None:
+        return None
+    if adaptive is False:
+        return "false"
+    if not isinstance(adaptive, Mapping):
+        raise InvalidInput(
+            'adaptive: give {"algorithm": "aimd" or "gradient", "floor": N, "ceiling": N}, or False', "adaptive"
+        )
+    return json.dumps(dict(adaptive))
+
+
 def lost_message(external_id: str, reason: str | None) -> str:
     """What Lease.check raises: `lease of ID lost: REASON` (a reason that says "lease lost" already
     is not said twice)."""
@@ -76,7 +90,7 @@ EXPLAIN = (
 SET_CAPACITY = (
     "SELECT name, capacity, used, fair, extract(epoch FROM per)::float8, parent, guarantee, "
     "max_instances FROM permitq.set_capacity(%s, %s, fair => %s, per => make_interval(secs => %s), "
-    "max_instances => %s, parent => %s, guarantee => %s)"
+    "max_instances => %s, parent => %s, guarantee => %s, adaptive => %s::jsonb)"
 )
 CONFIRM_DURABLE = "SELECT permitq.confirm_durable()"
 GRANTING = (

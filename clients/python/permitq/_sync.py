@@ -184,8 +184,11 @@ class Client:
         max_instances: int | None = None,
         parent: str | None = None,
         guarantee: int | None = None,
+        adaptive: Mapping[str, Any] | bool | None = None,
     ) -> c.Semaphore:
-        """Creates or changes a semaphore (admins). None keeps a setting."""
+        """Creates or changes a semaphore (admins). None keeps a setting. `adaptive`:
+        {"algorithm": "aimd" or "gradient", "floor": N, "ceiling": N} lets the workers set the
+        capacity from the holders' reports (`Lease.release(outcome=...)`); False fixes it again."""
         args = (
             name,
             c.whole(capacity, "capacity", 0, c.INT4_MAX),
@@ -194,6 +197,7 @@ class Client:
             c.whole(max_instances, "max_instances", 0, c.INT4_MAX),
             parent,
             c.whole(guarantee, "guarantee", 0, c.INT4_MAX),
+            c.adaptive_json(adaptive),
         )
         row = self._run(lambda conn: conn.execute(c.SET_CAPACITY, args).fetchone())
         assert row is not None

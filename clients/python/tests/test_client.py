@@ -149,8 +149,7 @@ class SyncClientTest(unittest.TestCase):
 
     def test_a_release_reports_to_an_adaptive_semaphore(self) -> None:
         sem = new_id("py-adaptive")
-        self.admin.set_capacity(sem, 5)
-        self.admin._run(lambda conn: conn.execute("SELECT permitq.set_adaptive(%s, 'aimd', 1, 10)", (sem,)))
+        self.admin.set_capacity(sem, 5, adaptive={"algorithm": "aimd", "floor": 1, "ceiling": 10})
         lease = self.client.acquire(new_id("adapt"), {sem: 1}, ttl=30, timeout=15)
         with self.assertRaises(permitq.InvalidInput) as caught:
             self.client.release(lease.external_id, outcome="great")

@@ -127,12 +127,22 @@ export declare class Client {
     /** Why the request waits, per semaphore; or how it ended. Null for an unknown id. */
     explain(externalId: string): Promise<Explanation | null>;
     /** Creates or changes a semaphore (admins); an option left out keeps its setting. */
+    /**
+     * Creates or changes a semaphore (admins); a setting left out is kept. `adaptive`: an algorithm
+     * (`aimd` or `gradient`) with a floor and a ceiling lets the workers set the capacity from the
+     * holders' reports (`lease.release({ outcome })`); `false` fixes it again.
+     */
     setCapacity(name: string, capacity: number, options?: {
         fair?: boolean;
         perSeconds?: number;
         maxInstances?: number;
         parent?: string;
         guarantee?: number;
+        adaptive?: {
+            algorithm: "aimd" | "gradient";
+            floor: number;
+            ceiling: number;
+        } | false;
     }): Promise<{
         name: string;
         capacity: number;

@@ -394,12 +394,19 @@ export class Client {
   }
 
   /** Creates or changes a semaphore (admins); an option left out keeps its setting. */
+  /**
+   * Creates or changes a semaphore (admins); a setting left out is kept. `adaptive`: an algorithm
+   * (`aimd` or `gradient`) with a floor and a ceiling lets the workers set the capacity from the
+   * holders' reports (`lease.release({ outcome })`); `false` fixes it again.
+   */
   async setCapacity(name: string, capacity: number, options: { fair?: boolean; perSeconds?: number;
-    maxInstances?: number; parent?: string; guarantee?: number } = {}): Promise<{ name: string; capacity: number; used: number }> {
+    maxInstances?: number; parent?: string; guarantee?: number;
+    adaptive?: { algorithm: "aimd" | "gradient"; floor: number; ceiling: number } | false } = {}): Promise<{ name: string; capacity: number; used: number }> {
     const rows = await this.query(
       SQL.setCapacity,
       [name, capacity, options.fair ?? null, options.perSeconds ?? null, options.maxInstances ?? null,
-       options.parent ?? null, options.guarantee ?? null],
+       options.parent ?? null, options.guarantee ?? null,
+       options.adaptive === undefined ? null : JSON.stringify(options.adaptive)],
     );
     return rows[0] as { name: string; capacity: number; used: number };
   }

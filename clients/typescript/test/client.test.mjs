@@ -127,9 +127,8 @@ describe("permitq client", () => {
 
   it("reports on release to an adaptive semaphore", async () => {
     const adaptive = newId("ts-adaptive");
+    await admin.setCapacity(adaptive, 5, { adaptive: { algorithm: "aimd", floor: 1, ceiling: 10 } });
     const pool = new pg.Pool({ connectionString: ADMIN_URL });
-    await pool.query("SELECT permitq.set_capacity($1, 5)", [adaptive]);
-    await pool.query("SELECT permitq.set_adaptive($1, 'aimd', 1, 10)", [adaptive]);
     const lease = await client.acquire(newId("adapt"), { [adaptive]: 1 }, { ttlSeconds: 30 });
     await assert.rejects(client.release(lease.externalId, { outcome: "great" }), permitq.InvalidInput);
     assert.equal(await lease.release({ outcome: "overloaded", latencyMs: 50 }), "released");

@@ -203,6 +203,20 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
     .await;
     let screen = capture();
     assert!(screen.lines().all(|l| l.chars().count() <= 80), "{screen}");
+    // The adaptive one's detail: its kind, and its capacities over time.
+    tmux(&[
+        "send-keys",
+        "-t",
+        &session,
+        "Enter",
+        "Down",
+        "Down",
+        "Enter",
+    ]);
+    wait_until(SOON, "llm's capacities over time", || async {
+        capture().contains("llm: adaptive (aimd, 1 to 10); capacity 3")
+    })
+    .await;
     tmux(&["send-keys", "-t", &session, "q"]);
     wait_until(SOON, "top quit on q", || async {
         !Command::new("tmux")

@@ -9,11 +9,15 @@
 -- (default rule_max_instances()). `parent` (NULL keeps it, '' removes it and its guarantee)
 -- nests the semaphore under another, and `guarantee` (NULL keeps it, 0 for a new one) is its
 -- guaranteed share of that parent (functions/nesting.sql); a template's instances carry both.
+-- `adaptive` (NULL keeps it) lets the workers set the capacity from its holders' reports:
+-- `{"algorithm": "aimd" | "gradient", "floor": F, "ceiling": C}` (functions/adaptive.sql, where
+-- permitq.set_adaptive checks it; `capacity` is where it starts), or `false` to fix it again.
 CREATE OR REPLACE FUNCTION permitq.set_capacity(name text, capacity integer, fair boolean DEFAULT NULL,
                                                 per interval DEFAULT NULL,
                                                 max_instances integer DEFAULT NULL,
                                                 parent text DEFAULT NULL,
-                                                guarantee integer DEFAULT NULL)
+                                                guarantee integer DEFAULT NULL,
+                                                adaptive jsonb DEFAULT NULL)
 RETURNS permitq.semaphore
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 #variable_conflict use_column
@@ -59,6 +63,15 @@ BEGIN
     IF set_capacity.guarantee < 0 THEN
         RAISE EXCEPTION 'invalid guarantee: must not be negative, got %', set_capacity.guarantee
             USING ERRCODE = '22023';
+    END IF;
+    IF set_capacity.adaptive IS NOT NULL AND set_capacity.adaptive <> 'false'::jsonb
+       AND (jsonb_typeof(set_capacity.adaptive) <> 'object'
+            OR NOT set_capacity.adaptive ?& ARRAY['algorithm', 'floor', 'ceiling']
+            OR jsonb_typeof(set_capacity.adaptive -> 'floor') <> 'number'
+            OR jsonb_typeof(set_capacity.adaptive -> 'ceiling') <> 'number'
+            OR (SELECT count(*) FROM jsonb_object_keys(set_capacity.adaptive)) <> 3) THEN
+        RAISE EXCEPTION 'invalid adaptive: %: give {"algorithm": "aimd" or "gradient", "floor": N, "ceiling": N}, or false to fix the capacity again',
+            set_capacity.adaptive USING ERRCODE = '22023';
     END IF;
     -- Changes of the tree one at a time (functions/nesting.sql); taken before any row lock.
     LOCK TABLE permitq.nesting_gate IN EXCLUSIVE MODE;
@@ -108,10 +121,19 @@ BEGIN
             parent = result.parent, guarantee = result.guarantee, updated_at = now()
         WHERE s.template = result.name;
     END IF;
+    IF set_capacity.adaptive IS NOT NULL THEN
+        PERFORM permitq.set_adaptive(result.name,
+                                     CASE WHEN set_capacity.adaptive <> 'false'::jsonb
+                                          THEN set_capacity.adaptive ->> 'algorithm' END,
+                                     (set_capacity.adaptive ->> 'floor')::numeric::integer,
+                                     (set_capacity.adaptive ->> 'ceiling')::numeric::integer);
+        -- Brought within its bounds.
+        SELECT * INTO result FROM permitq.semaphore s WHERE s.id = result.id;
+    END IF;
     PERFORM permitq.notify('permitq_work', '');
     RETURN result;
 END $$;
-GRANT EXECUTE ON FUNCTION permitq.set_capacity(text, integer, boolean, interval, integer, text, integer)
+GRANT EXECUTE ON FUNCTION permitq.set_capacity(text, integer, boolean, interval, integer, text, integer, jsonb)
     TO permitq_admin;
 
 -- permitq.delete_semaphore: delete a semaphore, template or instance nothing uses, and audit it

@@ -35,5 +35,9 @@ CREATE UNIQUE INDEX outcome_report_request_idx ON permitq.outcome_report (reques
 GRANT SELECT ON permitq.adaptive_limit
     TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
 
+-- permitq.set_capacity gains `adaptive` (functions/set_capacity.sql): its file makes it again,
+-- with its grants; calls naming the parameters it had, or giving them by position, still resolve.
+DROP FUNCTION IF EXISTS permitq.set_capacity(text, integer, boolean, interval, integer, text, integer);
+
 -- An adaptive change's inputs, beside its `changed_by` ('adaptive (aimd)').
 ALTER TABLE permitq.capacity_change ADD COLUMN inputs jsonb;

@@ -63,7 +63,9 @@ async fn two_workers_apply_each_report_once_and_a_dead_cadence_loses_none() {
     assert_eq!(client.adaptive("api").await.unwrap(), Some(limit));
     let _w1 = adaptive_worker(&db, "w1");
     let _w2 = adaptive_worker(&db, "w2");
-    // Six held (at least half in use: AIMD grows), three come and go reporting ok.
+    // Six held (at least half in use: AIMD grows), three come and go reporting ok, while a
+    // session holds the nesting gate: no cadence runs until all three are in, so one applies
+    // them together.
     let mut held = Vec::new();
     for i in 0..6 {
         held.push(
@@ -73,6 +75,10 @@ async fn two_workers_apply_each_report_once_and_a_dead_cadence_loses_none() {
                 .unwrap(),
         );
     }
+    let gate = db.conn().await;
+    gate.batch_execute("BEGIN; LOCK TABLE permitq.nesting_gate IN EXCLUSIVE MODE")
+        .await
+        .unwrap();
     for i in 0..3 {
         let lease = client
             .acquire(&Request::new(format!("ok{i}")).permit("api", 1), SOON)
@@ -83,6 +89,7 @@ async fn two_workers_apply_each_report_once_and_a_dead_cadence_loses_none() {
             .await
             .unwrap();
     }
+    gate.batch_execute("COMMIT").await.unwrap();
     wait_until(SOON, "grown by one", || async {
         capacity(&conn, "api").await == 11
     })
@@ -256,6 +263,49 @@ async fn bad_settings_and_bad_reports_are_refused_and_write_nothing() {
             "invalid adaptive algorithm: vegas: use aimd (from overloaded and failed reports) or gradient"
         ),
         "{e:?}"
+    );
+
+    // The contract's form: set_capacity(..., adaptive => ...), and false to fix it again.
+    let capacity_set: i32 = conn
+        .query_one(
+            "SELECT capacity FROM permitq.set_capacity('named', 30, \
+             adaptive => '{\"algorithm\": \"gradient\", \"floor\": 2, \"ceiling\": 20}')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(capacity_set, 20, "brought within its bounds");
+    assert_eq!(
+        client.adaptive("named").await.unwrap(),
+        Some(AdaptiveLimit::new(Algorithm::Gradient, 2, 20))
+    );
+    conn.query_one(
+        "SELECT permitq.set_capacity('named', 20, adaptive => 'false')",
+        &[],
+    )
+    .await
+    .unwrap();
+    assert_eq!(client.adaptive("named").await.unwrap(), None);
+    for bad in ["'{\"algorithm\": \"aimd\"}'", "'true'", "'[1]'"] {
+        let e = conn
+            .query_one(
+                &format!("SELECT permitq.set_capacity('named', 5, adaptive => {bad})"),
+                &[],
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            e.as_db_error().unwrap().message().contains(
+                "give {\"algorithm\": \"aimd\" or \"gradient\", \"floor\": N, \"ceiling\": N}, or false"
+            ),
+            "{bad}: {e:?}"
+        );
+    }
+    assert_eq!(
+        capacity(&conn, "named").await,
+        20,
+        "a refused change writes nothing"
     );
 
     // Bounds bring the capacity within them at once.
