@@ -321,9 +321,13 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
             let client = Client::connect(&need_url()?).await?;
             let said = match report {
                 Some(report) => {
-                    client
+                    let said = client
                         .release_reporting(&external_id, report, latency)
-                        .await?
+                        .await?;
+                    if said == ReleaseOutcome::Released {
+                        say_where_reported(&client, &external_id, report).await;
+                    }
+                    said
                 }
                 None => client.release(&external_id).await?,
             };
@@ -519,6 +523,48 @@ async fn say_instances_over_the_template(client: &Client, template: &permitq::Se
     }
 }
 
+/// After `release --outcome`: the adaptive semaphores the report went to (those it held, and
+/// their parents), or that none of them adapts, so nothing was kept. A failed read says nothing.
+async fn say_where_reported(client: &Client, external_id: &str, report: permitq::Outcome) {
+    let (Ok(Some(row)), Ok(usage)) = (client.status(external_id).await, client.usage().await)
+    else {
+        return;
+    };
+    let mut held: Vec<String> = row.permits.keys().cloned().collect();
+    // Their parents too: a grant takes from each ancestor, and the report goes there as well.
+    let mut i = 0;
+    while i < held.len() {
+        if let Some(parent) = usage
+            .iter()
+            .find(|u| u.name == held[i])
+            .and_then(|u| u.parent.clone())
+        {
+            if !held.contains(&parent) {
+                held.push(parent);
+            }
+        }
+        i += 1;
+    }
+    let adaptive: Vec<&str> = held
+        .iter()
+        .filter(|n| usage.iter().any(|u| &u.name == *n && u.adaptive.is_some()))
+        .map(String::as_str)
+        .collect();
+    if adaptive.is_empty() {
+        errln!(
+            "permitq: no report kept: none of its semaphores ({}) is adaptive (`permitq semaphore \
+             set NAME CAPACITY --adaptive ...` makes one)",
+            held.join(", ")
+        );
+    } else {
+        errln!(
+            "permitq: reported {} to {}: the next cadence counts it",
+            report.as_str(),
+            adaptive.join(", ")
+        );
+    }
+}
+
 /// After `semaphore set`: the requests that waited before it (the first 1000 in line) and ask
 /// more of `name` than its new `capacity`, which a worker ends as `exceeds_capacity` (perhaps
 /// already). Said on stderr, as the other notes of a change; a failed read says nothing.
@@ -600,6 +646,15 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             if let Some(max_instances) = max_instances {
                 settings = settings.max_instances(max_instances);
             }
+            // In the same change: a refused adaptive setting makes or changes nothing.
+            match (adaptive, floor, ceiling, no_adaptive) {
+                (Some(algorithm), Some(floor), Some(ceiling), _) => {
+                    settings = settings
+                        .adaptive(Some(permitq::AdaptiveLimit::new(algorithm, floor, ceiling)));
+                }
+                (_, _, _, true) => settings = settings.adaptive(None),
+                _ => {}
+            }
             // Read before the change: a worker may end those the new capacity no longer
             // covers before a read after it.
             let waiting_before = client.waiters(&name, 1000).await.unwrap_or_default();
@@ -651,31 +706,28 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             if s.is_template {
                 say_instances_over_the_template(client, &s).await;
             }
-            // Adaptive (or fixed again) after the capacity is set: CAPACITY is where it starts.
-            let s = match (adaptive, floor, ceiling, no_adaptive) {
-                (Some(algorithm), Some(floor), Some(ceiling), _) => {
-                    let limit = permitq::AdaptiveLimit::new(algorithm, floor, ceiling);
-                    client.set_adaptive(&s.name, Some(&limit)).await?;
-                    errln!(
-                        "permitq: {} is adaptive ({}): the workers set its capacity between \
-                         {floor} and {ceiling} from what its holders report (`permitq release ID \
-                         --outcome ok|overloaded|failed [--latency 30ms]`), every \
-                         --adaptive-cadence (1s)",
-                        s.name,
-                        algorithm.as_str()
-                    );
-                    let name = s.name.clone();
-                    client
-                        .semaphores()
-                        .await?
-                        .into_iter()
-                        .find(|x| x.name == name)
-                        .unwrap_or(s)
-                }
-                (_, _, _, true) => {
-                    client.set_adaptive(&s.name, None).await?;
-                    s
-                }
+            // What adaptive means now, or that it still is (a capacity set by hand on it).
+            match (adaptive, floor, ceiling, no_adaptive) {
+                (Some(algorithm), Some(floor), Some(ceiling), _) => errln!(
+                    "permitq: {} is adaptive ({}): the workers set its capacity between {floor} \
+                     and {ceiling} from what its holders report (`permitq release ID --outcome \
+                     ok|overloaded|failed [--latency 30ms]`), every --adaptive-cadence (1s){}",
+                    s.name,
+                    algorithm.as_str(),
+                    if i64::from(capacity) == s.capacity {
+                        String::new()
+                    } else {
+                        format!(
+                            "; it starts at {}, within its bounds (not {capacity})",
+                            s.capacity
+                        )
+                    }
+                ),
+                (_, _, _, true) => errln!(
+                    "permitq: {} is fixed at {}: the workers no longer adapt it",
+                    s.name,
+                    s.capacity
+                ),
                 _ => {
                     if let Ok(Some(limit)) = client.adaptive(&s.name).await {
                         errln!(
@@ -687,9 +739,8 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                             limit.ceiling
                         );
                     }
-                    s
                 }
-            };
+            }
             if json {
                 outln!("{}", serde_json::to_string(&s).expect("serializable"));
                 return Ok(0);
@@ -798,6 +849,18 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                     if s.guarantee > 0 {
                         kind.push_str(&format!("  guarantee {}", s.guarantee));
                     }
+                    if let Some(a) = usage
+                        .iter()
+                        .find(|u| u.name == s.name)
+                        .and_then(|u| u.adaptive.as_ref())
+                    {
+                        kind.push_str(&format!(
+                            "  adaptive ({}, {} to {})",
+                            a.algorithm.as_str(),
+                            a.floor,
+                            a.ceiling
+                        ));
+                    }
                     outln!(
                         "{:<32} {:>10} {:>10}  {}{kind}",
                         s.name,
@@ -833,11 +896,14 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                         .map(|t| humantime::format_rfc3339_seconds(t).to_string())
                         .unwrap_or_default();
                     outln!(
-                        "{when} {} {} by {} ({})",
+                        "{when} {} {} by {} ({}){}",
                         c.semaphore,
                         crate::show::capacity_change(&c, None),
                         c.changed_by,
-                        c.application_name.as_deref().unwrap_or_default()
+                        c.application_name.as_deref().unwrap_or_default(),
+                        c.inputs
+                            .as_ref()
+                            .map_or(String::new(), crate::show::adaptive_inputs)
                     );
                 }
             }

@@ -371,7 +371,21 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
 
 /// An adaptive change's inputs, in words: ` (from 3 ok, 1 overloaded, 0 failed, latency 20ms,
 /// 6 in use)`.
-fn adaptive_inputs(inputs: &serde_json::Value) -> String {
+pub(crate) fn adaptive_inputs(inputs: &serde_json::Value) -> String {
+    // An adaptive setting changed (set_adaptive), not a cadence's change.
+    match &inputs["adaptive"] {
+        serde_json::Value::Bool(false) => return " (made fixed: no longer adaptive)".to_string(),
+        serde_json::Value::Object(a) => {
+            return format!(
+                " (made adaptive: {}, {} to {})",
+                a.get("algorithm").and_then(|v| v.as_str()).unwrap_or("?"),
+                a.get("floor").map_or("?".to_string(), ToString::to_string),
+                a.get("ceiling")
+                    .map_or("?".to_string(), ToString::to_string)
+            )
+        }
+        _ => {}
+    }
     let n = |key: &str| inputs[key].as_i64().unwrap_or(0);
     let latency = inputs["latency_ms"]
         .as_f64()

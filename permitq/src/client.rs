@@ -540,6 +540,16 @@ impl Client {
         }
         let conn = self.conn().await?;
         let per = settings.per.map(sql::interval);
+        // set_capacity's `adaptive`: {"algorithm", "floor", "ceiling"}, or false.
+        let adaptive = settings.adaptive.as_ref().map(|limit| match limit {
+            Some(l) => serde_json::json!({
+                "algorithm": l.algorithm.as_str(),
+                "floor": l.floor,
+                "ceiling": l.ceiling,
+            })
+            .to_string(),
+            None => "false".to_string(),
+        });
         db::semaphore_from_row(
             &conn
                 .query_typed_one(
@@ -552,6 +562,7 @@ impl Client {
                         (&settings.parent, Type::TEXT),
                         (&settings.guarantee, Type::INT4),
                         (&settings.max_instances, Type::INT4),
+                        (&adaptive, Type::TEXT),
                     ],
                 )
                 .await

@@ -266,7 +266,7 @@ macro_rules! semaphore_columns {
 pub(crate) const SET_CAPACITY: &str = concat!(
     "SELECT ",
     semaphore_columns!(),
-    " FROM permitq.set_capacity($1, $2, $3, $4::text::interval, $7, $5, $6)"
+    " FROM permitq.set_capacity($1, $2, $3, $4::text::interval, $7, $5, $6, $8::text::jsonb)"
 );
 /// Admin: delete a semaphore nothing uses (no row: there was none by that name).
 pub(crate) const DELETE_SEMAPHORE: &str = concat!(

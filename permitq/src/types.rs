@@ -344,12 +344,22 @@ pub struct SemaphoreSettings {
     pub guarantee: Option<i32>,
     /// For a template: the most instances it makes.
     pub max_instances: Option<i32>,
+    /// Adaptive (`Some(Some(limit))`), fixed again (`Some(None)`), or kept (`None`).
+    pub adaptive: Option<Option<crate::AdaptiveLimit>>,
 }
 
 impl SemaphoreSettings {
     /// Nothing set: only the capacity changes.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Its capacity set by the workers from its holders' reports, within the limit's bounds
+    /// (`Some`), or fixed again (`None`); in the same change as the rest, so a refusal changes
+    /// nothing.
+    pub fn adaptive(mut self, limit: Option<crate::AdaptiveLimit>) -> Self {
+        self.adaptive = Some(limit);
+        self
     }
 
     /// Fair (head-of-line with safe backfill) or greedy.

@@ -76,6 +76,9 @@ pub(crate) fn rows(usage: &[SemaphoreUsage], presence: &Presence) -> String {
         if !u.fair {
             kind.push("greedy".to_string());
         }
+        if let Some(a) = &u.adaptive {
+            kind.push(format!("adaptive {}", a.algorithm.as_str()));
+        }
         let kind = kind.join(", ");
         let _ = write!(
             html,

@@ -960,6 +960,67 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
     )
     .await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("permitq: reported overloaded to api: the next cadence counts it"),
+        "{}",
+        stderr(&o)
+    );
+    // On a semaphore that does not adapt, the report is not kept, and it says so.
+    run(url, &["semaphore", "set", "plain", "1"]).await;
+    run(url, &["submit", "p1", "plain=1", "--await", "10s"]).await;
+    let o = run(url, &["release", "p1", "--outcome", "ok"]).await;
+    assert!(
+        stderr(&o).contains("permitq: no report kept: none of its semaphores (plain) is adaptive"),
+        "{}",
+        stderr(&o)
+    );
+    // Refused bounds make nothing: the semaphore is not created half-way.
+    let o = run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "calls3",
+            "5",
+            "--adaptive",
+            "aimd",
+            "--floor",
+            "10",
+            "--ceiling",
+            "3",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("floor 10 and ceiling 3: need 1 <= floor <= ceiling")
+            && !stderr(&o).contains("created calls3"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(code(&run(url, &["semaphore", "show", "calls3"]).await), 5);
+    // A capacity outside the bounds starts within them, and says so.
+    let o = run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "calls4",
+            "50",
+            "--adaptive",
+            "gradient",
+            "--floor",
+            "2",
+            "--ceiling",
+            "20",
+        ],
+    )
+    .await;
+    assert!(
+        stderr(&o).contains("; it starts at 20, within its bounds (not 50)"),
+        "{}",
+        stderr(&o)
+    );
     wait_until(Duration::from_secs(10), "backed off to 9", || async {
         let show = stdout(&run(url, &["semaphore", "show", "api"]).await);
         show.contains("adaptive (aimd): the workers set its capacity between 2 and 20")
@@ -974,6 +1035,18 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
         "{}",
         stderr(&o)
     );
+    // The list says which adapt; the history says when it was made adaptive.
+    let list = stdout(&run(url, &["semaphore", "list"]).await);
+    assert!(
+        list.lines()
+            .any(|l| l.starts_with("api ") && l.contains("adaptive (aimd, 2 to 20)")),
+        "{list}"
+    );
+    let history = stdout(&run(url, &["semaphore", "history", "api"]).await);
+    assert!(
+        history.contains("(made adaptive: aimd, 2 to 20)"),
+        "{history}"
+    );
     // A capacity set by hand on it is noted; --no-adaptive fixes it.
     let o = run(url, &["semaphore", "set", "api", "12"]).await;
     assert!(
@@ -983,6 +1056,16 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
     );
     let o = run(url, &["semaphore", "set", "api", "12", "--no-adaptive"]).await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("permitq: api is fixed at 12: the workers no longer adapt it"),
+        "{}",
+        stderr(&o)
+    );
+    let history = stdout(&run(url, &["semaphore", "history", "api"]).await);
+    assert!(
+        history.contains("(made fixed: no longer adaptive)"),
+        "{history}"
+    );
     let show = stdout(&run(url, &["semaphore", "show", "api"]).await);
     assert!(!show.contains("adaptive (aimd):"), "{show}");
     worker.stop().await;

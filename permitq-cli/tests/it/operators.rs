@@ -1429,6 +1429,14 @@ async fn the_status_page_plots_an_adaptive_capacity_and_what_moved_it() {
             && said.contains(": 9 → 8 by adaptive (aimd) from 0 ok, 1 overloaded, 0 failed")
     })
     .await;
+    let kind =
+        eval("return document.querySelector('tr.sem[data-name=\"api\"] td.kind').textContent")
+            .await;
+    assert_eq!(
+        kind.as_str(),
+        Some("adaptive aimd"),
+        "the row says it adapts"
+    );
     let heading = eval("return document.getElementById('detail').innerText").await;
     assert!(
         heading

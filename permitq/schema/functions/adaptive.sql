@@ -16,6 +16,15 @@
 -- adaptive cadence lowers must still cover its children's guarantees), then the adaptive rows
 -- in semaphore id order, then the semaphore row (as a worker's batch takes it).
 
+-- The audit of an adaptive setting (made adaptive, its bounds, or fixed again): a row of
+-- permitq.capacity_change with the semaphore as it is now and `inputs` {"adaptive": SETTING}.
+CREATE OR REPLACE FUNCTION permitq.audit_adaptive(s permitq.semaphore, setting jsonb)
+RETURNS void LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
+    SELECT permitq.record_capacity_change(s, s, false);
+    UPDATE permitq.capacity_change c SET inputs = jsonb_build_object('adaptive', setting)
+    WHERE c.id = (SELECT max(x.id) FROM permitq.capacity_change x WHERE x.semaphore = s.name);
+$$;
+
 -- permitq.set_adaptive: makes `name` adaptive between `floor` and `ceiling` by `algorithm`
 -- ('aimd' or 'gradient'), or (algorithm NULL) fixed again at its current capacity. Admins only.
 -- The capacity is brought within the bounds at once. Not for templates, instances or rate
@@ -37,6 +46,9 @@ BEGIN
     END IF;
     IF algorithm IS NULL THEN
         DELETE FROM permitq.adaptive_limit a WHERE a.semaphore_id = s.id;
+        IF FOUND THEN
+            PERFORM permitq.audit_adaptive(s, 'false'::jsonb);
+        END IF;
         DELETE FROM permitq.outcome_report r WHERE r.semaphore_id = s.id;
         RETURN;
     END IF;
@@ -76,6 +88,9 @@ BEGIN
     END IF;
     -- Reports made before it adapted are not this algorithm's.
     DELETE FROM permitq.outcome_report r WHERE r.semaphore_id = s.id;
+    SELECT * INTO s FROM permitq.semaphore x WHERE x.id = s.id;
+    PERFORM permitq.audit_adaptive(s, jsonb_build_object('algorithm', algorithm, 'floor', floor,
+                                                         'ceiling', ceiling));
     RETURN QUERY
     INSERT INTO permitq.adaptive_limit AS a (semaphore_id, algorithm, floor, ceiling)
     VALUES (s.id, algorithm, floor, ceiling)

@@ -34,6 +34,10 @@ DECLARE
     released_permits bigint;
     released_since timestamptz;
     released_count bigint;
+    -- Of the permits ahead on a fair parent, what goes beyond their children's unused
+    -- guarantees (what is within them is in `kept` already).
+    beyond_ahead bigint;
+    waiters_ahead_permits bigint;
     rate float8;
     child permitq.semaphore;
     within_guarantee boolean;
@@ -177,6 +181,39 @@ BEGIN
                   LIMIT 10000) u;
             "position" := ahead_count + 1;
         END IF;
+        -- A borrower on a fair parent: the requests ahead of it take theirs first, but what they
+        -- take within their own child's unused guarantee is counted in `kept` already.
+        beyond_ahead := NULL;
+        IF r.examined AND NOT within_guarantee AND kept > 0 AND s.fair AND permits_ahead > 0 THEN
+            SELECT coalesce(sum(greatest(x.ahead - x.unused, 0)), 0), coalesce(sum(x.ahead), 0)
+            INTO beyond_ahead, waiters_ahead_permits
+            FROM (SELECT ch.name, sum(a.count) AS ahead,
+                         coalesce(max(greatest(ch.guarantee - ch.used, 0)), 0) AS unused
+                  FROM (SELECT w.request_id, w.count FROM permitq.waiter_levels(s.id) lv(priority)
+                        CROSS JOIN LATERAL (
+                            SELECT timestamptz '1970-01-01 00:00:00+00'
+                                   + (lv.priority::bigint * permitq.rule_aging_step_us() - place)
+                                     * interval '1 microsecond' AS level_with) b
+                        JOIN permitq.waiter w
+                          ON w.semaphore_id = s.id AND w.priority = lv.priority
+                         AND w.created_at <= b.level_with
+                         AND (w.created_at < b.level_with OR w.request_id < r.id)
+                         AND w.request_id <> r.id
+                        LIMIT 10000) a
+                  JOIN permitq.permit_request pr ON pr.id = a.request_id
+                  -- The child of this parent its request comes through (none: it names the
+                  -- parent itself, all beyond).
+                  LEFT JOIN LATERAL (
+                      SELECT c.name, c.guarantee, c.used
+                      FROM jsonb_object_keys(pr.permits) k
+                      JOIN permitq.ancestors(ARRAY[k]) up ON up.ancestor = s.name
+                      JOIN permitq.ancestors(ARRAY[k]) down ON down.depth = up.depth - 1
+                      JOIN permitq.semaphore c ON c.name = down.ancestor
+                      LIMIT 1) ch ON true
+                  GROUP BY ch.name) x;
+            -- Those not examined yet name the parent itself: beyond.
+            beyond_ahead := beyond_ahead + greatest(permits_ahead - waiters_ahead_permits, 0);
+        END IF;
 
         reason := CASE
             -- Not examined yet, on a spent window: the window is what it waits for either way
@@ -203,16 +240,19 @@ BEGIN
                        CASE WHEN child.name IS NULL THEN 'a request naming the parent itself borrows'
                             ELSE format('%s borrows beyond its guarantee (%s)', child.name, child.guarantee) END,
                        kept, CASE WHEN kept = 1 THEN 'is' ELSE 'are' END, kept_for, needs, kept,
-                       CASE WHEN s.fair AND permits_ahead > 0
-                            THEN format(' + %s for the %s ahead in its line', permits_ahead,
+                       CASE WHEN beyond_ahead > 0
+                            THEN format(' + %s for the %s ahead in its line%s', beyond_ahead,
                                         CASE WHEN ahead_count = 1 THEN 'request'
-                                             ELSE format('%s requests', ahead_count) END)
+                                             ELSE format('%s requests', ahead_count) END,
+                                        CASE WHEN beyond_ahead < permits_ahead
+                                             THEN format(' (of their %s, what goes beyond their guarantees)', permits_ahead)
+                                             ELSE '' END)
                             ELSE '' END,
                        -- Held beyond a capacity lowered under it counts as well.
                        CASE WHEN room < 0 THEN format('+ %s held beyond its capacity', -room)
                             ELSE format('- %s free', free) END,
-                       shortfall + CASE WHEN s.fair THEN coalesce(permits_ahead, 0) ELSE 0 END,
-                       CASE WHEN shortfall + CASE WHEN s.fair THEN coalesce(permits_ahead, 0) ELSE 0 END = 1
+                       shortfall + coalesce(beyond_ahead, 0),
+                       CASE WHEN shortfall + coalesce(beyond_ahead, 0) = 1
                             THEN 'permit' ELSE 'permits' END)
             WHEN opens_at IS NOT NULL AND shortfall > 0 AND free > 0 THEN
                 format('rate limit: its window has room for %s of the %s it needs (%s / %s granted per %s); room for %s opens in %s, as earlier grants leave the window',
@@ -312,7 +352,8 @@ BEGIN
                             <= greatest(3 * (last_released_at - released_since) / (released_count - 1),
                                         interval '1 second') THEN
                 estimated_wait := greatest(
-                    make_interval(secs => least((shortfall + coalesce(permits_ahead, 0)) / rate, 315360000))
+                    make_interval(secs => least((shortfall + coalesce(beyond_ahead, permits_ahead, 0)) / rate,
+                                                315360000))
                         - (now() - last_released_at),
                     interval '0');
             END IF;

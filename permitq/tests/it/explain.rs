@@ -595,3 +595,52 @@ async fn a_fair_shortfall_counts_every_request_ahead() {
         "{e:?}"
     );
 }
+
+/// A request naming a full parent, behind children's requests within their guarantees: what
+/// those take is in the room kept for them already, so it is not counted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_ahead_within_their_guarantees_are_not_counted_twice() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("acc", 8, None).await.unwrap();
+    let lab = permitq::SemaphoreSettings::new()
+        .parent("acc")
+        .guarantee(2)
+        .max_instances(4);
+    client.set_semaphore("lab:*", 6, &lab).await.unwrap();
+    let _worker = db.notified_worker("explain-w");
+    let mut held = Vec::new();
+    for (id, name, count) in [("la-1", "lab:a", 6), ("lb-1", "lab:b", 2)] {
+        held.push(
+            client
+                .acquire(&Request::new(id).permit(name, count), SOON)
+                .await
+                .unwrap(),
+        );
+    }
+    // c and d ask within their guarantees; then a request on the parent itself borrows.
+    for (id, name, count) in [
+        ("lc-1", "lab:c", 2),
+        ("ld-1", "lab:d", 1),
+        ("acc-1", "acc", 1),
+    ] {
+        client
+            .submit(&Request::new(id).permit(name, count))
+            .await
+            .unwrap();
+        examined(&client, id).await;
+    }
+    let e = client.explain("acc-1").await.unwrap().unwrap();
+    let acc = &e.semaphores[0];
+    assert_eq!(
+        (acc.kept, acc.shortfall, acc.position),
+        (Some(4), Some(5), Some(3)),
+        "{e:?}"
+    );
+    assert!(
+        acc.reason
+            .ends_with("1 needed + 4 kept - 0 free = 5 more permits must be released here first"),
+        "{}",
+        acc.reason
+    );
+}
