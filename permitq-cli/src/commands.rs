@@ -179,7 +179,7 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                 outln!("{}", presence.summary());
                 for w in presence.workers.iter().filter(|w| !w.live) {
                     outln!(
-                        "  gone: {} on {} ({}, last seen {} ago)",
+                        "  not running: {} on {} ({}, last seen {} ago)",
                         w.worker_id,
                         w.host,
                         w.version,
@@ -357,14 +357,16 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                 }
             };
             let client = Client::connect(&need_url()?).await.map_err(not_extended)?;
-            // The end before, to say when --extend moved it earlier (it sets now + DUR).
+            // The end before, to say when --extend moved it earlier (it sets now + DUR), or
+            // gave a lease to a request held until released.
             let before = match extend {
                 Some(_) => client
                     .status(&external_id)
                     .await
                     .ok()
                     .flatten()
-                    .and_then(|r| r.expires_at),
+                    .filter(|r| r.state == State::Acquired)
+                    .map(|r| r.expires_at),
                 None => None,
             };
             match client.heartbeat(&external_id, extend).await {
@@ -377,7 +379,13 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                 ),
                 Ok(Some(t)) => {
                     outln!("expires_at={}", humantime::format_rfc3339_seconds(t));
-                    if let Some(was) = before.filter(|was| *was > t) {
+                    if let Some(None) = before {
+                        errln!(
+                            "permitq: note: it had no lease (held until released): it has one \
+                             now, and is released when it runs out unless a heartbeat extends it"
+                        );
+                    }
+                    if let Some(was) = before.flatten().filter(|was| *was > t) {
                         errln!(
                             "permitq: note: the lease now ends earlier than before ({}): a \
                              heartbeat sets its end to now + --extend, and --extend was shorter \
@@ -477,7 +485,11 @@ async fn no_semaphore(client: &Client, name: String) -> CliError {
 /// After a template was set: what its new settings leave as it was in its instances. A bound
 /// lowered below the instances there are removes none of them; a capacity lowered below what
 /// an instance holds revokes nothing.
-async fn say_instances_over_the_template(client: &Client, template: &permitq::Semaphore) {
+async fn say_instances_over_the_template(
+    client: &Client,
+    template: &permitq::Semaphore,
+    waiting_before: &[(String, Vec<permitq::Waiter>)],
+) {
     let Ok(all) = client.usage().await else {
         return;
     };
@@ -502,11 +514,10 @@ async fn say_instances_over_the_template(client: &Client, template: &permitq::Se
             crate::show::quoted_name(&template.name)
         );
     }
-    // The waiters of those that have any (a read each), not of every instance.
-    for instance in instances.iter().filter(|i| i.waiting > 0) {
-        if let Ok(waiters) = client.waiters(&instance.name, 1000).await {
-            say_waiters_no_longer_covered(&waiters, &instance.name, template.capacity);
-        }
+    // The waiters of those that had any, read before the change (a worker may end those the
+    // new capacity no longer covers before a read after it).
+    for (instance, waiters) in waiting_before {
+        say_waiters_no_longer_covered(waiters, instance, template.capacity);
     }
     let over: Vec<String> = instances
         .iter()
@@ -656,8 +667,18 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 _ => {}
             }
             // Read before the change: a worker may end those the new capacity no longer
-            // covers before a read after it.
+            // covers before a read after it. For a template, its instances' (those that have
+            // waiters: a read each, not one per instance).
             let waiting_before = client.waiters(&name, 1000).await.unwrap_or_default();
+            let mut instances_waiting = Vec::new();
+            if name.ends_with('*') {
+                for u in client.usage().await.unwrap_or_default() {
+                    if u.template.as_deref() == Some(name.as_str()) && u.waiting > 0 {
+                        let waiters = client.waiters(&u.name, 1000).await.unwrap_or_default();
+                        instances_waiting.push((u.name, waiters));
+                    }
+                }
+            }
             let s = client.set_semaphore(&name, capacity, &settings).await?;
             // A typo makes a new semaphore: say that this one is new, and what it is near.
             let created = client.capacity_history(&s.name).await.is_ok_and(|history| {
@@ -704,7 +725,7 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 say_waiters_no_longer_covered(&waiting_before, &s.name, s.capacity);
             }
             if s.is_template {
-                say_instances_over_the_template(client, &s).await;
+                say_instances_over_the_template(client, &s, &instances_waiting).await;
             }
             // What adaptive means now, or that it still is (a capacity set by hand on it).
             match (adaptive, floor, ceiling, no_adaptive) {

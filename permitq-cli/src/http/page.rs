@@ -48,12 +48,15 @@ pub(crate) fn rows(usage: &[SemaphoreUsage], presence: &Presence) -> String {
         );
     }
     for u in usage {
+        // A rate limit bounds grants in its window, not what is held: its bar is the window's
+        // (as `top` draws it), so a window with room is not drawn full.
+        let bounded = if u.per.is_some() { u.in_window } else { u.held };
         let pct = if u.capacity > 0 {
-            (100 * u.held.clamp(0, u.capacity)) / u.capacity
+            (100 * bounded.clamp(0, u.capacity)) / u.capacity
         } else {
             100
         };
-        let level = if u.held >= u.capacity {
+        let level = if bounded >= u.capacity {
             "full"
         } else if pct >= 75 {
             "busy"

@@ -1153,7 +1153,8 @@ async fn once_the_last_worker_stops_explain_and_semaphore_show_say_nothing_is_gr
     // `permitq workers` lists them: the running one, and the one gone.
     let text = stdout(&run(url, &["workers"]).await);
     assert!(
-        text.starts_with("workers (1): only-worker on ") && text.contains("  gone: first-out on "),
+        text.starts_with("workers (1): only-worker on ")
+            && text.contains("  not running: first-out on "),
         "{text}"
     );
     let show = json(&run(url, &["semaphore", "show", "nw", "--json"]).await);

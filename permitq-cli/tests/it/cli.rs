@@ -1070,3 +1070,28 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
     assert!(!show.contains("adaptive (aimd):"), "{show}");
     worker.stop().await;
 }
+
+/// `heartbeat --extend` on a request held until released gives it a lease, and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extending_a_request_without_a_lease_says_it_now_has_one() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let worker = db.worker(quiet_config("w"));
+    run(url, &["semaphore", "set", "nl", "1"]).await;
+    let o = run(url, &["submit", "nl-1", "nl=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = run(url, &["heartbeat", "nl-1", "--extend", "1m"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "permitq: note: it had no lease (held until released): it has one now, and is \
+             released when it runs out unless a heartbeat extends it"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    // Extended again: a lease it had, nothing to say.
+    let o = run(url, &["heartbeat", "nl-1", "--extend", "2m"]).await;
+    assert!(!stderr(&o).contains("note"), "{}", stderr(&o));
+    worker.stop().await;
+}

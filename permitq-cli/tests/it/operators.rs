@@ -1445,6 +1445,33 @@ async fn the_status_page_plots_an_adaptive_capacity_and_what_moved_it() {
             .contains("capacity over time (adaptive: aimd, 2 to 20)"),
         "{heading}"
     );
+    // A rate limit's bar is its window's: a permit held past its 1s window leaves the bar empty
+    // (it was drawn full, as if nothing could be granted).
+    client
+        .set_semaphore(
+            "quota",
+            1,
+            &permitq::SemaphoreSettings::new().per(Duration::from_secs(1)),
+        )
+        .await
+        .unwrap();
+    let _held = client
+        .acquire(&Request::new("q-held").permit("quota", 1), SOON)
+        .await
+        .unwrap();
+    wait_until(
+        SOON,
+        "quota's bar empties once its window passes",
+        || async {
+            let (_, rows) = tokio::task::spawn_blocking(move || get(addr, "/rows"))
+                .await
+                .unwrap();
+            rows.split("<tr class=\"sem\"")
+                .find(|r| r.contains("data-name=\"quota\""))
+                .is_some_and(|r| r.contains("style=\"width:0%\""))
+        },
+    )
+    .await;
     drop(browser);
     drop(serve);
     worker.stop().await;
