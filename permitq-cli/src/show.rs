@@ -353,6 +353,44 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             trace.len(),
             trace.join(" ")
         );
+        // What the last cadence with reports counted, also when it kept the capacity (no
+        // audit row then), and the rule it followed.
+        match &d.last_reports {
+            Some(r) => {
+                let n = |key: &str| r[key].as_i64().unwrap_or(0);
+                let (from, to) = (n("from"), n("to"));
+                outln!(
+                    "last reports counted {} ago: {} ok, {} overloaded, {} failed{}, {} in use: {}",
+                    humantime::format_duration(std::time::Duration::from_secs_f64(
+                        r["ago_s"].as_f64().unwrap_or(0.0).clamp(0.0, 1e9).round()
+                    )),
+                    n("ok"),
+                    n("overloaded"),
+                    n("failed"),
+                    r["latency_ms"]
+                        .as_f64()
+                        .map_or(String::new(), |ms| format!(", latency {ms:.0}ms")),
+                    n("used"),
+                    if from == to {
+                        format!("kept {to}")
+                    } else {
+                        format!("{from} -> {to}")
+                    }
+                );
+            }
+            None => outln!("no reports counted yet"),
+        }
+        outln!(
+            "{}",
+            match a.algorithm {
+                permitq::Algorithm::Aimd =>
+                    "(aimd: 90% when two reports or a tenth say \
+                    overloaded; +1 when more say ok than failed and half the capacity is in use)",
+                _ =>
+                    "(gradient: grows while latency stays near its unloaded level and half the \
+                    capacity is in use, holds up to 1.2x it, shrinks past; overloads as aimd)",
+            }
+        );
         changes = &changes[changes.len().saturating_sub(10)..];
     }
     outln!("\ncapacity changes (latest {}):", changes.len());

@@ -364,6 +364,18 @@ impl crate::Client {
         rows.first().map(limit_from_row).transpose()
     }
 
+    /// What the last cadence with reports on `name` counted, as JSON: `ok`, `overloaded`,
+    /// `failed`, `latency_ms`, `used`, `at` (and `ago_s`), and the capacity `from` and `to` (the same when it
+    /// kept it, which writes no audit row). `None` before any, or when it does not adapt.
+    pub async fn last_adaptive_reports(&self, name: &str) -> Result<Option<serde_json::Value>> {
+        let conn = self.conn().await?;
+        let rows = conn
+            .query(crate::sql::ADAPTIVE_LAST_REPORTS, &[&name])
+            .await
+            .map_err(|e| self.located(e.into()))?;
+        Ok(rows.first().and_then(|r| r.get(0)))
+    }
+
     /// Releases as [`crate::Client::release`] does, and reports how the holder's use went for
     /// the adaptive semaphores it held (`latency`: how long its calls took, if measured). A
     /// repeated release reports nothing again.

@@ -550,21 +550,25 @@ impl Client {
             .to_string(),
             None => "false".to_string(),
         });
+        let mut params: Vec<(&(dyn tokio_postgres::types::ToSql + Sync), Type)> = vec![
+            (&name, Type::TEXT),
+            (&capacity, Type::INT4),
+            (&settings.fair, Type::BOOL),
+            (&per, Type::TEXT),
+            (&settings.parent, Type::TEXT),
+            (&settings.guarantee, Type::INT4),
+            (&settings.max_instances, Type::INT4),
+        ];
+        let query = match &adaptive {
+            Some(adaptive) => {
+                params.push((adaptive, Type::TEXT));
+                sql::SET_CAPACITY_ADAPTIVE
+            }
+            None => sql::SET_CAPACITY,
+        };
         db::semaphore_from_row(
             &conn
-                .query_typed_one(
-                    sql::SET_CAPACITY,
-                    &[
-                        (&name, Type::TEXT),
-                        (&capacity, Type::INT4),
-                        (&settings.fair, Type::BOOL),
-                        (&per, Type::TEXT),
-                        (&settings.parent, Type::TEXT),
-                        (&settings.guarantee, Type::INT4),
-                        (&settings.max_instances, Type::INT4),
-                        (&adaptive, Type::TEXT),
-                    ],
-                )
+                .query_typed_one(query, &params)
                 .await
                 .map_err(|e| self.located(e.into()))?,
         )

@@ -236,6 +236,11 @@ pub(crate) const SET_ADAPTIVE: &str =
 pub(crate) const ADAPTIVE_OF: &str = "SELECT a.algorithm, a.floor, a.ceiling \
      FROM permitq.adaptive_limit a JOIN permitq.semaphore s ON s.id = a.semaphore_id \
      WHERE s.name = $1";
+/// The last cadence with reports of an adaptive semaphore (its inputs, when, from and to).
+pub(crate) const ADAPTIVE_LAST_REPORTS: &str = "SELECT a.last_reports \
+     || jsonb_build_object('ago_s', extract(epoch FROM now() - (a.last_reports ->> 'at')::timestamptz)) \
+     FROM permitq.adaptive_limit a JOIN permitq.semaphore s ON s.id = a.semaphore_id \
+     WHERE s.name = $1";
 /// Holder: release with a report of how its use went.
 pub(crate) const RELEASE_REPORTING: &str = "SELECT permitq.release($1, $2, $3::text::interval)";
 /// Holder: a report while it holds.
@@ -264,6 +269,13 @@ macro_rules! semaphore_columns {
 }
 /// Operator: create or change a semaphore.
 pub(crate) const SET_CAPACITY: &str = concat!(
+    "SELECT ",
+    semaphore_columns!(),
+    " FROM permitq.set_capacity($1, $2, $3, $4::text::interval, $7, $5, $6)"
+);
+/// [`SET_CAPACITY`] with `adaptive` ($8): only when the settings name it, so that a change
+/// without it also works on a schema from before adaptive capacity (a rolling upgrade).
+pub(crate) const SET_CAPACITY_ADAPTIVE: &str = concat!(
     "SELECT ",
     semaphore_columns!(),
     " FROM permitq.set_capacity($1, $2, $3, $4::text::interval, $7, $5, $6, $8::text::jsonb)"
@@ -386,6 +398,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("REVOKE", REVOKE),
         ("HEARTBEAT", HEARTBEAT),
         ("SET_CAPACITY", SET_CAPACITY),
+        ("SET_CAPACITY_ADAPTIVE", SET_CAPACITY_ADAPTIVE),
         ("DELETE_SEMAPHORE", DELETE_SEMAPHORE),
         ("LIST_SEMAPHORES", LIST_SEMAPHORES),
         ("SWEEP_IDLE_INSTANCES", SWEEP_IDLE_INSTANCES),
@@ -397,6 +410,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("ADAPTIVE_APPLY", ADAPTIVE_APPLY),
         ("SET_ADAPTIVE", SET_ADAPTIVE),
         ("ADAPTIVE_OF", ADAPTIVE_OF),
+        ("ADAPTIVE_LAST_REPORTS", ADAPTIVE_LAST_REPORTS),
         ("RELEASE_REPORTING", RELEASE_REPORTING),
         ("REPORT", REPORT),
         ("MAY_WORK", MAY_WORK),

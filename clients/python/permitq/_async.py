@@ -178,8 +178,7 @@ class AsyncClient:
         adaptive: Mapping[str, Any] | bool | None = None,
     ) -> c.Semaphore:
         """As Client.set_capacity."""
-        row = await self._one(
-            c.SET_CAPACITY,
+        query, args = c.set_capacity_args(
             (
                 name,
                 c.whole(capacity, "capacity", 0, c.INT4_MAX),
@@ -188,9 +187,10 @@ class AsyncClient:
                 c.whole(max_instances, "max_instances", 0, c.INT4_MAX),
                 parent,
                 c.whole(guarantee, "guarantee", 0, c.INT4_MAX),
-                c.adaptive_json(adaptive),
             ),
+            adaptive,
         )
+        row = await self._one(query, args)
         assert row is not None
         return c.Semaphore(*row)
 

@@ -90,8 +90,18 @@ EXPLAIN = (
 SET_CAPACITY = (
     "SELECT name, capacity, used, fair, extract(epoch FROM per)::float8, parent, guarantee, "
     "max_instances FROM permitq.set_capacity(%s, %s, fair => %s, per => make_interval(secs => %s), "
-    "max_instances => %s, parent => %s, guarantee => %s, adaptive => %s::jsonb)"
+    "max_instances => %s, parent => %s, guarantee => %s)"
 )
+#: With `adaptive`: only when it is given, so that a change without it also works on a schema
+#: from before adaptive capacity (a rolling upgrade).
+SET_CAPACITY_ADAPTIVE = SET_CAPACITY[:-1] + ", adaptive => %s::jsonb)"
+
+
+def set_capacity_args(args: tuple[Any, ...], adaptive: Mapping[str, Any] | bool | None) -> tuple[str, tuple[Any, ...]]:
+    """The set_capacity statement and its arguments, `adaptive` among them only when given."""
+    if adaptive is None:
+        return SET_CAPACITY, args
+    return SET_CAPACITY_ADAPTIVE, (*args, adaptive_json(adaptive))
 CONFIRM_DURABLE = "SELECT permitq.confirm_durable()"
 GRANTING = (
     "SELECT live_workers, extract(epoch FROM clock_timestamp() - last_seen)::float8,"

@@ -197,9 +197,9 @@ class Client:
             c.whole(max_instances, "max_instances", 0, c.INT4_MAX),
             parent,
             c.whole(guarantee, "guarantee", 0, c.INT4_MAX),
-            c.adaptive_json(adaptive),
         )
-        row = self._run(lambda conn: conn.execute(c.SET_CAPACITY, args).fetchone())
+        query, args = c.set_capacity_args(args, adaptive)
+        row = self._run(lambda conn: conn.execute(query, args).fetchone())
         assert row is not None
         return c.Semaphore(*row)
 

@@ -294,9 +294,11 @@ export class Client {
      * holders' reports (`lease.release({ outcome })`); `false` fixes it again.
      */
     async setCapacity(name, capacity, options = {}) {
-        const rows = await this.query(SQL.setCapacity, [name, capacity, options.fair ?? null, options.perSeconds ?? null, options.maxInstances ?? null,
-            options.parent ?? null, options.guarantee ?? null,
-            options.adaptive === undefined ? null : JSON.stringify(options.adaptive)]);
+        const args = [name, capacity, options.fair ?? null, options.perSeconds ?? null,
+            options.maxInstances ?? null, options.parent ?? null, options.guarantee ?? null];
+        const rows = options.adaptive === undefined
+            ? await this.query(SQL.setCapacity, args)
+            : await this.query(SQL.setCapacityAdaptive, [...args, JSON.stringify(options.adaptive)]);
         return rows[0];
     }
     /** `; nothing is granting: ...` when no worker runs, else empty. */

@@ -18,6 +18,9 @@ export const SQL = {
                    permits_ahead::int, reason, extract(epoch FROM estimated_wait)::float8 AS estimated
             FROM permitq.explain($1)`,
     setCapacity: `SELECT name, capacity, used::int FROM permitq.set_capacity($1, $2, fair => $3,
+                  per => make_interval(secs => $4), max_instances => $5, parent => $6, guarantee => $7)`,
+    // With `adaptive` only when it is given: a change without it works on a schema from before it.
+    setCapacityAdaptive: `SELECT name, capacity, used::int FROM permitq.set_capacity($1, $2, fair => $3,
                   per => make_interval(secs => $4), max_instances => $5, parent => $6, guarantee => $7,
                   adaptive => $8::jsonb)`,
     confirmDurable: "SELECT permitq.confirm_durable()",

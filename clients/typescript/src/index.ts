@@ -402,12 +402,11 @@ export class Client {
   async setCapacity(name: string, capacity: number, options: { fair?: boolean; perSeconds?: number;
     maxInstances?: number; parent?: string; guarantee?: number;
     adaptive?: { algorithm: "aimd" | "gradient"; floor: number; ceiling: number } | false } = {}): Promise<{ name: string; capacity: number; used: number }> {
-    const rows = await this.query(
-      SQL.setCapacity,
-      [name, capacity, options.fair ?? null, options.perSeconds ?? null, options.maxInstances ?? null,
-       options.parent ?? null, options.guarantee ?? null,
-       options.adaptive === undefined ? null : JSON.stringify(options.adaptive)],
-    );
+    const args: unknown[] = [name, capacity, options.fair ?? null, options.perSeconds ?? null,
+      options.maxInstances ?? null, options.parent ?? null, options.guarantee ?? null];
+    const rows = options.adaptive === undefined
+      ? await this.query(SQL.setCapacity, args)
+      : await this.query(SQL.setCapacityAdaptive, [...args, JSON.stringify(options.adaptive)]);
     return rows[0] as { name: string; capacity: number; used: number };
   }
 

@@ -106,6 +106,9 @@ pub(crate) struct Detail {
     /// the template), at most [`INSTANCES_NAMED`].
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub(crate) children: Vec<Child>,
+    /// For an adaptive semaphore: what its last cadence with reports counted, and what it set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) last_reports: Option<serde_json::Value>,
     /// The workers, and whether anything is granting.
     #[serde(flatten)]
     pub(crate) presence: crate::show::Presence,
@@ -214,7 +217,12 @@ pub(super) async fn detail_of(
     } else {
         None
     };
+    let last_reports = match usage.adaptive {
+        Some(_) => client.last_adaptive_reports(name).await?,
+        None => None,
+    };
     Ok(Detail {
+        last_reports,
         instances,
         holders: client.holders(name).await?,
         usage,

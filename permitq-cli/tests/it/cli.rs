@@ -1028,6 +1028,27 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
                 .contains("capacity 10 -> 9 by adaptive (aimd) (from 0 ok, 1 overloaded, 0 failed")
     })
     .await;
+    let show = stdout(&run(url, &["semaphore", "show", "api"]).await);
+    assert!(
+        show.contains("last reports counted ")
+            && show.contains(": 0 ok, 1 overloaded, 0 failed, ")
+            && show.contains(" in use: 10 -> 9")
+            && show.contains("(aimd: 90% when two reports or a tenth say overloaded;"),
+        "{show}"
+    );
+    // A cadence that keeps the capacity (an ok with little in use) writes no audit row: show
+    // still says what it counted.
+    run(url, &["submit", "a2", "api=1", "--await", "10s"]).await;
+    run(url, &["release", "a2", "--outcome", "ok"]).await;
+    wait_until(
+        Duration::from_secs(10),
+        "the kept cadence shown",
+        || async {
+            let show = stdout(&run(url, &["semaphore", "show", "api"]).await);
+            show.contains(": 1 ok, 0 overloaded, 0 failed, ") && show.contains(" in use: kept 9")
+        },
+    )
+    .await;
     let o = run(url, &["release", "a1", "--outcome", "great"]).await;
     assert_eq!(code(&o), 2, "{}", stderr(&o));
     assert!(

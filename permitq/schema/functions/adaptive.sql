@@ -269,7 +269,13 @@ BEGIN
             PERFORM permitq.notify('permitq_work', '');
         END IF;
     END IF;
-    UPDATE permitq.adaptive_limit x SET applied_at = now(), memory = adaptive_apply.memory
+    UPDATE permitq.adaptive_limit x
+    SET applied_at = now(), memory = adaptive_apply.memory,
+        last_reports = CASE
+            WHEN coalesce((inputs ->> 'ok')::bigint, 0) + coalesce((inputs ->> 'overloaded')::bigint, 0)
+                 + coalesce((inputs ->> 'failed')::bigint, 0) > 0
+            THEN inputs || jsonb_build_object('at', now(), 'from', s.capacity, 'to', wanted)
+            ELSE x.last_reports END
     WHERE x.semaphore_id = a.semaphore_id;
     RETURN wanted;
 END $$;

@@ -83,7 +83,8 @@ BEGIN
                           coalesce(permitq.human_duration(existing.ttl), 'none (no lease)'),
                           coalesce(permitq.human_duration(existing.wait), 'none (waits until granted)'),
                           existing.priority,
-                          concat_ws(' ', existing.state, existing.error_code, existing.release_reason)),
+                          concat_ws(' ', existing.state, existing.error_code,
+                                    '(' || existing.release_reason || ')')),
                       HINT = 'a new request needs a new external_id; the same parameters return the existing one';
         END IF;
         -- The conflicting row was deleted (retention) between the two statements: insert again.

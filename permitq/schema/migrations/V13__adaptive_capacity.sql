@@ -14,7 +14,10 @@ CREATE TABLE permitq.adaptive_limit (
     CONSTRAINT adaptive_limit_bounds_valid CHECK (ceiling >= floor),
     applied_at      timestamptz NOT NULL DEFAULT now(),
     -- What the algorithm carries from one cadence to the next (a gradient's long-term latency).
-    memory          jsonb NOT NULL DEFAULT '{}'
+    memory          jsonb NOT NULL DEFAULT '{}',
+    -- The last cadence that had reports: its inputs, when, and the capacity before and after
+    -- (a cadence that keeps the capacity writes no audit row; this says what it counted).
+    last_reports    jsonb
 );
 
 -- The holders' reports: at most one per request and adaptive semaphore it held (a report while
