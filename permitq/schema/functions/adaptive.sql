@@ -130,30 +130,6 @@ RETURNS void LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
             reported_at = EXCLUDED.reported_at
 $$;
 
--- permitq.release with a report: gives the permits back as permitq.release(external_id) does,
--- and records how the holder's use went (`outcome`, `latency` NULL when not measured) for the
--- adaptive semaphores it held. A repeated release reports nothing again (it returns
--- already_released), so a retry makes no duplicate.
-CREATE OR REPLACE FUNCTION permitq.release(external_id text, outcome text, latency interval DEFAULT NULL)
-RETURNS text
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
-#variable_conflict use_variable
-DECLARE
-    problem text := permitq.report_problem(outcome, latency);
-    said text;
-BEGIN
-    IF problem IS NOT NULL THEN
-        RAISE EXCEPTION '%', problem USING ERRCODE = '22023';
-    END IF;
-    said := permitq.release_request(external_id, 'released');
-    IF said = 'released' THEN
-        PERFORM permitq.record_report(r.id, coalesce(r.charged, r.permits), outcome, latency)
-        FROM permitq.permit_request r WHERE r.external_id = release.external_id;
-    END IF;
-    RETURN said;
-END $$;
-GRANT EXECUTE ON FUNCTION permitq.release(text, text, interval) TO permitq_producer, permitq_admin;
-
 -- permitq.report: a holder's report while it still holds (beside a heartbeat): how its use went
 -- so far, replacing its earlier one until a cadence applies it (one report per request and
 -- semaphore a cadence). Only its owner (or an admin), only while it is acquired; returns false

@@ -16,6 +16,26 @@
 -- (releases stopped: the same for every waiter on the semaphore). Cost: per semaphore named, the waiters ahead (counted from waiter_line_idx,
 -- and the unexamined requests placed ahead, at most 10000 each), the held requests, and those
 -- 2000 settled rows: never the whole backlog.
+-- The recorded waiters of semaphore $1 placed ahead of request $3 at place $2 (at most 10000):
+-- within a level the line runs by created_at, so those placed ahead are a prefix of
+-- waiter_line_idx: created before the moment that would place them level with the request
+-- (and at that moment, a lower id). Explain's place in line and a borrower's arithmetic.
+CREATE OR REPLACE FUNCTION permitq.waiters_ahead(bigint, bigint, bigint)
+RETURNS TABLE (request_id bigint, count integer)
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT w.request_id, w.count FROM permitq.waiter_levels($1) lv(priority)
+    CROSS JOIN LATERAL (
+        SELECT timestamptz '1970-01-01 00:00:00+00'
+               + (lv.priority::bigint * permitq.rule_aging_step_us() - $2)
+                 * interval '1 microsecond' AS level_with) b
+    JOIN permitq.waiter w
+      ON w.semaphore_id = $1 AND w.priority = lv.priority
+     AND w.created_at <= b.level_with
+     AND (w.created_at < b.level_with OR w.request_id < $3)
+     AND w.request_id <> $3
+    LIMIT 10000
+$$;
+
 CREATE OR REPLACE FUNCTION permitq.explain(external_id text)
 RETURNS TABLE (request text, state text, outcome text, semaphore text, needs integer,
                capacity integer, free integer, shortfall integer, "position" bigint,
@@ -154,21 +174,8 @@ BEGIN
         ORDER BY 5 DESC, 1
         LIMIT 1;
         IF r.examined THEN
-            -- Within a level the line runs by created_at, so those placed ahead are a prefix of
-            -- waiter_line_idx: created before the moment that would place them level with this
-            -- request (and at that moment, a lower id).
             SELECT count(*), coalesce(sum(a.count), 0) INTO ahead_count, permits_ahead
-            FROM (SELECT w.count FROM permitq.waiter_levels(s.id) lv(priority)
-                  CROSS JOIN LATERAL (
-                      SELECT timestamptz '1970-01-01 00:00:00+00'
-                             + (lv.priority::bigint * permitq.rule_aging_step_us() - place)
-                               * interval '1 microsecond' AS level_with) b
-                  JOIN permitq.waiter w
-                    ON w.semaphore_id = s.id AND w.priority = lv.priority
-                   AND w.created_at <= b.level_with
-                   AND (w.created_at < b.level_with OR w.request_id < r.id)
-                   AND w.request_id <> r.id
-                  LIMIT 10000) a;
+            FROM permitq.waiters_ahead(s.id, place, r.id) a;
             -- And the requests not examined yet that are placed ahead (the workers count them as
             -- waiting too): a prefix of permit_request_unexamined_place_idx, at most 10000.
             SELECT ahead_count + count(*), permits_ahead + coalesce(sum((u.permits ->> s.name)::int), 0)
@@ -189,17 +196,7 @@ BEGIN
             INTO beyond_ahead, waiters_ahead_permits
             FROM (SELECT ch.name, sum(a.count) AS ahead,
                          coalesce(max(greatest(ch.guarantee - ch.used, 0)), 0) AS unused
-                  FROM (SELECT w.request_id, w.count FROM permitq.waiter_levels(s.id) lv(priority)
-                        CROSS JOIN LATERAL (
-                            SELECT timestamptz '1970-01-01 00:00:00+00'
-                                   + (lv.priority::bigint * permitq.rule_aging_step_us() - place)
-                                     * interval '1 microsecond' AS level_with) b
-                        JOIN permitq.waiter w
-                          ON w.semaphore_id = s.id AND w.priority = lv.priority
-                         AND w.created_at <= b.level_with
-                         AND (w.created_at < b.level_with OR w.request_id < r.id)
-                         AND w.request_id <> r.id
-                        LIMIT 10000) a
+                  FROM permitq.waiters_ahead(s.id, place, r.id) a
                   JOIN permitq.permit_request pr ON pr.id = a.request_id
                   -- The child of this parent its request comes through (none: it names the
                   -- parent itself, all beyond).

@@ -80,14 +80,38 @@ BEGIN
 END $$;
 
 -- permitq.release: the holder gives its permits back, or cancels a request still waiting.
+-- With `outcome` (ok, overloaded, failed; `latency` when measured) it also reports how its use
+-- went to the adaptive semaphores it held (functions/adaptive.sql); a repeated release reports
+-- nothing again (it returns already_released), so a retry makes no duplicate.
 -- (The entry points are PL/pgSQL, which keeps its plans per session: a LANGUAGE sql function
 -- with SET clauses is never inlined, so it would be parsed and planned on every call.)
-CREATE OR REPLACE FUNCTION permitq.release(external_id text) RETURNS text
+CREATE OR REPLACE FUNCTION permitq.release(external_id text, outcome text DEFAULT NULL,
+                                           latency interval DEFAULT NULL) RETURNS text
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_variable
+DECLARE
+    said text;
+    problem text;
 BEGIN
-    RETURN permitq.release_request(external_id, 'released');
+    IF outcome IS NULL THEN
+        IF latency IS NOT NULL THEN
+            RAISE EXCEPTION 'invalid latency: it is reported with an outcome (ok, overloaded or failed): give outcome too'
+                USING ERRCODE = '22023';
+        END IF;
+        RETURN permitq.release_request(external_id, 'released');
+    END IF;
+    problem := permitq.report_problem(outcome, latency);
+    IF problem IS NOT NULL THEN
+        RAISE EXCEPTION '%', problem USING ERRCODE = '22023';
+    END IF;
+    said := permitq.release_request(external_id, 'released');
+    IF said = 'released' THEN
+        PERFORM permitq.record_report(r.id, coalesce(r.charged, r.permits), outcome, latency)
+        FROM permitq.permit_request r WHERE r.external_id = release.external_id;
+    END IF;
+    RETURN said;
 END $$;
-GRANT EXECUTE ON FUNCTION permitq.release(text) TO permitq_producer, permitq_admin;
+GRANT EXECUTE ON FUNCTION permitq.release(text, text, interval) TO permitq_producer, permitq_admin;
 
 -- permitq.cancel: the same as release, under the name a producer that gives up looks for.
 CREATE OR REPLACE FUNCTION permitq.cancel(external_id text) RETURNS text

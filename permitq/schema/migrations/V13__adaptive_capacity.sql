@@ -42,5 +42,9 @@ GRANT SELECT ON permitq.adaptive_limit
 -- with its grants; calls naming the parameters it had, or giving them by position, still resolve.
 DROP FUNCTION IF EXISTS permitq.set_capacity(text, integer, boolean, interval, integer, text, integer);
 
+-- permitq.release gains `outcome` and `latency` (functions/release.sql, one definition); a call
+-- with the external id alone still resolves.
+DROP FUNCTION IF EXISTS permitq.release(text);
+
 -- An adaptive change's inputs, beside its `changed_by` ('adaptive (aimd)').
 ALTER TABLE permitq.capacity_change ADD COLUMN inputs jsonb;

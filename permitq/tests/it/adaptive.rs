@@ -332,6 +332,17 @@ async fn bad_settings_and_bad_reports_are_refused_and_write_nothing() {
         "{e:?}"
     );
     let e = conn
+        .query_one("SELECT permitq.release('r1', latency => '1 second')", &[])
+        .await
+        .unwrap_err();
+    assert!(
+        e.as_db_error()
+            .unwrap()
+            .message()
+            .contains("invalid latency: it is reported with an outcome"),
+        "{e:?}"
+    );
+    let e = conn
         .query_one("SELECT permitq.report('r1', 'ok', '-1 second')", &[])
         .await
         .unwrap_err();
