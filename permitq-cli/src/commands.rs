@@ -219,6 +219,7 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                 );
             }
             shutdown.signalled().await;
+            errln!("permitq: stopped serving http://{bound}/");
             Ok(0)
         }
         Command::Semaphore(cmd) => semaphore(&Client::connect(&need_url()?).await?, cmd).await,
@@ -990,11 +991,15 @@ fn release_said(outcome: ReleaseOutcome, row: &PermitRequest) -> String {
             ))
         ),
         ReleaseOutcome::AlreadyReleased => {
+            let revoked_by = row.error_detail.as_ref().and_then(|d| d.revoked_by.clone());
             let by = match row.release_reason {
-                Some(permitq::ReleaseReason::Expired) => "when its lease ran out",
-                Some(permitq::ReleaseReason::Stale) => "by a worker's --max-hold",
-                Some(permitq::ReleaseReason::Revoked) => "by an admin (revoked)",
-                _ => "by its holder",
+                Some(permitq::ReleaseReason::Expired) => "when its lease ran out".to_string(),
+                Some(permitq::ReleaseReason::Stale) => "by a worker's --max-hold".to_string(),
+                Some(permitq::ReleaseReason::Revoked) => match revoked_by {
+                    Some(admin) => format!("by {admin} (revoked)"),
+                    None => "by an admin (revoked)".to_string(),
+                },
+                _ => "by its holder".to_string(),
             };
             format!(
                 "it was released {by} {} ago; nothing more to give back",

@@ -68,8 +68,9 @@ pub struct ErrorDetail {
     /// Why a stored row could not be decided.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub problem: Option<String>,
-    /// For `cancelled`: the admin login whose `permitq revoke` ended it while it waited (none:
-    /// its owner released or cancelled it).
+    /// The admin login whose `permitq revoke` ended it: for `cancelled`, while it waited; for a
+    /// release `revoked`, while it held (none: its owner cancelled it, or an owner-liveness
+    /// sweep revoked it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub revoked_by: Option<String>,
 }
@@ -102,12 +103,19 @@ impl PermitRequest {
                 Some(ReleaseReason::Stale) => {
                     "released (stale): held longer than the workers' --max-hold".to_string()
                 }
-                Some(ReleaseReason::Revoked) => {
-                    "released (revoked): an admin took it back (`permitq revoke`), or a worker \
-                     embedded in an application found its owner gone (the Rust library's \
-                     `permitq::OwnerLiveness`)"
-                        .to_string()
-                }
+                Some(ReleaseReason::Revoked) => match self
+                    .error_detail
+                    .as_ref()
+                    .and_then(|d| d.revoked_by.as_ref())
+                {
+                    Some(admin) => {
+                        format!("released (revoked): {admin} took it back (`permitq revoke`)")
+                    }
+                    None => "released (revoked): an admin took it back (`permitq revoke`), or a \
+                             worker embedded in an application found its owner gone (the Rust \
+                             library's `permitq::OwnerLiveness`)"
+                        .to_string(),
+                },
                 Some(ReleaseReason::Released) => "released (by its holder)".to_string(),
                 None => "released".to_string(),
             }),

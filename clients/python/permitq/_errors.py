@@ -133,7 +133,7 @@ def _explained(code: str, d: dict[str, Any]) -> str:
         hint = f"; did you mean {' or '.join(similar)}?" if similar else f"; create it (`permitq semaphore set {name} CAPACITY`)"
         return f"no semaphore named {name}{hint} (submit again under a new external_id)"
     if code == "exceeds_capacity":
-        return f"{name}={d.get('count')} but {name} has capacity {d.get('capacity')}: ask for less or raise the capacity, under a new external_id"
+        return _exceeds_capacity(name, d)
     if code in ("no_capacity", "timeout") and "semaphore" in d:
         return f"{name}={d.get('count')}, {d.get('free')} of {d.get('capacity')} free; submit again under a new external_id with a longer wait"
     if code == "too_many_instances":
@@ -274,3 +274,18 @@ def translated(e: psycopg.Error, info: Any = None) -> PermitqError:
             "`permitq migrate` there; or, if permitq was migrated into another database, fix the URL)"
         )
     return PermitqError(message)
+
+
+def _exceeds_capacity(name: str, d: dict[str, Any]) -> str:
+    """As the Rust client and the CLI say it: where, the bound, and the commands that fix it."""
+    count, capacity = d.get("count") or 0, d.get("capacity") or 0
+    named = d.get("named")
+    at = f"{named} takes {count} from its parent {name}, which" if named else f"{name}={count} but {name}"
+    bound = f"allows {capacity} grants per {d['per']}" if d.get("per") else f"has capacity {capacity}"
+    # An instance's capacity is set on its template (a change there reaches it).
+    target = f"'{d['template']}'" if d.get("template") and not named else name
+    ask = f"ask for at most {capacity}, or " if capacity > 0 else ""
+    return (
+        f"{at} {bound}: it can never be granted; {ask}raise the capacity "
+        f"(`permitq semaphore set {target} {count}`); then submit again under a new external_id"
+    )

@@ -238,7 +238,11 @@ class SyncClientTest(unittest.TestCase):
         with self.assertRaises(permitq.ExceedsCapacity) as caught:
             self.client.acquire(new_id("huge"), {self.sem: 5}, timeout=15)
         self.assertEqual(caught.exception.error_detail["capacity"], 2)
-        self.assertIn(f"{self.sem}=5 but {self.sem} has capacity 2", str(caught.exception))
+        self.assertIn(
+            f"{self.sem}=5 but {self.sem} has capacity 2: it can never be granted; ask for at most 2, "
+            f"or raise the capacity (`permitq semaphore set {self.sem} 5`)",
+            str(caught.exception),
+        )
         with self.assertRaises(permitq.UnknownSemaphore) as caught:
             self.client.acquire(new_id("typo"), {self.sem + "x": 1}, timeout=15)
         self.assertIn(self.sem, caught.exception.error_detail.get("similar", []))
@@ -575,6 +579,17 @@ class OutcomeWordsTest(unittest.TestCase):
 
         failed = request_failed("r-1", "cancelled", {"revoked_by": "ops"})
         self.assertIn("revoked by ops (`permitq revoke`) while it was still waiting", str(failed))
+
+    def test_exceeds_capacity_names_the_parent_window_or_template_and_the_command(self) -> None:
+        from permitq._errors import request_failed
+
+        parent = request_failed("r-2", "exceeds_capacity", {"semaphore": "gpus", "named": "gpu-a", "count": 5, "capacity": 4})
+        self.assertIn("gpu-a takes 5 from its parent gpus, which has capacity 4: it can never be granted; "
+                      "ask for at most 4, or raise the capacity (`permitq semaphore set gpus 5`)", str(parent))
+        window = request_failed("r-3", "exceeds_capacity", {"semaphore": "api", "count": 9, "capacity": 0, "per": "1s"})
+        self.assertIn("api=9 but api allows 0 grants per 1s: it can never be granted; raise the capacity", str(window))
+        instance = request_failed("r-4", "exceeds_capacity", {"semaphore": "lab:a", "template": "lab:*", "count": 3, "capacity": 2})
+        self.assertIn("(`permitq semaphore set 'lab:*' 3`); then submit again under a new external_id", str(instance))
 
 
 class NothingGrantingTest(unittest.TestCase):

@@ -49,6 +49,10 @@ export declare class AcquireTimeout extends PermitqError {
 /** What an errored request hit: the semaphore, its count and the bound. */
 export type ErrorDetail = Record<string, unknown> & {
     semaphore?: string;
+    /** The semaphore the request named, when `semaphore` is its parent. */
+    named?: string;
+    /** A rate-limited semaphore's window (its capacity is grants per window). */
+    per?: string;
     count?: number;
     capacity?: number;
     free?: number;
@@ -60,7 +64,7 @@ export type ErrorDetail = Record<string, unknown> & {
     idle_instances?: string[];
     parent?: string;
     parent_needs?: number;
-    /** For `cancelled`: the admin login whose `permitq revoke` ended it while it waited. */
+    /** The admin login whose `permitq revoke` ended it (while it waited: `cancelled`; while it held: released `revoked`). */
     revoked_by?: string;
 };
 /** The request ended in `error`; one subclass per `errorCode`. */

@@ -115,7 +115,7 @@ function explained(code, d) {
                 ? `no semaphore named ${name}; did you mean ${d.similar.join(" or ")}? (submit again under a new external_id)`
                 : `no semaphore named ${name}; create it (\`permitq semaphore set ${name} CAPACITY\`), then submit again under a new external_id`;
         case "exceeds_capacity":
-            return `${name}=${d.count} but ${name} has capacity ${d.capacity}: ask for less or raise the capacity, under a new external_id`;
+            return exceedsCapacity(name, d);
         case "no_capacity":
         case "timeout":
             return d.semaphore
@@ -132,7 +132,7 @@ function explained(code, d) {
             const has = typeof d.instances === "number" && typeof d.max_instances === "number" && d.instances > d.max_instances
                 ? `has ${d.instances} instances, more than its max_instances of ${d.max_instances} (lowered below them: they stay until deleted or idle)`
                 : `has its max_instances of ${String(d.max_instances)} already`;
-            return `template ${String(d.template)} ${has} (\`permitq semaphore show '${String(d.template)}'\` lists them); ${free}, ${raise}; then submit again under a new external_id`;
+            return `template ${d.template} ${has} (\`permitq semaphore show '${d.template}'\` lists them); ${free}, ${raise}; then submit again under a new external_id`;
         }
         case "cancelled":
             return d.revoked_by
@@ -208,4 +208,18 @@ export function translated(e, where) {
         default:
             return new PermitqError(message);
     }
+}
+/** As the Rust client and the CLI say it: where, the bound, and the commands that fix it. */
+function exceedsCapacity(name, d) {
+    const count = d.count ?? 0;
+    const capacity = d.capacity ?? 0;
+    const at = d.named
+        ? `${d.named} takes ${count} from its parent ${name}, which`
+        : `${name}=${count} but ${name}`;
+    const bound = d.per ? `allows ${capacity} grants per ${d.per}` : `has capacity ${capacity}`;
+    // An instance's capacity is set on its template (a change there reaches it).
+    const target = d.template && !d.named ? `'${d.template}'` : name;
+    const ask = capacity > 0 ? `ask for at most ${capacity}, or ` : "";
+    return (`${at} ${bound}: it can never be granted; ${ask}raise the capacity ` +
+        `(\`permitq semaphore set ${target} ${count}\`); then submit again under a new external_id`);
 }

@@ -62,6 +62,10 @@ export class AcquireTimeout extends PermitqError {
 /** What an errored request hit: the semaphore, its count and the bound. */
 export type ErrorDetail = Record<string, unknown> & {
   semaphore?: string;
+  /** The semaphore the request named, when `semaphore` is its parent. */
+  named?: string;
+  /** A rate-limited semaphore's window (its capacity is grants per window). */
+  per?: string;
   count?: number;
   capacity?: number;
   free?: number;
@@ -73,7 +77,7 @@ export type ErrorDetail = Record<string, unknown> & {
   idle_instances?: string[];
   parent?: string;
   parent_needs?: number;
-  /** For `cancelled`: the admin login whose `permitq revoke` ended it while it waited. */
+  /** The admin login whose `permitq revoke` ended it (while it waited: `cancelled`; while it held: released `revoked`). */
   revoked_by?: string;
 };
 
@@ -142,7 +146,7 @@ function explained(code: string, d: ErrorDetail): string {
         ? `no semaphore named ${name}; did you mean ${d.similar.join(" or ")}? (submit again under a new external_id)`
         : `no semaphore named ${name}; create it (\`permitq semaphore set ${name} CAPACITY\`), then submit again under a new external_id`;
     case "exceeds_capacity":
-      return `${name}=${d.count} but ${name} has capacity ${d.capacity}: ask for less or raise the capacity, under a new external_id`;
+      return exceedsCapacity(name, d);
     case "no_capacity":
     case "timeout":
       return d.semaphore
@@ -160,7 +164,7 @@ function explained(code: string, d: ErrorDetail): string {
         typeof d.instances === "number" && typeof d.max_instances === "number" && d.instances > d.max_instances
           ? `has ${d.instances} instances, more than its max_instances of ${d.max_instances} (lowered below them: they stay until deleted or idle)`
           : `has its max_instances of ${String(d.max_instances)} already`;
-      return `template ${String(d.template)} ${has} (\`permitq semaphore show '${String(d.template)}'\` lists them); ${free}, ${raise}; then submit again under a new external_id`;
+      return `template ${d.template} ${has} (\`permitq semaphore show '${d.template}'\` lists them); ${free}, ${raise}; then submit again under a new external_id`;
     }
     case "cancelled":
       return d.revoked_by
@@ -246,4 +250,21 @@ export function translated(e: unknown, where?: string): Error {
     default:
       return new PermitqError(message);
   }
+}
+
+/** As the Rust client and the CLI say it: where, the bound, and the commands that fix it. */
+function exceedsCapacity(name: string, d: ErrorDetail): string {
+  const count = d.count ?? 0;
+  const capacity = d.capacity ?? 0;
+  const at = d.named
+    ? `${d.named} takes ${count} from its parent ${name}, which`
+    : `${name}=${count} but ${name}`;
+  const bound = d.per ? `allows ${capacity} grants per ${d.per}` : `has capacity ${capacity}`;
+  // An instance's capacity is set on its template (a change there reaches it).
+  const target = d.template && !d.named ? `'${d.template}'` : name;
+  const ask = capacity > 0 ? `ask for at most ${capacity}, or ` : "";
+  return (
+    `${at} ${bound}: it can never be granted; ${ask}raise the capacity ` +
+    `(\`permitq semaphore set ${target} ${count}\`); then submit again under a new external_id`
+  );
 }

@@ -197,7 +197,13 @@ describe("permitq client", () => {
     const huge = await client.acquire(newId("huge"), { [sem]: 5 }).catch((e) => e);
     assert.ok(huge instanceof permitq.ExceedsCapacity, String(huge));
     assert.equal(huge.errorDetail.capacity, 2);
-    assert.match(huge.message, new RegExp(`${sem}=5 but ${sem} has capacity 2`));
+    assert.ok(
+      huge.message.includes(
+        `${sem}=5 but ${sem} has capacity 2: it can never be granted; ask for at most 2, or raise ` +
+          `the capacity (\`permitq semaphore set ${sem} 5\`)`,
+      ),
+      huge.message,
+    );
     const typo = await client.acquire(newId("typo"), { [`${sem}x`]: 1 }).catch((e) => e);
     assert.ok(typo instanceof permitq.UnknownSemaphore, String(typo));
     assert.ok(typo.errorDetail.similar.includes(sem));
@@ -306,6 +312,21 @@ describe("permitq client", () => {
   it("names who revoked a request while it waited", () => {
     const e = permitq.requestFailed("r-1", "cancelled", { revoked_by: "ops" });
     assert.match(e.message, /revoked by ops \(`permitq revoke`\) while it was still waiting/);
+  });
+
+  it("says where exceeds_capacity was hit and the command that fixes it", () => {
+    const parent = permitq.requestFailed("r-2", "exceeds_capacity", { semaphore: "gpus", named: "gpu-a", count: 5, capacity: 4 });
+    assert.ok(
+      parent.message.includes(
+        "gpu-a takes 5 from its parent gpus, which has capacity 4: it can never be granted; " +
+          "ask for at most 4, or raise the capacity (`permitq semaphore set gpus 5`)",
+      ),
+      parent.message,
+    );
+    const window = permitq.requestFailed("r-3", "exceeds_capacity", { semaphore: "api", count: 9, capacity: 0, per: "1s" });
+    assert.ok(window.message.includes("api=9 but api allows 0 grants per 1s: it can never be granted; raise the capacity"), window.message);
+    const instance = permitq.requestFailed("r-4", "exceeds_capacity", { semaphore: "lab:a", template: "lab:*", count: 3, capacity: 2 });
+    assert.ok(instance.message.includes("(`permitq semaphore set 'lab:*' 3`); then submit again"), instance.message);
   });
 
   it("cancels at the deadline or on abort, so nothing waits on", async () => {

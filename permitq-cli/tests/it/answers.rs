@@ -1111,6 +1111,15 @@ async fn submit_await_says_that_no_worker_is_running() {
         "{}",
         stderr(&o)
     );
+    // A template is offered as the instance name it makes, not as itself (never granted).
+    let o = run(url, &["submit", "nw-lab", "lab=1"]).await;
+    assert!(
+        stderr(&o).contains(
+            "did you mean lab:NAME (an instance of the template lab:*)? A worker fails the request"
+        ),
+        "{}",
+        stderr(&o)
+    );
     let text = stdout(&run(url, &["explain", "nw-typo"]).await);
     assert!(
         text.contains("lab:a: needs 1, not there")
@@ -1499,7 +1508,8 @@ async fn a_guaranteed_template_without_a_bound_is_told_to_set_max_instances() {
             "template t:* guarantees 1 to each of up to 10000 instances (its max_instances, by \
              default); bound them: `permitq semaphore set 't:*' CAPACITY --guarantee 1 \
              --max-instances N` with N at most 8 (its other children's guarantees leave 8 of \
-             gpus)"
+             gpus); or give it none (`permitq semaphore set 't:*' CAPACITY --guarantee 0`: \
+             its instances then borrow what is free, unbounded)"
         ) && !stderr(&o).contains("or raise gpus"),
         "{}",
         stderr(&o)

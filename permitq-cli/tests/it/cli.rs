@@ -417,6 +417,29 @@ async fn submit_await_status_release_and_their_exit_codes() {
         "{}",
         stdout(&o)
     );
+    // Who took it back is named to the holder (status, heartbeat) and on a second release.
+    let o = run(url, &["status", "early"]).await;
+    assert!(
+        stdout(&o).contains(" took it back (`permitq revoke`)")
+            && !stdout(&o).contains("OwnerLiveness"),
+        "{}",
+        stdout(&o)
+    );
+    let o = run(url, &["heartbeat", "early"]).await;
+    assert!(
+        stderr(&o).contains("lease lost: request early was revoked by ")
+            && !stderr(&o).contains("by an admin"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &["release", "early"]).await;
+    assert!(
+        stdout(&o).starts_with("already_released: it was released by ")
+            && stdout(&o).contains(" (revoked) ")
+            && !stdout(&o).contains("by an admin"),
+        "{}",
+        stdout(&o)
+    );
     let o = run(url, &["semaphore", "history", "db", "--json"]).await;
     let history: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!(history[0]["new_capacity"], 3);

@@ -136,15 +136,24 @@ pub(crate) fn spawn_server(url: &str, args: &[&str]) -> (Server, SocketAddr) {
                 .next()
                 .unwrap();
             let addr = addr.trim_end_matches('/').parse().expect("an address");
-            std::thread::spawn(move || drain(stderr));
-            return (Server(child), addr);
+            let rest = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+            let kept = rest.clone();
+            std::thread::spawn(move || drain(stderr, &kept));
+            return (Server(child, rest), addr);
         }
     }
 }
 
 /// A spawned `permitq serve` or `worker`: killed when dropped, so a failing test leaves no
-/// server behind.
-pub(crate) struct Server(Child);
+/// server behind. Keeps what it writes on stderr after its `serving` line.
+pub(crate) struct Server(Child, std::sync::Arc<std::sync::Mutex<String>>);
+
+impl Server {
+    /// What the server wrote on stderr after its `serving` line, so far.
+    pub(crate) fn stderr_after_serving(&self) -> String {
+        self.1.lock().unwrap().clone()
+    }
+}
 
 impl std::ops::Deref for Server {
     type Target = Child;
@@ -166,9 +175,14 @@ impl Drop for Server {
     }
 }
 
-fn drain(mut stderr: BufReader<ChildStderr>) {
-    let mut sink = Vec::new();
-    while stderr.read_until(b'\n', &mut sink).is_ok_and(|n| n > 0) {
-        sink.clear();
+fn drain(mut stderr: BufReader<ChildStderr>, kept: &std::sync::Mutex<String>) {
+    let mut line = Vec::new();
+    while stderr.read_until(b'\n', &mut line).is_ok_and(|n| n > 0) {
+        let mut kept = kept.lock().unwrap();
+        // Bounded: a long-running server's debug log is not kept whole.
+        if kept.len() < 1 << 20 {
+            kept.push_str(&String::from_utf8_lossy(&line));
+        }
+        line.clear();
     }
 }

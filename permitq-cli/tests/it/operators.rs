@@ -430,6 +430,35 @@ async fn worker_http_serves_health_readiness_metrics_and_the_json_api() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_says_that_it_stopped_on_sigterm() {
+    let db = TestDb::new().await;
+    let url = db.url.clone();
+    let (mut serve, _) = tokio::task::spawn_blocking(move || {
+        spawn_server(&url, &["serve", "--http-addr", "127.0.0.1:0"])
+    })
+    .await
+    .unwrap();
+    common::signal(serve.id(), "TERM");
+    let deadline = Instant::now() + SOON;
+    let status = loop {
+        if let Some(status) = serve.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "serve did not stop within 15 s of SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(status.code(), Some(0), "{status:?}");
+    wait_until(SOON, "serve's last line", || {
+        let said = serve.stderr_after_serving();
+        async move { said.contains("permitq: stopped serving http://127.0.0.1:") }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_is_not_ready_without_the_schema_and_a_worker_waits_for_it() {
     let db = TestDb::new().await;
     db.conn()

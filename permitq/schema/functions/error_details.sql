@@ -7,7 +7,8 @@
 
 -- Up to 3 existing semaphore or template names nearest `semaphore_name`, nearest first: the same
 -- name in another case, then names that contain it or that it contains, then those sharing most
--- of its letter pairs. Instances are left out (their template is named instead). Cost: bounded,
+-- of its letter pairs. Instances are left out (their template's instance form is named instead,
+-- `lab:NAME (an instance of the template lab:*)`). Cost: bounded,
 -- at most 1,000 names compared, only when a request fails with unknown_semaphore or a name is
 -- not found.
 CREATE OR REPLACE FUNCTION permitq.similar_semaphore_names(semaphore_name text) RETURNS text[]
@@ -38,7 +39,13 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                / greatest((SELECT count(*) FROM pairs), length(c.lowered) - 1, 1) AS shared
         FROM candidates c, wanted w
     )
-    SELECT coalesce(array_agg(name ORDER BY rank DESC, shared DESC, name), '{}')
+    -- A template is offered as the instance name it makes, since a template itself is never
+    -- granted: `lab:NAME (an instance of the template lab:*)`.
+    SELECT coalesce(array_agg(CASE WHEN right(name, 1) = '*'
+                                   THEN format('%sNAME (an instance of the template %s)',
+                                               left(name, -1), name)
+                                   ELSE name END
+                              ORDER BY rank DESC, shared DESC, name), '{}')
     FROM (SELECT name, rank, shared FROM scored
           WHERE rank > 0 OR shared >= 0.5
           ORDER BY rank DESC, shared DESC, name LIMIT 3) nearest

@@ -83,7 +83,8 @@ BEGIN
                              CASE r.release_reason
                                  WHEN 'released' THEN '(by its holder)'
                                  WHEN 'expired' THEN '(expired: its lease ran out)'
-                                 WHEN 'revoked' THEN '(revoked by an admin)'
+                                 WHEN 'revoked' THEN coalesce('(revoked by ' || (r.error_detail ->> 'revoked_by') || ')',
+                                                              '(revoked: by an admin, or its owner was reported gone)')
                                  WHEN 'stale' THEN '(stale: held past the workers'' --max-hold)'
                                  ELSE '(' || r.release_reason || ')' END,
                              -- What an error hit, as `status` has it (`permitq explain` says it

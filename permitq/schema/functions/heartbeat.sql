@@ -85,7 +85,8 @@ BEGIN
             CASE request.release_reason
                 WHEN 'released' THEN 'released by its holder'
                 WHEN 'expired' THEN 'released: its lease expired with no heartbeat in time'
-                WHEN 'revoked' THEN 'revoked by an admin (`permitq revoke`)'
+                WHEN 'revoked' THEN coalesce('revoked by ' || (request.error_detail ->> 'revoked_by'),
+                                             'revoked by an admin') || ' (`permitq revoke`)'
                 WHEN 'stale' THEN 'released: held past the workers'' --max-hold'
                 ELSE 'released (' || coalesce(request.release_reason, 'no reason') || ')' END
             USING ERRCODE = '55000',

@@ -157,7 +157,7 @@ BEGIN
                 -- the tens of thousands.
                 left_over := p.capacity - (promised - biggest.guarantee::bigint
                                                       * greatest(biggest.max_instances, biggest.made));
-                RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: template %s guarantees %s to each of up to %s instances (its max_instances%s)%s; %s',
+                RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: template %s guarantees %s to each of up to %s instances (its max_instances%s)%s; %s; or give it none (`permitq semaphore set ''%s'' CAPACITY --guarantee 0`: its instances then borrow what is free, unbounded)',
                               p.name, promised, p.capacity, biggest.name, biggest.guarantee,
                               biggest.max_instances,
                               CASE WHEN biggest.max_instances = permitq.rule_max_instances() THEN ', by default' ELSE '' END,
@@ -179,9 +179,10 @@ BEGIN
                                                CASE WHEN biggest.made > 1 THEN format('its %s', biggest.made) ELSE 'one' END,
                                                p.name, p.capacity - greatest(left_over, 0)
                                                        + biggest.guarantee::bigint * greatest(biggest.made, 1),
-                                               biggest.name, biggest.guarantee, greatest(biggest.made, 1)) END);
+                                               biggest.name, biggest.guarantee, greatest(biggest.made, 1)) END,
+                              biggest.name);
             END IF;
-            RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: raise it (`permitq semaphore set %s %s`), or lower a guarantee',
+            RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: raise it (`permitq semaphore set %s %s`), or lower a guarantee (`--guarantee 0` for none: that child then only borrows what is free)',
                           p.name, promised, p.capacity, p.name, promised);
         END IF;
     END LOOP;

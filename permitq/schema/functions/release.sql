@@ -58,6 +58,13 @@ BEGIN
     CASE request.state
         WHEN 'acquired' THEN
             PERFORM permitq.release_locked(ARRAY[request.id], reason);
+            -- A revoke names the admin login that took it back (an owner-liveness sweep's
+            -- revoke names nobody), for its holder's heartbeat, `status` and `explain`.
+            IF reason = 'revoked' THEN
+                UPDATE permitq.permit_request r
+                SET error_detail = jsonb_build_object('revoked_by', session_user::text)
+                WHERE r.id = request.id;
+            END IF;
             RETURN 'released';
         WHEN 'new' THEN
             -- A revoke names the login that ended it (session_user: the login, not this
