@@ -325,8 +325,18 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                     let said = client
                         .release_reporting(&external_id, report, latency)
                         .await?;
-                    if said == ReleaseOutcome::Released {
-                        say_where_reported(&client, &external_id, report).await;
+                    match said {
+                        ReleaseOutcome::Released => {
+                            say_where_reported(&client, &external_id, report).await;
+                        }
+                        // Only a release reports: a repeated one would count its holder twice.
+                        ReleaseOutcome::AlreadyReleased => errln!(
+                            "permitq: no report kept: it was released before, and a report goes only with the release that gives the permits back (`permitq release ID --outcome ...` the first time)"
+                        ),
+                        ReleaseOutcome::Cancelled => errln!(
+                            "permitq: no report kept: it was still waiting, so it never used the resource"
+                        ),
+                        _ => {}
                     }
                     said
                 }
@@ -466,12 +476,16 @@ async fn wait_for_schema(client: &Client) -> Result<()> {
     }
 }
 
-/// After the submit of a new request: the names it gives that no semaphore or template has
-/// (a worker will fail it with unknown_semaphore), said now, while they can still be created.
-/// A failed read says nothing: the request is submitted either way.
+/// After the submit of a new request: what a worker will fail it with, said now, while it can
+/// still be fixed: a name no semaphore or template has (unknown_semaphore), a template named
+/// itself, a count beyond a capacity (exceeds_capacity). A failed read says nothing: the
+/// request is submitted either way.
 async fn say_names_not_found(client: &Client, row: &permitq::PermitRequest) {
-    let names: Vec<&str> = row.permits.keys().map(String::as_str).collect();
-    for answer in client.unknown_names(&names).await.unwrap_or_default() {
+    for answer in client
+        .answers_at_submit(&row.permits)
+        .await
+        .unwrap_or_default()
+    {
         errln!("permitq: {} is queued, but {answer}", row.external_id);
     }
 }
@@ -780,8 +794,18 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 },
                 None => format!("used={}", s.used),
             };
+            // An adaptive one says so: its capacity is the workers' to move.
+            let adaptive = match client.adaptive(&s.name).await {
+                Ok(Some(limit)) => format!(
+                    " adaptive={} floor={} ceiling={}",
+                    limit.algorithm.as_str(),
+                    limit.floor,
+                    limit.ceiling
+                ),
+                _ => String::new(),
+            };
             outln!(
-                "{} capacity={}{} {used} {}{}{}",
+                "{} capacity={}{} {used} {}{}{}{adaptive}",
                 s.name,
                 s.capacity,
                 s.per

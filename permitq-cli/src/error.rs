@@ -114,8 +114,10 @@ impl fmt::Display for CliError {
             ),
             CliError::NotVisible { name, .. } => write!(
                 f,
-                "no request named {name:?} among this login's own (a producer login sees only \
-                 the requests it submitted; an operator login sees all)"
+                "no request named {name:?} among this login's own: this login submitted none \
+                 under that external_id, or retention removed it (a producer login sees only the \
+                 requests it submitted; one that another login submitted is that login's, and \
+                 `permitq release` refuses it as another role's; an operator login sees all)"
             ),
             CliError::Runtime(m) => write!(f, "{m}"),
         }

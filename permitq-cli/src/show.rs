@@ -626,8 +626,9 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
             // Releases came, then stopped for longer than they would have taken: their rate
             // says nothing of when the next comes.
             lines.push(format!(
-                "  no estimated wait: nothing was released here for {} (releases have stopped, so \
-                 their rate says nothing); {}",
+                "  no estimated wait: nothing was released here for {}, longer than the recent \
+                 releases took to make as much room (they have stopped, so their rate says \
+                 nothing); {}",
                 seconds(ago),
                 if s.holders.is_empty() {
                     "it waits for the holders to release"

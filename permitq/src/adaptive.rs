@@ -13,8 +13,9 @@
 //!   down to a lower cadence's by a fifth at most, up by 1% of the difference a cadence)
 //!   against this cadence's mean: up to 1.05× the long one (no queueing) the capacity grows by
 //!   its square root, up to 1.2× it holds, past that it shrinks by their ratio (at most
-//!   halved); smoothed (a fifth of the way a cadence); overloads lower it as AIMD does. A
-//!   latency of 0 is no measurement.
+//!   halved); smoothed (a fifth of the way a cadence); overloads lower it as AIMD does. Where
+//!   latency rose last (the knee) it grows by less, down to a quarter of the step at the knee,
+//!   until it is a tenth past it. A latency of 0 is no measurement.
 
 use std::time::Duration;
 
@@ -145,6 +146,11 @@ pub struct Memory {
     /// The gradient's unrounded estimate of the capacity.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub estimate: Option<f64>,
+    /// The gradient's estimate when latency last rose past its tolerance (or reports said
+    /// `overloaded`): near it, growth slows; well past it without latency rising, it is
+    /// forgotten.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub knee: Option<f64>,
 }
 
 /// How far above its long-term latency a cadence's may be before the gradient lowers the
@@ -165,6 +171,22 @@ fn overloaded(signals: &Signals) -> bool {
 /// The decrease on `overloaded`: to 90%, at least one less.
 fn decreased(capacity: f64) -> f64 {
     (capacity * 0.9).min(capacity - 1.0)
+}
+
+/// The gradient's growth in a cadence without queueing: the square root of its estimate, less
+/// within a quarter of the knee below it (a quarter of it at the knee), so that it does not step
+/// far past where latency rose last; a knee passed by a tenth without latency rising is
+/// forgotten (the resource grew), and growth is whole again.
+fn growth(estimate: f64, knee: &mut Option<f64>) -> f64 {
+    let step = estimate.sqrt();
+    match *knee {
+        Some(k) if estimate > k * 1.1 => {
+            *knee = None;
+            step
+        }
+        Some(k) => step * ((k - estimate) / (0.25 * k)).clamp(0.25, 1.0),
+        None => step,
+    }
 }
 
 /// The next capacity of a semaphore at `capacity` with these `signals`, within `floor` and
@@ -213,19 +235,28 @@ pub fn next_capacity(
                 (Some(long), Some(s)) => Some(long * 0.99 + s * 0.01),
                 (Some(long), None) => Some(long),
             };
+            let mut knee = memory.knee;
             let next = if overloaded(signals) {
+                knee = Some(estimate);
                 decreased(estimate)
             } else {
                 match (long, short) {
                     (Some(long), Some(short)) if short > 0.0 && long > 0.0 => {
-                        // No queueing: grow by the square root; a little: hold; more: shrink by
-                        // how far past the tolerance it is (at most halved).
+                        // No queueing: grow by the square root (less near the knee); a little:
+                        // hold; more: shrink by how far past the tolerance it is (at most
+                        // halved), and that is the knee.
                         let ratio = short / long;
                         let target = if ratio <= QUEUEING {
-                            estimate + if in_use { estimate.sqrt() } else { 0.0 }
+                            estimate
+                                + if in_use {
+                                    growth(estimate, &mut knee)
+                                } else {
+                                    0.0
+                                }
                         } else if ratio <= TOLERANCE {
                             estimate
                         } else {
+                            knee = Some(estimate);
                             estimate * (TOLERANCE / ratio).max(0.5)
                         };
                         estimate * 0.8 + target * 0.2
@@ -239,6 +270,7 @@ pub fn next_capacity(
                 Memory {
                     long_latency_ms: long,
                     estimate: Some(next),
+                    knee,
                 },
             )
         }
@@ -515,6 +547,55 @@ mod tests {
         );
     }
 
+    #[test]
+    fn gradient_slows_near_the_knee_and_forgets_it_once_well_past() {
+        // Latency rose at 20: the knee. Growing again from 16 without queueing, it takes
+        // smaller steps near 20 than it did far below it, then passes it and grows freely.
+        let fresh = |estimate: f64, knee: Option<f64>| Memory {
+            long_latency_ms: Some(10.0),
+            estimate: Some(estimate),
+            knee,
+        };
+        let step = |estimate: f64, knee: Option<f64>| {
+            #[allow(clippy::cast_possible_truncation)]
+            let capacity = estimate.floor() as i32;
+            let (_, memory) = next_capacity(
+                Algorithm::Gradient,
+                &signals(20, 0, Some(10.0), i64::from(capacity)),
+                capacity,
+                1,
+                100,
+                fresh(estimate, knee),
+            );
+            (memory.estimate.unwrap() - estimate, memory.knee)
+        };
+        let (free, _) = step(19.0, None);
+        let (near, kept) = step(19.0, Some(20.0));
+        assert!(
+            near < free * 0.5,
+            "near the knee {near}, without one {free}"
+        );
+        assert_eq!(kept, Some(20.0));
+        let (far_below, _) = step(10.0, Some(20.0));
+        assert!(
+            (far_below - step(10.0, None).0).abs() < 1e-9,
+            "far below: whole growth"
+        );
+        let (past, forgotten) = step(22.5, Some(20.0));
+        assert_eq!(forgotten, None, "a knee passed by a tenth is forgotten");
+        assert!((past - step(22.5, None).0).abs() < 1e-9);
+        // Latency past the tolerance sets the knee where the estimate was.
+        let (_, memory) = next_capacity(
+            Algorithm::Gradient,
+            &signals(20, 0, Some(30.0), 30),
+            30,
+            1,
+            100,
+            fresh(30.5, None),
+        );
+        assert_eq!(memory.knee, Some(30.5));
+    }
+
     fn any_algorithm() -> impl Strategy<Value = Algorithm> {
         prop_oneof![Just(Algorithm::Aimd), Just(Algorithm::Gradient)]
     }
@@ -523,10 +604,12 @@ mod tests {
         (
             proptest::option::of(0.1f64..1000.0),
             proptest::option::of(0.0f64..200.0),
+            proptest::option::of(0.0f64..200.0),
         )
-            .prop_map(|(long_latency_ms, estimate)| Memory {
+            .prop_map(|(long_latency_ms, estimate, knee)| Memory {
                 long_latency_ms,
                 estimate,
+                knee,
             })
     }
 

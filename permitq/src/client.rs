@@ -621,6 +621,24 @@ impl Client {
             .collect())
     }
 
+    /// What a worker will fail a request of `permits` with, said before it examines it, while
+    /// it can still be fixed: a name no semaphore or template has (as [`Client::unknown_names`]),
+    /// a template named itself, a count beyond a semaphore's or a parent's capacity. Empty when
+    /// none of these holds.
+    pub async fn answers_at_submit(
+        &self,
+        permits: &std::collections::BTreeMap<String, i64>,
+    ) -> Result<Vec<String>> {
+        let conn = self.conn().await?;
+        let permits = serde_json::to_value(permits).map_err(|e| Error::config(e.to_string()))?;
+        Ok(conn
+            .query_typed(sql::ANSWERS_AT_SUBMIT, &[(&permits, Type::JSONB)])
+            .await?
+            .iter()
+            .map(|row| row.get(0))
+            .collect())
+    }
+
     /// Whether this login reads every producer's requests (an operator, worker or admin, or a
     /// superuser), or only those it submitted.
     pub async fn reads_every_request(&self) -> Result<bool> {

@@ -295,6 +295,9 @@ pub(crate) const LIST_SEMAPHORES: &str = concat!(
 /// Producers and the CLI: what to say of each of $1 (names) that no semaphore or template has.
 pub(crate) const UNKNOWN_NAMES: &str = "SELECT a FROM unnest($1::text[]) n, \
      permitq.unknown_name_answer(n) a WHERE a IS NOT NULL";
+
+/// Client: what a worker will fail a request of these permits with (functions/error_details.sql).
+pub(crate) const ANSWERS_AT_SUBMIT: &str = "SELECT a FROM permitq.answers_at_submit($1) a";
 /// The existing semaphore or template names nearest $1, nearest first (at most 3).
 pub(crate) const SIMILAR_SEMAPHORES: &str = "SELECT permitq.similar_semaphore_names($1)";
 /// Whether this login reads every producer's requests (functions/ownership.sql).
@@ -406,6 +409,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("CAPACITY_HISTORY", CAPACITY_HISTORY),
         ("SIMILAR_SEMAPHORES", SIMILAR_SEMAPHORES),
         ("UNKNOWN_NAMES", UNKNOWN_NAMES),
+        ("ANSWERS_AT_SUBMIT", ANSWERS_AT_SUBMIT),
         ("ADAPTIVE_TURN", ADAPTIVE_TURN),
         ("ADAPTIVE_APPLY", ADAPTIVE_APPLY),
         ("SET_ADAPTIVE", SET_ADAPTIVE),

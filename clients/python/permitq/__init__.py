@@ -31,10 +31,20 @@ from ._errors import (
     RequestFailed,
     RoleMissing,
     TooManyInstances,
+    UnknownRequest,
     UnknownSemaphore,
     WaitTimedOut,
 )
 from ._sync import Client, Lease
+
+# Tracebacks name the public module (`permitq.UnknownSemaphore`), not the private one.
+for _name in ("AcquireTimeout", "Cancelled", "DatabaseUnavailable", "ExceedsCapacity",
+              "ExternalIdTaken", "InvalidInput", "InvalidRequest", "LeaseLost", "LoginRejected",
+              "NoCapacity", "NoLeaseYet", "NotOwner", "PermitqError", "RequestFailed",
+              "RoleMissing", "TooManyInstances", "UnknownRequest", "UnknownSemaphore",
+              "WaitTimedOut"):
+    globals()[_name].__module__ = __name__
+del _name
 
 __all__ = [
     "AcquireTimeout",
@@ -61,6 +71,7 @@ __all__ = [
     "SemaphoreWait",
     "Status",
     "TooManyInstances",
+    "UnknownRequest",
     "UnknownSemaphore",
     "WaitTimedOut",
 ]

@@ -50,6 +50,11 @@ class NoLeaseYet(LeaseLost):
     hence a LeaseLost too). Heartbeat once it is acquired."""
 
 
+class UnknownRequest(LeaseLost):
+    """A heartbeat on an external_id no request has: mistyped, or removed by retention long after
+    it ended (SQLSTATE 55000, hence a LeaseLost too). Check the id."""
+
+
 class LoginRejected(PermitqError):
     """The server refused the login: no such role or database, a missing or wrong password, or
     no pg_hba.conf entry. Retrying will not help: fix the URL or the server's settings."""
@@ -267,7 +272,9 @@ def translated(e: psycopg.Error, info: Any = None) -> PermitqError:
     if state == "23505":
         return ExternalIdTaken(message)
     if state == "55000":
-        return NoLeaseYet(message) if message.startswith("no lease yet") else LeaseLost(message)
+        if message.startswith("no lease yet"):
+            return NoLeaseYet(message)
+        return UnknownRequest(message) if message.startswith("no request named") else LeaseLost(message)
     if state in ("3F000", "42883"):
         return PermitqError(
             f"{message} (the permitq schema is missing or older than this client{_looked_in(info)}: run "

@@ -273,8 +273,13 @@ class SyncClientTest(unittest.TestCase):
             self.client.submit(new_id("units"), {self.sem: 1}, ttl="30s")  # type: ignore[arg-type]
         self.assertEqual(caught.exception.field, "ttl")
         self.assertIn("give seconds (e.g. ttl=30) or a datetime.timedelta", str(caught.exception))
-        with self.assertRaises(permitq.LeaseLost):
-            self.client.heartbeat(new_id("never"))
+        never = new_id("never")
+        with self.assertRaises(permitq.UnknownRequest) as caught:
+            self.client.heartbeat(never)
+        # Still a LeaseLost (a holder stops on it), worded as the mistyped id it most often is.
+        self.assertIsInstance(caught.exception, permitq.LeaseLost)
+        self.assertIn(f"no request named {never}: none was submitted under that external_id (check it)", str(caught.exception))
+        self.assertEqual(type(caught.exception).__module__, "permitq", "tracebacks name the public module")
 
     def test_a_heartbeat_on_a_waiting_request_says_it_has_no_lease_yet(self) -> None:
         holders = [self.client.acquire(new_id("hold"), {self.sem: 1}, ttl=30, timeout=15) for _ in range(2)]

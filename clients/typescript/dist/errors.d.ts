@@ -33,6 +33,10 @@ export declare class LeaseLost extends PermitqError {
 export declare class NoLeaseYet extends LeaseLost {
     name: string;
 }
+/** A heartbeat on an external_id no request has: mistyped, or removed by retention long after it ended (SQLSTATE 55000). */
+export declare class UnknownRequest extends LeaseLost {
+    name: string;
+}
 /**
  * The server refused the login: no such role or database, a wrong or missing password, or no
  * pg_hba.conf entry. Retrying will not help: fix the URL or the server's settings.

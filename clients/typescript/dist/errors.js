@@ -36,6 +36,10 @@ export class LeaseLost extends PermitqError {
 export class NoLeaseYet extends LeaseLost {
     name = "NoLeaseYet";
 }
+/** A heartbeat on an external_id no request has: mistyped, or removed by retention long after it ended (SQLSTATE 55000). */
+export class UnknownRequest extends LeaseLost {
+    name = "UnknownRequest";
+}
 /**
  * The server refused the login: no such role or database, a wrong or missing password, or no
  * pg_hba.conf entry. Retrying will not help: fix the URL or the server's settings.
@@ -200,7 +204,9 @@ export function translated(e, where) {
         case "23505":
             return new ExternalIdTaken(message);
         case "55000":
-            return message.startsWith("no lease yet") ? new NoLeaseYet(message) : new LeaseLost(message);
+            if (message.startsWith("no lease yet"))
+                return new NoLeaseYet(message);
+            return message.startsWith("no request named") ? new UnknownRequest(message) : new LeaseLost(message);
         case "3F000":
         case "42883":
             return new PermitqError(`${message} (the permitq schema is missing or older than this client${where ? ` in ${where}` : ""}: ` +

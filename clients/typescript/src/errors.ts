@@ -43,6 +43,11 @@ export class NoLeaseYet extends LeaseLost {
   override name = "NoLeaseYet";
 }
 
+/** A heartbeat on an external_id no request has: mistyped, or removed by retention long after it ended (SQLSTATE 55000). */
+export class UnknownRequest extends LeaseLost {
+  override name = "UnknownRequest";
+}
+
 /**
  * The server refused the login: no such role or database, a wrong or missing password, or no
  * pg_hba.conf entry. Retrying will not help: fix the URL or the server's settings.
@@ -240,7 +245,8 @@ export function translated(e: unknown, where?: string): Error {
     case "23505":
       return new ExternalIdTaken(message);
     case "55000":
-      return message.startsWith("no lease yet") ? new NoLeaseYet(message) : new LeaseLost(message);
+      if (message.startsWith("no lease yet")) return new NoLeaseYet(message);
+      return message.startsWith("no request named") ? new UnknownRequest(message) : new LeaseLost(message);
     case "3F000":
     case "42883":
       return new PermitqError(

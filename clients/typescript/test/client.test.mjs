@@ -252,6 +252,13 @@ describe("permitq client", () => {
     assert.match(noId.message, /the request's id, chosen by you, comes first, before the permits/);
   });
 
+  it("says a heartbeat on an id no request has is an unknown request", async () => {
+    const never = newId("never");
+    const e = await client.heartbeat(never).catch((err) => err);
+    assert.ok(e instanceof permitq.UnknownRequest && e instanceof permitq.LeaseLost, String(e));
+    assert.ok(e.message.includes(`no request named ${never}: none was submitted under that external_id (check it)`), e.message);
+  });
+
   it("says a heartbeat on a waiting request has no lease yet", async () => {
     const holders = [
       await client.acquire(newId("hold"), { [sem]: 1 }, { ttlSeconds: 30 }),

@@ -221,13 +221,48 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
             let out = stdout(&run(url, &["explain", "halt-wait"]).await);
             out.contains("  no estimated wait: nothing was released here for ")
             && out.contains(
-                " (releases have stopped, so their rate says nothing); the holders' leases are \
-                 above",
+                ", longer than the recent releases took to make as much room (they have stopped, \
+                 so their rate says nothing); the holders' leases are above",
             )
             && !out.contains("estimated wait: about")
         },
     )
     .await;
+    // Releases 10 s apart: one permit every 10 s, the one missing due 10 s after the last.
+    // Counted down from it while due; once due and still none came, no estimate (never "about
+    // 1s" beside a holder that holds on), though three mean gaps have not passed.
+    a_holder_a_waiter_then_releases(url, &client, "due", 1).await;
+    let db = &db;
+    let released_ago = |last: u32| async move {
+        for i in 0..3u32 {
+            db.conn()
+                .await
+                .execute(
+                    "UPDATE permitq.permit_request SET released_at = now() - make_interval(secs => $1) \
+                     WHERE external_id = $2",
+                    &[&f64::from(last + 20 - 10 * i), &format!("due-done-{i}")],
+                )
+                .await
+                .unwrap();
+        }
+    };
+    released_ago(4).await;
+    let out = stdout(&run(url, &["explain", "due-wait"]).await);
+    assert!(
+        out.contains(
+            "  estimated wait: about 5s (from the rate of recent releases here, the last 4s ago"
+        ) || out.contains(
+            "  estimated wait: about 6s (from the rate of recent releases here, the last 4s ago"
+        ),
+        "{out}"
+    );
+    released_ago(12).await;
+    let out = stdout(&run(url, &["explain", "due-wait"]).await);
+    assert!(
+        out.contains("  no estimated wait: nothing was released here for 12s, longer than")
+            && !out.contains("estimated wait: about"),
+        "{out}"
+    );
     worker.stop().await;
 }
 
@@ -930,10 +965,19 @@ async fn a_request_a_producer_may_not_read_is_not_found_among_its_own() {
         assert_eq!(code(&o), 5, "{}", stderr(&o));
         assert_eq!(
             stderr(&o).trim(),
-            "permitq: no request named \"theirs\" among this login's own (a producer login sees \
-             only the requests it submitted; an operator login sees all)"
+            "permitq: no request named \"theirs\" among this login's own: this login submitted \
+             none under that external_id, or retention removed it (a producer login sees only \
+             the requests it submitted; one that another login submitted is that login's, and \
+             `permitq release` refuses it as another role's; an operator login sees all)"
         );
     }
+    // What release says of it agrees: it is another role's.
+    let o = run(&producer, &["release", "theirs"]).await;
+    assert!(
+        stderr(&o).contains("request theirs belongs to another role"),
+        "{}",
+        stderr(&o)
+    );
     let o = run(&db.url, &["status", "theirs"]).await;
     assert_eq!(code(&o), 0, "the admin login reads it: {}", stderr(&o));
 }
@@ -1108,6 +1152,53 @@ async fn submit_await_says_that_no_worker_is_running() {
              a new external_id (or create NW with `permitq semaphore set NW CAPACITY` before a \
              worker examines it)"
         ) && !stderr(&o).contains("named lab:a"),
+        "{}",
+        stderr(&o)
+    );
+    // What a worker will fail at once is said at the submit too: a template named itself, a
+    // count beyond a capacity, a parent's or a template's (an instance not made yet).
+    run(url, &["semaphore", "set", "pool", "3"]).await;
+    run(url, &["semaphore", "set", "kid", "3", "--parent", "pool"]).await;
+    let o = run(url, &["submit", "nw-tpl", "lab:*=1"]).await;
+    assert!(
+        stderr(&o).contains(
+            "permitq: nw-tpl is queued, but lab:* is a template, which is never granted itself: a \
+             worker fails the request with unknown_semaphore; submit again naming an instance of \
+             it (lab:NAME, made at its first grant), under a new external_id"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &["submit", "nw-big", "pool=5"]).await;
+    assert!(
+        stderr(&o).contains(
+            "permitq: nw-big is queued, but pool has capacity 3, less than the 5 it asks there: \
+             a worker fails the request with exceeds_capacity; ask for at most 3 under a new \
+             external_id, or raise the capacity first (`permitq semaphore set pool 5`), before a \
+             worker examines it"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &["submit", "nw-kid", "kid=2", "pool=2"]).await;
+    assert!(
+        stderr(&o).contains(
+            "permitq: nw-kid is queued, but kid's parent pool has capacity 3, \
+                             less than the 4 it takes there"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &["submit", "nw-inst", "lab:new=2"]).await;
+    assert!(
+        stderr(&o).contains("but lab:new has capacity 1, less than the 2 it asks there")
+            && stderr(&o).contains("(`permitq semaphore set 'lab:*' 2`)"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &["submit", "nw-fits", "kid=1", "pool=1"]).await;
+    assert!(
+        !stderr(&o).contains("a worker fails the request"),
         "{}",
         stderr(&o)
     );

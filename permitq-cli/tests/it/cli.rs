@@ -956,6 +956,10 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
     )
     .await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert_eq!(
+        stdout(&o),
+        "api capacity=10 used=0 fair adaptive=aimd floor=2 ceiling=20\n"
+    );
     assert!(
         stderr(&o).contains(
             "permitq: api is adaptive (aimd): the workers set its capacity between 2 and 20 from \
@@ -986,6 +990,18 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
     assert!(
         stderr(&o).contains("permitq: reported overloaded to api: the next cadence counts it"),
         "{}",
+        stderr(&o)
+    );
+    // Again: released before, so this report is not kept, and it says so.
+    let o = run(url, &["release", "a1", "--outcome", "ok"]).await;
+    assert!(
+        stdout(&o).starts_with("already_released")
+            && stderr(&o).contains(
+                "permitq: no report kept: it was released before, and a report goes only with \
+                 the release that gives the permits back"
+            ),
+        "{}{}",
+        stdout(&o),
         stderr(&o)
     );
     // On a semaphore that does not adapt, the report is not kept, and it says so.

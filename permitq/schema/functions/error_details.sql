@@ -169,3 +169,46 @@ BEGIN
     END IF;
     RETURN detail;
 END $$;
+
+-- What to tell whoever submitted a request of `permits` that a worker will fail, said at once,
+-- while it can be fixed: each name no semaphore or template has (unknown_name_answer); a
+-- template named itself (never granted: unknown_semaphore); the first semaphore, or parent, or
+-- template of an instance not made yet, whose capacity is below what the request takes there
+-- (exceeds_capacity). Nothing when none holds. Said by `permitq submit`.
+CREATE OR REPLACE FUNCTION permitq.answers_at_submit(permits jsonb) RETURNS SETOF text
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT a FROM jsonb_object_keys(permits) n, permitq.unknown_name_answer(n) a
+    WHERE a IS NOT NULL
+    UNION ALL
+    SELECT format('%s is a template, which is never granted itself: a worker fails the request '
+                  'with unknown_semaphore; submit again naming an instance of it (%sNAME, made at '
+                  'its first grant), under a new external_id', s.name, left(s.name, -1))
+    FROM jsonb_object_keys(permits) n JOIN permitq.semaphore s ON s.name = n AND s.is_template
+    UNION ALL
+    (SELECT format('%s %s, less than the %s it %s there: a worker fails the request with '
+                   'exceeds_capacity; ask for at most %s under a new external_id, or raise the '
+                   'capacity first (`permitq semaphore set %s %s`), before a worker examines it',
+                   CASE WHEN t.via IS NULL THEN x.name
+                        ELSE format('%s''s parent %s', t.via, x.name) END,
+                   CASE WHEN x.per IS NULL THEN format('has capacity %s', x.capacity)
+                        ELSE format('allows %s grants per %s', x.capacity,
+                                    permitq.human_duration(x.per)) END,
+                   t.count, CASE WHEN t.via IS NULL THEN 'asks' ELSE 'takes' END,
+                   x.capacity,
+                   -- An instance's capacity is its template's: the one to raise.
+                   CASE WHEN x.template IS NOT NULL THEN quote_literal(x.template) ELSE x.name END,
+                   t.count)
+     FROM permitq.taken_by(permits) t
+     CROSS JOIN LATERAL (
+         SELECT coalesce(s.name, t.name) AS name, coalesce(s.capacity, tp.capacity) AS capacity,
+                coalesce(s.per, tp.per) AS per, coalesce(s.template, tp.name) AS template
+         FROM (SELECT 1) one
+         LEFT JOIN permitq.semaphore s ON s.name = t.name AND NOT s.is_template
+         LEFT JOIN LATERAL (SELECT * FROM permitq.template_for(t.name)) tp
+                ON s.name IS NULL AND tp.name IS NOT NULL) x
+     WHERE t.count > x.capacity
+     ORDER BY t.depth, t.name
+     LIMIT 1)
+$$;
+GRANT EXECUTE ON FUNCTION permitq.answers_at_submit(jsonb)
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;

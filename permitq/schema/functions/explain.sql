@@ -332,7 +332,9 @@ BEGIN
             -- released came before that span), and the mean gap between releases. The estimate
             -- counts from the last release, so it falls as time passes. Releases have stopped
             -- when none came for three mean gaps (at least a second): then no estimate, the same
-            -- for every waiter here, and `last_released_at` says since when.
+            -- for every waiter here, and `last_released_at` says since when. Nor once it has
+            -- counted down to nothing: the rate would have made its room by now and did not,
+            -- so it says nothing of when (never "about 1s" beside a holder's long lease).
             -- One release makes no rate: none, and no `last_released_at` either.
             SELECT sum((x.permits ->> s.name)::int)
                        - (array_agg((x.permits ->> s.name)::int ORDER BY x.released_at))[1],
@@ -349,11 +351,12 @@ BEGIN
             IF rate > 0 AND now() - last_released_at
                             <= greatest(3 * (last_released_at - released_since) / (released_count - 1),
                                         interval '1 second') THEN
-                estimated_wait := greatest(
-                    make_interval(secs => least((shortfall + coalesce(beyond_ahead, permits_ahead, 0)) / rate,
-                                                315360000))
-                        - (now() - last_released_at),
-                    interval '0');
+                estimated_wait := make_interval(secs => least((shortfall + coalesce(beyond_ahead, permits_ahead, 0)) / rate,
+                                                              315360000))
+                                  - (now() - last_released_at);
+                IF estimated_wait <= interval '0' THEN
+                    estimated_wait := NULL;
+                END IF;
             END IF;
         END IF;
         RETURN NEXT;

@@ -67,7 +67,9 @@ BEGIN
     END IF;
     SELECT * INTO request FROM permitq.permit_request r WHERE r.external_id = $1 FOR UPDATE;
     IF NOT FOUND THEN
-        RAISE EXCEPTION 'lease lost: request % is unknown', $1 USING ERRCODE = '55000';
+        -- 55000 as every lost lease (a holder stops), worded so that a mistyped id reads as one.
+        RAISE EXCEPTION 'no request named %: none was submitted under that external_id (check it), or retention removed it after it ended, or a failover lost it with the primary''s unreplicated tail; no lease of it is held', $1
+            USING ERRCODE = '55000';
     END IF;
     PERFORM permitq.check_owner(request, 'heartbeat it');
     IF request.state IN ('new', 'in_progress') THEN

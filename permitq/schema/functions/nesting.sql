@@ -93,7 +93,9 @@ BEGIN
         RETURN format('guarantee %s is more than the capacity %s', s.guarantee, s.capacity);
     END IF;
     IF s.guarantee > 0 AND s.parent IS NULL THEN
-        RETURN 'a guarantee is a share of a parent: give the semaphore a parent';
+        RETURN format('a guarantee is a share of a parent: give it one (`permitq semaphore set %s %s --parent PARENT --guarantee %s`), or leave --guarantee out',
+                      CASE WHEN s.name ~ '[^A-Za-z0-9_.:/-]' THEN quote_literal(s.name) ELSE s.name END,
+                      s.capacity, s.guarantee);
     END IF;
     IF s.parent IS NOT NULL THEN
         SELECT * INTO p FROM permitq.semaphore t WHERE t.name = s.parent;

@@ -353,7 +353,11 @@ async fn asynchronous_failover_loses_the_unreplicated_tail_but_never_reuses_a_to
     let lost = tokio::time::timeout(Duration::from_secs(30), lease.lost())
         .await
         .expect("the lease learns it was lost within 30 s");
-    assert!(lost.contains("unknown"), "{lost}");
+    assert!(
+        lost.contains("no request named fa-lease: ")
+            && lost.contains("a failover lost it with the primary's unreplicated tail"),
+        "{lost}"
+    );
 
     let acks = std::mem::take(&mut *acks.lock().unwrap());
     let token_of = |prefix: &str| -> Vec<i64> {

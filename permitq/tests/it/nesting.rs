@@ -272,7 +272,8 @@ async fn a_tree_that_cannot_be_kept_is_refused_and_writes_nothing() {
             "b",
             4,
             SemaphoreSettings::new().guarantee(1),
-            "give the semaphore a parent",
+            "give it one (`permitq semaphore set b 4 --parent PARENT --guarantee 1`), or leave \
+             --guarantee out",
         ),
         (
             "pool",
