@@ -179,7 +179,10 @@ impl Presence {
 pub(crate) fn print(d: &Detail, sees_all: bool) {
     let u = &d.usage;
     // A rate limit bounds grants per window, not what is held: its capacity is on the kind line.
-    let held = if u.per.is_some() {
+    // A template holds nothing itself: the capacity is each instance's.
+    let held = if u.is_template {
+        format!("capacity {} for each instance", u.capacity)
+    } else if u.per.is_some() {
         format!("{} held", u.held)
     } else {
         // `used` is the workers' count: ahead of what is held by the releases not counted back

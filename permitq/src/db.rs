@@ -196,10 +196,15 @@ pub(crate) fn target(config: &Config) -> String {
 
 /// Where a connection works, as messages name it: `database app at 127.0.0.1:5432 as app`.
 pub(crate) fn place(config: &Config) -> String {
-    let user = config.get_user().unwrap_or("(the OS user)");
+    // None in the URL: libpq's default, the OS user, named.
+    let user = config
+        .get_user()
+        .map(str::to_string)
+        .or_else(|| std::env::var("USER").ok())
+        .unwrap_or_else(|| "(the OS user)".to_string());
     format!(
         "database {} at {} as {user}",
-        config.get_dbname().unwrap_or(user),
+        config.get_dbname().unwrap_or(&user),
         target(config)
     )
 }

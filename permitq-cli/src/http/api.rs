@@ -84,7 +84,11 @@ pub(super) async fn explain(
         Ok(Some(explanation)) => json(StatusCode::OK, &explanation),
         Ok(None) => json(
             StatusCode::NOT_FOUND,
-            &serde_json::json!({ "error": format!("no request {external_id:?}") }),
+            &serde_json::json!({ "error": format!(
+                "no request named {external_id:?}: none was submitted under that external_id \
+                 (check it), or retention removed it after it ended; a server run as a producer \
+                 login sees only that login's requests"
+            ) }),
         ),
         Err(e) => database_error(&e.to_string()),
     }

@@ -87,9 +87,15 @@ BEGIN
                                                               '(revoked: by an admin, or its owner was reported gone)')
                                  WHEN 'stale' THEN '(stale: held past the workers'' --max-hold)'
                                  ELSE '(' || r.release_reason || ')' END,
+                             -- How long it held and since when, as `release` says it.
+                             CASE WHEN r.released_at IS NOT NULL AND r.acquired_at IS NOT NULL
+                                  THEN format('after %s held, %s ago',
+                                              permitq.human_duration(r.released_at - r.acquired_at),
+                                              permitq.human_duration(now() - r.released_at)) END,
                              -- What an error hit, as `status` has it (`permitq explain` says it
                              -- in words): {"semaphore": "gpu", "count": 5, "capacity": 4}.
-                             CASE WHEN r.error_detail IS NOT NULL AND r.error_detail <> '{}'
+                             CASE WHEN r.state = 'error' AND r.error_detail IS NOT NULL
+                                       AND r.error_detail <> '{}'
                                   THEN r.error_detail::text END);
         RETURN NEXT;
         RETURN;
