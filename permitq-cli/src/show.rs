@@ -625,6 +625,22 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
                     )
                 }
             ));
+        } else if let (false, true, Some(ago), true) = (
+            window,
+            short,
+            s.since_last_release,
+            // Every holder shown was granted after the last release here.
+            !s.holders.is_empty()
+                && s.holders
+                    .iter()
+                    .all(|h| h.held_for_s < s.since_last_release.map_or(0.0, |a| a.as_secs_f64())),
+        ) {
+            lines.push(format!(
+                "  no estimated wait: its holders were all granted after the last release here \
+                 ({} ago), so the rate of earlier releases says nothing of when they end; the \
+                 holders' leases are above",
+                seconds(ago)
+            ));
         } else if let (false, true, Some(ago)) = (window, short, s.since_last_release) {
             // Releases came, then stopped for longer than they would have taken: their rate
             // says nothing of when the next comes.

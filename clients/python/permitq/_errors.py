@@ -133,6 +133,12 @@ def request_failed(external_id: str, error_code: str, detail: dict[str, Any] | N
 
 def _explained(code: str, d: dict[str, Any]) -> str:
     name = d.get("semaphore", "?")
+    if code == "unknown_semaphore" and name.endswith("*") and not d.get("named"):
+        # A template, as the CLI says it: never granted itself.
+        return (
+            f"{name} is a template, which is never granted itself: name an instance of it "
+            f"({name[:-1]}NAME, made at its first grant), under a new external_id"
+        )
     if code == "unknown_semaphore":
         similar = d.get("similar") or []
         hint = f"; did you mean {' or '.join(similar)}?" if similar else f"; create it (`permitq semaphore set {name} CAPACITY`)"

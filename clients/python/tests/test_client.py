@@ -585,6 +585,13 @@ class OutcomeWordsTest(unittest.TestCase):
         failed = request_failed("r-1", "cancelled", {"revoked_by": "ops"})
         self.assertIn("revoked by ops (`permitq revoke`) while it was still waiting", str(failed))
 
+    def test_a_template_named_itself_is_told_to_name_an_instance(self) -> None:
+        from permitq._errors import request_failed
+
+        failed = request_failed("r-5", "unknown_semaphore", {"semaphore": "lab:*", "similar": []})
+        self.assertIn("lab:* is a template, which is never granted itself: name an instance of it (lab:NAME", str(failed))
+        self.assertNotIn("create it", str(failed))
+
     def test_exceeds_capacity_names_the_parent_window_or_template_and_the_command(self) -> None:
         from permitq._errors import request_failed
 

@@ -115,6 +115,11 @@ function explained(code, d) {
     const name = d.semaphore ?? "?";
     switch (code) {
         case "unknown_semaphore":
+            // A template, as the CLI says it: never granted itself.
+            if (name.endsWith("*") && !d.named) {
+                return (`${name} is a template, which is never granted itself: name an instance of it ` +
+                    `(${name.slice(0, -1)}NAME, made at its first grant), under a new external_id`);
+            }
             return d.similar?.length
                 ? `no semaphore named ${name}; did you mean ${d.similar.join(" or ")}? (submit again under a new external_id)`
                 : `no semaphore named ${name}; create it (\`permitq semaphore set ${name} CAPACITY\`), then submit again under a new external_id`;

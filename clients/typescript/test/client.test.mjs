@@ -321,6 +321,12 @@ describe("permitq client", () => {
     assert.match(e.message, /revoked by ops \(`permitq revoke`\) while it was still waiting/);
   });
 
+  it("tells a template named itself to name an instance", () => {
+    const e = permitq.requestFailed("r-5", "unknown_semaphore", { semaphore: "lab:*", similar: [] });
+    assert.ok(e.message.includes("lab:* is a template, which is never granted itself: name an instance of it (lab:NAME"), e.message);
+    assert.ok(!e.message.includes("create it"), e.message);
+  });
+
   it("says where exceeds_capacity was hit and the command that fixes it", () => {
     const parent = permitq.requestFailed("r-2", "exceeds_capacity", { semaphore: "gpus", named: "gpu-a", count: 5, capacity: 4 });
     assert.ok(

@@ -246,6 +246,16 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
                 .unwrap();
         }
     };
+    // The holder was granted before those releases (else they say nothing of it, below).
+    db.conn()
+        .await
+        .execute(
+            "UPDATE permitq.permit_request SET acquired_at = now() - interval '60 seconds' \
+             WHERE external_id = 'due-hold'",
+            &[],
+        )
+        .await
+        .unwrap();
     released_ago(4).await;
     let out = stdout(&run(url, &["explain", "due-wait"]).await);
     assert!(
@@ -260,6 +270,46 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
     let out = stdout(&run(url, &["explain", "due-wait"]).await);
     assert!(
         out.contains("  no estimated wait: nothing was released here for 12s, longer than")
+            && !out.contains("estimated wait: about"),
+        "{out}"
+    );
+    // Quick releases, then a holder with a long lease: those releases were of other holders,
+    // and say nothing of when this one ends.
+    run(url, &["semaphore", "set", "newer", "1"]).await;
+    for i in 0..3 {
+        let id = format!("newer-quick-{i}");
+        let o = run(url, &["submit", &id, "newer=1", "--await", "10s"]).await;
+        assert_eq!(code(&o), 0, "{}", stderr(&o));
+        run(url, &["release", &id]).await;
+    }
+    let o = run(
+        url,
+        &[
+            "submit",
+            "newer-long",
+            "newer=1",
+            "--ttl",
+            "60s",
+            "--await",
+            "10s",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    run(url, &["submit", "newer-wait", "newer=1"]).await;
+    wait_until(SOON, "the waiter examined", || async {
+        client
+            .status("newer-wait")
+            .await
+            .unwrap()
+            .is_some_and(|r| r.examined_at.is_some())
+    })
+    .await;
+    let out = stdout(&run(url, &["explain", "newer-wait"]).await);
+    assert!(
+        out.contains(
+            "  no estimated wait: its holders were all granted after the last release here ("
+        ) && out.contains("so the rate of earlier releases says nothing of when they end")
             && !out.contains("estimated wait: about"),
         "{out}"
     );
@@ -2197,5 +2247,57 @@ async fn within_a_guarantee_the_room_kept_for_others_is_said_not_to_count() {
         )
     })
     .await;
+    worker.stop().await;
+}
+
+/// A borrower first in a parent's line is told that a child's request within its own guarantee
+/// may take the free room before it (it needs only room), and how much it borrows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_borrower_is_told_that_requests_within_a_guarantee_may_go_first() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let worker = db.worker(quiet_config("w"));
+    run(url, &["semaphore", "set", "accel", "8"]).await;
+    let o = run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "lab:*",
+            "8",
+            "--parent",
+            "accel",
+            "--guarantee",
+            "2",
+            "--max-instances",
+            "4",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = run(url, &["submit", "g-a", "lab:a=6", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    run(url, &["submit", "g-b", "lab:b=3"]).await;
+    let client = db.client().await;
+    wait_until(SOON, "g-b examined", || async {
+        client
+            .status("g-b")
+            .await
+            .unwrap()
+            .is_some_and(|r| r.examined_at.is_some())
+    })
+    .await;
+    let out = stdout(&run(url, &["explain", "g-b"]).await);
+    assert!(
+        out.contains(
+            "waits for 1 more permit to be released (first in line); it borrows 1 beyond the \
+             guarantee of lab:b (2): a request of another child within its own guarantee needs \
+             only room, so it may take the free room first"
+        ),
+        "{out}"
+    );
+    // As said: lab:c's request within its guarantee is granted past it.
+    let o = run(url, &["submit", "g-c", "lab:c=2", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
     worker.stop().await;
 }

@@ -186,15 +186,17 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     FROM jsonb_object_keys(permits) n JOIN permitq.semaphore s ON s.name = n AND s.is_template
     UNION ALL
     (SELECT format('%s %s, less than the %s it %s there: a worker fails the request with '
-                   'exceeds_capacity; ask for at most %s under a new external_id, or raise the '
-                   'capacity first (`permitq semaphore set %s %s`), before a worker examines it',
+                   'exceeds_capacity; %sraise the capacity first (`permitq semaphore set %s %s`), '
+                   'before a worker examines it',
                    CASE WHEN t.via IS NULL THEN x.name
                         ELSE format('%s''s parent %s', t.via, x.name) END,
                    CASE WHEN x.per IS NULL THEN format('has capacity %s', x.capacity)
                         ELSE format('allows %s grants per %s', x.capacity,
                                     permitq.human_duration(x.per)) END,
                    t.count, CASE WHEN t.via IS NULL THEN 'asks' ELSE 'takes' END,
-                   x.capacity,
+                   CASE WHEN x.capacity > 0
+                        THEN format('ask for at most %s under a new external_id, or ', x.capacity)
+                        ELSE '' END,
                    -- An instance's capacity is its template's: the one to raise.
                    CASE WHEN x.template IS NOT NULL THEN quote_literal(x.template) ELSE x.name END,
                    t.count)

@@ -67,6 +67,12 @@ DECLARE
     -- Capacity less what is held: below zero after a capacity lowered under what is held,
     -- when more than the request's count must be released first.
     room bigint;
+    -- What it takes beyond the unused guarantee of its child below a parent (NULL: within it,
+    -- or no parent), and the child's name (an instance not made yet: its template's guarantee).
+    borrows bigint;
+    child_name text;
+    -- The earliest grant of those holding here: releases before it were of other holders.
+    first_held_at timestamptz;
 BEGIN
     SELECT * INTO r FROM permitq.permit_request pr
     WHERE pr.external_id = explain.external_id
@@ -131,11 +137,21 @@ BEGIN
         -- needs; beyond it, or named itself, the room kept for the other active children's
         -- unused guarantees is not its.
         child := NULL;
+        borrows := NULL;
+        child_name := NULL;
         IF named.depth > 0 THEN
-            SELECT * INTO child FROM permitq.semaphore c
-            WHERE c.name = (SELECT x.ancestor FROM permitq.ancestors(ARRAY[named.via]) x
-                            WHERE x.depth = named.depth - 1);
-            within_guarantee := needs <= greatest(child.guarantee - child.used, 0);
+            SELECT x.ancestor INTO child_name FROM permitq.ancestors(ARRAY[named.via]) x
+            WHERE x.depth = named.depth - 1;
+            SELECT * INTO child FROM permitq.semaphore c WHERE c.name = child_name;
+            IF NOT FOUND THEN
+                -- An instance not made yet: its template's guarantee, nothing held yet.
+                child := permitq.template_for(child_name);
+                child.used := 0;
+            END IF;
+            within_guarantee := needs <= greatest(coalesce(child.guarantee, 0) - coalesce(child.used, 0), 0);
+            IF NOT within_guarantee THEN
+                borrows := needs - greatest(coalesce(child.guarantee, 0) - coalesce(child.used, 0), 0);
+            END IF;
         END IF;
         SELECT nullif(coalesce(sum(greatest(c.guarantee - c.used, 0)), 0), 0),
                string_agg(format('%s (%s of its %s unused)', c.name, greatest(c.guarantee - c.used, 0),
@@ -291,8 +307,21 @@ BEGIN
                                         head.count - (free::int8 - needs),
                                         CASE WHEN head.count - (free::int8 - needs) = 1 THEN 'permit' ELSE 'permits' END) END)
             WHEN shortfall > 0 THEN
-                format('waits for %s more %s to be released%s', shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END,
-                       CASE WHEN s.fair THEN ' (first in line)' ELSE ' (greedy)' END)
+                format('waits for %s more %s to be released%s%s', shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END,
+                       CASE WHEN s.fair THEN ' (first in line)' ELSE ' (greedy)' END,
+                       -- A borrower here: a child's request within its own guarantee needs only
+                       -- room, so it may take the free room before this one, whatever the line.
+                       CASE WHEN borrows > 0 AND EXISTS (
+                                     SELECT 1 FROM permitq.semaphore c
+                                     WHERE c.parent = s.name AND c.guarantee > 0
+                                       AND c.name IS DISTINCT FROM child_name)
+                            THEN format('; it borrows %s beyond %s: a request of another child within its own guarantee needs only room, so it may take the free room first',
+                                        borrows,
+                                        CASE WHEN coalesce(child.guarantee, 0) > 0
+                                             THEN format('the guarantee of %s (%s)', child_name, child.guarantee)
+                                             WHEN child_name IS NOT NULL THEN format('%s, which has no guarantee', child_name)
+                                             ELSE 'any guarantee (it names the parent itself)' END)
+                            ELSE '' END)
             WHEN cardinality(every_name) = 1 THEN 'it fits: a worker grants it at its next pass (within a second or so; if not, no worker runs: one that died counts as running for up to 8s, then this says that nothing is granting)'
             ELSE format('it fits here; what holds it back is on its other rows: %s',
                         array_to_string(array_remove(every_name, named.name), ', '))
@@ -311,20 +340,24 @@ BEGIN
 
         -- The holders it waits on, where it is short of room (elsewhere none are what it needs):
         -- read from the held requests, a scan of them per semaphore read, so only there.
+        first_held_at := NULL;
         IF shortfall > 0 THEN
         SELECT coalesce(jsonb_agg(jsonb_build_object(
                    'external_id', h.external_id, 'count', h.count,
                    'held_for_s', round(extract(epoch FROM now() - h.acquired_at)::numeric, 1),
                    'expires_at', h.expires_at,
                    'expires_in_s', round(extract(epoch FROM h.expires_at - now())::numeric, 1))
-               ORDER BY h.expires_at NULLS LAST, h.acquired_at), '[]')
-        INTO holders
+               ORDER BY h.expires_at NULLS LAST, h.acquired_at), '[]'),
+               min(h.first_held_at)
+        INTO holders, first_held_at
         -- Another login's request is not named to a producer (reads follow ownership): its count
         -- and lease are what the waiter needs.
         FROM (SELECT CASE WHEN permitq.may_read(pr.submitted_by) THEN pr.external_id
                           ELSE '(another login''s request)' END AS external_id,
                      (coalesce(pr.charged, pr.permits) ->> s.name)::int AS count,
-                     pr.acquired_at, pr.expires_at
+                     pr.acquired_at, pr.expires_at,
+                     -- Of every holder here, not only the 10 shown (one scan: before the LIMIT).
+                     min(pr.acquired_at) OVER () AS first_held_at
               FROM permitq.permit_request pr
               WHERE pr.state = 'acquired' AND coalesce(pr.charged, pr.permits) ? s.name
               ORDER BY pr.expires_at NULLS LAST, pr.acquired_at
@@ -354,6 +387,12 @@ BEGIN
                   ORDER BY pr.settled_at DESC LIMIT 2000) x
             WHERE x.released_at IS NOT NULL AND x.permits ? s.name;
             rate := released_permits / nullif(extract(epoch FROM last_released_at - released_since), 0);
+            -- Every holder here granted after the last release: those releases were of other
+            -- holders, and their rate says nothing of these (a long lease just taken would read
+            -- as "about 1s").
+            IF first_held_at > last_released_at THEN
+                rate := NULL;
+            END IF;
             IF rate > 0 AND now() - last_released_at
                             <= greatest(3 * (last_released_at - released_since) / (released_count - 1),
                                         interval '1 second') THEN
