@@ -158,6 +158,24 @@ BEGIN
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
+    -- Its children, an instance named by its template (which is what moves or goes).
+    SELECT count(*), string_agg(c.name, ', ' ORDER BY c.name) INTO n, names
+    FROM (SELECT DISTINCT coalesce(x.template, x.name) AS name FROM permitq.semaphore x
+          WHERE x.parent = s.name ORDER BY 1 LIMIT 10) c;
+    IF n > 0 THEN
+        RAISE EXCEPTION '% is the parent of %: take % out (`permitq semaphore set NAME CAPACITY --no-parent`; a template''s instances follow it) or delete % first',
+            s.name, names, CASE WHEN n = 1 THEN 'it' ELSE 'them' END,
+            CASE WHEN n = 1 THEN 'it' ELSE 'them' END USING ERRCODE = '55006';
+    END IF;
+    SELECT count(*), string_agg(c.name, ', ' ORDER BY c.name) INTO n, names
+    FROM (SELECT x.name FROM permitq.semaphore x WHERE x.template = s.name
+          ORDER BY x.name LIMIT 10) c;
+    IF n > 0 THEN
+        RAISE EXCEPTION '% has instances: %; delete them first (`permitq semaphore delete NAME`; the workers remove an instance nothing uses after --idle-instance-after)',
+            s.name, names USING ERRCODE = '55006';
+    END IF;
+    -- What passes by itself last: `used` counts releases not folded yet, so they are waited for
+    -- before it is read as held.
     IF EXISTS (SELECT 1 FROM permitq.pending_release p WHERE p.semaphore = s.name) THEN
         RAISE EXCEPTION '% has releases the workers have not folded yet (they do within a second while one runs): try again then', s.name
             USING ERRCODE = '55006';
@@ -189,22 +207,6 @@ BEGIN
         RAISE EXCEPTION '% has % % waiting: release (cancel) them or let their wait run out, then delete it (`permitq semaphore show %` lists them)',
             s.name, waiting, CASE WHEN waiting = 1 THEN 'request' ELSE 'requests' END, s.name
             USING ERRCODE = '55006';
-    END IF;
-    -- Its children, an instance named by its template (which is what moves or goes).
-    SELECT count(*), string_agg(c.name, ', ' ORDER BY c.name) INTO n, names
-    FROM (SELECT DISTINCT coalesce(x.template, x.name) AS name FROM permitq.semaphore x
-          WHERE x.parent = s.name ORDER BY 1 LIMIT 10) c;
-    IF n > 0 THEN
-        RAISE EXCEPTION '% is the parent of %: take % out (`permitq semaphore set NAME CAPACITY --no-parent`; a template''s instances follow it) or delete % first',
-            s.name, names, CASE WHEN n = 1 THEN 'it' ELSE 'them' END,
-            CASE WHEN n = 1 THEN 'it' ELSE 'them' END USING ERRCODE = '55006';
-    END IF;
-    SELECT count(*), string_agg(c.name, ', ' ORDER BY c.name) INTO n, names
-    FROM (SELECT x.name FROM permitq.semaphore x WHERE x.template = s.name
-          ORDER BY x.name LIMIT 10) c;
-    IF n > 0 THEN
-        RAISE EXCEPTION '% has instances: %; delete them first (`permitq semaphore delete NAME`; the workers remove an instance nothing uses after --idle-instance-after)',
-            s.name, names USING ERRCODE = '55006';
     END IF;
     DELETE FROM permitq.semaphore x WHERE x.id = s.id;
     PERFORM permitq.record_capacity_change(s, s, true);
