@@ -9,10 +9,16 @@ use crate::error::{
     CliError, Result, EXIT_INTERRUPTED, EXIT_NOT_GRANTED, EXIT_RUNTIME, EXIT_STILL_WAITING,
 };
 
-/// No request named `name` among those this login reads: the error says whether it reads all.
+/// No request named `name` among those this login reads: the error says whether it reads all,
+/// and the ids nearest it (a failed read suggests none).
 async fn not_visible(client: &Client, name: String) -> CliError {
+    let similar = client.similar_requests(&name).await.unwrap_or_default();
     match client.reads_every_request().await {
-        Ok(sees_all) => CliError::NotVisible { name, sees_all },
+        Ok(sees_all) => CliError::NotVisible {
+            name,
+            sees_all,
+            similar,
+        },
         Err(e) => e.into(),
     }
 }
@@ -971,6 +977,10 @@ async fn outcome(
         return Err(CliError::NotVisible {
             name: external_id.to_string(),
             sees_all: true,
+            similar: client
+                .similar_requests(external_id)
+                .await
+                .unwrap_or_default(),
         });
     }
     if json {

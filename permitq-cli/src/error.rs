@@ -34,7 +34,11 @@ pub(crate) enum CliError {
     NoSemaphore { name: String, similar: Vec<String> },
     /// No request by that name among those this login may read (`status`, `explain`);
     /// `sees_all`: the login reads every producer's requests.
-    NotVisible { name: String, sees_all: bool },
+    NotVisible {
+        name: String,
+        sees_all: bool,
+        similar: Vec<String>,
+    },
     /// Anything else at run time (demo, bench and chaos tooling, I/O).
     Runtime(String),
 }
@@ -104,9 +108,25 @@ impl fmt::Display for CliError {
                 "no semaphore named {name:?}; did you mean {}?",
                 similar.join(" or ")
             ),
+            // A near id first (most often a typo); else what "not found" may mean.
+            CliError::NotVisible {
+                name,
+                sees_all,
+                similar,
+            } if !similar.is_empty() => write!(
+                f,
+                "no request named {name:?}{}; did you mean {}?",
+                if *sees_all {
+                    ""
+                } else {
+                    " among this login's own"
+                },
+                similar.join(" or ")
+            ),
             CliError::NotVisible {
                 name,
                 sees_all: true,
+                ..
             } => write!(
                 f,
                 "no request named {name:?}: none was submitted under that external_id, or it \

@@ -608,6 +608,17 @@ impl Client {
             .get(0))
     }
 
+    /// The external_ids nearest `external_id` (another case, containing it or sharing most of
+    /// its letter pairs) among the latest 1,000 requests this login reads, nearest first, at
+    /// most 3: what to suggest for an id no request has.
+    pub async fn similar_requests(&self, external_id: &str) -> Result<Vec<String>> {
+        let conn = self.conn().await?;
+        Ok(conn
+            .query_typed_one(sql::SIMILAR_REQUESTS, &[(&external_id, Type::TEXT)])
+            .await?
+            .get(0))
+    }
+
     /// For each of `names` that no semaphore or template has, what to tell the user: a worker
     /// will fail a request naming it with `unknown_semaphore`; the nearest names; how to create
     /// it. Empty when every name exists (or is an instance a template makes).

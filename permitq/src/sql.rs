@@ -300,6 +300,9 @@ pub(crate) const UNKNOWN_NAMES: &str = "SELECT a FROM unnest($1::text[]) n, \
 pub(crate) const ANSWERS_AT_SUBMIT: &str = "SELECT a FROM permitq.answers_at_submit($1) a";
 /// The existing semaphore or template names nearest $1, nearest first (at most 3).
 pub(crate) const SIMILAR_SEMAPHORES: &str = "SELECT permitq.similar_semaphore_names($1)";
+
+/// Client: the external_ids nearest one not found, among those this login reads.
+pub(crate) const SIMILAR_REQUESTS: &str = "SELECT permitq.similar_request_ids($1)";
 /// Whether this login reads every producer's requests (functions/ownership.sql).
 pub(crate) const READS_EVERY_REQUEST: &str = "SELECT permitq.reads_every_request()";
 /// The capacity audit of one semaphore, oldest first.
@@ -408,6 +411,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("NEXT_WINDOW_OPENING", NEXT_WINDOW_OPENING),
         ("CAPACITY_HISTORY", CAPACITY_HISTORY),
         ("SIMILAR_SEMAPHORES", SIMILAR_SEMAPHORES),
+        ("SIMILAR_REQUESTS", SIMILAR_REQUESTS),
         ("UNKNOWN_NAMES", UNKNOWN_NAMES),
         ("ANSWERS_AT_SUBMIT", ANSWERS_AT_SUBMIT),
         ("ADAPTIVE_TURN", ADAPTIVE_TURN),

@@ -399,6 +399,20 @@ async fn submit_await_status_release_and_their_exit_codes() {
              it ended long enough ago that retention removed it"
         );
     }
+    // A near id is suggested: another case, or two letters swapped.
+    for (verb, typo) in [
+        ("status", "JOB-1"),
+        ("explain", "jbo-1"),
+        ("heartbeat", "jbo-1"),
+    ] {
+        let o = run(url, &[verb, typo]).await;
+        assert_eq!(code(&o), 5, "{verb} {typo}: {}", stderr(&o));
+        assert_eq!(
+            stderr(&o).trim(),
+            format!("permitq: no request named \"{typo}\"; did you mean job-1?"),
+            "{verb}"
+        );
+    }
     let o = run(url, &["semaphore", "history", "nope"]).await;
     assert_eq!(code(&o), 5, "{}", stderr(&o));
     let o = run(url, &["heartbeat", "job-1"]).await;

@@ -5,53 +5,74 @@
 --   too_many_instances: `template`, its `capacity` and `max_instances`, its instances holding
 --   nothing (`idle_instances`), and `parent_needs` when one more would not fit its parent.
 
--- Up to 3 existing semaphore or template names nearest `semaphore_name`, nearest first: the same
--- name in another case, then names that contain it or that it contains, then those sharing most
--- of its letter pairs. Instances are left out (their template's instance form is named instead,
--- `lab:NAME (an instance of the template lab:*)`). Cost: bounded,
--- at most 1,000 names compared, only when a request fails with unknown_semaphore or a name is
--- not found.
-CREATE OR REPLACE FUNCTION permitq.similar_semaphore_names(semaphore_name text) RETURNS text[]
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
-    WITH wanted AS (
-        SELECT lower(left(semaphore_name, 128)) AS name
+-- Up to 3 of `candidates` nearest `wanted`, nearest first: the same name in another case, then
+-- names that contain it or that it contains (a template's `*` aside), then the same letters in
+-- another order (two swapped: `wiat-1` for `wait-1`), then those sharing at least half of its
+-- letter pairs. The one rule of "did you mean", for semaphore names and request ids.
+CREATE OR REPLACE FUNCTION permitq.nearest_names(wanted text, candidates text[]) RETURNS text[]
+LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+    WITH w AS (
+        SELECT lower(left(wanted, 128)) AS name,
+               (SELECT string_agg(ch, '' ORDER BY ch)
+                FROM regexp_split_to_table(lower(left(wanted, 128)), '') ch) AS letters
     ),
     pairs AS (
         SELECT DISTINCT substr(w.name, i, 2) AS pair
-        FROM wanted w, generate_series(1, greatest(length(w.name) - 1, 1)) i
-    ),
-    candidates AS (
-        SELECT s.name, lower(left(s.name, 128)) AS lowered
-        FROM permitq.semaphore s
-        WHERE s.template IS NULL AND s.name <> semaphore_name
-        ORDER BY s.name
-        LIMIT 1000
+        FROM w, generate_series(1, greatest(length(w.name) - 1, 1)) i
     ),
     scored AS (
         SELECT c.name,
                CASE WHEN c.lowered = w.name THEN 3
                     WHEN strpos(c.lowered, w.name) > 0 OR strpos(w.name, rtrim(c.lowered, '*')) > 0
                         THEN 2
+                    WHEN length(c.lowered) = length(w.name)
+                         AND (SELECT string_agg(ch, '' ORDER BY ch)
+                              FROM regexp_split_to_table(c.lowered, '') ch) = w.letters
+                        THEN 1
                     ELSE 0 END AS rank,
                (SELECT count(DISTINCT substr(c.lowered, i, 2))
                 FROM generate_series(1, greatest(length(c.lowered) - 1, 1)) i
                 WHERE substr(c.lowered, i, 2) IN (SELECT pair FROM pairs))::float8
                / greatest((SELECT count(*) FROM pairs), length(c.lowered) - 1, 1) AS shared
-        FROM candidates c, wanted w
+        FROM (SELECT x AS name, lower(left(x, 128)) AS lowered
+              FROM unnest(candidates) x WHERE x <> wanted) c, w
     )
-    -- A template is offered as the instance name it makes, since a template itself is never
-    -- granted: `lab:NAME (an instance of the template lab:*)`.
-    SELECT coalesce(array_agg(CASE WHEN right(name, 1) = '*'
-                                   THEN format('%sNAME (an instance of the template %s)',
-                                               left(name, -1), name)
-                                   ELSE name END
-                              ORDER BY rank DESC, shared DESC, name), '{}')
+    SELECT coalesce(array_agg(name ORDER BY rank DESC, shared DESC, name), '{}')
     FROM (SELECT name, rank, shared FROM scored
           WHERE rank > 0 OR shared >= 0.5
           ORDER BY rank DESC, shared DESC, name LIMIT 3) nearest
 $$;
+
+-- Up to 3 existing semaphore or template names nearest `semaphore_name` (permitq.nearest_names),
+-- nearest first. Instances are left out (their template's instance form is named instead,
+-- `lab:NAME (an instance of the template lab:*)`). Cost: bounded, at most 1,000 names compared,
+-- only when a request fails with unknown_semaphore or a name is not found.
+CREATE OR REPLACE FUNCTION permitq.similar_semaphore_names(semaphore_name text) RETURNS text[]
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    -- A template is offered as the instance name it makes, since a template itself is never
+    -- granted: `lab:NAME (an instance of the template lab:*)`.
+    SELECT coalesce(array_agg(CASE WHEN right(n, 1) = '*'
+                                   THEN format('%sNAME (an instance of the template %s)',
+                                               left(n, -1), n)
+                                   ELSE n END ORDER BY o), '{}')
+    FROM unnest(permitq.nearest_names(semaphore_name, ARRAY(
+             SELECT s.name FROM permitq.semaphore s
+             WHERE s.template IS NULL ORDER BY s.name LIMIT 1000))) WITH ORDINALITY x(n, o)
+$$;
 -- Also what `semaphore show` and `history` suggest for a name that is not there.
 GRANT EXECUTE ON FUNCTION permitq.similar_semaphore_names(text)
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
+
+-- Up to 3 external_ids nearest `external_id` among the latest 1,000 requests this login reads
+-- (its own, for a producer: the function runs as its caller, under the table's row security),
+-- nearest first: what `permitq status`, `explain`, `heartbeat` and `release` suggest for an id
+-- no request has. Bounded: a backward scan of the primary key, only when an id is not found.
+CREATE OR REPLACE FUNCTION permitq.similar_request_ids(external_id text) RETURNS text[]
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT permitq.nearest_names(external_id, ARRAY(
+        SELECT r.external_id FROM permitq.permit_request r ORDER BY r.id DESC LIMIT 1000))
+$$;
+GRANT EXECUTE ON FUNCTION permitq.similar_request_ids(text)
     TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
 
 -- What to tell whoever submitted a request naming `semaphore_name` when no semaphore or template
