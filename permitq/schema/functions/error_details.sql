@@ -63,14 +63,18 @@ $$;
 GRANT EXECUTE ON FUNCTION permitq.similar_semaphore_names(text)
     TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
 
--- Up to 3 external_ids nearest `external_id` among the latest 1,000 requests this login reads
--- (its own, for a producer: the function runs as its caller, under the table's row security),
--- nearest first: what `permitq status`, `explain`, `heartbeat` and `release` suggest for an id
--- no request has. Bounded: a backward scan of the primary key, only when an id is not found.
+-- Up to 3 external_ids nearest `external_id` among those of the latest 1,000 requests that this
+-- login reads (permitq.may_read: its own, for a producer), nearest first: what `permitq status`,
+-- `explain`, `heartbeat` and `release` suggest for an id no request has. Bounded: 1,000 rows of a
+-- backward scan of the primary key, whoever submitted them (under row security, a producer
+-- with few requests would scan the whole table), only when an id is not found.
 CREATE OR REPLACE FUNCTION permitq.similar_request_ids(external_id text) RETURNS text[]
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
-    SELECT permitq.nearest_names(external_id, ARRAY(
-        SELECT r.external_id FROM permitq.permit_request r ORDER BY r.id DESC LIMIT 1000))
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT permitq.nearest_names(similar_request_ids.external_id, ARRAY(
+        SELECT x.external_id
+        FROM (SELECT r.external_id, r.submitted_by FROM permitq.permit_request r
+              ORDER BY r.id DESC LIMIT 1000) x
+        WHERE permitq.may_read(x.submitted_by)))
 $$;
 GRANT EXECUTE ON FUNCTION permitq.similar_request_ids(text)
     TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
