@@ -1023,9 +1023,16 @@ async fn a_request_a_producer_may_not_read_is_not_found_among_its_own() {
              `permitq release` refuses it as another role's; an operator login sees all)"
         );
     }
-    // Nor is another login's id suggested for a typo of it.
+    // Nor is another login's id suggested for a typo of it (the admin login, which reads it,
+    // is offered it).
     let o = run(&producer, &["status", "thiers"]).await;
     assert!(!stderr(&o).contains("did you mean"), "{}", stderr(&o));
+    let o = run(&db.url, &["status", "thiers"]).await;
+    assert!(
+        stderr(&o).contains("did you mean theirs?"),
+        "{}",
+        stderr(&o)
+    );
     // What release says of it agrees: it is another role's.
     let o = run(&producer, &["release", "theirs"]).await;
     assert!(
