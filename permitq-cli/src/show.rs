@@ -602,7 +602,7 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
         if e.nothing_granting.is_some() && (short || s.estimated_wait.is_some()) {
             // No worker: neither releases nor lease ends grant it, so no estimate holds.
             lines.push("  no estimated wait: nothing grants it until a worker runs".to_string());
-        } else if unleased {
+        } else if unleased && s.estimated_wait.is_none() {
             lines.push(
                 "  its holders have no lease: it waits until one releases (`permitq release ID` \
                  by its owner, or an admin's `permitq revoke ID`)"
@@ -680,8 +680,13 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
 }
 
 /// A wait in whole seconds, at least 1: `1m 30s`.
-fn seconds(wait: std::time::Duration) -> humantime::FormattedDuration {
-    humantime::format_duration(std::time::Duration::from_secs(wait.as_secs().max(1)))
+/// A duration to a tenth of a second below 10 s (`0.1s`, `4.5s`), whole seconds above (`1m 5s`).
+fn seconds(wait: std::time::Duration) -> String {
+    if wait < std::time::Duration::from_secs(10) {
+        format!("{:.1}s", wait.as_secs_f64())
+    } else {
+        humantime::format_duration(std::time::Duration::from_secs(wait.as_secs())).to_string()
+    }
 }
 
 /// When enough of the holders' leases end, if none is extended, to free what the request and

@@ -700,7 +700,19 @@ impl Client {
                 explanation.say_no_worker_examines();
             }
         } else if let Some(r) = read_status(&conn, external_id).await? {
-            explanation.outcome = r.outcome();
+            // Released: how long it held, and since when (as `permitq.explain` says it too).
+            let held = match (r.acquired_at, r.released_at) {
+                (Some(from), Some(to)) => to.duration_since(from).ok().map(|held| {
+                    let ago = SystemTime::now().duration_since(to).unwrap_or_default();
+                    format!(
+                        " after {:.1}s held, {:.1}s ago",
+                        held.as_secs_f64(),
+                        ago.as_secs_f64()
+                    )
+                }),
+                _ => None,
+            };
+            explanation.outcome = r.outcome().map(|o| o + held.as_deref().unwrap_or(""));
             explanation.error_detail = r.error_detail;
         }
         Ok(Some(explanation))

@@ -435,7 +435,9 @@ fn fmt_postgres(e: &tokio_postgres::Error, f: &mut fmt::Formatter<'_>) -> fmt::R
             write!(
                 f,
                 " (the server asks for a password: put it in the URL, \
-                 postgres://user:password@host/db, or set PGPASSWORD)"
+                 postgres://user:password@host/db, or set PGPASSWORD; or, on the database's own \
+                 machine, connect by its local socket, postgres:///DB, where PostgreSQL may know \
+                 the OS user without one)"
             )?;
         }
         Ok(())

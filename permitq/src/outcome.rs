@@ -179,7 +179,18 @@ impl PermitRequest {
             }
             ErrorCode::ExceedsCapacity => {
                 let (count, capacity) = (d.count.unwrap_or(0), d.capacity.unwrap_or(0));
+                // At a parent, what the request takes there may be more than `named` asks (the
+                // parent itself, or other children, named too): then it is the sum.
+                let in_all = d
+                    .named
+                    .as_ref()
+                    .is_some_and(|named| self.permits.get(named).copied() != Some(count));
                 let at = match &d.named {
+                    Some(named) if in_all => format!(
+                        "with {}, the request takes {count} in all from {name} (what it asks \
+                         there and below it), which",
+                        asked(named)
+                    ),
                     Some(named) => {
                         format!(
                             "{} takes {count} from its parent {name}, which",
@@ -197,10 +208,10 @@ impl PermitRequest {
                     Some(template) if d.named.is_none() => format!("'{template}'"),
                     _ => name.clone(),
                 };
-                let ask = if capacity > 0 {
-                    format!("ask for at most {capacity}, or ")
-                } else {
-                    String::new()
+                let ask = match (capacity > 0, in_all) {
+                    (true, true) => format!("ask for at most {capacity} there in all, or "),
+                    (true, false) => format!("ask for at most {capacity}, or "),
+                    (false, _) => String::new(),
                 };
                 format!(
                     "{at} {bound}: it can never be granted; {ask}raise the capacity (`permitq \
@@ -348,6 +359,38 @@ mod tests {
     }
 
     /// A release the holder did not make says who made it.
+    /// At a parent, a request that names it (or other children) too takes the sum there: said
+    /// as the sum, not as the named child's.
+    #[test]
+    fn exceeds_capacity_at_a_parent_says_what_the_request_takes_there_in_all() {
+        let mut r = failed_fast(0);
+        r.error_code = Some(ErrorCode::ExceedsCapacity);
+        r.permits = [("lab:x".to_string(), 6), ("accel".to_string(), 3)].into();
+        r.error_detail = Some(ErrorDetail {
+            semaphore: Some("accel".into()),
+            named: Some("lab:x".into()),
+            count: Some(9),
+            capacity: Some(8),
+            ..ErrorDetail::default()
+        });
+        let outcome = r.outcome().unwrap();
+        assert!(
+            outcome.contains(
+                "with lab:x=6, the request takes 9 in all from accel (what it asks there and \
+                 below it), which has capacity 8: it can never be granted; ask for at most 8 \
+                 there in all, or raise"
+            ),
+            "{outcome}"
+        );
+        // Named alone, the child's count is what it takes there.
+        r.permits = [("lab:x".to_string(), 9)].into();
+        let outcome = r.outcome().unwrap();
+        assert!(
+            outcome.contains("lab:x=9 takes 9 from its parent accel, which has capacity 8"),
+            "{outcome}"
+        );
+    }
+
     #[test]
     fn a_release_not_by_its_holder_says_who_ended_it() {
         let mut r = failed_fast(0);

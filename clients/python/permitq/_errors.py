@@ -238,7 +238,8 @@ def translated(e: psycopg.Error, info: Any = None) -> PermitqError:
         if "no password supplied" in message or "password is required" in message:
             return LoginRejected(
                 f"the server asks for a password and none was given ({message}): put it in the URL, "
-                "postgres://user:password@host/db, or set PGPASSWORD"
+                "postgres://user:password@host/db, or set PGPASSWORD; or, on the database's own machine, "
+                "connect by its local socket, postgres:///DB, where PostgreSQL may know the OS user without one"
             )
         if "password authentication failed" in message:
             return LoginRejected(

@@ -174,7 +174,9 @@ export function translated(e, where) {
     // A server's error has a severity; a socket's (EPIPE, ECONNRESET) has only a code.
     const sqlstate = /^[0-9A-Z]{5}$/.test(code) && "severity" in e;
     if (/password must be a string/i.test(message)) {
-        return new LoginRejected(`the server asks for a password and none was given (${message}): put it in the URL, postgres://user:password@host/db, or set PGPASSWORD`);
+        return new LoginRejected(`the server asks for a password and none was given (${message}): put it in the URL, postgres://user:password@host/db, or set PGPASSWORD; ` +
+            "or, on the database's own machine, connect by its local socket (host=/var/run/postgresql), " +
+            "where PostgreSQL may know the OS user without one");
     }
     if (code === "28P01") {
         return new LoginRejected(`${message}: the password was given and refused: check it (in the URL, percent-encode @ : / # % as %40 %3A %2F %23 %25)`);

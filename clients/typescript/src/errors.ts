@@ -211,7 +211,9 @@ export function translated(e: unknown, where?: string): Error {
   const sqlstate = /^[0-9A-Z]{5}$/.test(code) && "severity" in (e as object);
   if (/password must be a string/i.test(message)) {
     return new LoginRejected(
-      `the server asks for a password and none was given (${message}): put it in the URL, postgres://user:password@host/db, or set PGPASSWORD`,
+      `the server asks for a password and none was given (${message}): put it in the URL, postgres://user:password@host/db, or set PGPASSWORD; ` +
+        "or, on the database's own machine, connect by its local socket (host=/var/run/postgresql), " +
+        "where PostgreSQL may know the OS user without one",
     );
   }
   if (code === "28P01") {

@@ -383,6 +383,14 @@ async fn submit_await_status_release_and_their_exit_codes() {
         "{}",
         stdout(&o)
     );
+    // Its explain says how long it held and since when, as the release did.
+    let o = run(url, &["explain", "job-1"]).await;
+    assert!(
+        stdout(&o).starts_with("job-1 is not waiting: released (by its holder) after ")
+            && stdout(&o).contains("s held, "),
+        "{}",
+        stdout(&o)
+    );
     let o = run(url, &["release", "job-1"]).await;
     assert!(
         stdout(&o).starts_with("already_released: it was released by its holder ")

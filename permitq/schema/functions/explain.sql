@@ -100,6 +100,14 @@ BEGIN
                                               permitq.human_duration(now() - r.released_at)) END,
                              -- What an error hit, as `status` has it (`permitq explain` says it
                              -- in words): {"semaphore": "gpu", "count": 5, "capacity": 4}.
+                             -- A template named itself, in words (its detail cannot say it:
+                             -- `similar` is empty, as a template is never granted).
+                             CASE WHEN r.error_code = 'unknown_semaphore'
+                                       AND right(r.error_detail ->> 'semaphore', 1) = '*'
+                                       AND NOT r.error_detail ? 'named'
+                                  THEN format('(%s is a template, which is never granted itself: name an instance of it (%sNAME, made at its first grant), under a new external_id)',
+                                              r.error_detail ->> 'semaphore',
+                                              left(r.error_detail ->> 'semaphore', -1)) END,
                              CASE WHEN r.state = 'error' AND r.error_detail IS NOT NULL
                                        AND r.error_detail <> '{}'
                                   THEN r.error_detail::text END);

@@ -152,6 +152,27 @@ async fn explain_names_what_is_short_the_place_in_line_the_holders_and_the_rule(
             && outcome.contains(r#""capacity": "#),
         "{outcome}"
     );
+    // A template named itself is said in words, from SQL too.
+    client.set_capacity("lab:*", 2, None).await.unwrap();
+    client
+        .submit(&Request::new("tpl").permit("lab:*", 1))
+        .await
+        .unwrap();
+    client.wait_settled("tpl", SOON).await.unwrap();
+    let outcome: String = db
+        .conn()
+        .await
+        .query_one("SELECT outcome FROM permitq.explain('tpl')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        outcome.starts_with(
+            "error unknown_semaphore (lab:* is a template, which is never granted itself: name \
+             an instance of it (lab:NAME, made at its first grant), under a new external_id) {"
+        ),
+        "{outcome}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
