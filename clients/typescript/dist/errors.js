@@ -169,7 +169,13 @@ export function translated(e, where) {
     if (e instanceof PermitqError)
         return e;
     const err = e;
-    const message = (err.message ?? String(e)).replace(/\s+/g, " ");
+    // The server's message with its detail and hint, as the Python client says it.
+    const message = [
+        [err.message ?? String(e), err.detail].filter((part) => part).join(": "),
+        err.hint ? ` (${err.hint})` : "",
+    ]
+        .join("")
+        .replace(/\s+/g, " ");
     const code = err.code ?? "";
     // A server's error has a severity; a socket's (EPIPE, ECONNRESET) has only a code.
     const sqlstate = /^[0-9A-Z]{5}$/.test(code) && "severity" in e;

@@ -204,8 +204,14 @@ function roleHint(message: string): string {
  */
 export function translated(e: unknown, where?: string): Error {
   if (e instanceof PermitqError) return e;
-  const err = e as { code?: string; message?: string };
-  const message = (err.message ?? String(e)).replace(/\s+/g, " ");
+  const err = e as { code?: string; message?: string; detail?: string; hint?: string };
+  // The server's message with its detail and hint, as the Python client says it.
+  const message = [
+    [err.message ?? String(e), err.detail].filter((part) => part).join(": "),
+    err.hint ? ` (${err.hint})` : "",
+  ]
+    .join("")
+    .replace(/\s+/g, " ");
   const code = err.code ?? "";
   // A server's error has a severity; a socket's (EPIPE, ECONNRESET) has only a code.
   const sqlstate = /^[0-9A-Z]{5}$/.test(code) && "severity" in (e as object);

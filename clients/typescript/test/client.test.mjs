@@ -270,6 +270,8 @@ describe("permitq client", () => {
       const e = await client.heartbeat(waiting).catch((err) => err);
       assert.ok(e instanceof permitq.NoLeaseYet && e instanceof permitq.LeaseLost, String(e));
       assert.match(e.message, /still waiting to be granted/);
+      // The server's hint comes with it, as in Python.
+      assert.match(e.message, /heartbeat once it is acquired/i);
       await client.release(waiting);
     } finally {
       for (const h of holders) await h.release();
