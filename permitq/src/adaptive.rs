@@ -52,7 +52,8 @@ impl std::str::FromStr for Algorithm {
             "gradient" => Ok(Algorithm::Gradient),
             other => Err(format!(
                 "unknown adaptive algorithm {other:?}: use aimd (from overloaded reports) or \
-                 gradient (from latency as well)"
+                 gradient (from latency as well); to make a semaphore fixed again, `permitq \
+                 semaphore set NAME CAPACITY --no-adaptive` (SQL: adaptive => 'false')"
             )),
         }
     }

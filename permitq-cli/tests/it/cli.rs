@@ -886,7 +886,12 @@ async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep(
         ),
         (
             &["semaphore", "set", "b", "3", "--parent", "nope"],
-            "parent nope does not exist",
+            "parent nope does not exist: create it first (`permitq semaphore set nope CAPACITY`)",
+        ),
+        // A near name is offered first (creating the typo would make a second pool).
+        (
+            &["semaphore", "set", "b", "3", "--parent", "pol"],
+            "parent pol does not exist: did you mean pool? (or create pol first",
         ),
     ] {
         let o = run(url, args).await;
@@ -994,6 +999,17 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
     let o = run(url, &["semaphore", "set", "api", "10", "--floor", "2"]).await;
     assert_eq!(code(&o), 2, "{}", stderr(&o));
     assert!(stderr(&o).contains("--adaptive"), "{}", stderr(&o));
+    // "off" is not an algorithm: the answer names the flag that turns it off.
+    let o = run(url, &["semaphore", "set", "api", "10", "--adaptive", "off"]).await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "to make a semaphore fixed again, `permitq semaphore set NAME \
+                             CAPACITY --no-adaptive`"
+        ),
+        "{}",
+        stderr(&o)
+    );
     let o = run(url, &["submit", "a1", "api=1", "--await", "10s"]).await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     let o = run(

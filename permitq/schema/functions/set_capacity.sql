@@ -77,8 +77,17 @@ BEGIN
     LOCK TABLE permitq.nesting_gate IN EXCLUSIVE MODE;
     IF nullif(set_capacity.parent, '') IS NOT NULL
        AND NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = set_capacity.parent) THEN
-        RAISE EXCEPTION 'invalid nesting of %: parent % does not exist: create it first',
-            set_capacity.name, set_capacity.parent USING ERRCODE = '22023';
+        -- A near name first (most often a typo), as everywhere a name is not found.
+        RAISE EXCEPTION 'invalid nesting of %: parent % does not exist: %',
+            set_capacity.name, set_capacity.parent,
+            (SELECT CASE WHEN x.similar <> ''
+                         THEN format('did you mean %s? (or create %s first: `permitq semaphore set %s CAPACITY`)',
+                                     x.similar, set_capacity.parent, set_capacity.parent)
+                         ELSE format('create it first (`permitq semaphore set %s CAPACITY`)',
+                                     set_capacity.parent) END
+             FROM (SELECT array_to_string(permitq.similar_semaphore_names(set_capacity.parent),
+                                          ' or ') AS similar) x)
+            USING ERRCODE = '22023';
     END IF;
     IF (set_capacity.parent IS NOT NULL OR set_capacity.guarantee IS NOT NULL)
        AND EXISTS (SELECT 1 FROM permitq.semaphore s
