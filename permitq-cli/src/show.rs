@@ -599,6 +599,10 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
             && short
             && !s.holders.is_empty()
             && s.holders.iter().all(|h| h.expires_at.is_none());
+        // Every holder shown was granted after the last release here.
+        let all_held_since_last_release = s.since_last_release.is_some_and(|ago| {
+            !s.holders.is_empty() && s.holders.iter().all(|h| h.held_for_s < ago.as_secs_f64())
+        });
         if e.nothing_granting.is_some() && (short || s.estimated_wait.is_some()) {
             // No worker: neither releases nor lease ends grant it, so no estimate holds.
             lines.push("  no estimated wait: nothing grants it until a worker runs".to_string());
@@ -629,11 +633,7 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
             window,
             short,
             s.since_last_release,
-            // Every holder shown was granted after the last release here.
-            !s.holders.is_empty()
-                && s.holders
-                    .iter()
-                    .all(|h| h.held_for_s < s.since_last_release.map_or(0.0, |a| a.as_secs_f64())),
+            all_held_since_last_release,
         ) {
             lines.push(format!(
                 "  no estimated wait: its holders were all granted after the last release here \

@@ -358,7 +358,6 @@ mod tests {
         }
     }
 
-    /// A release the holder did not make says who made it.
     /// At a parent, a request that names it (or other children) too takes the sum there: said
     /// as the sum, not as the named child's.
     #[test]
@@ -391,6 +390,7 @@ mod tests {
         );
     }
 
+    /// A release the holder did not make says who made it.
     #[test]
     fn a_release_not_by_its_holder_says_who_ended_it() {
         let mut r = failed_fast(0);

@@ -156,9 +156,12 @@ BEGIN
                 child := permitq.template_for(child_name);
                 child.used := 0;
             END IF;
-            within_guarantee := needs <= greatest(coalesce(child.guarantee, 0) - coalesce(child.used, 0), 0);
-            IF NOT within_guarantee THEN
-                borrows := needs - greatest(coalesce(child.guarantee, 0) - coalesce(child.used, 0), 0);
+            -- What it takes beyond the child's unused guarantee (none: within it, room is all
+            -- it needs).
+            borrows := needs - greatest(coalesce(child.guarantee, 0) - coalesce(child.used, 0), 0);
+            within_guarantee := borrows <= 0;
+            IF within_guarantee THEN
+                borrows := NULL;
             END IF;
         END IF;
         SELECT nullif(coalesce(sum(greatest(c.guarantee - c.used, 0)), 0), 0),
