@@ -206,6 +206,18 @@ pub(crate) const WORKER_PORT: u16 = 9187;
 
 /// HOST:PORT, where HOST is an IP address or a name (`localhost:9999`); the first address the
 /// name resolves to.
+/// A count of permits (a capacity, a guarantee, a number of instances): a whole number, 0 or
+/// more, said so when it is not.
+fn parse_permit_count(s: &str) -> std::result::Result<i32, String> {
+    match s.trim().parse::<i64>() {
+        Ok(n) if n < 0 => Err(format!("{n} is below 0: give 0 or more (0 grants nothing)")),
+        Ok(n) => i32::try_from(n).map_err(|_| format!("{n} is above the largest, {}", i32::MAX)),
+        Err(_) => Err(format!(
+            "{s:?} is not a whole number: give one in digits, 0 or more (for example 4)"
+        )),
+    }
+}
+
 fn parse_addr(s: &str) -> std::result::Result<SocketAddr, String> {
     use std::net::ToSocketAddrs;
     let expected = || {
@@ -359,8 +371,7 @@ pub(crate) enum SemaphoreCommand {
         /// Name.
         name: String,
         /// How many permits may be held at once (or granted per window, with --per).
-        #[arg(allow_negative_numbers = true,
-              value_parser = clap::value_parser!(i32).range(0..))]
+        #[arg(allow_negative_numbers = true, value_parser = parse_permit_count)]
         capacity: i32,
         /// Serve the line in order (priority, then arrival) with safe backfill (the default for
         /// new semaphores; a change keeps the semaphore's setting unless given).
@@ -381,13 +392,11 @@ pub(crate) enum SemaphoreCommand {
         #[arg(long)]
         no_parent: bool,
         /// Its guaranteed share of its parent while it holds permits or has waiters.
-        #[arg(long, allow_negative_numbers = true,
-              value_parser = clap::value_parser!(i32).range(0..))]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_permit_count)]
         guarantee: Option<i32>,
         /// For a template: the most instances it makes (a guaranteed template's guarantee
         /// counts once per instance it may make).
-        #[arg(long, allow_negative_numbers = true,
-              value_parser = clap::value_parser!(i32).range(0..))]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_permit_count)]
         max_instances: Option<i32>,
         /// Let the workers set the capacity from what holders report (`permitq release ID
         /// --outcome overloaded`): aimd (from overloaded reports) or gradient (from latency as

@@ -425,12 +425,15 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                             "permitq: stop the work it guarded (its fencing token is refused \
                              from now on); submit again under a new external_id to hold it again"
                         );
-                    } else if !matches!(row.state, State::New | State::InProgress) {
-                        // Never granted: no work to stop.
-                        errln!(
-                            "permitq: it was never granted; submit again under a new \
-                             external_id to hold it"
-                        );
+                    } else if let Some(why) = row.outcome() {
+                        // Never granted: no work to stop; why, as `status` says it.
+                        let again = if why.contains("new external_id") {
+                            ""
+                        } else {
+                            "; it was never granted: submit again under a new external_id to \
+                             hold it"
+                        };
+                        errln!("permitq: {}: {why}{again}", row.external_id);
                     }
                     // Not granted yet is not lost: a script tells them apart by the code.
                     return Ok(match row.state {

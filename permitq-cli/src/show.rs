@@ -297,16 +297,20 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
         );
     }
     // A login that reads every request sees every waiter: the note is for producers.
-    outln!(
-        "\nwaiters ({} of {} shown, in the order the workers grant them{}):",
-        d.waiters.len(),
-        u.waiting,
-        if sees_all {
-            ""
-        } else {
-            "; this producer login sees its own"
-        }
-    );
+    if u.waiting == 0 {
+        outln!("\nwaiters: none");
+    } else {
+        outln!(
+            "\nwaiters ({} of {} shown, in the order the workers grant them{}):",
+            d.waiters.len(),
+            u.waiting,
+            if sees_all {
+                ""
+            } else {
+                "; this producer login sees its own"
+            }
+        );
+    }
     if !d.waiters.is_empty() {
         outln!(
             "  {:>4} {:<32} {:<16} {:>6} {:>8} {:>10}",

@@ -77,7 +77,8 @@ impl Error {
         let refused_login = self
             .code()
             .is_some_and(|c| refusal_hint(c.code()).is_some());
-        if (self.is_connection() || refused_login) && self.target.is_none() {
+        let configuration = self.as_postgres().is_some_and(is_configuration);
+        if (self.is_connection() || refused_login || configuration) && self.target.is_none() {
             self.target = Some(target.to_string());
         }
         self
@@ -133,6 +134,9 @@ impl Error {
         match &self.kind {
             Kind::Pool(deadpool_postgres::PoolError::Timeout(_)) | Kind::Unconfirmed(_) => true,
             _ => match self.as_postgres() {
+                // A setting the URL lacks (a password the server asks for) or gets wrong is not
+                // a connection that may come back: retrying it would only wait out a deadline.
+                Some(e) if is_configuration(e) => false,
                 Some(e) => {
                     e.is_closed()
                         || e.as_db_error().is_none()
@@ -486,6 +490,13 @@ impl From<crate::types::UnknownValue> for Error {
     fn from(e: crate::types::UnknownValue) -> Error {
         Error::invalid(e.kind(), e.to_string())
     }
+}
+
+/// A `tokio_postgres` error about the connection's settings (`Kind::Config` or
+/// `Kind::ConfigParse`, which it does not expose but in its `Debug`): a password missing, an
+/// option it cannot use.
+fn is_configuration(e: &tokio_postgres::Error) -> bool {
+    format!("{e:?}").contains("kind: Config")
 }
 
 #[cfg(test)]

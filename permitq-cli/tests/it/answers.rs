@@ -426,8 +426,10 @@ async fn a_lease_run_out_with_no_worker_says_it_is_no_longer_held() {
     let o = run(url, &["heartbeat", "kw-2"]).await;
     assert_eq!(code(&o), 3, "{}", stderr(&o));
     assert!(
-        stderr(&o).contains("permitq: it was never granted; submit again under a new external_id")
-            && !stderr(&o).contains("stop the work"),
+        stderr(&o).contains(
+            "permitq: kw-2: error cancelled: released while it was still waiting; it was never \
+             granted: submit again under a new external_id to hold it"
+        ) && !stderr(&o).contains("stop the work"),
         "{}",
         stderr(&o)
     );
@@ -1032,6 +1034,14 @@ async fn a_request_a_producer_may_not_read_is_not_found_among_its_own() {
     let o = run(&db.url, &["status", "thiers"]).await;
     assert!(
         stderr(&o).contains("did you mean theirs?"),
+        "{}",
+        stderr(&o)
+    );
+    // An id a shell would split is offered quoted, as it is typed.
+    run(&db.url, &["submit", "it's mine", "gpu=1"]).await;
+    let o = run(&db.url, &["status", "it's mien"]).await;
+    assert!(
+        stderr(&o).contains("did you mean 'it'\\''s mine'?"),
         "{}",
         stderr(&o)
     );
@@ -2312,4 +2322,30 @@ async fn a_borrower_is_told_that_requests_within_a_guarantee_may_go_first() {
     let o = run(url, &["submit", "g-c", "lab:c=2", "--await", "10s"]).await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     worker.stop().await;
+}
+
+#[test]
+fn a_count_of_permits_that_is_not_one_says_what_is_expected() {
+    for (args, said) in [
+        (
+            &["semaphore", "set", "gpu", "four"][..],
+            "\"four\" is not a whole number: give one in digits, 0 or more (for example 4)",
+        ),
+        (
+            &["semaphore", "set", "gpu", "-3"],
+            "-3 is below 0: give 0 or more (0 grants nothing)",
+        ),
+        (
+            &["semaphore", "set", "gpu", "99999999999"],
+            "99999999999 is above the largest, 2147483647",
+        ),
+        (
+            &["semaphore", "set", "gpu", "2", "--guarantee", "1.5"],
+            "invalid value '1.5' for '--guarantee <GUARANTEE>': \"1.5\" is not a whole number",
+        ),
+    ] {
+        let o = permitq(None, args);
+        assert_eq!(code(&o), 2, "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(said), "{args:?}: {}", stderr(&o));
+    }
 }

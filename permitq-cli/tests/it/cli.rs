@@ -858,7 +858,9 @@ async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep(
     );
     let o = run(url, &["semaphore", "show", "a"]).await;
     assert!(
-        stdout(&o).contains("in pool, guaranteed 2"),
+        stdout(&o).contains("in pool, guaranteed 2")
+            // Nobody waits: said in a word, not as a table of none.
+            && stdout(&o).contains("\nwaiters: none\n"),
         "{}",
         stdout(&o)
     );
