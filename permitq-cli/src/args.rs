@@ -413,6 +413,14 @@ pub(crate) enum SemaphoreCommand {
         /// The capacity is fixed again (at CAPACITY): the workers no longer adapt it.
         #[arg(long)]
         no_adaptive: bool,
+        /// Serve its line across the requests' fairness keys (`submit --fairness-key TENANT`)
+        /// in proportion to their weights, arrival order within a key: one tenant's burst does
+        /// not make another's request wait behind it (a fair semaphore; not a template).
+        #[arg(long, conflicts_with_all = ["no_fairness_keys", "greedy"])]
+        fairness_keys: bool,
+        /// Serve its line by priority and arrival alone again.
+        #[arg(long)]
+        no_fairness_keys: bool,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -477,6 +485,15 @@ pub(crate) struct SubmitArgs {
           value_parser = clap::value_parser!(i16)
               .range(i64::from(*permitq::PRIORITY_RANGE.start())..=i64::from(*permitq::PRIORITY_RANGE.end())))]
     pub priority: i16,
+    /// The tenant (or caller) whose share it counts in, where a semaphore is served by
+    /// fairness key (`semaphore set NAME N --fairness-keys`); 1 to 64 characters.
+    #[arg(long, value_name = "KEY")]
+    pub fairness_key: Option<String>,
+    /// Its key's weight there (1 to 1000, default 1): keys that wait are served in proportion.
+    #[arg(long, value_name = "WEIGHT", requires = "fairness_key", allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i32)
+              .range(i64::from(*permitq::FAIRNESS_WEIGHT_RANGE.start())..=i64::from(*permitq::FAIRNESS_WEIGHT_RANGE.end())))]
+    pub fairness_weight: Option<i32>,
     /// Wait for the outcome, up to DUR (default: until it settles). Exit 0 acquired, 3 error,
     /// 4 still waiting.
     #[arg(long = "await", value_name = "DUR", num_args = 0..=1, default_missing_value = "forever",

@@ -663,9 +663,14 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             floor,
             ceiling,
             no_adaptive,
+            fairness_keys,
+            no_fairness_keys,
             json,
         } => {
             let mut settings = permitq::SemaphoreSettings::new();
+            if fairness_keys || no_fairness_keys {
+                settings = settings.fairness_keys(fairness_keys);
+            }
             if fair || greedy {
                 settings = settings.fair(fair);
             }
@@ -812,6 +817,15 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                     limit.ceiling
                 ),
                 _ => String::new(),
+            };
+            let keyed = client
+                .usage()
+                .await
+                .is_ok_and(|usage| usage.iter().any(|u| u.name == s.name && u.fairness_keys));
+            let adaptive = if keyed {
+                format!("{adaptive} fairness_keys")
+            } else {
+                adaptive
             };
             outln!(
                 "{} capacity={}{} {used} {}{}{}{adaptive}",
@@ -1116,6 +1130,8 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
     request.ttl = args.ttl;
     request.wait = args.wait;
     request.priority = args.priority;
+    request.fairness_key = args.fairness_key;
+    request.fairness_weight = args.fairness_weight;
     let mut row = client.submit(&request).await?;
     // A new request is always `new`: one that is not was submitted before under this id.
     let earlier = row.state != State::New && row.state != State::InProgress;

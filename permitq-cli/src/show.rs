@@ -77,6 +77,8 @@ pub(crate) fn kind(u: &permitq::SemaphoreUsage) -> String {
                 a.ceiling
             )
         }),
+        u.fairness_keys
+            .then(|| "served by fairness key".to_string()),
     ]
     .into_iter()
     .flatten()
@@ -332,6 +334,47 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             w.priority,
             ago(w.waiting_since)
         );
+    }
+    // Served by fairness key: each key's share, so that the order above can be read.
+    if d.usage.fairness_keys {
+        let weights: i64 = d
+            .key_shares
+            .iter()
+            .filter(|k| k.waiting > 0)
+            .map(|k| i64::from(k.weight))
+            .sum();
+        outln!(
+            "\nfairness keys ({}; keys that wait are served in proportion to their weights, \
+             in arrival order within each):",
+            if d.key_shares.is_empty() {
+                "none yet".to_string()
+            } else {
+                format!("{} shown, most waiting first", d.key_shares.len())
+            }
+        );
+        for k in &d.key_shares {
+            let share = if k.waiting > 0 && weights > 0 {
+                format!(
+                    ", {}% of the grants while these wait",
+                    (i64::from(k.weight) * 200 + weights) / (2 * weights)
+                )
+            } else {
+                String::new()
+            };
+            outln!(
+                "  {:<24} weight {:<4} waiting {} ({} permit{}), holds {}{share}",
+                if k.fairness_key.is_empty() {
+                    "(no key)"
+                } else {
+                    k.fairness_key.as_str()
+                },
+                k.weight,
+                k.waiting,
+                k.waiting_permits,
+                if k.waiting_permits == 1 { "" } else { "s" },
+                k.held
+            );
+        }
     }
     if let Some(e) = &d.first_in_line {
         outln!("\nwhy the first in line waits:");

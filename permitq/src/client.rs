@@ -182,6 +182,8 @@ impl Client {
                     (&request.ttl.map(sql::interval), Type::TEXT),
                     (&request.wait.map(sql::interval), Type::TEXT),
                     (&request.priority, Type::INT2),
+                    (&request.fairness_key, Type::TEXT),
+                    (&request.fairness_weight, Type::INT4),
                 ],
             )
             .await
@@ -538,7 +540,7 @@ impl Client {
         if let Some(problem) = duration_problem(settings.per, true) {
             return Err(Error::invalid("per", problem));
         }
-        let conn = self.conn().await?;
+        let mut conn = self.conn().await?;
         let per = settings.per.map(sql::interval);
         // set_capacity's `adaptive`: {"algorithm", "floor", "ceiling"}, or false.
         let adaptive = settings.adaptive.as_ref().map(|limit| match limit {
@@ -566,12 +568,22 @@ impl Client {
             }
             None => sql::SET_CAPACITY,
         };
-        db::semaphore_from_row(
-            &conn
-                .query_typed_one(query, &params)
+        // With the fairness keys, in one transaction: a refusal of either changes nothing.
+        let tx = conn
+            .transaction()
+            .await
+            .map_err(|e| self.located(e.into()))?;
+        let row = tx
+            .query_typed_one(query, &params)
+            .await
+            .map_err(|e| self.located(e.into()))?;
+        if let Some(keyed) = settings.fairness_keys {
+            tx.execute(sql::SET_FAIRNESS_KEYS, &[&name, &keyed])
                 .await
-                .map_err(|e| self.located(e.into()))?,
-        )
+                .map_err(|e| self.located(e.into()))?;
+        }
+        tx.commit().await.map_err(|e| self.located(e.into()))?;
+        db::semaphore_from_row(&row)
     }
 
     /// Deletes a semaphore, template or instance that nothing uses, and records it in its

@@ -281,6 +281,8 @@ pub(crate) fn request_from_row(row: &Row) -> Result<PermitRequest> {
         ttl: micros("ttl_us")?,
         wait: micros("wait_us")?,
         priority: row.try_get("priority")?,
+        fairness_key: row.try_get("fairness_key")?,
+        fairness_weight: row.try_get("fairness_weight")?,
         state: row.try_get::<_, String>("state")?.parse()?,
         error_code: parse_opt("error_code")?.map(|s| s.parse()).transpose()?,
         error_detail: crate::outcome::ErrorDetail::from_json(row.try_get("error_detail")?),

@@ -57,6 +57,7 @@ mod db;
 mod decision;
 mod error;
 mod explain;
+mod fairness;
 mod hardening;
 mod lease;
 mod listener;
@@ -74,14 +75,16 @@ pub use adaptive::{next_capacity, AdaptiveLimit, Algorithm, Memory, Outcome, Sig
 pub use client::Client;
 pub use error::{Error, Result, SqlState};
 pub use explain::{BlockingHolder, Explanation, SemaphoreWait};
+pub use fairness::KeyShare;
 pub use hardening::Finding;
 pub use lease::Lease;
 pub use maintenance::{MaintenanceConfig, OwnerLiveness};
 pub use outcome::ErrorDetail;
 pub use presence::{Granting, WorkerSeen};
 pub use rules::{
-    AGING_STEP, MAX_DURATION, MAX_INSTANCES, MAX_NAME_LENGTH, MAX_NESTING_DEPTH,
-    MAX_SEMAPHORES_PER_REQUEST, NOTIFY_QUEUE_LIMIT, PRIORITY_RANGE,
+    AGING_STEP, FAIRNESS_WEIGHT_RANGE, MAX_DURATION, MAX_FAIRNESS_KEY_LENGTH, MAX_INSTANCES,
+    MAX_NAME_LENGTH, MAX_NESTING_DEPTH, MAX_SEMAPHORES_PER_REQUEST, NOTIFY_QUEUE_LIMIT,
+    PRIORITY_RANGE,
 };
 pub use sql::DURABILITY_BARRIER;
 pub use types::{

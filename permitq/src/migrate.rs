@@ -104,6 +104,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "adaptive_capacity",
         sql: include_str!("../schema/migrations/V13__adaptive_capacity.sql"),
     },
+    Migration {
+        version: 14,
+        name: "fairness_keys",
+        sql: include_str!("../schema/migrations/V14__fairness_keys.sql"),
+    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.
@@ -130,6 +135,7 @@ schema_files! {
     "input_checks.sql",
     "ownership.sql",
     "queue_order.sql",
+    "fairness.sql",
     "fencing_tokens.sql",
     "templates.sql",
     "nesting.sql",

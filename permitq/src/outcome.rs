@@ -335,6 +335,8 @@ mod tests {
             ttl: None,
             wait: Some(std::time::Duration::ZERO),
             priority: 0,
+            fairness_key: None,
+            fairness_weight: None,
             state: State::Error,
             error_code: Some(ErrorCode::NoCapacity),
             error_detail: Some(ErrorDetail {

@@ -38,6 +38,13 @@ pub const MAX_INSTANCES: u32 = 10_000;
 /// from each, under their locks.
 pub const MAX_NESTING_DEPTH: usize = 4;
 
+/// The longest `fairness_key`, in characters.
+pub const MAX_FAIRNESS_KEY_LENGTH: usize = 64;
+
+/// The weights a fairness key may have: while keys wait on a keyed semaphore, each is served in
+/// proportion to its weight (1 when none is given).
+pub const FAIRNESS_WEIGHT_RANGE: RangeInclusive<i32> = 1..=1000;
+
 /// How full the cluster's NOTIFY queue may be before permitq stops notifying (its commits would
 /// fail once it is full): a fraction, overridden by the setting `permitq.notify_queue_limit`
 /// (schema/functions/notifications.sql).
@@ -86,7 +93,7 @@ pub(crate) fn schema_sql() -> String {
         let quoted: Vec<String> = values.iter().map(|v| format!("'{v}'")).collect();
         format!("ARRAY[{}]::text[]", quoted.join(", "))
     };
-    let rules: [(&str, &str, String); 13] = [
+    let rules: [(&str, &str, String); 16] = [
         (
             "priority_min",
             "smallint",
@@ -119,6 +126,21 @@ pub(crate) fn schema_sql() -> String {
             MAX_SEMAPHORES_PER_REQUEST.to_string(),
         ),
         ("max_instances", "integer", MAX_INSTANCES.to_string()),
+        (
+            "max_fairness_key_length",
+            "integer",
+            MAX_FAIRNESS_KEY_LENGTH.to_string(),
+        ),
+        (
+            "fairness_weight_min",
+            "integer",
+            FAIRNESS_WEIGHT_RANGE.start().to_string(),
+        ),
+        (
+            "fairness_weight_max",
+            "integer",
+            FAIRNESS_WEIGHT_RANGE.end().to_string(),
+        ),
         (
             "max_nesting_depth",
             "integer",

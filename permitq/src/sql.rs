@@ -197,7 +197,7 @@ pub(crate) const REQUEST_COLUMNS: &str = include_str!("sql/request_columns.sql")
 /// Client: submit (validates, idempotent, wakes workers). Intervals travel as text.
 pub(crate) static SUBMIT: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT {REQUEST_COLUMNS} FROM permitq.submit($1, $2, $3, $4::text::interval, $5::text::interval, $6::int2)"
+        "SELECT {REQUEST_COLUMNS} FROM permitq.submit($1, $2, $3, $4::text::interval, $5::text::interval, $6::int2, $7, $8)"
     )
 });
 
@@ -298,6 +298,11 @@ pub(crate) const UNKNOWN_NAMES: &str = "SELECT a FROM unnest($1::text[]) n, \
 
 /// Client: what a worker will fail a request of these permits with (functions/error_details.sql).
 pub(crate) const ANSWERS_AT_SUBMIT: &str = "SELECT a FROM permitq.answers_at_submit($1) a";
+/// Operator: serve semaphore $1's line by fairness key ($2), or not (functions/fairness.sql).
+pub(crate) const SET_FAIRNESS_KEYS: &str = "SELECT permitq.set_fairness_keys($1, $2)";
+/// Each fairness key's share of semaphore $1 (functions/fairness.sql).
+pub(crate) const KEY_SHARES: &str = "SELECT fairness_key, weight, waiting, waiting_permits, held \
+     FROM permitq.key_shares($1)";
 /// The existing semaphore or template names nearest $1, nearest first (at most 3).
 pub(crate) const SIMILAR_SEMAPHORES: &str = "SELECT permitq.similar_semaphore_names($1)";
 
@@ -317,7 +322,7 @@ pub(crate) const CAPACITY_HISTORY: &str =
 pub(crate) const USAGE: &str = "SELECT name, capacity::int8, used::int8, held::int8, \
      waiting::int8, oldest_wait_since, fair, granted, in_window::int8, \
      (extract(epoch FROM per) * 1000000)::int8, window_opens_at, is_template, template, \
-     parent, guarantee::int8, adaptive, adaptive_floor, adaptive_ceiling \
+     parent, guarantee::int8, adaptive, adaptive_floor, adaptive_ceiling, fairness_keys \
      FROM permitq.semaphore_usage ORDER BY name";
 /// Operators: the holders of one semaphore.
 pub(crate) const HOLDERS: &str = "SELECT semaphore, external_id, owner, count::int8, \
@@ -419,6 +424,8 @@ fn all() -> Vec<(&'static str, String)> {
         ("SET_ADAPTIVE", SET_ADAPTIVE),
         ("ADAPTIVE_OF", ADAPTIVE_OF),
         ("ADAPTIVE_LAST_REPORTS", ADAPTIVE_LAST_REPORTS),
+        ("SET_FAIRNESS_KEYS", SET_FAIRNESS_KEYS),
+        ("KEY_SHARES", KEY_SHARES),
         ("RELEASE_REPORTING", RELEASE_REPORTING),
         ("REPORT", REPORT),
         ("MAY_WORK", MAY_WORK),

@@ -175,6 +175,12 @@ pub struct Request {
     pub wait: Option<Duration>,
     /// Higher first on fair semaphores (-100 to 100, default 0); see [`crate::AGING_STEP`].
     pub priority: i16,
+    /// The tenant (or caller) whose share it counts in on semaphores served by fairness key
+    /// (1 to [`crate::MAX_FAIRNESS_KEY_LENGTH`] characters); none is a key of its own.
+    pub fairness_key: Option<String>,
+    /// Its key's weight there ([`crate::FAIRNESS_WEIGHT_RANGE`], 1 when none is given): while
+    /// keys wait, each is served in proportion to its weight.
+    pub fairness_weight: Option<i32>,
 }
 
 impl Request {
@@ -187,6 +193,8 @@ impl Request {
             ttl: None,
             wait: None,
             priority: 0,
+            fairness_key: None,
+            fairness_weight: None,
         }
     }
 
@@ -217,6 +225,19 @@ impl Request {
     /// Sets its priority: higher first on fair semaphores, within [`crate::PRIORITY_RANGE`].
     pub fn priority(mut self, priority: i16) -> Request {
         self.priority = priority;
+        self
+    }
+
+    /// Sets its fairness key: on a semaphore served by key, it shares the line with other keys
+    /// rather than waiting behind their backlogs.
+    pub fn fairness_key(mut self, key: impl Into<String>) -> Request {
+        self.fairness_key = Some(key.into());
+        self
+    }
+
+    /// Sets its fairness key's weight (with [`Request::fairness_key`]).
+    pub fn fairness_weight(mut self, weight: i32) -> Request {
+        self.fairness_weight = Some(weight);
         self
     }
 
@@ -251,6 +272,10 @@ pub struct PermitRequest {
     pub wait: Option<Duration>,
     /// Its priority (higher first on fair semaphores).
     pub priority: i16,
+    /// Its fairness key, if it has one.
+    pub fairness_key: Option<String>,
+    /// Its fairness key's weight, if one was given.
+    pub fairness_weight: Option<i32>,
     /// Current state.
     pub state: State,
     /// Set when `state` is `error`.
@@ -346,6 +371,9 @@ pub struct SemaphoreSettings {
     pub max_instances: Option<i32>,
     /// Adaptive (`Some(Some(limit))`), fixed again (`Some(None)`), or kept (`None`).
     pub adaptive: Option<Option<crate::AdaptiveLimit>>,
+    /// Its line served by fairness key (`Some(true)`), by priority and arrival alone again
+    /// (`Some(false)`), or kept (`None`).
+    pub fairness_keys: Option<bool>,
 }
 
 impl SemaphoreSettings {
@@ -359,6 +387,13 @@ impl SemaphoreSettings {
     /// nothing.
     pub fn adaptive(mut self, limit: Option<crate::AdaptiveLimit>) -> Self {
         self.adaptive = Some(limit);
+        self
+    }
+
+    /// Its line served across the requests' fairness keys in proportion to their weights
+    /// (`true`; a fair semaphore only), or by priority and arrival alone (`false`).
+    pub fn fairness_keys(mut self, keyed: bool) -> Self {
+        self.fairness_keys = Some(keyed);
         self
     }
 

@@ -54,6 +54,8 @@ pub struct SemaphoreUsage {
     /// When the workers set its capacity from its holders' reports: how.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub adaptive: Option<crate::AdaptiveLimit>,
+    /// Its line served across the requests' fairness keys in proportion to their weights.
+    pub fairness_keys: bool,
 }
 
 /// A request holding permits of one semaphore (a row of `permitq.holders`).
@@ -158,5 +160,6 @@ pub(crate) fn usage_from_row(row: &Row) -> Result<SemaphoreUsage> {
             )),
             None => None,
         },
+        fairness_keys: row.try_get(18)?,
     })
 }

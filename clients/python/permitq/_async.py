@@ -115,9 +115,11 @@ class AsyncClient:
         ttl: float | dt.timedelta | None = None,
         wait: float | dt.timedelta | None = None,
         priority: int = 0,
+        fairness_key: str | None = None,
+        fairness_weight: int | None = None,
     ) -> c.Status:
         """As Client.submit."""
-        row = await self._one(c.SUBMIT, (external_id, c.permits_json(c.checked_request(external_id, permits)), owner, c.seconds(ttl, "ttl"), c.seconds(wait, "wait"), c.whole(priority, "priority", -100, 100)))
+        row = await self._one(c.SUBMIT, (external_id, c.permits_json(c.checked_request(external_id, permits)), owner, c.seconds(ttl, "ttl"), c.seconds(wait, "wait"), c.whole(priority, "priority", -100, 100), fairness_key, c.whole(fairness_weight, "fairness_weight", 1, 1000)))
         assert row is not None
         return c.Status.from_row(row)
 
@@ -204,6 +206,8 @@ class AsyncClient:
         ttl: float | dt.timedelta | None = None,
         wait: float | dt.timedelta | None = None,
         priority: int = 0,
+        fairness_key: str | None = None,
+        fairness_weight: int | None = None,
     ) -> "AsyncLease":
         """As Client.acquire: an AsyncLease (`async with`)."""
         permits = c.checked_request(external_id, permits)
@@ -230,7 +234,7 @@ class AsyncClient:
             sent = time.monotonic()
             status = await _until_deadline(
                 deadline,
-                lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
+                lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority, fairness_key=fairness_key, fairness_weight=fairness_weight),
             )
             submitted = True
             c.check_not_ended_before(status)

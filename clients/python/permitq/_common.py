@@ -29,11 +29,13 @@ KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, 
 _COLUMNS = (
     "id, external_id, permits, owner, state, error_code, error_detail, release_reason, "
     "fencing_token, acquired_at, expires_at, released_at, "
-    "extract(epoch FROM ttl)::float8, extract(epoch FROM wait)::float8, priority"
+    "extract(epoch FROM ttl)::float8, extract(epoch FROM wait)::float8, priority, fairness_key, "
+    "fairness_weight"
 )
 SUBMIT = (
     f"SELECT {_COLUMNS} FROM permitq.submit(%s, %s::jsonb, owner => %s, "
-    "ttl => make_interval(secs => %s), wait => make_interval(secs => %s), priority => %s)"
+    "ttl => make_interval(secs => %s), wait => make_interval(secs => %s), priority => %s, "
+    "fairness_key => %s, fairness_weight => %s)"
 )
 STATUS = f"SELECT {_COLUMNS} FROM permitq.status(%s)"
 #: STATUS, and whether `permitq.confirm_durable` would do anything in this session (synchronous
@@ -218,6 +220,8 @@ class Status:
     ttl: float | None
     wait: float | None
     priority: int
+    fairness_key: str | None
+    fairness_weight: int | None
 
     @property
     def settled(self) -> bool:

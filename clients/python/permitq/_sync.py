@@ -124,11 +124,13 @@ class Client:
         ttl: float | dt.timedelta | None = None,
         wait: float | dt.timedelta | None = None,
         priority: int = 0,
+        fairness_key: str | None = None,
+        fairness_weight: int | None = None,
     ) -> c.Status:
         """Submits a request (idempotent by `external_id`: the same call again returns the same
         request; other parameters raise ExternalIdTaken). `ttl`: the lease, heartbeat within it;
         `wait`: how long it may wait (0: fail fast); durations in seconds or timedelta."""
-        args = (external_id, c.permits_json(c.checked_request(external_id, permits)), owner, c.seconds(ttl, "ttl"), c.seconds(wait, "wait"), c.whole(priority, "priority", -100, 100))
+        args = (external_id, c.permits_json(c.checked_request(external_id, permits)), owner, c.seconds(ttl, "ttl"), c.seconds(wait, "wait"), c.whole(priority, "priority", -100, 100), fairness_key, c.whole(fairness_weight, "fairness_weight", 1, 1000))
         row = self._run(lambda conn: conn.execute(c.SUBMIT, args).fetchone())
         assert row is not None
         return c.Status.from_row(row)
@@ -213,6 +215,8 @@ class Client:
         ttl: float | dt.timedelta | None = None,
         wait: float | dt.timedelta | None = None,
         priority: int = 0,
+        fairness_key: str | None = None,
+        fairness_weight: int | None = None,
     ) -> "Lease":
         """Submits and waits for the grant, at most `timeout`: a Lease (use it in a `with`
         block). Waits on LISTEN, reading the status every 0.25 s as well. At the deadline the
@@ -230,7 +234,7 @@ class Client:
             sent = time.monotonic()
             status = _until_deadline(
                 deadline,
-                lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority),
+                lambda: self.submit(external_id, permits, owner=owner, ttl=ttl, wait=wait, priority=priority, fairness_key=fairness_key, fairness_weight=fairness_weight),
             )
             submitted = True
             c.check_not_ended_before(status)

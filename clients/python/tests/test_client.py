@@ -466,6 +466,21 @@ class SyncClientTest(unittest.TestCase):
         finally:
             first.release()
 
+    def test_a_fairness_key_and_weight_travel_with_the_request(self) -> None:
+        rid = new_id("keyed")
+        status = self.client.submit(rid, {self.sem: 1}, fairness_key="tenant-a", fairness_weight=3)
+        self.assertEqual((status.fairness_key, status.fairness_weight), ("tenant-a", 3))
+        self.assertEqual(self.client.status(rid).fairness_key, "tenant-a")
+        self.client.release(rid)
+        for kwargs, field in [
+            ({"fairness_key": "t", "fairness_weight": 0}, "fairness_weight"),
+            ({"fairness_weight": 2}, "fairness_weight"),
+            ({"fairness_key": ""}, "fairness_key"),
+        ]:
+            with self.assertRaises(permitq.InvalidInput) as caught:
+                self.client.submit(new_id("keyed"), {self.sem: 1}, **kwargs)
+            self.assertEqual(caught.exception.field, field, kwargs)
+
     def test_out_of_range_numbers_are_invalid_input_not_a_missing_function(self) -> None:
         for call, field in [
             (lambda: self.client.submit(new_id("p"), {self.sem: 1}, priority=2**40), "priority"),

@@ -18,9 +18,9 @@ export declare function checkOptions(options: object, allowed: readonly string[]
  */
 export declare function checkExternalId(externalId: unknown): void;
 /** The options `submit` takes. */
-export declare const SUBMIT_OPTIONS: readonly ["owner", "ttlSeconds", "waitSeconds", "priority"];
+export declare const SUBMIT_OPTIONS: readonly ["owner", "ttlSeconds", "waitSeconds", "priority", "fairnessKey", "fairnessWeight"];
 /** The options `acquire` takes. */
-export declare const ACQUIRE_OPTIONS: readonly ["owner", "ttlSeconds", "waitSeconds", "priority", "timeoutMs", "signal"];
+export declare const ACQUIRE_OPTIONS: readonly ["owner", "ttlSeconds", "waitSeconds", "priority", "fairnessKey", "fairnessWeight", "timeoutMs", "signal"];
 /**
  * A client config that names no database: no connectionString, host or user, and none of
  * libpq's variables (node-postgres would try localhost as no user), or a connectionString

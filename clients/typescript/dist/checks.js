@@ -53,6 +53,8 @@ const KINDS = {
     ttlSeconds: "seconds",
     waitSeconds: "seconds",
     priority: "integer",
+    fairnessKey: "string",
+    fairnessWeight: "integer",
     timeoutMs: "seconds",
     pollMs: "seconds",
     signal: "signal",
@@ -117,7 +119,7 @@ export function checkExternalId(externalId) {
     }
 }
 /** The options `submit` takes. */
-export const SUBMIT_OPTIONS = ["owner", "ttlSeconds", "waitSeconds", "priority"];
+export const SUBMIT_OPTIONS = ["owner", "ttlSeconds", "waitSeconds", "priority", "fairnessKey", "fairnessWeight"];
 /** The options `acquire` takes. */
 export const ACQUIRE_OPTIONS = [...SUBMIT_OPTIONS, "timeoutMs", "signal"];
 /**

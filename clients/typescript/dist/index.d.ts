@@ -32,6 +32,8 @@ export interface Status {
     ttlSeconds: number | null;
     waitSeconds: number | null;
     priority: number;
+    fairnessKey: string | null;
+    fairnessWeight: number | null;
 }
 /** What a request asks for besides its permits. */
 export interface SubmitOptions {
@@ -42,6 +44,10 @@ export interface SubmitOptions {
     waitSeconds?: number;
     /** -100..100. */
     priority?: number;
+    /** The tenant (or caller) whose share it counts in, on a semaphore served by fairness key. */
+    fairnessKey?: string;
+    /** Its key's weight there, 1..1000 (default 1): keys that wait are served in proportion. */
+    fairnessWeight?: number;
 }
 /** How long `acquire` waits, and what stops it. */
 export interface AcquireOptions extends SubmitOptions {

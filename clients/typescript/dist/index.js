@@ -59,6 +59,8 @@ function status(row) {
         ttlSeconds: row.ttl ?? null,
         waitSeconds: row.wait ?? null,
         priority: row.priority,
+        fairnessKey: row.fairness_key ?? null,
+        fairnessWeight: row.fairness_weight ?? null,
     };
 }
 /** Resolves after `ms`, or at once when `signal` aborts (its listener removed either way). */
@@ -231,7 +233,8 @@ export class Client {
             throw new InvalidInput("permits: name at least one semaphore and its count, e.g. { gpu: 1 }", "permits");
         }
         const rows = await this.query(SQL.submit, [externalId, JSON.stringify(permits), options.owner ?? null, options.ttlSeconds ?? null,
-            options.waitSeconds ?? null, options.priority ?? 0]);
+            options.waitSeconds ?? null, options.priority ?? 0, options.fairnessKey ?? null,
+            options.fairnessWeight ?? null]);
         return status(rows[0]);
     }
     /** The request, or null for an unknown id (or another login's, for a producer). */

@@ -1,10 +1,12 @@
 /** Every statement the client sends, named (the contract test prepares each one). */
 const COLUMNS = "id::text, external_id, permits, owner, state, error_code, error_detail, release_reason, " +
     "fencing_token::text, acquired_at, expires_at, released_at, " +
-    "extract(epoch FROM ttl)::float8 AS ttl, extract(epoch FROM wait)::float8 AS wait, priority";
+    "extract(epoch FROM ttl)::float8 AS ttl, extract(epoch FROM wait)::float8 AS wait, priority, " +
+    "fairness_key, fairness_weight";
 export const SQL = {
     submit: `SELECT ${COLUMNS} FROM permitq.submit($1, $2::jsonb, owner => $3, ttl => make_interval(secs => $4),
-                                               wait => make_interval(secs => $5), priority => $6)`,
+                                               wait => make_interval(secs => $5), priority => $6,
+                                               fairness_key => $7, fairness_weight => $8)`,
     status: `SELECT ${COLUMNS} FROM permitq.status($1)`,
     // And whether permitq.confirm_durable would do anything in this session (synchronous standbys
     // are named, or this is a standby, where it refuses): read beside the outcome an acquire waits

@@ -63,6 +63,8 @@ const KINDS: Record<string, Kind> = {
   ttlSeconds: "seconds",
   waitSeconds: "seconds",
   priority: "integer",
+  fairnessKey: "string",
+  fairnessWeight: "integer",
   timeoutMs: "seconds",
   pollMs: "seconds",
   signal: "signal",
@@ -138,7 +140,7 @@ export function checkExternalId(externalId: unknown): void {
 }
 
 /** The options `submit` takes. */
-export const SUBMIT_OPTIONS = ["owner", "ttlSeconds", "waitSeconds", "priority"] as const;
+export const SUBMIT_OPTIONS = ["owner", "ttlSeconds", "waitSeconds", "priority", "fairnessKey", "fairnessWeight"] as const;
 /** The options `acquire` takes. */
 export const ACQUIRE_OPTIONS = [...SUBMIT_OPTIONS, "timeoutMs", "signal"] as const;
 

@@ -63,6 +63,8 @@ export interface Status {
   ttlSeconds: number | null;
   waitSeconds: number | null;
   priority: number;
+  fairnessKey: string | null;
+  fairnessWeight: number | null;
 }
 
 /** What a request asks for besides its permits. */
@@ -74,6 +76,10 @@ export interface SubmitOptions {
   waitSeconds?: number;
   /** -100..100. */
   priority?: number;
+  /** The tenant (or caller) whose share it counts in, on a semaphore served by fairness key. */
+  fairnessKey?: string;
+  /** Its key's weight there, 1..1000 (default 1): keys that wait are served in proportion. */
+  fairnessWeight?: number;
 }
 
 /** How long `acquire` waits, and what stops it. */
@@ -149,6 +155,8 @@ function status(row: Record<string, unknown>): Status {
     ttlSeconds: (row.ttl as number) ?? null,
     waitSeconds: (row.wait as number) ?? null,
     priority: row.priority as number,
+    fairnessKey: (row.fairness_key as string) ?? null,
+    fairnessWeight: (row.fairness_weight as number) ?? null,
   };
 }
 
@@ -331,7 +339,8 @@ export class Client {
     const rows = await this.query(
       SQL.submit,
       [externalId, JSON.stringify(permits), options.owner ?? null, options.ttlSeconds ?? null,
-       options.waitSeconds ?? null, options.priority ?? 0],
+       options.waitSeconds ?? null, options.priority ?? 0, options.fairnessKey ?? null,
+       options.fairnessWeight ?? null],
     );
     return status(rows[0]!);
   }

@@ -89,6 +89,20 @@ describe("permitq client", () => {
     assert.deepEqual(confirmed, [id]);
   });
 
+  it("carries a fairness key and weight with the request", async () => {
+    const id = newId("keyed");
+    const submitted = await client.submit(id, { [sem]: 1 }, { fairnessKey: "tenant-a", fairnessWeight: 3 });
+    assert.equal(submitted.fairnessKey, "tenant-a");
+    assert.equal(submitted.fairnessWeight, 3);
+    assert.equal((await client.status(id)).fairnessKey, "tenant-a");
+    await client.release(id);
+    const bad = await client.submit(newId("keyed"), { [sem]: 1 }, { fairnessKey: "t", fairnessWeight: 0 }).catch((e) => e);
+    assert.ok(bad instanceof permitq.InvalidInput, String(bad));
+    assert.equal(bad.field, "fairness_weight");
+    const kind = await client.submit(newId("keyed"), { [sem]: 1 }, { fairnessKey: 7 }).catch((e) => e);
+    assert.ok(kind instanceof permitq.InvalidInput && kind.field === "fairnessKey", String(kind));
+  });
+
   it("submits idempotently and refuses other parameters", async () => {
     const id = newId("idem");
     const first = await client.submit(id, { [sem]: 1 }, { ttlSeconds: 30 });

@@ -113,6 +113,9 @@ pub(crate) struct Detail {
     /// For an adaptive semaphore: what its last cadence with reports counted, and what it set.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) last_reports: Option<serde_json::Value>,
+    /// For a semaphore served by fairness key: each key's share now, most waiting first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(crate) key_shares: Vec<permitq::KeyShare>,
     /// The workers, and whether anything is granting.
     #[serde(flatten)]
     pub(crate) presence: crate::show::Presence,
@@ -225,8 +228,14 @@ pub(super) async fn detail_of(
         Some(_) => client.last_adaptive_reports(name).await?,
         None => None,
     };
+    let key_shares = if usage.fairness_keys {
+        client.key_shares(name).await?
+    } else {
+        Vec::new()
+    };
     Ok(Detail {
         last_reports,
+        key_shares,
         instances,
         holders: client.holders(name).await?,
         usage,

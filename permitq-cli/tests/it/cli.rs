@@ -1195,3 +1195,85 @@ async fn extending_a_request_without_a_lease_says_it_now_has_one() {
     assert!(!stderr(&o).contains("note"), "{}", stderr(&o));
     worker.stop().await;
 }
+
+/// `semaphore set --fairness-keys` and `submit --fairness-key`: the line shows a newcomer key
+/// ahead of another key's backlog, and `semaphore show` each key's share; what cannot be keyed
+/// is refused with what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fairness_keys_from_the_command_line() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let o = run(url, &["semaphore", "set", "gpu", "1", "--fairness-keys"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert_eq!(
+        stdout(&o).trim(),
+        "gpu capacity=1 used=0 fair fairness_keys"
+    );
+    let worker = db.worker(quiet_config("w"));
+    let o = run(url, &["submit", "hold", "gpu=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    for i in 1..=5 {
+        let id = format!("a-{i}");
+        run(url, &["submit", &id, "gpu=1", "--fairness-key", "team-a"]).await;
+    }
+    let o = run(
+        url,
+        &[
+            "submit",
+            "b-1",
+            "gpu=1",
+            "--fairness-key",
+            "team-b",
+            "--fairness-weight",
+            "2",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    wait_until(Duration::from_secs(15), "b-1 second in line", || async {
+        let show = stdout(&run(url, &["semaphore", "show", "gpu"]).await);
+        show.lines().any(|l| l.trim_start().starts_with("2 b-1"))
+    })
+    .await;
+    let show = stdout(&run(url, &["semaphore", "show", "gpu"]).await);
+    assert!(
+        show.contains("served by fairness key")
+            && show.contains("team-a                   weight 1    waiting 5 (5 permits), holds 0, 33% of the grants while these wait")
+            && show.contains("team-b                   weight 2    waiting 1 (1 permit), holds 0, 67% of the grants while these wait")
+            && show.contains("(no key)                 weight 1    waiting 0 (0 permits), holds 1"),
+        "{show}"
+    );
+    let status = json(&run(url, &["status", "b-1", "--json"]).await);
+    assert_eq!(status["fairness_key"], "team-b");
+    assert_eq!(status["fairness_weight"], 2);
+    // What cannot be keyed, refused with what to do; nothing changed.
+    for (args, said) in [
+        (
+            &["semaphore", "set", "lab:*", "2", "--fairness-keys"][..],
+            "lab:* is a template; its instances are separate lines",
+        ),
+        (
+            &["submit", "w-1", "gpu=1", "--fairness-key", ""],
+            "invalid fairness_key: must be 1 to 64 characters, got 0",
+        ),
+    ] {
+        let o = run(url, args).await;
+        assert_ne!(code(&o), 0, "{args:?}");
+        assert!(stderr(&o).contains(said), "{args:?}: {}", stderr(&o));
+    }
+    let list = stdout(&run(url, &["semaphore", "list"]).await);
+    assert!(!list.contains("lab:*"), "{list}");
+    // Off again: the line is priority and arrival order from here on.
+    let o = run(url, &["semaphore", "set", "gpu", "1", "--no-fairness-keys"]).await;
+    assert_eq!(
+        stdout(&o).trim(),
+        "gpu capacity=1 used=1 fair",
+        "{}",
+        stderr(&o)
+    );
+    worker.stop().await;
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    serde_json::from_str(stdout(o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
+}

@@ -116,7 +116,8 @@ BEGIN
            coalesce(r.wait_until <= now(), false), r.examined,
            extract(epoch FROM clock_timestamp() - r.created_at)::float8,
            NULL::text, r.external_id,
-           permitq.rule_place_in_line(r.priority, r.created_at)
+           -- Where it waits: moved back if a keyed semaphore placed it (functions/fairness.sql).
+           permitq.rule_place_in_line(r.priority, permitq.placed_at(r.created_at, r.place_offset))
     FROM permitq.permit_request r
     WHERE r.id = ANY(ready) AND r.state = 'new' AND r.examined
     ORDER BY r.id
@@ -135,7 +136,7 @@ LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = of
            coalesce(r.wait_until <= now(), false), r.examined,
            extract(epoch FROM clock_timestamp() - r.created_at)::float8,
            CASE WHEN NOT r.examined THEN permitq.request_problem(r) END, r.external_id,
-           permitq.rule_place_in_line(r.priority, r.created_at)
+           permitq.rule_place_in_line(r.priority, permitq.placed_at(r.created_at, r.place_offset))
     FROM permitq.permit_request r
     WHERE r.id = ANY(ids) AND r.state = 'new'
     ORDER BY r.id

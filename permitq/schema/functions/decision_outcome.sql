@@ -28,6 +28,7 @@ DECLARE
     over_capacity text;
     -- The rate-limited semaphores this batch's grants counted in.
     windowed bigint[];
+    keyed boolean := EXISTS (SELECT 1 FROM permitq.keyed_semaphore);
 BEGIN
     -- What a nested request takes covers at least what it names, in positive counts (the
     -- decision adds the ancestors): `used` never under-counts what a grant holds.
@@ -140,8 +141,14 @@ BEGIN
 
     IF cardinality(waiting) > 0 THEN
         -- Requests left waiting for the first time take their place in each semaphore's queue.
-        INSERT INTO permitq.waiter (semaphore_id, request_id, count, priority, created_at)
-        SELECT s.id, r.id, e.value::int, r.priority, r.created_at
+        -- Where it waits: its arrival, or later if a keyed semaphore placed it, with its start
+        -- tag there (functions/fairness.sql).
+        INSERT INTO permitq.waiter (semaphore_id, request_id, count, priority, created_at,
+                                    place_offset, start_tag)
+        SELECT s.id, r.id, e.value::int, r.priority,
+               permitq.placed_at(r.created_at, r.place_offset), r.place_offset,
+               CASE WHEN r.place_offset IS NOT NULL OR keyed
+                    THEN permitq.start_tag_of(r.id, s.id) END
         FROM permitq.permit_request r
         CROSS JOIN LATERAL jsonb_each(coalesce(charges -> r.id::text, r.permits)) e
         JOIN permitq.semaphore s ON s.name = e.key
@@ -153,6 +160,10 @@ BEGIN
     END IF;
 
     IF cardinality(settled) > 0 THEN
+        -- Keyed semaphores: the virtual time moves to what was granted (functions/fairness.sql).
+        IF keyed AND now_granted IS NOT NULL THEN
+            PERFORM permitq.advance_virtual_time(now_granted);
+        END IF;
         -- They wait no more.
         DELETE FROM permitq.waiter w WHERE w.request_id = ANY(settled);
         RETURN permitq.notify_events(settled);

@@ -114,7 +114,7 @@ BEGIN
         RETURN NEXT;
         RETURN;
     END IF;
-    place := permitq.rule_place_in_line(r.priority, r.created_at);
+    place := permitq.rule_place_in_line(r.priority, permitq.placed_at(r.created_at, r.place_offset));
     SELECT array_agg(t.name ORDER BY t.depth, t.name) INTO every_name FROM permitq.taken_by(r.permits) t;
     -- What it takes from each semaphore: what it names there, or below it.
     FOR named IN SELECT * FROM permitq.taken_by(r.permits) LOOP

@@ -36,6 +36,18 @@ BEGIN
            l.active, NULL::bigint, NULL::integer, NULL::bigint
     FROM permitq.lock_batch_semaphores(names) l;
 
+    -- Keyed semaphores place the batch's unexamined requests, under the locks just taken
+    -- (functions/fairness.sql): the heads' bounds are the places they got.
+    IF EXISTS (SELECT 1 FROM permitq.keyed_semaphore) THEN
+        places := permitq.place_by_keys(lock_batch_and_heads.ids, places);
+        SELECT array_agg(n.bound ORDER BY n.name) INTO bounds
+        FROM (SELECT k AS name, min(c.place) AS bound
+              FROM unnest(lock_batch_and_heads.permits, places) c(permits, place)
+              CROSS JOIN LATERAL jsonb_object_keys(
+                  CASE WHEN jsonb_typeof(c.permits) = 'object' THEN c.permits ELSE '{}' END) k
+              GROUP BY k) n;
+    END IF;
+
     RETURN QUERY
     SELECT 'h'::"char", NULL::bigint, h.semaphore, NULL::integer, NULL::bigint, NULL::boolean,
            NULL::text, NULL::integer, NULL::boolean, h.request_id, h.count, h.effective
@@ -48,7 +60,9 @@ GRANT EXECUTE ON FUNCTION permitq.lock_batch_and_heads(jsonb[], bigint[], bigint
 -- order step 1), then lock its semaphores, fold their releases and read their heads
 -- (permitq.lock_batch_and_heads, lock order step 2). The results come back as one set of rows,
 -- told apart by `kind`:
---   'r': a claimed request (id .. effective, as claim_batch returns them);
+--   'r': a claimed request (id .. effective, as claim_batch returns them), and `ranked`, the
+--        place the decision ranks it by (its `effective` unless a keyed semaphore placed it:
+--        functions/fairness.sql);
 --   's', 'h': a locked semaphore and a head, as lock_batch_and_heads returns them.
 -- No rows: nothing could be claimed; nothing was locked.
 CREATE OR REPLACE FUNCTION permitq.next_batch(cursor bigint, batch_size bigint)
@@ -56,7 +70,7 @@ RETURNS TABLE (kind "char", id bigint, permits jsonb, fail_fast boolean, deadlin
                examined boolean, age_seconds float8, problem text, external_id text,
                effective bigint, semaphore_id bigint, name text, capacity integer, used bigint,
                fair boolean, parent text, guarantee integer, active boolean,
-               head_request_id bigint, head_count integer)
+               head_request_id bigint, head_count integer, ranked bigint)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
 SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
@@ -69,6 +83,7 @@ DECLARE
     problems text[];
     external_ids text[];
     places bigint[];
+    ranked_places bigint[];
 BEGIN
     SELECT array_agg(c.id), array_agg(c.permits), array_agg(c.fail_fast),
            array_agg(c.deadline_passed), array_agg(c.examined), array_agg(c.age_seconds),
@@ -80,16 +95,31 @@ BEGIN
         RETURN;
     END IF;
     RETURN QUERY
-    SELECT 'r'::"char", c.*, NULL::bigint, NULL::text, NULL::integer, NULL::bigint, NULL::boolean,
-           NULL::text, NULL::integer, NULL::boolean, NULL::bigint, NULL::integer
-    FROM unnest(ids, permits_of, fail_fast_of, deadline_passed_of, examined_of, ages, problems,
-                external_ids, places) c;
-
-    RETURN QUERY
     SELECT l.kind, NULL::bigint, NULL::jsonb, NULL::boolean, NULL::boolean, NULL::boolean,
            NULL::float8, NULL::text, NULL::text, l.effective,
            l.semaphore_id, l.name, l.capacity, l.used, l.fair, l.parent, l.guarantee, l.active,
-           l.head_request_id, l.head_count
+           l.head_request_id, l.head_count, NULL::bigint
     FROM permitq.lock_batch_and_heads(permits_of, places, ids) l;
+
+    -- `effective` is the place the claim read (an unexamined request's arrival: the caller's
+    -- cursor); `ranked` the place the decision ranks it by, once a keyed semaphore placed it.
+    ranked_places := places;
+    IF EXISTS (SELECT 1 FROM permitq.keyed_semaphore) THEN
+        SELECT array_agg(b.place - coalesce((extract(epoch FROM r.place_offset) * 1000000)::bigint,
+                                            0)
+                         ORDER BY b.n)
+        INTO ranked_places
+        FROM unnest(ids, places, examined_of) WITH ORDINALITY AS b(id, place, examined, n)
+        LEFT JOIN permitq.permit_request r ON r.id = b.id AND NOT b.examined;
+    END IF;
+    RETURN QUERY
+    SELECT 'r'::"char", c.id, c.permits, c.fail_fast, c.deadline_passed, c.examined, c.age,
+           c.problem, c.external_id, c.place, NULL::bigint, NULL::text, NULL::integer,
+           NULL::bigint, NULL::boolean, NULL::text, NULL::integer, NULL::boolean, NULL::bigint,
+           NULL::integer, c.ranked
+    FROM unnest(ids, permits_of, fail_fast_of, deadline_passed_of, examined_of, ages, problems,
+                external_ids, places, ranked_places)
+         AS c(id, permits, fail_fast, deadline_passed, examined, age, problem, external_id, place,
+              ranked);
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.next_batch(bigint, bigint) TO permitq_worker;

@@ -33,6 +33,13 @@ BEGIN
         RAISE EXCEPTION 'invalid permit_request: new requests must be inserted in state new'
             USING ERRCODE = '22023';
     END IF;
+    -- A worker places it (functions/fairness.sql); a weight names a key's share.
+    NEW.place_offset := NULL;
+    IF NEW.fairness_weight IS NOT NULL AND NEW.fairness_key IS NULL THEN
+        RAISE EXCEPTION 'invalid fairness_weight: it is the weight of a fairness_key, and none was given'
+            USING ERRCODE = '22023',
+                  HINT = 'give the key too (fairness_key => ''tenant-a''), or leave the weight out';
+    END IF;
     NEW.created_at := clock_timestamp();
     NEW.submitted_by := session_user;
     -- wait = 0 is fail fast, decided when a worker first sees it: no deadline to sweep.

@@ -10,7 +10,9 @@ CREATE OR REPLACE FUNCTION permitq.submit(
     owner text DEFAULT NULL,
     ttl interval DEFAULT NULL,
     wait interval DEFAULT NULL,
-    priority integer DEFAULT 0
+    priority integer DEFAULT 0,
+    fairness_key text DEFAULT NULL,
+    fairness_weight integer DEFAULT NULL
 ) RETURNS permitq.permit_request
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
@@ -39,10 +41,25 @@ BEGIN
             permitq.rule_priority_min(), permitq.rule_priority_max(),
             coalesce(submit.priority::text, 'NULL') USING ERRCODE = '22023';
     END IF;
+    IF submit.fairness_key = ''
+       OR length(submit.fairness_key) > permitq.rule_max_fairness_key_length() THEN
+        RAISE EXCEPTION 'invalid fairness_key: must be 1 to % characters, got %',
+            permitq.rule_max_fairness_key_length(), length(submit.fairness_key)
+            USING ERRCODE = '22023',
+            HINT = 'name the tenant (or caller) whose share it counts in; leave it out for none';
+    END IF;
+    IF submit.fairness_weight NOT BETWEEN permitq.rule_fairness_weight_min()
+                                      AND permitq.rule_fairness_weight_max() THEN
+        RAISE EXCEPTION 'invalid fairness_weight: must be between % and %, got %',
+            permitq.rule_fairness_weight_min(), permitq.rule_fairness_weight_max(),
+            submit.fairness_weight USING ERRCODE = '22023',
+            HINT = 'a key of weight 2 is served twice as much as one of weight 1 while both wait';
+    END IF;
     LOOP
-        INSERT INTO permitq.permit_request (external_id, permits, owner, ttl, wait, priority)
+        INSERT INTO permitq.permit_request (external_id, permits, owner, ttl, wait, priority,
+                                            fairness_key, fairness_weight)
         VALUES (submit.external_id, submit.permits, submit.owner, submit.ttl, submit.wait,
-                submit.priority::smallint)
+                submit.priority::smallint, submit.fairness_key, submit.fairness_weight)
         ON CONFLICT ON CONSTRAINT permit_request_external_id_key DO NOTHING
         RETURNING * INTO existing;
         IF FOUND THEN
@@ -61,7 +78,9 @@ BEGIN
                AND existing.owner IS NOT DISTINCT FROM submit.owner
                AND existing.ttl IS NOT DISTINCT FROM submit.ttl
                AND existing.wait IS NOT DISTINCT FROM submit.wait
-               AND existing.priority = submit.priority THEN
+               AND existing.priority = submit.priority
+               AND existing.fairness_key IS NOT DISTINCT FROM submit.fairness_key
+               AND existing.fairness_weight IS NOT DISTINCT FROM submit.fairness_weight THEN
                 RETURN existing;
             END IF;
             RAISE EXCEPTION 'external_id % already exists with different parameters (%)', submit.external_id,
@@ -70,19 +89,28 @@ BEGIN
                     CASE WHEN existing.owner IS DISTINCT FROM submit.owner THEN 'owner' END,
                     CASE WHEN existing.ttl IS DISTINCT FROM submit.ttl THEN 'ttl' END,
                     CASE WHEN existing.wait IS DISTINCT FROM submit.wait THEN 'wait' END,
-                    CASE WHEN existing.priority <> submit.priority THEN 'priority' END)
+                    CASE WHEN existing.priority <> submit.priority THEN 'priority' END,
+                    CASE WHEN existing.fairness_key IS DISTINCT FROM submit.fairness_key
+                         THEN 'fairness_key' END,
+                    CASE WHEN existing.fairness_weight IS DISTINCT FROM submit.fairness_weight
+                         THEN 'fairness_weight' END)
                 || CASE WHEN (existing.permits <> submit.permits)::int
                              + (existing.owner IS DISTINCT FROM submit.owner)::int
                              + (existing.ttl IS DISTINCT FROM submit.ttl)::int
                              + (existing.wait IS DISTINCT FROM submit.wait)::int
-                             + (existing.priority <> submit.priority)::int > 1
+                             + (existing.priority <> submit.priority)::int
+                             + (existing.fairness_key IS DISTINCT FROM submit.fairness_key)::int
+                             + (existing.fairness_weight IS DISTINCT FROM submit.fairness_weight)::int > 1
                         THEN ' differ' ELSE ' differs' END
                 USING ERRCODE = '23505',
-                      DETAIL = format('the existing request asked permits %s, owner %s, ttl %s, wait %s, priority %s (its state: %s)',
+                      DETAIL = format('the existing request asked permits %s, owner %s, ttl %s, wait %s, priority %s%s (its state: %s)',
                           existing.permits, coalesce(existing.owner, 'none'),
                           coalesce(permitq.human_duration(existing.ttl), 'none (no lease)'),
                           coalesce(permitq.human_duration(existing.wait), 'none (waits until granted)'),
                           existing.priority,
+                          CASE WHEN existing.fairness_key IS NOT NULL
+                               THEN format(', fairness key %s (weight %s)', existing.fairness_key,
+                                           coalesce(existing.fairness_weight, 1)) END,
                           concat_ws(' ', existing.state, existing.error_code,
                                     '(' || existing.release_reason || ')')),
                       HINT = 'a new request needs a new external_id; the same parameters return the existing one';
@@ -90,7 +118,8 @@ BEGIN
         -- The conflicting row was deleted (retention) between the two statements: insert again.
     END LOOP;
 END $$;
-GRANT EXECUTE ON FUNCTION permitq.submit(text, jsonb, text, interval, interval, integer)
+GRANT EXECUTE ON FUNCTION permitq.submit(text, jsonb, text, interval, interval, integer, text,
+                                         integer)
     TO permitq_producer, permitq_admin;
 
 -- permitq.status: the request row; no row for an unknown external_id, nor for another role's

@@ -51,7 +51,10 @@ SELECT s.name,
        -- An adaptive semaphore's algorithm and bounds (functions/adaptive.sql); NULL: fixed.
        a.algorithm AS adaptive,
        a.floor AS adaptive_floor,
-       a.ceiling AS adaptive_ceiling
+       a.ceiling AS adaptive_ceiling,
+       -- Its line served by fairness key (functions/fairness.sql).
+       EXISTS (SELECT 1 FROM permitq.keyed_semaphore k WHERE k.semaphore_id = s.id)
+           AS fairness_keys
 FROM permitq.semaphore s
 LEFT JOIN permitq.adaptive_limit a ON a.semaphore_id = s.id
 LEFT JOIN (SELECT e.key AS name, sum(e.value::int) AS held
@@ -61,7 +64,8 @@ LEFT JOIN (SELECT e.key AS name, sum(e.value::int) AS held
 LEFT JOIN (SELECT e.key AS name, count(*) AS waiting, min(r.created_at) AS oldest_wait_since
            FROM permitq.permit_request r CROSS JOIN LATERAL jsonb_each(r.permits) e
            WHERE r.state = 'new' AND NOT r.examined GROUP BY e.key) u ON u.name = s.name
-LEFT JOIN (SELECT wt.semaphore_id, count(*) AS waiting, min(wt.created_at) AS oldest
+LEFT JOIN (SELECT wt.semaphore_id, count(*) AS waiting,
+                  min(wt.created_at - coalesce(wt.place_offset, interval '0')) AS oldest
            FROM permitq.waiter wt GROUP BY wt.semaphore_id) line ON line.semaphore_id = s.id
 CROSS JOIN LATERAL (
     SELECT coalesce(u.waiting, 0) + coalesce(line.waiting, 0) AS waiting,
@@ -90,7 +94,10 @@ SELECT w.semaphore, w.external_id, w.owner, w.count, w.position, w.waiting_since
        w.priority
 FROM (SELECT l.semaphore, r.external_id, r.owner, l.count,
              row_number() OVER (PARTITION BY l.semaphore
-                                ORDER BY permitq.rule_place_in_line(r.priority, r.created_at) DESC, r.id)
+                                ORDER BY permitq.rule_place_in_line(
+                                             r.priority,
+                                             permitq.placed_at(r.created_at, r.place_offset))
+                                         DESC, r.id)
                  AS position,
              r.created_at AS waiting_since, r.wait_until AS deadline, r.priority, r.submitted_by
       FROM (SELECT s.name AS semaphore, wt.request_id, wt.count
@@ -134,8 +141,10 @@ SET enable_seqscan = off AS $$
     ranked AS (
         SELECT r.external_id, r.owner, line.count, r.created_at, r.wait_until, r.priority,
                r.submitted_by,
-               row_number() OVER (ORDER BY permitq.rule_place_in_line(r.priority, r.created_at) DESC,
-                                           r.id) AS position
+               row_number() OVER (ORDER BY permitq.rule_place_in_line(
+                                               r.priority,
+                                               permitq.placed_at(r.created_at, r.place_offset))
+                                           DESC, r.id) AS position
         FROM line
         CROSS JOIN LATERAL (SELECT * FROM permitq.permit_request pr
                             WHERE pr.id = line.request_id AND pr.state = 'new' LIMIT 1) r

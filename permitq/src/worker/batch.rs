@@ -14,7 +14,7 @@
 //! requests are decided one per transaction; one that fails alone is settled as `invalid` and
 //! logged with its external_id. Nothing a row contains stops the others.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
@@ -407,7 +407,9 @@ async fn claim_rows(
 struct ClaimedBatch {
     candidates: Vec<Candidate>,
     /// The ones no worker had examined yet.
-    unexamined: BTreeSet<i64>,
+    /// Where each was placed when claimed: the pass's cursor moves past the last of these (a
+    /// keyed semaphore may rank it further back: functions/fairness.sql).
+    unexamined: BTreeMap<i64, i64>,
     /// Seconds since each was submitted.
     ages: BTreeMap<i64, f64>,
     external_ids: BTreeMap<i64, String>,
@@ -419,7 +421,7 @@ impl ClaimedBatch {
     fn from_rows(rows: &[tokio_postgres::Row]) -> Result<ClaimedBatch> {
         let mut batch = ClaimedBatch {
             candidates: Vec::with_capacity(rows.len()),
-            unexamined: BTreeSet::new(),
+            unexamined: BTreeMap::new(),
             ages: BTreeMap::new(),
             external_ids: BTreeMap::new(),
             problems: BTreeMap::new(),
@@ -427,8 +429,9 @@ impl ClaimedBatch {
         for row in rows {
             let id: i64 = row.try_get("id")?;
             let external_id: String = row.try_get("external_id")?;
+            let claimed_at: i64 = row.try_get("effective")?;
             if !row.try_get::<_, bool>("examined")? {
-                batch.unexamined.insert(id);
+                batch.unexamined.insert(id, claimed_at);
             }
             batch.ages.insert(id, row.try_get::<_, f64>("age_seconds")?);
             let problem: Option<String> = row.try_get("problem")?;
@@ -440,7 +443,13 @@ impl ClaimedBatch {
             let permits: serde_json::Value = row.try_get("permits")?;
             batch.candidates.push(Candidate {
                 id,
-                effective: row.try_get("effective")?,
+                // Ranked where a keyed semaphore placed it (permitq.next_batch's `ranked`; a
+                // stepwise claim has none, and ranks it where it was claimed).
+                effective: row
+                    .try_get::<_, Option<i64>>("ranked")
+                    .ok()
+                    .flatten()
+                    .unwrap_or(claimed_at),
                 permits: crate::db::permits_from_json(&permits),
                 fail_fast: row.try_get("fail_fast")?,
                 deadline_passed: row.try_get("deadline_passed")?,
@@ -453,12 +462,7 @@ impl ClaimedBatch {
 
     /// The place in line of the last unexamined request claimed ([`i64::MAX`] if none).
     fn last_unexamined_place(&self) -> i64 {
-        self.candidates
-            .iter()
-            .filter(|c| self.unexamined.contains(&c.id))
-            .map(|c| c.effective)
-            .min()
-            .unwrap_or(i64::MAX)
+        self.unexamined.values().copied().min().unwrap_or(i64::MAX)
     }
 }
 
@@ -600,7 +604,7 @@ impl Outcome {
             queued: decision
                 .ids(|v| *v == Verdict::Wait)
                 .into_iter()
-                .filter(|id| unexamined.contains(id))
+                .filter(|id| unexamined.contains_key(id))
                 .collect(),
             charges: decision
                 .charges

@@ -3,6 +3,7 @@
 mod adaptive;
 mod explain;
 mod failover;
+mod fairness;
 mod leases;
 mod nesting;
 mod nesting_tree;

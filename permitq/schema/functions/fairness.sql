@@ -1,0 +1,223 @@
+-- Fairness keys: on a keyed semaphore (permitq.keyed_semaphore, `permitq semaphore set NAME N
+-- --fairness-keys`), the line is served across the requests' `fairness_key`s in proportion to
+-- their `fairness_weight`s, and in arrival order within a key: a tenant's burst does not make
+-- another tenant's request wait behind it.
+--
+-- Start-time fair queuing, in the units of the place in line (functions/queue_order.sql).
+-- When a worker examines a request, under the locks of the semaphores it names, each keyed
+-- semaphore s it names gives it a start tag
+--     S = max(V(s), F(s, key))      and sets      F(s, key) = S + step × count / weight
+-- where V(s) is the semaphore's virtual time (the largest start tag granted there) and F the
+-- key's finish tag there (permitq.key_finish), step the aging step (10 s a permit at weight 1, so
+-- that the aging bound keeps its form). A key that was idle starts at V: next after what is in
+-- service, however long another key's backlog; a key with a backlog is placed further back by
+-- one step per permit ahead of it. A request has one place on every line it waits in (the
+-- decision ranks a request once), so it gets one offset, the largest S − V over the keyed
+-- semaphores it names, and waits at created_at + offset (permitq.placed_at): a fresh key's
+-- offset is 0, its arrival, as on any other semaphore. Cost: one key_finish row read and
+-- written per request examined on a keyed semaphore, flat in the number of keys and in each
+-- key's backlog. Nothing changes on a semaphore that is not keyed.
+
+-- Where a request stands in line: its arrival, moved back by the offset a keyed semaphore gave
+-- it when it was examined (none before then, nor on semaphores that are not keyed).
+CREATE OR REPLACE FUNCTION permitq.placed_at(created_at timestamptz, place_offset interval)
+RETURNS timestamptz LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT created_at + coalesce(place_offset, interval '0')
+$$;
+GRANT EXECUTE ON FUNCTION permitq.placed_at(timestamptz, interval)
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
+
+-- Worker step 2, after the semaphore locks (permitq.lock_batch_and_heads): the start tags and
+-- offsets of the batch's unexamined requests on the keyed semaphores they name, taken in place
+-- order within each key. Writes each key's new finish tag, each request's `place_offset`, and
+-- the tags for permitq.apply_decision (the transaction's setting `permitq.start_tags`, where a
+-- waiter row takes its tag and a grant moves the virtual time). Returns `places` (the batch's
+-- places in line, in the order of `ids`) with the offsets taken off. The caller holds the row
+-- locks of `ids` and the locks of their semaphores; everything it writes goes with the batch's
+-- commit or rollback.
+CREATE OR REPLACE FUNCTION permitq.place_by_keys(ids bigint[], places bigint[])
+RETURNS bigint[]
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
+SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    tags jsonb;
+    placed bigint[];
+BEGIN
+    -- (The INSERT and the UPDATE in WITH run to completion, whether read or not.)
+    WITH named AS (
+        SELECT r.id, coalesce(r.fairness_key, '') AS fkey,
+               coalesce(r.fairness_weight, 1)::numeric AS weight,
+               b.place, k.semaphore_id, k.virtual_time,
+               -- Read defensively: a count that is not one counts as 1 (the decision fails it).
+               CASE WHEN jsonb_typeof(e.value) = 'number'
+                         AND (e.value #>> '{}')::numeric BETWEEN 1 AND 2147483647
+                    THEN (e.value #>> '{}')::numeric ELSE 1 END AS count
+        FROM unnest(ids, places) AS b(id, place)
+        JOIN permitq.permit_request r ON r.id = b.id AND r.state = 'new' AND NOT r.examined
+        CROSS JOIN LATERAL jsonb_each(CASE WHEN jsonb_typeof(r.permits) = 'object'
+                                           THEN r.permits ELSE '{}'::jsonb END) e
+        JOIN permitq.semaphore s ON s.name = e.key
+        JOIN permitq.keyed_semaphore k ON k.semaphore_id = s.id
+    ),
+    tagged AS (
+        SELECT n.id, n.fkey, n.semaphore_id, n.virtual_time,
+               greatest(n.virtual_time, coalesce(f.finish, n.virtual_time))
+                   + make_interval(secs => permitq.rule_aging_step_us() / 1e6
+                       * (sum(n.count / n.weight) OVER (PARTITION BY n.semaphore_id, n.fkey
+                                                         ORDER BY n.place DESC, n.id)
+                          - n.count / n.weight)) AS start_tag,
+               greatest(n.virtual_time, coalesce(f.finish, n.virtual_time))
+                   + make_interval(secs => permitq.rule_aging_step_us() / 1e6
+                       * sum(n.count / n.weight) OVER (PARTITION BY n.semaphore_id, n.fkey))
+                   AS finish
+        FROM named n
+        LEFT JOIN permitq.key_finish f
+          ON f.semaphore_id = n.semaphore_id AND f.fairness_key = n.fkey
+    ),
+    finished AS (
+        INSERT INTO permitq.key_finish AS f (semaphore_id, fairness_key, finish)
+        SELECT DISTINCT t.semaphore_id, t.fkey, t.finish FROM tagged t
+        ON CONFLICT (semaphore_id, fairness_key) DO UPDATE SET finish = EXCLUDED.finish
+    ),
+    offsets AS (
+        SELECT t.id, max(t.start_tag - t.virtual_time) AS place_offset,
+               jsonb_object_agg(t.semaphore_id::text, t.start_tag) AS starts
+        FROM tagged t GROUP BY t.id
+    ),
+    moved AS (
+        UPDATE permitq.permit_request r SET place_offset = o.place_offset
+        FROM offsets o
+        WHERE r.id = o.id AND o.place_offset > interval '0'
+    )
+    SELECT jsonb_object_agg(o.id::text, o.starts),
+           (SELECT array_agg(b.place - coalesce((extract(epoch FROM p.place_offset)
+                                                  * 1000000)::bigint, 0) ORDER BY b.n)
+            FROM unnest(ids, places) WITH ORDINALITY AS b(id, place, n)
+            LEFT JOIN offsets p ON p.id = b.id)
+    INTO tags, placed
+    FROM offsets o;
+    IF tags IS NULL THEN
+        RETURN places;
+    END IF;
+    PERFORM set_config('permitq.start_tags',
+                       (coalesce(nullif(current_setting('permitq.start_tags', true), ''), '{}')::jsonb
+                        || tags)::text,
+                       true);
+    RETURN placed;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.place_by_keys(bigint[], bigint[]) TO permitq_worker;
+
+-- The start tags permitq.place_by_keys gave request `request_id` in this transaction, by
+-- semaphore id (NULL when it gave none).
+CREATE OR REPLACE FUNCTION permitq.start_tag_of(request_id bigint, semaphore_id bigint)
+RETURNS timestamptz
+LANGUAGE sql STABLE AS $$
+    SELECT (nullif(current_setting('permitq.start_tags', true), '')::jsonb
+            -> request_id::text ->> semaphore_id::text)::timestamptz
+$$;
+
+-- After a batch's grants (permitq.apply_decision): each keyed semaphore's virtual time moves to
+-- the largest start tag granted there (from the grants' waiter rows, or, for a request granted
+-- in the batch that examined it, from this transaction's tags). Never backwards.
+CREATE OR REPLACE FUNCTION permitq.advance_virtual_time(granted bigint[])
+RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
+SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    UPDATE permitq.keyed_semaphore k SET virtual_time = t.tag
+    FROM (SELECT x.semaphore_id, max(x.tag) AS tag
+          FROM (SELECT w.semaphore_id, w.start_tag AS tag
+                FROM permitq.waiter w
+                WHERE w.request_id = ANY(granted) AND w.start_tag IS NOT NULL
+                UNION ALL
+                SELECT s.key::bigint, (s.value #>> '{}')::timestamptz
+                FROM unnest(granted) g(id)
+                CROSS JOIN LATERAL jsonb_each(
+                    nullif(current_setting('permitq.start_tags', true), '')::jsonb
+                    -> g.id::text) s) x
+          GROUP BY x.semaphore_id) t
+    WHERE k.semaphore_id = t.semaphore_id AND t.tag > k.virtual_time;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.advance_virtual_time(bigint[]) TO permitq_worker;
+
+-- The operator's switch: serve semaphore `name`'s line by fairness key (`keyed`), or by
+-- priority and arrival alone again. Turning it on starts its virtual time now; turning it off
+-- forgets its keys' finish tags (the requests already placed keep their places). A fair
+-- semaphore only: a greedy one grants whatever fits, in no order; and not a template (set it on
+-- the instances). Returns whether it is keyed now.
+CREATE OR REPLACE FUNCTION permitq.set_fairness_keys(name text, keyed boolean)
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+DECLARE
+    s permitq.semaphore;
+BEGIN
+    SELECT * INTO s FROM permitq.semaphore x WHERE x.name = set_fairness_keys.name FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'no semaphore named %', set_fairness_keys.name
+            USING ERRCODE = '22023',
+                  HINT = format('create it first: `permitq semaphore set %s CAPACITY --fairness-keys`',
+                                set_fairness_keys.name);
+    END IF;
+    IF keyed AND s.is_template THEN
+        RAISE EXCEPTION 'invalid fairness keys: % is a template; its instances are separate lines',
+            s.name USING ERRCODE = '22023',
+            HINT = 'set --fairness-keys on an instance (`permitq semaphore set NAME CAPACITY '
+                   '--fairness-keys` with an instance''s name)';
+    END IF;
+    IF keyed AND NOT s.fair THEN
+        RAISE EXCEPTION 'invalid fairness keys: % is greedy (any request that fits goes first), so it serves no line',
+            s.name USING ERRCODE = '22023',
+            HINT = format('make it fair too: `permitq semaphore set %s %s --fair --fairness-keys`',
+                          s.name, s.capacity);
+    END IF;
+    IF keyed THEN
+        INSERT INTO permitq.keyed_semaphore (semaphore_id) VALUES (s.id)
+        ON CONFLICT (semaphore_id) DO NOTHING;
+    ELSE
+        DELETE FROM permitq.keyed_semaphore k WHERE k.semaphore_id = s.id;
+    END IF;
+    RETURN keyed;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.set_fairness_keys(text, boolean) TO permitq_admin;
+
+-- Each fairness key's share of keyed semaphore `name` now: its weight (the largest its requests
+-- asked), the requests of it waiting in line and the permits they ask, and the permits it holds;
+-- most waiting first, at most 20 keys ('' is the requests with no key). What `semaphore show`,
+-- the status page and the API show. A producer sees its own requests' keys alone. Cost: the
+-- semaphore's line (at most its first 10000 waiters) and its holders.
+CREATE OR REPLACE FUNCTION permitq.key_shares(name text)
+RETURNS TABLE (fairness_key text, weight integer, waiting bigint, waiting_permits bigint,
+               held bigint)
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+    WITH s AS (SELECT s.id FROM permitq.semaphore s
+               JOIN permitq.keyed_semaphore k ON k.semaphore_id = s.id
+               WHERE s.name = key_shares.name),
+    line AS (
+        SELECT coalesce(r.fairness_key, '') AS fkey, coalesce(r.fairness_weight, 1) AS w,
+               w.count, r.submitted_by
+        FROM s
+        CROSS JOIN LATERAL (SELECT wt.request_id, wt.count FROM permitq.waiter wt
+                            WHERE wt.semaphore_id = s.id LIMIT 10000) w
+        JOIN permitq.permit_request r ON r.id = w.request_id
+    ),
+    holding AS (
+        SELECT coalesce(r.fairness_key, '') AS fkey, coalesce(r.fairness_weight, 1) AS w,
+               (coalesce(r.charged, r.permits) ->> key_shares.name)::bigint AS count,
+               r.submitted_by
+        FROM permitq.permit_request r
+        WHERE EXISTS (SELECT 1 FROM s) AND r.state = 'acquired'
+          AND coalesce(r.charged, r.permits) ? key_shares.name
+    )
+    SELECT x.fkey, max(x.w)::integer, count(*) FILTER (WHERE x.waits),
+           coalesce(sum(x.count) FILTER (WHERE x.waits), 0)::bigint,
+           coalesce(sum(x.count) FILTER (WHERE NOT x.waits), 0)::bigint
+    FROM (SELECT l.fkey, l.w, l.count::bigint, true AS waits, l.submitted_by FROM line l
+          UNION ALL
+          SELECT h.fkey, h.w, h.count, false, h.submitted_by FROM holding h) x
+    WHERE permitq.may_read(x.submitted_by)
+    GROUP BY x.fkey
+    ORDER BY 3 DESC, 1
+    LIMIT 20
+$$;
+GRANT EXECUTE ON FUNCTION permitq.key_shares(text)
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;

@@ -1,0 +1,302 @@
+//! Fairness keys: on a semaphore served by key, a tenant's burst does not make another tenant's
+//! request wait behind it, and keys that wait are served in proportion to their weights.
+
+use permitq_test_support as common;
+
+use std::time::{Duration, Instant};
+
+use common::{check_invariants, TestDb};
+use permitq::{Request, SemaphoreSettings};
+
+const SOON: Duration = Duration::from_secs(30);
+
+/// Waits until one request holds `semaphore` (capacity 1), returns its external_id and fairness
+/// key, and releases it.
+async fn next_grant(
+    client: &permitq::Client,
+    conn: &tokio_postgres::Client,
+    semaphore: &str,
+) -> (String, Option<String>) {
+    let deadline = Instant::now() + SOON;
+    loop {
+        let rows = conn
+            .query(
+                "SELECT external_id, fairness_key FROM permitq.permit_request
+                 WHERE state = 'acquired' AND permits ? $1",
+                &[&semaphore],
+            )
+            .await
+            .unwrap();
+        assert!(rows.len() <= 1, "capacity 1, yet {} hold it", rows.len());
+        if let Some(row) = rows.first() {
+            let id: String = row.get(0);
+            client.release(&id).await.unwrap();
+            return (id, row.get(1));
+        }
+        assert!(Instant::now() < deadline, "nothing granted on {semaphore}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn keyed(client: &permitq::Client, name: &str) {
+    client
+        .set_semaphore(name, 1, &SemaphoreSettings::new().fairness_keys(true))
+        .await
+        .unwrap();
+}
+
+/// Tenant A submits 10,000 requests at once (a plain INSERT, the contract's insert point), then
+/// tenant B one: B is granted after at most one more of A's (its share of two keys), not after
+/// A's backlog; and the line (`waiters.position`, `explain`) shows it there while it waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    keyed(&client, "gpu").await;
+    let worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("holder").permit("gpu", 1))
+        .await
+        .unwrap();
+    assert_eq!(next_grant_kept(&conn, "gpu").await, "holder");
+    conn.execute(
+        "INSERT INTO permitq.permit_request (external_id, permits, fairness_key)
+         SELECT 'a-' || i, '{\"gpu\": 1}', 'A' FROM generate_series(1, 10000) i",
+        &[],
+    )
+    .await
+    .unwrap();
+    client
+        .submit(&Request::new("b-1").permit("gpu", 1).fairness_key("B"))
+        .await
+        .unwrap();
+    wait_examined(&conn, "gpu", 10_001).await;
+    let first: Vec<String> = client
+        .waiters("gpu", 3)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|w| w.external_id)
+        .collect();
+    assert_eq!(first, ["a-1", "b-1", "a-2"]);
+    let explained = client.explain("b-1").await.unwrap().unwrap();
+    assert!(
+        explained.semaphores.iter().any(|s| s.position == Some(2)),
+        "{explained:?}"
+    );
+    client.release("holder").await.unwrap();
+    let mut a_granted = 0;
+    loop {
+        let (id, key) = next_grant(&client, &conn, "gpu").await;
+        if id == "b-1" {
+            break;
+        }
+        assert_eq!(key.as_deref(), Some("A"), "{id}");
+        a_granted += 1;
+        assert!(
+            a_granted <= 1,
+            "B still waits after {a_granted} of A's grants"
+        );
+    }
+    worker.stop().await;
+    check_invariants(&conn).await.unwrap();
+}
+
+/// A small deterministic generator (the property below runs the same cases every time).
+struct Lcg(u64);
+impl Lcg {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        usize::try_from(self.0 >> 33).unwrap() % n
+    }
+}
+
+/// Keys with random weights each submit a backlog at once, arrivals interleaved at random: in
+/// every window of grants while every key waits, each key gets its weighted share within one
+/// request (start-time fair queuing's bound, below), so no key is starved. Without keys the
+/// line would be arrival order, and a window could hold one key alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_keys_are_served_in_proportion_to_their_weights() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    let worker = db.notified_worker("w1");
+    for seed in 1..=4u64 {
+        let mut rng = Lcg(seed);
+        let name = format!("pool-{seed}");
+        keyed(&client, &name).await;
+        // A holder first, so that every request below is examined before any is granted.
+        client
+            .submit(&Request::new(format!("{name}-hold")).permit(&name, 1))
+            .await
+            .unwrap();
+        assert_eq!(next_grant_kept(&conn, &name).await, format!("{name}-hold"));
+        let keys = 2 + rng.below(3);
+        let weights: Vec<i32> = (0..keys)
+            .map(|_| 1 + i32::try_from(rng.below(3)).unwrap())
+            .collect();
+        let per_key = 30;
+        let mut ids = Vec::new();
+        for k in 0..keys {
+            for i in 0..per_key {
+                ids.push((k, i));
+            }
+        }
+        // Arrivals interleaved at random across keys, in order within each key.
+        let mut next = vec![0; keys];
+        let mut order = Vec::new();
+        while order.len() < ids.len() {
+            let k = rng.below(keys);
+            if next[k] < per_key {
+                order.push((k, next[k]));
+                next[k] += 1;
+            }
+        }
+        for (k, i) in &order {
+            client
+                .submit(
+                    &Request::new(format!("{name}-k{k}-{i}"))
+                        .permit(&name, 1)
+                        .fairness_key(format!("k{k}"))
+                        .fairness_weight(weights[*k]),
+                )
+                .await
+                .unwrap();
+        }
+        wait_examined(&conn, &name, order.len()).await;
+        client.release(&format!("{name}-hold")).await.unwrap();
+        // While every key still waits: the first grants, until one key's backlog is done.
+        let mut served: Vec<usize> = Vec::new();
+        let mut left = vec![per_key; keys];
+        while left.iter().all(|n| *n > 0) {
+            let (_, key) = next_grant(&client, &conn, &name).await;
+            let k: usize = key.unwrap()[1..].parse().unwrap();
+            served.push(k);
+            left[k] -= 1;
+        }
+        // Start-time fair queuing's bound: in any window, two waiting keys' grants, each
+        // divided by its weight, differ by at most one request of each (1/w_i + 1/w_j).
+        for start in 0..served.len() {
+            let mut counts = vec![0i32; keys];
+            for (n, k) in served[start..].iter().enumerate() {
+                counts[*k] += 1;
+                for i in 0..keys {
+                    for j in 0..keys {
+                        let (wi, wj) = (f64::from(weights[i]), f64::from(weights[j]));
+                        let apart = f64::from(counts[i]) / wi - f64::from(counts[j]) / wj;
+                        assert!(
+                            apart <= 1.0 / wi + 1.0 / wj + 1e-9,
+                            "seed {seed}, weights {weights:?}: in the {} grants from grant \
+                             {start}, k{i} got {} and k{j} {}; served {served:?}",
+                            n + 1,
+                            counts[i],
+                            counts[j]
+                        );
+                    }
+                }
+            }
+        }
+        // The rest drain.
+        while left.iter().sum::<usize>() > 0 {
+            let (_, key) = next_grant(&client, &conn, &name).await;
+            let k: usize = key.unwrap()[1..].parse().unwrap();
+            left[k] -= 1;
+        }
+    }
+    worker.stop().await;
+    check_invariants(&conn).await.unwrap();
+}
+
+/// Waits until `id`-like requests on `semaphore` hold it, without releasing: the holder.
+async fn next_grant_kept(conn: &tokio_postgres::Client, semaphore: &str) -> String {
+    let deadline = Instant::now() + SOON;
+    loop {
+        let rows = conn
+            .query(
+                "SELECT external_id FROM permitq.permit_request
+                 WHERE state = 'acquired' AND permits ? $1",
+                &[&semaphore],
+            )
+            .await
+            .unwrap();
+        if let Some(row) = rows.first() {
+            return row.get(0);
+        }
+        assert!(Instant::now() < deadline, "nothing granted on {semaphore}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Waits until `n` requests wait in `semaphore`'s line, examined.
+async fn wait_examined(conn: &tokio_postgres::Client, semaphore: &str, n: usize) {
+    common::wait_until(SOON, "every request examined", || async move {
+        let waiting: i64 = conn
+            .query_one(
+                "SELECT count(*) FROM permitq.waiter w JOIN permitq.semaphore s
+                 ON s.id = w.semaphore_id WHERE s.name = $1",
+                &[&semaphore],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        usize::try_from(waiting).ok() == Some(n)
+    })
+    .await;
+}
+
+/// A key that had the semaphore to itself is not punished for it: once another key arrives,
+/// the two alternate (the virtual time moved with what was granted), rather than the newcomer
+/// taking every grant until it has had as many as the first key had alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_that_ran_alone_is_not_punished_for_it() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    keyed(&client, "api").await;
+    let worker = db.notified_worker("w1");
+    // A alone: 20 grants, one at a time.
+    for i in 0..20 {
+        let id = format!("solo-{i}");
+        client
+            .submit(&Request::new(&id).permit("api", 1).fairness_key("A"))
+            .await
+            .unwrap();
+        assert_eq!(next_grant(&client, &conn, "api").await.0, id);
+    }
+    // Then both wait, behind a holder.
+    client
+        .submit(&Request::new("holder").permit("api", 1))
+        .await
+        .unwrap();
+    assert_eq!(next_grant_kept(&conn, "api").await, "holder");
+    for i in 0..6 {
+        for key in ["A", "B"] {
+            client
+                .submit(
+                    &Request::new(format!("{key}-{i}"))
+                        .permit("api", 1)
+                        .fairness_key(key),
+                )
+                .await
+                .unwrap();
+        }
+    }
+    wait_examined(&conn, "api", 12).await;
+    client.release("holder").await.unwrap();
+    let mut served = String::new();
+    for _ in 0..12 {
+        served.push_str(&next_grant(&client, &conn, "api").await.1.unwrap());
+    }
+    assert!(
+        served.contains("ABAB") || served.contains("BABA"),
+        "A was held back for what it used alone: {served}"
+    );
+    let b_first_six = served[..6].matches('B').count();
+    assert!(b_first_six <= 4, "{served}");
+    worker.stop().await;
+    check_invariants(&conn).await.unwrap();
+}
