@@ -11,6 +11,7 @@ mod adaptive;
 mod baselines;
 mod clients;
 mod deep;
+mod fairness;
 mod features;
 mod grant_path;
 mod hostile;
@@ -58,7 +59,7 @@ pub(crate) struct BenchArgs {
     pub(crate) repeat: u32,
     /// Only these parts (comma-separated: grant-path, clients, targets (or some of them: hot, priorities,
     /// depth, rate, templates), hot-cycle, idle, cycle, release, drain, features, nesting, deep,
-    /// hostile, adaptive); all by default.
+    /// hostile, fairness, adaptive); all by default.
     #[arg(long, value_delimiter = ',')]
     pub(crate) only: Vec<String>,
 }
@@ -175,6 +176,9 @@ async fn measure(url: &str, args: &BenchArgs, own_cluster: bool) -> Result<()> {
     }
     if args.runs("hostile") {
         hostile::run(&url, &mut report, &mut summary).await?;
+    }
+    if args.runs("fairness") {
+        fairness::run(&url, args, &mut report).await?;
     }
     if args.runs("adaptive") {
         adaptive::run(&url, args, &mut report).await?;

@@ -343,6 +343,16 @@ BEGIN
             reason := reason || format(' (%s held here, more than its capacity %s: it was lowered below what is held, which revokes nothing)',
                                        s.capacity - room, s.capacity);
         END IF;
+        -- Served by fairness key (functions/fairness.sql): where its key's turn placed it.
+        IF r.examined AND EXISTS (SELECT 1 FROM permitq.keyed_semaphore k
+                                  WHERE k.semaphore_id = s.id) THEN
+            reason := reason || format(' (served by fairness key: its key %s, weight %s, %s)',
+                coalesce(r.fairness_key, '(none)'), coalesce(r.fairness_weight, 1),
+                CASE WHEN r.place_offset > interval '0'
+                     THEN format('placed %s after its arrival, behind its key''s earlier permits; keys that wait take turns in proportion to their weights',
+                                 permitq.human_duration(r.place_offset))
+                     ELSE 'placed at its arrival: its key had no earlier permits waiting ahead of it' END);
+        END IF;
         -- Past its wait, it is not granted: the next pass ends it.
         IF r.wait_until <= now() THEN
             reason := format('its wait ran out %s ago: the next worker pass ends it as timeout, not granted (before that: %s)',

@@ -123,6 +123,9 @@ CREATE OR REPLACE FUNCTION permitq.advance_virtual_time(granted bigint[])
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
 SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    -- This transaction's tags, parsed once.
+    tags jsonb := nullif(current_setting('permitq.start_tags', true), '')::jsonb;
 BEGIN
     UPDATE permitq.keyed_semaphore k SET virtual_time = t.tag
     FROM (SELECT x.semaphore_id, max(x.tag) AS tag
@@ -132,9 +135,8 @@ BEGIN
                 UNION ALL
                 SELECT s.key::bigint, (s.value #>> '{}')::timestamptz
                 FROM unnest(granted) g(id)
-                CROSS JOIN LATERAL jsonb_each(
-                    nullif(current_setting('permitq.start_tags', true), '')::jsonb
-                    -> g.id::text) s) x
+                CROSS JOIN LATERAL jsonb_each(tags -> g.id::text) s
+                WHERE tags IS NOT NULL) x
           GROUP BY x.semaphore_id) t
     WHERE k.semaphore_id = t.semaphore_id AND t.tag > k.virtual_time;
 END $$;

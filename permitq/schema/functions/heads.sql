@@ -108,7 +108,13 @@ BEGIN
         JOIN permitq.ancestors(ARRAY(SELECT DISTINCT p.parent FROM unmade p)) an
           ON an.name = um.parent
     )
-    SELECT DISTINCT ON (b.name) b.name, h.id, h.count, h.place
+    -- On a semaphore served by fairness key (functions/fairness.sql), nothing is granted past a
+    -- request no worker has examined yet: its key's turn is not known until then (a newcomer
+    -- key is owed the next grant), so it keeps the whole room, as a stand-in does.
+    SELECT DISTINCT ON (b.name) b.name, h.id,
+           CASE WHEN EXISTS (SELECT 1 FROM permitq.keyed_semaphore k WHERE k.semaphore_id = s.id)
+                THEN 2147483647 ELSE h.count END,
+           h.place
     FROM unnest(names, bounds) AS b(name, bound)
     JOIN permitq.semaphore s ON s.name = b.name AND s.fair AND NOT s.is_template
     CROSS JOIN LATERAL (

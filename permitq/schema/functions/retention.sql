@@ -2,7 +2,7 @@
 
 -- Deletes up to batch_size settled requests (and their waiter rows, by cascade) that settled
 -- more than older_than ago, and up to batch_size fence rows untouched as long, remembering the
--- highest token among them.
+-- highest token among them; and up to batch_size fairness keys' finish tags that say nothing.
 CREATE OR REPLACE FUNCTION permitq.delete_settled(older_than interval, batch_size integer) RETURNS integer
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
     SET plan_cache_mode = force_custom_plan SET enable_sort = off AS $$
@@ -46,6 +46,16 @@ BEGIN
         UPDATE permitq.token_epoch t SET token_floor = highest
         WHERE t.token_floor < highest;
     END IF;
+    -- And fairness keys' finish tags the virtual time has passed: they say nothing more than no
+    -- row (functions/fairness.sql), whenever they are deleted, so no lock orders this.
+    DELETE FROM permitq.key_finish f
+    WHERE (f.semaphore_id, f.fairness_key) IN (
+        SELECT g.semaphore_id, g.fairness_key FROM permitq.key_finish g
+        JOIN permitq.keyed_semaphore k ON k.semaphore_id = g.semaphore_id
+        WHERE g.finish <= k.virtual_time
+        LIMIT batch_size)
+      AND f.finish <= (SELECT k.virtual_time FROM permitq.keyed_semaphore k
+                       WHERE k.semaphore_id = f.semaphore_id);
     RETURN n;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.delete_settled(interval, integer) TO permitq_worker, permitq_admin;

@@ -82,8 +82,21 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
     assert_eq!(first, ["a-1", "b-1", "a-2"]);
     let explained = client.explain("b-1").await.unwrap().unwrap();
     assert!(
-        explained.semaphores.iter().any(|s| s.position == Some(2)),
+        explained.semaphores.iter().any(|s| s.position == Some(2)
+            && s.reason.contains(
+                "(served by fairness key: its key B, weight 1, placed at its \
+                                  arrival: its key had no earlier permits waiting ahead of it)"
+            )),
         "{explained:?}"
+    );
+    let behind = client.explain("a-3").await.unwrap().unwrap();
+    assert!(
+        behind.semaphores.iter().any(|s| s.position == Some(4)
+            && s.reason.contains(
+                "its key A, weight 1, placed 20s after its arrival, behind its \
+                                  key's earlier permits"
+            )),
+        "{behind:?}"
     );
     client.release("holder").await.unwrap();
     let mut a_granted = 0;
@@ -209,6 +222,27 @@ async fn waiting_keys_are_served_in_proportion_to_their_weights() {
     }
     worker.stop().await;
     check_invariants(&conn).await.unwrap();
+    // Retention forgets the finish tags the virtual time has passed (they say nothing), and
+    // only those.
+    let count = |stale: bool| {
+        let conn = &conn;
+        async move {
+            conn.query_one(
+                "SELECT count(*) FROM permitq.key_finish f JOIN permitq.keyed_semaphore k
+                 USING (semaphore_id) WHERE (f.finish <= k.virtual_time) = $1",
+                &[&stale],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+        }
+    };
+    let (stale, live) = (count(true).await, count(false).await);
+    assert!(stale > 0, "keys that finished early left tags behind");
+    conn.execute("SELECT permitq.delete_settled('1 hour', 1000)", &[])
+        .await
+        .unwrap();
+    assert_eq!((count(true).await, count(false).await), (0, live));
 }
 
 /// Waits until `id`-like requests on `semaphore` hold it, without releasing: the holder.
@@ -297,6 +331,70 @@ async fn a_key_that_ran_alone_is_not_punished_for_it() {
     );
     let b_first_six = served[..6].matches('B').count();
     assert!(b_first_six <= 4, "{served}");
+    worker.stop().await;
+    check_invariants(&conn).await.unwrap();
+}
+
+/// With room to spare (capacity 4, holders releasing at once), a burst's requests that their key
+/// placed further back are not granted past a request no worker has examined yet: B, behind
+/// 2,000 of A's, is granted by the first batch after the one that examines it, after at most
+/// one of A's (the first, placed at its arrival); without keys it would come after A's burst.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_room_to_spare_a_burst_does_not_pass_a_request_not_yet_examined() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client
+        .set_semaphore("pool", 4, &SemaphoreSettings::new().fairness_keys(true))
+        .await
+        .unwrap();
+    conn.execute(
+        "INSERT INTO permitq.permit_request (external_id, permits, fairness_key)
+         SELECT 'a-' || i, '{\"pool\": 1}', 'A' FROM generate_series(1, 2000) i",
+        &[],
+    )
+    .await
+    .unwrap();
+    client
+        .submit(&Request::new("b-1").permit("pool", 1).fairness_key("B"))
+        .await
+        .unwrap();
+    let worker = db.notified_worker("w1");
+    let deadline = Instant::now() + SOON;
+    loop {
+        let held: Vec<String> = conn
+            .query(
+                "SELECT external_id FROM permitq.permit_request WHERE state = 'acquired'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        if held.iter().any(|id| id == "b-1") {
+            break;
+        }
+        for id in &held {
+            client.release(id).await.unwrap();
+        }
+        assert!(Instant::now() < deadline, "b-1 not granted");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let before: Vec<String> = conn
+        .query(
+            "SELECT external_id FROM permitq.permit_request
+             WHERE fairness_key = 'A' AND decided_at
+                   < (SELECT decided_at FROM permitq.permit_request WHERE external_id = 'b-1')
+               AND acquired_at IS NOT NULL ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(before.len() <= 1, "granted before b-1: {before:?}");
     worker.stop().await;
     check_invariants(&conn).await.unwrap();
 }

@@ -1,0 +1,169 @@
+//! Fairness keys (`--only fairness`): what serving a line by key costs, and what it buys.
+//!
+//! - **cost**: a drain of 20,000 queued requests over 10,000 keys (two each) on a semaphore
+//!   served by key, against the same backlog on one that is not, alternated, one worker; every
+//!   request examined on a keyed semaphore reads and writes its key's finish tag;
+//! - **a noisy tenant**: 10,000 requests of tenant A queued on a keyed semaphore of capacity 4,
+//!   then one of tenant B; holders release at once: how many of A's are granted before B's.
+
+use std::time::{Duration, Instant};
+
+use permitq::{Client, SemaphoreSettings};
+
+use super::baselines::rate;
+use super::load::{db_now, wait_drained};
+use super::{fleet, stop, tag, BenchArgs, Report};
+use crate::error::{CliError, Result};
+
+/// Requests per drain, and keys they are spread over.
+const ROWS: i64 = 20_000;
+const KEYS: i64 = 10_000;
+
+pub(super) async fn run(url: &str, args: &BenchArgs, report: &mut Report) -> Result<()> {
+    let client = Client::connect(url).await?;
+    let conn = permitq_embedded_pg::try_connect(url).await?;
+    report.line(format!(
+        "\n## Fairness keys: a drain of {ROWS} queued requests over {KEYS} keys, 1 worker, each \
+         alternated with the same backlog on a semaphore not served by key"
+    ));
+    report.line("| run | without keys (grants/s) | with keys (grants/s) | with ÷ without |\n|---:|---:|---:|---:|");
+    let mut ratios = Vec::new();
+    for run in 1..=args.repeat.max(2) {
+        let plain = drain(url, &client, &conn, false).await?;
+        let keyed = drain(url, &client, &conn, true).await?;
+        ratios.push(keyed / plain.max(1e-9));
+        report.line(format!(
+            "| {run} | {plain:.0} | {keyed:.0} | {:.2}× |",
+            keyed / plain.max(1e-9)
+        ));
+    }
+    ratios.sort_by(f64::total_cmp);
+    report.line(format!(
+        "fairness keys: drain with ÷ without, median {:.2}× (goal ≥ 0.8×: {})",
+        ratios[ratios.len() / 2],
+        if ratios[ratios.len() / 2] >= 0.8 {
+            "met"
+        } else {
+            "not met"
+        }
+    ));
+    noisy_tenant(url, &client, &conn, report).await
+}
+
+/// One drain of [`ROWS`] requests on a semaphore of room enough for all, served by key or not:
+/// grants per second.
+async fn drain(
+    url: &str,
+    client: &Client,
+    conn: &tokio_postgres::Client,
+    keyed: bool,
+) -> Result<f64> {
+    let semaphore = format!("fair-{}", tag());
+    client
+        .set_semaphore(
+            &semaphore,
+            1_000_000,
+            &SemaphoreSettings::new().fairness_keys(keyed),
+        )
+        .await?;
+    conn.execute(
+        "INSERT INTO permitq.permit_request (external_id, permits, fairness_key)
+         SELECT $1::text || '-' || i, jsonb_build_object($1::text, 1), 'tenant-' || (i % $3)
+         FROM generate_series(1, $2::int8) i",
+        &[&semaphore, &ROWS, &KEYS],
+    )
+    .await?;
+    conn.batch_execute("ANALYZE permitq.permit_request").await?;
+    let since = db_now(conn).await?;
+    let running = fleet(url, 1, &format!("bench-{semaphore}"))?;
+    let took = wait_drained(conn, &semaphore, since, Duration::from_secs(300)).await?;
+    stop(running).await;
+    conn.execute(
+        "SELECT count(permitq.release(external_id)) FROM permitq.permit_request
+         WHERE external_id LIKE $1 AND state = 'acquired'",
+        &[&format!("{semaphore}-%")],
+    )
+    .await?;
+    conn.batch_execute("VACUUM ANALYZE permitq.permit_request")
+        .await?;
+    Ok(rate(u64::try_from(ROWS).unwrap_or(0), took))
+}
+
+/// Tenant A's 10,000 queued, then tenant B's one, on a keyed semaphore of capacity 4 whose
+/// holders release at once: A's grants before B's.
+async fn noisy_tenant(
+    url: &str,
+    client: &Client,
+    conn: &tokio_postgres::Client,
+    report: &mut Report,
+) -> Result<()> {
+    let semaphore = format!("noisy-{}", tag());
+    client
+        .set_semaphore(&semaphore, 4, &SemaphoreSettings::new().fairness_keys(true))
+        .await?;
+    conn.execute(
+        "INSERT INTO permitq.permit_request (external_id, permits, fairness_key)
+         SELECT $1::text || '-a-' || i, jsonb_build_object($1::text, 1), 'A'
+         FROM generate_series(1, 10000) i",
+        &[&semaphore],
+    )
+    .await?;
+    let b = format!("{semaphore}-b");
+    client
+        .submit(
+            &permitq::Request::new(&b)
+                .permit(&semaphore, 1)
+                .fairness_key("B"),
+        )
+        .await?;
+    let running = fleet(url, 2, &format!("bench-{semaphore}"))?;
+    let started = Instant::now();
+    // The holders: release whatever is granted, until B is.
+    // The batch that granted B began at its `decided_at`: A's granted by earlier batches.
+    let b_granted = loop {
+        let granted: Vec<(String, Option<std::time::SystemTime>)> = conn
+            .query(
+                "SELECT external_id, decided_at FROM permitq.permit_request
+                 WHERE state = 'acquired' AND permits ? $1",
+                &[&semaphore],
+            )
+            .await?
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        if let Some((_, at)) = granted.iter().find(|(id, _)| *id == b) {
+            break *at;
+        }
+        for (id, _) in &granted {
+            client.release(id).await?;
+        }
+        if started.elapsed() > Duration::from_secs(300) {
+            return Err(CliError::runtime(format!(
+                "{b} not granted after {:?}",
+                started.elapsed()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    stop(running).await;
+    let before: i64 = conn
+        .query_one(
+            "SELECT count(*) FROM permitq.permit_request
+             WHERE permits ? $1 AND fairness_key = 'A' AND decided_at < $2",
+            &[&semaphore, &b_granted],
+        )
+        .await?
+        .get(0);
+    report.line(format!(
+        "a noisy tenant: 10000 of A's requests queued on a keyed semaphore of capacity 4, then \
+         one of B's: B granted after {before} of A's, in the batches before it (without keys: after every one of A's \
+         queued ahead of it, 10000)"
+    ));
+    conn.execute(
+        "SELECT count(permitq.release(external_id)) FROM permitq.permit_request
+         WHERE permits ? $1 AND state IN ('new', 'acquired')",
+        &[&semaphore],
+    )
+    .await?;
+    Ok(())
+}
