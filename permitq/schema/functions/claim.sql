@@ -32,6 +32,9 @@ SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off SET enable_
 SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     ready bigint[];
+    -- Where each waits: its waiter rows' place (a keyed semaphore may have placed it later
+    -- than its arrival: functions/fairness.sql).
+    ready_places bigint[];
 BEGIN
     RETURN QUERY
     SELECT r.id, r.permits, coalesce(r.wait = interval '0', false),
@@ -60,15 +63,15 @@ BEGIN
         FROM permitq.waited_semaphores() AS waited(id)
         JOIN permitq.semaphore s ON s.id = waited.id
     )
-    SELECT array_agg(DISTINCT x.request_id) INTO ready
-    FROM (
+    SELECT array_agg(y.request_id), array_agg(y.place) INTO ready, ready_places
+    FROM (SELECT x.request_id, max(x.place) AS place FROM (
         -- The first of its line (waiter_place_idx, in line order), at most batch_size looked
         -- at, of which those whose count fits, no more than `free` of them (each grant takes at
         -- least one permit): the decision puts them in line.
-        SELECT fit.request_id
+        SELECT fit.request_id, permitq.rule_place_in_line(fit.priority, fit.created_at) AS place
         FROM room
         CROSS JOIN LATERAL (
-            SELECT w.request_id
+            SELECT w.request_id, w.priority, w.created_at
             FROM (SELECT wt.request_id, wt.count, wt.priority, wt.created_at
                   FROM permitq.waiter wt
                   -- A full one is not read at all (a one-time filter).
@@ -99,15 +102,15 @@ BEGIN
         -- instead of keeping a fair line's room for ever. Found by count (waiter_count_idx),
         -- room or not: one index read per semaphore with waiters, empty unless the capacity
         -- was lowered below a waiter's count.
-        SELECT big.request_id
+        SELECT big.request_id, permitq.rule_place_in_line(big.priority, big.created_at)
         FROM room
         CROSS JOIN LATERAL (
-            SELECT wt.request_id FROM permitq.waiter wt
+            SELECT wt.request_id, wt.priority, wt.created_at FROM permitq.waiter wt
             WHERE wt.semaphore_id = room.id AND wt.count > room.capacity
             ORDER BY wt.semaphore_id, wt.count DESC -- waiter_count_idx
             LIMIT batch_size
         ) big
-    ) x;
+    ) x GROUP BY x.request_id) y;
     IF ready IS NULL THEN
         RETURN;
     END IF;
@@ -115,13 +118,12 @@ BEGIN
     SELECT r.id, r.permits, coalesce(r.wait = interval '0', false),
            coalesce(r.wait_until <= now(), false), r.examined,
            extract(epoch FROM clock_timestamp() - r.created_at)::float8,
-           NULL::text, r.external_id,
-           -- Where it waits: moved back if a keyed semaphore placed it (functions/fairness.sql).
-           permitq.rule_place_in_line(r.priority, permitq.placed_at(r.created_at, r.place_offset))
+           NULL::text, r.external_id, q.place
     FROM permitq.permit_request r
-    WHERE r.id = ANY(ready) AND r.state = 'new' AND r.examined
+    JOIN unnest(ready, ready_places) AS q(id, place) ON q.id = r.id
+    WHERE r.state = 'new' AND r.examined
     ORDER BY r.id
-    FOR UPDATE SKIP LOCKED;
+    FOR UPDATE OF r SKIP LOCKED;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.claim_batch(bigint, bigint) TO permitq_worker;
 
@@ -136,7 +138,10 @@ LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = of
            coalesce(r.wait_until <= now(), false), r.examined,
            extract(epoch FROM clock_timestamp() - r.created_at)::float8,
            CASE WHEN NOT r.examined THEN permitq.request_problem(r) END, r.external_id,
-           permitq.rule_place_in_line(r.priority, permitq.placed_at(r.created_at, r.place_offset))
+           -- An examined one where it waits (its waiter rows: functions/fairness.sql).
+           coalesce((SELECT max(permitq.rule_place_in_line(w.priority, w.created_at))
+                     FROM permitq.waiter w WHERE w.request_id = r.id AND r.examined),
+                    permitq.rule_place_in_line(r.priority, r.created_at))
     FROM permitq.permit_request r
     WHERE r.id = ANY(ids) AND r.state = 'new'
     ORDER BY r.id

@@ -146,12 +146,15 @@ BEGIN
         INSERT INTO permitq.waiter (semaphore_id, request_id, count, priority, created_at,
                                     place_offset, start_tag)
         SELECT s.id, r.id, e.value::int, r.priority,
-               permitq.placed_at(r.created_at, r.place_offset), r.place_offset,
-               CASE WHEN r.place_offset IS NOT NULL OR keyed
-                    THEN permitq.start_tag_of(r.id, s.id) END
+               permitq.placed_at(r.created_at, o.place_offset), o.place_offset, t.start_tag
         FROM permitq.permit_request r
         CROSS JOIN LATERAL jsonb_each(coalesce(charges -> r.id::text, r.permits)) e
         JOIN permitq.semaphore s ON s.name = e.key
+        -- (Read only where a semaphore is served by key: a one-time filter.)
+        LEFT JOIN (SELECT DISTINCT b.request_id, b.place_offset FROM permitq.batch_tags() b
+                   WHERE keyed) o ON o.request_id = r.id
+        LEFT JOIN (SELECT b.request_id, b.semaphore_id, b.start_tag FROM permitq.batch_tags() b
+                   WHERE keyed) t ON t.request_id = r.id AND t.semaphore_id = s.id
         WHERE r.id = ANY(waiting) AND NOT r.examined AND r.state = 'new'
         ON CONFLICT DO NOTHING;
 

@@ -48,6 +48,8 @@ DECLARE
     s permitq.semaphore;
     named record;
     place bigint;
+    -- How much later than its arrival a keyed semaphore placed it (functions/fairness.sql).
+    placed_later interval;
     head record;
     ahead_count bigint;
     opens_at timestamptz;
@@ -114,7 +116,10 @@ BEGIN
         RETURN NEXT;
         RETURN;
     END IF;
-    place := permitq.rule_place_in_line(r.priority, permitq.placed_at(r.created_at, r.place_offset));
+    -- Where it waits: once examined, its waiter rows' place (a keyed semaphore may have placed
+    -- it later than its arrival: functions/fairness.sql).
+    SELECT max(w.place_offset) INTO placed_later FROM permitq.waiter w WHERE w.request_id = r.id;
+    place := permitq.rule_place_in_line(r.priority, permitq.placed_at(r.created_at, placed_later));
     SELECT array_agg(t.name ORDER BY t.depth, t.name) INTO every_name FROM permitq.taken_by(r.permits) t;
     -- What it takes from each semaphore: what it names there, or below it.
     FOR named IN SELECT * FROM permitq.taken_by(r.permits) LOOP
@@ -348,9 +353,9 @@ BEGIN
                                   WHERE k.semaphore_id = s.id) THEN
             reason := reason || format(' (served by fairness key: its key %s, weight %s, %s)',
                 coalesce(r.fairness_key, '(none)'), coalesce(r.fairness_weight, 1),
-                CASE WHEN r.place_offset > interval '0'
+                CASE WHEN placed_later > interval '0'
                      THEN format('placed %s after its arrival, behind its key''s earlier permits; keys that wait take turns in proportion to their weights',
-                                 permitq.human_duration(r.place_offset))
+                                 permitq.human_duration(placed_later))
                      ELSE 'placed at its arrival: its key had no earlier permits waiting ahead of it' END);
         END IF;
         -- Past its wait, it is not granted: the next pass ends it.

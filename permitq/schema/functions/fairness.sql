@@ -27,31 +27,87 @@ $$;
 GRANT EXECUTE ON FUNCTION permitq.placed_at(timestamptz, interval)
     TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
 
+-- A timestamp in microseconds since the epoch (the unit of the place in line), and back.
+CREATE OR REPLACE FUNCTION permitq.epoch_us(t timestamptz) RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT (extract(epoch FROM t - timestamptz '1970-01-01 00:00:00+00') * 1000000)::bigint
+$$;
+-- (STABLE, as timestamptz + interval is: so that queries inline it.)
+CREATE OR REPLACE FUNCTION permitq.from_epoch_us(us bigint) RETURNS timestamptz
+LANGUAGE sql STABLE PARALLEL SAFE AS $$
+    SELECT timestamptz '1970-01-01 00:00:00+00' + us * interval '1 microsecond'
+$$;
+
+-- What permitq.place_by_keys kept for the rest of the transaction under `name`, an array
+-- (empty when it kept nothing: a setting not set in this session reads '').
+CREATE OR REPLACE FUNCTION permitq.batch_setting(name text) RETURNS bigint[]
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(nullif(current_setting(name, true), ''), '{}')::bigint[]
+$$;
+
+-- The start tags and offsets permitq.place_by_keys gave in this transaction: a row per
+-- request and keyed semaphore it names; `place_offset` is the request's (the largest over
+-- them), the same on each of its rows.
+CREATE OR REPLACE FUNCTION permitq.batch_tags()
+RETURNS TABLE (request_id bigint, semaphore_id bigint, start_tag timestamptz,
+               place_offset interval)
+LANGUAGE sql STABLE AS $$
+    SELECT t.id, t.semaphore_id, permitq.from_epoch_us(t.start_us),
+           t.offset_us * interval '1 microsecond'
+    FROM unnest(permitq.batch_setting('permitq.tagged_ids'),
+                permitq.batch_setting('permitq.tagged_semaphores'),
+                permitq.batch_setting('permitq.tagged_starts_us'),
+                permitq.batch_setting('permitq.tagged_offsets_us'))
+         AS t(id, semaphore_id, start_us, offset_us)
+$$;
+
+-- `places` (in the order of `ids`), each moved back by its request's offset in
+-- `tagged_ids`/`offsets_us` (none: unchanged). Joined by hash: permitq.place_by_keys plans
+-- its own statements with nested loops only.
+CREATE OR REPLACE FUNCTION permitq.places_moved_back(ids bigint[], places bigint[],
+                                                     tagged_ids bigint[], offsets_us bigint[])
+RETURNS bigint[]
+LANGUAGE sql IMMUTABLE SET enable_hashjoin = on AS $$
+    SELECT array_agg(b.place - coalesce(o.offset_us, 0) ORDER BY b.n)
+    FROM unnest(ids, places) WITH ORDINALITY AS b(id, place, n)
+    LEFT JOIN (SELECT DISTINCT x.id, x.offset_us
+               FROM unnest(tagged_ids, offsets_us) x(id, offset_us)) o ON o.id = b.id
+$$;
+
 -- Worker step 2, after the semaphore locks (permitq.lock_batch_and_heads): the start tags and
 -- offsets of the batch's unexamined requests on the keyed semaphores they name, taken in place
--- order within each key. Writes each key's new finish tag, each request's `place_offset`, and
--- the tags for permitq.apply_decision (the transaction's setting `permitq.start_tags`, where a
--- waiter row takes its tag and a grant moves the virtual time). Returns `places` (the batch's
+-- order within each key. Writes each key's new finish tag, and keeps the tags and offsets for
+-- the rest of the transaction (permitq.batch_tags: next_batch ranks by them, and
+-- permitq.apply_decision writes them into the waiter rows and moves the virtual time) rather
+-- than in the requests' rows, which are not rewritten for it. Returns `places` (the batch's
 -- places in line, in the order of `ids`) with the offsets taken off. The caller holds the row
 -- locks of `ids` and the locks of their semaphores; everything it writes goes with the batch's
 -- commit or rollback.
+-- (Each key's finish tag is looked up by its key, never scanned: flat in the number of keys.)
 CREATE OR REPLACE FUNCTION permitq.place_by_keys(ids bigint[], places bigint[])
 RETURNS bigint[]
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
+SET enable_seqscan = off SET enable_mergejoin = off SET enable_hashjoin = off
 SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
-    tags jsonb;
-    placed bigint[];
+    tagged_ids bigint[];
+    tagged_semaphores bigint[];
+    starts_us bigint[];
+    offsets_us bigint[];
 BEGIN
-    -- (The INSERT and the UPDATE in WITH run to completion, whether read or not.)
+    -- (The INSERT in WITH runs to completion, read or not.) Times in microseconds since the
+    -- epoch (the place in line's unit); a request's share of its key's turn is
+    -- step × count / weight, in whole microseconds.
     WITH named AS (
-        SELECT r.id, coalesce(r.fairness_key, '') AS fkey,
-               coalesce(r.fairness_weight, 1)::numeric AS weight,
-               b.place, k.semaphore_id, k.virtual_time,
-               -- Read defensively: a count that is not one counts as 1 (the decision fails it).
-               CASE WHEN jsonb_typeof(e.value) = 'number'
-                         AND (e.value #>> '{}')::numeric BETWEEN 1 AND 2147483647
-                    THEN (e.value #>> '{}')::numeric ELSE 1 END AS count
+        SELECT r.id, coalesce(r.fairness_key, '') AS fkey, b.place, k.semaphore_id,
+               permitq.epoch_us(k.virtual_time) AS v,
+               permitq.rule_aging_step_us()
+                   -- Read defensively: a count that is not one counts as 1 (the decision
+                   -- fails it).
+                   * CASE WHEN jsonb_typeof(e.value) = 'number'
+                               AND (e.value #>> '{}')::numeric BETWEEN 1 AND 2147483647
+                          THEN (e.value #>> '{}')::numeric::bigint ELSE 1 END
+                   / coalesce(r.fairness_weight, 1) AS turn_us
         FROM unnest(ids, places) AS b(id, place)
         JOIN permitq.permit_request r ON r.id = b.id AND r.state = 'new' AND NOT r.examined
         CROSS JOIN LATERAL jsonb_each(CASE WHEN jsonb_typeof(r.permits) = 'object'
@@ -59,62 +115,46 @@ BEGIN
         JOIN permitq.semaphore s ON s.name = e.key
         JOIN permitq.keyed_semaphore k ON k.semaphore_id = s.id
     ),
+    -- S = max(V, F) + the turns of the key's requests ahead of it in this batch.
     tagged AS (
-        SELECT n.id, n.fkey, n.semaphore_id, n.virtual_time,
-               greatest(n.virtual_time, coalesce(f.finish, n.virtual_time))
-                   + make_interval(secs => permitq.rule_aging_step_us() / 1e6
-                       * (sum(n.count / n.weight) OVER (PARTITION BY n.semaphore_id, n.fkey
-                                                         ORDER BY n.place DESC, n.id)
-                          - n.count / n.weight)) AS start_tag,
-               greatest(n.virtual_time, coalesce(f.finish, n.virtual_time))
-                   + make_interval(secs => permitq.rule_aging_step_us() / 1e6
-                       * sum(n.count / n.weight) OVER (PARTITION BY n.semaphore_id, n.fkey))
-                   AS finish
+        SELECT n.id, n.fkey, n.semaphore_id, n.v, n.turn_us,
+               greatest(n.v, coalesce(permitq.epoch_us(f.finish), n.v))
+                   + (sum(n.turn_us) OVER (PARTITION BY n.semaphore_id, n.fkey
+                                           ORDER BY n.place DESC, n.id))::bigint
+                   - n.turn_us AS start_us
         FROM named n
         LEFT JOIN permitq.key_finish f
           ON f.semaphore_id = n.semaphore_id AND f.fairness_key = n.fkey
     ),
     finished AS (
         INSERT INTO permitq.key_finish AS f (semaphore_id, fairness_key, finish)
-        SELECT DISTINCT t.semaphore_id, t.fkey, t.finish FROM tagged t
+        SELECT t.semaphore_id, t.fkey, permitq.from_epoch_us(max(t.start_us + t.turn_us))
+        FROM tagged t GROUP BY t.semaphore_id, t.fkey
         ON CONFLICT (semaphore_id, fairness_key) DO UPDATE SET finish = EXCLUDED.finish
-    ),
-    offsets AS (
-        SELECT t.id, max(t.start_tag - t.virtual_time) AS place_offset,
-               jsonb_object_agg(t.semaphore_id::text, t.start_tag) AS starts
-        FROM tagged t GROUP BY t.id
-    ),
-    moved AS (
-        UPDATE permitq.permit_request r SET place_offset = o.place_offset
-        FROM offsets o
-        WHERE r.id = o.id AND o.place_offset > interval '0'
     )
-    SELECT jsonb_object_agg(o.id::text, o.starts),
-           (SELECT array_agg(b.place - coalesce((extract(epoch FROM p.place_offset)
-                                                  * 1000000)::bigint, 0) ORDER BY b.n)
-            FROM unnest(ids, places) WITH ORDINALITY AS b(id, place, n)
-            LEFT JOIN offsets p ON p.id = b.id)
-    INTO tags, placed
-    FROM offsets o;
-    IF tags IS NULL THEN
+    SELECT array_agg(x.id), array_agg(x.semaphore_id), array_agg(x.start_us),
+           array_agg(x.offset_us)
+    INTO tagged_ids, tagged_semaphores, starts_us, offsets_us
+    FROM (SELECT t.id, t.semaphore_id, t.start_us,
+                 max(t.start_us - t.v) OVER (PARTITION BY t.id) AS offset_us
+          FROM tagged t) x;
+    IF tagged_ids IS NULL THEN
         RETURN places;
     END IF;
-    PERFORM set_config('permitq.start_tags',
-                       (coalesce(nullif(current_setting('permitq.start_tags', true), ''), '{}')::jsonb
-                        || tags)::text,
+    PERFORM set_config('permitq.tagged_ids',
+                       (permitq.batch_setting('permitq.tagged_ids') || tagged_ids)::text, true),
+            set_config('permitq.tagged_semaphores',
+                       (permitq.batch_setting('permitq.tagged_semaphores')
+                        || tagged_semaphores)::text, true),
+            set_config('permitq.tagged_starts_us',
+                       (permitq.batch_setting('permitq.tagged_starts_us') || starts_us)::text,
+                       true),
+            set_config('permitq.tagged_offsets_us',
+                       (permitq.batch_setting('permitq.tagged_offsets_us') || offsets_us)::text,
                        true);
-    RETURN placed;
+    RETURN permitq.places_moved_back(ids, places, tagged_ids, offsets_us);
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.place_by_keys(bigint[], bigint[]) TO permitq_worker;
-
--- The start tags permitq.place_by_keys gave request `request_id` in this transaction, by
--- semaphore id (NULL when it gave none).
-CREATE OR REPLACE FUNCTION permitq.start_tag_of(request_id bigint, semaphore_id bigint)
-RETURNS timestamptz
-LANGUAGE sql STABLE AS $$
-    SELECT (nullif(current_setting('permitq.start_tags', true), '')::jsonb
-            -> request_id::text ->> semaphore_id::text)::timestamptz
-$$;
 
 -- After a batch's grants (permitq.apply_decision): each keyed semaphore's virtual time moves to
 -- the largest start tag granted there (from the grants' waiter rows, or, for a request granted
@@ -123,9 +163,6 @@ CREATE OR REPLACE FUNCTION permitq.advance_virtual_time(granted bigint[])
 RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
 SET plan_cache_mode = force_generic_plan AS $$
-DECLARE
-    -- This transaction's tags, parsed once.
-    tags jsonb := nullif(current_setting('permitq.start_tags', true), '')::jsonb;
 BEGIN
     UPDATE permitq.keyed_semaphore k SET virtual_time = t.tag
     FROM (SELECT x.semaphore_id, max(x.tag) AS tag
@@ -133,10 +170,9 @@ BEGIN
                 FROM permitq.waiter w
                 WHERE w.request_id = ANY(granted) AND w.start_tag IS NOT NULL
                 UNION ALL
-                SELECT s.key::bigint, (s.value #>> '{}')::timestamptz
-                FROM unnest(granted) g(id)
-                CROSS JOIN LATERAL jsonb_each(tags -> g.id::text) s
-                WHERE tags IS NOT NULL) x
+                SELECT b.semaphore_id, b.start_tag
+                FROM permitq.batch_tags() b
+                WHERE b.request_id = ANY(granted)) x
           GROUP BY x.semaphore_id) t
     WHERE k.semaphore_id = t.semaphore_id AND t.tag > k.virtual_time;
 END $$;
@@ -177,6 +213,7 @@ BEGIN
         ON CONFLICT (semaphore_id) DO NOTHING;
     ELSE
         DELETE FROM permitq.keyed_semaphore k WHERE k.semaphore_id = s.id;
+        DELETE FROM permitq.key_finish f WHERE f.semaphore_id = s.id;
     END IF;
     RETURN keyed;
 END $$;

@@ -108,12 +108,16 @@ BEGIN
         JOIN permitq.ancestors(ARRAY(SELECT DISTINCT p.parent FROM unmade p)) an
           ON an.name = um.parent
     )
-    -- On a semaphore served by fairness key (functions/fairness.sql), nothing is granted past a
-    -- request no worker has examined yet: its key's turn is not known until then (a newcomer
-    -- key is owed the next grant), so it keeps the whole room, as a stand-in does.
+    -- On a semaphore served by fairness key (functions/fairness.sql), the head not examined yet
+    -- keeps the room of every request not examined yet ahead of the batch that was read (at
+    -- most `scan_limit`; the stand-in past them adds nothing): their keys' turns are not known
+    -- until a worker examines them (a newcomer key is owed the next grant), so nothing is
+    -- granted past them that would leave less.
     SELECT DISTINCT ON (b.name) b.name, h.id,
            CASE WHEN EXISTS (SELECT 1 FROM permitq.keyed_semaphore k WHERE k.semaphore_id = s.id)
-                THEN 2147483647 ELSE h.count END,
+                THEN least(sum(CASE WHEN h.id = 0 THEN 0 ELSE h.count END)
+                               OVER (PARTITION BY b.name), 2147483647)::integer
+                ELSE h.count END,
            h.place
     FROM unnest(names, bounds) AS b(name, bound)
     JOIN permitq.semaphore s ON s.name = b.name AND s.fair AND NOT s.is_template

@@ -105,12 +105,12 @@ BEGIN
     -- cursor); `ranked` the place the decision ranks it by, once a keyed semaphore placed it.
     ranked_places := places;
     IF EXISTS (SELECT 1 FROM permitq.keyed_semaphore) THEN
-        SELECT array_agg(b.place - coalesce((extract(epoch FROM r.place_offset) * 1000000)::bigint,
-                                            0)
+        SELECT array_agg(b.place - coalesce(extract(epoch FROM o.place_offset) * 1000000, 0)::bigint
                          ORDER BY b.n)
         INTO ranked_places
-        FROM unnest(ids, places, examined_of) WITH ORDINALITY AS b(id, place, examined, n)
-        LEFT JOIN permitq.permit_request r ON r.id = b.id AND NOT b.examined;
+        FROM unnest(ids, places) WITH ORDINALITY AS b(id, place, n)
+        LEFT JOIN (SELECT DISTINCT t.request_id, t.place_offset
+                   FROM permitq.batch_tags() t) o ON o.request_id = b.id;
     END IF;
     RETURN QUERY
     SELECT 'r'::"char", c.id, c.permits, c.fail_fast, c.deadline_passed, c.examined, c.age,

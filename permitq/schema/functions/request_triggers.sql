@@ -33,8 +33,7 @@ BEGIN
         RAISE EXCEPTION 'invalid permit_request: new requests must be inserted in state new'
             USING ERRCODE = '22023';
     END IF;
-    -- A worker places it (functions/fairness.sql); a weight names a key's share.
-    NEW.place_offset := NULL;
+    -- A weight is a key's share.
     IF NEW.fairness_weight IS NOT NULL AND NEW.fairness_key IS NULL THEN
         RAISE EXCEPTION 'invalid fairness_weight: it is the weight of a fairness_key, and none was given'
             USING ERRCODE = '22023',

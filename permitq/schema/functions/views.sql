@@ -93,17 +93,17 @@ CREATE OR REPLACE VIEW permitq.waiters WITH (security_barrier = true) AS
 SELECT w.semaphore, w.external_id, w.owner, w.count, w.position, w.waiting_since, w.deadline,
        w.priority
 FROM (SELECT l.semaphore, r.external_id, r.owner, l.count,
+             -- Where it waits (`placed`: a keyed semaphore may have placed it later than its
+             -- arrival, functions/fairness.sql).
              row_number() OVER (PARTITION BY l.semaphore
-                                ORDER BY permitq.rule_place_in_line(
-                                             r.priority,
-                                             permitq.placed_at(r.created_at, r.place_offset))
-                                         DESC, r.id)
+                                ORDER BY permitq.rule_place_in_line(r.priority, l.placed) DESC,
+                                         r.id)
                  AS position,
              r.created_at AS waiting_since, r.wait_until AS deadline, r.priority, r.submitted_by
-      FROM (SELECT s.name AS semaphore, wt.request_id, wt.count
+      FROM (SELECT s.name AS semaphore, wt.request_id, wt.count, wt.created_at AS placed
             FROM permitq.waiter wt JOIN permitq.semaphore s ON s.id = wt.semaphore_id
             UNION ALL
-            SELECT e.key, u.id, e.value::int
+            SELECT e.key, u.id, e.value::int, u.created_at
             FROM permitq.permit_request u CROSS JOIN LATERAL jsonb_each(u.permits) e
             WHERE u.state = 'new' AND NOT u.examined) l
       JOIN permitq.permit_request r ON r.id = l.request_id AND r.state = 'new') w
@@ -123,17 +123,17 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET j
 SET enable_seqscan = off AS $$
     WITH s AS (SELECT s.id, s.name FROM permitq.semaphore s WHERE s.name = first_waiters.name),
     line AS (
-        SELECT w.request_id, w.count FROM s
+        SELECT w.request_id, w.count, w.created_at AS placed FROM s
         CROSS JOIN LATERAL permitq.waiter_levels(s.id) lv(priority)
         CROSS JOIN LATERAL (
-            SELECT wt.request_id, wt.count FROM permitq.waiter wt
+            SELECT wt.request_id, wt.count, wt.created_at FROM permitq.waiter wt
             WHERE wt.semaphore_id = s.id AND wt.priority = lv.priority
             ORDER BY wt.semaphore_id, wt.priority DESC, wt.created_at, wt.request_id
             LIMIT least(first_waiters.n, 1000)) w
         UNION ALL
         -- Those naming it, filtered before the limit (a backlog elsewhere leaves none out).
-        SELECT u.id, (u.permits ->> first_waiters.name)::int
-        FROM (SELECT r.id, r.permits FROM permitq.permit_request r
+        SELECT u.id, (u.permits ->> first_waiters.name)::int, u.created_at
+        FROM (SELECT r.id, r.permits, r.created_at FROM permitq.permit_request r
               WHERE r.state = 'new' AND NOT r.examined AND r.permits ? first_waiters.name
               ORDER BY permitq.rule_place_in_line(r.priority, r.created_at) DESC
               LIMIT 10000) u
@@ -141,9 +141,7 @@ SET enable_seqscan = off AS $$
     ranked AS (
         SELECT r.external_id, r.owner, line.count, r.created_at, r.wait_until, r.priority,
                r.submitted_by,
-               row_number() OVER (ORDER BY permitq.rule_place_in_line(
-                                               r.priority,
-                                               permitq.placed_at(r.created_at, r.place_offset))
+               row_number() OVER (ORDER BY permitq.rule_place_in_line(r.priority, line.placed)
                                            DESC, r.id) AS position
         FROM line
         CROSS JOIN LATERAL (SELECT * FROM permitq.permit_request pr

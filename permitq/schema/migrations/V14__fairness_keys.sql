@@ -11,10 +11,7 @@ ALTER TABLE permitq.permit_request
     ADD COLUMN fairness_weight integer
         CONSTRAINT permit_request_fairness_weight_valid
             CHECK (fairness_weight BETWEEN permitq.rule_fairness_weight_min()
-                                       AND permitq.rule_fairness_weight_max()),
-    -- How much later than its arrival a worker placed it, when it examined it on a keyed
-    -- semaphore (its place in every line it waits in is created_at + place_offset).
-    ADD COLUMN place_offset interval;
+                                       AND permitq.rule_fairness_weight_max());
 
 -- The semaphores whose lines are served by key, each with its virtual time: the largest start
 -- tag granted there (a key that was idle starts there, so it is not punished for what it used
@@ -27,16 +24,18 @@ CREATE TABLE permitq.keyed_semaphore (
 -- Each key's finish tag on a keyed semaphore: where its next request starts, unless the
 -- virtual time has passed it. A row at or behind the virtual time says nothing more than no row,
 -- so such rows may be deleted at any time (the retention sweep does).
+-- (No foreign key: a check per row examined. permitq.set_fairness_keys deletes a semaphore's
+-- rows when it stops serving by key, and retention those of a semaphore deleted since.)
 CREATE TABLE permitq.key_finish (
-    semaphore_id bigint NOT NULL REFERENCES permitq.keyed_semaphore (semaphore_id)
-                     ON DELETE CASCADE,
+    semaphore_id bigint NOT NULL,
     fairness_key text NOT NULL,
     finish       timestamptz NOT NULL,
     PRIMARY KEY (semaphore_id, fairness_key)
 );
 
--- A waiter's created_at is where it stands in line (permitq.placed_at): its arrival moved back
--- by `place_offset` when a keyed semaphore placed it; and its start tag there (a grant moves the
+-- A waiter's created_at is where it stands in line: its arrival, moved back by `place_offset`
+-- when a keyed semaphore placed the request (the same on each of its rows, and only there: the
+-- request's own row is not rewritten for it); and its start tag there (a grant moves the
 -- virtual time to it).
 ALTER TABLE permitq.waiter ADD COLUMN place_offset interval, ADD COLUMN start_tag timestamptz;
 

@@ -336,9 +336,10 @@ async fn a_key_that_ran_alone_is_not_punished_for_it() {
 }
 
 /// With room to spare (capacity 4, holders releasing at once), a burst's requests that their key
-/// placed further back are not granted past a request no worker has examined yet: B, behind
-/// 2,000 of A's, is granted by the first batch after the one that examines it, after at most
-/// one of A's (the first, placed at its arrival); without keys it would come after A's burst.
+/// placed further back take no room that requests not examined yet ahead of them need: B, behind
+/// 2,000 of A's, is granted by the batch that examines it, and before that batch A's took at most
+/// the capacity (the first, placed at its arrival, then what B's room left over); without keys,
+/// or with backfill past B's room, they would take a share of every batch that examined them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_room_to_spare_a_burst_does_not_pass_a_request_not_yet_examined() {
     let db = TestDb::new().await;
@@ -394,7 +395,19 @@ async fn with_room_to_spare_a_burst_does_not_pass_a_request_not_yet_examined() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert!(before.len() <= 1, "granted before b-1: {before:?}");
+    assert!(before.len() <= 4, "granted before b-1: {before:?}");
+    let b: tokio_postgres::Row = conn
+        .query_one(
+            "SELECT examined_at = decided_at FROM permitq.permit_request
+             WHERE external_id = 'b-1'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert!(
+        b.get::<_, bool>(0),
+        "b-1 waited in line after it was examined"
+    );
     worker.stop().await;
     check_invariants(&conn).await.unwrap();
 }
