@@ -115,7 +115,8 @@ pub(crate) fn short_kind(u: &permitq::SemaphoreUsage) -> String {
         .adaptive
         .as_ref()
         .map(|a| format!("adaptive {}", a.algorithm.as_str()));
-    [origin, nesting, window, adaptive]
+    let keyed = u.fairness_keys.then(|| "by key".to_string());
+    [origin, nesting, window, adaptive, keyed]
         .into_iter()
         .flatten()
         .collect::<Vec<_>>()

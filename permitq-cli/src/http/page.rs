@@ -82,6 +82,9 @@ pub(crate) fn rows(usage: &[SemaphoreUsage], presence: &Presence) -> String {
         if let Some(a) = &u.adaptive {
             kind.push(format!("adaptive {}", a.algorithm.as_str()));
         }
+        if u.fairness_keys {
+            kind.push("by key".to_string());
+        }
         let kind = kind.join(", ");
         let _ = write!(
             html,

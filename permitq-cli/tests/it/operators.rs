@@ -1479,6 +1479,58 @@ async fn the_status_page_plots_an_adaptive_capacity_and_what_moved_it() {
             .contains("capacity over time (adaptive: aimd, 2 to 20)"),
         "{heading}"
     );
+    // A semaphore served by fairness key: its row says so, and its detail lists each key's share.
+    client
+        .set_semaphore(
+            "gpus",
+            1,
+            &permitq::SemaphoreSettings::new().fairness_keys(true),
+        )
+        .await
+        .unwrap();
+    let _holding = client
+        .acquire(&Request::new("g-hold").permit("gpus", 1), SOON)
+        .await
+        .unwrap();
+    for (id, key, weight) in [
+        ("g-a1", "team-a", 1),
+        ("g-a2", "team-a", 1),
+        ("g-b1", "team-b", 3),
+    ] {
+        client
+            .submit(
+                &Request::new(id)
+                    .permit("gpus", 1)
+                    .fairness_key(key)
+                    .fairness_weight(weight),
+            )
+            .await
+            .unwrap();
+    }
+    wait_until(SOON, "gpus on the page", || async {
+        eval("return document.querySelector('tr.sem[data-name=\"gpus\"]') !== null")
+            .await
+            .as_bool()
+            == Some(true)
+    })
+    .await;
+    eval("document.querySelector('tr.sem[data-name=\"gpus\"]').click(); return 0").await;
+    wait_until(SOON, "each key's share", || async {
+        let text = eval("return document.getElementById('detail').innerText").await;
+        let text = text.as_str().unwrap_or("");
+        text.contains("fairness keys (keys that wait are served in proportion to their weights)")
+            && text.contains("team-a\t1\t2\t2\t0\t25%")
+            && text.contains("team-b\t3\t1\t1\t0\t75%")
+    })
+    .await;
+    let kind =
+        eval("return document.querySelector('tr.sem[data-name=\"gpus\"] td.kind').textContent")
+            .await;
+    assert_eq!(
+        kind.as_str(),
+        Some("by key"),
+        "the row says it is served by key"
+    );
     // A rate limit's bar is its window's: a permit held past its 1s window leaves the bar empty
     // (it was drawn full, as if nothing could be granted).
     client
