@@ -100,7 +100,7 @@ BEGIN
     -- step × count / weight, in whole microseconds.
     WITH named AS (
         SELECT r.id, coalesce(r.fairness_key, '') AS fkey, b.place, k.semaphore_id,
-               permitq.epoch_us(k.virtual_time) AS v,
+               permitq.epoch_us(k.virtual_time) AS v, permitq.epoch_us(r.created_at) AS created_us,
                permitq.rule_aging_step_us()
                    -- Read defensively: a count that is not one counts as 1 (the decision
                    -- fails it).
@@ -117,27 +117,40 @@ BEGIN
     ),
     -- S = max(V, F) + the turns of the key's requests ahead of it in this batch.
     tagged AS (
-        SELECT n.id, n.fkey, n.semaphore_id, n.v, n.turn_us,
+        SELECT n.id, n.fkey, n.semaphore_id, n.v, n.turn_us, n.created_us,
                greatest(n.v, coalesce(permitq.epoch_us(f.finish), n.v))
                    + (sum(n.turn_us) OVER (PARTITION BY n.semaphore_id, n.fkey
                                            ORDER BY n.place DESC, n.id))::bigint
-                   - n.turn_us AS start_us
+                   - n.turn_us AS start_us,
+               permitq.epoch_us(f.placed_until) AS placed_until_us
         FROM named n
         LEFT JOIN permitq.key_finish f
           ON f.semaphore_id = n.semaphore_id AND f.fairness_key = n.fkey
     ),
+    -- Its offset there, S - V, but never placing it ahead of the key's requests placed before
+    -- (the virtual time may have passed F while they wait); one offset per request, the
+    -- largest over the keyed semaphores it names.
+    placed AS (
+        SELECT y.id, y.semaphore_id, y.fkey, y.start_us, y.turn_us, y.created_us,
+               max(y.row_offset_us) OVER (PARTITION BY y.id) AS offset_us
+        FROM (SELECT t.*, greatest(t.start_us - t.v,
+                                   coalesce(t.placed_until_us - t.created_us, 0), 0)
+                              AS row_offset_us
+              FROM tagged t) y
+    ),
     finished AS (
-        INSERT INTO permitq.key_finish AS f (semaphore_id, fairness_key, finish)
-        SELECT t.semaphore_id, t.fkey, permitq.from_epoch_us(max(t.start_us + t.turn_us))
-        FROM tagged t GROUP BY t.semaphore_id, t.fkey
-        ON CONFLICT (semaphore_id, fairness_key) DO UPDATE SET finish = EXCLUDED.finish
+        INSERT INTO permitq.key_finish AS f (semaphore_id, fairness_key, finish, placed_until)
+        SELECT p.semaphore_id, p.fkey, permitq.from_epoch_us(max(p.start_us + p.turn_us)),
+               permitq.from_epoch_us(max(p.created_us + p.offset_us))
+        FROM placed p GROUP BY p.semaphore_id, p.fkey
+        ON CONFLICT (semaphore_id, fairness_key) DO UPDATE
+            SET finish = EXCLUDED.finish,
+                placed_until = greatest(f.placed_until, EXCLUDED.placed_until)
     )
-    SELECT array_agg(x.id), array_agg(x.semaphore_id), array_agg(x.start_us),
-           array_agg(x.offset_us)
+    SELECT array_agg(p.id), array_agg(p.semaphore_id), array_agg(p.start_us),
+           array_agg(p.offset_us)
     INTO tagged_ids, tagged_semaphores, starts_us, offsets_us
-    FROM (SELECT t.id, t.semaphore_id, t.start_us,
-                 max(t.start_us - t.v) OVER (PARTITION BY t.id) AS offset_us
-          FROM tagged t) x;
+    FROM placed p;
     IF tagged_ids IS NULL THEN
         RETURN places;
     END IF;

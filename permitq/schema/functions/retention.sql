@@ -46,17 +46,19 @@ BEGIN
         UPDATE permitq.token_epoch t SET token_floor = highest
         WHERE t.token_floor < highest;
     END IF;
-    -- And fairness keys' finish tags the virtual time has passed: they say nothing more than no
-    -- row (functions/fairness.sql), whenever they are deleted, so no lock orders this.
+    -- And fairness keys' finish tags the virtual time has passed, whose places have passed too:
+    -- they say nothing more than no row (functions/fairness.sql), whenever they are deleted, so
+    -- no lock orders this.
     -- (Those of a semaphore no longer served by key, or deleted, say nothing either.)
     DELETE FROM permitq.key_finish f
     WHERE (f.semaphore_id, f.fairness_key) IN (
         SELECT g.semaphore_id, g.fairness_key FROM permitq.key_finish g
         LEFT JOIN permitq.keyed_semaphore k ON k.semaphore_id = g.semaphore_id
-        WHERE k.semaphore_id IS NULL OR g.finish <= k.virtual_time
+        WHERE k.semaphore_id IS NULL OR (g.finish <= k.virtual_time AND g.placed_until < now())
         LIMIT batch_size)
       AND f.finish <= coalesce((SELECT k.virtual_time FROM permitq.keyed_semaphore k
-                                WHERE k.semaphore_id = f.semaphore_id), 'infinity');
+                                WHERE k.semaphore_id = f.semaphore_id), 'infinity')
+      AND f.placed_until < now();
     RETURN n;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.delete_settled(interval, integer) TO permitq_worker, permitq_admin;

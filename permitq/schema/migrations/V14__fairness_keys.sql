@@ -22,14 +22,17 @@ CREATE TABLE permitq.keyed_semaphore (
 );
 
 -- Each key's finish tag on a keyed semaphore: where its next request starts, unless the
--- virtual time has passed it. A row at or behind the virtual time says nothing more than no row,
--- so such rows may be deleted at any time (the retention sweep does).
+-- virtual time has passed it; and the latest place in line it gave one of the key's requests
+-- (the key's next request is placed no earlier: arrival order within a key). A row at or behind
+-- the virtual time whose place has passed says nothing more than no row, so such rows may be
+-- deleted at any time (the retention sweep does).
 -- (No foreign key: a check per row examined. permitq.set_fairness_keys deletes a semaphore's
 -- rows when it stops serving by key, and retention those of a semaphore deleted since.)
 CREATE TABLE permitq.key_finish (
     semaphore_id bigint NOT NULL,
     fairness_key text NOT NULL,
     finish       timestamptz NOT NULL,
+    placed_until timestamptz NOT NULL,
     PRIMARY KEY (semaphore_id, fairness_key)
 );
 

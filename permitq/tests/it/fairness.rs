@@ -229,7 +229,8 @@ async fn waiting_keys_are_served_in_proportion_to_their_weights() {
         async move {
             conn.query_one(
                 "SELECT count(*) FROM permitq.key_finish f JOIN permitq.keyed_semaphore k
-                 USING (semaphore_id) WHERE (f.finish <= k.virtual_time) = $1",
+                 USING (semaphore_id)
+                 WHERE (f.finish <= k.virtual_time AND f.placed_until < now()) = $1",
                 &[&stale],
             )
             .await
@@ -237,6 +238,13 @@ async fn waiting_keys_are_served_in_proportion_to_their_weights() {
             .get::<_, i64>(0)
         }
     };
+    // (Their places are minutes ahead: as if those had passed.)
+    conn.execute(
+        "UPDATE permitq.key_finish SET placed_until = placed_until - interval '1 day'",
+        &[],
+    )
+    .await
+    .unwrap();
     let (stale, live) = (count(true).await, count(false).await);
     assert!(stale > 0, "keys that finished early left tags behind");
     conn.execute("SELECT permitq.delete_settled('1 hour', 1000)", &[])
@@ -408,6 +416,97 @@ async fn with_room_to_spare_a_burst_does_not_pass_a_request_not_yet_examined() {
         b.get::<_, bool>(0),
         "b-1 waited in line after it was examined"
     );
+    worker.stop().await;
+    check_invariants(&conn).await.unwrap();
+}
+
+/// Arrival order within a key holds even once the virtual time has passed the key's finish tag
+/// (another key's requests granted past a waiter of this key that cannot be granted yet): the
+/// key's next request is placed behind its waiting ones, not at its arrival ahead of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_requests_stay_in_arrival_order_when_the_virtual_time_passes_them() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client
+        .set_semaphore("s", 3, &SemaphoreSettings::new().fairness_keys(true))
+        .await
+        .unwrap();
+    client.set_capacity("u", 1, None).await.unwrap();
+    let worker = db.notified_worker("w1");
+    let granted = |id: &'static str| {
+        let client = &client;
+        async move {
+            let r = client.wait_settled(id, SOON).await.unwrap().unwrap();
+            assert_eq!(r.state, permitq::State::Acquired, "{id}");
+        }
+    };
+    client
+        .submit(&Request::new("hold-u").permit("u", 1))
+        .await
+        .unwrap();
+    granted("hold-u").await;
+    client
+        .submit(&Request::new("a1").permit("s", 1).fairness_key("A"))
+        .await
+        .unwrap();
+    granted("a1").await;
+    // a2 waits: u is held. It is first in line on s, placed a turn after its arrival.
+    client
+        .submit(
+            &Request::new("a2")
+                .permit("s", 1)
+                .permit("u", 1)
+                .fairness_key("A"),
+        )
+        .await
+        .unwrap();
+    wait_examined(&conn, "u", 1).await;
+    // B's requests are granted past it one at a time (leaving a2 its room on s), each a turn
+    // further on, until the virtual time has passed A's finish tag.
+    for id in ["b1", "b2", "b3", "b4"] {
+        client
+            .submit(&Request::new(id).permit("s", 1).fairness_key("B"))
+            .await
+            .unwrap();
+        let r = client.wait_settled(id, SOON).await.unwrap().unwrap();
+        assert_eq!(r.state, permitq::State::Acquired, "{id}");
+        client.release(id).await.unwrap();
+    }
+    let passed: bool = conn
+        .query_one(
+            "SELECT k.virtual_time > f.finish FROM permitq.keyed_semaphore k
+             JOIN permitq.key_finish f USING (semaphore_id) WHERE f.fairness_key = 'A'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        passed,
+        "the virtual time did not pass A's finish tag: no case"
+    );
+    // (Two permits: one would fit beside a2's room and be granted at once.)
+    client
+        .submit(&Request::new("a3").permit("s", 2).fairness_key("A"))
+        .await
+        .unwrap();
+    common::wait_until(SOON, "a3 examined", || async {
+        client
+            .status("a3")
+            .await
+            .unwrap()
+            .is_some_and(|r| r.examined_at.is_some())
+    })
+    .await;
+    let line: Vec<String> = client
+        .waiters("s", 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|w| w.external_id)
+        .collect();
+    assert_eq!(line, ["a2", "a3"], "A's requests in arrival order");
     worker.stop().await;
     check_invariants(&conn).await.unwrap();
 }
