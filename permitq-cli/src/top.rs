@@ -35,6 +35,8 @@ struct View {
     detail: bool,
     holders: Vec<Holder>,
     waiters: Vec<Waiter>,
+    /// For a semaphore served by fairness key: its keys that wait, with their weights.
+    keys: String,
     error: Option<String>,
     /// When the rows shown were read (the last refresh that reached the database).
     read_at: Option<std::time::SystemTime>,
@@ -191,6 +193,27 @@ async fn refresh(
             .waiters(&name, WAITERS_SHOWN)
             .await
             .unwrap_or_default();
+        let keyed = view.usage.iter().any(|u| u.name == name && u.fairness_keys);
+        view.keys = if keyed {
+            let keys: Vec<String> = client
+                .key_shares(&name)
+                .await
+                .unwrap_or_default()
+                .iter()
+                .filter(|k| k.waiting > 0)
+                .map(|k| {
+                    let key = if k.fairness_key.is_empty() {
+                        "(no key)"
+                    } else {
+                        k.fairness_key.as_str()
+                    };
+                    format!("{key} {}×w{}", k.waiting, k.weight)
+                })
+                .collect();
+            format!("; by key: {}", keys.join(", "))
+        } else {
+            String::new()
+        };
     }
 }
 
@@ -424,11 +447,11 @@ fn draw(frame: &mut Frame, view: &mut View) {
                 Row::new(["pos", "waiter", "count", "pri", "waiting"])
                     .style(Style::new().add_modifier(Modifier::BOLD)),
             )
-            .block(
-                Block::new()
-                    .borders(Borders::TOP)
-                    .title(format!(" waiters ({}) ", view.waiters.len())),
-            ),
+            .block(Block::new().borders(Borders::TOP).title(format!(
+                " waiters ({}{}) ",
+                view.waiters.len(),
+                view.keys
+            ))),
             waiters,
         );
     }

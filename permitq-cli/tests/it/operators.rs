@@ -63,6 +63,15 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
     let db = TestDb::new().await;
     let (client, worker) = populated(&db).await;
     client.set_capacity("lab-*", 2, None).await.unwrap();
+    // Served by fairness key: the detail names the keys that wait (train-3 and -4 have none).
+    client
+        .set_semaphore(
+            "gpu",
+            2,
+            &permitq::SemaphoreSettings::new().fairness_keys(true),
+        )
+        .await
+        .unwrap();
     // A rate limit: one grant in its window, released, holds nothing; its bar is the window's.
     client
         .set_semaphore(
@@ -151,9 +160,9 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
     wait_until(SOON, "gpu's holders and waiters", || async {
         let screen = capture();
         [
-            "gpu: plain semaphore",
+            "gpu: served by fairness key",
             "holders (2)",
-            "waiters (2)",
+            "waiters (2; by key: (no key) 2×w1)",
             "train-1",
             "train-2",
             "train-3",
