@@ -27,6 +27,24 @@ pub fn scratch_dir(name: &str) -> std::path::PathBuf {
     dir
 }
 
+/// A server on loopback that asks every client for a password (as one with md5 or scram in
+/// pg_hba.conf does) and goes no further; its port.
+pub fn password_asking_server() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("address").port();
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        while let Ok((mut socket, _)) = listener.accept() {
+            let mut startup = [0u8; 512];
+            let _ = socket.read(&mut startup);
+            // AuthenticationCleartextPassword.
+            let _ = socket.write_all(&[b'R', 0, 0, 0, 8, 0, 0, 0, 3]);
+            let _ = socket.read(&mut startup);
+        }
+    });
+    port
+}
+
 pub use testdb::{
     as_user, check_invariants, connect, db_of, event_ids, init_logging, quiet_config,
     requests_by_id, semaphore, semaphore_locked, settled_state, signal, state_of, until_marker,

@@ -862,19 +862,7 @@ fn a_url_naming_a_host_and_a_socket_directory_names_both_and_which_failed_last()
 
 #[test]
 fn a_password_the_server_asks_for_names_pgpassword_and_the_url_form() {
-    // A server that asks for a password, as one with md5 or scram in pg_hba.conf does.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        use std::io::{Read, Write};
-        while let Ok((mut socket, _)) = listener.accept() {
-            let mut startup = [0u8; 512];
-            let _ = socket.read(&mut startup);
-            // AuthenticationCleartextPassword.
-            let _ = socket.write_all(&[b'R', 0, 0, 0, 8, 0, 0, 0, 3]);
-            let _ = socket.read(&mut startup);
-        }
-    });
+    let port = common::password_asking_server();
     let url = format!("postgres://me@127.0.0.1:{port}/app");
     let o = Command::new(env!("CARGO_BIN_EXE_permitq"))
         .args(["status", "x"])

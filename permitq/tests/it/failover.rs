@@ -666,19 +666,7 @@ async fn an_acquire_waits_through_a_database_restart_until_its_timeout() {
 /// fails an acquire at once, with what to do, instead of at its deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acquire_without_the_password_the_server_asks_for_fails_at_once() {
-    // A server that asks for a password, as one with md5 or scram in pg_hba.conf does.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        use std::io::{Read, Write};
-        while let Ok((mut socket, _)) = listener.accept() {
-            let mut startup = [0u8; 512];
-            let _ = socket.read(&mut startup);
-            // AuthenticationCleartextPassword.
-            let _ = socket.write_all(&[b'R', 0, 0, 0, 8, 0, 0, 0, 3]);
-            let _ = socket.read(&mut startup);
-        }
-    });
+    let port = common::password_asking_server();
     let client = Client::connect(&format!("postgres://me@127.0.0.1:{port}/app"))
         .await
         .unwrap();

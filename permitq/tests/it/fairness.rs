@@ -38,11 +38,34 @@ async fn next_grant(
     }
 }
 
-async fn keyed(client: &permitq::Client, name: &str) {
+/// Semaphore `name` of `capacity`, served by fairness key.
+async fn keyed(client: &permitq::Client, name: &str, capacity: i32) {
     client
-        .set_semaphore(name, 1, &SemaphoreSettings::new().fairness_keys(true))
+        .set_semaphore(
+            name,
+            capacity,
+            &SemaphoreSettings::new().fairness_keys(true),
+        )
         .await
         .unwrap();
+}
+
+/// `n` requests of key `key` on `semaphore` (one permit each), `{prefix}1` to `{prefix}n`,
+/// inserted at once through the contract's insert point.
+async fn queue_burst(
+    conn: &tokio_postgres::Client,
+    semaphore: &str,
+    key: &str,
+    prefix: &str,
+    n: i64,
+) {
+    conn.execute(
+        "INSERT INTO permitq.permit_request (external_id, permits, fairness_key)
+         SELECT $3 || i, jsonb_build_object($1::text, 1), $2 FROM generate_series(1, $4::int8) i",
+        &[&semaphore, &key, &prefix, &n],
+    )
+    .await
+    .unwrap();
 }
 
 /// Tenant A submits 10,000 requests at once (a plain INSERT, the contract's insert point), then
@@ -53,20 +76,14 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let conn = db.conn().await;
-    keyed(&client, "gpu").await;
+    keyed(&client, "gpu", 1).await;
     let worker = db.notified_worker("w1");
     client
         .submit(&Request::new("holder").permit("gpu", 1))
         .await
         .unwrap();
     assert_eq!(next_grant_kept(&conn, "gpu").await, "holder");
-    conn.execute(
-        "INSERT INTO permitq.permit_request (external_id, permits, fairness_key)
-         SELECT 'a-' || i, '{\"gpu\": 1}', 'A' FROM generate_series(1, 10000) i",
-        &[],
-    )
-    .await
-    .unwrap();
+    queue_burst(&conn, "gpu", "A", "a-", 10_000).await;
     client
         .submit(&Request::new("b-1").permit("gpu", 1).fairness_key("B"))
         .await
@@ -141,7 +158,7 @@ async fn waiting_keys_are_served_in_proportion_to_their_weights() {
     for seed in 1..=4u64 {
         let mut rng = Lcg(seed);
         let name = format!("pool-{seed}");
-        keyed(&client, &name).await;
+        keyed(&client, &name, 1).await;
         // A holder first, so that every request below is examined before any is granted.
         client
             .submit(&Request::new(format!("{name}-hold")).permit(&name, 1))
@@ -298,7 +315,7 @@ async fn a_key_that_ran_alone_is_not_punished_for_it() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let conn = db.conn().await;
-    keyed(&client, "api").await;
+    keyed(&client, "api", 1).await;
     let worker = db.notified_worker("w1");
     // A alone: 20 grants, one at a time.
     for i in 0..20 {
@@ -353,17 +370,8 @@ async fn with_room_to_spare_a_burst_does_not_pass_a_request_not_yet_examined() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let conn = db.conn().await;
-    client
-        .set_semaphore("pool", 4, &SemaphoreSettings::new().fairness_keys(true))
-        .await
-        .unwrap();
-    conn.execute(
-        "INSERT INTO permitq.permit_request (external_id, permits, fairness_key)
-         SELECT 'a-' || i, '{\"pool\": 1}', 'A' FROM generate_series(1, 2000) i",
-        &[],
-    )
-    .await
-    .unwrap();
+    keyed(&client, "pool", 4).await;
+    queue_burst(&conn, "pool", "A", "a-", 2_000).await;
     client
         .submit(&Request::new("b-1").permit("pool", 1).fairness_key("B"))
         .await
@@ -428,10 +436,7 @@ async fn a_keys_requests_stay_in_arrival_order_when_the_virtual_time_passes_them
     let db = TestDb::new().await;
     let client = db.client().await;
     let conn = db.conn().await;
-    client
-        .set_semaphore("s", 3, &SemaphoreSettings::new().fairness_keys(true))
-        .await
-        .unwrap();
+    keyed(&client, "s", 3).await;
     client.set_capacity("u", 1, None).await.unwrap();
     let worker = db.notified_worker("w1");
     let granted = |id: &'static str| {
