@@ -19,7 +19,7 @@ ALTER TABLE permitq.permit_request
 CREATE TABLE permitq.keyed_semaphore (
     semaphore_id bigint PRIMARY KEY REFERENCES permitq.semaphore (id) ON DELETE CASCADE,
     virtual_time timestamptz NOT NULL DEFAULT clock_timestamp()
-);
+) WITH (fillfactor = 50);
 
 -- Each key's finish tag on a keyed semaphore: where its next request starts, unless the
 -- virtual time has passed it; and the latest place in line it gave one of the key's requests
@@ -34,7 +34,8 @@ CREATE TABLE permitq.key_finish (
     finish       timestamptz NOT NULL,
     placed_until timestamptz NOT NULL,
     PRIMARY KEY (semaphore_id, fairness_key)
-);
+-- Room on each page for its rows' next versions: a batch rewrites them (HOT, no index entry).
+) WITH (fillfactor = 50);
 
 -- A waiter's created_at is where it stands in line: its arrival, moved back by `place_offset`
 -- when a keyed semaphore placed the request (the same on each of its rows, and only there: the
