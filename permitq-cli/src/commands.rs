@@ -1205,7 +1205,25 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
         }
     }
     print_request(&row, args.json);
-    if earlier && row.state == State::Acquired {
+    // An admin's submit of an id another login used, with the same parameters, returns that
+    // login's request: say whose it is, before anything invites releasing it.
+    // (Still `new`, it may be theirs too: the login is read either way.)
+    let me = client.login().await.ok();
+    let theirs = match (&row.submitted_by, &me) {
+        (Some(by), Some(me)) if by != me => Some(by.clone()),
+        _ => None,
+    };
+    if let Some(by) = theirs {
+        errln!(
+            "permitq: {id} was submitted by {by}, another login, with these same parameters: \
+             this is {by}'s request ({state}), not a new one of yours, and releasing it \
+             would end {by}'s; submit under a new external_id for your own (ids are one \
+             namespace for every login: prefix yours, e.g. {me}:{id})",
+            id = row.external_id,
+            state = row.state,
+            me = me.unwrap_or_default()
+        );
+    } else if earlier && row.state == State::Acquired {
         // The same submit again after a crash: the grant it already has, not a second one.
         errln!(
             "permitq: {id} was submitted before and holds its grant; this is that request (release \

@@ -662,6 +662,16 @@ impl Client {
             .collect())
     }
 
+    /// The login role this client runs as: what a request's `submitted_by` records.
+    pub async fn login(&self) -> Result<String> {
+        let conn = self.conn().await?;
+        Ok(conn
+            .query_one(sql::LOGIN, &[])
+            .await
+            .map_err(|e| self.located(e.into()))?
+            .get(0))
+    }
+
     /// Whether this login reads every producer's requests (an operator, worker or admin, or a
     /// superuser), or only those it submitted.
     pub async fn reads_every_request(&self) -> Result<bool> {

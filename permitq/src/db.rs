@@ -299,6 +299,7 @@ pub(crate) fn request_from_row(row: &Row) -> Result<PermitRequest> {
         settled_at: row.try_get("settled_at")?,
         examined_at: row.try_get("examined_at")?,
         decided_at: row.try_get("decided_at")?,
+        submitted_by: row.try_get("submitted_by")?,
     })
 }
 

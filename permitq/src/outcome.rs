@@ -337,6 +337,7 @@ mod tests {
             priority: 0,
             fairness_key: None,
             fairness_weight: None,
+            submitted_by: None,
             state: State::Error,
             error_code: Some(ErrorCode::NoCapacity),
             error_detail: Some(ErrorDetail {

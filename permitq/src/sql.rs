@@ -308,6 +308,8 @@ pub(crate) const SIMILAR_SEMAPHORES: &str = "SELECT permitq.similar_semaphore_na
 
 /// Client: the external_ids nearest one not found, among those this login reads.
 pub(crate) const SIMILAR_REQUESTS: &str = "SELECT permitq.similar_request_ids($1)";
+/// The login this session runs as (what `submitted_by` records).
+pub(crate) const LOGIN: &str = "SELECT session_user::text";
 /// Whether this login reads every producer's requests (functions/ownership.sql).
 pub(crate) const READS_EVERY_REQUEST: &str = "SELECT permitq.reads_every_request()";
 /// The capacity audit of one semaphore, oldest first.
@@ -425,6 +427,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("ADAPTIVE_OF", ADAPTIVE_OF),
         ("ADAPTIVE_LAST_REPORTS", ADAPTIVE_LAST_REPORTS),
         ("SET_FAIRNESS_KEYS", SET_FAIRNESS_KEYS),
+        ("LOGIN", LOGIN),
         ("KEY_SHARES", KEY_SHARES),
         ("RELEASE_REPORTING", RELEASE_REPORTING),
         ("REPORT", REPORT),

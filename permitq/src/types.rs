@@ -313,6 +313,8 @@ pub struct PermitRequest {
     /// When the worker transaction that granted or failed it began.
     #[serde(serialize_with = "ser_time")]
     pub decided_at: Option<SystemTime>,
+    /// The login role that submitted it (it belongs to that role).
+    pub submitted_by: Option<String>,
 }
 
 impl PermitRequest {

@@ -1025,6 +1025,19 @@ async fn a_request_a_producer_may_not_read_is_not_found_among_its_own() {
         "{}",
         stderr(&o)
     );
+    // An admin submitting an id a producer used, with the same parameters, gets the producer's
+    // request back: said whose it is, not "holds its grant ... release it".
+    run(&producer, &["submit", "prod-1", "gpu=1"]).await;
+    let o = run(&db.url, &["submit", "prod-1", "gpu=1"]).await;
+    let user = common::user_of(&producer);
+    assert!(
+        stderr(&o).contains(&format!(
+            "permitq: prod-1 was submitted by {user}, another login, with these same parameters: \
+             this is {user}'s request"
+        )) && !stderr(&o).contains("release it with"),
+        "{}",
+        stderr(&o)
+    );
     // An id a shell would split is offered quoted, as it is typed.
     run(&db.url, &["submit", "it's mine", "gpu=1"]).await;
     let o = run(&db.url, &["status", "it's mien"]).await;

@@ -890,6 +890,21 @@ async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep(
             &["semaphore", "set", "b", "3", "--parent", "nope"],
             "parent nope does not exist: create it first (`permitq semaphore set nope CAPACITY`)",
         ),
+        // A guarantee beyond the capacity: both ways out.
+        (
+            &[
+                "semaphore",
+                "set",
+                "b",
+                "1",
+                "--parent",
+                "pool",
+                "--guarantee",
+                "2",
+            ],
+            "guarantee 2 is more than the capacity 1: give it at least 2 (`permitq semaphore set \
+             b 2`), or a smaller guarantee (`--guarantee 1`)",
+        ),
         // A near name is offered first (creating the typo would make a second pool).
         (
             &["semaphore", "set", "b", "3", "--parent", "pol"],

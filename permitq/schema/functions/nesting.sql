@@ -74,6 +74,12 @@ BEGIN
     RETURN (SELECT array_agg(DISTINCT a.ancestor) FROM permitq.ancestors(names) a);
 END $$;
 
+-- `name` as a shell takes it: quoted when it holds a character the shell would read (`'team:*'`).
+CREATE OR REPLACE FUNCTION permitq.shell_word(name text) RETURNS text
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN name ~ '[^A-Za-z0-9_.:/-]' THEN quote_literal(name) ELSE name END
+$$;
+
 -- Why `s` (as set_capacity stored it, its parent existing) cannot be so, or NULL. `moved`: its
 -- parent changed. The caller holds the nesting gate and the row lock of `s`.
 CREATE OR REPLACE FUNCTION permitq.nesting_problem(s permitq.semaphore, moved boolean) RETURNS text
@@ -89,13 +95,22 @@ DECLARE
     used_now bigint;
     waiting_now bigint;
 BEGIN
+    IF s.guarantee > s.capacity AND s.template IS NOT NULL THEN
+        -- An instance's guarantee is its template's: say which, and both ways out.
+        SELECT * INTO p FROM permitq.semaphore t WHERE t.name = s.template;
+        RETURN format('guarantee %s (its template %s''s: an instance takes its parent and guarantee from its template) is more than the capacity %s: give it at least %s (`permitq semaphore set %s %s`), or lower the template''s guarantee for every instance (`permitq semaphore set %s %s --guarantee %s`)',
+                      s.guarantee, s.template, s.capacity, s.guarantee,
+                      permitq.shell_word(s.name), s.guarantee,
+                      permitq.shell_word(s.template), coalesce(p.capacity, s.capacity), s.capacity);
+    END IF;
     IF s.guarantee > s.capacity THEN
-        RETURN format('guarantee %s is more than the capacity %s', s.guarantee, s.capacity);
+        RETURN format('guarantee %s is more than the capacity %s: give it at least %s (`permitq semaphore set %s %s`), or a smaller guarantee (`--guarantee %s`)',
+                      s.guarantee, s.capacity, s.guarantee, permitq.shell_word(s.name),
+                      s.guarantee, s.capacity);
     END IF;
     IF s.guarantee > 0 AND s.parent IS NULL THEN
         RETURN format('a guarantee is a share of a parent: give it one (`permitq semaphore set %s %s --parent PARENT --guarantee %s`), or leave --guarantee out',
-                      CASE WHEN s.name ~ '[^A-Za-z0-9_.:/-]' THEN quote_literal(s.name) ELSE s.name END,
-                      s.capacity, s.guarantee);
+                      permitq.shell_word(s.name), s.capacity, s.guarantee);
     END IF;
     IF s.parent IS NOT NULL THEN
         SELECT * INTO p FROM permitq.semaphore t WHERE t.name = s.parent;
