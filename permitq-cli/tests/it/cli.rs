@@ -1292,3 +1292,44 @@ async fn fairness_keys_from_the_command_line() {
 fn json(o: &Output) -> serde_json::Value {
     serde_json::from_str(stdout(o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
 }
+
+/// An instance's guarantee is its template's: a capacity below it says so, and both ways out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_below_its_templates_guarantee_names_the_template() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "pool", "8"]).await;
+    let o = run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "team:*",
+            "6",
+            "--parent",
+            "pool",
+            "--guarantee",
+            "3",
+            "--max-instances",
+            "2",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let worker = db.worker(quiet_config("w"));
+    let o = run(url, &["submit", "t-1", "team:a=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = run(url, &["semaphore", "set", "team:a", "2"]).await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "guarantee 3 (its template team:*'s: an instance takes its parent and guarantee from \
+             its template) is more than the capacity 2: give it at least 3 (`permitq semaphore \
+             set team:a 3`), or lower the template's guarantee for every instance (`permitq \
+             semaphore set 'team:*' 6 --guarantee 2`)"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    worker.stop().await;
+}
