@@ -106,7 +106,8 @@ impl fmt::Display for CliError {
             CliError::NoSemaphore { name, similar } => write!(
                 f,
                 "no semaphore named {name:?}; did you mean {}?",
-                as_shell_words(similar)
+                // (A suggestion may be words: `lab:NAME (an instance of the template lab:*)`.)
+                similar.join(" or ")
             ),
             // A near id first (most often a typo); else what "not found" may mean.
             CliError::NotVisible {
@@ -121,7 +122,12 @@ impl fmt::Display for CliError {
                 } else {
                     " among this login's own"
                 },
-                as_shell_words(similar)
+                // Each id as a shell takes it (`'id with spaces'`).
+                similar
+                    .iter()
+                    .map(|id| crate::show::quoted_name(id))
+                    .collect::<Vec<_>>()
+                    .join(" or ")
             ),
             CliError::NotVisible {
                 name,
@@ -182,22 +188,4 @@ impl From<deadpool_postgres::PoolError> for CliError {
     fn from(e: deadpool_postgres::PoolError) -> CliError {
         CliError::Permitq(e.into())
     }
-}
-/// Suggested names joined by "or", each as it would be typed in a shell: quoted when it holds
-/// a space or another character the shell would take (`'id with spaces'`).
-fn as_shell_words(names: &[String]) -> String {
-    names
-        .iter()
-        .map(|n| {
-            if !n.is_empty()
-                && n.chars()
-                    .all(|c| c.is_alphanumeric() || "-_.:/=@%+,*".contains(c))
-            {
-                n.clone()
-            } else {
-                format!("'{}'", n.replace('\'', "'\\''"))
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(" or ")
 }

@@ -364,11 +364,7 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             };
             outln!(
                 "  {:<24} weight {:<4} waiting {} ({} permit{}), holds {}{share}",
-                if k.fairness_key.is_empty() {
-                    "(no key)"
-                } else {
-                    k.fairness_key.as_str()
-                },
+                key_label(k),
                 k.weight,
                 k.waiting,
                 k.waiting_permits,
@@ -766,6 +762,15 @@ fn lease_end(expires_at: Option<SystemTime>) -> String {
             "ran out {}s ago",
             now.duration_since(t).unwrap_or_default().as_secs()
         ),
+    }
+}
+
+/// A fairness key as shown: the requests that name none share the key `(no key)`.
+pub(crate) fn key_label(k: &permitq::KeyShare) -> &str {
+    if k.fairness_key.is_empty() {
+        "(no key)"
+    } else {
+        &k.fairness_key
     }
 }
 

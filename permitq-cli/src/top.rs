@@ -201,14 +201,7 @@ async fn refresh(
                 .unwrap_or_default()
                 .iter()
                 .filter(|k| k.waiting > 0)
-                .map(|k| {
-                    let key = if k.fairness_key.is_empty() {
-                        "(no key)"
-                    } else {
-                        k.fairness_key.as_str()
-                    };
-                    format!("{key} {}×w{}", k.waiting, k.weight)
-                })
+                .map(|k| format!("{} {}×w{}", crate::show::key_label(k), k.waiting, k.weight))
                 .collect();
             format!("; by key: {}", keys.join(", "))
         } else {

@@ -1,13 +1,26 @@
+-- The one definition of a batch's semaphores: the keys of its requests' permits (of those
+-- that are JSON objects: any other is `invalid` and names none), each with the lowest of
+-- `places` (the batch's places in line, in the order of `permits`) among the requests naming it:
+-- the heads' bound.
+CREATE OR REPLACE FUNCTION permitq.batch_bounds(permits jsonb[], places bigint[])
+RETURNS TABLE (name text, bound bigint)
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT k, min(c.place)
+    FROM unnest(permits, places) c(permits, place)
+    CROSS JOIN LATERAL jsonb_object_keys(
+        CASE WHEN jsonb_typeof(c.permits) = 'object' THEN c.permits ELSE '{}' END) k
+    GROUP BY k
+$$;
+
 -- Worker step 2 for a claimed batch: lock its semaphores and fold their releases
 -- (permitq.lock_batch_semaphores, lock order step 2), then read their heads
 -- (permitq.semaphore_heads). Two statements, in this order, so that in READ COMMITTED the heads
 -- are read with a snapshot taken once the semaphore locks are held (a single statement would
--- read them as of before the lock waits). The one definition of a batch's semaphores: the keys
--- of its requests' permits (of those that are JSON objects: any other is `invalid` and names
--- none), each with the lowest place in line of the batch's requests on it (the heads' bound).
--- `permits`, `places` and `ids` are the claimed requests', in one order. Rows of kind 's': a
--- locked semaphore (semaphore_id .. active, as lock_batch_semaphores); 'h': a head (name,
--- head_request_id, head_count, effective, as semaphore_heads). Called by permitq.next_batch, and
+-- read them as of before the lock waits). The batch's semaphores and bounds are
+-- permitq.batch_bounds'. `permits`, `places` and `ids` are the claimed requests', in one
+-- order. Rows of kind 's': a locked semaphore (semaphore_id .. active, as
+-- lock_batch_semaphores); 'h': a head (name, head_request_id, head_count, effective, as
+-- semaphore_heads). Called by permitq.next_batch, and
 -- by the worker directly when it claimed stepwise (isolating a failed batch).
 CREATE OR REPLACE FUNCTION permitq.lock_batch_and_heads(permits jsonb[], places bigint[],
                                                         ids bigint[])
@@ -20,13 +33,9 @@ DECLARE
     names text[];
     bounds bigint[];
 BEGIN
-    SELECT array_agg(n.name ORDER BY n.name), array_agg(n.bound ORDER BY n.name)
+    SELECT array_agg(b.name ORDER BY b.name), array_agg(b.bound ORDER BY b.name)
     INTO names, bounds
-    FROM (SELECT k AS name, min(c.place) AS bound
-          FROM unnest(lock_batch_and_heads.permits, lock_batch_and_heads.places) c(permits, place)
-          CROSS JOIN LATERAL jsonb_object_keys(
-              CASE WHEN jsonb_typeof(c.permits) = 'object' THEN c.permits ELSE '{}' END) k
-          GROUP BY k) n;
+    FROM permitq.batch_bounds(lock_batch_and_heads.permits, lock_batch_and_heads.places) b;
     IF names IS NULL THEN
         RETURN;
     END IF;
@@ -40,12 +49,8 @@ BEGIN
     -- (functions/fairness.sql): the heads' bounds are the places they got.
     IF EXISTS (SELECT 1 FROM permitq.keyed_semaphore) THEN
         places := permitq.place_by_keys(lock_batch_and_heads.ids, places);
-        SELECT array_agg(n.bound ORDER BY n.name) INTO bounds
-        FROM (SELECT k AS name, min(c.place) AS bound
-              FROM unnest(lock_batch_and_heads.permits, places) c(permits, place)
-              CROSS JOIN LATERAL jsonb_object_keys(
-                  CASE WHEN jsonb_typeof(c.permits) = 'object' THEN c.permits ELSE '{}' END) k
-              GROUP BY k) n;
+        SELECT array_agg(b.bound ORDER BY b.name) INTO bounds
+        FROM permitq.batch_bounds(lock_batch_and_heads.permits, places) b;
     END IF;
 
     RETURN QUERY
@@ -103,14 +108,13 @@ BEGIN
 
     -- `effective` is the place the claim read (an unexamined request's arrival: the caller's
     -- cursor); `ranked` the place the decision ranks it by, once a keyed semaphore placed it.
+    -- (Those permitq.place_by_keys moved back in this transaction, as it returned them to the
+    -- heads.)
     ranked_places := places;
-    IF EXISTS (SELECT 1 FROM permitq.keyed_semaphore) THEN
-        SELECT array_agg(b.place - coalesce(extract(epoch FROM o.place_offset) * 1000000, 0)::bigint
-                         ORDER BY b.n)
-        INTO ranked_places
-        FROM unnest(ids, places) WITH ORDINALITY AS b(id, place, n)
-        LEFT JOIN (SELECT DISTINCT t.request_id, t.place_offset
-                   FROM permitq.batch_tags() t) o ON o.request_id = b.id;
+    IF permitq.batch_setting('permitq.tagged_ids') <> '{}' THEN
+        ranked_places := permitq.places_moved_back(
+            ids, places, permitq.batch_setting('permitq.tagged_ids'),
+            permitq.batch_setting('permitq.tagged_offsets_us'));
     END IF;
     RETURN QUERY
     SELECT 'r'::"char", c.id, c.permits, c.fail_fast, c.deadline_passed, c.examined, c.age,

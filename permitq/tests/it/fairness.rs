@@ -10,6 +10,36 @@ use permitq::{Request, SemaphoreSettings};
 
 const SOON: Duration = Duration::from_secs(30);
 
+/// The requests holding `semaphore` now: each external_id and fairness key.
+async fn holders_on(
+    conn: &tokio_postgres::Client,
+    semaphore: &str,
+) -> Vec<(String, Option<String>)> {
+    conn.query(
+        "SELECT external_id, fairness_key FROM permitq.permit_request
+         WHERE state = 'acquired' AND permits ? $1",
+        &[&semaphore],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|row| (row.get(0), row.get(1)))
+    .collect()
+}
+
+/// Waits until a request holds `semaphore`; its holders then.
+async fn held(conn: &tokio_postgres::Client, semaphore: &str) -> Vec<(String, Option<String>)> {
+    let deadline = Instant::now() + SOON;
+    loop {
+        let holders = holders_on(conn, semaphore).await;
+        if !holders.is_empty() {
+            return holders;
+        }
+        assert!(Instant::now() < deadline, "nothing granted on {semaphore}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Waits until one request holds `semaphore` (capacity 1), returns its external_id and fairness
 /// key, and releases it.
 async fn next_grant(
@@ -17,25 +47,15 @@ async fn next_grant(
     conn: &tokio_postgres::Client,
     semaphore: &str,
 ) -> (String, Option<String>) {
-    let deadline = Instant::now() + SOON;
-    loop {
-        let rows = conn
-            .query(
-                "SELECT external_id, fairness_key FROM permitq.permit_request
-                 WHERE state = 'acquired' AND permits ? $1",
-                &[&semaphore],
-            )
-            .await
-            .unwrap();
-        assert!(rows.len() <= 1, "capacity 1, yet {} hold it", rows.len());
-        if let Some(row) = rows.first() {
-            let id: String = row.get(0);
-            client.release(&id).await.unwrap();
-            return (id, row.get(1));
-        }
-        assert!(Instant::now() < deadline, "nothing granted on {semaphore}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let mut holders = held(conn, semaphore).await;
+    assert!(
+        holders.len() <= 1,
+        "capacity 1, yet {} hold it",
+        holders.len()
+    );
+    let (id, key) = holders.swap_remove(0);
+    client.release(&id).await.unwrap();
+    (id, key)
 }
 
 /// Semaphore `name` of `capacity`, served by fairness key.
@@ -270,24 +290,9 @@ async fn waiting_keys_are_served_in_proportion_to_their_weights() {
     assert_eq!((count(true).await, count(false).await), (0, live));
 }
 
-/// Waits until `id`-like requests on `semaphore` hold it, without releasing: the holder.
+/// Waits until a request holds `semaphore`, and leaves it held: the holder.
 async fn next_grant_kept(conn: &tokio_postgres::Client, semaphore: &str) -> String {
-    let deadline = Instant::now() + SOON;
-    loop {
-        let rows = conn
-            .query(
-                "SELECT external_id FROM permitq.permit_request
-                 WHERE state = 'acquired' AND permits ? $1",
-                &[&semaphore],
-            )
-            .await
-            .unwrap();
-        if let Some(row) = rows.first() {
-            return row.get(0);
-        }
-        assert!(Instant::now() < deadline, "nothing granted on {semaphore}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    held(conn, semaphore).await.swap_remove(0).0
 }
 
 /// Waits until `n` requests wait in `semaphore`'s line, examined.
@@ -379,20 +384,11 @@ async fn with_room_to_spare_a_burst_does_not_pass_a_request_not_yet_examined() {
     let worker = db.notified_worker("w1");
     let deadline = Instant::now() + SOON;
     loop {
-        let held: Vec<String> = conn
-            .query(
-                "SELECT external_id FROM permitq.permit_request WHERE state = 'acquired'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        if held.iter().any(|id| id == "b-1") {
+        let holders = holders_on(&conn, "pool").await;
+        if holders.iter().any(|(id, _)| id == "b-1") {
             break;
         }
-        for id in &held {
+        for (id, _) in &holders {
             client.release(id).await.unwrap();
         }
         assert!(Instant::now() < deadline, "b-1 not granted");
@@ -474,8 +470,7 @@ async fn a_keys_requests_stay_in_arrival_order_when_the_virtual_time_passes_them
             .submit(&Request::new(id).permit("s", 1).fairness_key("B"))
             .await
             .unwrap();
-        let r = client.wait_settled(id, SOON).await.unwrap().unwrap();
-        assert_eq!(r.state, permitq::State::Acquired, "{id}");
+        granted(id).await;
         client.release(id).await.unwrap();
     }
     let passed: bool = conn
