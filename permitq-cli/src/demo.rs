@@ -1,7 +1,7 @@
 //! `permitq demo`: the whole system on an embedded default.
 //!
 //! With no database URL it starts a throwaway PostgreSQL (see [`permitq_embedded_pg::EmbeddedPostgres`]) and removes
-//! it afterwards. It migrates, creates three semaphores, runs several in-process workers plus
+//! it afterwards, or leaves it running with `--keep`. It migrates, creates three semaphores, runs several in-process workers plus
 //! simulated producers and holders (some of which "crash" and leave their lease to expire),
 //! shows a live view, and ends with a summary checked against the database.
 
@@ -36,6 +36,10 @@ pub(crate) struct DemoArgs {
     /// (only what this run creates is removed at the end).
     #[arg(long)]
     pub yes: bool,
+    /// Leave the throwaway PostgreSQL running afterwards, with the demo's semaphores, and print
+    /// its DATABASE_URL and the command that stops and removes it.
+    #[arg(long, conflicts_with = "database_url")]
+    pub keep: bool,
 }
 
 /// The demo's semaphores: (name, capacity, fair).
@@ -47,9 +51,20 @@ const SEMAPHORES: &[(&str, i32, bool)] = &[
 
 /// Runs the demo.
 pub(crate) async fn run(named: Option<&str>, args: DemoArgs) -> Result<()> {
-    let scratch = crate::scratch::open(named, args.yes, "demo", EmbeddedPostgres::start).await?;
+    let mut scratch =
+        crate::scratch::open(named, args.yes, "demo", EmbeddedPostgres::start).await?;
     let result = demo(&scratch.url, &args).await;
     scratch.clean_up().await?;
+    if args.keep {
+        if let Some(stop) = scratch.keep() {
+            println!(
+                "\nPostgreSQL keeps running (--keep), with the demo's semaphores and requests; \
+                 fsync is off: for trying permitq, not for data you keep. Use it with:\n  \
+                 export DATABASE_URL={}\nStop and remove it when done:\n  {stop}",
+                scratch.url
+            );
+        }
+    }
     result
 }
 

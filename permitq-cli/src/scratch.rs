@@ -44,8 +44,8 @@ const DROP_PERMITQ: &str = "DROP SCHEMA IF EXISTS permitq CASCADE";
 pub(crate) struct Scratch {
     /// Where to connect.
     pub(crate) url: String,
-    /// Kept alive for the run; removed on drop.
-    _cluster: Option<EmbeddedPostgres>,
+    /// Kept alive for the run; removed on drop unless kept.
+    cluster: Option<EmbeddedPostgres>,
     /// For a named database: what was there before.
     mark: Option<Mark>,
 }
@@ -75,7 +75,7 @@ pub(crate) async fn open(
         );
         return Ok(Scratch {
             url: cluster.url("postgres"),
-            _cluster: Some(cluster),
+            cluster: Some(cluster),
             mark: None,
         });
     };
@@ -99,7 +99,7 @@ pub(crate) async fn open(
     }
     Ok(Scratch {
         url: url.to_string(),
-        _cluster: None,
+        cluster: None,
         mark: Some(Mark {
             schema_existed,
             semaphore_id,
@@ -109,6 +109,12 @@ pub(crate) async fn open(
 }
 
 impl Scratch {
+    /// Leaves a throwaway cluster running after this process: the command that stops and
+    /// removes it, or `None` for a named database (nothing to keep).
+    pub(crate) fn keep(&mut self) -> Option<String> {
+        self.cluster.as_mut().map(EmbeddedPostgres::keep)
+    }
+
     /// Removes what the run created in a named database (nothing to do for a throwaway one).
     pub(crate) async fn clean_up(&self) -> Result<()> {
         let Some(mark) = &self.mark else {

@@ -42,6 +42,8 @@ pub struct EmbeddedPostgres {
     namespace: Option<String>,
     /// `listen_addresses`.
     listen: String,
+    /// Left running on drop (see [`EmbeddedPostgres::keep`]).
+    kept: bool,
 }
 
 impl EmbeddedPostgres {
@@ -217,6 +219,7 @@ impl EmbeddedPostgres {
                 .collect(),
             namespace: None,
             listen: "127.0.0.1".to_string(),
+            kept: false,
         };
         pg.guard = Some(pg.spawn_guard()?);
         Ok(pg)
@@ -316,6 +319,28 @@ impl EmbeddedPostgres {
         )))
     }
 
+    /// Leaves the server running after this process exits: the cleanup guard is stopped
+    /// without running, and dropping this value no longer stops the server. Returns the shell
+    /// command that stops the server and removes its directory, for the user to run.
+    pub fn keep(&mut self) -> String {
+        if let Some(mut guard) = self.guard.take() {
+            // SIGKILL: the guard ignores INT, TERM and HUP, and stdin's EOF is what runs it.
+            let _ = guard.kill();
+            let _ = guard.wait();
+        }
+        self.kept = true;
+        let stop = format!(
+            "{} -D {} -m fast stop",
+            self.bin.join("pg_ctl").display(),
+            self.data.display()
+        );
+        let stop = match self.run_as {
+            Some(_) => format!("su postgres -s /bin/sh -c '{stop}'"),
+            None => stop,
+        };
+        format!("{stop} && rm -rf {}", self.root.display())
+    }
+
     /// The dead man's switch: when our end of its stdin closes (we exit or drop), it stops the
     /// server and removes the directory.
     fn spawn_guard(&self) -> Result<Child> {
@@ -340,6 +365,9 @@ impl EmbeddedPostgres {
 
 impl Drop for EmbeddedPostgres {
     fn drop(&mut self) {
+        if self.kept {
+            return;
+        }
         let _ = self.stop(StopMode::Fast);
         if let Some(mut guard) = self.guard.take() {
             if let Some(mut stdin) = guard.stdin.take() {

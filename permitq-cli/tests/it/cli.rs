@@ -668,6 +668,52 @@ async fn demo_refuses_a_named_database_with_permitq_data_and_cleans_up_after_its
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_keep_leaves_its_server_running_and_says_how_to_use_and_remove_it() {
+    let o = tokio::task::spawn_blocking(|| {
+        let args = ["demo", "--keep", "--duration", "2s", "--workers", "1"];
+        permitq(
+            None,
+            &["demo", "--keep", "--database-url", "postgres://x@h/d"],
+        )
+        .status
+        .code()
+        .map(|refused| (refused, permitq(None, &args)))
+    })
+    .await
+    .unwrap();
+    let (refused, o) = o.expect("exit codes");
+    assert_eq!(refused, 2, "--keep with a named database is refused");
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let out = stdout(&o);
+    let url = out
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("export DATABASE_URL="))
+        .unwrap_or_else(|| panic!("no DATABASE_URL in: {out}"))
+        .to_string();
+    let stop = out
+        .lines()
+        .skip_while(|l| !l.starts_with("Stop and remove it"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no stop command in: {out}"))
+        .trim()
+        .to_string();
+    // The server outlived the demo, with its semaphores: the tutorial's commands work on it.
+    let listed = run(&url, &["semaphore", "list"]).await;
+    assert_eq!(code(&listed), 0, "{}", stderr(&listed));
+    assert!(stdout(&listed).contains("demo-gpu"), "{}", stdout(&listed));
+    // The printed command stops it and removes its directory.
+    let dir = stop.rsplit(' ').next().unwrap().to_string();
+    assert!(std::path::Path::new(&dir).is_dir(), "{stop}");
+    let stopped = Command::new("/bin/sh")
+        .args(["-c", &stop])
+        .output()
+        .unwrap();
+    assert!(stopped.status.success(), "{stop}: {stopped:?}");
+    assert!(!std::path::Path::new(&dir).exists(), "{dir} is removed");
+    assert!(permitq_embedded_pg::try_connect(&url).await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_a_worker_whose_stdout_and_stderr_are_a_closed_pipe() {
     use std::io::Read as _;
     let db = TestDb::new().await;
