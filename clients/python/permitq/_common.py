@@ -294,11 +294,21 @@ def why_waiting(explanation: Explanation | None, nothing_granting: str = "") -> 
     if explanation is None:
         return ""
     reasons = [
-        f"{w.semaphore}: {w.reason}"
+        f"{w.semaphore}: {w.reason}{held_by(w.holders)}"
         for w in explanation.semaphores
         if w.reason and not (nothing_granting and NOT_EXAMINED in w.reason)
     ]
     return f" ({'; '.join(reasons)})" if reasons else ""
+
+
+def held_by(holders: list[dict[str, Any]]) -> str:
+    """`, held by a (2 for 7.5s), b (1 for 3.0s)`: whom a waiting request waits on (at most 3
+    named; `explain` lists at most 10, soonest to end first, and a producer login sees its own)."""
+    if not holders:
+        return ""
+    named = [f"{h['external_id']} ({h['count']} for {h['held_for_s']:.1f}s)" for h in holders[:3]]
+    more = f" and {len(holders) - 3} more" if len(holders) > 3 else ""
+    return f", held by {', '.join(named)}{more}"
 
 
 def nothing_granting(row: tuple[Any, ...] | None) -> str:

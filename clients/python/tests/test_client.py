@@ -339,6 +339,10 @@ class SyncClientTest(unittest.TestCase):
             self.assertEqual((status.state, status.error_code), ("error", "cancelled"))
             # It says what held it back, read before the cancel, and what became of it.
             self.assertIn(f"({self.sem}: ", str(caught.exception))
+            # And whom it waited on.
+            for lease in holders:
+                self.assertIn(f"{lease.external_id} (1 for ", str(caught.exception))
+            self.assertIn(", held by ", str(caught.exception))
             self.assertIn("; it was cancelled, so it no longer waits: acquire again", str(caught.exception))
             # Workers run: nothing says otherwise.
             self.assertNotIn("nothing is granting", str(caught.exception))

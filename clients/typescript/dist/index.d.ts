@@ -66,7 +66,18 @@ export interface SemaphoreWait {
     position: number | null;
     permitsAhead: number | null;
     reason: string | null;
+    /** Who holds its permits where it is short of room, soonest to end first (at most 10; a
+     * producer login sees its own). */
+    holders: WaitHolder[];
     estimatedWaitSeconds: number | null;
+}
+/** A holder a waiting request waits on (`explain`). */
+export interface WaitHolder {
+    externalId: string;
+    count: number;
+    heldForSeconds: number;
+    /** Null: held until released. */
+    expiresInSeconds: number | null;
 }
 /** Why a request waits (`semaphores`), or how it ended (`outcome`). */
 export interface Explanation {

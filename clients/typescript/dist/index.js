@@ -286,6 +286,12 @@ export class Client {
                 position: r.position,
                 permitsAhead: r.permits_ahead,
                 reason: r.reason,
+                holders: (r.holders ?? []).map((h) => ({
+                    externalId: h.external_id,
+                    count: h.count,
+                    heldForSeconds: h.held_for_s,
+                    expiresInSeconds: h.expires_in_s ?? null,
+                })),
                 estimatedWaitSeconds: r.estimated,
             })),
         };
@@ -375,7 +381,7 @@ export class Client {
                     const granting = await this.nothingGranting().catch(() => "");
                     const why = ((await this.explain(externalId).catch(() => null))?.semaphores ?? [])
                         .filter((w) => w.reason && !(granting && w.reason.includes(NOT_EXAMINED)))
-                        .map((w) => `${w.semaphore}: ${w.reason}`)
+                        .map((w) => `${w.semaphore}: ${w.reason}${heldBy(w.holders)}`)
                         .join("; ");
                     const outcome = await this.release(externalId);
                     const ended = outcome === "cancelled" ? "it was cancelled, so it no longer waits"
@@ -671,4 +677,12 @@ export async function withLease(client, externalId, permits, options, work) {
     finally {
         await lease.release();
     }
+}
+/** `, held by a (2 for 7.5s), b (1 for 3.0s)`: whom a timed-out request waited on (at most 3). */
+function heldBy(holders) {
+    if (holders.length === 0)
+        return "";
+    const named = holders.slice(0, 3).map((h) => `${h.externalId} (${h.count} for ${h.heldForSeconds.toFixed(1)}s)`);
+    const more = holders.length > 3 ? ` and ${holders.length - 3} more` : "";
+    return `, held by ${named.join(", ")}${more}`;
 }

@@ -100,7 +100,19 @@ export interface SemaphoreWait {
   position: number | null;
   permitsAhead: number | null;
   reason: string | null;
+  /** Who holds its permits where it is short of room, soonest to end first (at most 10; a
+   * producer login sees its own). */
+  holders: WaitHolder[];
   estimatedWaitSeconds: number | null;
+}
+
+/** A holder a waiting request waits on (`explain`). */
+export interface WaitHolder {
+  externalId: string;
+  count: number;
+  heldForSeconds: number;
+  /** Null: held until released. */
+  expiresInSeconds: number | null;
 }
 
 /** Why a request waits (`semaphores`), or how it ended (`outcome`). */
@@ -397,6 +409,12 @@ export class Client {
         position: r.position as number | null,
         permitsAhead: r.permits_ahead as number | null,
         reason: r.reason as string | null,
+        holders: ((r.holders as Record<string, unknown>[] | null) ?? []).map((h) => ({
+          externalId: h.external_id as string,
+          count: h.count as number,
+          heldForSeconds: h.held_for_s as number,
+          expiresInSeconds: (h.expires_in_s as number | null) ?? null,
+        })),
         estimatedWaitSeconds: r.estimated as number | null,
       })),
     };
@@ -492,7 +510,7 @@ export class Client {
           const granting = await this.nothingGranting().catch(() => "");
           const why = ((await this.explain(externalId).catch(() => null))?.semaphores ?? [])
             .filter((w) => w.reason && !(granting && w.reason.includes(NOT_EXAMINED)))
-            .map((w) => `${w.semaphore}: ${w.reason}`)
+            .map((w) => `${w.semaphore}: ${w.reason}${heldBy(w.holders)}`)
             .join("; ");
           const outcome = await this.release(externalId);
           const ended =
@@ -789,4 +807,12 @@ export async function withLease<T>(client: Client, externalId: string, permits: 
   } finally {
     await lease.release();
   }
+}
+
+/** `, held by a (2 for 7.5s), b (1 for 3.0s)`: whom a timed-out request waited on (at most 3). */
+function heldBy(holders: WaitHolder[]): string {
+  if (holders.length === 0) return "";
+  const named = holders.slice(0, 3).map((h) => `${h.externalId} (${h.count} for ${h.heldForSeconds.toFixed(1)}s)`);
+  const more = holders.length > 3 ? ` and ${holders.length - 3} more` : "";
+  return `, held by ${named.join(", ")}${more}`;
 }

@@ -372,6 +372,8 @@ describe("permitq client", () => {
       const s = await client.status(late);
       assert.deepEqual([s.state, s.errorCode], ["error", "cancelled"]);
       assert.match(e.message, new RegExp(`\\(${sem}: `), "what held it back");
+      for (const lease of holders) assert.ok(e.message.includes(`${lease.externalId} (1 for `), e.message);
+      assert.ok(e.message.includes(", held by "), "whom it waited on");
       assert.match(e.message, /; it was cancelled, so it no longer waits: acquire again/);
       assert.doesNotMatch(e.message, /nothing is granting/, "workers run");
       const again = await client.acquire(late, { [sem]: 1 }, { timeoutMs: 1000 }).catch((err) => err);
