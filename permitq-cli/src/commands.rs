@@ -718,8 +718,15 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             });
             if created {
                 let near = client.similar_semaphores(&name).await.unwrap_or_default();
+                // A name ending in `*` is a template (its instances are made on first use).
+                let what = if s.name.ends_with('*') {
+                    "a new template: a semaphore of this capacity is made for each name it matches, \
+                     on first use"
+                } else {
+                    "a new semaphore"
+                };
                 errln!(
-                    "permitq: created {}, a new semaphore{}",
+                    "permitq: created {}, {what}{}",
                     s.name,
                     if near.is_empty() {
                         String::new()

@@ -37,9 +37,22 @@ pub(crate) fn parse_config(url: &str) -> Result<Config> {
         let authority = url
             .split_once("://")
             .map_or("", |(_, rest)| rest.split('?').next().unwrap_or(""));
-        let what = match (url.split_once("://"), std::error::Error::source(&e)) {
-            (Some((scheme, _)), _) if !matches!(scheme, "postgres" | "postgresql") => {
-                format!(" ({scheme}:// is not PostgreSQL's scheme: use postgres://)")
+        // A scheme: before `://`, or before a `:` in what is not key=value pairs.
+        let scheme = url.split_once("://").map(|(scheme, _)| scheme).or_else(|| {
+            url.split_once(':')
+                .map(|(scheme, _)| scheme)
+                .filter(|s| !url.contains('=') && !s.is_empty())
+                .filter(|s| {
+                    s.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "+.-".contains(c))
+                })
+        });
+        let what = match (scheme, std::error::Error::source(&e)) {
+            (Some(scheme), _) if !matches!(scheme, "postgres" | "postgresql") => {
+                format!(" ({scheme}: is not PostgreSQL's scheme: use postgres://)")
+            }
+            (Some(scheme), _) if !url.contains("://") => {
+                format!(" ({scheme}: is followed by //, as in {scheme}://host/database)")
             }
             (_, cause) if authority.matches('@').count() > 1 => format!(
                 "{}: a password (or user name) with an @, :, / or # in it must be \

@@ -521,6 +521,15 @@ async fn a_new_semaphore_says_it_is_new_and_what_it_is_near() {
         ),
         "{}",
         stderr(&o)
+    ); // A template is said to be one.
+    let o = run(url, &["semaphore", "set", "lab:*", "2"]).await;
+    assert!(
+        stderr(&o).contains(
+            "permitq: created lab:*, a new template: a semaphore of this capacity is made for \
+             each name it matches, on first use"
+        ),
+        "{}",
+        stderr(&o)
     );
 }
 
@@ -904,7 +913,15 @@ fn a_malformed_url_shows_the_form_expected() {
         ),
         (
             "mysql://localhost/app",
-            "(mysql:// is not PostgreSQL's scheme: use postgres://)",
+            "(mysql: is not PostgreSQL's scheme: use postgres://)",
+        ),
+        (
+            "postgress:/foo",
+            "(postgress: is not PostgreSQL's scheme: use postgres://)",
+        ),
+        (
+            "postgres:/app",
+            "(postgres: is followed by //, as in postgres://host/database)",
         ),
     ] {
         let o = permitq(Some(url), &["status", "x"]);
