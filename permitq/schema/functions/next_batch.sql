@@ -127,3 +127,42 @@ BEGIN
               ranked);
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.next_batch(bigint, bigint) TO permitq_worker;
+
+-- The grant turn: true when this transaction now holds it (to its end), false when another
+-- worker's batch does. One worker at a time runs grant batches, so a second worker never
+-- queues behind the first on a semaphore's row lock holding request rows it claimed (which made
+-- workers anti-scale on a hot semaphore: each batch waited for the other's commit flush, and
+-- batches got smaller); it waits a moment and tries again, and takes over as soon as the
+-- holder's transaction ends (its session too, if it dies). Only a performance turn: grants
+-- are safe without it (the semaphore locks decide), as workers of the release before, which do
+-- not take it, run beside. Lock order: before every request and semaphore lock of the batch.
+CREATE OR REPLACE FUNCTION permitq.take_grant_turn() RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+BEGIN
+    LOCK TABLE permitq.grant_turn IN EXCLUSIVE MODE NOWAIT;
+    RETURN true;
+EXCEPTION WHEN lock_not_available THEN
+    RETURN false;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.take_grant_turn() TO permitq_worker;
+
+-- permitq.next_batch in the grant turn: one row of kind 't' (every other column NULL) when
+-- another worker holds the turn, and nothing is claimed or locked; else next_batch's rows.
+CREATE OR REPLACE FUNCTION permitq.next_batch_in_turn(cursor bigint, batch_size bigint)
+RETURNS TABLE (kind "char", id bigint, permits jsonb, fail_fast boolean, deadline_passed boolean,
+               examined boolean, age_seconds float8, problem text, external_id text,
+               effective bigint, semaphore_id bigint, name text, capacity integer, used bigint,
+               fair boolean, parent text, guarantee integer, active boolean,
+               head_request_id bigint, head_count integer, ranked bigint)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
+SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    IF NOT permitq.take_grant_turn() THEN
+        kind := 't';
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT * FROM permitq.next_batch(next_batch_in_turn.cursor,
+                                                  next_batch_in_turn.batch_size);
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.next_batch_in_turn(bigint, bigint) TO permitq_worker;

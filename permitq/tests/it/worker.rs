@@ -241,6 +241,87 @@ async fn release_and_capacity_increase_wake_the_workers() {
     worker.stop().await;
 }
 
+/// One worker's batch at a time (the grant turn, functions/next_batch.sql): a worker that finds
+/// the turn held claims and locks nothing and never waits in a lock queue; it takes the turn as
+/// soon as the holder's session ends. A producer cannot take the turn to stall the workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_finds_the_grant_turn_held_locks_nothing_and_takes_over_when_it_is_free() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("turn", 1, None).await.unwrap();
+    // Another worker's batch holds the turn (to its transaction's end).
+    let holder = db.conn().await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE permitq.grant_turn IN EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let holder_pid: i32 = holder
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let mut config = quiet_config("w1");
+    config.poll_interval = Duration::from_millis(50);
+    let worker = db.worker(config);
+    client
+        .submit(&Request::new("r").permit("turn", 1))
+        .await
+        .unwrap();
+    // Passes run every few ms meanwhile: none claims it, and none waits for a lock.
+    let conn = db.conn().await;
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let (examined, lock_waits): (bool, i64) = conn
+            .query_one(
+                "SELECT (SELECT examined FROM permitq.permit_request WHERE external_id = 'r'),
+                        (SELECT count(*) FROM pg_stat_activity
+                         WHERE datname = current_database() AND wait_event_type = 'Lock')",
+                &[],
+            )
+            .await
+            .map(|row| (row.get(0), row.get(1)))
+            .unwrap();
+        assert!(
+            !examined,
+            "claimed while another worker held the grant turn"
+        );
+        assert_eq!(lock_waits, 0, "a worker waited in a lock queue");
+    }
+    assert_eq!(state_of(&client, "r").await, "new");
+    // The holder dies: its session's end frees the turn, and this worker grants.
+    conn.execute("SELECT pg_terminate_backend($1)", &[&holder_pid])
+        .await
+        .unwrap();
+    let r = client
+        .wait_settled("r", Duration::from_secs(5))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(r.state, State::Acquired);
+    worker.stop().await;
+    // A producer can neither lock the turn nor take it through the function.
+    let producer =
+        tokio_postgres::connect(&db.login("permitq_producer").await, tokio_postgres::NoTls)
+            .await
+            .map(|(c, connection)| {
+                tokio::spawn(connection);
+                c
+            })
+            .unwrap();
+    for attempt in [
+        "BEGIN; LOCK TABLE permitq.grant_turn IN EXCLUSIVE MODE",
+        "SELECT permitq.take_grant_turn()",
+    ] {
+        let e = producer.batch_execute(attempt).await.unwrap_err();
+        assert_eq!(
+            e.code(),
+            Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE),
+            "{attempt}: {e}"
+        );
+        let _ = producer.batch_execute("ROLLBACK").await;
+    }
+}
+
 /// Releases reaching a sleeping worker a few ms apart: the fold of the later ones is deferred
 /// (a worker folds at most every 10 ms), and the worker comes back for it then, not after its
 /// 120 s fallback poll. Until the fold, `used` is stale and the `released` events unsent.
