@@ -99,13 +99,17 @@ BEGIN
         UNION ALL
         SELECT x.id, x.place, an.ancestor, x.count
         FROM named x
-        JOIN permitq.ancestors(ARRAY(SELECT DISTINCT y.name FROM named y)) an
+        -- (`WHERE nested`, a one-time filter: not called at all otherwise, as its argument,
+        -- a subquery, keeps it from being inlined: parsed and planned at every call.)
+        JOIN (SELECT * FROM permitq.ancestors(ARRAY(SELECT DISTINCT y.name FROM named y))
+              WHERE nested) an
           ON an.name = x.name AND an.depth > 0
         UNION ALL
         SELECT x.id, x.place, an.ancestor, x.count
         FROM named x
         JOIN unmade um ON um.name = x.name
-        JOIN permitq.ancestors(ARRAY(SELECT DISTINCT p.parent FROM unmade p)) an
+        JOIN (SELECT * FROM permitq.ancestors(ARRAY(SELECT DISTINCT p.parent FROM unmade p))
+              WHERE nested_templates) an
           ON an.name = um.parent
     )
     -- On a semaphore served by fairness key (functions/fairness.sql), the head not examined yet
