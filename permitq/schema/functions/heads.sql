@@ -59,6 +59,17 @@ BEGIN
         LIMIT 1
     ) w;
 
+    -- Nothing unexamined ahead of the batch but its own requests, and fewer of those than
+    -- `scan_limit` (so no stand-in either): the query below returns nothing; its plan's start-up
+    -- alone was most of a busy line's heads, batch after batch.
+    IF cardinality(batch_ids) < scan_limit AND NOT EXISTS (
+        SELECT 1 FROM permitq.permit_request r
+        WHERE r.state = 'new' AND NOT r.examined
+          AND permitq.rule_place_in_line(r.priority, r.created_at) >= floor_place
+          AND r.id <> ALL(batch_ids)) THEN
+        RETURN;
+    END IF;
+
     RETURN QUERY
     WITH ahead AS (
         SELECT r.id, r.permits, permitq.rule_place_in_line(r.priority, r.created_at) AS place,
