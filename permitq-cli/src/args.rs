@@ -129,9 +129,10 @@ pub(crate) enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Run the whole system for about 20 s: a throwaway PostgreSQL of its own (DATABASE_URL is
-    /// ignored; --database-url runs it on that database instead, which it must be allowed to
-    /// fill), 3 workers, simulated producers and holders, a live view and a summary.
+    /// Run the whole system for about 20 s: a throwaway PostgreSQL of its own (the DATABASE_URL
+    /// environment variable is ignored here; only --database-url on the command line runs it on
+    /// that database instead, which it must be allowed to fill), 3 workers, simulated producers
+    /// and holders, a live view and a summary.
     Demo(crate::demo::DemoArgs),
     /// Measure submit → acquired latency on an idle system, and throughput under load.
     Bench(crate::bench::BenchArgs),

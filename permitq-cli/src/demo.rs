@@ -36,8 +36,9 @@ pub(crate) struct DemoArgs {
     /// (only what this run creates is removed at the end).
     #[arg(long)]
     pub yes: bool,
-    /// Leave the throwaway PostgreSQL running afterwards, with the demo's semaphores, and print
-    /// its DATABASE_URL and the command that stops and removes it.
+    /// Leave the throwaway PostgreSQL running afterwards, emptied of the demo's data (the
+    /// tutorial's `permitq migrate` starts on it), and print its DATABASE_URL and the command
+    /// that stops and removes it. With `--duration 1s` it is quick.
     #[arg(long, conflicts_with = "database_url")]
     pub keep: bool,
 }
@@ -52,15 +53,18 @@ const SEMAPHORES: &[(&str, i32, bool)] = &[
 /// Runs the demo.
 pub(crate) async fn run(named: Option<&str>, args: DemoArgs) -> Result<()> {
     let mut scratch =
-        crate::scratch::open(named, args.yes, "demo", EmbeddedPostgres::start).await?;
+        crate::scratch::open(named, args.yes, args.keep, "demo", EmbeddedPostgres::start).await?;
     let result = demo(&scratch.url, &args).await;
     scratch.clean_up().await?;
     if args.keep {
+        // The demo's semaphores and its holders' leases would linger in the user's first steps
+        // (a `gpu` of theirs beside `demo-gpu` reads as a typo): the kept database starts empty.
+        scratch.empty().await?;
         if let Some(stop) = scratch.keep() {
             println!(
-                "\nPostgreSQL keeps running (--keep), with the demo's semaphores and requests; \
-                 fsync is off: for trying permitq, not for data you keep. Use it with:\n  \
-                 export DATABASE_URL={}\nStop and remove it when done:\n  {stop}",
+                "\nPostgreSQL keeps running (--keep), emptied of the demo's data: `permitq \
+                 migrate` starts on it. fsync is off: for trying permitq, not for data you keep. \
+                 Use it with:\n  export DATABASE_URL={}\nStop and remove it when done:\n  {stop}",
                 scratch.url
             );
         }

@@ -56,11 +56,12 @@ struct Mark {
     request_id: i64,
 }
 
-/// A throwaway cluster from `start_cluster` when `named` is None; else the named database,
-/// checked (see the module docs).
+/// A throwaway cluster from `start_cluster` when `named` is None (to be left running when
+/// `keep`: see [`Scratch::keep`]); else the named database, checked (see the module docs).
 pub(crate) async fn open(
     named: Option<&str>,
     yes: bool,
+    keep: bool,
     tool: &str,
     start_cluster: impl FnOnce() -> permitq_fleet::Result<EmbeddedPostgres> + Send + 'static,
 ) -> Result<Scratch> {
@@ -70,8 +71,13 @@ pub(crate) async fn open(
             .await
             .map_err(|e| CliError::runtime(format!("start-up task failed: {e}")))??;
         errln!(
-            "PostgreSQL is up on 127.0.0.1:{} (removed at the end)",
-            cluster.port()
+            "PostgreSQL is up on 127.0.0.1:{} ({})",
+            cluster.port(),
+            if keep {
+                "kept running afterwards (--keep): its DATABASE_URL is printed at the end"
+            } else {
+                "removed at the end"
+            }
         );
         return Ok(Scratch {
             url: cluster.url("postgres"),
@@ -109,6 +115,18 @@ pub(crate) async fn open(
 }
 
 impl Scratch {
+    /// Drops what a run left in a throwaway cluster (the permitq schema and the bench's), so
+    /// that a kept one starts empty. Nothing to do for a named database (`clean_up` did it).
+    pub(crate) async fn empty(&self) -> Result<()> {
+        if self.cluster.is_none() {
+            return Ok(());
+        }
+        let conn = permitq_embedded_pg::try_connect(&self.url).await?;
+        conn.batch_execute(&format!("{DROP_SCHEMAS}; {DROP_PERMITQ}"))
+            .await?;
+        Ok(())
+    }
+
     /// Leaves a throwaway cluster running after this process: the command that stops and
     /// removes it, or `None` for a named database (nothing to keep).
     pub(crate) fn keep(&mut self) -> Option<String> {

@@ -88,7 +88,7 @@ pub(crate) async fn run(named: Option<&str>, args: BenchArgs) -> Result<()> {
     let fsync = if args.fsync == "off" { "off" } else { "on" };
     let profile = args.profile;
     errln!("bench: fsync={fsync}");
-    let scratch = crate::scratch::open(named, args.yes, "bench", move || {
+    let scratch = crate::scratch::open(named, args.yes, false, "bench", move || {
         // pg_stat_statements always: the grant path's statements per cycle are read from it.
         let mut settings = vec![
             ("fsync", fsync),

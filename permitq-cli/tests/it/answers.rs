@@ -1552,7 +1552,10 @@ fn demo_help_says_it_runs_on_a_throwaway_postgresql_of_its_own() {
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     let help = stdout(&o).split_whitespace().collect::<Vec<_>>().join(" ");
     assert!(
-        help.contains("a throwaway PostgreSQL of its own (DATABASE_URL is ignored;"),
+        help.contains(
+            "a throwaway PostgreSQL of its own (the DATABASE_URL environment variable is ignored \
+             here; only --database-url on the command line runs it on that database instead"
+        ),
         "{help}"
     );
 }
