@@ -1159,22 +1159,27 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
     let mut row = client.submit(&request).await?;
     // A new request is always `new`: one that is not was submitted before under this id.
     let earlier = row.state != State::New && row.state != State::InProgress;
-    if !earlier && row.state == State::New {
+    // Awaiting it: whether anything grants, said now, not when the await runs out.
+    let nothing_grants = match args.await_for {
+        Some(_) if !earlier => client.granting().await?.warning(),
+        _ => None,
+    };
+    // What a worker will fail it with: said now, unless this awaits a running worker's
+    // outcome, which says it a moment later.
+    let outcome_soon = args.await_for.is_some() && nothing_grants.is_none();
+    if !earlier && row.state == State::New && !outcome_soon {
         say_names_not_found(client, &row).await;
     }
     let mut code = 0;
     let mut said_nothing_grants = false;
     if let Some(limit) = args.await_for {
-        if !earlier {
-            // Say now, not when the await runs out, that nothing will grant it.
-            if let Some(warning) = client.granting().await?.warning() {
-                errln!(
-                    "permitq: {} is queued, but {warning}; waiting {} anyway",
-                    row.external_id,
-                    waiting_for(limit)
-                );
-                said_nothing_grants = true;
-            }
+        if let Some(warning) = nothing_grants {
+            errln!(
+                "permitq: {} is queued, but {warning}; waiting {} anyway",
+                row.external_id,
+                waiting_for(limit)
+            );
+            said_nothing_grants = true;
         }
         // Ctrl-C (or SIGTERM) while waiting: the caller gave up, so the request must not wait on
         // to be granted to nobody. (Submitted before under this id, it is the same request, which

@@ -1546,6 +1546,32 @@ async fn explain_writes_a_rate_window_as_semaphore_show_does() {
     worker.stop().await;
 }
 
+/// Awaiting a running worker's outcome, a name no semaphore has is said once, by the outcome a
+/// moment later, not also as a warning that it is queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_awaited_typo_with_a_worker_running_is_said_once() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "gpu", "1"]).await;
+    let worker = db.worker(quiet_config("w"));
+    common::wait_until(Duration::from_secs(10), "the worker is seen", || async {
+        let o = run(url, &["workers"]).await;
+        !stdout(&o).contains("nothing is granting")
+    })
+    .await;
+    let o = run(url, &["submit", "typo-1", "gppu=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 3, "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("typo-1 error unknown_semaphore: no semaphore named gppu")
+            && stdout(&o).contains("did you mean gpu?")
+            && !stderr(&o).contains("is queued, but"),
+        "{}{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    worker.stop().await;
+}
+
 #[test]
 fn demo_help_says_it_runs_on_a_throwaway_postgresql_of_its_own() {
     let o = permitq(Some("postgres://ignored@127.0.0.1/x"), &["demo", "--help"]);
