@@ -413,12 +413,8 @@ impl Worker {
         stop: &mut watch::Receiver<bool>,
         asleep_since: &mut Option<Instant>,
     ) -> Result<()> {
-        let outcome = self.pass(stop, asleep_since).await?;
-        if outcome.did_work() {
+        if self.pass_ends_step(stop, asleep_since).await? {
             return Ok(());
-        }
-        if outcome.turn_busy {
-            return self.await_turn(stop).await;
         }
         if asleep_since.is_none() {
             // Just out of work: under load the next request is a moment away. Look for it
@@ -449,26 +445,15 @@ impl Worker {
                         _ = stop.changed() => {}
                     }
                     pause = (pause * 2).min(self.config.poll_interval);
-                    if *stop.borrow() {
+                    if *stop.borrow() || self.pass_ends_step(stop, asleep_since).await? {
                         return Ok(());
-                    }
-                    let outcome = self.pass(stop, asleep_since).await?;
-                    if outcome.did_work() {
-                        return Ok(());
-                    }
-                    if outcome.turn_busy {
-                        return self.await_turn(stop).await;
                     }
                 }
                 // Every producer that saw this worker awake has committed: this pass sees it
                 // (or, when another worker's batch holds the grant turn, a pass of this one
                 // once that batch is over: its snapshot may predate that commit).
-                let outcome = self.pass(stop, asleep_since).await?;
-                if outcome.did_work() {
+                if self.pass_ends_step(stop, asleep_since).await? {
                     return Ok(());
-                }
-                if outcome.turn_busy {
-                    return self.await_turn(stop).await;
                 }
             }
             // Still asleep: say so again before the row's `awake_by` runs out.
@@ -506,31 +491,39 @@ impl Worker {
     }
 
     /// Runs a pass; when it did work and this worker was asleep, records that it is awake (so
-    /// producers stop notifying). A spurious wake-up writes nothing.
-    async fn pass(
+    /// producers stop notifying). A spurious wake-up writes nothing. True when the step is
+    /// over: the pass did work (the next one starts at once), or it found the grant turn held
+    /// (and waited for it: [`Worker::await_turn`]).
+    async fn pass_ends_step(
         &self,
-        stop: &watch::Receiver<bool>,
+        stop: &mut watch::Receiver<bool>,
         asleep_since: &mut Option<Instant>,
-    ) -> Result<PassOutcome> {
+    ) -> Result<bool> {
         let outcome = self.run_pass(stop).await?;
-        if outcome.did_work() && asleep_since.is_some() {
-            self.set_sleeping(false).await?;
-            *asleep_since = None;
+        if outcome.did_work() {
+            if asleep_since.is_some() {
+                self.set_sleeping(false).await?;
+                *asleep_since = None;
+            }
+            return Ok(true);
         }
-        Ok(outcome)
+        if outcome.turn_busy {
+            self.await_turn(stop).await;
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     /// After a pass that found the grant turn held: another worker's batch is granting, and
     /// takes what arrives while this one waits. Tries again after [`TURN_RETRY`], without the
     /// way to sleep (producers need not notify: that worker is awake; and should it die, its
     /// session's end frees the turn).
-    async fn await_turn(&self, stop: &mut watch::Receiver<bool>) -> Result<()> {
+    async fn await_turn(&self, stop: &mut watch::Receiver<bool>) {
         metrics::counter!("permitq_grant_turn_busy_total").increment(1);
         tokio::select! {
             _ = tokio::time::sleep(TURN_RETRY) => {}
             _ = stop.changed() => {}
         }
-        Ok(())
     }
 
     /// Records whether this worker sleeps. A sleeping worker's row counts until
