@@ -109,11 +109,6 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "fairness_keys",
         sql: include_str!("../schema/migrations/V14__fairness_keys.sql"),
     },
-    Migration {
-        version: 15,
-        name: "grant_turn",
-        sql: include_str!("../schema/migrations/V15__grant_turn.sql"),
-    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.

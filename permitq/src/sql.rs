@@ -3,8 +3,7 @@
 //!
 //! Lock order (see `schema/migrations/V1__baseline.sql`): request rows first, then semaphore rows
 //! in ascending id. [`CLAIM_BATCH`] is step 1 for the worker, [`LOCK_BATCH_AND_HEADS`] step 2;
-//! [`NEXT_BATCH`] runs both, in that order, in one call, after taking the grant turn (step 0:
-//! one worker's batch at a time, `permitq.take_grant_turn`).
+//! [`NEXT_BATCH`] runs both, in that order, in one call.
 
 use std::sync::LazyLock;
 
@@ -133,9 +132,8 @@ pub(crate) const SCHEMA_IS_CURRENT: &str =
 /// Worker: claim what could be granted (unexamined requests after a cursor, and the first
 /// waiters of semaphores with room), FOR UPDATE SKIP LOCKED.
 pub(crate) const CLAIM_BATCH: &str = include_str!("sql/claim_batch.sql");
-/// Worker: steps 1 and 2 in one round trip, in the grant turn: claim a batch, lock its
-/// semaphores (folding their releases) and read their heads; rows told apart by `kind` (one row
-/// of kind 't' when another worker holds the turn).
+/// Worker: steps 1 and 2 in one round trip: claim a batch, lock its semaphores (folding their
+/// releases) and read their heads; rows told apart by `kind`.
 pub(crate) const NEXT_BATCH: &str = include_str!("sql/next_batch.sql");
 /// Worker, isolating a failed batch: claim these requests again (one at a time).
 pub(crate) const CLAIM_REQUESTS: &str = include_str!("sql/claim_requests.sql");

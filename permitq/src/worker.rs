@@ -107,19 +107,9 @@ pub(crate) struct PassOutcome {
     pub waiting: u64,
     /// Requests examined for the first time and left waiting (they joined the queues).
     pub queued: u64,
-    /// The pass ended because another worker's batch held the grant turn.
-    pub turn_busy: bool,
 }
 
 impl PassOutcome {
-    /// A batch that found the grant turn held by another worker: it did nothing.
-    pub(crate) fn turn_busy() -> PassOutcome {
-        PassOutcome {
-            turn_busy: true,
-            ..PassOutcome::default()
-        }
-    }
-
     /// Whether the pass changed anything (then the next pass starts at once).
     pub(crate) fn did_work(&self) -> bool {
         self.granted + self.errored + self.queued > 0
@@ -131,7 +121,6 @@ impl PassOutcome {
         self.errored += batch.errored;
         self.waiting += batch.waiting;
         self.queued += batch.queued;
-        self.turn_busy = batch.turn_busy;
     }
 }
 
@@ -413,7 +402,7 @@ impl Worker {
         stop: &mut watch::Receiver<bool>,
         asleep_since: &mut Option<Instant>,
     ) -> Result<()> {
-        if self.pass_ends_step(stop, asleep_since).await? {
+        if self.pass_did_work(stop, asleep_since).await? {
             return Ok(());
         }
         if asleep_since.is_none() {
@@ -445,14 +434,12 @@ impl Worker {
                         _ = stop.changed() => {}
                     }
                     pause = (pause * 2).min(self.config.poll_interval);
-                    if *stop.borrow() || self.pass_ends_step(stop, asleep_since).await? {
+                    if *stop.borrow() || self.pass_did_work(stop, asleep_since).await? {
                         return Ok(());
                     }
                 }
-                // Every producer that saw this worker awake has committed: this pass sees it
-                // (or, when another worker's batch holds the grant turn, a pass of this one
-                // once that batch is over: its snapshot may predate that commit).
-                if self.pass_ends_step(stop, asleep_since).await? {
+                // Every producer that saw this worker awake has committed: this pass sees it.
+                if self.pass_did_work(stop, asleep_since).await? {
                     return Ok(());
                 }
             }
@@ -491,39 +478,18 @@ impl Worker {
     }
 
     /// Runs a pass; when it did work and this worker was asleep, records that it is awake (so
-    /// producers stop notifying). A spurious wake-up writes nothing. True when the step is
-    /// over: the pass did work (the next one starts at once), or it found the grant turn held
-    /// (and waited for it: [`Worker::await_turn`]).
-    async fn pass_ends_step(
+    /// producers stop notifying). A spurious wake-up writes nothing.
+    async fn pass_did_work(
         &self,
-        stop: &mut watch::Receiver<bool>,
+        stop: &watch::Receiver<bool>,
         asleep_since: &mut Option<Instant>,
     ) -> Result<bool> {
-        let outcome = self.run_pass(stop).await?;
-        if outcome.did_work() {
-            if asleep_since.is_some() {
-                self.set_sleeping(false).await?;
-                *asleep_since = None;
-            }
-            return Ok(true);
+        let did_work = self.run_pass(stop).await?.did_work();
+        if did_work && asleep_since.is_some() {
+            self.set_sleeping(false).await?;
+            *asleep_since = None;
         }
-        if outcome.turn_busy {
-            self.await_turn(stop).await;
-            return Ok(true);
-        }
-        Ok(false)
-    }
-
-    /// After a pass that found the grant turn held: another worker's batch is granting, and
-    /// takes what arrives while this one waits. Tries again after [`TURN_RETRY`], without the
-    /// way to sleep (producers need not notify: that worker is awake; and should it die, its
-    /// session's end frees the turn).
-    async fn await_turn(&self, stop: &mut watch::Receiver<bool>) {
-        metrics::counter!("permitq_grant_turn_busy_total").increment(1);
-        tokio::select! {
-            _ = tokio::time::sleep(TURN_RETRY) => {}
-            _ = stop.changed() => {}
-        }
+        Ok(did_work)
     }
 
     /// Records whether this worker sleeps. A sleeping worker's row counts until
@@ -577,9 +543,6 @@ fn host_name() -> String {
 
 /// How often a worker that would sleep looks for work while producers are still in flight.
 const BUSY_POLL: Duration = Duration::from_millis(1);
-
-/// How long a worker whose pass found the grant turn held waits before it tries again.
-const TURN_RETRY: Duration = Duration::from_millis(20);
 
 /// How long a worker that just ran out of work keeps looking (every [`BUSY_POLL`]) before it
 /// goes to sleep.

@@ -71,8 +71,8 @@ struct Patch {
 enum Plant {
     /// Patches of the current text of one schema file, which is then run.
     File(&'static str, &'static [Patch]),
-    /// The same for several files.
-    Files(&'static [(&'static str, &'static [Patch])]),
+    /// The same for two files.
+    Files([(&'static str, &'static [Patch]); 2]),
     /// Patches of one schema file, then a statement.
     FileThen(&'static str, &'static [Patch], &'static str),
 }
@@ -116,7 +116,7 @@ impl Mutation {
                 );
             }
             Mutation::GrantTwice => {
-                return Plant::Files(&[
+                return Plant::Files([
                     (
                         "claim.sql",
                         &[Patch {
@@ -212,11 +212,8 @@ impl Mutation {
             ),
             Mutation::NoSemaphoreLock => {
                 // And without the apply's own capacity check, which would refuse what the
-                // unlocked decisions over-grant; and with every worker's batches at once, as
-                // during a rolling restart, when workers of the release before (which take no
-                // grant turn) run beside new ones: the turn only serializes new workers, the
-                // semaphore lock is what keeps grants safe.
-                return Plant::Files(&[
+                // unlocked decisions over-grant.
+                return Plant::Files([
                     (
                         "batch_semaphores.sql",
                         &[
@@ -235,13 +232,6 @@ impl Mutation {
                         &[Patch {
                             find: "IF over_capacity IS NOT NULL THEN",
                             replace: "IF false THEN",
-                        }],
-                    ),
-                    (
-                        "next_batch.sql",
-                        &[Patch {
-                            find: "    LOCK TABLE permitq.grant_turn IN EXCLUSIVE MODE NOWAIT;\n",
-                            replace: "",
                         }],
                     ),
                 ]);
@@ -264,7 +254,7 @@ impl Mutation {
             Mutation::IgnoreWindow => {
                 // And without the apply's own window check, which would refuse what the
                 // decisions over-grant.
-                return Plant::Files(&[
+                return Plant::Files([
                     (
                         "batch_semaphores.sql",
                         &[Patch {
@@ -303,11 +293,11 @@ impl Mutation {
                 Ok(format!("{}\n{statement}", self.patched(path, patches)?))
             }
             Plant::File(path, patches) => self.patched(path, patches),
-            Plant::Files(files) => files
-                .iter()
-                .map(|(path, patches)| self.patched(path, patches))
-                .collect::<Result<Vec<_>, _>>()
-                .map(|files| files.join("\n")),
+            Plant::Files(files) => Ok(format!(
+                "{}\n{}",
+                self.patched(files[0].0, files[0].1)?,
+                self.patched(files[1].0, files[1].1)?
+            )),
         }
     }
 

@@ -267,10 +267,6 @@ fn describe_metrics() {
         "Batches that failed and were rolled back."
     );
     describe_counter!(
-        "permitq_grant_turn_busy_total",
-        "Passes that found another worker's batch holding the grant turn (they try again soon)."
-    );
-    describe_counter!(
         "permitq_batch_retries_total",
         "Batches retried after a serialization failure or deadlock."
     );

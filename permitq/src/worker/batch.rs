@@ -241,23 +241,9 @@ impl Worker {
         })?;
         let mut claimed = Vec::new();
         let read = match claim {
-            Claim::After(cursor) => match next_batch(&conn, cursor, self.config.batch_size).await {
-                Ok(Some((rows, semaphores))) => Ok((rows, Some(semaphores))),
-                // Another worker's batch holds the grant turn: nothing claimed or locked.
-                Ok(None) => {
-                    return match conn.batch_execute("COMMIT").await {
-                        Ok(()) => Ok(Some((i64::MAX, PassOutcome::turn_busy()))),
-                        Err(e) => {
-                            drop(deadpool_postgres::Object::take(conn));
-                            Err(FailedBatch {
-                                error: e.into(),
-                                claimed,
-                            })
-                        }
-                    };
-                }
-                Err(e) => Err(e),
-            },
+            Claim::After(cursor) => next_batch(&conn, cursor, self.config.batch_size)
+                .await
+                .map(|(rows, semaphores)| (rows, Some(semaphores))),
             _ => claim_rows(&conn, claim, self.config.batch_size)
                 .await
                 .map(|rows| (rows, None)),
@@ -365,28 +351,27 @@ struct FailedBatch {
     claimed: Vec<(i64, Option<i64>)>,
 }
 
-/// Steps 1 and 2 (lock order steps 1 and 2) in one round trip with BEGIN, in the grant turn:
-/// the claimed rows, sorted by id, and the semaphores as the decision sees them (none when
-/// nothing was claimed); `None` when another worker's batch holds the turn (nothing claimed).
+/// Steps 1 and 2 (lock order steps 1 and 2) in one round trip with BEGIN: the claimed rows,
+/// sorted by id, and the semaphores as the decision sees them (none when nothing was claimed).
 async fn next_batch(
     conn: &deadpool_postgres::Object,
     cursor: i64,
     batch_size: i64,
-) -> Result<Option<(Vec<tokio_postgres::Row>, BTreeMap<String, SemaphoreView>)>> {
+) -> Result<(Vec<tokio_postgres::Row>, BTreeMap<String, SemaphoreView>)> {
     let statement = conn.prepare_cached(sql::NEXT_BATCH).await?;
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&cursor, &batch_size];
     let (begun, rows) = tokio::join!(conn.batch_execute("BEGIN"), conn.query(&statement, &params));
     begun?;
     let (mut claimed, mut locked) = (Vec::new(), LockedBatch::default());
     for row in rows? {
-        match row_kind(&row)? {
-            b'r' => claimed.push(row),
-            b't' => return Ok(None),
-            _ => locked.read(&row, "permitq.next_batch_in_turn")?,
+        if row_kind(&row)? == b'r' {
+            claimed.push(row);
+        } else {
+            locked.read(&row, "permitq.next_batch")?;
         }
     }
     claimed.sort_by_key(|row| row.get::<_, i64>("id"));
-    Ok(Some((claimed, locked.semaphores())))
+    Ok((claimed, locked.semaphores()))
 }
 
 /// Step 1, lock order step 1: BEGIN and claim (`FOR UPDATE SKIP LOCKED`), in one round trip.
@@ -651,7 +636,6 @@ impl Outcome {
             errored: count(self.errored.len()),
             waiting: count(candidates - self.granted.len() - self.errored.len()),
             queued: count(self.queued.len()),
-            turn_busy: false,
         }
     }
 }

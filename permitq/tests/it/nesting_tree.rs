@@ -119,7 +119,7 @@ async fn a_move_while_a_batch_waits_for_the_lock_is_retried_under_the_new_parent
     wait_until(SOON, "the batch waits for a's lock", || async {
         conn.query_one(
             "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-             AND (query LIKE '%permitq.next_batch_in_turn(%' \
+             AND (query LIKE '%permitq.next_batch(%' \
                   OR query LIKE '%permitq.lock_batch_and_heads(%'))",
             &[],
         )
