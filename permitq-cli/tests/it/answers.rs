@@ -308,10 +308,14 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
     })
     .await;
     let out = stdout(&run(url, &["explain", "newer-wait"]).await);
+    // No estimate from those releases. Why, of two true reasons, depends on the clock: its
+    // holders came after the last release, or (on a loaded machine, where the explain comes
+    // later than the quick releases were apart) the releases have stopped.
     assert!(
-        out.contains(
+        (out.contains(
             "  no estimated wait: its holders were all granted after the last release here ("
         ) && out.contains("so the rate of earlier releases says nothing of when they end")
+            || out.contains("longer than the recent releases took to make as much room"))
             && !out.contains("estimated wait: about"),
         "{out}"
     );
