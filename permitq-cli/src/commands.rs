@@ -402,30 +402,31 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                              now, and is released when it runs out unless a heartbeat extends it"
                         );
                     }
-                    // The end printed may read as before (to the second): say what moved.
-                    if let Some(was) = before.flatten().filter(|was| *was <= t) {
-                        let from_now = |at: std::time::SystemTime| {
-                            let left = at
-                                .duration_since(std::time::SystemTime::now())
-                                .unwrap_or_default();
-                            // To the nearest second.
-                            humantime::format_duration(std::time::Duration::from_secs(
-                                (left + std::time::Duration::from_millis(500)).as_secs(),
-                            ))
-                        };
-                        errln!(
-                            "permitq: lease extended: it ends in {} (it was to end in {})",
-                            from_now(t),
-                            from_now(was)
-                        );
-                    }
-                    if let Some(was) = before.flatten().filter(|was| *was > t) {
-                        errln!(
+                    match before.flatten() {
+                        // The end printed may read as before (to the second): say what moved,
+                        // to the second (`show::until` rounds minutes to a tenth).
+                        Some(was) if was <= t => {
+                            let from_now = |at: std::time::SystemTime| {
+                                let left = at
+                                    .duration_since(std::time::SystemTime::now())
+                                    .unwrap_or_default();
+                                humantime::format_duration(std::time::Duration::from_secs(
+                                    (left + std::time::Duration::from_millis(500)).as_secs(),
+                                ))
+                            };
+                            errln!(
+                                "permitq: lease extended: it ends in {} (it was to end in {})",
+                                from_now(t),
+                                from_now(was)
+                            );
+                        }
+                        Some(was) => errln!(
                             "permitq: note: the lease now ends earlier than before ({}): a \
                              heartbeat sets its end to now + --extend, and --extend was shorter \
                              than what was left",
                             humantime::format_rfc3339_seconds(was)
-                        );
+                        ),
+                        None => {}
                     }
                 }
                 Ok(None) => outln!(

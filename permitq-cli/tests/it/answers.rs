@@ -1558,7 +1558,7 @@ async fn an_awaited_typo_with_a_worker_running_is_said_once() {
     let url = &db.url;
     run(url, &["semaphore", "set", "gpu", "1"]).await;
     let worker = db.worker(quiet_config("w"));
-    common::wait_until(Duration::from_secs(10), "the worker is seen", || async {
+    wait_until(SOON, "the worker is seen", || async {
         let o = run(url, &["workers"]).await;
         !stdout(&o).contains("nothing is granting")
     })
