@@ -124,8 +124,12 @@ BEGIN
                    - n.turn_us AS start_us,
                permitq.epoch_us(f.placed_until) AS placed_until_us
         FROM named n
-        LEFT JOIN permitq.key_finish f
-          ON f.semaphore_id = n.semaphore_id AND f.fairness_key = n.fkey
+        -- A lookup per request, whatever the statistics say: a plan made while key_finish
+        -- was empty scanned every finish tag for every request (a drain over 10,000 keys went
+        -- from 3 to 65 ms a batch).
+        LEFT JOIN LATERAL (SELECT g.finish, g.placed_until FROM permitq.key_finish g
+                           WHERE g.semaphore_id = n.semaphore_id AND g.fairness_key = n.fkey
+                           LIMIT 1) f ON true
     ),
     -- Its offset there, S - V, but never placing it ahead of the key's requests placed before
     -- (the virtual time may have passed F while they wait); one offset per request, the
