@@ -63,7 +63,8 @@ pub(crate) async fn run(named: Option<&str>, args: DemoArgs) -> Result<()> {
         if let Some(stop) = scratch.keep() {
             println!(
                 "\nPostgreSQL keeps running (--keep), emptied of the demo's data: `permitq \
-                 migrate` starts on it. fsync is off: for trying permitq, not for data you keep. \
+                 migrate` starts on it. For trying permitq, not for data you keep: fsync is \
+                 off, and it lets any login in without checking its password (trust). \
                  Use it with:\n  export DATABASE_URL={}\nStop and remove it when done:\n  {stop}",
                 scratch.url
             );
@@ -263,8 +264,16 @@ fn print_summary(r: &RunReport, peaks: &BTreeMap<String, (i64, i64)>, elapsed: D
         r.latency_ms.p99,
         r.latency_ms.max
     );
-    outln!("peak use vs capacity (sampled / exact from permit intervals):");
-    for (name, (peak, capacity)) in peaks.iter().filter(|(n, _)| n.starts_with("demo-")) {
+    let demo_peaks: Vec<_> = peaks
+        .iter()
+        .filter(|(n, _)| n.starts_with("demo-"))
+        .collect();
+    if demo_peaks.is_empty() {
+        outln!("peak use vs capacity: none sampled (the run was shorter than a sample)");
+    } else {
+        outln!("peak use vs capacity (sampled / exact from permit intervals):");
+    }
+    for (name, (peak, capacity)) in demo_peaks {
         let exact = r.peak_concurrent.get(name).copied().unwrap_or(0);
         outln!("  {name:<22} {peak:>3} / {exact:>3} of {capacity}");
     }

@@ -699,6 +699,10 @@ async fn demo_keep_leaves_its_server_running_and_says_how_to_use_and_remove_it()
         stderr(&o)
     );
     let out = stdout(&o);
+    assert!(
+        out.contains("fsync is off, and it lets any login in without checking its password"),
+        "what the kept server is not: {out}"
+    );
     let url = out
         .lines()
         .find_map(|l| l.trim().strip_prefix("export DATABASE_URL="))

@@ -234,7 +234,7 @@ async fn every_readme_block_runs_as_written_top_to_bottom_on_a_fresh_database() 
                         None => command.to_string(),
                     }
                     .replace(
-                        "cargo run -p permitq --example ",
+                        "cargo run --release -p permitq --example ",
                         &format!("{}/", examples.display()),
                     );
                     if let Some(command) = command.strip_suffix('&') {
