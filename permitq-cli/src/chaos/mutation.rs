@@ -59,9 +59,6 @@ pub(crate) enum Mutation {
     /// The claim's room on a semaphore whose capacity was lowered below what is held is used
     /// as a LIMIT unclamped: below zero, every pass fails while a request waits there.
     NegativeRoom,
-    /// On a keyed semaphore, every request is tagged as if it had no fairness key: one line in
-    /// arrival order, whatever the tenants.
-    KeysIgnored,
 }
 
 /// One replacement in a schema file: `find` must occur exactly once.
@@ -82,7 +79,7 @@ enum Plant {
 
 impl Mutation {
     /// Every mutation.
-    pub(crate) const ALL: [Mutation; 19] = [
+    pub(crate) const ALL: [Mutation; 18] = [
         Mutation::NoSemaphoreLock,
         Mutation::FoldTwice,
         Mutation::DoubleRelease,
@@ -101,7 +98,6 @@ impl Mutation {
         Mutation::ParentWindowNotCharged,
         Mutation::ReserveDropped,
         Mutation::NegativeRoom,
-        Mutation::KeysIgnored,
     ];
 
     /// How it is planted.
@@ -240,13 +236,6 @@ impl Mutation {
                     ),
                 ]);
             }
-            Mutation::KeysIgnored => (
-                "fairness.sql",
-                &[Patch {
-                    find: "SELECT r.id, coalesce(r.fairness_key, '') AS fkey, b.place",
-                    replace: "SELECT r.id, ''::text AS fkey, b.place",
-                }][..],
-            ),
             Mutation::SkipFairness => (
                 "batch_semaphores.sql",
                 &[Patch {
@@ -352,7 +341,6 @@ impl Mutation {
             Mutation::ParentWindowNotCharged => "parent-window-not-charged",
             Mutation::ReserveDropped => "reserve-dropped",
             Mutation::NegativeRoom => "negative-room",
-            Mutation::KeysIgnored => "keys-ignored",
         }
     }
 }
