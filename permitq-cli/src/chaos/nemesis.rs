@@ -414,12 +414,7 @@ async fn inject(
                 .await
                 .map_err(|e| CliError::runtime(e.to_string()))?
         }
-        Fault::LowerCapacity => {
-            let (name, capacity, _) = SEMAPHORES.iter().filter(|s| s.2).nth(rng.usize(..2)).expect("fair semaphores");
-            admin(url, &format!("SELECT permitq.set_capacity('{name}', 1)")).await?;
-            tokio::time::sleep(Duration::from_millis(1500)).await;
-            retry_admin(url, &format!("SELECT permitq.set_capacity('{name}', {capacity})")).await
-        }
+        Fault::LowerCapacity => lower_capacity(url, rng).await,
         Fault::TimeoutBurst => {
             admin(url, "ALTER SYSTEM SET statement_timeout = '30ms'").await?;
             admin(url, "ALTER SYSTEM SET idle_in_transaction_session_timeout = '50ms'").await?;
@@ -449,6 +444,66 @@ async fn inject(
             Ok(())
         }
     }
+}
+
+/// How long [`Fault::LowerCapacity`] keeps a capacity lowered.
+const LOWERED_FOR: Duration = Duration::from_millis(1500);
+
+/// [`Fault::LowerCapacity`]: lowers a fair semaphore's capacity to 1 while it holds at least 2
+/// and has waiters (its free room below 0, waiters to examine: what the fault is for), for
+/// [`LOWERED_FOR`], waking the workers meanwhile so that passes examine it while it is so, then
+/// puts the capacity back. The semaphore is picked in the statement that lowers it, the one
+/// that holds the most, within 8 s (a random fair one if none qualifies by then: a loaded
+/// machine's workers may be down or behind). Picking it at random at a random moment left it at
+/// times with one permit held, or none examined before its holders released: nothing to see.
+async fn lower_capacity(url: &str, rng: &mut fastrand::Rng) -> Result<()> {
+    let fair: Vec<&(&str, i32, bool)> = SEMAPHORES.iter().filter(|s| s.2).collect();
+    let names: Vec<String> = fair.iter().map(|s| s.0.to_string()).collect();
+    let conn = permitq_embedded_pg::try_connect(url).await?;
+    let deadline = Instant::now() + Duration::from_secs(8);
+    let lowered = loop {
+        let row = conn
+            .query_opt(
+                "WITH pick AS (
+                     SELECT s.name FROM permitq.semaphore s
+                     WHERE s.name = ANY($1) AND s.capacity - permitq.free_room(s) >= 2
+                       AND EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = s.id)
+                     ORDER BY s.capacity - permitq.free_room(s) DESC, s.name
+                     LIMIT 1)
+                 SELECT name, permitq.set_capacity(name, 1)::text FROM pick",
+                &[&names],
+            )
+            .await?;
+        if let Some(row) = row {
+            break row.get::<_, String>(0);
+        }
+        if Instant::now() >= deadline {
+            let name = fair[rng.usize(..fair.len())].0;
+            tracing::warn!(
+                name,
+                "no fair semaphore held 2 with waiters: lowering one anyway"
+            );
+            conn.execute("SELECT permitq.set_capacity($1, 1)", &[&name])
+                .await?;
+            break name.to_string();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    tracing::info!(%lowered, "capacity lowered to 1");
+    let until = Instant::now() + LOWERED_FOR;
+    while Instant::now() < until {
+        // Workers that are busy poll; one asleep takes the wake-up.
+        let _ = conn
+            .execute("SELECT pg_notify('permitq_work', '')", &[])
+            .await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let capacity = fair.iter().find(|s| s.0 == lowered).map_or(1, |s| s.1);
+    retry_admin(
+        url,
+        &format!("SELECT permitq.set_capacity('{lowered}', {capacity})"),
+    )
+    .await
 }
 
 async fn admin(url: &str, sql: &str) -> Result<()> {
