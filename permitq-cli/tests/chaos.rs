@@ -166,7 +166,21 @@ fn the_load_of_the_planted_bugs_passes_without_them() {
         let found = violations(&summary);
         assert_eq!(found.len(), CHECKERS, "every checker reported: {summary}");
         assert!(found.values().all(|n| *n == 0), "{args:?}: {summary}");
+        assert!(
+            key_moves(&summary) > 0,
+            "the keys rule replayed nothing: {summary}"
+        );
     }
+}
+
+/// How many moves of a key's finish tag the keys rule replayed.
+fn key_moves(summary: &str) -> u64 {
+    summary
+        .lines()
+        .find_map(|l| l.strip_prefix("fairness keys: "))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Runs [`PLANTED_LOAD`] with a planted bug (and these extra arguments) and returns the
@@ -224,6 +238,15 @@ fn chaos_catches_a_double_release_that_decrements_twice() {
 fn chaos_catches_a_grant_that_skips_the_fairness_check() {
     let (found, summary) = planted("skip-fairness", &[]);
     assert!(found["fairness"] > 0, "{summary}");
+}
+
+/// The fairness rule extended to keys: a worker that tags every request on a keyed semaphore as
+/// if it had no key (one line in arrival order) moves the wrong keys' finish tags.
+#[test]
+fn chaos_catches_a_keyed_semaphore_that_ignores_fairness_keys() {
+    let (found, summary) = planted("keys-ignored", &[]);
+    assert!(found["fairness"] > 0, "{summary}");
+    assert!(summary.contains("keys: c-keyed"), "{summary}");
 }
 
 #[test]

@@ -23,6 +23,9 @@ pub(crate) struct Verdict {
     /// Per concurrency semaphore, the most held at once and the grants that took from it
     /// (worked out from the tree for the nested ones).
     pub peaks: BTreeMap<String, (i64, usize)>,
+    /// The moves of fairness keys' finish tags the keys rule replayed (`keys`), one per batch
+    /// and key.
+    pub key_moves: usize,
 }
 
 impl Verdict {
@@ -603,9 +606,10 @@ fn heads_are_granted(state: &FinalState, cx: &Context, v: &mut Verdict) {
         }
     }
     for r in &state.requests {
+        // (A keyed semaphore's line is in the order of places, not of arrival.)
         if !takes[&r.id]
             .iter()
-            .all(|n| fair.get(n.as_str()) == Some(&true))
+            .all(|n| fair.get(n.as_str()) == Some(&true) && !state.keyed.contains(n))
         {
             continue;
         }
@@ -748,10 +752,12 @@ fn fairness(
     // Rate-limited semaphores' room is their window, which this model of held counts does not
     // follow: their fairness is left to the decision's property tests (their liveness is
     // checked).
+    // Keyed semaphores' lines are in the order of the places their tags give, not of arrival:
+    // their tags are the keys rule's to check (`super::keys`).
     let fair: Vec<&str> = state
         .semaphores
         .iter()
-        .filter(|s| s.2 && !state.windows.contains_key(&s.0))
+        .filter(|s| s.2 && !state.windows.contains_key(&s.0) && !state.keyed.contains(&s.0))
         .map(|s| s.0.as_str())
         .collect();
     let by_id: HashMap<i64, &Req> = state.requests.iter().map(|r| (r.id, r)).collect();

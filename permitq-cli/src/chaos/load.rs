@@ -16,11 +16,17 @@ use super::SEMAPHORES;
 use permitq::Client;
 use permitq::{Request, State};
 
-/// Runs one client until `stop`, with its own pool.
+/// Clients beside the random ones that submit only requests on the keyed semaphore
+/// ([`keyed_request`]): the random clients' requests, seed for seed, stay what they were.
+pub(crate) const KEYED_CLIENTS: usize = 3;
+
+/// Runs one client until `stop`, with its own pool: random requests, or (`keyed`) requests on
+/// the keyed semaphore alone.
 pub(crate) async fn client_loop(
     id: usize,
     url: String,
     seed: u64,
+    keyed: bool,
     history: History,
     stop: Arc<AtomicBool>,
 ) {
@@ -34,7 +40,12 @@ pub(crate) async fn client_loop(
     let mut n = 0u64;
     while !stop.load(Ordering::Relaxed) {
         n += 1;
-        let request = random_request(&mut rng, format!("c{id}-{n}"));
+        let external_id = format!("c{id}-{n}");
+        let request = if keyed {
+            keyed_request(&mut rng, external_id)
+        } else {
+            random_request(&mut rng, external_id)
+        };
         // Some submits race a duplicate of themselves from a second connection.
         let duplicate = rng.u8(..8) == 0;
         let (first, second) = if duplicate {
@@ -142,6 +153,26 @@ async fn wait_settled(
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
     }
+}
+
+/// A request on the keyed semaphore alone (so that no other line sees the place its key gives
+/// it), with one of the fairness keys and its weight, or none (a key of its own); some with a
+/// wait, some at another priority.
+fn keyed_request(rng: &mut fastrand::Rng, external_id: String) -> Request {
+    let (name, capacity) = super::KEYED;
+    let mut request =
+        Request::new(external_id).permit(name, rng.i64(1..=i64::from(capacity).min(2)));
+    if let Some((key, weight)) = super::FAIRNESS_KEYS.get(rng.usize(..=super::FAIRNESS_KEYS.len()))
+    {
+        request = request.fairness_key(*key).fairness_weight(*weight);
+    }
+    if rng.u8(..6) == 0 {
+        request.priority = rng.i16(-2..=2);
+    }
+    if rng.u8(..6) == 0 {
+        request.wait = Some(Duration::from_millis(rng.u64(100..1500)));
+    }
+    request
 }
 
 fn random_request(rng: &mut fastrand::Rng, external_id: String) -> Request {

@@ -11,6 +11,7 @@
 pub(crate) mod checker;
 pub(crate) mod ha;
 pub(crate) mod history;
+pub(crate) mod keys;
 pub(crate) mod load;
 pub(crate) mod mutation;
 pub(crate) mod nemesis;
@@ -61,6 +62,12 @@ pub(crate) const TENANTS: usize = 3;
 pub(crate) const RATE_PARENT: (&str, i32, Duration) = ("c-rp", 5, Duration::from_secs(1));
 /// The rate-limited parent's children.
 pub(crate) const RATE_CHILDREN: [&str; 2] = ["c-rp-a", "c-rp-b"];
+/// A semaphore served by fairness key: (name, capacity). The load's requests on it name it
+/// alone, each with one of [`FAIRNESS_KEYS`] (its weight) or none ([`keys`] checks its order).
+pub(crate) const KEYED: (&str, i32) = ("c-keyed", 3);
+/// The fairness keys of the requests on [`KEYED`], and their weights.
+pub(crate) const FAIRNESS_KEYS: [(&str, i32); 3] =
+    [("tenant-a", 1), ("tenant-b", 2), ("tenant-c", 3)];
 
 /// A chaos run.
 #[derive(Debug, Clone)]
@@ -240,6 +247,10 @@ impl ChaosReport {
         s += &format!(
             "waits on fair semaphores: large requests p99 {lp99:.0} ms, max {lmax:.0} ms; small p99 {sp99:.0} ms, max {smax:.0} ms\n"
         );
+        s += &format!(
+            "fairness keys: {} moves of a key's finish tag by a batch replayed\n",
+            self.verdict.key_moves
+        );
         if self.violations() > 0 {
             // Where the violations' times (µs since the epoch) fall among the faults.
             s += "faults (from, to, in s since the epoch):\n";
@@ -346,6 +357,22 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
     }
     // Hardened as `permitq doctor` says (the stranger below tries what it guards against).
     harden(&url, &client).await?;
+    // Fairness keys, unless the run starts on the schema of a build before them (its
+    // producers could not name them).
+    let keyed = config.previous.is_none();
+    if keyed {
+        permitq_embedded_pg::try_connect(&url)
+            .await?
+            .batch_execute(keys::INSTALL)
+            .await?;
+        client
+            .set_semaphore(
+                KEYED.0,
+                KEYED.1,
+                &SemaphoreSettings::new().fair(true).fairness_keys(true),
+            )
+            .await?;
+    }
     for (name, capacity, fair) in SEMAPHORES {
         client.set_capacity(name, *capacity, Some(*fair)).await?;
     }
@@ -441,6 +468,7 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
                 i,
                 url.clone(),
                 config.seed,
+                false,
                 history.clone(),
                 stop.clone(),
             ))
@@ -449,6 +477,16 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
             tokio::spawn(load::borrower_loop(
                 config.clients + i,
                 url.clone(),
+                history.clone(),
+                stop.clone(),
+            ))
+        }))
+        .chain((0..if keyed { load::KEYED_CLIENTS } else { 0 }).map(|i| {
+            tokio::spawn(load::client_loop(
+                config.clients + load::ROOT_BORROWERS + i,
+                url.clone(),
+                config.seed,
+                true,
                 history.clone(),
                 stop.clone(),
             ))
@@ -513,6 +551,15 @@ pub(crate) async fn run(config: ChaosConfig) -> Result<ChaosReport> {
         load_end,
     };
     let mut verdict = checker::check(&state, &cx);
+    if keyed {
+        let (found, checked) = keys::replay(&conn).await?;
+        verdict.key_moves = checked;
+        verdict
+            .violations
+            .entry("fairness")
+            .or_default()
+            .extend(found);
+    }
     let ha_figures = match &watch {
         Some(watch) => {
             let lost = checker::lost_acknowledged(&state, &ops);

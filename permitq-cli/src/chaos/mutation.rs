@@ -59,6 +59,9 @@ pub(crate) enum Mutation {
     /// The claim's room on a semaphore whose capacity was lowered below what is held is used
     /// as a LIMIT unclamped: below zero, every pass fails while a request waits there.
     NegativeRoom,
+    /// On a keyed semaphore, every request is tagged as if it had no fairness key: one line in
+    /// arrival order, whatever the tenants.
+    KeysIgnored,
 }
 
 /// One replacement in a schema file: `find` must occur exactly once.
@@ -79,7 +82,7 @@ enum Plant {
 
 impl Mutation {
     /// Every mutation.
-    pub(crate) const ALL: [Mutation; 18] = [
+    pub(crate) const ALL: [Mutation; 19] = [
         Mutation::NoSemaphoreLock,
         Mutation::FoldTwice,
         Mutation::DoubleRelease,
@@ -98,6 +101,7 @@ impl Mutation {
         Mutation::ParentWindowNotCharged,
         Mutation::ReserveDropped,
         Mutation::NegativeRoom,
+        Mutation::KeysIgnored,
     ];
 
     /// How it is planted.
@@ -236,6 +240,13 @@ impl Mutation {
                     ),
                 ]);
             }
+            Mutation::KeysIgnored => (
+                "fairness.sql",
+                &[Patch {
+                    find: "SELECT r.id, coalesce(r.fairness_key, '') AS fkey, b.place",
+                    replace: "SELECT r.id, ''::text AS fkey, b.place",
+                }][..],
+            ),
             Mutation::SkipFairness => (
                 "batch_semaphores.sql",
                 &[Patch {
@@ -341,6 +352,7 @@ impl Mutation {
             Mutation::ParentWindowNotCharged => "parent-window-not-charged",
             Mutation::ReserveDropped => "reserve-dropped",
             Mutation::NegativeRoom => "negative-room",
+            Mutation::KeysIgnored => "keys-ignored",
         }
     }
 }

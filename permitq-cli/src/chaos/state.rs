@@ -84,6 +84,8 @@ pub(crate) struct FinalState {
     pub(crate) windows: HashMap<String, Micros>,
     /// Semaphore → its `granted` counter.
     pub(crate) granted_counter: HashMap<String, i64>,
+    /// The semaphores served by fairness key.
+    pub(crate) keyed: std::collections::HashSet<String>,
 }
 
 /// The nesting of the semaphores: each one's parent, and the templates' (an instance the idle
@@ -242,7 +244,18 @@ pub(crate) async fn load(conn: &tokio_postgres::Client) -> Result<FinalState> {
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
+    let keyed = conn
+        .query(
+            "SELECT s.name FROM permitq.keyed_semaphore k
+             JOIN permitq.semaphore s ON s.id = k.semaphore_id",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
     Ok(FinalState {
+        keyed,
         requests,
         permits,
         tree,
