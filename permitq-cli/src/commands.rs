@@ -143,7 +143,7 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                     // A new schema: what comes next.
                     outln!(
                         "next: `permitq semaphore set NAME CAPACITY`, then `permitq worker`; \
-                         other logins need a permitq role (e.g. GRANT permitq_producer TO LOGIN; \
+                         other logins need a permitq role (e.g. GRANT permitq_producer TO YOUR_LOGIN; \
                          the README's Permissions part lists them)"
                     );
                 }

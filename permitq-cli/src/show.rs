@@ -416,7 +416,7 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
                     n("failed"),
                     r["latency_ms"]
                         .as_f64()
-                        .map_or(String::new(), |ms| format!(", latency {ms:.0}ms")),
+                        .map_or(String::new(), |ms| format!(", p90 latency {ms:.0}ms")),
                     n("used"),
                     if from == to {
                         format!("kept {to}")
@@ -474,7 +474,7 @@ pub(crate) fn adaptive_inputs(inputs: &serde_json::Value) -> String {
     let n = |key: &str| inputs[key].as_i64().unwrap_or(0);
     let latency = inputs["latency_ms"]
         .as_f64()
-        .map_or(String::new(), |ms| format!(", latency {ms:.0}ms"));
+        .map_or(String::new(), |ms| format!(", p90 latency {ms:.0}ms"));
     format!(
         " (from {} ok, {} overloaded, {} failed{latency}, {} in use)",
         n("ok"),

@@ -131,7 +131,7 @@ pub struct Signals {
     pub overloaded: i64,
     /// `failed` reports.
     pub failed: i64,
-    /// The mean latency of the `ok` reports that gave one, in milliseconds.
+    /// The 90th percentile latency of the `ok` reports that gave one, in milliseconds.
     pub latency_ms: Option<f64>,
     /// Permits held (the workers' count).
     pub used: i64,
@@ -147,12 +147,24 @@ pub struct Memory {
     /// The gradient's unrounded estimate of the capacity.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub estimate: Option<f64>,
-    /// The gradient's estimate when latency last rose past its tolerance (or reports said
-    /// `overloaded`): near it, growth slows; well past it without latency rising, it is
-    /// forgotten.
+    /// The gradient's *knee*: where it went back to when latency last rose past its tolerance
+    /// (or reports said `overloaded`). It grows no further than the knee, more slowly near it;
+    /// the knee rises by a tenth after eight cadences near it in a row without
+    /// queueing (the resource grew).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub knee: Option<f64>,
+    /// Cadences in a row near the knee without queueing.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub calm: u32,
 }
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// Cadences near the knee without queueing, in a row, before the knee rises by a tenth.
+pub(crate) const CALM_CADENCES: u32 = 8;
 
 /// How far above its long-term latency a cadence's may be before the gradient lowers the
 /// capacity: a little queueing is allowed, not much.
@@ -174,20 +186,31 @@ fn decreased(capacity: f64) -> f64 {
     (capacity * 0.9).min(capacity - 1.0)
 }
 
-/// The gradient's growth in a cadence without queueing: the square root of its estimate, less
-/// within a quarter of the knee below it (a quarter of it at the knee), so that it does not step
-/// far past where latency rose last; a knee passed by a tenth without latency rising is
-/// forgotten (the resource grew), and growth is whole again.
-fn growth(estimate: f64, knee: &mut Option<f64>) -> f64 {
+/// The gradient's target in a cadence without queueing while the capacity is in use: its
+/// estimate grown by the square root of it; with a knee, by less within a quarter of it below
+/// (a quarter of the step at it) and never past it. Near the knee (within a tenth), such a
+/// cadence counts as calm, and [`CALM_CADENCES`] in a row raise the knee by a tenth: a resource
+/// that grew is followed a tenth at a time, each step earned by calm at the last one. (A knee
+/// forgotten once the estimate passed it let the estimate wander above where latency rose when
+/// the calls in flight lagged the capacity: the steps out of the band.)
+fn grown(estimate: f64, knee: &mut Option<f64>, calm: &mut u32) -> f64 {
     let step = estimate.sqrt();
-    match *knee {
-        Some(k) if estimate > k * 1.1 => {
-            *knee = None;
-            step
+    let Some(k) = *knee else {
+        return estimate + step;
+    };
+    let k = if estimate >= k * 0.9 {
+        *calm += 1;
+        if *calm >= CALM_CADENCES {
+            *calm = 0;
+            *knee = Some(k * 1.1);
+            k * 1.1
+        } else {
+            k
         }
-        Some(k) => step * ((k - estimate) / (0.25 * k)).clamp(0.25, 1.0),
-        None => step,
-    }
+    } else {
+        k
+    };
+    (estimate + step * ((k - estimate) / (0.25 * k)).clamp(0.25, 1.0)).min(k.max(estimate))
 }
 
 /// The next capacity of a semaphore at `capacity` with these `signals`, within `floor` and
@@ -220,11 +243,18 @@ pub fn next_capacity(
         }
         Algorithm::Gradient => {
             // Its own estimate, unless the capacity was set by hand since.
-            let estimate = memory
-                .estimate
-                .map(bound)
-                .filter(|e| e.floor() == current)
-                .unwrap_or(current);
+            let own = memory.estimate.map(bound).filter(|e| e.floor() == current);
+            let estimate = own.unwrap_or(current);
+            // Set by hand since: its knee goes with its estimate.
+            let memory = if own.is_some() {
+                memory
+            } else {
+                Memory {
+                    knee: None,
+                    calm: 0,
+                    ..memory
+                }
+            };
             let short = signals.latency_ms.filter(|l| l.is_finite() && *l > 0.0);
             let long = match (memory.long_latency_ms, short) {
                 (None, s) => s,
@@ -236,29 +266,34 @@ pub fn next_capacity(
                 (Some(long), Some(s)) => Some(long * 0.99 + s * 0.01),
                 (Some(long), None) => Some(long),
             };
-            let mut knee = memory.knee;
+            let (mut knee, mut calm) = (memory.knee, memory.calm);
             let next = if overloaded(signals) {
-                knee = Some(estimate);
-                decreased(estimate)
+                // Back by a tenth, and that is the knee.
+                calm = 0;
+                let lower = decreased(estimate);
+                knee = Some(lower);
+                lower
             } else {
                 match (long, short) {
                     (Some(long), Some(short)) if short > 0.0 && long > 0.0 => {
-                        // No queueing: grow by the square root (less near the knee); a little:
-                        // hold; more: shrink by how far past the tolerance it is (at most
-                        // halved), and that is the knee.
+                        // No queueing: grow (up to the knee), when in use; a little: hold;
+                        // more: shrink by how far past the tolerance it is (at most halved),
+                        // and that is the knee.
                         let ratio = short / long;
                         let target = if ratio <= QUEUEING {
-                            estimate
-                                + if in_use {
-                                    growth(estimate, &mut knee)
-                                } else {
-                                    0.0
-                                }
+                            if in_use {
+                                grown(estimate, &mut knee, &mut calm)
+                            } else {
+                                estimate
+                            }
                         } else if ratio <= TOLERANCE {
+                            calm = 0;
                             estimate
                         } else {
-                            knee = Some(estimate);
-                            estimate * (TOLERANCE / ratio).max(0.5)
+                            calm = 0;
+                            let lower = estimate * (TOLERANCE / ratio).max(0.5);
+                            knee = Some(lower);
+                            lower
                         };
                         estimate * 0.8 + target * 0.2
                     }
@@ -272,6 +307,7 @@ pub fn next_capacity(
                     long_latency_ms: long,
                     estimate: Some(next),
                     knee,
+                    calm,
                 },
             )
         }
@@ -549,52 +585,98 @@ mod tests {
     }
 
     #[test]
-    fn gradient_slows_near_the_knee_and_forgets_it_once_well_past() {
-        // Latency rose at 20: the knee. Growing again from 16 without queueing, it takes
-        // smaller steps near 20 than it did far below it, then passes it and grows freely.
-        let fresh = |estimate: f64, knee: Option<f64>| Memory {
+    fn gradient_stops_at_the_knee_and_raises_it_after_calm_there() {
+        // Latency rose where it went back to 20: the knee. Growing again from 16 without
+        // queueing, it takes smaller steps near 20 than it did far below it, and stops there
+        // until enough calm cadences there raise the knee by a tenth.
+        let at = |estimate: f64, knee: Option<f64>, calm: u32| Memory {
             long_latency_ms: Some(10.0),
             estimate: Some(estimate),
             knee,
+            calm,
         };
-        let step = |estimate: f64, knee: Option<f64>| {
+        let calm_cadence = |memory: Memory| {
             #[allow(clippy::cast_possible_truncation)]
-            let capacity = estimate.floor() as i32;
-            let (_, memory) = next_capacity(
+            let capacity = memory.estimate.unwrap().floor() as i32;
+            next_capacity(
                 Algorithm::Gradient,
                 &signals(20, 0, Some(10.0), i64::from(capacity)),
                 capacity,
                 1,
                 100,
-                fresh(estimate, knee),
-            );
-            (memory.estimate.unwrap() - estimate, memory.knee)
+                memory,
+            )
+            .1
         };
-        let (free, _) = step(19.0, None);
-        let (near, kept) = step(19.0, Some(20.0));
+        let growth = |m: Memory| calm_cadence(m).estimate.unwrap() - m.estimate.unwrap();
+        let free = growth(at(17.0, None, 0));
+        let near = growth(at(19.0, Some(20.0), 0));
         assert!(
             near < free * 0.5,
             "near the knee {near}, without one {free}"
         );
-        assert_eq!(kept, Some(20.0));
-        let (far_below, _) = step(10.0, Some(20.0));
         assert!(
-            (far_below - step(10.0, None).0).abs() < 1e-9,
+            (growth(at(10.0, Some(20.0), 0)) - growth(at(10.0, None, 0))).abs() < 1e-9,
             "far below: whole growth"
         );
-        let (past, forgotten) = step(22.5, Some(20.0));
-        assert_eq!(forgotten, None, "a knee passed by a tenth is forgotten");
-        assert!((past - step(22.5, None).0).abs() < 1e-9);
-        // Latency past the tolerance sets the knee where the estimate was.
+        // At the knee: no further, however many calm cadences, until the last of them.
+        let mut memory = at(20.0, Some(20.0), 0);
+        for n in 1..CALM_CADENCES {
+            memory = calm_cadence(memory);
+            assert!(memory.estimate.unwrap() <= 20.0, "{memory:?}");
+            assert_eq!((memory.knee, memory.calm), (Some(20.0), n));
+        }
+        memory = calm_cadence(memory);
+        assert!(
+            (memory.knee.unwrap() - 22.0).abs() < 1e-9,
+            "raised by a tenth: {memory:?}"
+        );
+        assert_eq!(memory.calm, 0);
+        assert!(memory.estimate.unwrap() > 20.0);
+        // A cadence with a little queueing breaks the run of calm ones.
+        let (_, held) = next_capacity(
+            Algorithm::Gradient,
+            &signals(20, 0, Some(11.5), 20),
+            20,
+            1,
+            100,
+            at(20.0, Some(20.0), 5),
+        );
+        assert_eq!((held.knee, held.calm), (Some(20.0), 0));
+        // Latency past the tolerance: back by how far past it is, and that is the knee.
         let (_, memory) = next_capacity(
             Algorithm::Gradient,
-            &signals(20, 0, Some(30.0), 30),
+            &signals(20, 0, Some(15.0), 30),
             30,
             1,
             100,
-            fresh(30.5, None),
+            at(30.5, None, 0),
         );
-        assert_eq!(memory.knee, Some(30.5));
+        // (The ratio is to the long-term latency after this cadence's 1% moved it: 10.05.)
+        assert!(
+            (memory.knee.unwrap() - 30.5 * 1.2 / (15.0 / 10.05)).abs() < 1e-9,
+            "{memory:?}"
+        );
+        // Overloaded: back by a tenth, the knee there.
+        let (_, memory) = next_capacity(
+            Algorithm::Gradient,
+            &signals(20, 5, Some(10.0), 30),
+            30,
+            1,
+            100,
+            at(30.0, None, 0),
+        );
+        assert!((memory.knee.unwrap() - 27.0).abs() < 1e-9, "{memory:?}");
+        // A capacity set by hand since drops the knee with the estimate.
+        let (_, memory) = next_capacity(
+            Algorithm::Gradient,
+            &signals(20, 0, Some(10.0), 40),
+            40,
+            1,
+            100,
+            at(20.0, Some(20.0), 3),
+        );
+        assert_eq!((memory.knee, memory.calm), (None, 0));
     }
 
     fn any_algorithm() -> impl Strategy<Value = Algorithm> {
@@ -606,11 +688,13 @@ mod tests {
             proptest::option::of(0.1f64..1000.0),
             proptest::option::of(0.0f64..200.0),
             proptest::option::of(0.0f64..200.0),
+            0..CALM_CADENCES + 2,
         )
-            .prop_map(|(long_latency_ms, estimate, knee)| Memory {
+            .prop_map(|(long_latency_ms, estimate, knee, calm)| Memory {
                 long_latency_ms,
                 estimate,
                 knee,
+                calm,
             })
     }
 

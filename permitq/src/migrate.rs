@@ -230,7 +230,7 @@ pub(crate) async fn migrate(client: &mut Client) -> Result<Migrated> {
 
 /// One run, retried once when a concurrent first run made the bookkeeping at the same moment.
 async fn migrate_once(client: &mut Client) -> Result<Migrated> {
-    match migrate_locked(client).await {
+    let result = match migrate_locked(client).await {
         // Two first runs made the schema or the bookkeeping tables at the same moment: the
         // second, again, finds them.
         Err(e)
@@ -247,8 +247,14 @@ async fn migrate_once(client: &mut Client) -> Result<Migrated> {
             migrate_locked(client).await
         }
         other => other,
+    };
+    match result {
+        Err(e) if e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) => {
+            let owners = client.query_one(sql::MIGRATE_OWNERS, &[]).await.ok();
+            Err(explain_privilege(e, owners.as_ref()))
+        }
+        other => other,
     }
-    .map_err(explain_privilege)
 }
 
 async fn migrate_locked(client: &mut Client) -> Result<Migrated> {
@@ -427,17 +433,35 @@ async fn roles_creatable(client: &Client) -> Result<()> {
     )))
 }
 
-/// A missing privilege, said with what migrating needs.
-fn explain_privilege(e: Error) -> Error {
+/// A missing privilege, said with what migrating needs and, from `owners`
+/// ([`sql::MIGRATE_OWNERS`]), who owns what now: whom to migrate as, or whom to ask.
+fn explain_privilege(e: Error, owners: Option<&tokio_postgres::Row>) -> Error {
     let Some(db) = e.as_postgres().and_then(|p| p.as_db_error()) else {
         return e;
     };
-    if db.code() != &SqlState::INSUFFICIENT_PRIVILEGE {
-        return e;
-    }
+    let who = owners.map_or(String::new(), |row| {
+        let (user, db_owner, schema_owner, database): (String, String, Option<String>, String) =
+            (row.get(0), row.get(1), row.get(2), row.get(3));
+        match schema_owner {
+            Some(owner) if owner != user => format!(
+                ": {user} does not own the permitq schema, {owner} does (and {db_owner} the \
+                 database): migrate as {owner}, or have {owner} (or a superuser) run \
+                 `ALTER SCHEMA permitq OWNER TO {user}`"
+            ),
+            Some(_) => format!(
+                ": {user} owns the permitq schema but may not change what it needs in the \
+                 database, owned by {db_owner}: migrate as {db_owner}"
+            ),
+            None => format!(
+                ": there is no permitq schema yet, and {user} may not create it in the \
+                 database, owned by {db_owner}: migrate as {db_owner}, or have {db_owner} run \
+                 `GRANT CREATE ON DATABASE {database} TO {user}`"
+            ),
+        }
+    });
     Error::config(format!(
-        "cannot migrate: {}{}. The migrating role must own the database or the permitq schema \
-         (or have CREATE on the database), and needs CREATEROLE only while the roles \
+        "cannot migrate: {}{}{who}. The migrating role must own the database or the permitq \
+         schema (or have CREATE on the database), and needs CREATEROLE only while the roles \
          permitq_producer, permitq_worker, permitq_admin and permitq_operator do not exist",
         db.message(),
         db.hint().map(|h| format!(" ({h})")).unwrap_or_default()

@@ -120,6 +120,13 @@ pub(crate) const ROLES_MISSING: &str = "SELECT coalesce(array_agg(r ORDER BY r) 
        FILTER (WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = r)), '{}'), \
      (SELECT rolsuper OR rolcreaterole FROM pg_catalog.pg_roles WHERE rolname = current_user) \
      FROM unnest($1::text[]) r";
+/// Migrate, refused a privilege: this login, the database's owner, the permitq schema's (NULL
+/// when there is none yet) and the database's name.
+pub(crate) const MIGRATE_OWNERS: &str = "SELECT current_user::text, \
+     pg_catalog.pg_get_userbyid(d.datdba)::text, \
+     (SELECT pg_catalog.pg_get_userbyid(n.nspowner)::text FROM pg_catalog.pg_namespace n \
+      WHERE n.nspname = 'permitq'), current_database()::text \
+     FROM pg_catalog.pg_database d WHERE d.datname = current_database()";
 /// Readiness: whether exactly these versions ($1) are applied and these files ($2, bodies $3)
 /// applied unchanged.
 pub(crate) const SCHEMA_IS_CURRENT: &str =
@@ -438,6 +445,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("RAISE_TOKEN_EPOCH", RAISE_TOKEN_EPOCH),
         ("RAISE_TOKEN_FLOOR", RAISE_TOKEN_FLOOR),
         ("ROLES_MISSING", ROLES_MISSING),
+        ("MIGRATE_OWNERS", MIGRATE_OWNERS),
         ("PUBLIC_ADVISORY_LOCKS", PUBLIC_ADVISORY_LOCKS),
         ("PUBLIC_TEMP", PUBLIC_TEMP),
         ("LOCK_TABLE_SIZE", LOCK_TABLE_SIZE),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -120,7 +121,8 @@ _URL_FORM = (
 def check_url(url: str) -> None:
     """Refuses, before connecting, a URL libpq would refuse or misread: one that does not parse,
     another scheme, a password with an unencoded @ (libpq takes the rest as the host), a port
-    that is not a number. An empty one is libpq's defaults (PGHOST, PGUSER, ...), as in libpq."""
+    that is not a number. An empty one is libpq's defaults (PGHOST, PGUSER, ...), as in libpq, when
+    one of them is set; else refused (an environment variable set but empty)."""
     from psycopg.conninfo import conninfo_to_dict
 
     def invalid(what: str) -> InvalidInput:
@@ -128,6 +130,10 @@ def check_url(url: str) -> None:
 
     if not isinstance(url, str):
         raise invalid(f"{url!r} is not a string (os.environ.get('DATABASE_URL') is None when it is unset)")
+    if not url.strip() and not any(os.environ.get(v) for v in ("PGHOST", "PGUSER", "PGDATABASE", "PGSERVICE")):
+        # libpq would try its defaults (a local socket as this OS user): almost always an
+        # environment variable set but empty.
+        raise invalid("it is empty, and no PGHOST, PGUSER or PGDATABASE is set (is DATABASE_URL set but empty?)")
 
     scheme, sep, rest = url.partition("://")
     if sep and scheme.lower() not in ("postgres", "postgresql"):

@@ -259,7 +259,7 @@ def translated(e: psycopg.Error, info: Any = None) -> PermitqError:
         if "invalid" in message and "value" in message:
             return InvalidInput(f"invalid database URL: {message}", "database URL")
         return DatabaseUnavailable(
-            f"{message} (is PostgreSQL up and the URL right? Retrying under the same external_id is safe)"
+            f"{message} (is PostgreSQL up and the URL right? Retrying is safe: a submit under the same external_id is never made twice)"
         )
     state = e.sqlstate or ""
     if state.startswith("08") or state in ("57P01", "57P02", "57P03"):

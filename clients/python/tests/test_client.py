@@ -17,6 +17,7 @@ import signal
 import time
 import unittest
 import uuid
+from unittest import mock
 
 import permitq
 
@@ -301,8 +302,10 @@ class SyncClientTest(unittest.TestCase):
             ("mysql://a@h/db", "mysql:// is not PostgreSQL's scheme"),
             ("postgres://me:p@ss@localhost/app", "must be percent-encoded in the URL (@ as %40"),
             ("postgres://a@h:port/db", "port 'port' is not a number"),
+            ("", "is DATABASE_URL set but empty?"),
         ]:
-            with self.assertRaises(permitq.InvalidInput, msg=url) as caught:
+            no_pg_env = {v: "" for v in ("PGHOST", "PGUSER", "PGDATABASE", "PGSERVICE")}
+            with self.assertRaises(permitq.InvalidInput, msg=url) as caught, mock.patch.dict(os.environ, no_pg_env):
                 permitq.Client(url)
             self.assertEqual(caught.exception.field, "database URL")
             self.assertIn(said, str(caught.exception))

@@ -133,6 +133,13 @@ export function checkConfig(config) {
         throw new InvalidInput(`invalid option ${misspelled}: did you mean connectionString?`, misspelled);
     }
     const env = ["PGHOST", "PGUSER", "PGDATABASE"].some((v) => process.env[v]);
+    if (typeof config.connectionString === "string" && config.connectionString.trim() === "" &&
+        config.host === undefined && config.user === undefined && !env) {
+        // node-postgres would try its defaults (localhost as this OS user): almost always an
+        // environment variable set but empty.
+        throw new InvalidInput("invalid database URL: it is empty, and no PGHOST, PGUSER or PGDATABASE is set (is DATABASE_URL set but empty?): " +
+            "expected postgres://user[:password]@host[:port]/database", "database URL");
+    }
     if (config.connectionString === undefined && config.host === undefined && config.user === undefined && !env) {
         throw new InvalidInput("no database given: pass connectionString (e.g. process.env.DATABASE_URL, if it is set: " +
             "postgres://user[:password]@host[:port]/database), or host and user, or set PGHOST and PGUSER", "connectionString");

@@ -242,7 +242,7 @@ export function translated(e: unknown, where?: string): Error {
   }
   const connection = !sqlstate && (code !== "" || /connection|connect|terminated|timeout/i.test(message));
   if (connection || code.startsWith("08") || code.startsWith("57P") || code === "53300") {
-    return new DatabaseUnavailable(`${message} (is PostgreSQL up and the URL right? Retrying under the same external_id is safe)`);
+    return new DatabaseUnavailable(`${message} (is PostgreSQL up and the URL right? Retrying is safe: a submit under the same external_id is never made twice)`);
   }
   if (!sqlstate) return e instanceof Error ? e : new PermitqError(message);
   switch (code) {

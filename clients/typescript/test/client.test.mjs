@@ -299,6 +299,7 @@ describe("permitq client", () => {
       ["mysql://a@h/db", /mysql:\/\/ is not PostgreSQL's scheme/],
       ["postgres://me:p@ss@localhost/app", /must be percent-encoded in the URL \(@ as %40/],
       ["postgres://a@h/db?sslmode=bogus", /sslmode "bogus" is not one of/],
+      ["", /it is empty, and no PGHOST, PGUSER or PGDATABASE is set \(is DATABASE_URL set but empty\?\)/],
     ]) {
       // (and a Unix socket in the query is accepted: see below)
       let e;

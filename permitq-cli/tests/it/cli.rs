@@ -979,7 +979,7 @@ async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep(
                 "2",
             ],
             "guarantee 2 is more than the capacity 1: give it at least 2 (`permitq semaphore set \
-             b 2`), or a smaller guarantee (`--guarantee 1`)",
+             b 2 --parent pool --guarantee 2`), or a smaller guarantee (`--guarantee 1`)",
         ),
         // A near name is offered first (creating the typo would make a second pool).
         (

@@ -42,6 +42,18 @@ BEGIN
         SET token = EXCLUDED.token, updated_at = now()
         WHERE f.token <= EXCLUDED.token
     RETURNING true INTO accepted;
+    -- Refused, naming a semaphore nothing has: a typo, not a stale holder, so say so (on the
+    -- refused path only; an instance its template would make counts as known).
+    IF accepted IS NULL AND fence_checked.semaphore IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = fence_checked.semaphore)
+       AND (permitq.template_for(fence_checked.semaphore)).name IS NULL THEN
+        RAISE EXCEPTION 'invalid semaphore %: no semaphore or template has that name%; name the semaphore that guards % (one the token''s request holds)',
+            fence_checked.semaphore,
+            coalesce('; did you mean ' || nullif(array_to_string(
+                permitq.similar_semaphore_names(fence_checked.semaphore), ' or '), '') || '?', ''),
+            fence_checked.resource
+            USING ERRCODE = '22023';
+    END IF;
     RETURN coalesce(accepted, false);
 END $$;
 

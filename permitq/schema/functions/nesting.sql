@@ -104,8 +104,13 @@ BEGIN
                       permitq.shell_word(s.template), coalesce(p.capacity, s.capacity), s.capacity);
     END IF;
     IF s.guarantee > s.capacity THEN
-        RETURN format('guarantee %s is more than the capacity %s: give it at least %s (`permitq semaphore set %s %s`), or a smaller guarantee (`--guarantee %s`)',
+        -- The way out in full: the command keeps the parent and guarantee asked for (run
+        -- alone, `semaphore set NAME G` would make a new one without them).
+        RETURN format('guarantee %s is more than the capacity %s: give it at least %s (`permitq semaphore set %s %s%s --guarantee %s`), or a smaller guarantee (`--guarantee %s`)',
                       s.guarantee, s.capacity, s.guarantee, permitq.shell_word(s.name),
+                      s.guarantee,
+                      CASE WHEN s.parent IS NOT NULL
+                           THEN ' --parent ' || permitq.shell_word(s.parent) ELSE '' END,
                       s.guarantee, s.capacity);
     END IF;
     IF s.guarantee > 0 AND s.parent IS NULL THEN

@@ -183,11 +183,18 @@ BEGIN
         WHERE r.external_id = await_settled.external_id
           AND permitq.may_read(r.submitted_by);
         IF NOT FOUND THEN
+            RAISE NOTICE 'no request % among those this login may read: no row (submit it first, or check the id)',
+                await_settled.external_id;
             RETURN;
         END IF;
         EXIT WHEN request.state <> 'new' OR clock_timestamp() >= deadline;
         PERFORM pg_sleep(0.01);
     END LOOP;
+    IF request.state = 'new' AND timeout > interval '5 seconds' THEN
+        -- Cut to the most one call waits: say so, or it reads as the whole timeout passed.
+        RAISE NOTICE 'request % is still new after 5 s, the most one call waits (not the % asked): call again to wait longer',
+            await_settled.external_id, permitq.human_duration(timeout);
+    END IF;
     RETURN NEXT request;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.await_settled(text, interval)

@@ -218,6 +218,16 @@ async fn a_non_superuser_that_owns_the_database_or_the_schema_migrates_it() {
             .contains("must own the database or the permitq schema"),
         "{err}"
     );
+    // Who owns what, and whom to ask.
+    let superuser_name = common::user_of(&db.url);
+    assert!(
+        err.to_string().contains(&format!(
+            "there is no permitq schema yet, and {owner} may not create it in the database, \
+             owned by {superuser_name}: migrate as {superuser_name}, or have {superuser_name} \
+             run `GRANT CREATE ON DATABASE {schema_only} TO {owner}`"
+        )),
+        "{err}"
+    );
     common::connect(&superuser)
         .await
         .batch_execute(&format!("CREATE SCHEMA permitq AUTHORIZATION {owner}"))
@@ -226,12 +236,35 @@ async fn a_non_superuser_that_owns_the_database_or_the_schema_migrates_it() {
     let applied = nothing.migrate().await.unwrap();
     assert_eq!(applied.versions.len(), permitq::migrate::MIGRATIONS.len());
     drop(nothing);
+    // Another login, after it: told who owns the schema, to migrate as them.
+    let other = format!("other_{}", &db.name[db.name.len() - 8..]);
+    admin
+        .batch_execute(&format!("CREATE ROLE {other} LOGIN PASSWORD 'pw'"))
+        .await
+        .unwrap();
+    let stranger = Client::connect(&common::with_dbname(
+        &as_user(&db.url, &other, "pw"),
+        &schema_only,
+    ))
+    .await
+    .unwrap();
+    let err = stranger.migrate().await.unwrap_err().to_string();
+    assert!(
+        err.contains(&format!(
+            "{other} does not own the permitq schema, {owner} does (and {superuser_name} the \
+             database): migrate as {owner}, or have {owner} (or a superuser) run `ALTER SCHEMA \
+             permitq OWNER TO {other}`"
+        )),
+        "{err}"
+    );
+    drop(stranger);
 
     // Leave nothing behind on the shared cluster.
     for statement in [
         format!("DROP DATABASE {fresh} WITH (FORCE)"),
         format!("DROP DATABASE {schema_only} WITH (FORCE)"),
         format!("DROP ROLE {owner}"),
+        format!("DROP ROLE {other}"),
         format!("DROP ROLE {producer}"),
     ] {
         admin.batch_execute(&statement).await.unwrap();

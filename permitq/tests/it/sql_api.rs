@@ -211,6 +211,11 @@ async fn other_bad_inputs_are_rejected_and_write_nothing() {
         ("permitq.fence('', 'r', 1)", "semaphore"),
         ("permitq.fence('s', '', 1)", "resource"),
         ("permitq.fence('s', 'r', NULL)", "token"),
+        // A semaphore nothing has: a typo, not a stale token.
+        (
+            "permitq.fence('s', 'r', 1)",
+            "invalid semaphore s: no semaphore or template",
+        ),
         ("permitq.heartbeat('x', '-1s')", "extend"),
     ] {
         let err = conn
@@ -623,6 +628,17 @@ async fn fence_refuses_forged_released_and_expired_tokens_and_records_nothing() 
     };
     // A forged token, however high, is refused and locks nobody out.
     assert!(!client.fence("fenced", "db", i64::MAX).await.unwrap());
+    // A valid token with a typo'd semaphore: an error that names the one meant, not a bare
+    // false that looks like a stale holder.
+    let typo = client
+        .fence("fenceed", "db", t[0])
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        typo.contains("invalid semaphore fenceed") && typo.contains("did you mean fenced?"),
+        "{typo}"
+    );
     assert_eq!(stored().await, 0, "nothing recorded");
     assert!(client.fence("fenced", "db", t[0]).await.unwrap());
     // A released holder's token is refused, even above the highest seen.
@@ -775,4 +791,48 @@ async fn await_settled_waits_at_most_five_seconds_a_call() {
         waited >= std::time::Duration::from_secs(5) && waited < std::time::Duration::from_secs(9),
         "{waited:?}"
     );
+    // The cut is said (a NOTICE), as is an id with no row; a wait within 5 s says nothing.
+    let (conn, notices) = noticing(&db.url).await;
+    conn.execute(
+        "SELECT permitq.await_settled('nobody-grants', '1 hour')",
+        &[],
+    )
+    .await
+    .unwrap();
+    conn.execute("SELECT permitq.await_settled('nobody-grants', '10ms')", &[])
+        .await
+        .unwrap();
+    conn.execute("SELECT permitq.await_settled('no-such-id', '1s')", &[])
+        .await
+        .unwrap();
+    drop(conn);
+    let said: Vec<String> = notices.await.unwrap();
+    assert_eq!(said.len(), 2, "{said:?}");
+    assert!(
+        said[0].contains(
+            "still new after 5 s, the most one call waits (not the 1h asked): call again"
+        ),
+        "{said:?}"
+    );
+    assert!(
+        said[1].contains("no request no-such-id among those this login may read"),
+        "{said:?}"
+    );
+}
+
+/// A connection whose NOTICEs are kept: their messages, once it is dropped.
+async fn noticing(url: &str) -> (tokio_postgres::Client, tokio::task::JoinHandle<Vec<String>>) {
+    let (client, mut connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let notices = tokio::spawn(async move {
+        let mut said = Vec::new();
+        while let Some(message) = std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+            if let Ok(tokio_postgres::AsyncMessage::Notice(notice)) = message {
+                said.push(notice.message().to_string());
+            }
+        }
+        said
+    });
+    (client, notices)
 }
