@@ -17,7 +17,8 @@ use permitq::WorkerConfig;
     arg_required_else_help = true
 )]
 pub(crate) struct Cli {
-    /// PostgreSQL URL, e.g. postgres://user:pass@host:5432/db [env: DATABASE_URL]
+    /// PostgreSQL URL, e.g. postgres://user:pass@host:5432/db [env: DATABASE_URL] (not `demo`:
+    /// it starts a throwaway PostgreSQL of its own)
     // DATABASE_URL is read in main.rs, not by clap: clap writes an argument taken from the
     // environment into every usage line it prints, as if it had been typed.
     #[arg(long, global = true)]

@@ -274,7 +274,12 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
             if json {
                 outln!("{}", serde_json::json!({ "above": above, "epoch": epoch }));
             } else {
-                outln!("tokens issued from now on are above {above} (epoch {epoch})");
+                // Where they start: far above `above` when it was below them already.
+                outln!(
+                    "tokens issued from now on are above {above}: they start past {} (epoch \
+                     {epoch})",
+                    epoch.saturating_mul(1 << 48)
+                );
             }
             Ok(0)
         }
@@ -515,6 +520,33 @@ async fn say_names_not_found(client: &Client, row: &permitq::PermitRequest) {
     {
         errln!("permitq: {} is queued, but {answer}", row.external_id);
     }
+}
+
+/// A fairness key on semaphores that are not keyed: accepted (a semaphore may be keyed later,
+/// and requests are placed by key only there), but it changes nothing there: said, with how
+/// to key them.
+async fn say_key_unused(client: &Client, row: &permitq::PermitRequest) {
+    let Some(key) = &row.fairness_key else {
+        return;
+    };
+    let Ok(usage) = client.usage().await else {
+        return;
+    };
+    let plain: Vec<&str> = usage
+        .iter()
+        .filter(|u| row.permits.contains_key(&u.name) && !u.fairness_keys)
+        .map(|u| u.name.as_str())
+        .collect();
+    if plain.is_empty() {
+        return;
+    }
+    errln!(
+        "permitq: note: {} {} not keyed, so the fairness key {key} changes nothing there \
+         (`permitq semaphore set {} CAPACITY --fairness-keys` serves a line by key)",
+        plain.join(", "),
+        if plain.len() == 1 { "is" } else { "are" },
+        crate::show::quoted_name(plain[0])
+    );
 }
 
 /// No semaphore `name`: the error, with the existing names nearest it (as an
@@ -1170,6 +1202,9 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
     let outcome_soon = args.await_for.is_some() && nothing_grants.is_none();
     if !earlier && row.state == State::New && !outcome_soon {
         say_names_not_found(client, &row).await;
+    }
+    if !earlier {
+        say_key_unused(client, &row).await;
     }
     let mut code = 0;
     let mut said_nothing_grants = false;

@@ -1014,7 +1014,8 @@ async fn tokens_raise_sets_the_floor_of_later_tokens_and_refuses_a_bad_one() {
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     assert!(
         stdout(&o).contains(&format!(
-            "tokens issued from now on are above {above} (epoch 10)"
+            "tokens issued from now on are above {above}: they start past {} (epoch 10)",
+            10_i64 << 48
         )),
         "{}",
         stdout(&o)
@@ -1027,6 +1028,16 @@ async fn tokens_raise_sets_the_floor_of_later_tokens_and_refuses_a_bad_one() {
         .unwrap()
         .get(0);
     assert_eq!(epoch, 10);
+    // A floor below them already: where they start says so.
+    let o = run(url, &["tokens", "raise", "--above", "5"]).await;
+    let said = stdout(&o);
+    let start: i64 = said
+        .split("they start past ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{said}"));
+    assert!(start >= 10_i64 << 48, "{said}");
     let o = run(url, &["tokens", "raise", "--above=-1"]).await;
     assert_eq!(code(&o), 2, "{}", stderr(&o));
     assert!(stderr(&o).contains("invalid above"), "{}", stderr(&o));
@@ -1321,6 +1332,24 @@ async fn fairness_keys_from_the_command_line() {
     )
     .await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(!stderr(&o).contains("not keyed"), "{}", stderr(&o));
+    // A key on a semaphore that is not keyed: accepted, and said to change nothing there.
+    let o = run(url, &["semaphore", "set", "plain", "2"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = run(
+        url,
+        &["submit", "p-1", "plain=1", "--fairness-key", "team-a"],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "permitq: note: plain is not keyed, so the fairness key team-a changes nothing there \
+             (`permitq semaphore set plain CAPACITY --fairness-keys` serves a line by key)"
+        ),
+        "{}",
+        stderr(&o)
+    );
     wait_until(Duration::from_secs(15), "b-1 second in line", || async {
         let show = stdout(&run(url, &["semaphore", "show", "gpu"]).await);
         show.lines().any(|l| l.trim_start().starts_with("2 b-1"))
