@@ -198,7 +198,13 @@ fn planted_under(load: &[&str], mutation: &str, extra: &[&str]) -> (BTreeMap<Str
     assert_eq!(
         out.status.code(),
         Some(1),
-        "the planted bug {mutation} went unnoticed:\n{summary}"
+        "the planted bug {mutation} went unnoticed:\n{summary}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+            .take(40)
+            .collect::<Vec<_>>()
+            .join("\n")
     );
     assert!(summary.contains("result: FAIL"));
     // The summary, and every violation (printed on stderr).

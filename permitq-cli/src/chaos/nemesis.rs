@@ -446,64 +446,112 @@ async fn inject(
     }
 }
 
-/// How long [`Fault::LowerCapacity`] keeps a capacity lowered.
-const LOWERED_FOR: Duration = Duration::from_millis(1500);
+/// How long [`Fault::LowerCapacity`] lasts.
+const LOWERED_FOR: Duration = Duration::from_millis(3000);
 
-/// [`Fault::LowerCapacity`]: lowers a fair semaphore's capacity to 1 while it holds at least 2
-/// and has waiters (its free room below 0, waiters to examine: what the fault is for), for
-/// [`LOWERED_FOR`], waking the workers meanwhile so that passes examine it while it is so, then
-/// puts the capacity back. The semaphore is picked in the statement that lowers it, the one
-/// that holds the most, within 8 s (a random fair one if none qualifies by then: a loaded
-/// machine's workers may be down or behind). Picking it at random at a random moment left it at
-/// times with one permit held, or none examined before its holders released: nothing to see.
+/// [`Fault::LowerCapacity`]: for [`LOWERED_FOR`], lowers fair semaphores' capacity to 1 while
+/// each holds at least 2 and has waiters (its free room below 0, waiters to examine: what the
+/// fault is for), waking the workers so that passes examine them while they are so; puts each
+/// back once its room is 0 or more again (a release there), and lowers it again when it next
+/// qualifies; at the end puts every capacity back. Each is picked in the statement that lowers
+/// it. One window closes at the first release there, at times before a loaded machine's next
+/// pass: a planted bug that fails such passes went unnoticed in CI with one window; with a
+/// window per refill, there are dozens. None qualifying within 8 s, one is lowered anyway, with
+/// a warning on stderr.
 async fn lower_capacity(url: &str, rng: &mut fastrand::Rng) -> Result<()> {
     let fair: Vec<&(&str, i32, bool)> = SEMAPHORES.iter().filter(|s| s.2).collect();
     let names: Vec<String> = fair.iter().map(|s| s.0.to_string()).collect();
+    let capacity_of = |name: &str| fair.iter().find(|s| s.0 == name).map_or(1, |s| s.1);
     let conn = permitq_embedded_pg::try_connect(url).await?;
-    let deadline = Instant::now() + Duration::from_secs(8);
-    let lowered = loop {
-        let row = conn
-            .query_opt(
-                "WITH pick AS (
-                     SELECT s.name FROM permitq.semaphore s
-                     WHERE s.name = ANY($1) AND s.capacity - permitq.free_room(s) >= 2
-                       AND EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = s.id)
-                     ORDER BY s.capacity - permitq.free_room(s) DESC, s.name
-                     LIMIT 1)
-                 SELECT name, permitq.set_capacity(name, 1)::text FROM pick",
-                &[&names],
-            )
-            .await?;
-        if let Some(row) = row {
-            break row.get::<_, String>(0);
+    // Lowers the one that holds the most among those not lowered now, if one qualifies.
+    let lower_one = |lowered: Vec<String>| {
+        let (conn, names) = (&conn, &names);
+        async move {
+            let row = conn
+                .query_opt(
+                    "WITH pick AS (
+                         SELECT s.name FROM permitq.semaphore s
+                         WHERE s.name = ANY($1) AND s.name <> ALL($2)
+                           AND s.capacity - permitq.free_room(s) >= 2
+                           AND EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = s.id)
+                         ORDER BY s.capacity - permitq.free_room(s) DESC, s.name
+                         LIMIT 1)
+                     SELECT name, permitq.set_capacity(name, 1)::text FROM pick",
+                    &[names, &lowered],
+                )
+                .await?;
+            Ok::<_, CliError>(row.map(|r| r.get::<_, String>(0)))
         }
-        if Instant::now() >= deadline {
+    };
+    let mut lowered: Vec<String> = Vec::new();
+    let mut windows = 0u32;
+    let deadline = Instant::now() + Duration::from_secs(8);
+    while lowered.is_empty() {
+        if let Some(name) = lower_one(lowered.clone()).await? {
+            lowered.push(name);
+        } else if Instant::now() >= deadline {
             let name = fair[rng.usize(..fair.len())].0;
             tracing::warn!(
                 name,
-                "no fair semaphore held 2 with waiters: lowering one anyway"
+                "LowerCapacity: no fair semaphore held 2 with waiters within 8 s: lowered one anyway"
             );
             conn.execute("SELECT permitq.set_capacity($1, 1)", &[&name])
                 .await?;
-            break name.to_string();
+            lowered.push(name.to_string());
+        } else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    tracing::info!(%lowered, "capacity lowered to 1");
+    }
+    windows += 1;
     let until = Instant::now() + LOWERED_FOR;
     while Instant::now() < until {
         // Workers that are busy poll; one asleep takes the wake-up.
         let _ = conn
             .execute("SELECT pg_notify('permitq_work', '')", &[])
             .await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Those whose room is back to 0 or more: their capacity back, to refill.
+        if let Ok(rows) = conn
+            .query(
+                "SELECT s.name FROM permitq.semaphore s
+                 WHERE s.name = ANY($1) AND permitq.free_room(s) >= 0",
+                &[&lowered],
+            )
+            .await
+        {
+            for row in rows {
+                let name: String = row.get(0);
+                retry_admin(
+                    url,
+                    &format!(
+                        "SELECT permitq.set_capacity('{name}', {})",
+                        capacity_of(&name)
+                    ),
+                )
+                .await?;
+                lowered.retain(|l| *l != name);
+            }
+        }
+        if let Ok(Some(name)) = lower_one(lowered.clone()).await {
+            lowered.push(name);
+            windows += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let capacity = fair.iter().find(|s| s.0 == lowered).map_or(1, |s| s.1);
-    retry_admin(
-        url,
-        &format!("SELECT permitq.set_capacity('{lowered}', {capacity})"),
-    )
-    .await
+    for name in &lowered {
+        retry_admin(
+            url,
+            &format!(
+                "SELECT permitq.set_capacity('{name}', {})",
+                capacity_of(name)
+            ),
+        )
+        .await?;
+    }
+    tracing::info!(
+        windows,
+        "LowerCapacity: capacities lowered to 1 and put back"
+    );
+    Ok(())
 }
 
 async fn admin(url: &str, sql: &str) -> Result<()> {
