@@ -59,7 +59,7 @@ pub(crate) const TENANT_TEMPLATE: (&str, i32, i32) = ("c-tenant:*", 3, 1);
 pub(crate) const TENANTS: usize = 3;
 /// A rate limit at a parent: (name, grants, per window), over [`RATE_CHILDREN`], concurrency
 /// semaphores of capacity 2 that requests name (the window is charged through them).
-pub(crate) const RATE_PARENT: (&str, i32, Duration) = ("c-rp", 5, Duration::from_secs(1));
+pub(crate) const RATE_PARENT: (&str, i32, Duration) = ("c-rp", 3, Duration::from_secs(1));
 /// The rate-limited parent's children.
 pub(crate) const RATE_CHILDREN: [&str; 2] = ["c-rp-a", "c-rp-b"];
 /// A semaphore served by fairness key: (name, capacity). The load's requests on it name it
