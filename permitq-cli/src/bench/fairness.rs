@@ -84,6 +84,13 @@ async fn drain(
         &[&format!("{semaphore}-%")],
     )
     .await?;
+    // Served by key no more: the next drain, keyed or not, runs beside no keyed semaphore (a
+    // batch reads the keys' tags only where one of its semaphores is keyed, so a leftover one
+    // would tell nothing, but it keeps the two sides' databases alike).
+    if keyed {
+        conn.execute("SELECT permitq.set_fairness_keys($1, false)", &[&semaphore])
+            .await?;
+    }
     conn.batch_execute("VACUUM ANALYZE permitq.permit_request")
         .await?;
     Ok(rate(u64::try_from(ROWS).unwrap_or(0), took))

@@ -1125,7 +1125,9 @@ async fn a_resubmit_with_other_parameters_shows_what_the_existing_request_asked(
     assert!(
         err.contains("already exists with different parameters")
             && err.contains(r#"the existing request asked permits {"gpu": 1}"#)
-            && err.contains("ttl 5m, wait none (waits until granted), priority 0 (its state: new)")
+            && err.contains(
+                "ttl 5m, wait none (waits until granted), priority 0; its state now: new"
+            )
             && err.contains("a new request needs a new external_id"),
         "{err}"
     );
@@ -1133,7 +1135,7 @@ async fn a_resubmit_with_other_parameters_shows_what_the_existing_request_asked(
     run(url, &["release", "dup"]).await;
     let o = run(url, &["submit", "dup", "gpu=2"]).await;
     assert!(
-        stderr(&o).contains("(its state: error cancelled)"),
+        stderr(&o).contains("its state now: error cancelled"),
         "{}",
         stderr(&o)
     );

@@ -63,16 +63,18 @@ $$;
 
 -- `places` (in the order of `ids`), each moved back by its request's offset in
 -- `tagged_ids`/`offsets_us` (none: unchanged). Joined by hash: permitq.place_by_keys plans
--- its own statements with nested loops only.
+-- its own statements with nested loops only. (PL/pgSQL, so that its plan is kept for the
+-- session: a SQL function with a SET clause is planned at every call, 0.3 ms of a batch.)
 CREATE OR REPLACE FUNCTION permitq.places_moved_back(ids bigint[], places bigint[],
                                                      tagged_ids bigint[], offsets_us bigint[])
 RETURNS bigint[]
-LANGUAGE sql IMMUTABLE SET enable_hashjoin = on AS $$
-    SELECT array_agg(b.place - coalesce(o.offset_us, 0) ORDER BY b.n)
-    FROM unnest(ids, places) WITH ORDINALITY AS b(id, place, n)
-    LEFT JOIN (SELECT DISTINCT x.id, x.offset_us
-               FROM unnest(tagged_ids, offsets_us) x(id, offset_us)) o ON o.id = b.id
-$$;
+LANGUAGE plpgsql IMMUTABLE SET enable_hashjoin = on AS $$
+BEGIN
+    RETURN (SELECT array_agg(b.place - coalesce(o.offset_us, 0) ORDER BY b.n)
+            FROM unnest(ids, places) WITH ORDINALITY AS b(id, place, n)
+            LEFT JOIN (SELECT DISTINCT x.id, x.offset_us
+                       FROM unnest(tagged_ids, offsets_us) x(id, offset_us)) o ON o.id = b.id);
+END $$;
 
 -- Worker step 2, after the semaphore locks (permitq.lock_batch_and_heads): the start tags and
 -- offsets of the batch's unexamined requests on the keyed semaphores they name, taken in place

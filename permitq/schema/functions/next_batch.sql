@@ -46,8 +46,11 @@ BEGIN
     FROM permitq.lock_batch_semaphores(names) l;
 
     -- Keyed semaphores place the batch's unexamined requests, under the locks just taken
-    -- (functions/fairness.sql): the heads' bounds are the places they got.
-    IF EXISTS (SELECT 1 FROM permitq.keyed_semaphore) THEN
+    -- (functions/fairness.sql): the heads' bounds are the places they got. Only where one of
+    -- the batch's semaphores is keyed: a batch beside keyed semaphores reads no tags.
+    IF EXISTS (SELECT 1 FROM permitq.keyed_semaphore k
+               JOIN permitq.semaphore s ON s.id = k.semaphore_id
+               WHERE s.name = ANY(names)) THEN
         places := permitq.place_by_keys(lock_batch_and_heads.ids, places);
         SELECT array_agg(b.bound ORDER BY b.name) INTO bounds
         FROM permitq.batch_bounds(lock_batch_and_heads.permits, places) b;

@@ -103,7 +103,7 @@ BEGIN
                              + (existing.fairness_weight IS DISTINCT FROM submit.fairness_weight)::int > 1
                         THEN ' differ' ELSE ' differs' END
                 USING ERRCODE = '23505',
-                      DETAIL = format('the existing request asked permits %s, owner %s, ttl %s, wait %s, priority %s%s (its state: %s)',
+                      DETAIL = format('the existing request asked permits %s, owner %s, ttl %s, wait %s, priority %s%s; its state now: %s',
                           existing.permits, coalesce(existing.owner, 'none'),
                           coalesce(permitq.human_duration(existing.ttl), 'none (no lease)'),
                           coalesce(permitq.human_duration(existing.wait), 'none (waits until granted)'),
