@@ -140,9 +140,20 @@ def _explained(code: str, d: dict[str, Any]) -> str:
             f"({name[:-1]}NAME, made at its first grant), under a new external_id"
         )
     if code == "unknown_semaphore":
+        # As the CLI says it: a missing parent, or neither a semaphore nor a template.
+        named = d.get("named")
+        what = (
+            f"{named}'s parent {name} does not exist"
+            if named
+            else f"no semaphore named {name}, and no template matches it"
+        )
         similar = d.get("similar") or []
-        hint = f"; did you mean {' or '.join(similar)}?" if similar else f"; create it (`permitq semaphore set {name} CAPACITY`)"
-        return f"no semaphore named {name}{hint} (submit again under a new external_id)"
+        if similar:
+            return f"{what}; did you mean {' or '.join(similar)}? (submit again under a new external_id)"
+        return (
+            f"{what}; create it with `permitq semaphore set {name} CAPACITY` (or a template NAME* "
+            f"that matches it), then submit again under a new external_id"
+        )
     if code == "exceeds_capacity":
         return _exceeds_capacity(name, d)
     if code in ("no_capacity", "timeout") and "semaphore" in d:

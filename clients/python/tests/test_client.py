@@ -614,6 +614,17 @@ class OutcomeWordsTest(unittest.TestCase):
         self.assertIn("lab:* is a template, which is never granted itself: name an instance of it (lab:NAME", str(failed))
         self.assertNotIn("create it", str(failed))
 
+    def test_an_unknown_semaphore_is_said_as_the_cli_says_it(self) -> None:
+        from permitq._errors import request_failed
+
+        typo = request_failed("r-6", "unknown_semaphore", {"semaphore": "GPU", "similar": ["gpu"]})
+        self.assertIn("no semaphore named GPU, and no template matches it; did you mean gpu?", str(typo))
+        none = request_failed("r-7", "unknown_semaphore", {"semaphore": "zzz", "similar": []})
+        self.assertIn("no semaphore named zzz, and no template matches it; create it with "
+                      "`permitq semaphore set zzz CAPACITY` (or a template NAME* that matches it)", str(none))
+        parent = request_failed("r-8", "unknown_semaphore", {"semaphore": "pool", "named": "gpu-a", "similar": []})
+        self.assertIn("gpu-a's parent pool does not exist", str(parent))
+
     def test_exceeds_capacity_names_the_parent_window_or_template_and_the_command(self) -> None:
         from permitq._errors import request_failed
 

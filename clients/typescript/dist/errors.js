@@ -120,9 +120,16 @@ function explained(code, d) {
                 return (`${name} is a template, which is never granted itself: name an instance of it ` +
                     `(${name.slice(0, -1)}NAME, made at its first grant), under a new external_id`);
             }
-            return d.similar?.length
-                ? `no semaphore named ${name}; did you mean ${d.similar.join(" or ")}? (submit again under a new external_id)`
-                : `no semaphore named ${name}; create it (\`permitq semaphore set ${name} CAPACITY\`), then submit again under a new external_id`;
+            {
+                // As the CLI says it: a missing parent, or neither a semaphore nor a template.
+                const what = d.named
+                    ? `${d.named}'s parent ${name} does not exist`
+                    : `no semaphore named ${name}, and no template matches it`;
+                return d.similar?.length
+                    ? `${what}; did you mean ${d.similar.join(" or ")}? (submit again under a new external_id)`
+                    : `${what}; create it with \`permitq semaphore set ${name} CAPACITY\` (or a template NAME* ` +
+                        "that matches it), then submit again under a new external_id";
+            }
         case "exceeds_capacity":
             return exceedsCapacity(name, d);
         case "no_capacity":

@@ -344,6 +344,21 @@ describe("permitq client", () => {
     assert.ok(!e.message.includes("create it"), e.message);
   });
 
+  it("says an unknown semaphore as the CLI says it", () => {
+    const typo = permitq.requestFailed("r-6", "unknown_semaphore", { semaphore: "GPU", similar: ["gpu"] });
+    assert.ok(typo.message.includes("no semaphore named GPU, and no template matches it; did you mean gpu?"), typo.message);
+    const none = permitq.requestFailed("r-7", "unknown_semaphore", { semaphore: "zzz", similar: [] });
+    assert.ok(
+      none.message.includes(
+        "no semaphore named zzz, and no template matches it; create it with " +
+          "`permitq semaphore set zzz CAPACITY` (or a template NAME* that matches it)",
+      ),
+      none.message,
+    );
+    const parent = permitq.requestFailed("r-8", "unknown_semaphore", { semaphore: "pool", named: "gpu-a", similar: [] });
+    assert.ok(parent.message.includes("gpu-a's parent pool does not exist"), parent.message);
+  });
+
   it("says where exceeds_capacity was hit and the command that fixes it", () => {
     const parent = permitq.requestFailed("r-2", "exceeds_capacity", { semaphore: "gpus", named: "gpu-a", count: 5, capacity: 4 });
     assert.ok(
