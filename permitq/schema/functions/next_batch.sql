@@ -54,6 +54,10 @@ BEGIN
         places := permitq.place_by_keys(lock_batch_and_heads.ids, places);
         SELECT array_agg(b.bound ORDER BY b.name) INTO bounds
         FROM permitq.batch_bounds(lock_batch_and_heads.permits, places) b;
+        -- For permitq.next_batch's `ranked` (in the order of `ids`), this batch's alone.
+        PERFORM set_config('permitq.ranked_places', places::text, true);
+    ELSE
+        PERFORM set_config('permitq.ranked_places', '', true);
     END IF;
 
     RETURN QUERY
@@ -110,15 +114,11 @@ BEGIN
     FROM permitq.lock_batch_and_heads(permits_of, places, ids) l;
 
     -- `effective` is the place the claim read (an unexamined request's arrival: the caller's
-    -- cursor); `ranked` the place the decision ranks it by, once a keyed semaphore placed it.
-    -- (Those permitq.place_by_keys moved back in this transaction, as it returned them to the
-    -- heads.)
-    ranked_places := places;
-    IF permitq.batch_setting('permitq.tagged_ids') <> '{}' THEN
-        ranked_places := permitq.places_moved_back(
-            ids, places, permitq.batch_setting('permitq.tagged_ids'),
-            permitq.batch_setting('permitq.tagged_offsets_us'));
-    END IF;
+    -- cursor); `ranked` the place the decision ranks it by, once a keyed semaphore placed it:
+    -- as permitq.place_by_keys returned them to the heads, kept by lock_batch_and_heads
+    -- (empty when none of the batch's semaphores is keyed).
+    ranked_places := coalesce(nullif(current_setting('permitq.ranked_places', true), '')::bigint[],
+                              places);
     RETURN QUERY
     SELECT 'r'::"char", c.id, c.permits, c.fail_fast, c.deadline_passed, c.examined, c.age,
            c.problem, c.external_id, c.place, NULL::bigint, NULL::text, NULL::integer,
