@@ -114,7 +114,9 @@ BEGIN
         JOIN permitq.permit_request r ON r.id = b.id AND r.state = 'new' AND NOT r.examined
         CROSS JOIN LATERAL jsonb_each(CASE WHEN jsonb_typeof(r.permits) = 'object'
                                            THEN r.permits ELSE '{}'::jsonb END) e
-        JOIN permitq.semaphore s ON s.name = e.key
+        -- Each semaphore looked up by its name: the generic plan otherwise walked every
+        -- semaphore for every request of the batch (flat in the number of semaphores).
+        JOIN LATERAL (SELECT x.id FROM permitq.semaphore x WHERE x.name = e.key LIMIT 1) s ON true
         JOIN permitq.keyed_semaphore k ON k.semaphore_id = s.id
     ),
     -- S = max(V, F) + the turns of the key's requests ahead of it in this batch.
