@@ -42,7 +42,7 @@ pub(crate) enum Command {
     },
     /// Run a worker until SIGINT/SIGTERM.
     Worker(WorkerArgs),
-    /// The workers seen in the last hour, live first, or that nothing is granting.
+    /// The workers seen in the last hour, live first, or that nothing is granting (then exits 1).
     Workers {
         /// Print one JSON object.
         #[arg(long)]

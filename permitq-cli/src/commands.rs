@@ -193,7 +193,12 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                     );
                 }
             }
-            Ok(0)
+            // A script's check: exit 1 while nothing is granting.
+            Ok(if presence.nothing_granting.is_some() {
+                EXIT_RUNTIME
+            } else {
+                0
+            })
         }
         Command::Top { interval } => {
             crate::top::check_terminal()?;
@@ -812,6 +817,15 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             }
             if s.is_template {
                 say_instances_over_the_template(client, &s, &instances_waiting).await;
+            }
+            // `--per 0` took the window away: what the capacity bounds now.
+            if per == Some(Duration::ZERO) && s.per.is_none() {
+                errln!(
+                    "permitq: {} is not rate-limited: its capacity {} bounds the permits held at \
+                     once (`--per 1m` makes it a rate limit again)",
+                    s.name,
+                    s.capacity
+                );
             }
             // What adaptive means now, or that it still is (a capacity set by hand on it).
             match (adaptive, floor, ceiling, no_adaptive) {

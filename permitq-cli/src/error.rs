@@ -146,7 +146,19 @@ impl fmt::Display for CliError {
                  `permitq release` refuses it as another role's; an operator login sees all)"
             ),
             CliError::Runtime(m) => write!(f, "{m}"),
+        }?;
+        // `permitq revoke gpu=1`: a semaphore's NAME=COUNT where a request's id belongs.
+        if let CliError::NotVisible { name, .. } = self {
+            if name.contains('=') {
+                write!(
+                    f,
+                    " (this command takes a request's external_id, the ID given to `permitq \
+                     submit ID NAME=COUNT`, not NAME=COUNT; `permitq semaphore show NAME` lists \
+                     a semaphore's holders and their ids)"
+                )?;
+            }
         }
+        Ok(())
     }
 }
 

@@ -1349,7 +1349,9 @@ async fn once_the_last_worker_stops_explain_and_semaphore_show_say_nothing_is_gr
     )
     .await;
     // `permitq workers` lists them: the running one, and the one gone.
-    let text = stdout(&run(url, &["workers"]).await);
+    let o = run(url, &["workers"]).await;
+    assert_eq!(code(&o), 0, "a worker runs: {}", stdout(&o));
+    let text = stdout(&o);
     assert!(
         text.starts_with("workers (1): only-worker on ")
             && text.contains("  not running: first-out on "),
@@ -1373,6 +1375,10 @@ async fn once_the_last_worker_stops_explain_and_semaphore_show_say_nothing_is_gr
         &["workers"],
     ] {
         let o = run(url, args).await;
+        // `workers` is a script's check: it fails while nothing grants.
+        if args == ["workers"] {
+            assert_eq!(code(&o), 1, "{}", stdout(&o));
+        }
         assert!(
             stdout(&o).contains("nothing is granting: no worker seen for ")
                 && stdout(&o).contains("start one with `permitq worker`")

@@ -414,6 +414,19 @@ async fn submit_await_status_release_and_their_exit_codes() {
              it ended long enough ago that retention removed it"
         );
     }
+    // A semaphore's NAME=COUNT where an id belongs: said what the command takes.
+    for verb in ["release", "revoke"] {
+        let o = run(url, &[verb, "gpu=1"]).await;
+        assert_eq!(code(&o), 5, "{verb} gpu=1: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains(
+                "(this command takes a request's external_id, the ID given to \
+                                 `permitq submit ID NAME=COUNT`, not NAME=COUNT;"
+            ),
+            "{verb}: {}",
+            stderr(&o)
+        );
+    }
     // A near id is suggested: another case, or two letters swapped.
     for (verb, typo) in [
         ("status", "JOB-1"),
@@ -494,6 +507,12 @@ async fn submit_await_status_release_and_their_exit_codes() {
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     let json: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert!(json["per"].is_null(), "{}", stdout(&o));
+    assert!(
+        stderr(&o)
+            .contains("api is not rate-limited: its capacity 5 bounds the permits held at once"),
+        "{}",
+        stderr(&o)
+    );
     worker.stop().await;
 }
 
