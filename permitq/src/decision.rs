@@ -174,6 +174,21 @@ impl Decision {
     }
 }
 
+/// Whether another order of the same candidates could have decided otherwise than `decision`
+/// did, on `semaphores` (those [`decide`] was given). Not when every candidate was granted, no
+/// semaphore had a request waiting outside the batch (a head), and no guarantee is in play (a
+/// grant may activate a child's guarantee, and so reserve room on its parent for what comes
+/// after it): then the batch's total fits everywhere, and every order grants all of it.
+///
+/// The workers decide a batch naming a keyed semaphore on arrival order first, and place it by
+/// fairness key (which reorders it) only when the order mattered.
+pub fn order_mattered(semaphores: &BTreeMap<String, SemaphoreView>, decision: &Decision) -> bool {
+    decision.verdicts.iter().any(|(_, v)| *v != Verdict::Grant)
+        || semaphores
+            .values()
+            .any(|s| s.head.is_some() || s.guarantee > 0)
+}
+
 impl Candidate {
     /// Its place in line.
     pub(crate) fn rank(&self) -> Rank {

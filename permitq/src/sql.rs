@@ -151,6 +151,10 @@ pub(crate) const SETTLE_INVALID: &str = "SELECT permitq.settle_invalid($1, $2)";
 /// semaphores in id order, fold pending releases into `used`, and read the semaphores as the
 /// decision sees them, then the heads (step 2 of [`NEXT_BATCH`] on its own).
 pub(crate) const LOCK_BATCH_AND_HEADS: &str = include_str!("sql/lock_batch_and_heads.sql");
+/// Worker, when the decision on arrival order granted less than the whole batch, or something
+/// waited, on a batch naming a keyed semaphore: place the batch by key and read the heads again
+/// (the decision is taken again on them).
+pub(crate) const PLACE_BATCH_BY_KEYS: &str = include_str!("sql/place_batch_by_keys.sql");
 /// Worker, when it claimed nothing: fold pending releases (and send their events).
 pub(crate) const FOLD_RELEASES: &str = "SELECT permitq.fold_releases()";
 /// Worker: say whether it is asleep (waiting for a notification), and until when that holds
@@ -404,6 +408,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("NEXT_BATCH", NEXT_BATCH),
         ("CLAIM_BATCH", CLAIM_BATCH),
         ("LOCK_BATCH_AND_HEADS", LOCK_BATCH_AND_HEADS),
+        ("PLACE_BATCH_BY_KEYS", PLACE_BATCH_BY_KEYS),
         ("FOLD_RELEASES", FOLD_RELEASES),
         ("WORKER_SLEEPING", WORKER_SLEEPING),
         ("WORKER_GONE", WORKER_GONE),

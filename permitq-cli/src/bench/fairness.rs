@@ -3,6 +3,9 @@
 //! - **cost**: a drain of 20,000 queued requests over 10,000 keys (two each) on a semaphore
 //!   served by key, against the same backlog on one that is not, alternated, one worker; every
 //!   request examined on a keyed semaphore reads and writes its key's finish tag;
+//! - **a line**: the same backlog examined into the line of a full semaphore (capacity 1), so
+//!   that every batch waits and is placed by key (a drain with room for all is granted whole,
+//!   batch after batch, and placed by no key);
 //! - **a noisy tenant**: 10,000 requests of tenant A queued on a keyed semaphore of capacity 4,
 //!   then one of tenant B; holders release at once: how many of A's are granted before B's.
 
@@ -47,7 +50,100 @@ pub(super) async fn run(url: &str, args: &BenchArgs, report: &mut Report) -> Res
             "not met"
         }
     ));
+    // The same backlog on a full semaphore: every batch waits, so every batch is placed by key.
+    report.line(format!(
+        "\n## Fairness keys, a line: {ROWS} queued requests over {KEYS} keys examined into the \
+         line of a full semaphore (every batch placed by key), 1 worker, alternated with the \
+         same without keys"
+    ));
+    report.line("| run | without keys (placed/s) | with keys (placed/s) | with ÷ without |\n|---:|---:|---:|---:|");
+    let mut lines = Vec::new();
+    for run in 1..=args.repeat.max(2) {
+        let plain = line(url, &client, &conn, false).await?;
+        let keyed = line(url, &client, &conn, true).await?;
+        lines.push(keyed / plain.max(1e-9));
+        report.line(format!(
+            "| {run} | {plain:.0} | {keyed:.0} | {:.2}× |",
+            keyed / plain.max(1e-9)
+        ));
+    }
+    lines.sort_by(f64::total_cmp);
+    report.line(format!(
+        "fairness keys: a line placed with ÷ without, median {:.2}×",
+        lines[lines.len() / 2]
+    ));
     noisy_tenant(url, &client, &conn, report).await
+}
+
+/// [`ROWS`] requests queued on a semaphore of capacity 1 (the first is granted, the rest wait),
+/// served by key or not: requests examined into its line per second. Then the line is ended
+/// (capacity 0: the worker fails them) and the holder released.
+async fn line(
+    url: &str,
+    client: &Client,
+    conn: &tokio_postgres::Client,
+    keyed: bool,
+) -> Result<f64> {
+    let semaphore = format!("line-{}", tag());
+    client
+        .set_semaphore(
+            &semaphore,
+            1,
+            &SemaphoreSettings::new().fairness_keys(keyed),
+        )
+        .await?;
+    conn.execute(
+        "INSERT INTO permitq.permit_request (external_id, permits, fairness_key)
+         SELECT $1::text || '-' || i, jsonb_build_object($1::text, 1), 'tenant-' || (i % $3)
+         FROM generate_series(1, $2::int8) i",
+        &[&semaphore, &ROWS, &KEYS],
+    )
+    .await?;
+    conn.batch_execute("ANALYZE permitq.permit_request").await?;
+    let since = db_now(conn).await?;
+    let running = fleet(url, 1, &format!("bench-{semaphore}"))?;
+    let started = Instant::now();
+    let took = loop {
+        let row = conn
+            .query_one(
+                "SELECT count(*) FILTER (WHERE NOT examined), max(examined_at)
+                 FROM permitq.permit_request WHERE state = 'new' AND permits ? $1",
+                &[&semaphore],
+            )
+            .await?;
+        let (unexamined, last): (i64, Option<std::time::SystemTime>) = (row.get(0), row.get(1));
+        if unexamined == 0 {
+            break last
+                .and_then(|l| l.duration_since(since).ok())
+                .unwrap_or_default();
+        }
+        if started.elapsed() > Duration::from_secs(300) {
+            return Err(CliError::runtime(format!(
+                "{unexamined} requests on {semaphore} not examined after {:?}",
+                started.elapsed()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    // Capacity 0: the worker ends every waiter (exceeds_capacity); then the holder goes.
+    client
+        .set_semaphore(&semaphore, 0, &SemaphoreSettings::new())
+        .await?;
+    wait_drained(conn, &semaphore, since, Duration::from_secs(300)).await?;
+    stop(running).await;
+    conn.execute(
+        "SELECT count(permitq.release(external_id)) FROM permitq.permit_request
+         WHERE external_id LIKE $1 AND state = 'acquired'",
+        &[&format!("{semaphore}-%")],
+    )
+    .await?;
+    if keyed {
+        conn.execute("SELECT permitq.set_fairness_keys($1, false)", &[&semaphore])
+            .await?;
+    }
+    conn.batch_execute("VACUUM ANALYZE permitq.permit_request")
+        .await?;
+    Ok(rate(u64::try_from(ROWS - 1).unwrap_or(0), took))
 }
 
 /// One drain of [`ROWS`] requests on a semaphore of room enough for all, served by key or not:

@@ -17,6 +17,14 @@
 -- offset is 0, its arrival, as on any other semaphore. Cost: one key_finish row read and
 -- written per request examined on a keyed semaphore, flat in the number of keys and in each
 -- key's backlog. Nothing changes on a semaphore that is not keyed.
+--
+-- Tags order a line; where there is none they are not given. A worker decides a batch naming a
+-- keyed semaphore on arrival order first, and places it by key (permitq.place_batch_by_keys)
+-- only when the order mattered (decision::order_mattered: something was left waiting or
+-- refused, a request waited outside the batch, or a guarantee is in play). A batch granted
+-- whole at once, with nothing waiting, moves no finish tag and not the virtual time: a key is
+-- placed back for what it was granted while others waited, not for what it took from room
+-- nobody else wanted (fair queuing's busy periods).
 
 -- Where a request stands in line: its arrival, moved back by the offset a keyed semaphore gave
 -- it when it was examined (none before then, nor on semaphores that are not keyed).

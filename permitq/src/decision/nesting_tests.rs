@@ -391,8 +391,48 @@ fn oracle_fits(
     })
 }
 
+/// Why [`order_mattered`] counts guarantees in: granting `a` first activates its guarantee,
+/// which keeps room on `pool` that `b` may not borrow; `b` first, with `a` idle, borrows it.
+#[test]
+fn a_guarantee_makes_the_order_matter_even_when_all_was_granted() {
+    let t: BTreeMap<String, SemaphoreView> = [
+        ("pool".to_string(), sem(10, 0)),
+        ("a".to_string(), child("pool", 10, 0, 5)),
+        ("b".to_string(), child("pool", 10, 0, 0)),
+    ]
+    .into();
+    let b_first = [cand(1, &[("b", 8)]), cand(2, &[("a", 2)])];
+    let d = decide(&t, &b_first);
+    assert_eq!(verdicts(&d), vec![Grant, Grant]);
+    let a_first = super::tests::reordered(&b_first, &[1, 0]);
+    assert_eq!(verdicts(&decide(&t, &a_first)), vec![Grant, Wait]);
+    assert!(order_mattered(&t, &d));
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(3000))]
+
+    #[test]
+    fn without_guarantees_when_the_order_did_not_matter_every_order_grants_the_whole_batch(
+        start in arb_tree().prop_map(|mut t| {
+            for s in t.values_mut() {
+                s.guarantee = 0;
+            }
+            t
+        }),
+        (cands, order) in arb_batch().prop_flat_map(|c| {
+            let n = c.len();
+            (Just(c), Just((0..n).collect::<Vec<usize>>()).prop_shuffle())
+        })
+    ) {
+        let d = decide(&start, &cands);
+        if order_mattered(&start, &d) {
+            return Ok(());
+        }
+        let other = decide(&start, &super::tests::reordered(&cands, &order));
+        prop_assert!(other.verdicts.iter().all(|(_, v)| *v == Grant), "{:?}", other.verdicts);
+        prop_assert_eq!(other.semaphores, d.semaphores);
+    }
 
     #[test]
     fn no_level_is_ever_over_capacity_and_each_counts_exactly_what_was_taken_below_it(

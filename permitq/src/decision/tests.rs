@@ -428,8 +428,67 @@ fn first_waiter(
         .min_by_key(Head::rank)
 }
 
+#[test]
+fn a_waiting_request_or_a_refusal_makes_the_order_matter() {
+    let free: BTreeMap<String, SemaphoreView> = [("a".to_string(), sem(4, 0, true))].into();
+    let d = decide(&free, &[cand(1, &[("a", 1)]), cand(2, &[("a", 1)])]);
+    assert!(!order_mattered(&free, &d));
+    // A head outside the batch: another order may leave it less room.
+    let mut waited = free.clone();
+    waited.get_mut("a").unwrap().head = Some(Head {
+        request_id: 9,
+        count: 2,
+        effective: -5,
+    });
+    assert!(order_mattered(
+        &waited,
+        &decide(&waited, &[cand(1, &[("a", 1)])])
+    ));
+    // One left waiting.
+    let d = decide(&free, &[cand(1, &[("a", 3)]), cand(2, &[("a", 3)])]);
+    assert!(order_mattered(&free, &d));
+}
+
+/// `cands` put in the order `order` gives (a permutation of their indexes): each gets the
+/// place of its position there, first in line first.
+pub(super) fn reordered(cands: &[Candidate], order: &[usize]) -> Vec<Candidate> {
+    order
+        .iter()
+        .enumerate()
+        .map(|(position, &i)| Candidate {
+            effective: -i64::try_from(position).unwrap(),
+            ..cands[i].clone()
+        })
+        .collect()
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn when_the_order_did_not_matter_every_order_grants_the_whole_batch(
+        // Mostly without heads: a head makes the order matter.
+        start in (arb_semaphores(), any::<bool>(), any::<bool>()).prop_map(|(mut t, x, y)| {
+            if x || y {
+                for s in t.values_mut() {
+                    s.head = None;
+                }
+            }
+            t
+        }),
+        (cands, order) in arb_candidates().prop_flat_map(|c| {
+            let n = c.len();
+            (Just(c), Just((0..n).collect::<Vec<usize>>()).prop_shuffle())
+        })
+    ) {
+        let d = decide(&start, &cands);
+        if order_mattered(&start, &d) {
+            return Ok(());
+        }
+        let other = decide(&start, &reordered(&cands, &order));
+        prop_assert!(other.verdicts.iter().all(|(_, v)| *v == Grant), "{:?}", other.verdicts);
+        prop_assert_eq!(other.semaphores, d.semaphores);
+    }
 
     #[test]
     fn capacity_is_never_exceeded_and_used_counts_exactly_the_grants(

@@ -22,7 +22,7 @@ use tracing::Instrument;
 
 use super::{PassOutcome, Worker};
 use crate::db::Backoff;
-use crate::decision::{decide, Candidate, Decision, Head, SemaphoreView, Verdict};
+use crate::decision::{decide, order_mattered, Candidate, Decision, Head, SemaphoreView, Verdict};
 use crate::error::{Error, Result};
 use crate::sql;
 use crate::types::ErrorCode;
@@ -243,13 +243,13 @@ impl Worker {
         let read = match claim {
             Claim::After(cursor) => next_batch(&conn, cursor, self.config.batch_size)
                 .await
-                .map(|(rows, semaphores)| (rows, Some(semaphores))),
+                .map(|(rows, locked)| (rows, Some(locked))),
             _ => claim_rows(&conn, claim, self.config.batch_size)
                 .await
                 .map(|rows| (rows, None)),
         };
         let result = match read {
-            Ok((rows, semaphores)) => {
+            Ok((rows, locked)) => {
                 claimed = rows
                     .iter()
                     .map(|row| {
@@ -258,7 +258,7 @@ impl Worker {
                         (row.get("id"), place.filter(|_| !examined))
                     })
                     .collect();
-                self.decide_claimed(&conn, &rows, semaphores, started).await
+                self.decide_claimed(&conn, &rows, locked, started).await
             }
             Err(e) => Err(e),
         };
@@ -268,13 +268,13 @@ impl Worker {
         })
     }
 
-    /// Steps 2 and 3 of a batch whose claim returned `rows`, to the commit; `semaphores` when
+    /// Steps 2 and 3 of a batch whose claim returned `rows`, to the commit; `locked` when
     /// step 2 came with the claim.
     async fn decide_claimed(
         &self,
         conn: &deadpool_postgres::Object,
         rows: &[tokio_postgres::Row],
-        semaphores: Option<BTreeMap<String, SemaphoreView>>,
+        locked: Option<LockedBatch>,
         started: Instant,
     ) -> Result<Option<(i64, PassOutcome)>> {
         if rows.is_empty() {
@@ -284,13 +284,29 @@ impl Worker {
         // This batch folds the pending releases (of every semaphore no other batch holds).
         self.fold_clock().owed = false;
         let mut batch = ClaimedBatch::from_rows(rows)?;
-        let semaphores = match semaphores {
-            Some(semaphores) => semaphores,
+        let mut locked = match locked {
+            Some(locked) => locked,
             None => lock_semaphores_and_heads(conn, rows).await?,
         };
         // In line: the decision goes first in line first (see decision::Rank).
         batch.candidates.sort_by_key(Candidate::rank);
-        let outcome = Outcome::of(&decide(&semaphores, &batch.candidates), &batch);
+        let mut semaphores = locked.semaphores();
+        let mut decision = decide(&semaphores, &batch.candidates);
+        // A keyed semaphore's line is served by fairness key: decided on arrival order first,
+        // the batch is placed by key (and decided again) only when the order mattered.
+        if locked.keyed && order_mattered(&semaphores, &decision) {
+            let placed = place_batch_by_keys(conn, rows).await?;
+            for c in &mut batch.candidates {
+                if let Some(place) = placed.ranked.get(&c.id) {
+                    c.effective = *place;
+                }
+            }
+            batch.candidates.sort_by_key(Candidate::rank);
+            locked.heads = placed.heads;
+            semaphores = locked.semaphores();
+            decision = decide(&semaphores, &batch.candidates);
+        }
+        let outcome = Outcome::of(&decision, &batch);
         self.apply_and_commit(conn, &outcome).await?;
         let done = outcome.counts(batch.candidates.len());
         record(started, &done, &outcome, &batch);
@@ -357,9 +373,12 @@ async fn next_batch(
     conn: &deadpool_postgres::Object,
     cursor: i64,
     batch_size: i64,
-) -> Result<(Vec<tokio_postgres::Row>, BTreeMap<String, SemaphoreView>)> {
+) -> Result<(Vec<tokio_postgres::Row>, LockedBatch)> {
     let statement = conn.prepare_cached(sql::NEXT_BATCH).await?;
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&cursor, &batch_size];
+    // Keyed semaphores are not placed yet: see Worker::decide_claimed.
+    let place_keys = false;
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+        [&cursor, &batch_size, &place_keys];
     let (begun, rows) = tokio::join!(conn.batch_execute("BEGIN"), conn.query(&statement, &params));
     begun?;
     let (mut claimed, mut locked) = (Vec::new(), LockedBatch::default());
@@ -371,7 +390,7 @@ async fn next_batch(
         }
     }
     claimed.sort_by_key(|row| row.get::<_, i64>("id"));
-    Ok((claimed, locked.semaphores()))
+    Ok((claimed, locked))
 }
 
 /// Step 1, lock order step 1: BEGIN and claim (`FOR UPDATE SKIP LOCKED`), in one round trip.
@@ -472,7 +491,23 @@ impl ClaimedBatch {
 async fn lock_semaphores_and_heads(
     conn: &deadpool_postgres::Object,
     rows: &[tokio_postgres::Row],
-) -> Result<BTreeMap<String, SemaphoreView>> {
+) -> Result<LockedBatch> {
+    let (permits, places, ids) = batch_arrays(rows)?;
+    let statement = conn.prepare_cached(sql::LOCK_BATCH_AND_HEADS).await?;
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&permits, &places, &ids];
+    let mut locked = LockedBatch::default();
+    for row in conn.query(&statement, &params).await? {
+        locked.read(&row, "permitq.lock_batch_and_heads")?;
+    }
+    Ok(locked)
+}
+
+/// The claimed `rows`' permits, places in line (as claimed) and ids, in one order: what step 2
+/// and step 2b take.
+#[allow(clippy::type_complexity)]
+fn batch_arrays(
+    rows: &[tokio_postgres::Row],
+) -> Result<(Vec<serde_json::Value>, Vec<i64>, Vec<i64>)> {
     let mut permits: Vec<serde_json::Value> = Vec::with_capacity(rows.len());
     let mut places: Vec<i64> = Vec::with_capacity(rows.len());
     let mut ids: Vec<i64> = Vec::with_capacity(rows.len());
@@ -481,37 +516,79 @@ async fn lock_semaphores_and_heads(
         places.push(row.try_get("effective")?);
         ids.push(row.try_get("id")?);
     }
-    let statement = conn.prepare_cached(sql::LOCK_BATCH_AND_HEADS).await?;
+    Ok((permits, places, ids))
+}
+
+/// What step 2b (`permitq.place_batch_by_keys`) returns: each request's place once placed by
+/// key, and the heads read again up to those places.
+struct PlacedBatch {
+    ranked: BTreeMap<i64, i64>,
+    heads: Vec<(String, Head)>,
+}
+
+/// Step 2b, under the semaphore locks step 2 took: place the batch by key and read the heads
+/// again (`permitq.place_batch_by_keys`).
+async fn place_batch_by_keys(
+    conn: &deadpool_postgres::Object,
+    rows: &[tokio_postgres::Row],
+) -> Result<PlacedBatch> {
+    let (permits, places, ids) = batch_arrays(rows)?;
+    let statement = conn.prepare_cached(sql::PLACE_BATCH_BY_KEYS).await?;
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&permits, &places, &ids];
-    let mut locked = LockedBatch::default();
+    let mut placed = PlacedBatch {
+        ranked: BTreeMap::new(),
+        heads: Vec::new(),
+    };
     for row in conn.query(&statement, &params).await? {
-        locked.read(&row, "permitq.lock_batch_and_heads")?;
+        match row_kind(&row)? {
+            b'r' => {
+                placed
+                    .ranked
+                    .insert(row.try_get("id")?, row.try_get("effective")?);
+            }
+            b'h' => placed.heads.push(head_from_row(&row)?),
+            other => {
+                return Err(Error::config(format!(
+                    "permitq.place_batch_by_keys returned a row of kind {}: is the schema newer \
+                     than this worker?",
+                    char::from(other)
+                )))
+            }
+        }
     }
-    Ok(locked.semaphores())
+    Ok(placed)
+}
+
+/// A head (`name`, `head_request_id`, `head_count`, `effective`), as step 2 and 2b return it.
+fn head_from_row(row: &tokio_postgres::Row) -> Result<(String, Head)> {
+    Ok((
+        row.try_get("name")?,
+        Head {
+            request_id: row.try_get("head_request_id")?,
+            count: row.try_get::<_, i32>("head_count")?.into(),
+            effective: row.try_get("effective")?,
+        },
+    ))
 }
 
 /// The rows of step 2 (`permitq.lock_batch_and_heads`, or `permitq.next_batch`'s rows of the
-/// same kinds): the locked semaphores, and the heads among the waiting requests.
+/// same kinds): the locked semaphores, the heads among the waiting requests, and whether one
+/// of the semaphores is keyed and the batch not placed by key yet.
 #[derive(Default)]
 struct LockedBatch {
     locked: Vec<(String, SemaphoreView)>,
     heads: Vec<(String, Head)>,
+    keyed: bool,
 }
 
 impl LockedBatch {
-    /// Reads one row of kind `s` (a semaphore) or `h` (a head); `from` names the function, for
-    /// the error a row of another kind is.
+    /// Reads one row of kind `s` (a semaphore), `h` (a head) or `k` (a keyed semaphore); `from`
+    /// names the function, for the error a row of another kind is.
     fn read(&mut self, row: &tokio_postgres::Row, from: &str) -> Result<()> {
         match row_kind(row)? {
             b's' => self.locked.push(semaphore_view_from_row(row)?),
-            b'h' => self.heads.push((
-                row.try_get("name")?,
-                Head {
-                    request_id: row.try_get("head_request_id")?,
-                    count: row.try_get::<_, i32>("head_count")?.into(),
-                    effective: row.try_get("effective")?,
-                },
-            )),
+            b'h' => self.heads.push(head_from_row(row)?),
+            b'k' => self.keyed = true,
             other => {
                 return Err(Error::config(format!(
                     "{from} returned a row of kind {}: is the schema newer than this worker?",
@@ -523,8 +600,8 @@ impl LockedBatch {
     }
 
     /// The locked semaphores by name, each with the head first in line among the heads on it.
-    fn semaphores(self) -> BTreeMap<String, SemaphoreView> {
-        with_heads(self.locked, self.heads)
+    fn semaphores(&self) -> BTreeMap<String, SemaphoreView> {
+        with_heads(self.locked.clone(), &self.heads)
     }
 }
 
@@ -561,11 +638,12 @@ fn semaphore_view_from_row(row: &tokio_postgres::Row) -> Result<(String, Semapho
 /// The locked semaphores by name, each with the head first in line among `heads` on it.
 fn with_heads(
     locked: Vec<(String, SemaphoreView)>,
-    heads: Vec<(String, Head)>,
+    heads: &[(String, Head)],
 ) -> BTreeMap<String, SemaphoreView> {
     let mut semaphores: BTreeMap<String, SemaphoreView> = locked.into_iter().collect();
     for (name, head) in heads {
-        if let Some(s) = semaphores.get_mut(&name) {
+        let head = *head;
+        if let Some(s) = semaphores.get_mut(name) {
             if s.head.is_none_or(|h| head.rank() < h.rank()) {
                 s.head = Some(head);
             }
