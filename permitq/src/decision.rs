@@ -189,6 +189,16 @@ pub fn order_mattered(semaphores: &BTreeMap<String, SemaphoreView>, decision: &D
             .any(|s| s.head.is_some() || s.guarantee > 0)
 }
 
+/// The semaphores where [`decide`] can grant nothing, whatever waits there and in whatever
+/// order: no room left (a grant takes at least one permit). Their heads change no verdict.
+pub fn without_room(semaphores: &BTreeMap<String, SemaphoreView>) -> Vec<String> {
+    semaphores
+        .iter()
+        .filter(|(_, s)| s.free() <= 0)
+        .map(|(name, _)| name.clone())
+        .collect()
+}
+
 impl Candidate {
     /// Its place in line.
     pub(crate) fn rank(&self) -> Rank {

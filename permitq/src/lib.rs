@@ -99,7 +99,8 @@ pub use worker::{Worker, WorkerConfig, WorkerHealth};
 /// around this very function) and for anyone who wants to test it. Not a stable interface.
 pub mod decision_model {
     pub use crate::decision::{
-        charges, decide, order_mattered, Candidate, Decision, Head, Rank, SemaphoreView, Verdict,
+        charges, decide, order_mattered, without_room, Candidate, Decision, Head, Rank,
+        SemaphoreView, Verdict,
     };
 }
 

@@ -98,12 +98,15 @@ GRANT EXECUTE ON FUNCTION permitq.lock_batch_and_heads(jsonb[], bigint[], bigint
 -- `place_keys`) that needed the order: place the batch's unexamined requests by key
 -- (permitq.place_by_keys, under the semaphore locks the batch holds), then read the heads again
 -- up to the places they got. Rows of kind 'r': a request (id) and the place the decision ranks
--- it by (`effective`); 'h': a head, as lock_batch_and_heads returns them. The decision is taken
--- again on these. When the decision on arrival order granted the whole batch and nothing
--- waited on its semaphores, no order could have granted otherwise: the worker does not call
--- this, and no tag moves (fair queuing orders a line; there was none).
+-- it by (`effective`); 'h': a head, as lock_batch_and_heads returns them, except on the
+-- semaphores named in `full` (those the locks found with no room: nothing is granted there
+-- whatever waits ahead, and past places moved back the heads' read is the batch's dearest
+-- statement, up to a thousand requests not examined yet). The decision is taken again on these.
+-- When the decision on arrival order granted the whole batch and nothing waited on its
+-- semaphores, no order could have granted otherwise: the worker does not call this, and no tag
+-- moves (fair queuing orders a line; there was none).
 CREATE OR REPLACE FUNCTION permitq.place_batch_by_keys(permits jsonb[], places bigint[],
-                                                       ids bigint[])
+                                                       ids bigint[], full text[])
 RETURNS TABLE (kind "char", id bigint, name text, head_request_id bigint, head_count integer,
                effective bigint)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
@@ -115,7 +118,8 @@ BEGIN
     places := permitq.place_by_keys(place_batch_by_keys.ids, places);
     SELECT array_agg(b.name ORDER BY b.name), array_agg(b.bound ORDER BY b.name)
     INTO names, bounds
-    FROM permitq.batch_bounds(place_batch_by_keys.permits, places) b;
+    FROM permitq.batch_bounds(place_batch_by_keys.permits, places) b
+    WHERE b.name <> ALL(place_batch_by_keys.full);
     RETURN QUERY
     SELECT 'r'::"char", c.id, NULL::text, NULL::bigint, NULL::integer, c.place
     FROM unnest(place_batch_by_keys.ids, places) AS c(id, place);
@@ -126,7 +130,7 @@ BEGIN
     SELECT 'h'::"char", NULL::bigint, h.semaphore, h.request_id, h.count, h.effective
     FROM permitq.semaphore_heads(names, bounds, place_batch_by_keys.ids) h;
 END $$;
-GRANT EXECUTE ON FUNCTION permitq.place_batch_by_keys(jsonb[], bigint[], bigint[])
+GRANT EXECUTE ON FUNCTION permitq.place_batch_by_keys(jsonb[], bigint[], bigint[], text[])
     TO permitq_worker;
 
 -- Worker steps 1 and 2 in one call, one round trip: claim a batch (permitq.claim_batch, lock

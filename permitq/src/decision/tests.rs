@@ -466,6 +466,17 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
 
     #[test]
+    fn the_heads_of_semaphores_without_room_change_no_verdict(
+        start in arb_semaphores(), cands in arb_candidates()
+    ) {
+        let mut headless = start.clone();
+        for name in without_room(&start) {
+            headless.get_mut(&name).unwrap().head = None;
+        }
+        prop_assert_eq!(decide(&headless, &cands).verdicts, decide(&start, &cands).verdicts);
+    }
+
+    #[test]
     fn when_the_order_did_not_matter_every_order_grants_the_whole_batch(
         // Mostly without heads: a head makes the order matter.
         start in (arb_semaphores(), any::<bool>(), any::<bool>()).prop_map(|(mut t, x, y)| {

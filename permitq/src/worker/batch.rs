@@ -22,7 +22,9 @@ use tracing::Instrument;
 
 use super::{PassOutcome, Worker};
 use crate::db::Backoff;
-use crate::decision::{decide, order_mattered, Candidate, Decision, Head, SemaphoreView, Verdict};
+use crate::decision::{
+    decide, order_mattered, without_room, Candidate, Decision, Head, SemaphoreView, Verdict,
+};
 use crate::error::{Error, Result};
 use crate::sql;
 use crate::types::ErrorCode;
@@ -295,7 +297,7 @@ impl Worker {
         // A keyed semaphore's line is served by fairness key: decided on arrival order first,
         // the batch is placed by key (and decided again) only when the order mattered.
         if locked.keyed && order_mattered(&semaphores, &decision) {
-            let placed = place_batch_by_keys(conn, rows).await?;
+            let placed = place_batch_by_keys(conn, rows, &without_room(&semaphores)).await?;
             for c in &mut batch.candidates {
                 if let Some(place) = placed.ranked.get(&c.id) {
                     c.effective = *place;
@@ -528,13 +530,15 @@ struct PlacedBatch {
 
 /// Step 2b, under the semaphore locks step 2 took: place the batch by key and read the heads
 /// again (`permitq.place_batch_by_keys`).
+/// The heads of the semaphores named in `full` are not read (see [`without_room`]).
 async fn place_batch_by_keys(
     conn: &deadpool_postgres::Object,
     rows: &[tokio_postgres::Row],
+    full: &[String],
 ) -> Result<PlacedBatch> {
     let (permits, places, ids) = batch_arrays(rows)?;
     let statement = conn.prepare_cached(sql::PLACE_BATCH_BY_KEYS).await?;
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&permits, &places, &ids];
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&permits, &places, &ids, &full];
     let mut placed = PlacedBatch {
         ranked: BTreeMap::new(),
         heads: Vec::new(),
