@@ -22,9 +22,11 @@
 -- keyed semaphore on arrival order first, and places it by key (permitq.place_batch_by_keys)
 -- only when the order mattered (decision::order_mattered: something was left waiting or
 -- refused, a request waited outside the batch, or a guarantee is in play). A batch granted
--- whole at once, with nothing waiting, moves no finish tag and not the virtual time: a key is
--- placed back for what it was granted while others waited, not for what it took from room
--- nobody else wanted (fair queuing's busy periods).
+-- whole at once, with nothing waiting in line, moves no finish tag and not the virtual time: a
+-- key is placed back for what it was granted while others waited in line, not for room nobody
+-- in line wanted (fair queuing's busy periods). A request of another key that was not examined
+-- yet then has no claim on that room (its turn starts when a worker examines it): at most the
+-- room such whole batches take, once, before batches stop fitting whole and are placed.
 
 -- Where a request stands in line: its arrival, moved back by the offset a keyed semaphore gave
 -- it when it was examined (none before then, nor on semaphores that are not keyed).
