@@ -582,3 +582,60 @@ async fn a_batch_reads_its_keys_finish_tags_by_key_whatever_the_plan_was_made_on
         "placing 100 requests read {read} finish tags (the table holds 5,000): all of them, scanned again for every request"
     );
 }
+
+/// Turns count while requests wait in line: a backlog that fits whole is granted at once and
+/// moves no key's finish tag nor the virtual time (the worker decided it on arrival order, and
+/// every order grants it all); a batch that does not fit is placed by key, and its key's finish
+/// tag moves (planted: placing by key every batch, or never, fails one half). The rule is per
+/// batch: a batch in which anything waits is placed whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_that_fits_whole_is_placed_by_no_key_and_one_that_waits_is() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    keyed(&client, "roomy", 1_000).await;
+    keyed(&client, "tight", 2).await;
+    let tags = |semaphore: &'static str| {
+        let conn = &conn;
+        async move {
+            let row = conn
+                .query_one(
+                    "SELECT (SELECT count(*) FROM permitq.key_finish f
+                             WHERE f.semaphore_id = s.id),
+                            k.virtual_time
+                     FROM permitq.semaphore s JOIN permitq.keyed_semaphore k
+                       ON k.semaphore_id = s.id WHERE s.name = $1",
+                    &[&semaphore],
+                )
+                .await
+                .unwrap();
+            (row.get::<_, i64>(0), row.get::<_, std::time::SystemTime>(1))
+        }
+    };
+    let (_, roomy_v) = tags("roomy").await;
+    // One batch each (a batch is placed whole or not at all): the roomy burst first.
+    queue_burst(&conn, "roomy", "A", "a-", 50).await;
+    let worker = db.notified_worker("w1");
+    let deadline = Instant::now() + SOON;
+    while holders_on(&conn, "roomy").await.len() < 50 {
+        assert!(Instant::now() < deadline, "the roomy burst was not granted");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    queue_burst(&conn, "tight", "A", "t-", 5).await;
+    while holders_on(&conn, "tight").await.len() < 2 {
+        assert!(Instant::now() < deadline, "the tight burst was not granted");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    worker.stop().await;
+    assert_eq!(
+        tags("roomy").await,
+        (0, roomy_v),
+        "a backlog that fit whole moved a finish tag or the virtual time"
+    );
+    let (tight_keys, _) = tags("tight").await;
+    assert_eq!(
+        tight_keys, 1,
+        "the batch that waited was not placed by key A"
+    );
+    check_invariants(&conn).await.unwrap();
+}
