@@ -191,10 +191,17 @@ pub fn order_mattered(semaphores: &BTreeMap<String, SemaphoreView>, decision: &D
 
 /// The semaphores where [`decide`] can grant nothing, whatever waits there and in whatever
 /// order: no room left (a grant takes at least one permit). Their heads change no verdict.
+/// Only those outside any nesting: an ancestor's heads are read up to the places of the
+/// requests below it (a full child's among them), so leaving a child out would read its
+/// parent's line less far.
 pub fn without_room(semaphores: &BTreeMap<String, SemaphoreView>) -> Vec<String> {
+    let parents: BTreeSet<&str> = semaphores
+        .values()
+        .filter_map(|s| s.parent.as_deref())
+        .collect();
     semaphores
         .iter()
-        .filter(|(_, s)| s.free() <= 0)
+        .filter(|(name, s)| s.free() <= 0 && s.parent.is_none() && !parents.contains(name.as_str()))
         .map(|(name, _)| name.clone())
         .collect()
 }

@@ -20,13 +20,13 @@
 --
 -- Tags order a line; where there is none they are not given. A worker decides a batch naming a
 -- keyed semaphore on arrival order first, and places it by key (permitq.place_batch_by_keys)
--- only when the order mattered (decision::order_mattered: something was left waiting or
--- refused, a request waited outside the batch, or a guarantee is in play). A batch granted
--- whole at once, with nothing waiting in line, moves no finish tag and not the virtual time: a
--- key is placed back for what it was granted while others waited in line, not for room nobody
--- in line wanted (fair queuing's busy periods). A request of another key that was not examined
--- yet then has no claim on that room (its turn starts when a worker examines it): at most the
--- room such whole batches take, once, before batches stop fitting whole and are placed.
+-- unless placing would move none of its requests (permitq.batch_moves_back_by_key: then every
+-- place, bound and head is the same either way) and the decision left nothing waiting
+-- (decision::order_mattered: nothing waiting or refused, no request waiting outside the batch,
+-- no guarantee in play). Such a batch is granted whole at once and moves no finish tag and not
+-- the virtual time: a key is placed back for what it was granted while others waited in line,
+-- not for room nobody in line wanted. (Whether a key's grant counts is decided per batch: a
+-- batch in which anything waits or moves is placed whole.)
 
 -- Where a request stands in line: its arrival, moved back by the offset a keyed semaphore gave
 -- it when it was examined (none before then, nor on semaphores that are not keyed).
@@ -186,6 +186,49 @@ BEGIN
     RETURN permitq.places_moved_back(ids, places, tagged_ids, offsets_us);
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.place_by_keys(bigint[], bigint[]) TO permitq_worker;
+
+-- Whether permitq.place_by_keys would move any of the batch's unexamined requests `ids` back on
+-- the keyed semaphores among `names` (a row per keyed semaphore): a key with two of them there
+-- (the second goes a turn after the first), or one whose key's finish tag is past the virtual
+-- time or whose key placed a request after its arrival (its offset, S - V or placed_until -
+-- created_at, is above 0). When none moves, placing changes no place, no bound and no head: the
+-- decision on arrival order is the one placing would give. Read with the batch's semaphore
+-- locks held. (Looked up by key, as place_by_keys does: flat in the number of keys.)
+CREATE OR REPLACE FUNCTION permitq.batch_moves_back_by_key(ids bigint[], names text[])
+RETURNS TABLE (semaphore_id bigint, name text, moves_back boolean)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
+SET enable_seqscan = off SET enable_mergejoin = off SET enable_hashjoin = off
+SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    RETURN QUERY
+    WITH keyed AS (
+        SELECT s.id, s.name, k.virtual_time
+        FROM unnest(batch_moves_back_by_key.names) AS n(name)
+        JOIN LATERAL (SELECT x.id, x.name FROM permitq.semaphore x WHERE x.name = n.name
+                      LIMIT 1) s ON true
+        JOIN permitq.keyed_semaphore k ON k.semaphore_id = s.id
+    ),
+    named AS (
+        SELECT kd.id AS semaphore_id, coalesce(r.fairness_key, '') AS fkey, r.created_at,
+               kd.virtual_time
+        FROM unnest(batch_moves_back_by_key.ids) AS b(id)
+        JOIN permitq.permit_request r ON r.id = b.id AND r.state = 'new' AND NOT r.examined
+        JOIN keyed kd ON jsonb_typeof(r.permits) = 'object' AND r.permits ? kd.name
+    ),
+    moved AS (
+        SELECT n.semaphore_id FROM named n
+        GROUP BY n.semaphore_id, n.fkey HAVING count(*) > 1
+        UNION
+        SELECT n.semaphore_id FROM named n
+        JOIN LATERAL (SELECT f.finish, f.placed_until FROM permitq.key_finish f
+                      WHERE f.semaphore_id = n.semaphore_id AND f.fairness_key = n.fkey
+                      LIMIT 1) f ON true
+        WHERE f.finish > n.virtual_time OR f.placed_until > n.created_at
+    )
+    SELECT kd.id, kd.name, EXISTS (SELECT 1 FROM moved m WHERE m.semaphore_id = kd.id)
+    FROM keyed kd;
+END $$;
+GRANT EXECUTE ON FUNCTION permitq.batch_moves_back_by_key(bigint[], text[]) TO permitq_worker;
 
 -- After a batch's grants (permitq.apply_decision): each keyed semaphore's virtual time moves to
 -- the largest start tag granted there (from the grants' waiter rows, or, for a request granted

@@ -24,9 +24,11 @@ $$;
 --
 -- Keyed semaphores (functions/fairness.sql): with `place_keys`, the batch's unexamined requests
 -- are placed by key under the locks just taken, and the heads read up to the places they got.
--- Without it, nothing is placed and a row of kind 'k' (semaphore_id, name) says each keyed
--- semaphore of the batch: the worker decides on arrival order first, and places the batch
--- (permitq.place_batch_by_keys) only when that order mattered (see there). Called by
+-- Without it, nothing is placed and a row of kind 'k' (semaphore_id, name, and in `active`
+-- whether placing would move one of the batch's requests back there:
+-- permitq.batch_moves_back_by_key) says each keyed semaphore of the batch: the worker decides on
+-- arrival order first, and places the batch (permitq.place_batch_by_keys) only when placing
+-- would move a request or that order mattered (see there). Called by
 -- permitq.next_batch, and by the worker directly when it claimed stepwise (isolating a failed
 -- batch).
 CREATE OR REPLACE FUNCTION permitq.lock_batch_and_heads(
@@ -59,12 +61,10 @@ BEGIN
     -- the batch's semaphores is keyed: a batch beside keyed semaphores reads no tags.
     IF NOT place_keys THEN
         RETURN QUERY
-        SELECT 'k'::"char", s.id, s.name, NULL::integer, NULL::bigint, NULL::boolean,
-               NULL::text, NULL::integer, NULL::boolean, NULL::bigint, NULL::integer,
+        SELECT 'k'::"char", m.semaphore_id, m.name, NULL::integer, NULL::bigint, NULL::boolean,
+               NULL::text, NULL::integer, m.moves_back, NULL::bigint, NULL::integer,
                NULL::bigint
-        FROM permitq.keyed_semaphore k
-        JOIN permitq.semaphore s ON s.id = k.semaphore_id
-        WHERE s.name = ANY(names);
+        FROM permitq.batch_moves_back_by_key(lock_batch_and_heads.ids, names) m;
     ELSIF EXISTS (SELECT 1 FROM permitq.keyed_semaphore k
                   JOIN permitq.semaphore s ON s.id = k.semaphore_id
                   WHERE s.name = ANY(names)) THEN
@@ -102,9 +102,9 @@ GRANT EXECUTE ON FUNCTION permitq.lock_batch_and_heads(jsonb[], bigint[], bigint
 -- semaphores named in `full` (those the locks found with no room: nothing is granted there
 -- whatever waits ahead, and past places moved back the heads' read is the batch's dearest
 -- statement, up to a thousand requests not examined yet). The decision is taken again on these.
--- When the decision on arrival order granted the whole batch and nothing waited on its
--- semaphores, no order could have granted otherwise: the worker does not call this, and no tag
--- moves (fair queuing orders a line; there was none).
+-- When placing would move no request, and the decision on arrival order granted the whole
+-- batch with nothing waiting, the worker does not call this, and no tag moves (fair queuing
+-- orders a line; there was none: functions/fairness.sql).
 CREATE OR REPLACE FUNCTION permitq.place_batch_by_keys(permits jsonb[], places bigint[],
                                                        ids bigint[], full text[])
 RETURNS TABLE (kind "char", id bigint, name text, head_request_id bigint, head_count integer,

@@ -295,8 +295,9 @@ impl Worker {
         let mut semaphores = locked.semaphores();
         let mut decision = decide(&semaphores, &batch.candidates);
         // A keyed semaphore's line is served by fairness key: decided on arrival order first,
-        // the batch is placed by key (and decided again) only when the order mattered.
-        if locked.keyed && order_mattered(&semaphores, &decision) {
+        // the batch is placed by key (and decided again) unless placing would move none of its
+        // requests and the decision left nothing waiting (functions/fairness.sql).
+        if locked.keyed && (locked.moves_back || order_mattered(&semaphores, &decision)) {
             let placed = place_batch_by_keys(conn, rows, &without_room(&semaphores)).await?;
             for c in &mut batch.candidates {
                 if let Some(place) = placed.ranked.get(&c.id) {
@@ -577,12 +578,16 @@ fn head_from_row(row: &tokio_postgres::Row) -> Result<(String, Head)> {
 
 /// The rows of step 2 (`permitq.lock_batch_and_heads`, or `permitq.next_batch`'s rows of the
 /// same kinds): the locked semaphores, the heads among the waiting requests, and whether one
-/// of the semaphores is keyed and the batch not placed by key yet.
+/// of the semaphores is keyed and the batch not placed by key yet (and placing would move one of
+/// its requests).
 #[derive(Default)]
 struct LockedBatch {
     locked: Vec<(String, SemaphoreView)>,
     heads: Vec<(String, Head)>,
     keyed: bool,
+    /// Placing the batch by key would move one of its requests back
+    /// (`permitq.batch_moves_back_by_key`).
+    moves_back: bool,
 }
 
 impl LockedBatch {
@@ -592,7 +597,10 @@ impl LockedBatch {
         match row_kind(row)? {
             b's' => self.locked.push(semaphore_view_from_row(row)?),
             b'h' => self.heads.push(head_from_row(row)?),
-            b'k' => self.keyed = true,
+            b'k' => {
+                self.keyed = true;
+                self.moves_back |= row.try_get::<_, Option<bool>>("active")?.unwrap_or(true);
+            }
             other => {
                 return Err(Error::config(format!(
                     "{from} returned a row of kind {}: is the schema newer than this worker?",

@@ -583,11 +583,12 @@ async fn a_batch_reads_its_keys_finish_tags_by_key_whatever_the_plan_was_made_on
     );
 }
 
-/// Turns count while requests wait in line: a backlog that fits whole is granted at once and
-/// moves no key's finish tag nor the virtual time (the worker decided it on arrival order, and
-/// every order grants it all); a batch that does not fit is placed by key, and its key's finish
-/// tag moves (planted: placing by key every batch, or never, fails one half). The rule is per
-/// batch: a batch in which anything waits is placed whole.
+/// Turns count while requests wait in line: a backlog of one request per key that fits whole is
+/// granted at once and moves no key's finish tag nor the virtual time (placing would move none
+/// of them, and the decision on arrival order left nothing waiting); a batch that does not fit
+/// is placed by key, and its key's finish tag moves (planted: placing by key every batch, or
+/// never, fails one half). The rule is per batch: a batch in which anything waits or would move
+/// is placed whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_that_fits_whole_is_placed_by_no_key_and_one_that_waits_is() {
     let db = TestDb::new().await;
@@ -613,8 +614,15 @@ async fn a_batch_that_fits_whole_is_placed_by_no_key_and_one_that_waits_is() {
         }
     };
     let (_, roomy_v) = tags("roomy").await;
-    // One batch each (a batch is placed whole or not at all): the roomy burst first.
-    queue_burst(&conn, "roomy", "A", "a-", 50).await;
+    // One batch each (a batch is placed whole or not at all): the roomy burst first, a request
+    // of each of 50 keys (a key's second request in a batch would go back a turn: placed).
+    conn.execute(
+        "INSERT INTO permitq.permit_request (external_id, permits, fairness_key)
+         SELECT 'a-' || i, '{\"roomy\": 1}', 'tenant-' || i FROM generate_series(1, 50) i",
+        &[],
+    )
+    .await
+    .unwrap();
     let worker = db.notified_worker("w1");
     let deadline = Instant::now() + SOON;
     while holders_on(&conn, "roomy").await.len() < 50 {
@@ -638,4 +646,72 @@ async fn a_batch_that_fits_whole_is_placed_by_no_key_and_one_that_waits_is() {
         "the batch that waited was not placed by key A"
     );
     check_invariants(&conn).await.unwrap();
+}
+
+/// A burst that would fit whole (capacity 100, a batch of 100) is still placed by key: its
+/// requests after the first go back behind B, which arrived right after it, and B is granted
+/// without waiting for A's releases (found in review: a first version granted such a batch whole
+/// on arrival order, and B waited behind A's 100 held permits).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_that_fits_whole_still_leaves_a_newcomer_its_turn() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    keyed(&client, "pool", 100).await;
+    queue_burst(&conn, "pool", "A", "a-", 100).await;
+    client
+        .submit(&Request::new("b-1").permit("pool", 1).fairness_key("B"))
+        .await
+        .unwrap();
+    let worker = db.notified_worker("w1");
+    common::wait_until(SOON, "b-1 examined", || async {
+        client
+            .status("b-1")
+            .await
+            .unwrap()
+            .is_some_and(|r| r.examined_at.is_some())
+    })
+    .await;
+    let r = client.status("b-1").await.unwrap().unwrap();
+    let a_held = holders_on(&conn, "pool").await.len();
+    worker.stop().await;
+    assert_eq!(
+        r.state,
+        permitq::State::Acquired,
+        "b-1 waits behind A's burst; A holds {a_held}"
+    );
+    check_invariants(&conn).await.unwrap();
+}
+
+/// A key whose finish tag is ahead of the virtual time (it was served a lot while others
+/// waited) has its next request placed back even alone in a batch that fits: B, arriving right
+/// after it and not examined yet, is ahead of it and keeps the room (batches of one request;
+/// planted: deciding "placing moves no request" from the batch's duplicate keys alone, without
+/// the finish tags, grants A's first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_ahead_of_the_virtual_time_is_placed_back_even_alone_in_a_batch() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    keyed(&client, "pool", 1).await;
+    conn.execute(
+        "INSERT INTO permitq.key_finish (semaphore_id, fairness_key, finish, placed_until)
+         SELECT id, 'A', now() + interval '1 hour', now() - interval '1 hour'
+         FROM permitq.semaphore WHERE name = 'pool'",
+        &[],
+    )
+    .await
+    .unwrap();
+    for (id, key) in [("a-1", "A"), ("b-1", "B")] {
+        client
+            .submit(&Request::new(id).permit("pool", 1).fairness_key(key))
+            .await
+            .unwrap();
+    }
+    let mut config = common::quiet_config("w1");
+    config.batch_size = 1;
+    let worker = db.worker(config);
+    let (first, _) = next_grant(&client, &conn, "pool").await;
+    worker.stop().await;
+    assert_eq!(first, "b-1", "A's request, placed an hour back, went first");
 }
