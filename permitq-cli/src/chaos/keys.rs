@@ -12,9 +12,9 @@
 //! found, F the key's finish tag before it) by exactly the sum of their turns, `step × count /
 //! weight`, with the key and weight read from the requests themselves. A worker that ignores
 //! keys, or weights, or tags nothing, moves other keys' tags, or other amounts, or none. The one
-//! batch that may move no tag is one that granted everything it examined there at once (a
-//! worker places a batch by key only when the order mattered: `decision::order_mattered`); it
-//! moves none of them then.
+//! batch that may move no tag is one that granted everything it examined there at once, one
+//! request per key (a worker places a batch only when placing would move a request or the order
+//! mattered: functions/fairness.sql); it moves none of them then.
 //!
 //! Grants in the order of the places the tags give are the integration tests' to check (the
 //! head-of-line rule here reads arrival order, so it leaves the keyed semaphore out; the load's
@@ -82,8 +82,9 @@ joined AS (
            coalesce(m.fairness_key, e.fairness_key) AS fairness_key,
            coalesce(e.requests, 0) AS requests, coalesce(e.turns, 0) AS expected,
            m.first_seq, m.first_old, m.last_new,
-           -- The batch granted all it examined there and moved no tag there: not placed.
-           coalesce(bool_and(e.granted) OVER w, false)
+           -- The batch granted all it examined there, one request per key, and moved no tag
+           -- there: not placed.
+           coalesce(bool_and(e.granted AND e.requests = 1) OVER w, false)
                AND NOT bool_or(m.last_new IS NOT NULL) OVER w AS unplaced
     FROM moved m FULL JOIN examined e
       ON e.batch_start = m.batch_start AND e.semaphore_id = m.semaphore_id
