@@ -270,6 +270,12 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                 for line in crate::show::explanation(&explanation) {
                     outln!("{line}");
                 }
+                // An adaptive capacity moves: what that means for this request.
+                for s in &explanation.semaphores {
+                    if let Ok(Some(limit)) = client.adaptive(&s.semaphore).await {
+                        outln!("{}", adaptive_note(&s.semaphore, s.needs, &limit));
+                    }
+                }
             }
             Ok(0)
         }
@@ -807,8 +813,7 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             if !twins.is_empty() {
                 errln!(
                     "permitq: note: {} also exists, a separate semaphore: names match exactly, \
-                     case included (`permitq semaphore delete {name}` removes this one while \
-                     nothing uses it)",
+                     case included",
                     twins.join(" and ")
                 );
             }
@@ -1052,6 +1057,26 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
     Ok(0)
 }
 
+/// `explain`'s line for a request waiting on an adaptive semaphore: the capacity moves, and a
+/// request it no longer covers ends in `exceeds_capacity`, as when an operator lowers it.
+fn adaptive_note(name: &str, needs: i64, limit: &permitq::AdaptiveLimit) -> String {
+    let head = format!(
+        "  {name} is adaptive ({}, {} to {}): the workers move its capacity",
+        limit.algorithm.as_str(),
+        limit.floor,
+        limit.ceiling
+    );
+    if needs <= i64::from(limit.floor) {
+        format!("{head}; this request's {needs} is within the floor, so it always fits")
+    } else {
+        format!(
+            "{head}; if it backs off below {needs}, this request ends in exceeds_capacity (a \
+             request of at most the floor, {}, always fits)",
+            limit.floor
+        )
+    }
+}
+
 /// Prints a release or revoke outcome, and what it means for the request's permits
 /// (`released: gpu=2 given back after 12.3s`); `unknown` is exit 5.
 async fn outcome(
@@ -1235,26 +1260,39 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
         // to be granted to nobody. (Submitted before under this id, it is the same request, which
         // this command was waiting for: the same answer.)
         let interrupt = Shutdown::install();
-        tokio::select! {
-            settled = client.wait_settled(&request.external_id, limit) => {
-                row = match settled {
-                    Ok(settled) => settled.unwrap_or(row),
-                    Err(e) if e.is_connection() => {
-                        errln!(
-                            "permitq: {id} was submitted, and the database stopped answering \
-                             while this waited: it may still be waiting. Once the database \
-                             answers, `permitq status {id}` says; `permitq release {id}` cancels it",
-                            id = request.external_id
-                        );
-                        return Err(e.into());
-                    }
-                    Err(e) => return Err(e.into()),
-                };
+        let settled = client.wait_settled(&request.external_id, limit);
+        tokio::pin!(settled);
+        // Still waiting after a moment, with workers running: said once, with where to look.
+        let mut told = said_nothing_grants || limit <= Duration::from_secs(3);
+        let settled = loop {
+            tokio::select! {
+                settled = &mut settled => break settled,
+                () = interrupt.signalled() => {
+                    return interrupted(client, &request.external_id).await;
+                }
+                () = tokio::time::sleep(Duration::from_secs(2)), if !told => {
+                    told = true;
+                    errln!(
+                        "permitq: {id} waits in line; `permitq explain {id}` says why (Ctrl-C \
+                         cancels it)",
+                        id = crate::show::quoted_name(&request.external_id)
+                    );
+                }
             }
-            () = interrupt.signalled() => {
-                return interrupted(client, &request.external_id).await;
+        };
+        row = match settled {
+            Ok(settled) => settled.unwrap_or(row),
+            Err(e) if e.is_connection() => {
+                errln!(
+                    "permitq: {id} was submitted, and the database stopped answering while this \
+                     waited: it may still be waiting. Once the database answers, `permitq status \
+                     {id}` says; `permitq release {id}` cancels it",
+                    id = request.external_id
+                );
+                return Err(e.into());
             }
-        }
+            Err(e) => return Err(e.into()),
+        };
         code = match row.state {
             State::Acquired => 0,
             // Held no more (released, or ended): not a grant to work under.
@@ -1454,5 +1492,22 @@ impl Shutdown {
         async move {
             let _ = rx.wait_for(|stopped| *stopped).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod adaptive_note_tests {
+    use super::adaptive_note;
+
+    #[test]
+    fn a_request_above_the_floor_is_told_it_may_end_in_exceeds_capacity() {
+        let limit = permitq::AdaptiveLimit::new(permitq::Algorithm::Aimd, 2, 10);
+        assert_eq!(
+            adaptive_note("calls", 5, &limit),
+            "  calls is adaptive (aimd, 2 to 10): the workers move its capacity; if it backs off \
+             below 5, this request ends in exceeds_capacity (a request of at most the floor, 2, \
+             always fits)"
+        );
+        assert!(adaptive_note("calls", 2, &limit).ends_with("within the floor, so it always fits"));
     }
 }

@@ -9,7 +9,12 @@ pub(crate) fn ago(t: Option<SystemTime>) -> String {
     let Some(secs) = t.and_then(|t| SystemTime::now().duration_since(t).ok()) else {
         return "-".to_string();
     };
-    let s = secs.as_secs_f64();
+    short_seconds(secs.as_secs_f64())
+}
+
+/// `s` seconds, shortly (`12.3s`, `4.0m`, `2.5h`), as `semaphore show`, `explain` and `top` say
+/// a duration.
+pub(crate) fn short_seconds(s: f64) -> String {
     if s < 120.0 {
         format!("{s:.1}s")
     } else if s < 7200.0 {
@@ -87,12 +92,12 @@ pub(crate) fn kind(u: &permitq::SemaphoreUsage) -> String {
 }
 
 /// [`kind`] in the fewest words, for `top`'s narrow column: `per 1m, opens 41s`, `in gpus, 2
-/// guaranteed`, `inst` (the use column shows a rate limit's grants in its window).
+/// guaranteed`, `instance` (the use column shows a rate limit's grants in its window).
 pub(crate) fn short_kind(u: &permitq::SemaphoreUsage) -> String {
     let origin = if u.is_template {
         Some("template".to_string())
     } else {
-        u.template.as_ref().map(|_| "inst".to_string())
+        u.template.as_ref().map(|_| "instance".to_string())
     };
     let nesting = u.parent.as_ref().map(|parent| {
         if u.guarantee > 0 {
@@ -346,7 +351,8 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             .sum();
         outln!(
             "\nfairness keys ({}; keys that wait are served in proportion to their weights, \
-             in arrival order within each):",
+             in arrival order within each; a weight is each request's own, a key's shown as the \
+             largest of its requests', its share as if all had it):",
             if d.key_shares.is_empty() {
                 "none yet".to_string()
             } else {
@@ -631,8 +637,10 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
                         format!(", lease {}", lease_end(Some(t)))
                     });
                     format!(
-                        "{} ({} for {:.1}s{lease})",
-                        h.external_id, h.count, h.held_for_s
+                        "{} ({} for {}{lease})",
+                        h.external_id,
+                        h.count,
+                        short_seconds(h.held_for_s)
                     )
                 })
                 .collect();

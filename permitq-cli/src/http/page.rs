@@ -90,13 +90,21 @@ pub(crate) fn rows(usage: &[SemaphoreUsage], presence: &Presence) -> String {
             html,
             "<tr class=\"sem\" data-name=\"{name}\">\
              <td class=\"name\">{name}</td>\
-             <td><div class=\"bar\"><div class=\"fill {level}\" style=\"width:{pct}%\"></div></div></td>\
+             <td><div class=\"bar\" title=\"{bar_title}\"><div class=\"fill {level}\" style=\"width:{pct}%\"></div></div></td>\
              <td class=\"num\"><span class=\"held\">{held}</span> / <span class=\"capacity\">{capacity}</span></td>\
              <td class=\"num waiting\">{waiting}</td>\
              <td class=\"num\">{oldest}</td>\
              <td class=\"window\">{window}</td>\
              <td class=\"kind\">{kind}</td></tr>",
             name = escape(&u.name),
+            bar_title = if u.per.is_some() {
+                format!(
+                    "{} of {} granted in its rate window",
+                    u.in_window, u.capacity
+                )
+            } else {
+                format!("{} of {} held", u.held, u.capacity)
+            },
             held = u.held,
             capacity = u.capacity,
             waiting = u.waiting,

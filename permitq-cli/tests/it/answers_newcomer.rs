@@ -133,11 +133,22 @@ async fn names_that_differ_only_in_case_or_a_space_are_pointed_out() {
     run(url, &["semaphore", "set", "gpu", "4"]).await;
     let o = run(url, &["semaphore", "set", "GPU", "2"]).await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
+    // Said once, with the way out once (on the line that says it was created).
     assert!(
         stderr(&o).contains(
             "permitq: note: \"gpu\" also exists, a separate semaphore: names match exactly, case \
-             included (`permitq semaphore delete GPU` removes this one"
-        ),
+             included\n"
+        ) && stderr(&o)
+            .matches("`permitq semaphore delete GPU` removes this one")
+            .count()
+            == 1,
+        "{}",
+        stderr(&o)
+    );
+    // Changing the one that was there first: no advice to delete it.
+    let o = run(url, &["semaphore", "set", "gpu", "5"]).await;
+    assert!(
+        stderr(&o).contains("note: \"GPU\" also exists") && !stderr(&o).contains("delete"),
         "{}",
         stderr(&o)
     );

@@ -736,6 +736,13 @@ async fn the_status_page_shows_50_semaphores_on_one_screen_and_follows_a_capacit
         html.contains("0 / 2 granted per 1m"),
         "the rate window is shown"
     );
+    // What a bar is, said: on the page and on each bar.
+    assert!(
+        html.contains("<p class=\"legend\">use: permits held of the capacity")
+            && html.contains("title=\"0 of 2 granted in its rate window\"")
+            && html.contains("title=\"1 of 3 held\""),
+        "{html}"
+    );
     assert!(
         html.contains("&lt;b&gt;&quot;pool&quot;&amp;&#39;44&#39;&lt;/b&gt;")
             && !html.contains("<b>\"pool"),

@@ -319,6 +319,16 @@ BEGIN
                                         shortfall, coalesce(permits_ahead, head.count),
                                         CASE WHEN permits_ahead IS NULL OR ahead_count <= 1 THEN 'the head'
                                              ELSE format('the %s requests ahead', ahead_count) END)
+                            -- Even with every permit free it would not leave the head its
+                            -- room: it goes after the head, whatever is released.
+                            WHEN s.capacity::int8 - needs < head.count
+                            THEN format(': it cannot go before it (%s of the capacity %s would not leave the head its %s), so it goes after it: once the head is granted (%s) and %s %s free again',
+                                        needs, s.capacity, head.count,
+                                        CASE WHEN head.count > free
+                                             THEN format('%s more %s released', head.count - free,
+                                                         CASE WHEN head.count - free = 1 THEN 'permit' ELSE 'permits' END)
+                                             ELSE 'it fits now' END,
+                                        needs, CASE WHEN needs = 1 THEN 'permit is' ELSE 'permits are' END)
                             ELSE format(': what is free would not leave it its room, so %s more %s must be released first',
                                         head.count - (free::int8 - needs),
                                         CASE WHEN head.count - (free::int8 - needs) = 1 THEN 'permit' ELSE 'permits' END) END)

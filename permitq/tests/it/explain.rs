@@ -557,6 +557,21 @@ async fn fairness_is_named_only_where_it_holds_a_request_back() {
         ),
         "{e:?}"
     );
+    // A head that needs the whole capacity: no release lets f-1 go before it, so explain does
+    // not ask for more releases than there are permits held.
+    let mut whole = Request::new("f-whole").permit("gpu", 4);
+    whole.priority = 50;
+    client.submit(&whole).await.unwrap();
+    examined(&client, "f-whole").await;
+    let e = client.explain("f-1").await.unwrap().unwrap();
+    assert!(
+        e.semaphores[0].reason.ends_with(
+            "it cannot go before it (1 of the capacity 4 would not leave the head its 4), so it \
+             goes after it: once the head is granted (3 more permits released) and 1 permit is \
+             free again"
+        ),
+        "{e:?}"
+    );
     held.release().await.unwrap();
 }
 
