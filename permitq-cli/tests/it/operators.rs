@@ -318,7 +318,7 @@ async fn a_worker_whose_passes_fail_is_not_ready() {
     wait_until(SOON, "ready", || async { readyz().await.0 == 200 }).await;
     let conn = db.conn().await;
     let rename = |from: &str, to: &str| {
-        format!("ALTER FUNCTION permitq.{from}(bigint, bigint) RENAME TO {to}")
+        format!("ALTER FUNCTION permitq.{from}(bigint, bigint, boolean) RENAME TO {to}")
     };
     conn.batch_execute(&rename("next_batch", "next_batch_gone"))
         .await
