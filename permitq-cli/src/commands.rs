@@ -13,14 +13,25 @@ use crate::error::{
 /// and the ids nearest it (a failed read suggests none).
 async fn not_visible(client: &Client, name: String) -> CliError {
     let similar = client.similar_requests(&name).await.unwrap_or_default();
+    let semaphore = names_a_semaphore(client, &name).await;
     match client.reads_every_request().await {
         Ok(sees_all) => CliError::NotVisible {
             name,
             sees_all,
             similar,
+            semaphore,
         },
         Err(e) => e.into(),
     }
+}
+
+/// Whether `name`, given where a request's id belongs, is a semaphore's (or a template
+/// instance's) name: `permitq release gpu`. A failed read says no.
+async fn names_a_semaphore(client: &Client, name: &str) -> bool {
+    client
+        .unknown_names(&[name])
+        .await
+        .is_ok_and(|unknown| unknown.is_empty())
 }
 
 /// Runs one command. `explicit_url`: `--database-url` was given on the command line (not only
@@ -769,14 +780,22 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                     }
                 }
             }
+            // Whether it is new, read before (an adaptive setting audits after the creation).
+            let existed = client
+                .semaphores()
+                .await
+                .map(|all| all.iter().any(|x| x.name == name));
             let s = client.set_semaphore(&name, capacity, &settings).await?;
             // A typo makes a new semaphore: say that this one is new, and what it is near.
-            let created = client.capacity_history(&s.name).await.is_ok_and(|history| {
-                history
-                    .iter()
-                    .max_by_key(|c| c.changed_at)
-                    .is_some_and(|c| c.old_capacity.is_none())
-            });
+            let created = match existed {
+                Ok(existed) => !existed,
+                Err(_) => client.capacity_history(&s.name).await.is_ok_and(|history| {
+                    history
+                        .iter()
+                        .max_by_key(|c| c.changed_at)
+                        .is_some_and(|c| c.old_capacity.is_none())
+                }),
+            };
             if created {
                 let near = client.similar_semaphores(&name).await.unwrap_or_default();
                 // A name ending in `*` is a template (its instances are made on first use).
@@ -1094,6 +1113,7 @@ async fn outcome(
                 .similar_requests(external_id)
                 .await
                 .unwrap_or_default(),
+            semaphore: names_a_semaphore(client, external_id).await,
         });
     }
     if json {
@@ -1115,7 +1135,8 @@ fn release_said(outcome: ReleaseOutcome, row: &PermitRequest) -> String {
     let permits = row
         .permits
         .iter()
-        .map(|(name, count)| format!("{name}={count}"))
+        // Quoted as a shell word where the name needs it (`'a=b'=1`, not `a=b=1`).
+        .map(|(name, count)| format!("{}={count}", crate::show::quoted_name(name)))
         .collect::<Vec<_>>()
         .join(" ");
     let held = match (row.acquired_at, row.released_at) {

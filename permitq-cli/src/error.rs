@@ -38,6 +38,8 @@ pub(crate) enum CliError {
         name: String,
         sees_all: bool,
         similar: Vec<String>,
+        /// `name` is a semaphore's: given where a request's id belongs.
+        semaphore: bool,
     },
     /// Anything else at run time (demo, bench and chaos tooling, I/O).
     Runtime(String),
@@ -114,6 +116,7 @@ impl fmt::Display for CliError {
                 name,
                 sees_all,
                 similar,
+                ..
             } if !similar.is_empty() => write!(
                 f,
                 "no request named {name:?}{}; did you mean {}?",
@@ -148,13 +151,24 @@ impl fmt::Display for CliError {
             CliError::Runtime(m) => write!(f, "{m}"),
         }?;
         // `permitq revoke gpu=1`: a semaphore's NAME=COUNT where a request's id belongs.
-        if let CliError::NotVisible { name, .. } = self {
+        // `permitq release gpu`: a semaphore's name.
+        if let CliError::NotVisible {
+            name, semaphore, ..
+        } = self
+        {
             if name.contains('=') {
                 write!(
                     f,
                     " (this command takes a request's external_id, the ID given to `permitq \
                      submit ID NAME=COUNT`, not NAME=COUNT; `permitq semaphore show NAME` lists \
                      a semaphore's holders and their ids)"
+                )?;
+            } else if *semaphore {
+                write!(
+                    f,
+                    " ({name} is a semaphore: this command takes a request's external_id, the \
+                     ID given to `permitq submit ID {name}=COUNT`; `permitq semaphore show \
+                     {name}` lists its holders and their ids)"
                 )?;
             }
         }

@@ -79,7 +79,7 @@ pub use fairness::KeyShare;
 pub use hardening::Finding;
 pub use lease::Lease;
 pub use maintenance::{MaintenanceConfig, OwnerLiveness};
-pub use outcome::ErrorDetail;
+pub use outcome::{AdaptiveBound, ErrorDetail};
 pub use presence::{Granting, WorkerSeen};
 pub use rules::{
     AGING_STEP, FAIRNESS_WEIGHT_RANGE, MAX_DURATION, MAX_FAIRNESS_KEY_LENGTH, MAX_INSTANCES,

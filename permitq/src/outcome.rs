@@ -11,7 +11,7 @@ use crate::types::{ErrorCode, PermitRequest, ReleaseReason, State};
 /// | code | fields |
 /// |---|---|
 /// | `unknown_semaphore` | `semaphore` (the name not found), `named` (when it is a missing parent of that one), `similar` |
-/// | `exceeds_capacity` | `semaphore`, `count`, `capacity`, `named` (when the bound is a parent's), `per` (a rate limit's window) |
+/// | `exceeds_capacity` | `semaphore`, `count`, `capacity`, `named` (when the bound is a parent's), `per` (a rate limit's window), `adaptive` (its bounds, when the workers move its capacity) |
 /// | `no_capacity` | `semaphore`, `count`, `capacity`, `free`, `named`, `per` |
 /// | `too_many_instances` | `semaphore`, `template`, `capacity` (the template's), `max_instances`, `idle_instances`, `parent`, `guarantee` and `parent_needs` (nested) |
 /// | `invalid` | `problem` |
@@ -65,6 +65,10 @@ pub struct ErrorDetail {
     /// Existing semaphores or templates whose names are nearest the one not found.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub similar: Vec<String>,
+    /// When `semaphore` is adaptive (an `exceeds_capacity`): its bounds, since its capacity
+    /// moves.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adaptive: Option<AdaptiveBound>,
     /// Why a stored row could not be decided.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub problem: Option<String>,
@@ -73,6 +77,24 @@ pub struct ErrorDetail {
     /// sweep revoked it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub revoked_by: Option<String>,
+}
+
+/// An adaptive semaphore's bounds in an [`ErrorDetail`]: the workers move its capacity between
+/// `floor` and `ceiling`, so a request above `floor` may end in `exceeds_capacity` after a
+/// back-off.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+#[non_exhaustive]
+pub struct AdaptiveBound {
+    /// Its algorithm (`aimd`, `gradient`).
+    pub algorithm: String,
+    /// The lowest capacity the workers set: a request of at most this always fits.
+    pub floor: i64,
+    /// The highest capacity the workers set.
+    pub ceiling: i64,
+    /// The capacity the workers backed it off from, when theirs was its last change.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from: Option<i64>,
 }
 
 impl ErrorDetail {
@@ -208,6 +230,9 @@ impl PermitRequest {
                     Some(template) if d.named.is_none() => format!("'{template}'"),
                     _ => name.clone(),
                 };
+                if let Some(adaptive) = &d.adaptive {
+                    return adaptive_exceeded(&at, &name, count, capacity, adaptive);
+                }
                 let ask = match (capacity > 0, in_all) {
                     (true, true) => format!("ask for at most {capacity} there in all, or "),
                     (true, false) => format!("ask for at most {capacity}, or "),
@@ -265,6 +290,38 @@ impl PermitRequest {
 
 /// The answer to `too_many_instances`: which instances could go, and what raising the bound
 /// takes (a nested template's parent may have to grow first).
+/// `exceeds_capacity` on an adaptive semaphore: the workers moved its capacity (or its ceiling
+/// is the bound), and what to ask for instead. `at` opens the sentence (`calls=8 but calls`).
+fn adaptive_exceeded(at: &str, name: &str, count: i64, capacity: i64, a: &AdaptiveBound) -> String {
+    let bounds = format!(
+        "adaptive, {} from {} to {}",
+        a.algorithm, a.floor, a.ceiling
+    );
+    if count > a.ceiling {
+        return format!(
+            "{at} is {bounds} (its capacity is {capacity} now): it can never be granted; ask for \
+             at most {}, or raise its ceiling (`permitq semaphore set {name} {capacity} \
+             --adaptive {} --floor {} --ceiling {count}`); then submit again under a new \
+             external_id",
+            a.ceiling, a.algorithm, a.floor
+        );
+    }
+    let moved = match a.from {
+        Some(from) => format!(
+            "has capacity {capacity} now: the workers backed it off from {from} ({bounds}) on \
+             its holders' reports, and it may grow back"
+        ),
+        None => format!("has capacity {capacity} now ({bounds}: the workers move it)"),
+    };
+    format!(
+        "{at} {moved}; a request is decided against the capacity it finds, so ask for at most \
+         {} (its floor, which always fits), or raise the floor (`permitq semaphore set {name} \
+         {count} --adaptive {} --floor {count} --ceiling {}`); then submit again under a new \
+         external_id",
+        a.floor, a.algorithm, a.ceiling
+    )
+}
+
 fn too_many_instances(name: &str, template: &str, bound: i64, d: &ErrorDetail) -> String {
     let show = format!("`permitq semaphore show '{template}'` lists them");
     let free_one = match d.idle_instances.first() {
@@ -359,6 +416,60 @@ mod tests {
             examined_at: None,
             decided_at: None,
         }
+    }
+
+    /// On an adaptive semaphore, an exceeds_capacity after the workers backed it off says so,
+    /// that it may grow back, and to ask at most the floor; above the ceiling, to raise that.
+    #[test]
+    fn exceeds_capacity_on_an_adaptive_semaphore_says_the_workers_moved_it() {
+        let mut r = failed_fast(0);
+        r.error_code = Some(ErrorCode::ExceedsCapacity);
+        r.permits = [("calls".to_string(), 8)].into();
+        let adaptive = super::AdaptiveBound {
+            algorithm: "aimd".into(),
+            floor: 2,
+            ceiling: 10,
+            from: Some(8),
+        };
+        r.error_detail = Some(ErrorDetail {
+            semaphore: Some("calls".into()),
+            count: Some(8),
+            capacity: Some(7),
+            adaptive: Some(adaptive.clone()),
+            ..ErrorDetail::default()
+        });
+        let outcome = r.outcome().unwrap();
+        assert!(
+            outcome.contains(
+                "calls=8 but calls has capacity 7 now: the workers backed it off from 8 \
+                 (adaptive, aimd from 2 to 10) on its holders' reports, and it may grow back; \
+                 a request is decided against the capacity it finds, so ask for at most 2 (its \
+                 floor, which always fits), or raise the floor (`permitq semaphore set calls 8 \
+                 --adaptive aimd --floor 8 --ceiling 10`)"
+            ),
+            "{outcome}"
+        );
+        assert!(!outcome.contains("never"), "{outcome}");
+        r.permits = [("calls".to_string(), 12)].into();
+        r.error_detail = Some(ErrorDetail {
+            semaphore: Some("calls".into()),
+            count: Some(12),
+            capacity: Some(7),
+            adaptive: Some(super::AdaptiveBound {
+                from: None,
+                ..adaptive
+            }),
+            ..ErrorDetail::default()
+        });
+        let outcome = r.outcome().unwrap();
+        assert!(
+            outcome.contains(
+                "calls=12 but calls is adaptive, aimd from 2 to 10 (its capacity is 7 now): it \
+                 can never be granted; ask for at most 10, or raise its ceiling (`permitq \
+                 semaphore set calls 7 --adaptive aimd --floor 2 --ceiling 12`)"
+            ),
+            "{outcome}"
+        );
     }
 
     /// At a parent, a request that names it (or other children) too takes the sum there: said

@@ -309,8 +309,36 @@ def _exceeds_capacity(name: str, d: dict[str, Any]) -> str:
     bound = f"allows {capacity} grants per {d['per']}" if d.get("per") else f"has capacity {capacity}"
     # An instance's capacity is set on its template (a change there reaches it).
     target = f"'{d['template']}'" if d.get("template") and not named else name
+    if isinstance(d.get("adaptive"), dict):
+        return _adaptive_exceeded(at, name, count, capacity, d["adaptive"])
     ask = f"ask for at most {capacity}, or " if capacity > 0 else ""
     return (
         f"{at} {bound}: it can never be granted; {ask}raise the capacity "
         f"(`permitq semaphore set {target} {count}`); then submit again under a new external_id"
+    )
+
+
+def _adaptive_exceeded(at: str, name: str, count: int, capacity: int, a: dict[str, Any]) -> str:
+    """An adaptive semaphore's exceeds_capacity, as the Rust client and the CLI say it: the
+    workers moved its capacity (or its ceiling is the bound), and what to ask for instead."""
+    algorithm, floor, ceiling = a.get("algorithm"), a.get("floor"), a.get("ceiling")
+    bounds = f"adaptive, {algorithm} from {floor} to {ceiling}"
+    if isinstance(ceiling, int) and count > ceiling:
+        return (
+            f"{at} is {bounds} (its capacity is {capacity} now): it can never be granted; ask for "
+            f"at most {ceiling}, or raise its ceiling (`permitq semaphore set {name} {capacity} "
+            f"--adaptive {algorithm} --floor {floor} --ceiling {count}`); then submit again under a "
+            "new external_id"
+        )
+    moved = (
+        f"has capacity {capacity} now: the workers backed it off from {a['from']} ({bounds}) on "
+        "its holders' reports, and it may grow back"
+        if a.get("from") is not None
+        else f"has capacity {capacity} now ({bounds}: the workers move it)"
+    )
+    return (
+        f"{at} {moved}; a request is decided against the capacity it finds, so ask for at most "
+        f"{floor} (its floor, which always fits), or raise the floor (`permitq semaphore set {name} "
+        f"{count} --adaptive {algorithm} --floor {count} --ceiling {ceiling}`); then submit again "
+        "under a new external_id"
     )

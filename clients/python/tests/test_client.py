@@ -635,6 +635,15 @@ class OutcomeWordsTest(unittest.TestCase):
         self.assertIn("api=9 but api allows 0 grants per 1s: it can never be granted; raise the capacity", str(window))
         instance = request_failed("r-4", "exceeds_capacity", {"semaphore": "lab:a", "template": "lab:*", "count": 3, "capacity": 2})
         self.assertIn("(`permitq semaphore set 'lab:*' 3`); then submit again under a new external_id", str(instance))
+        adaptive = {"algorithm": "aimd", "floor": 2, "ceiling": 10}
+        backed_off = request_failed("r-5", "exceeds_capacity", {"semaphore": "calls", "count": 8, "capacity": 7, "adaptive": {**adaptive, "from": 8}})
+        self.assertIn("calls=8 but calls has capacity 7 now: the workers backed it off from 8 (adaptive, aimd from 2 "
+                      "to 10) on its holders' reports, and it may grow back; a request is decided against the "
+                      "capacity it finds, so ask for at most 2 (its floor, which always fits)", str(backed_off))
+        above = request_failed("r-6", "exceeds_capacity", {"semaphore": "calls", "count": 12, "capacity": 7, "adaptive": adaptive})
+        self.assertIn("calls=12 but calls is adaptive, aimd from 2 to 10 (its capacity is 7 now): it can never be "
+                      "granted; ask for at most 10, or raise its ceiling (`permitq semaphore set calls 7 --adaptive "
+                      "aimd --floor 2 --ceiling 12`)", str(above))
 
 
 class NothingGrantingTest(unittest.TestCase):

@@ -290,9 +290,47 @@ function exceedsCapacity(name: string, d: ErrorDetail): string {
   const bound = d.per ? `allows ${capacity} grants per ${d.per}` : `has capacity ${capacity}`;
   // An instance's capacity is set on its template (a change there reaches it).
   const target = d.template && !d.named ? `'${d.template}'` : name;
+  if (d.adaptive && typeof d.adaptive === "object") {
+    return adaptiveExceeded(at, name, count, capacity, d.adaptive as AdaptiveBound);
+  }
   const ask = capacity > 0 ? `ask for at most ${capacity}, or ` : "";
   return (
     `${at} ${bound}: it can never be granted; ${ask}raise the capacity ` +
     `(\`permitq semaphore set ${target} ${count}\`); then submit again under a new external_id`
+  );
+}
+
+/** An adaptive semaphore's bounds in an error detail: the workers move its capacity. */
+interface AdaptiveBound {
+  algorithm?: string;
+  floor?: number;
+  ceiling?: number;
+  from?: number;
+}
+
+/**
+ * An adaptive semaphore's exceeds_capacity, as the Rust client and the CLI say it: the workers
+ * moved its capacity (or its ceiling is the bound), and what to ask for instead.
+ */
+function adaptiveExceeded(at: string, name: string, count: number, capacity: number, a: AdaptiveBound): string {
+  const bounds = `adaptive, ${String(a.algorithm)} from ${String(a.floor)} to ${String(a.ceiling)}`;
+  if (typeof a.ceiling === "number" && count > a.ceiling) {
+    return (
+      `${at} is ${bounds} (its capacity is ${capacity} now): it can never be granted; ask for ` +
+      `at most ${a.ceiling}, or raise its ceiling (\`permitq semaphore set ${name} ${capacity} ` +
+      `--adaptive ${String(a.algorithm)} --floor ${String(a.floor)} --ceiling ${count}\`); then submit again under a ` +
+      "new external_id"
+    );
+  }
+  const moved =
+    a.from !== undefined && a.from !== null
+      ? `has capacity ${capacity} now: the workers backed it off from ${a.from} (${bounds}) on ` +
+        "its holders' reports, and it may grow back"
+      : `has capacity ${capacity} now (${bounds}: the workers move it)`;
+  return (
+    `${at} ${moved}; a request is decided against the capacity it finds, so ask for at most ` +
+    `${String(a.floor)} (its floor, which always fits), or raise the floor (\`permitq semaphore set ${name} ` +
+    `${count} --adaptive ${String(a.algorithm)} --floor ${count} --ceiling ${String(a.ceiling)}\`); then submit again ` +
+    "under a new external_id"
   );
 }

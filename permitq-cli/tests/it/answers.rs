@@ -535,6 +535,27 @@ async fn a_new_semaphore_says_it_is_new_and_what_it_is_near() {
         "{}",
         stderr(&o)
     );
+    // Made adaptive in the same command: created, though its audit row came after.
+    let adaptive = [
+        "semaphore",
+        "set",
+        "calls",
+        "8",
+        "--adaptive",
+        "aimd",
+        "--floor",
+        "2",
+        "--ceiling",
+        "10",
+    ];
+    let o = run(url, &adaptive).await;
+    assert!(
+        stderr(&o).contains("permitq: created calls, a new semaphore"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(url, &adaptive).await;
+    assert!(!stderr(&o).contains("created"), "{}", stderr(&o));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -427,6 +427,20 @@ async fn submit_await_status_release_and_their_exit_codes() {
             stderr(&o)
         );
     }
+    // A semaphore's plain name where an id belongs, likewise (status reads it too).
+    for verb in ["release", "revoke", "status"] {
+        let o = run(url, &[verb, "gpu"]).await;
+        assert_eq!(code(&o), 5, "{verb} gpu: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains(
+                "(gpu is a semaphore: this command takes a request's external_id, the ID given \
+                 to `permitq submit ID gpu=COUNT`; `permitq semaphore show gpu` lists its \
+                 holders and their ids)"
+            ),
+            "{verb}: {}",
+            stderr(&o)
+        );
+    }
     // A near id is suggested: another case, or two letters swapped.
     for (verb, typo) in [
         ("status", "JOB-1"),
@@ -636,6 +650,13 @@ async fn a_semaphore_whose_name_holds_an_equals_sign_is_requested_with_permit() 
     .await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     assert!(stdout(&o).starts_with("eq acquired"), "{}", stdout(&o));
+    // Said back as a shell word, not `a=b=2`.
+    let o = run(url, &["release", "eq"]).await;
+    assert!(
+        stdout(&o).starts_with("released: 'a=b'=2 given back"),
+        "{}",
+        stdout(&o)
+    );
     worker.stop().await;
 }
 

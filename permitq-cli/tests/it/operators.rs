@@ -1495,6 +1495,25 @@ async fn the_status_page_plots_an_adaptive_capacity_and_what_moved_it() {
             .contains("capacity over time (adaptive: aimd, 2 to 20)"),
         "{heading}"
     );
+    // The open detail is the page's address: opened afresh there, it shows again.
+    let hash = eval("return location.hash").await;
+    assert_eq!(hash.as_str(), Some("#api"));
+    {
+        let b = browser.clone();
+        let page = format!("http://{addr}/?again#api");
+        tokio::task::spawn_blocking(move || b.open(&page))
+            .await
+            .unwrap();
+    }
+    wait_until(SOON, "the detail opened from the address", || async {
+        eval(
+            "const d = document.getElementById('detail'); \
+             return !d.hidden && d.innerText.includes('capacity over time')",
+        )
+        .await
+            == serde_json::Value::Bool(true)
+    })
+    .await;
     // A semaphore served by fairness key: its row says so, and its detail lists each key's share.
     client
         .set_semaphore(

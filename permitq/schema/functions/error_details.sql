@@ -140,7 +140,8 @@ $$;
 
 -- A failed request's detail, completed: `detail` as the decision gave it, plus `similar` for
 -- unknown_semaphore, `per` (the window) for a rate-limited semaphore's no_capacity and
--- exceeds_capacity (and `template` for an instance's), and for too_many_instances the template's
+-- exceeds_capacity (and `template` for an instance's, `adaptive` for an adaptive one's
+-- exceeds_capacity), and for too_many_instances the template's
 -- `capacity`, `max_instances` and `instances` (how many it has), `idle_instances`, and its
 -- `parent`, `guarantee` and
 -- `parent_needs` when nested.
@@ -155,10 +156,22 @@ BEGIN
             'similar', to_jsonb(permitq.similar_semaphore_names(detail ->> 'semaphore')));
     ELSIF code IN ('no_capacity', 'exceeds_capacity', 'timeout') AND detail ? 'semaphore' THEN
         -- A rate-limited semaphore's bound is grants per window: say which window. An
-        -- instance's capacity is its template's: name the template, where it is changed.
+        -- instance's capacity is its template's: name the template, where it is changed. An
+        -- adaptive one's capacity moves: for exceeds_capacity, its bounds, and the capacity the
+        -- workers backed it off from when their change was the last one (`from`).
         RETURN detail || coalesce((SELECT jsonb_strip_nulls(jsonb_build_object(
                                               'per', permitq.human_duration(s.per),
-                                              'template', s.template))
+                                              'template', s.template,
+                                              'adaptive', CASE WHEN code = 'exceeds_capacity' THEN (
+                    SELECT jsonb_strip_nulls(jsonb_build_object(
+                               'algorithm', a.algorithm, 'floor', a.floor, 'ceiling', a.ceiling,
+                               'from', (SELECT c.old_capacity
+                                        FROM (SELECT c.* FROM permitq.capacity_change c
+                                              WHERE c.semaphore = s.name
+                                              ORDER BY c.id DESC LIMIT 1) c
+                                        WHERE c.changed_by LIKE 'adaptive (%'
+                                          AND c.old_capacity > c.new_capacity)))
+                    FROM permitq.adaptive_limit a WHERE a.semaphore_id = s.id) END))
                                    FROM permitq.semaphore s
                                    WHERE s.name = detail ->> 'semaphore'),
                                   '{}');

@@ -313,17 +313,18 @@ BEGIN
                        -- Short: those ahead go first (the head among them), so their
                        -- permits are released for too (the head's alone until examined).
                        CASE WHEN shortfall > 0
-                            THEN format(', and %s more %s must be released (%s for it, after the %s of %s)',
+                            THEN format(', and %s more %s must be released (%s for %s first, then %s for it)',
                                         shortfall + coalesce(permits_ahead, head.count),
                                         CASE WHEN shortfall + coalesce(permits_ahead, head.count) = 1 THEN 'permit' ELSE 'permits' END,
-                                        shortfall, coalesce(permits_ahead, head.count),
+                                        coalesce(permits_ahead, head.count),
                                         CASE WHEN permits_ahead IS NULL OR ahead_count <= 1 THEN 'the head'
-                                             ELSE format('the %s requests ahead', ahead_count) END)
+                                             ELSE format('the %s requests ahead', ahead_count) END,
+                                        shortfall)
                             -- Even with every permit free it would not leave the head its
                             -- room: it goes after the head, whatever is released.
                             WHEN s.capacity::int8 - needs < head.count
-                            THEN format(': it cannot go before it (%s of the capacity %s would not leave the head its %s), so it goes after it: once the head is granted (%s) and %s %s free again',
-                                        needs, s.capacity, head.count,
+                            THEN format(': it cannot go before it (the head needs %s of the capacity %s, so with this request''s %s held it could never fit), so it goes after it: once the head is granted (%s) and %s %s free again',
+                                        head.count, s.capacity, needs,
                                         CASE WHEN head.count > free
                                              THEN format('%s more %s released', head.count - free,
                                                          CASE WHEN head.count - free = 1 THEN 'permit' ELSE 'permits' END)
@@ -361,12 +362,16 @@ BEGIN
         -- Served by fairness key (functions/fairness.sql): where its key's turn placed it.
         IF r.examined AND EXISTS (SELECT 1 FROM permitq.keyed_semaphore k
                                   WHERE k.semaphore_id = s.id) THEN
-            reason := reason || format(' (served by fairness key: its key %s, weight %s, %s)',
-                coalesce(r.fairness_key, '(none)'), coalesce(r.fairness_weight, 1),
+            -- The push comes from the turns ahead of it, each by its own weight; this request's
+            -- weight sets only the turn it takes itself (and so the place of those behind it).
+            reason := reason || format(' (served by fairness key: its key %s, %s; its own weight, %s, sets the turn it takes from the requests behind it)',
+                coalesce(r.fairness_key, '(none)'),
                 CASE WHEN placed_later > interval '0'
-                     THEN format('placed %s after its arrival, behind its key''s earlier permits; keys that wait take turns in proportion to their weights',
-                                 permitq.human_duration(placed_later))
-                     ELSE 'placed at its arrival: its key had no earlier permits waiting ahead of it' END);
+                     THEN format('placed %s after its arrival by the turns of its key''s permits ahead of it, each %s × its count ÷ its own request''s weight; keys that wait take turns in proportion to their weights',
+                                 permitq.human_duration(placed_later),
+                                 permitq.human_duration(permitq.rule_aging_step_us() * interval '1 microsecond'))
+                     ELSE 'placed at its arrival: its key had no earlier permits waiting ahead of it' END,
+                coalesce(r.fairness_weight, 1));
         END IF;
         -- Past its wait, it is not granted: the next pass ends it.
         IF r.wait_until <= now() THEN

@@ -482,3 +482,87 @@ async fn only_admins_set_it_and_only_workers_apply_it() {
         .await
         .unwrap();
 }
+
+/// A waiting request that an adaptive back-off no longer covers ends in exceeds_capacity whose
+/// detail says the workers moved the capacity (`adaptive`, with `from`), not that it can never be
+/// granted; after a manual lowering, the detail has no `from`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_back_off_that_ends_a_waiter_says_the_workers_moved_the_capacity() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client.set_capacity("calls", 8, None).await.unwrap();
+    client
+        .set_adaptive("calls", Some(&AdaptiveLimit::new(Algorithm::Aimd, 2, 10)))
+        .await
+        .unwrap();
+    let _worker = adaptive_worker(&db, "w1");
+    let holder = client
+        .acquire(&Request::new("holder").permit("calls", 8), SOON)
+        .await
+        .unwrap();
+    let ended = |id: &'static str| {
+        let client = &client;
+        async move {
+            wait_until(SOON, "the waiter ended", || async {
+                client.status(id).await.unwrap().unwrap().state == permitq::State::Error
+            })
+            .await;
+            client.status(id).await.unwrap().unwrap()
+        }
+    };
+    for (id, lower) in [
+        ("waiter", "SELECT permitq.adaptive_apply(id, 7, '{}', '{}') FROM permitq.semaphore WHERE name = 'calls'"),
+        ("waiter-2", "SELECT permitq.set_capacity('calls', 6)"),
+    ] {
+        // Back at 8 by hand (the back-off above left 7), so that the request waits.
+        conn.batch_execute("SELECT permitq.set_capacity('calls', 8)")
+            .await
+            .unwrap();
+        client
+            .submit(&Request::new(id).permit("calls", 8).wait(Duration::from_secs(60)))
+            .await
+            .unwrap();
+        wait_until(SOON, "a worker examined it", || async {
+            client.status(id).await.unwrap().unwrap().examined_at.is_some()
+        })
+        .await;
+        // What a cadence's back-off does (its second step, as a worker calls it), or an admin.
+        conn.batch_execute(lower).await.unwrap();
+        let r = ended(id).await;
+        let detail: serde_json::Value = conn
+            .query_one(
+                "SELECT error_detail FROM permitq.permit_request WHERE external_id = $1",
+                &[&id],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        let outcome = r.outcome().unwrap();
+        if id == "waiter" {
+            assert_eq!(
+                detail["adaptive"],
+                serde_json::json!({"algorithm": "aimd", "floor": 2, "ceiling": 10, "from": 8}),
+                "{detail}"
+            );
+            assert!(
+                outcome.contains("the workers backed it off from 8 (adaptive, aimd from 2 to 10)")
+                    && outcome.contains("it may grow back")
+                    && outcome.contains("ask for at most 2 (its floor, which always fits)")
+                    && !outcome.contains("never"),
+                "{outcome}"
+            );
+        } else {
+            assert_eq!(
+                detail["adaptive"],
+                serde_json::json!({"algorithm": "aimd", "floor": 2, "ceiling": 10}),
+                "{detail}"
+            );
+            assert!(
+                outcome.contains("calls has capacity 6 now (adaptive, aimd from 2 to 10: the workers move it)"),
+                "{outcome}"
+            );
+        }
+    }
+    holder.release().await.unwrap();
+}

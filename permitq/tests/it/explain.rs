@@ -94,7 +94,7 @@ async fn explain_names_what_is_short_the_place_in_line_the_holders_and_the_rule(
     assert!(
         gpu.reason.contains(
             "request first is first in line (priority 0, needs 2), and 3 more permits must be \
-             released (1 for it, after the 2 of the head)"
+             released (2 for the head first, then 1 for it)"
         ),
         "{}",
         gpu.reason
@@ -566,8 +566,8 @@ async fn fairness_is_named_only_where_it_holds_a_request_back() {
     let e = client.explain("f-1").await.unwrap().unwrap();
     assert!(
         e.semaphores[0].reason.ends_with(
-            "it cannot go before it (1 of the capacity 4 would not leave the head its 4), so it \
-             goes after it: once the head is granted (3 more permits released) and 1 permit is \
+            "it cannot go before it (the head needs 4 of the capacity 4, so with this \
+             request's 1 held it could never fit), so it goes after it: once the head is granted (3 more permits released) and 1 permit is \
              free again"
         ),
         "{e:?}"
@@ -631,7 +631,7 @@ async fn a_fair_shortfall_counts_every_request_ahead() {
     let e = client.explain("c1").await.unwrap().unwrap();
     assert!(
         e.semaphores[0].reason.ends_with(
-            "and 5 more permits must be released (3 for it, after the 2 of the 2 requests ahead)"
+            "and 5 more permits must be released (2 for the 2 requests ahead first, then 3 for it)"
         ),
         "{e:?}"
     );

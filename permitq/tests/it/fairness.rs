@@ -121,8 +121,9 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
     assert!(
         explained.semaphores.iter().any(|s| s.position == Some(2)
             && s.reason.contains(
-                "(served by fairness key: its key B, weight 1, placed at its \
-                                  arrival: its key had no earlier permits waiting ahead of it)"
+                "(served by fairness key: its key B, placed at its arrival: its key had no \
+                 earlier permits waiting ahead of it; its own weight, 1, sets the turn it takes \
+                 from the requests behind it)"
             )),
         "{explained:?}"
     );
@@ -130,8 +131,8 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
     assert!(
         behind.semaphores.iter().any(|s| s.position == Some(4)
             && s.reason.contains(
-                "its key A, weight 1, placed 20s after its arrival, behind its \
-                                  key's earlier permits"
+                "its key A, placed 20s after its arrival by the turns of its key's permits \
+                 ahead of it, each 10s × its count ÷ its own request's weight"
             )),
         "{behind:?}"
     );
