@@ -55,6 +55,10 @@ const EXAMINE_BOUND: Micros = 10_000_000;
 /// it is (plus faults and a rate window): holders hold for at most 0.4 s, or to a TTL of at most
 /// 1.5 s when they die.
 const HEAD_BOUND: Micros = 10_000_000;
+/// A request that names greedy semaphores too may be passed on them: it is judged as a head only
+/// once every greedy one it names has had room for it this long, without a break, after
+/// [`HEAD_BOUND`] (a worker passes at least every second).
+const GREEDY_ROOM: Micros = 3_000_000;
 /// The least share of the decided requests the load's mix grants (runs see 75–85 %).
 const GRANTED_FLOOR: f64 = 0.6;
 /// How much longer than its span a fault may hold things up: a partitioned worker keeps its
@@ -583,9 +587,13 @@ fn liveness(state: &FinalState, cx: &Context, v: &mut Verdict) {
     heads_are_granted(state, cx, v);
 }
 
-/// A request whose semaphores (and their ancestors) are all fair must be granted within
-/// [`HEAD_BOUND`] of becoming first in line on all of them: the moment every request ranked
-/// ahead of it there, and waiting with it, has left the line.
+/// A request must be granted within [`HEAD_BOUND`] of becoming first in line on every fair
+/// semaphore it takes from (with their parents): the moment every request ranked ahead of it
+/// there, and waiting with it, has left the line. Where it also names greedy semaphores, which
+/// may pass it, only once each of those has had room for it for [`GREEDY_ROOM`] after that
+/// bound (otherwise the first request stuck on a fair semaphore often names a greedy one too,
+/// and shields every head behind it). Requests on keyed semaphores are not judged here: their
+/// line is in the order of places, not of arrival.
 fn heads_are_granted(state: &FinalState, cx: &Context, v: &mut Verdict) {
     let fair: HashMap<&str, bool> = state
         .semaphores
@@ -593,28 +601,34 @@ fn heads_are_granted(state: &FinalState, cx: &Context, v: &mut Verdict) {
         .map(|(name, _, fair)| (name.as_str(), *fair))
         .collect();
     let load_end = us(cx.load_end);
-    // Every semaphore each request takes from (with its parents') and its line.
-    let takes: HashMap<i64, Vec<String>> = state
+    // Every semaphore each request takes from (with its parents') and its count there.
+    let takes: HashMap<i64, BTreeMap<String, i64>> = state
         .requests
         .iter()
-        .map(|r| (r.id, state.tree.takes(&r.permits).into_keys().collect()))
+        .map(|r| (r.id, state.tree.takes(&r.permits)))
         .collect();
     let mut naming: HashMap<&str, Vec<&Req>> = HashMap::new();
     for r in &state.requests {
-        for name in &takes[&r.id] {
+        for name in takes[&r.id].keys() {
             naming.entry(name).or_default().push(r);
         }
     }
+    let held = HeldOver::new(state);
     for r in &state.requests {
-        // (A keyed semaphore's line is in the order of places, not of arrival.)
-        if !takes[&r.id]
-            .iter()
-            .all(|n| fair.get(n.as_str()) == Some(&true) && !state.keyed.contains(n))
+        let taken = &takes[&r.id];
+        if taken
+            .keys()
+            .any(|n| !fair.contains_key(n.as_str()) || state.keyed.contains(n))
         {
             continue;
         }
+        let (fair_lines, greedy): (Vec<_>, Vec<_>) =
+            taken.iter().partition(|(n, _)| fair[n.as_str()]);
+        if fair_lines.is_empty() {
+            continue;
+        }
         let mut first_in_line = r.created;
-        for name in &takes[&r.id] {
+        for (name, _) in &fair_lines {
             for w in naming.get(name.as_str()).into_iter().flatten() {
                 let overlaps = w.created < r.left().unwrap_or(Micros::MAX)
                     && w.left().is_none_or(|l| l > r.created);
@@ -626,20 +640,37 @@ fn heads_are_granted(state: &FinalState, cx: &Context, v: &mut Verdict) {
         if first_in_line == Micros::MAX {
             continue; // something ahead of it never left: that one is judged instead
         }
-        let window = takes[&r.id]
-            .iter()
+        let window = taken
+            .keys()
             .filter_map(|n| state.windows.get(n))
             .max()
             .copied()
             .unwrap_or(0);
-        let by = cx.deadline(first_in_line, HEAD_BOUND + window);
+        let mut by = cx.deadline(first_in_line, HEAD_BOUND + window);
+        let mut with_room = String::new();
+        if !greedy.is_empty() {
+            let from = by;
+            by = cx.deadline(from, GREEDY_ROOM);
+            if !greedy
+                .iter()
+                .all(|(name, count)| held.room_throughout(name, **count, from, by))
+            {
+                continue;
+            }
+            with_room = format!(
+                ", with room on {:?} for {} ms after that",
+                greedy.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+                (by - from) / 1000
+            );
+        }
         if by < load_end && r.left().is_none_or(|l| l > by) {
             v.flag(
                 "liveness",
                 format!(
-                    "{}: first in line on {:?} for {} ms and not granted (a starved head)",
+                    "{}: first in line on {:?} for {} ms{with_room} and not granted (a starved \
+                     head)",
                     r.external_id,
-                    r.permits
+                    fair_lines
                         .iter()
                         .map(|(n, _)| n.as_str())
                         .collect::<Vec<_>>(),
@@ -647,6 +678,54 @@ fn heads_are_granted(state: &FinalState, cx: &Context, v: &mut Verdict) {
                 ),
             );
         }
+    }
+}
+
+/// What each semaphore held over the run, from the grants the checker worked out: whether it
+/// had room for a count throughout an interval.
+struct HeldOver<'a> {
+    state: &'a FinalState,
+    /// semaphore → each grant there.
+    grants: HashMap<&'a str, Vec<HeldSpan>>,
+}
+
+impl<'a> HeldOver<'a> {
+    fn new(state: &'a FinalState) -> HeldOver<'a> {
+        let mut grants: HashMap<&str, Vec<_>> = HashMap::new();
+        for (_, semaphore, count, acquired, released, _) in &state.permits {
+            grants
+                .entry(semaphore.as_str())
+                .or_default()
+                .push((*acquired, *released, *count));
+        }
+        HeldOver { state, grants }
+    }
+
+    fn held_at(&self, semaphore: &str, t: Micros) -> i64 {
+        self.grants.get(semaphore).map_or(0, |grants| {
+            grants
+                .iter()
+                .filter(|(a, r, _)| *a <= t && r.is_none_or(|r| r > t))
+                .map(|g| g.2)
+                .sum()
+        })
+    }
+
+    /// Whether `semaphore` had room for `count` at every moment of `[from, to]`: at `from`,
+    /// and just after each grant and each capacity change within it.
+    fn room_throughout(&self, semaphore: &str, count: i64, from: Micros, to: Micros) -> bool {
+        let grants = self.grants.get(semaphore).map(Vec::as_slice).unwrap_or(&[]);
+        let changes = self
+            .state
+            .capacity
+            .get(semaphore)
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
+        std::iter::once(from)
+            .chain(grants.iter().map(|g| g.0))
+            .chain(changes.iter().map(|c| c.0))
+            .filter(|t| (from..=to).contains(t))
+            .all(|t| capacity_at(self.state, semaphore, t) - self.held_at(semaphore, t) >= count)
     }
 }
 

@@ -1514,6 +1514,23 @@ async fn the_status_page_plots_an_adaptive_capacity_and_what_moved_it() {
             == serde_json::Value::Bool(true)
     })
     .await;
+    // A name that is not there says so, with the nearest names.
+    {
+        let b = browser.clone();
+        let page = format!("http://{addr}/?typo#API");
+        tokio::task::spawn_blocking(move || b.open(&page))
+            .await
+            .unwrap();
+    }
+    wait_until(SOON, "the page says the name is not there", || async {
+        eval(
+            "const d = document.getElementById('detail'); \
+             return !d.hidden && d.innerText.includes('no semaphore named \"API\"; did you mean api?')",
+        )
+        .await
+            == serde_json::Value::Bool(true)
+    })
+    .await;
     // A semaphore served by fairness key: its row says so, and its detail lists each key's share.
     client
         .set_semaphore(

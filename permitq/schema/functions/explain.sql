@@ -367,7 +367,7 @@ BEGIN
             reason := reason || format(' (served by fairness key: its key %s, %s; its own weight, %s, sets the turn it takes from the requests behind it)',
                 coalesce(r.fairness_key, '(none)'),
                 CASE WHEN placed_later > interval '0'
-                     THEN format('placed %s after its arrival by the turns of its key''s permits ahead of it, each %s × its count ÷ its own request''s weight; keys that wait take turns in proportion to their weights',
+                     THEN format('placed %s after its arrival by the turns of its key''s earlier requests that the line has not caught up with (held and granted ones count, not only those waiting), each %s × its count ÷ its own request''s weight; keys that wait take turns in proportion to their weights',
                                  permitq.human_duration(placed_later),
                                  permitq.human_duration(permitq.rule_aging_step_us() * interval '1 microsecond'))
                      ELSE 'placed at its arrival: its key had no earlier permits waiting ahead of it' END,

