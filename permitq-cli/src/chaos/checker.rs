@@ -976,3 +976,83 @@ fn history(state: &FinalState, cx: &Context, v: &mut Verdict) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chaos::state::Tree;
+
+    const S: Micros = 1_000_000;
+
+    fn waiting(id: i64, permits: &[(&str, i64)], created: Micros) -> Req {
+        Req {
+            id,
+            external_id: format!("r{id}"),
+            permits: permits.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
+            wait_us: None,
+            priority: 0,
+            state: "new".into(),
+            error_code: None,
+            release_reason: None,
+            created,
+            acquired: None,
+            settled: None,
+            worker_id: None,
+            examined: Some(created),
+            decided: None,
+            expires: None,
+            released: None,
+            token: None,
+        }
+    }
+
+    /// A fair semaphore `f` (3) and a greedy `g` (8); `g_held` held on `g` for the whole run.
+    /// `first` names both and never leaves; `behind` names `f` alone, after it.
+    fn heads_flagged(g_held: i64) -> Vec<String> {
+        let state = FinalState {
+            requests: vec![
+                waiting(1, &[("f", 2), ("g", 1)], S),
+                waiting(2, &[("f", 1)], 2 * S),
+            ],
+            permits: if g_held > 0 {
+                vec![(9, "g".into(), g_held, 0, None, 1)]
+            } else {
+                Vec::new()
+            },
+            tree: Tree::default(),
+            capacity: [("f".into(), vec![(0, 3)]), ("g".into(), vec![(0, 8)])].into(),
+            semaphores: vec![("f".into(), 0, true), ("g".into(), g_held, false)],
+            windows: HashMap::new(),
+            granted_counter: HashMap::new(),
+            keyed: Default::default(),
+        };
+        let events = HashMap::new();
+        let cx = Context {
+            ops: &[],
+            acquired_events: &events,
+            faults: &[],
+            sweep_interval: Duration::from_millis(200),
+            load_end: SystemTime::UNIX_EPOCH + Duration::from_secs(60),
+        };
+        let mut v = Verdict::default();
+        heads_are_granted(&state, &cx, &mut v);
+        v.violations.remove("liveness").unwrap_or_default()
+    }
+
+    /// The first request stuck on a fair semaphore that also names a greedy one with room is a
+    /// starved head (before, it went unjudged and shielded every head behind it); with the
+    /// greedy one full throughout, it may have been passed there, and is not.
+    #[test]
+    fn a_stuck_head_naming_a_greedy_semaphore_with_room_is_starved() {
+        let flagged = heads_flagged(0);
+        assert_eq!(flagged.len(), 1, "{flagged:?}");
+        assert!(
+            flagged[0].starts_with(
+                "r1: first in line on [\"f\"] for 13000 ms, with room on [\"g\"] for 3000 ms \
+                 after that and not granted (a starved head)"
+            ),
+            "{flagged:?}"
+        );
+        assert_eq!(heads_flagged(8), Vec::<String>::new());
+    }
+}
