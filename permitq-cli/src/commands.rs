@@ -25,13 +25,13 @@ async fn not_visible(client: &Client, name: String) -> CliError {
     }
 }
 
-/// Whether `name`, given where a request's id belongs, is a semaphore's (or a template
-/// instance's) name: `permitq release gpu`. A failed read says no.
+/// Whether `name`, given where a request's id belongs, is an existing semaphore's name:
+/// `permitq release gpu`. A failed read says no.
 async fn names_a_semaphore(client: &Client, name: &str) -> bool {
     client
-        .unknown_names(&[name])
+        .semaphores()
         .await
-        .is_ok_and(|unknown| unknown.is_empty())
+        .is_ok_and(|all| all.iter().any(|s| s.name == name))
 }
 
 /// Runs one command. `explicit_url`: `--database-url` was given on the command line (not only

@@ -306,6 +306,17 @@ fn adaptive_exceeded(at: &str, name: &str, count: i64, capacity: i64, a: &Adapti
             a.ceiling, a.algorithm, a.floor
         );
     }
+    // Set below its floor by hand (`semaphore set` without `--adaptive`): the next cadence
+    // brings it back within its bounds, where this request fits.
+    if count <= a.floor {
+        return format!(
+            "{at} has capacity {capacity} now, below its floor {} ({bounds}): it was set by \
+             hand, and the workers bring it back within its bounds at their next cadence; \
+             submit again under a new external_id (`permitq semaphore show {name}` shows the \
+             capacity)",
+            a.floor
+        );
+    }
     let moved = match a.from {
         Some(from) => format!(
             "has capacity {capacity} now: the workers backed it off from {from} ({bounds}) on \
@@ -467,6 +478,28 @@ mod tests {
                 "calls=12 but calls is adaptive, aimd from 2 to 10 (its capacity is 7 now): it \
                  can never be granted; ask for at most 10, or raise its ceiling (`permitq \
                  semaphore set calls 7 --adaptive aimd --floor 2 --ceiling 12`)"
+            ),
+            "{outcome}"
+        );
+        r.permits = [("calls".to_string(), 2)].into();
+        r.error_detail = Some(ErrorDetail {
+            semaphore: Some("calls".into()),
+            count: Some(2),
+            capacity: Some(1),
+            adaptive: Some(super::AdaptiveBound {
+                algorithm: "aimd".into(),
+                floor: 2,
+                ceiling: 10,
+                from: None,
+            }),
+            ..ErrorDetail::default()
+        });
+        let outcome = r.outcome().unwrap();
+        assert!(
+            outcome.contains(
+                "calls=2 but calls has capacity 1 now, below its floor 2 (adaptive, aimd from 2 \
+                 to 10): it was set by hand, and the workers bring it back within its bounds at \
+                 their next cadence"
             ),
             "{outcome}"
         );

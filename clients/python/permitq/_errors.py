@@ -330,6 +330,13 @@ def _adaptive_exceeded(at: str, name: str, count: int, capacity: int, a: dict[st
             f"--adaptive {algorithm} --floor {floor} --ceiling {count}`); then submit again under a "
             "new external_id"
         )
+    if isinstance(floor, int) and count <= floor:
+        # Set below its floor by hand: the next cadence brings it back within its bounds.
+        return (
+            f"{at} has capacity {capacity} now, below its floor {floor} ({bounds}): it was set by hand, "
+            "and the workers bring it back within its bounds at their next cadence; submit again under a "
+            f"new external_id (`permitq semaphore show {name}` shows the capacity)"
+        )
     moved = (
         f"has capacity {capacity} now: the workers backed it off from {a['from']} ({bounds}) on "
         "its holders' reports, and it may grow back"

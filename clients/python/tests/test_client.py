@@ -644,6 +644,9 @@ class OutcomeWordsTest(unittest.TestCase):
         self.assertIn("calls=12 but calls is adaptive, aimd from 2 to 10 (its capacity is 7 now): it can never be "
                       "granted; ask for at most 10, or raise its ceiling (`permitq semaphore set calls 7 --adaptive "
                       "aimd --floor 2 --ceiling 12`)", str(above))
+        below = request_failed("r-7", "exceeds_capacity", {"semaphore": "calls", "count": 2, "capacity": 1, "adaptive": adaptive})
+        self.assertIn("calls=2 but calls has capacity 1 now, below its floor 2 (adaptive, aimd from 2 to 10): it was "
+                      "set by hand, and the workers bring it back within its bounds at their next cadence", str(below))
 
 
 class NothingGrantingTest(unittest.TestCase):

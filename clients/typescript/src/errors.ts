@@ -322,6 +322,14 @@ function adaptiveExceeded(at: string, name: string, count: number, capacity: num
       "new external_id"
     );
   }
+  if (typeof a.floor === "number" && count <= a.floor) {
+    // Set below its floor by hand: the next cadence brings it back within its bounds.
+    return (
+      `${at} has capacity ${capacity} now, below its floor ${a.floor} (${bounds}): it was set by hand, ` +
+      "and the workers bring it back within its bounds at their next cadence; submit again under a " +
+      `new external_id (\`permitq semaphore show ${name}\` shows the capacity)`
+    );
+  }
   const moved =
     a.from !== undefined && a.from !== null
       ? `has capacity ${capacity} now: the workers backed it off from ${a.from} (${bounds}) on ` +

@@ -390,6 +390,14 @@ describe("permitq client", () => {
       ),
       above.message,
     );
+    const below = permitq.requestFailed("r-7", "exceeds_capacity", { semaphore: "calls", count: 2, capacity: 1, adaptive });
+    assert.ok(
+      below.message.includes(
+        "calls=2 but calls has capacity 1 now, below its floor 2 (adaptive, aimd from 2 to 10): it was set by hand, " +
+          "and the workers bring it back within its bounds at their next cadence",
+      ),
+      below.message,
+    );
   });
 
   it("cancels at the deadline or on abort, so nothing waits on", async () => {

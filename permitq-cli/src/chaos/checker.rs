@@ -649,19 +649,18 @@ fn heads_are_granted(state: &FinalState, cx: &Context, v: &mut Verdict) {
         let mut by = cx.deadline(first_in_line, HEAD_BOUND + window);
         let mut with_room = String::new();
         if !greedy.is_empty() {
-            let from = by;
-            by = cx.deadline(from, GREEDY_ROOM);
-            if !greedy
-                .iter()
-                .all(|(name, count)| held.room_throughout(name, **count, from, by))
-            {
-                continue;
-            }
+            // The first span of GREEDY_ROOM after the bound with room on every greedy one.
+            let wanted: Vec<(&str, i64)> = greedy.iter().map(|(n, c)| (n.as_str(), **c)).collect();
+            let Some((calm_from, calm_to)) = held.first_calm(&wanted, by, load_end, cx) else {
+                continue; // passed on a greedy semaphore, as it may be, until the load's end
+            };
             with_room = format!(
-                ", with room on {:?} for {} ms after that",
-                greedy.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
-                (by - from) / 1000
+                ", then had room on {:?} for {} ms from {} ms after that",
+                wanted.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
+                (calm_to - calm_from) / 1000,
+                (calm_from - by) / 1000
             );
+            by = calm_to;
         }
         if by < load_end && r.left().is_none_or(|l| l > by) {
             v.flag(
@@ -681,51 +680,108 @@ fn heads_are_granted(state: &FinalState, cx: &Context, v: &mut Verdict) {
     }
 }
 
-/// What each semaphore held over the run, from the grants the checker worked out: whether it
-/// had room for a count throughout an interval.
+/// What each semaphore had free over the run (capacity less what was held), from the grants the
+/// checker worked out: a step function per semaphore.
 struct HeldOver<'a> {
-    state: &'a FinalState,
-    /// semaphore → each grant there.
-    grants: HashMap<&'a str, Vec<HeldSpan>>,
+    /// semaphore → (time, room just after it), by time; at one instant every grant comes before
+    /// every release, so a step's dips are kept (room is never overstated).
+    steps: HashMap<&'a str, Vec<(Micros, i64)>>,
 }
 
 impl<'a> HeldOver<'a> {
     fn new(state: &'a FinalState) -> HeldOver<'a> {
-        let mut grants: HashMap<&str, Vec<_>> = HashMap::new();
+        // (time, order at that instant, held delta, capacity set): grants, then capacity
+        // changes, then releases.
+        type Event = (Micros, u8, i64, Option<i64>);
+        let mut events: HashMap<&str, Vec<Event>> = HashMap::new();
         for (_, semaphore, count, acquired, released, _) in &state.permits {
-            grants
-                .entry(semaphore.as_str())
-                .or_default()
-                .push((*acquired, *released, *count));
+            let e = events.entry(semaphore.as_str()).or_default();
+            e.push((*acquired, 0, *count, None));
+            if let Some(released) = released {
+                e.push((*released, 2, -count, None));
+            }
         }
-        HeldOver { state, grants }
+        for (semaphore, changes) in &state.capacity {
+            let e = events.entry(semaphore.as_str()).or_default();
+            e.extend(
+                changes
+                    .iter()
+                    .map(|(at, capacity)| (*at, 1, 0, Some(*capacity))),
+            );
+        }
+        let steps = events
+            .into_iter()
+            .map(|(semaphore, mut events)| {
+                events.sort_unstable_by_key(|e| (e.0, e.1));
+                let (mut held, mut capacity) = (0, 0);
+                let steps = events
+                    .into_iter()
+                    .map(|(at, _, delta, set)| {
+                        held += delta;
+                        capacity = set.unwrap_or(capacity);
+                        (at, capacity - held)
+                    })
+                    .collect();
+                (semaphore, steps)
+            })
+            .collect();
+        HeldOver { steps }
     }
 
-    fn held_at(&self, semaphore: &str, t: Micros) -> i64 {
-        self.grants.get(semaphore).map_or(0, |grants| {
-            grants
-                .iter()
-                .filter(|(a, r, _)| *a <= t && r.is_none_or(|r| r > t))
-                .map(|g| g.2)
-                .sum()
-        })
+    /// The room on `semaphore` at `t` (none before it was made).
+    fn room_at(&self, semaphore: &str, t: Micros) -> i64 {
+        let steps = self.steps.get(semaphore).map(Vec::as_slice).unwrap_or(&[]);
+        match steps.partition_point(|s| s.0 <= t) {
+            0 => 0,
+            n => steps[n - 1].1,
+        }
     }
 
-    /// Whether `semaphore` had room for `count` at every moment of `[from, to]`: at `from`,
-    /// and just after each grant and each capacity change within it.
+    /// Whether `semaphore` had room for `count` at every moment of `[from, to]`.
     fn room_throughout(&self, semaphore: &str, count: i64, from: Micros, to: Micros) -> bool {
-        let grants = self.grants.get(semaphore).map(Vec::as_slice).unwrap_or(&[]);
-        let changes = self
-            .state
-            .capacity
-            .get(semaphore)
-            .map(Vec::as_slice)
-            .unwrap_or(&[]);
-        std::iter::once(from)
-            .chain(grants.iter().map(|g| g.0))
-            .chain(changes.iter().map(|c| c.0))
-            .filter(|t| (from..=to).contains(t))
-            .all(|t| capacity_at(self.state, semaphore, t) - self.held_at(semaphore, t) >= count)
+        let steps = self.steps.get(semaphore).map(Vec::as_slice).unwrap_or(&[]);
+        let first = steps.partition_point(|s| s.0 <= from);
+        self.room_at(semaphore, from) >= count
+            && steps[first..]
+                .iter()
+                .take_while(|s| s.0 <= to)
+                .all(|s| s.1 >= count)
+    }
+
+    /// The first span from `from` on, [start, deadline(start, GREEDY_ROOM)], ending before
+    /// `until`, in which every `(semaphore, count)` of `wanted` had room throughout. A span can
+    /// only start at `from` or where room grew on one of them.
+    fn first_calm(
+        &self,
+        wanted: &[(&str, i64)],
+        from: Micros,
+        until: Micros,
+        cx: &Context,
+    ) -> Option<(Micros, Micros)> {
+        let mut starts: Vec<Micros> = vec![from];
+        for (semaphore, _) in wanted {
+            let steps = self.steps.get(semaphore).map(Vec::as_slice).unwrap_or(&[]);
+            let first = steps.partition_point(|s| s.0 <= from);
+            starts.extend(
+                steps[first..]
+                    .windows(2)
+                    .filter(|w| w[1].1 > w[0].1)
+                    .map(|w| w[1].0),
+            );
+            if let Some(s) = steps.get(first) {
+                starts.push(s.0);
+            }
+        }
+        starts.sort_unstable();
+        starts.dedup();
+        starts.into_iter().find_map(|start| {
+            let end = cx.deadline(start, GREEDY_ROOM);
+            (end < until
+                && wanted
+                    .iter()
+                    .all(|(semaphore, count)| self.room_throughout(semaphore, *count, start, end)))
+            .then_some((start, end))
+        })
     }
 }
 
@@ -1006,16 +1062,16 @@ mod tests {
         }
     }
 
-    /// A fair semaphore `f` (3) and a greedy `g` (8); `g_held` held on `g` for the whole run.
-    /// `first` names both and never leaves; `behind` names `f` alone, after it.
-    fn heads_flagged(g_held: i64) -> Vec<String> {
+    /// A fair semaphore `f` (3) and a greedy `g` (8); `g_held` held on `g` from the start until
+    /// `g_released` (or the end). `r1` names both and never leaves; `r2` names `f` alone, after it.
+    fn heads_flagged(g_held: i64, g_released: Option<Micros>) -> Vec<String> {
         let state = FinalState {
             requests: vec![
                 waiting(1, &[("f", 2), ("g", 1)], S),
                 waiting(2, &[("f", 1)], 2 * S),
             ],
             permits: if g_held > 0 {
-                vec![(9, "g".into(), g_held, 0, None, 1)]
+                vec![(9, "g".into(), g_held, 0, g_released, 1)]
             } else {
                 Vec::new()
             },
@@ -1040,19 +1096,30 @@ mod tests {
     }
 
     /// The first request stuck on a fair semaphore that also names a greedy one with room is a
-    /// starved head (before, it went unjudged and shielded every head behind it); with the
-    /// greedy one full throughout, it may have been passed there, and is not.
+    /// starved head (before, it went unjudged and shielded every head behind it), also when the
+    /// room comes later than the head bound; with the greedy one full throughout, it may have
+    /// been passed there, and is not.
     #[test]
     fn a_stuck_head_naming_a_greedy_semaphore_with_room_is_starved() {
-        let flagged = heads_flagged(0);
-        assert_eq!(flagged.len(), 1, "{flagged:?}");
-        assert!(
-            flagged[0].starts_with(
-                "r1: first in line on [\"f\"] for 13000 ms, with room on [\"g\"] for 3000 ms \
-                 after that and not granted (a starved head)"
-            ),
-            "{flagged:?}"
+        let flagged = heads_flagged(0, None);
+        assert_eq!(
+            flagged,
+            [
+                "r1: first in line on [\"f\"] for 13000 ms, then had room on [\"g\"] for 3000 ms \
+              from 0 ms after that and not granted (a starved head)"
+            ]
         );
-        assert_eq!(heads_flagged(8), Vec::<String>::new());
+        // Full until 20 s, past the head bound (11 s): judged from the room at 20 s.
+        let flagged = heads_flagged(8, Some(20 * S));
+        assert_eq!(
+            flagged,
+            [
+                "r1: first in line on [\"f\"] for 22000 ms, then had room on [\"g\"] for 3000 ms \
+              from 9000 ms after that and not granted (a starved head)"
+            ]
+        );
+        assert_eq!(heads_flagged(8, None), Vec::<String>::new());
+        // Room only within GREEDY_ROOM of the load's end: not judged.
+        assert_eq!(heads_flagged(8, Some(58 * S)), Vec::<String>::new());
     }
 }

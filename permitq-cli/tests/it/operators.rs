@@ -1531,6 +1531,23 @@ async fn the_status_page_plots_an_adaptive_capacity_and_what_moved_it() {
             == serde_json::Value::Bool(true)
     })
     .await;
+    // A malformed address (a bad escape) does not stop the page: it asks for the name as given.
+    {
+        let b = browser.clone();
+        let page = format!("http://{addr}/?bad#50%");
+        tokio::task::spawn_blocking(move || b.open(&page))
+            .await
+            .unwrap();
+    }
+    wait_until(SOON, "the page still refreshes", || async {
+        eval(
+            "const d = document.getElementById('detail'); \
+             return !d.hidden && d.innerText.includes('no semaphore named \"50%\"')",
+        )
+        .await
+            == serde_json::Value::Bool(true)
+    })
+    .await;
     // A semaphore served by fairness key: its row says so, and its detail lists each key's share.
     client
         .set_semaphore(
