@@ -364,13 +364,13 @@ BEGIN
                                   WHERE k.semaphore_id = s.id) THEN
             -- The push comes from the turns ahead of it, each by its own weight; this request's
             -- weight sets only the turn it takes itself (and so the place of those behind it).
-            reason := reason || format(' (served by fairness key: its key %s, %s; its own weight, %s, sets the turn it takes from the requests behind it)',
+            reason := reason || format(' (served by fairness key: its key %s, %s; its own weight, %s, sets the turn it takes from the requests behind it; every request is placed at its arrival plus its own key''s turns, so one of another key that arrived earlier by more than that stays ahead of it)',
                 coalesce(r.fairness_key, '(none)'),
                 CASE WHEN placed_later > interval '0'
                      THEN format('placed %s after its arrival by the turns of its key''s earlier requests that the line has not caught up with (held and granted ones count, not only those waiting), each %s × its count ÷ its own request''s weight; keys that wait take turns in proportion to their weights',
                                  permitq.human_duration(placed_later),
                                  permitq.human_duration(permitq.rule_aging_step_us() * interval '1 microsecond'))
-                     ELSE 'placed at its arrival: its key had no earlier permits waiting ahead of it' END,
+                     ELSE 'placed at its arrival: the line had reached its key''s turn (its key''s earlier requests, held or waiting, were all before the turn the line has granted up to)' END,
                 coalesce(r.fairness_weight, 1));
         END IF;
         -- Past its wait, it is not granted: the next pass ends it.

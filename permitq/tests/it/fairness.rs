@@ -121,9 +121,12 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
     assert!(
         explained.semaphores.iter().any(|s| s.position == Some(2)
             && s.reason.contains(
-                "(served by fairness key: its key B, placed at its arrival: its key had no \
-                 earlier permits waiting ahead of it; its own weight, 1, sets the turn it takes \
-                 from the requests behind it)"
+                "(served by fairness key: its key B, placed at its arrival: the line had \
+                 reached its key's turn (its key's earlier requests, held or waiting, were all \
+                 before the turn the line has granted up to); its own weight, 1, sets the turn \
+                 it takes from the requests behind it; every request is placed at its arrival \
+                 plus its own key's turns, so one of another key that arrived earlier by more \
+                 than that stays ahead of it)"
             )),
         "{explained:?}"
     );
