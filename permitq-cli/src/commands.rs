@@ -25,13 +25,15 @@ async fn not_visible(client: &Client, name: String) -> CliError {
     }
 }
 
+/// Whether a semaphore (or template) named exactly `name` exists.
+async fn semaphore_exists(client: &Client, name: &str) -> permitq::Result<bool> {
+    Ok(client.semaphores().await?.iter().any(|s| s.name == name))
+}
+
 /// Whether `name`, given where a request's id belongs, is an existing semaphore's name:
 /// `permitq release gpu`. A failed read says no.
 async fn names_a_semaphore(client: &Client, name: &str) -> bool {
-    client
-        .semaphores()
-        .await
-        .is_ok_and(|all| all.iter().any(|s| s.name == name))
+    semaphore_exists(client, name).await.unwrap_or(false)
 }
 
 /// Runs one command. `explicit_url`: `--database-url` was given on the command line (not only
@@ -781,10 +783,7 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 }
             }
             // Whether it is new, read before (an adaptive setting audits after the creation).
-            let existed = client
-                .semaphores()
-                .await
-                .map(|all| all.iter().any(|x| x.name == name));
+            let existed = semaphore_exists(client, &name).await;
             let s = client.set_semaphore(&name, capacity, &settings).await?;
             // A typo makes a new semaphore: say that this one is new, and what it is near.
             let created = match existed {
