@@ -1498,56 +1498,35 @@ async fn the_status_page_plots_an_adaptive_capacity_and_what_moved_it() {
     // The open detail is the page's address: opened afresh there, it shows again.
     let hash = eval("return location.hash").await;
     assert_eq!(hash.as_str(), Some("#api"));
-    {
-        let b = browser.clone();
-        let page = format!("http://{addr}/?again#api");
-        tokio::task::spawn_blocking(move || b.open(&page))
-            .await
-            .unwrap();
-    }
-    wait_until(SOON, "the detail opened from the address", || async {
-        eval(
-            "const d = document.getElementById('detail'); \
-             return !d.hidden && d.innerText.includes('capacity over time')",
-        )
-        .await
-            == serde_json::Value::Bool(true)
-    })
-    .await;
+    // Opens the page at `address` and waits until its detail shows `says`.
+    let detail_at = |address: &'static str, says: &'static str| {
+        let browser = browser.clone();
+        async move {
+            let (b, page) = (browser.clone(), format!("http://{addr}/{address}"));
+            tokio::task::spawn_blocking(move || b.open(&page))
+                .await
+                .unwrap();
+            let script = format!(
+                "const d = document.getElementById('detail'); \
+                 return !d.hidden && d.innerText.includes({says:?})"
+            );
+            wait_until(SOON, says, || {
+                let (b, script) = (browser.clone(), script.clone());
+                async move {
+                    tokio::task::spawn_blocking(move || b.eval(&script))
+                        .await
+                        .unwrap()
+                        == serde_json::Value::Bool(true)
+                }
+            })
+            .await;
+        }
+    };
+    detail_at("?again#api", "capacity over time").await;
     // A name that is not there says so, with the nearest names.
-    {
-        let b = browser.clone();
-        let page = format!("http://{addr}/?typo#API");
-        tokio::task::spawn_blocking(move || b.open(&page))
-            .await
-            .unwrap();
-    }
-    wait_until(SOON, "the page says the name is not there", || async {
-        eval(
-            "const d = document.getElementById('detail'); \
-             return !d.hidden && d.innerText.includes('no semaphore named \"API\"; did you mean api?')",
-        )
-        .await
-            == serde_json::Value::Bool(true)
-    })
-    .await;
+    detail_at("?typo#API", "no semaphore named \"API\"; did you mean api?").await;
     // A malformed address (a bad escape) does not stop the page: it asks for the name as given.
-    {
-        let b = browser.clone();
-        let page = format!("http://{addr}/?bad#50%");
-        tokio::task::spawn_blocking(move || b.open(&page))
-            .await
-            .unwrap();
-    }
-    wait_until(SOON, "the page still refreshes", || async {
-        eval(
-            "const d = document.getElementById('detail'); \
-             return !d.hidden && d.innerText.includes('no semaphore named \"50%\"')",
-        )
-        .await
-            == serde_json::Value::Bool(true)
-    })
-    .await;
+    detail_at("?bad#50%", "no semaphore named \"50%\"").await;
     // A semaphore served by fairness key: its row says so, and its detail lists each key's share.
     client
         .set_semaphore(
