@@ -688,6 +688,80 @@ async fn a_burst_that_fits_whole_still_leaves_a_newcomer_its_turn() {
     check_invariants(&conn).await.unwrap();
 }
 
+/// The same burst, decided on the worker's stepwise path (a data error in the one-call claim
+/// makes the worker claim again a step at a time): the batch is ranked by the places its keys
+/// give it there too, and B is granted without waiting for A's releases. (Planted: the stepwise
+/// lock placing the batch by key itself, while the worker ranked it by arrival, granted A's 100.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_claimed_stepwise_is_ranked_by_key_too() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    keyed(&client, "pool", 100).await;
+    // A release pending, so that the batch's lock folds it: an UPDATE of the semaphore row,
+    // which fails once (a sequence counts outside the transaction that fails).
+    client
+        .submit(&Request::new("h").permit("pool", 1).fairness_key("H"))
+        .await
+        .unwrap();
+    let worker = db.notified_worker("w0");
+    assert_eq!(
+        client.wait_settled("h", SOON).await.unwrap().unwrap().state,
+        permitq::State::Acquired
+    );
+    worker.stop().await;
+    queue_burst(&conn, "pool", "A", "a-", 100).await;
+    client
+        .submit(&Request::new("b-1").permit("pool", 1).fairness_key("B"))
+        .await
+        .unwrap();
+    client.release("h").await.unwrap();
+    conn.batch_execute(
+        "CREATE SEQUENCE public.fold_tries;
+         CREATE FUNCTION public.fail_first_fold() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF nextval('public.fold_tries') = 1 THEN
+                 RAISE EXCEPTION 'planted: the first fold fails' USING ERRCODE = '22008';
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER fail_first_fold BEFORE UPDATE ON permitq.semaphore
+             FOR EACH ROW EXECUTE FUNCTION public.fail_first_fold();",
+    )
+    .await
+    .unwrap();
+    let worker = db.notified_worker("w1");
+    common::wait_until(SOON, "b-1 examined", || async {
+        client
+            .status("b-1")
+            .await
+            .unwrap()
+            .is_some_and(|r| r.examined_at.is_some())
+    })
+    .await;
+    let r = client.status("b-1").await.unwrap().unwrap();
+    let a_held = holders_on(&conn, "pool").await.len();
+    worker.stop().await;
+    let tries: i64 = conn
+        .query_one("SELECT last_value FROM public.fold_tries", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        tries >= 2,
+        "the one-call claim did not fail and retry: {tries} folds"
+    );
+    assert_eq!(
+        r.state,
+        permitq::State::Acquired,
+        "b-1 waits behind A's burst; A holds {a_held}"
+    );
+    conn.batch_execute("DROP TRIGGER fail_first_fold ON permitq.semaphore")
+        .await
+        .unwrap();
+    check_invariants(&conn).await.unwrap();
+}
+
 /// A key whose finish tag is ahead of the virtual time (it was served a lot while others
 /// waited) has its next request placed back even alone in a batch that fits: B, arriving right
 /// after it and not examined yet, is ahead of it and keeps the room (batches of one request;
