@@ -343,12 +343,6 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
     }
     // Served by fairness key: each key's share, so that the order above can be read.
     if d.usage.fairness_keys {
-        let weights: i64 = d
-            .key_shares
-            .iter()
-            .filter(|k| k.waiting > 0)
-            .map(|k| i64::from(k.weight))
-            .sum();
         outln!(
             "\nfairness keys ({}; keys that wait are served in proportion to their weights, \
              in arrival order within each; a weight is each request's own, a key's shown as the \
@@ -360,14 +354,10 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             }
         );
         for k in &d.key_shares {
-            let share = if k.waiting > 0 && weights > 0 {
-                format!(
-                    ", {}% of the grants while these wait",
-                    (i64::from(k.weight) * 200 + weights) / (2 * weights)
-                )
-            } else {
-                String::new()
-            };
+            let share = k
+                .share_percent
+                .map(|share| format!(", {share}% of the grants while these wait"))
+                .unwrap_or_default();
             outln!(
                 "  {:<24} weight {:<4} waiting {} ({} permit{}), holds {}{share}",
                 key_label(k),

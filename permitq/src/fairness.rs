@@ -19,6 +19,9 @@ pub struct KeyShare {
     pub waiting_permits: i64,
     /// The permits its requests hold now.
     pub held: i64,
+    /// While it waits: its share of the grants while the keys shown wait, in whole percent (in
+    /// proportion to the weights of the keys shown that wait; these add up to 100).
+    pub share_percent: Option<i64>,
 }
 
 impl crate::Client {
@@ -30,7 +33,8 @@ impl crate::Client {
             .query(crate::sql::KEY_SHARES, &[&name])
             .await
             .map_err(|e| self.located(e.into()))?;
-        rows.iter()
+        let mut keys = rows
+            .iter()
             .map(|r| {
                 Ok(KeyShare {
                     fairness_key: r.try_get(0)?,
@@ -38,8 +42,69 @@ impl crate::Client {
                     waiting: r.try_get(2)?,
                     waiting_permits: r.try_get(3)?,
                     held: r.try_get(4)?,
+                    share_percent: None,
                 })
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        let weights: Vec<i64> = keys
+            .iter()
+            .map(|k| {
+                if k.waiting > 0 {
+                    i64::from(k.weight)
+                } else {
+                    0
+                }
+            })
+            .collect();
+        for (k, share) in keys.iter_mut().zip(percent_shares(&weights)) {
+            k.share_percent = (k.waiting > 0).then_some(share);
+        }
+        Ok(keys)
+    }
+}
+
+/// Whole percentages in proportion to `weights` that add up to 100 (largest remainder first,
+/// among equals the first; all 0 when every weight is 0): rounded each on its own, three equal
+/// keys showed 33% each, and weights 1 and 2 showed 34% and 67%.
+fn percent_shares(weights: &[i64]) -> Vec<i64> {
+    let total: i64 = weights.iter().sum();
+    if total <= 0 {
+        return vec![0; weights.len()];
+    }
+    let mut shares: Vec<i64> = weights.iter().map(|w| w * 100 / total).collect();
+    let mut by_remainder: Vec<usize> = (0..weights.len()).collect();
+    by_remainder.sort_by_key(|&i| (std::cmp::Reverse(weights[i] * 100 % total), i));
+    let short = 100 - shares.iter().sum::<i64>();
+    for &i in by_remainder
+        .iter()
+        .take(usize::try_from(short).unwrap_or(0))
+    {
+        shares[i] += 1;
+    }
+    shares
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percent_shares;
+
+    #[test]
+    fn key_shares_add_up_to_a_hundred_in_proportion_to_the_weights() {
+        assert_eq!(percent_shares(&[1, 1, 1]), vec![34, 33, 33]);
+        assert_eq!(percent_shares(&[1, 2]), vec![33, 67]);
+        assert_eq!(percent_shares(&[1, 0, 3]), vec![25, 0, 75]);
+        assert_eq!(percent_shares(&[0, 0]), vec![0, 0]);
+        assert_eq!(percent_shares(&[]), Vec::<i64>::new());
+        for weights in [vec![7, 3, 1, 1, 1], vec![1; 20], vec![1000, 1, 1]] {
+            let shares = percent_shares(&weights);
+            assert_eq!(shares.iter().sum::<i64>(), 100, "{weights:?}: {shares:?}");
+            let total: i64 = weights.iter().sum();
+            for (w, s) in weights.iter().zip(&shares) {
+                assert!(
+                    (s * total - w * 100).abs() < total,
+                    "{weights:?}: {shares:?}"
+                );
+            }
+        }
     }
 }

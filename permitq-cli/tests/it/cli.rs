@@ -1140,6 +1140,12 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
         "{}",
         stderr(&o)
     );
+    // Made and made adaptive in one command: one change, one audit row.
+    let history = stdout(&run(url, &["semaphore", "history", "api"]).await);
+    assert!(
+        history.lines().count() == 1 && history.contains("(made adaptive: aimd, 2 to 20)"),
+        "{history}"
+    );
     let o = run(url, &["semaphore", "set", "api", "10", "--floor", "2"]).await;
     assert_eq!(code(&o), 2, "{}", stderr(&o));
     assert!(stderr(&o).contains("--adaptive"), "{}", stderr(&o));

@@ -364,8 +364,10 @@ BEGIN
                                   WHERE k.semaphore_id = s.id) THEN
             -- The push comes from the turns ahead of it, each by its own weight; this request's
             -- weight sets only the turn it takes itself (and so the place of those behind it).
-            reason := reason || format(' (served by fairness key: its key %s, %s; its own weight, %s, sets the turn it takes from the requests behind it; every request is placed at its arrival plus its own key''s turns, so one of another key that arrived earlier by more than that stays ahead of it)',
-                coalesce(r.fairness_key, '(none)'),
+            reason := reason || format(' (served by fairness key: %s, %s; its own weight, %s, sets the turn it takes from the requests behind it; every request is placed at its arrival plus its own key''s turns, so one of another key that arrived earlier by more than that stays ahead of it)',
+                CASE WHEN r.fairness_key IS NULL
+                     THEN 'it has no key (the requests without one share one key, shown as (no key) by `semaphore show`)'
+                     ELSE format('its key %s', r.fairness_key) END,
                 CASE WHEN placed_later > interval '0'
                      THEN format('placed %s after its arrival by the turns of its key''s earlier requests that the line has not caught up with (held and granted ones count, not only those waiting), each %s × its count ÷ its own request''s weight; keys that wait take turns in proportion to their weights',
                                  permitq.human_duration(placed_later),
