@@ -205,7 +205,7 @@ async fn measure(
     let mut gaps = Vec::new();
     for k in 1..=30 {
         let next = format!("{}-w-{}", full[0], 2 * k);
-        gaps.push(hand_off(client, conn, &holder, &next).await?);
+        gaps.push(hand_off(client, conn, &holder, &next).await?.database);
         holder = next;
     }
     let head = Percentiles::of(&mut gaps);

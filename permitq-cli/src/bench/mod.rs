@@ -146,10 +146,10 @@ async fn measure(url: &str, args: &BenchArgs, own_cluster: bool) -> Result<()> {
         grant_path::run(&url, args, &mut report, &mut summary).await?;
     }
     if args.runs("targets") || targets::PARTS.iter().any(|p| args.runs(p)) {
-        targets::run(&url, args, &mut report, &mut summary).await?;
+        targets::run(&url, args, own_cluster, &mut report, &mut summary).await?;
     }
     if args.runs("idle") {
-        load::idle(&url, args, &mut report).await?;
+        load::idle(&url, args, &mut report, &mut summary).await?;
     }
     if args.runs("clients") {
         clients::run(&url, args, &mut report, &mut summary).await?;
