@@ -536,14 +536,16 @@ async fn wait_for_schema(client: &Client) -> Result<()> {
 /// still be fixed: a name no semaphore or template has (unknown_semaphore), a template named
 /// itself, a count beyond a capacity (exceeds_capacity). A failed read says nothing: the
 /// request is submitted either way.
-async fn say_names_not_found(client: &Client, row: &permitq::PermitRequest) {
-    for answer in client
+/// True if it said something.
+async fn say_names_not_found(client: &Client, row: &permitq::PermitRequest) -> bool {
+    let answers = client
         .answers_at_submit(&row.permits)
         .await
-        .unwrap_or_default()
-    {
+        .unwrap_or_default();
+    for answer in &answers {
         errln!("permitq: {} is queued, but {answer}", row.external_id);
     }
+    !answers.is_empty()
 }
 
 /// A fairness key on semaphores that are not keyed: accepted (a semaphore may be keyed later,
@@ -556,20 +558,22 @@ async fn say_key_unused(client: &Client, row: &permitq::PermitRequest) {
     let Ok(usage) = client.usage().await else {
         return;
     };
-    let plain: Vec<&str> = usage
+    let plain: Vec<&permitq::SemaphoreUsage> = usage
         .iter()
         .filter(|u| row.permits.contains_key(&u.name) && !u.fairness_keys)
-        .map(|u| u.name.as_str())
         .collect();
-    if plain.is_empty() {
+    let Some(first) = plain.first() else {
         return;
-    }
+    };
+    let names: Vec<&str> = plain.iter().map(|u| u.name.as_str()).collect();
     errln!(
         "permitq: note: {} {} not keyed, so the fairness key {key} changes nothing there \
-         (`permitq semaphore set {} CAPACITY --fairness-keys` serves a line by key)",
-        plain.join(", "),
-        if plain.len() == 1 { "is" } else { "are" },
-        crate::show::quoted_name(plain[0])
+         (`permitq semaphore set {} CAPACITY{} --fairness-keys` serves a line by key)",
+        names.join(", "),
+        if names.len() == 1 { "is" } else { "are" },
+        crate::show::quoted_name(&first.name),
+        // A greedy one serves no line: keyed, it is made fair too.
+        if first.fair { "" } else { " --fair" }
     );
 }
 
@@ -577,7 +581,12 @@ async fn say_key_unused(client: &Client, row: &permitq::PermitRequest) {
 /// `unknown_semaphore` error names them).
 async fn no_semaphore(client: &Client, name: String) -> CliError {
     let similar = client.similar_semaphores(&name).await.unwrap_or_default();
-    CliError::NoSemaphore { name, similar }
+    let request = matches!(client.status(&name).await, Ok(Some(_)));
+    CliError::NoSemaphore {
+        name,
+        similar,
+        request,
+    }
 }
 
 /// After a template was set: what its new settings leave as it was in its instances. A bound
@@ -845,9 +854,10 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             if per == Some(Duration::ZERO) && s.per.is_none() {
                 errln!(
                     "permitq: {} is not rate-limited: its capacity {} bounds the permits held at \
-                     once (`--per 1m` makes it a rate limit again)",
+                     once (`--per 1m` makes it a rate limit{})",
                     s.name,
-                    s.capacity
+                    s.capacity,
+                    if created { "" } else { " again" }
                 );
             }
             // What adaptive means now, or that it still is (a capacity set by hand on it).
@@ -1012,17 +1022,17 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                     if s.guarantee > 0 {
                         kind.push_str(&format!("  guarantee {}", s.guarantee));
                     }
-                    if let Some(a) = usage
-                        .iter()
-                        .find(|u| u.name == s.name)
-                        .and_then(|u| u.adaptive.as_ref())
-                    {
+                    let row = usage.iter().find(|u| u.name == s.name);
+                    if let Some(a) = row.and_then(|u| u.adaptive.as_ref()) {
                         kind.push_str(&format!(
                             "  adaptive ({}, {} to {})",
                             a.algorithm.as_str(),
                             a.floor,
                             a.ceiling
                         ));
+                    }
+                    if row.is_some_and(|u| u.fairness_keys) {
+                        kind.push_str("  served by fairness key");
                     }
                     outln!(
                         "{:<32} {:>10} {:>10}  {}{kind}",
@@ -1259,9 +1269,11 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
     // What a worker will fail it with: said now, unless this awaits a running worker's
     // outcome, which says it a moment later.
     let outcome_soon = args.await_for.is_some() && nothing_grants.is_none();
-    if !earlier && row.state == State::New && !outcome_soon {
-        say_names_not_found(client, &row).await;
-    }
+    // (Said, the general line below would only repeat that it is queued.)
+    let said_its_outcome = !earlier
+        && row.state == State::New
+        && !outcome_soon
+        && say_names_not_found(client, &row).await;
     if !earlier {
         say_key_unused(client, &row).await;
     }
@@ -1383,6 +1395,7 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
         // Queued, and nothing printed says what comes next: say it, and whether anything grants.
         match client.granting().await?.warning() {
             Some(warning) => errln!("permitq: {} is queued, but {warning}", row.external_id),
+            None if said_its_outcome => {}
             None => errln!(
                 "permitq: {id} is queued; `permitq status {id}` shows its outcome (or submit \
                  with --await 30s to wait for it)",

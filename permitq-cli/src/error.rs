@@ -31,7 +31,13 @@ pub(crate) enum CliError {
     /// A required input that was not given (exit 2, like an invalid one).
     Missing { field: &'static str, hint: String },
     /// No semaphore by that name; the nearest existing names.
-    NoSemaphore { name: String, similar: Vec<String> },
+    NoSemaphore {
+        name: String,
+        similar: Vec<String>,
+        /// `name` is a request's external_id (one this login reads): given where a semaphore
+        /// belongs.
+        request: bool,
+    },
     /// No request by that name among those this login may read (`status`, `explain`);
     /// `sees_all`: the login reads every producer's requests.
     NotVisible {
@@ -101,11 +107,21 @@ impl fmt::Display for CliError {
             CliError::Permitq(e) => write!(f, "{e}"),
             CliError::Usage { field, message } => write!(f, "invalid {field}: {message}"),
             CliError::Missing { field, hint } => write!(f, "no {field} given: {hint}"),
-            CliError::NoSemaphore { name, similar } if similar.is_empty() => write!(
+            CliError::NoSemaphore {
+                name,
+                request: true,
+                ..
+            } => write!(
+                f,
+                "no semaphore named {name:?} ({name} is a request's external_id: `permitq status \
+                 {name}` shows it, `permitq explain {name}` why it waits; `permitq semaphore \
+                 list` shows the semaphores)"
+            ),
+            CliError::NoSemaphore { name, similar, .. } if similar.is_empty() => write!(
                 f,
                 "no semaphore named {name:?} (`permitq semaphore list` shows them all)"
             ),
-            CliError::NoSemaphore { name, similar } => write!(
+            CliError::NoSemaphore { name, similar, .. } => write!(
                 f,
                 "no semaphore named {name:?}; did you mean {}?",
                 // (A suggestion may be words: `lab:NAME (an instance of the template lab:*)`.)

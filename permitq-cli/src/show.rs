@@ -346,7 +346,7 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
         outln!(
             "\nfairness keys ({}; keys that wait are served in proportion to their weights, \
              in arrival order within each; a weight is each request's own, a key's shown as the \
-             largest of its requests', its share as if all had it):",
+             largest its waiting requests asked, its share as if all of them had it):",
             if d.key_shares.is_empty() {
                 "none yet".to_string()
             } else {

@@ -573,12 +573,19 @@ impl Client {
             .transaction()
             .await
             .map_err(|e| self.located(e.into()))?;
+        // Keys off first (so that the same call may make it greedy), on after (it must be
+        // there, and fair).
+        if settings.fairness_keys == Some(false) {
+            tx.execute(sql::SET_FAIRNESS_KEYS, &[&name, &false])
+                .await
+                .map_err(|e| self.located(e.into()))?;
+        }
         let row = tx
             .query_typed_one(query, &params)
             .await
             .map_err(|e| self.located(e.into()))?;
-        if let Some(keyed) = settings.fairness_keys {
-            tx.execute(sql::SET_FAIRNESS_KEYS, &[&name, &keyed])
+        if settings.fairness_keys == Some(true) {
+            tx.execute(sql::SET_FAIRNESS_KEYS, &[&name, &true])
                 .await
                 .map_err(|e| self.located(e.into()))?;
         }

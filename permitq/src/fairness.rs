@@ -11,7 +11,8 @@ use crate::error::Result;
 pub struct KeyShare {
     /// The key (`""`: the requests that name none, which share the line as one key).
     pub fairness_key: String,
-    /// Its weight (the largest its requests asked; 1 when none did).
+    /// Its weight: the largest its waiting requests asked (its holders', when none waits; 1
+    /// when none asked one).
     pub weight: i32,
     /// Its requests waiting in line, and the permits they ask.
     pub waiting: i64,

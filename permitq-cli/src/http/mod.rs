@@ -167,10 +167,18 @@ pub(crate) fn access(
     let token = match &args.http_token_file {
         Some(path) => {
             let text = std::fs::read_to_string(path).map_err(|e| {
-                CliError::runtime(format!(
-                    "cannot read the HTTP token file {}: {e}",
-                    path.display()
-                ))
+                let next = if e.kind() == std::io::ErrorKind::NotFound {
+                    format!(
+                        "make one: head -c 32 /dev/urandom | base64 > {}",
+                        path.display()
+                    )
+                } else {
+                    "the file must be readable by the user this runs as".to_string()
+                };
+                CliError::usage(
+                    "http-token-file",
+                    format!("cannot read {}: {e} ({next})", path.display()),
+                )
             })?;
             let token = text.trim().to_string();
             if token.len() < 16 {

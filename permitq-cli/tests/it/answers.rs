@@ -1641,12 +1641,21 @@ async fn release_says_what_it_gave_back_or_why_there_was_nothing() {
     let worker = db.worker(quiet_config("w"));
     let o = run(url, &["submit", "too-big", "gpu=2", "--await", "10s"]).await;
     assert_eq!(code(&o), 3, "{}", stdout(&o));
-    let o = run(url, &["submit", "queued-2", "gpu=2"]).await;
+    run(url, &["semaphore", "set", "gpu2", "4"]).await;
+    let o = run(url, &["submit", "queued-2", "gpu2=1"]).await;
     assert!(
         stderr(&o).contains(
             "permitq: queued-2 is queued; `permitq status queued-2` shows its outcome (or submit \
              with --await 30s to wait for it)"
         ),
+        "{}",
+        stderr(&o)
+    );
+    // One that a worker will fail: said once, with why.
+    let o = run(url, &["submit", "queued-3", "gpu=2"]).await;
+    assert!(
+        stderr(&o).contains("permitq: queued-3 is queued, but gpu has capacity 1")
+            && stderr(&o).matches("is queued").count() == 1,
         "{}",
         stderr(&o)
     );
@@ -1974,6 +1983,17 @@ async fn small_answers_name_what_to_do() {
         stderr(&o).trim(),
         "permitq: no semaphore named \"zzz\" (`permitq semaphore list` shows them all)"
     );
+    // A request's id where a semaphore's belongs: said, with where to look.
+    run(url, &["submit", "train-1", "gpu=1"]).await;
+    let o = run(url, &["semaphore", "show", "train-1"]).await;
+    assert_eq!(code(&o), 5, "{}", stderr(&o));
+    assert_eq!(
+        stderr(&o).trim(),
+        "permitq: no semaphore named \"train-1\" (train-1 is a request's external_id: \
+         `permitq status train-1` shows it, `permitq explain train-1` why it waits; `permitq \
+         semaphore list` shows the semaphores)"
+    );
+    run(url, &["release", "train-1"]).await;
     // Permits after a bare --await.
     let o = permitq(Some(url), &["submit", "aw-1", "--await", "gpu=1"]);
     assert_eq!(code(&o), 2);
@@ -2121,7 +2141,10 @@ async fn a_semaphore_nothing_uses_can_be_deleted_and_its_history_says_so() {
     run(url, &["semaphore", "set", "pool", "4"]).await;
     run(url, &["semaphore", "set", "team", "2", "--parent", "pool"]).await;
     let o = run(url, &["semaphore", "delete", "pool"]).await;
-    refused(&o, "pool is the parent of team: take it out");
+    refused(
+        &o,
+        "pool is the parent of team: take it out (`permitq semaphore set team 2 --no-parent`;",
+    );
     // A template's instances are named by their template.
     run(url, &["semaphore", "set", "kid-*", "1", "--parent", "pool"]).await;
     let o = run(url, &["submit", "k-1", "kid-1=1", "--await", "10s"]).await;

@@ -1429,6 +1429,38 @@ async fn fairness_keys_from_the_command_line() {
     }
     let list = stdout(&run(url, &["semaphore", "list"]).await);
     assert!(!list.contains("lab:*"), "{list}");
+    // Greedy serves no line: a keyed semaphore is not made greedy unless its keys go in the same
+    // command.
+    let o = run(url, &["semaphore", "set", "k2", "2", "--fairness-keys"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = run(url, &["semaphore", "set", "k2", "2", "--greedy"]).await;
+    assert_ne!(code(&o), 0);
+    assert!(
+        stderr(&o).contains("invalid greedy semaphore k2: it is served by fairness key")
+            && stderr(&o).contains("`permitq semaphore set k2 2 --greedy --no-fairness-keys`"),
+        "{}",
+        stderr(&o)
+    );
+    let show = stdout(&run(url, &["semaphore", "show", "k2"]).await);
+    assert!(show.contains("served by fairness key"), "{show}");
+    let o = run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "k2",
+            "2",
+            "--greedy",
+            "--no-fairness-keys",
+        ],
+    )
+    .await;
+    assert_eq!(
+        stdout(&o).trim(),
+        "k2 capacity=2 used=0 greedy",
+        "{}",
+        stderr(&o)
+    );
     // Off again: the line is priority and arrival order from here on.
     let o = run(url, &["semaphore", "set", "gpu", "1", "--no-fairness-keys"]).await;
     assert_eq!(

@@ -1144,6 +1144,22 @@ async fn serve_with_a_token_answers_only_callers_that_send_it_probes_excepted() 
         "{}",
         stderr(&o)
     );
+    // One that is not there: how to make it.
+    let missing = dir.join("missing");
+    let o = run(
+        &db.url,
+        &["serve", "--http-token-file", missing.to_str().unwrap()],
+    )
+    .await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(&format!(
+            "(make one: head -c 32 /dev/urandom | base64 > {})",
+            missing.display()
+        )),
+        "{}",
+        stderr(&o)
+    );
     let url = db.url.clone();
     let file = token_file.to_str().unwrap().to_string();
     let (serve, addr) = tokio::task::spawn_blocking(move || {
@@ -1526,7 +1542,11 @@ async fn the_status_page_plots_an_adaptive_capacity_and_what_moved_it() {
     // A name that is not there says so, with the nearest names.
     detail_at("?typo#API", "no semaphore named \"API\"; did you mean api?").await;
     // A malformed address (a bad escape) does not stop the page: it asks for the name as given.
-    detail_at("?bad#50%", "no semaphore named \"50%\"").await;
+    detail_at(
+        "?bad#50%",
+        "no semaphore named \"50%\" (the list on this page shows them all)",
+    )
+    .await;
     // A semaphore served by fairness key: its row says so, and its detail lists each key's share.
     client
         .set_semaphore(

@@ -369,7 +369,7 @@ BEGIN
                      THEN 'it has no key (the requests without one share one key, shown as (no key) by `semaphore show`)'
                      ELSE format('its key %s', r.fairness_key) END,
                 CASE WHEN placed_later > interval '0'
-                     THEN format('placed %s after its arrival by the turns of its key''s earlier requests that the line has not caught up with (held and granted ones count, not only those waiting), each %s × its count ÷ its own request''s weight; keys that wait take turns in proportion to their weights',
+                     THEN format('placed %s after its arrival by the turns of its key''s earlier requests that the line has not caught up with (every earlier request of its key placed on this line counts until the line passes its turn: held, granted, and cancelled or timed out while waiting, not only those waiting), each %s × its count ÷ its own request''s weight; keys that wait take turns in proportion to their weights',
                                  permitq.human_duration(placed_later),
                                  permitq.human_duration(permitq.rule_aging_step_us() * interval '1 microsecond'))
                      ELSE 'placed at its arrival: the line had reached its key''s turn (its key''s earlier requests, held or waiting, were all before the turn the line has granted up to)' END,

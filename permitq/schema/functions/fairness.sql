@@ -264,6 +264,11 @@ DECLARE
     s permitq.semaphore;
 BEGIN
     SELECT * INTO s FROM permitq.semaphore x WHERE x.name = set_fairness_keys.name FOR UPDATE;
+    -- Off on a semaphore not made yet: nothing to turn off (a client turns keys off before it
+    -- makes a semaphore greedy, in the same transaction).
+    IF NOT FOUND AND NOT keyed THEN
+        RETURN false;
+    END IF;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'no semaphore named %', set_fairness_keys.name
             USING ERRCODE = '22023',
@@ -293,8 +298,8 @@ BEGIN
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.set_fairness_keys(text, boolean) TO permitq_admin;
 
--- Each fairness key's share of keyed semaphore `name` now: its weight (the largest its requests
--- asked), the requests of it waiting in line and the permits they ask, and the permits it holds;
+-- Each fairness key's share of keyed semaphore `name` now: its weight (the largest its waiting
+-- requests asked, whose turns the shares are about; when none waits, its holders'), the requests of it waiting in line and the permits they ask, and the permits it holds;
 -- most waiting first, at most 20 keys ('' is the requests with no key). What `semaphore show`,
 -- the status page and the API show. A producer sees its own requests' keys alone. Cost: the
 -- semaphore's line (at most its first 10000 waiters) and its holders.
@@ -321,7 +326,8 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET j
         WHERE EXISTS (SELECT 1 FROM s) AND r.state = 'acquired'
           AND coalesce(r.charged, r.permits) ? key_shares.name
     )
-    SELECT x.fkey, max(x.w)::integer, count(*) FILTER (WHERE x.waits),
+    SELECT x.fkey, coalesce(max(x.w) FILTER (WHERE x.waits), max(x.w))::integer,
+           count(*) FILTER (WHERE x.waits),
            coalesce(sum(x.count) FILTER (WHERE x.waits), 0)::bigint,
            coalesce(sum(x.count) FILTER (WHERE NOT x.waits), 0)::bigint
     FROM (SELECT l.fkey, l.w, l.count::bigint, true AS waits, l.submitted_by FROM line l

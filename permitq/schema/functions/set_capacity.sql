@@ -120,6 +120,15 @@ BEGIN
         -- check, so that none takes a grant between the check and the change.
         PERFORM 1 FROM permitq.semaphore s WHERE s.template = result.name ORDER BY s.id FOR UPDATE;
     END IF;
+    -- Greedy serves no line, and a keyed semaphore's line is served across keys: both at once
+    -- would leave `explain` and the position saying one thing and the decision another.
+    IF NOT result.fair AND EXISTS (SELECT 1 FROM permitq.keyed_semaphore k
+                                   WHERE k.semaphore_id = result.id) THEN
+        RAISE EXCEPTION 'invalid greedy semaphore %: it is served by fairness key (its line is served across the keys, in turn), and a greedy semaphore serves no line',
+            result.name USING ERRCODE = '22023',
+            HINT = format('turn its keys off in the same command: `permitq semaphore set %s %s --greedy --no-fairness-keys`',
+                          result.name, result.capacity);
+    END IF;
     problem := permitq.nesting_problem(result, result.parent IS DISTINCT FROM old_parent);
     IF problem IS NOT NULL THEN
         RAISE EXCEPTION 'invalid nesting of %: %', result.name, problem USING ERRCODE = '22023';
@@ -172,8 +181,12 @@ BEGIN
     FROM (SELECT DISTINCT coalesce(x.template, x.name) AS name FROM permitq.semaphore x
           WHERE x.parent = s.name ORDER BY 1 LIMIT 10) c;
     IF n > 0 THEN
-        RAISE EXCEPTION '% is the parent of %: take % out (`permitq semaphore set NAME CAPACITY --no-parent`; a template''s instances follow it) or delete % first',
+        -- One child: the command itself, with its name and capacity.
+        RAISE EXCEPTION '% is the parent of %: take % out (`permitq semaphore set % --no-parent`; a template''s instances follow it) or delete % first',
             s.name, names, CASE WHEN n = 1 THEN 'it' ELSE 'them' END,
+            coalesce((SELECT format('%s %s', permitq.shell_word(c.name), c.capacity)
+                      FROM permitq.semaphore c WHERE n = 1 AND c.name = names),
+                     'NAME CAPACITY'),
             CASE WHEN n = 1 THEN 'it' ELSE 'them' END USING ERRCODE = '55006';
     END IF;
     SELECT count(*), string_agg(c.name, ', ' ORDER BY c.name) INTO n, names

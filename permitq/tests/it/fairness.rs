@@ -135,8 +135,10 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
         behind.semaphores.iter().any(|s| s.position == Some(4)
             && s.reason.contains(
                 "its key A, placed 20s after its arrival by the turns of its key's earlier \
-                 requests that the line has not caught up with (held and granted ones count, not \
-                 only those waiting), each 10s × its count ÷ its own request's weight"
+                 requests that the line has not caught up with (every earlier request of its key \
+                 placed on this line counts until the line passes its turn: held, granted, and \
+                 cancelled or timed out while waiting, not only those waiting), each 10s × its \
+                 count ÷ its own request's weight"
             )),
         "{behind:?}"
     );
