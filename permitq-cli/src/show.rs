@@ -225,9 +225,12 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
     }
     if let Some(i) = &d.instances {
         outln!(
-            "  {} of at most {} instances (max_instances)",
+            "  {} of at most {} instances (max_instances), which hold {} and have {} waiting \
+             (the counts above are the template's own: it holds nothing itself)",
             i.count,
-            i.max_instances
+            i.max_instances,
+            i.held,
+            i.waiting
         );
         if !i.names.is_empty() {
             let more = i.count - i.names.len();

@@ -142,6 +142,9 @@ pub(crate) struct Instances {
     pub(crate) max_instances: i64,
     /// The first [`INSTANCES_NAMED`] instances in name order.
     pub(crate) names: Vec<String>,
+    /// What its instances hold, and their requests waiting (a template holds nothing itself).
+    pub(crate) held: i64,
+    pub(crate) waiting: i64,
 }
 
 /// How many of a template's instances, or of a parent's children, `semaphore show` names.
@@ -203,6 +206,11 @@ pub(super) async fn detail_of(
     children.sort_by(|a, b| a.name.cmp(&b.name));
     children.truncate(INSTANCES_NAMED);
     let instances = if usage.is_template {
+        let of_it = || all.iter().filter(|i| i.template.as_deref() == Some(name));
+        let (held, waiting) = (
+            of_it().map(|i| i.held).sum(),
+            of_it().map(|i| i.waiting).sum(),
+        );
         let all = client.semaphores().await?;
         let mut names: Vec<String> = all
             .iter()
@@ -215,6 +223,8 @@ pub(super) async fn detail_of(
         Some(Instances {
             count,
             names,
+            held,
+            waiting,
             max_instances: all
                 .iter()
                 .find(|s| s.name == name)

@@ -697,7 +697,10 @@ async fn too_many_instances_names_the_template_and_its_bound_also_in_json() {
     // The bound and how many it has, where the template is shown.
     let o = run(url, &["semaphore", "show", "lab-*"]).await;
     assert!(
-        stdout(&o).contains("4 of at most 4 instances (max_instances)")
+        stdout(&o).contains(
+            "4 of at most 4 instances (max_instances), which hold 4 and have 0 waiting (the \
+             counts above are the template's own: it holds nothing itself)"
+        )
             && stdout(&o).contains("instances: lab-1, lab-2, lab-3, lab-4\n")
             // A template holds nothing itself: its capacity is each instance's.
             && stdout(&o).starts_with("lab-*  capacity 1 for each instance, 0 waiting"),
