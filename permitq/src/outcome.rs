@@ -324,11 +324,17 @@ fn adaptive_exceeded(at: &str, name: &str, count: i64, capacity: i64, a: &Adapti
         ),
         None => format!("has capacity {capacity} now ({bounds}: the workers move it)"),
     };
+    // A floor raised to the ceiling leaves it nothing to adapt: said.
+    let fixed = if count == a.ceiling {
+        format!(": with floor and ceiling equal it stays at {count}, no longer adapting")
+    } else {
+        String::new()
+    };
     format!(
         "{at} {moved}; a request is decided against the capacity it finds, so ask for at most \
          {} (its floor, which always fits), or raise the floor (`permitq semaphore set {name} \
-         {count} --adaptive {} --floor {count} --ceiling {}`); then submit again under a new \
-         external_id",
+         {count} --adaptive {} --floor {count} --ceiling {}`{fixed}); then submit again under a \
+         new external_id",
         a.floor, a.algorithm, a.ceiling
     )
 }
@@ -461,6 +467,19 @@ mod tests {
             "{outcome}"
         );
         assert!(!outcome.contains("never"), "{outcome}");
+        // Raising the floor to the ceiling fixes it: said.
+        r.permits = [("calls".to_string(), 10)].into();
+        if let Some(d) = r.error_detail.as_mut() {
+            d.count = Some(10);
+        }
+        let outcome = r.outcome().unwrap();
+        assert!(
+            outcome.contains(
+                "raise the floor (`permitq semaphore set calls 10 --adaptive aimd --floor 10 \
+                 --ceiling 10`: with floor and ceiling equal it stays at 10, no longer adapting)"
+            ),
+            "{outcome}"
+        );
         r.permits = [("calls".to_string(), 12)].into();
         r.error_detail = Some(ErrorDetail {
             semaphore: Some("calls".into()),

@@ -343,9 +343,15 @@ def _adaptive_exceeded(at: str, name: str, count: int, capacity: int, a: dict[st
         if a.get("from") is not None
         else f"has capacity {capacity} now ({bounds}: the workers move it)"
     )
+    # A floor raised to the ceiling leaves it nothing to adapt: said.
+    fixed = (
+        f": with floor and ceiling equal it stays at {count}, no longer adapting"
+        if count == ceiling
+        else ""
+    )
     return (
         f"{at} {moved}; a request is decided against the capacity it finds, so ask for at most "
         f"{floor} (its floor, which always fits), or raise the floor (`permitq semaphore set {name} "
-        f"{count} --adaptive {algorithm} --floor {count} --ceiling {ceiling}`); then submit again "
-        "under a new external_id"
+        f"{count} --adaptive {algorithm} --floor {count} --ceiling {ceiling}`{fixed}); then submit "
+        "again under a new external_id"
     )

@@ -640,6 +640,9 @@ class OutcomeWordsTest(unittest.TestCase):
         self.assertIn("calls=8 but calls has capacity 7 now: the workers backed it off from 8 (adaptive, aimd from 2 "
                       "to 10) on its holders' reports, and it may grow back; a request is decided against the "
                       "capacity it finds, so ask for at most 2 (its floor, which always fits)", str(backed_off))
+        at_ceiling = request_failed("r-8", "exceeds_capacity", {"semaphore": "calls", "count": 10, "capacity": 7, "adaptive": adaptive})
+        self.assertIn("--floor 10 --ceiling 10`: with floor and ceiling equal it stays at 10, no longer adapting)",
+                      str(at_ceiling))
         above = request_failed("r-6", "exceeds_capacity", {"semaphore": "calls", "count": 12, "capacity": 7, "adaptive": adaptive})
         self.assertIn("calls=12 but calls is adaptive, aimd from 2 to 10 (its capacity is 7 now): it can never be "
                       "granted; ask for at most 10, or raise its ceiling (`permitq semaphore set calls 7 --adaptive "

@@ -274,8 +274,12 @@ function adaptiveExceeded(at, name, count, capacity, a) {
         ? `has capacity ${capacity} now: the workers backed it off from ${a.from} (${bounds}) on ` +
             "its holders' reports, and it may grow back"
         : `has capacity ${capacity} now (${bounds}: the workers move it)`;
+    // A floor raised to the ceiling leaves it nothing to adapt: said.
+    const fixed = Number(count) === Number(a.ceiling)
+        ? `: with floor and ceiling equal it stays at ${count}, no longer adapting`
+        : "";
     return (`${at} ${moved}; a request is decided against the capacity it finds, so ask for at most ` +
         `${String(a.floor)} (its floor, which always fits), or raise the floor (\`permitq semaphore set ${name} ` +
-        `${count} --adaptive ${String(a.algorithm)} --floor ${count} --ceiling ${String(a.ceiling)}\`); then submit again ` +
-        "under a new external_id");
+        `${count} --adaptive ${String(a.algorithm)} --floor ${count} --ceiling ${String(a.ceiling)}\`${fixed}); then submit ` +
+        "again under a new external_id");
 }

@@ -382,6 +382,11 @@ describe("permitq client", () => {
       ),
       backedOff.message,
     );
+    const atCeiling = permitq.requestFailed("r-8", "exceeds_capacity", { semaphore: "calls", count: 10, capacity: 7, adaptive });
+    assert.ok(
+      atCeiling.message.includes("--floor 10 --ceiling 10`: with floor and ceiling equal it stays at 10, no longer adapting)"),
+      atCeiling.message,
+    );
     const above = permitq.requestFailed("r-6", "exceeds_capacity", { semaphore: "calls", count: 12, capacity: 7, adaptive });
     assert.ok(
       above.message.includes(
