@@ -111,12 +111,15 @@ impl fmt::Display for CliError {
                 name,
                 request: true,
                 ..
-            } => write!(
-                f,
-                "no semaphore named {name:?} ({name} is a request's external_id: `permitq status \
-                 {name}` shows it, `permitq explain {name}` why it waits; `permitq semaphore \
-                 list` shows the semaphores)"
-            ),
+            } => {
+                let id = crate::show::quoted_name(name);
+                write!(
+                    f,
+                    "no semaphore named {name:?} ({name} is a request's external_id: `permitq \
+                     status {id}` shows it, `permitq explain {id}` why it waits; `permitq \
+                     semaphore list` shows the semaphores)"
+                )
+            }
             CliError::NoSemaphore { name, similar, .. } if similar.is_empty() => write!(
                 f,
                 "no semaphore named {name:?} (`permitq semaphore list` shows them all)"

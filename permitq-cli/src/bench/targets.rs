@@ -482,6 +482,10 @@ impl Run<'_> {
                 names.push(name);
             }
             let conn = permitq_embedded_pg::try_connect(&url).await?;
+            // The new database's catalogs, filled by the migration, vacuumed now and written
+            // out: not by autovacuum or a checkpoint during the drain.
+            conn.batch_execute("VACUUM ANALYZE").await?;
+            conn.batch_execute("CHECKPOINT").await?;
             let backlog = Backlog {
                 rows,
                 semaphores: &names,

@@ -169,8 +169,9 @@ pub(crate) fn access(
             let text = std::fs::read_to_string(path).map_err(|e| {
                 let next = if e.kind() == std::io::ErrorKind::NotFound {
                     format!(
-                        "make one: head -c 32 /dev/urandom | base64 > {}",
-                        path.display()
+                        "make one, readable by you alone: (umask 077; head -c 32 /dev/urandom | \
+                         base64 > {})",
+                        crate::show::quoted_name(&path.display().to_string())
                     )
                 } else {
                     "the file must be readable by the user this runs as".to_string()
@@ -186,10 +187,10 @@ pub(crate) fn access(
                     "http-token-file",
                     format!(
                         "{} holds {} characters; a token needs at least 16 (for example: \
-                         head -c 32 /dev/urandom | base64 > {})",
+                         (umask 077; head -c 32 /dev/urandom | base64 > {}))",
                         path.display(),
                         token.len(),
-                        path.display()
+                        crate::show::quoted_name(&path.display().to_string())
                     ),
                 ));
             }

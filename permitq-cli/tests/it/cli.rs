@@ -1461,6 +1461,20 @@ async fn fairness_keys_from_the_command_line() {
         "{}",
         stderr(&o)
     );
+    // Nor through its template: a keyed instance keeps its template fair.
+    run(url, &["semaphore", "set", "t:*", "2"]).await;
+    let o = run(url, &["submit", "t-1", "t:a=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = run(url, &["semaphore", "set", "t:a", "2", "--fairness-keys"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = run(url, &["semaphore", "set", "t:*", "2", "--greedy"]).await;
+    assert_ne!(code(&o), 0);
+    assert!(
+        stderr(&o)
+            .contains("invalid greedy semaphore t:*: its instances t:a are served by fairness key"),
+        "{}",
+        stderr(&o)
+    );
     // Off again: the line is priority and arrival order from here on.
     let o = run(url, &["semaphore", "set", "gpu", "1", "--no-fairness-keys"]).await;
     assert_eq!(

@@ -1154,7 +1154,7 @@ async fn serve_with_a_token_answers_only_callers_that_send_it_probes_excepted() 
     assert_eq!(code(&o), 2, "{}", stderr(&o));
     assert!(
         stderr(&o).contains(&format!(
-            "(make one: head -c 32 /dev/urandom | base64 > {})",
+            "(make one, readable by you alone: (umask 077; head -c 32 /dev/urandom | base64 > {}))",
             missing.display()
         )),
         "{}",

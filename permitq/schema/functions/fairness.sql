@@ -263,6 +263,9 @@ LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit 
 DECLARE
     s permitq.semaphore;
 BEGIN
+    -- Lock order: the nesting gate before any semaphore row, as set_capacity, set_adaptive and
+    -- the adaptive cadence take them (a client may call this before set_capacity).
+    LOCK TABLE permitq.nesting_gate IN EXCLUSIVE MODE;
     SELECT * INTO s FROM permitq.semaphore x WHERE x.name = set_fairness_keys.name FOR UPDATE;
     -- Off on a semaphore not made yet: nothing to turn off (a client turns keys off before it
     -- makes a semaphore greedy, in the same transaction).

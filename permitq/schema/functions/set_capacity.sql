@@ -121,13 +121,25 @@ BEGIN
         PERFORM 1 FROM permitq.semaphore s WHERE s.template = result.name ORDER BY s.id FOR UPDATE;
     END IF;
     -- Greedy serves no line, and a keyed semaphore's line is served across keys: both at once
-    -- would leave `explain` and the position saying one thing and the decision another.
-    IF NOT result.fair AND EXISTS (SELECT 1 FROM permitq.keyed_semaphore k
-                                   WHERE k.semaphore_id = result.id) THEN
-        RAISE EXCEPTION 'invalid greedy semaphore %: it is served by fairness key (its line is served across the keys, in turn), and a greedy semaphore serves no line',
-            result.name USING ERRCODE = '22023',
-            HINT = format('turn its keys off in the same command: `permitq semaphore set %s %s --greedy --no-fairness-keys`',
-                          result.name, result.capacity);
+    -- would leave `explain` and the position saying one thing and the decision another. Refused
+    -- when this call makes it (or, for a template, its keyed instances) greedy; a semaphore left
+    -- both by an earlier version is not refused for other changes.
+    IF set_capacity.fair = false THEN
+        SELECT string_agg(permitq.shell_word(x.name), ', ' ORDER BY x.name) INTO problem
+        FROM permitq.semaphore x JOIN permitq.keyed_semaphore k ON k.semaphore_id = x.id
+        WHERE x.id = result.id OR x.template = result.name;
+        IF problem IS NOT NULL THEN
+            RAISE EXCEPTION 'invalid greedy semaphore %: % served by fairness key (its line is served across the keys, in turn), and a greedy semaphore serves no line',
+                result.name,
+                CASE WHEN result.is_template THEN 'its instances ' || problem || ' are'
+                     ELSE 'it is' END
+                USING ERRCODE = '22023',
+                HINT = CASE WHEN result.is_template
+                    THEN format('turn their keys off first (`permitq semaphore set NAME CAPACITY --no-fairness-keys` for each), then make %s greedy',
+                                permitq.shell_word(result.name))
+                    ELSE format('turn its keys off in the same command: `permitq semaphore set %s %s --greedy --no-fairness-keys` (with a client older than the database: `--no-fairness-keys` first, then `--greedy`)',
+                                permitq.shell_word(result.name), result.capacity) END;
+        END IF;
     END IF;
     problem := permitq.nesting_problem(result, result.parent IS DISTINCT FROM old_parent);
     IF problem IS NOT NULL THEN
