@@ -66,7 +66,7 @@ impl crate::Client {
 
 /// Whole percentages in proportion to `weights` that add up to 100 (largest remainder first,
 /// among equals the first; all 0 when every weight is 0): rounded each on its own, three equal
-/// keys showed 33% each, and weights 1 and 2 showed 34% and 67%.
+/// keys showed 33% each (99%), and six equal keys 17% each (102%).
 fn percent_shares(weights: &[i64]) -> Vec<i64> {
     let total: i64 = weights.iter().sum();
     if total <= 0 {
