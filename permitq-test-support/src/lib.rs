@@ -47,6 +47,7 @@ pub fn password_asking_server() -> u16 {
 
 pub use testdb::{
     as_user, check_invariants, connect, db_of, event_ids, init_logging, quiet_config,
-    requests_by_id, semaphore, semaphore_locked, settled_state, signal, state_of, until_marker,
-    user_of, wait_folded, wait_until, with_dbname, RunningWorker, TestDb,
+    requests_by_id, semaphore, semaphore_locked, settled_state, signal, state_of,
+    unexamined_requests, until_marker, user_of, wait_folded, wait_until, with_dbname,
+    RunningWorker, TestDb,
 };

@@ -334,6 +334,17 @@ pub async fn requests_by_id(
     .collect()
 }
 
+/// How many requests are `new` and not examined by any worker yet.
+pub async fn unexamined_requests(conn: &tokio_postgres::Client) -> i64 {
+    conn.query_one(
+        "SELECT count(*) FROM permitq.permit_request WHERE state = 'new' AND NOT examined",
+        &[],
+    )
+    .await
+    .expect("count the unexamined requests")
+    .get(0)
+}
+
 /// Waits (at most 10 s) until the workers have folded every release into `used`, so `used` is
 /// exact again (it may run ahead of the held count until then).
 pub async fn wait_folded(url: &str) {

@@ -106,6 +106,24 @@ impl Targets {
         );
     }
 
+    /// `rate` ÷ `against`, which must reach `goal`; both shown with their CPU.
+    fn rates_at_least(
+        &mut self,
+        label: impl std::fmt::Display,
+        what: &str,
+        rate: &Rate,
+        against: &Rate,
+        goal: f64,
+    ) {
+        self.at_least(
+            label,
+            what,
+            format!("{} vs {}", rate.show(), against.show()),
+            ratio(rate.per_s, against.per_s),
+            goal,
+        );
+    }
+
     /// A ratio that must stay within `goal`.
     pub(super) fn at_most(
         &mut self,
@@ -557,33 +575,33 @@ impl Run<'_> {
             spread.push(r.all);
         }
         for (i, w) in [2u16, 4].iter().enumerate() {
-            targets.at_least(
+            targets.rates_at_least(
                 "G4",
                 &format!("workers: hot drain, {w} workers ÷ 1"),
-                format!("{} vs {}", hot_drains[i + 1].show(), hot_drains[0].show()),
-                ratio(hot_drains[i + 1].per_s, hot_drains[0].per_s),
+                &hot_drains[i + 1],
+                &hot_drains[0],
                 0.95,
             );
-            targets.at_least(
+            targets.rates_at_least(
                 "G4",
                 &format!("workers: hot full cycle, {w} workers ÷ 1"),
-                format!("{} vs {}", hot_cycles[i + 1].show(), hot_cycles[0].show()),
-                ratio(hot_cycles[i + 1].per_s, hot_cycles[0].per_s),
+                &hot_cycles[i + 1],
+                &hot_cycles[0],
                 0.95,
             );
         }
-        targets.at_least(
+        targets.rates_at_least(
             "G4",
             "workers: drain over 64 semaphores, 2 workers ÷ 1",
-            format!("{} vs {}", spread[1].show(), spread[0].show()),
-            ratio(spread[1].per_s, spread[0].per_s),
+            &spread[1],
+            &spread[0],
             1.5,
         );
-        targets.at_least(
+        targets.rates_at_least(
             "G4",
             "workers: drain over 64 semaphores, 4 workers ÷ 2",
-            format!("{} vs {}", spread[2].show(), spread[1].show()),
-            ratio(spread[2].per_s, spread[1].per_s),
+            &spread[2],
+            &spread[1],
             0.95,
         );
         targets.at_least(
@@ -641,11 +659,11 @@ impl Run<'_> {
             by_priority.push(r.all);
         }
         for (i, what) in [(1, "at priority 1"), (2, "over 7 levels")] {
-            targets.at_least(
+            targets.rates_at_least(
                 1,
                 &format!("priorities: {rows} backlog {what} ÷ at priority 0"),
-                format!("{} vs {}", by_priority[i].show(), by_priority[0].show()),
-                ratio(by_priority[i].per_s, by_priority[0].per_s),
+                &by_priority[i],
+                &by_priority[0],
                 0.8,
             );
         }
@@ -672,11 +690,11 @@ impl Run<'_> {
             ratio(big.last_tenth, big.first_tenth),
             0.8,
         );
-        targets.at_least(
+        targets.rates_at_least(
             3,
             &format!("depth: {deep_rows} drain ÷ {} drain", deep_rows / 10),
-            format!("{} vs {}", big.all.show(), small.all.show()),
-            ratio(big.all.per_s, small.all.per_s),
+            &big.all,
+            &small.all,
             0.8,
         );
         Ok(())
@@ -711,14 +729,14 @@ impl Run<'_> {
             full.all.show(),
             filling.all.show()
         ));
-        targets.at_least(
+        targets.rates_at_least(
             4,
             &format!(
                 "rate window: grants into a 1-hour window holding {} ÷ empty",
                 deep_rows + rows
             ),
-            format!("{} vs {}", full.all.show(), empty.all.show()),
-            ratio(full.all.per_s, empty.all.per_s),
+            &full.all,
+            &empty.all,
             0.8,
         );
         Ok(())

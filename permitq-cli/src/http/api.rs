@@ -206,26 +206,22 @@ pub(super) async fn detail_of(
     children.sort_by(|a, b| a.name.cmp(&b.name));
     children.truncate(INSTANCES_NAMED);
     let instances = if usage.is_template {
-        let of_it = || all.iter().filter(|i| i.template.as_deref() == Some(name));
-        let (held, waiting) = (
-            of_it().map(|i| i.held).sum(),
-            of_it().map(|i| i.waiting).sum(),
-        );
-        let all = client.semaphores().await?;
-        let mut names: Vec<String> = all
+        // Its instances' usage rows (read already); the semaphore rows for its bound alone.
+        let of_it: Vec<&permitq::SemaphoreUsage> = all
             .iter()
-            .filter(|s| s.template.as_deref() == Some(name))
-            .map(|s| s.name.clone())
+            .filter(|i| i.template.as_deref() == Some(name))
             .collect();
+        let mut names: Vec<String> = of_it.iter().map(|i| i.name.clone()).collect();
         names.sort();
-        let count = names.len();
         names.truncate(INSTANCES_NAMED);
         Some(Instances {
-            count,
+            count: of_it.len(),
             names,
-            held,
-            waiting,
-            max_instances: all
+            held: of_it.iter().map(|i| i.held).sum(),
+            waiting: of_it.iter().map(|i| i.waiting).sum(),
+            max_instances: client
+                .semaphores()
+                .await?
                 .iter()
                 .find(|s| s.name == name)
                 .and_then(|s| s.max_instances)

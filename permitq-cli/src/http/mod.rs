@@ -166,13 +166,14 @@ pub(crate) fn access(
 ) -> Result<access::Access> {
     let token = match &args.http_token_file {
         Some(path) => {
+            // How to make a token file that only its owner reads.
+            let make = format!(
+                "(umask 077; head -c 32 /dev/urandom | base64 > {})",
+                crate::show::quoted_name(&path.display().to_string())
+            );
             let text = std::fs::read_to_string(path).map_err(|e| {
                 let next = if e.kind() == std::io::ErrorKind::NotFound {
-                    format!(
-                        "make one, readable by you alone: (umask 077; head -c 32 /dev/urandom | \
-                         base64 > {})",
-                        crate::show::quoted_name(&path.display().to_string())
-                    )
+                    format!("make one, readable by you alone: {make}")
                 } else {
                     "the file must be readable by the user this runs as".to_string()
                 };
@@ -186,11 +187,9 @@ pub(crate) fn access(
                 return Err(CliError::usage(
                     "http-token-file",
                     format!(
-                        "{} holds {} characters; a token needs at least 16 (for example: \
-                         (umask 077; head -c 32 /dev/urandom | base64 > {}))",
+                        "{} holds {} characters; a token needs at least 16 (for example: {make})",
                         path.display(),
-                        token.len(),
-                        crate::show::quoted_name(&path.display().to_string())
+                        token.len()
                     ),
                 ));
             }

@@ -24,6 +24,8 @@ LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit 
 DECLARE
     result permitq.semaphore;
     problem text;
+    -- Its keyed rows (it, or a template's instances) when this call makes it greedy.
+    keyed_names text;
     old_parent text;
 BEGIN
     IF set_capacity.name IS NULL OR set_capacity.name = '' THEN
@@ -125,13 +127,13 @@ BEGIN
     -- when this call makes it (or, for a template, its keyed instances) greedy; a semaphore left
     -- both by an earlier version is not refused for other changes.
     IF set_capacity.fair = false THEN
-        SELECT string_agg(permitq.shell_word(x.name), ', ' ORDER BY x.name) INTO problem
+        SELECT string_agg(permitq.shell_word(x.name), ', ' ORDER BY x.name) INTO keyed_names
         FROM permitq.semaphore x JOIN permitq.keyed_semaphore k ON k.semaphore_id = x.id
         WHERE x.id = result.id OR x.template = result.name;
-        IF problem IS NOT NULL THEN
+        IF keyed_names IS NOT NULL THEN
             RAISE EXCEPTION 'invalid greedy semaphore %: % served by fairness key (its line is served across the keys, in turn), and a greedy semaphore serves no line',
                 result.name,
-                CASE WHEN result.is_template THEN 'its instances ' || problem || ' are'
+                CASE WHEN result.is_template THEN 'its instances ' || keyed_names || ' are'
                      ELSE 'it is' END
                 USING ERRCODE = '22023',
                 HINT = CASE WHEN result.is_template

@@ -747,15 +747,7 @@ async fn a_batch_claimed_stepwise_is_ranked_by_key_too() {
             .await
             .unwrap()
             .is_some_and(|r| r.state == permitq::State::Acquired);
-        let unexamined: i64 = conn
-            .query_one(
-                "SELECT count(*) FROM permitq.permit_request WHERE state = 'new' AND NOT examined",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        granted || unexamined == 0
+        granted || common::unexamined_requests(&conn).await == 0
     })
     .await;
     let r = client.status("b-1").await.unwrap().unwrap();

@@ -457,13 +457,7 @@ async fn a_sweep_of_bad_input_is_accepted_or_rejected_by_name_and_workers_still_
         State::Acquired
     );
     wait_until(SOON, "every accepted request examined", || async {
-        conn.query_one(
-            "SELECT count(*) = 0 FROM permitq.permit_request WHERE state = 'new' AND NOT examined",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0)
+        common::unexamined_requests(&conn).await == 0
     })
     .await;
     worker.stop().await;

@@ -402,15 +402,7 @@ async fn big_and_smalls(fair: bool) -> (String, Vec<String>) {
     }
     let conn = db.conn().await;
     wait_until(SOON, "every request examined or granted", || async {
-        let n: i64 = conn
-            .query_one(
-                "SELECT count(*) FROM permitq.permit_request WHERE state = 'new' AND NOT examined",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        n == 0
+        common::unexamined_requests(&conn).await == 0
     })
     .await;
     let big_before = state_of(&client, "big").await;
