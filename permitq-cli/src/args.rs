@@ -492,7 +492,7 @@ pub(crate) struct SubmitArgs {
     #[arg(long, value_name = "KEY")]
     pub fairness_key: Option<String>,
     /// Its key's weight there (1 to 1000, default 1): keys that wait are served in proportion.
-    #[arg(long, value_name = "WEIGHT", requires = "fairness_key", allow_negative_numbers = true,
+    #[arg(long, value_name = "WEIGHT", allow_negative_numbers = true,
           value_parser = clap::value_parser!(i32)
               .range(i64::from(*permitq::FAIRNESS_WEIGHT_RANGE.start())..=i64::from(*permitq::FAIRNESS_WEIGHT_RANGE.end())))]
     pub fairness_weight: Option<i32>,

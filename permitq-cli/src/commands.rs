@@ -805,7 +805,12 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 }),
             };
             if created {
-                let near = client.similar_semaphores(&name).await.unwrap_or_default();
+                // A new template is meant to match other names: none is a typo of it.
+                let near = if name.ends_with('*') {
+                    Vec::new()
+                } else {
+                    client.similar_semaphores(&name).await.unwrap_or_default()
+                };
                 // A name ending in `*` is a template (its instances are made on first use).
                 let what = if s.name.ends_with('*') {
                     "a new template: a semaphore of this capacity is made for each name it matches, \
@@ -1183,9 +1188,12 @@ fn release_said(outcome: ReleaseOutcome, row: &PermitRequest) -> String {
                 crate::show::ago(row.released_at)
             )
         }
-        ReleaseOutcome::Cancelled => {
-            "it was still waiting: it held nothing and will not be granted".to_string()
-        }
+        // Where it had taken its fairness key's turn, the cancel does not give the turn back.
+        ReleaseOutcome::Cancelled => format!(
+            "it was still waiting: it held nothing and will not be granted{}",
+            row.error_detail.as_ref().map_or(String::new(), |d| d
+                .turn_kept_words(row.fairness_key.as_deref()))
+        ),
         ReleaseOutcome::NotAcquired => format!(
             "it was never granted, so it held nothing ({})",
             row.outcome().unwrap_or_else(|| row.state.to_string())
@@ -1236,6 +1244,15 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
             field: "permits",
             hint,
         });
+    }
+    if let (Some(weight), None) = (args.fairness_weight, &args.fairness_key) {
+        return Err(CliError::usage(
+            "fairness_weight",
+            format!(
+                "--fairness-weight {weight} weighs the turns of a fairness key, and no key was \
+                 given: add the tenant's key (`--fairness-key TENANT --fairness-weight {weight}`)"
+            ),
+        ));
     }
     let mut request = Request::new(args.external_id);
     let mut named = std::collections::BTreeSet::new();

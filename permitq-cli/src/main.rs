@@ -165,6 +165,16 @@ fn tip_for(e: &clap::Error) -> Option<&'static str> {
     let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
         return None;
     };
+    // `--await -1s`: taken as an option, as clap takes what starts with `-`.
+    if arg
+        .strip_prefix('-')
+        .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+    {
+        return Some(
+            "tip: a duration is 0s or more (`--await 30s`, `--wait 1m`, `--ttl 30s`): a \
+             negative one means nothing here",
+        );
+    }
     let name = arg.split('=').next().unwrap_or(arg);
     matches!(name, "--timeout" | "--deadline" | "--wait-for" | "--block").then_some(
         "tip: `submit --await DUR` waits up to DUR for the outcome (the request stays queued after \

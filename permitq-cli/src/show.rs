@@ -361,14 +361,28 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
                 .share_percent
                 .map(|share| format!(", {share}% of the grants while these wait"))
                 .unwrap_or_default();
+            // Turns taken that the line has not passed: the share starts after them.
+            let back = k.placed_back.map_or(String::new(), |back| {
+                format!(
+                    "; its next request is placed {} back (turns it took that the line has not \
+                     passed)",
+                    short_seconds(back.as_secs_f64())
+                )
+            });
             outln!(
-                "  {:<24} weight {:<4} waiting {} ({} permit{}), holds {}{share}",
+                "  {:<24} weight {:<4} waiting {} ({} permit{}), holds {}{share}{back}",
                 key_label(k),
                 k.weight,
                 k.waiting,
                 k.waiting_permits,
                 if k.waiting_permits == 1 { "" } else { "s" },
                 k.held
+            );
+        }
+        for pair in keys_alike(&d.key_shares) {
+            outln!(
+                "  note: {pair} are different keys (keys are compared exactly, case and spaces \
+                 included): check what your producers send"
             );
         }
     }
@@ -618,6 +632,9 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
             s.semaphore, s.needs
         ));
         lines.push(format!("  {}", s.reason));
+        if let Some(fairness) = &s.fairness {
+            lines.push(format!("  {fairness}"));
+        }
         // A spent window waits for time, not for its holders; where it fits, its holders are not
         // what it waits for: neither is the answer.
         let short = s.shortfall.unwrap_or(0) > 0;
@@ -766,13 +783,36 @@ fn lease_end(expires_at: Option<SystemTime>) -> String {
     }
 }
 
-/// A fairness key as shown: the requests that name none share the key `(no key)`.
-pub(crate) fn key_label(k: &permitq::KeyShare) -> &str {
-    if k.fairness_key.is_empty() {
-        "(no key)"
+/// A fairness key as shown: the requests that name none share the key `(no key)`; a key that
+/// could be mistaken for another (spaces at its ends or doubled, characters that do not print)
+/// is quoted, as `permitq explain` quotes it: keys are compared exactly.
+pub(crate) fn key_label(k: &permitq::KeyShare) -> String {
+    let key = &k.fairness_key;
+    let plain = !key.is_empty()
+        && key
+            .split(' ')
+            .all(|word| !word.is_empty() && word.chars().all(|c| c.is_ascii_graphic()));
+    if key.is_empty() {
+        "(no key)".to_string()
+    } else if plain {
+        key.clone()
     } else {
-        &k.fairness_key
+        serde_json::to_string(key).unwrap_or_else(|_| format!("{key:?}"))
     }
+}
+
+/// Keys shown that differ only in case or in spaces at their ends, which read as one tenant
+/// but are served as two (keys are compared exactly), as `"acme" and "Acme "`.
+fn keys_alike(keys: &[permitq::KeyShare]) -> Vec<String> {
+    let mut alike = Vec::new();
+    for (i, a) in keys.iter().enumerate() {
+        for b in &keys[i + 1..] {
+            if a.fairness_key.trim().to_lowercase() == b.fairness_key.trim().to_lowercase() {
+                alike.push(format!("{} and {}", key_label(a), key_label(b)));
+            }
+        }
+    }
+    alike
 }
 
 /// `name` as it is typed in a shell: as is, or in single quotes when it has other characters

@@ -66,6 +66,10 @@ pub struct SemaphoreWait {
     /// Seconds in JSON.
     #[serde(serialize_with = "ser_secs")]
     pub since_last_release: Option<Duration>,
+    /// On a semaphore served by fairness key, in words: the request's key and weight, how far
+    /// back its key's earlier turns placed it and which of its key's requests are ahead, and
+    /// until when another key's arrival still goes ahead of it (`None` elsewhere).
+    pub fairness: Option<String>,
 }
 
 /// A request holding permits that a waiting request needs.
@@ -142,6 +146,7 @@ pub(crate) fn explanation_from_rows(rows: &[Row]) -> Result<Option<Explanation>>
             since_last_release: row
                 .try_get::<_, Option<f64>>(15)?
                 .map(|s| Duration::from_secs_f64(s.max(0.0))),
+            fairness: row.try_get(16)?,
         });
     }
     Ok(Some(explanation))
@@ -206,6 +211,7 @@ mod tests {
                 via: None,
                 kept: None,
                 since_last_release: None,
+                fairness: None,
             }],
         }
     }

@@ -23,6 +23,12 @@ pub struct KeyShare {
     /// While it waits: its share of the grants while the keys shown wait, in whole percent (in
     /// proportion to the weights of the keys shown that wait; these add up to 100).
     pub share_percent: Option<i64>,
+    /// How far back a request of this key arriving now would be placed: the turns its requests
+    /// have taken that the line has not passed yet (`None`: none, it would be placed at its
+    /// arrival). While it is set, the key is served behind what the shares alone suggest.
+    /// Seconds in JSON.
+    #[serde(serialize_with = "crate::types::ser_secs")]
+    pub placed_back: Option<std::time::Duration>,
 }
 
 impl crate::Client {
@@ -44,6 +50,9 @@ impl crate::Client {
                     waiting_permits: r.try_get(3)?,
                     held: r.try_get(4)?,
                     share_percent: None,
+                    placed_back: r
+                        .try_get::<_, Option<f64>>(5)?
+                        .map(|s| std::time::Duration::from_secs_f64(s.max(0.0))),
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -109,6 +109,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "fairness_keys",
         sql: include_str!("../schema/migrations/V14__fairness_keys.sql"),
     },
+    Migration {
+        version: 15,
+        name: "fairness_answers",
+        sql: include_str!("../schema/migrations/V15__fairness_answers.sql"),
+    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.

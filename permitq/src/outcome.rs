@@ -16,7 +16,8 @@ use crate::types::{ErrorCode, PermitRequest, ReleaseReason, State};
 /// | `too_many_instances` | `semaphore`, `template`, `capacity` (the template's), `max_instances`, `idle_instances`, `parent`, `guarantee` and `parent_needs` (nested) |
 /// | `invalid` | `problem` |
 ///
-/// `timeout` and `cancelled` carry none: the request's `wait` and state say it all.
+/// | `timeout` | `semaphore`, `count`, `capacity`, `free` where it had no room; `turn_kept_on` |
+/// | `cancelled` | `revoked_by` (an admin's revoke); `turn_kept_on` |
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 #[non_exhaustive]
@@ -77,6 +78,11 @@ pub struct ErrorDetail {
     /// sweep revoked it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub revoked_by: Option<String>,
+    /// For `cancelled` and `timeout`: the semaphores served by fairness key where it had taken
+    /// its key's turn. That turn stays taken until the line passes it, so its key's next
+    /// request there is placed behind it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub turn_kept_on: Vec<String>,
 }
 
 /// An adaptive semaphore's bounds in an [`ErrorDetail`]: the workers move its capacity between
@@ -106,6 +112,13 @@ impl ErrorDetail {
     /// Whether no field is set.
     pub fn is_empty(&self) -> bool {
         *self == ErrorDetail::default()
+    }
+
+    /// For a request that stopped waiting with fairness key `fairness_key`, what it still costs
+    /// its key, as words that continue a sentence: `; its turn on gpu stays taken ...` (empty
+    /// where it took no turn: [`ErrorDetail::turn_kept_on`]).
+    pub fn turn_kept_words(&self, fairness_key: Option<&str>) -> String {
+        turn_kept(&self.turn_kept_on, fairness_key)
     }
 }
 
@@ -266,15 +279,20 @@ impl PermitRequest {
                 };
                 format!(
                     "not granted within its wait{within}: {why}; submit again under a new \
-                     external_id, with a longer --wait"
+                     external_id, with a longer --wait{}",
+                    turn_kept(&d.turn_kept_on, self.fairness_key.as_deref())
                 )
             }
             ErrorCode::Cancelled => match &d.revoked_by {
                 Some(admin) => format!(
                     "revoked by {admin} (`permitq revoke`) while it was still waiting; submit \
-                     again under a new external_id if it is still wanted"
+                     again under a new external_id if it is still wanted{}",
+                    turn_kept(&d.turn_kept_on, self.fairness_key.as_deref())
                 ),
-                None => "released while it was still waiting".to_string(),
+                None => format!(
+                    "released while it was still waiting{}",
+                    turn_kept(&d.turn_kept_on, self.fairness_key.as_deref())
+                ),
             },
             ErrorCode::TooManyInstances => match (&d.template, d.max_instances) {
                 (Some(template), Some(bound)) => too_many_instances(&name, template, bound, &d),
@@ -288,8 +306,23 @@ impl PermitRequest {
     }
 }
 
-/// The answer to `too_many_instances`: which instances could go, and what raising the bound
-/// takes (a nested template's parent may have to grow first).
+/// What a request that stopped waiting still costs its fairness key `key`: the turn it took on
+/// the semaphores served by key `on` (empty: none), in words that continue a sentence.
+fn turn_kept(on: &[String], key: Option<&str>) -> String {
+    if on.is_empty() {
+        return String::new();
+    }
+    let key = key.map_or(
+        " (it has none: the requests without one share one key)".to_string(),
+        |k| format!(" {k}"),
+    );
+    format!(
+        "; its turn on {} stays taken for its fairness key{key} until the line passes it, so \
+         the key's next request there is placed behind it (each try of a key takes a turn)",
+        on.join(", ")
+    )
+}
+
 /// `exceeds_capacity` on an adaptive semaphore: the workers moved its capacity (or its ceiling
 /// is the bound), and what to ask for instead. `at` opens the sentence (`calls=8 but calls`).
 fn adaptive_exceeded(at: &str, name: &str, count: i64, capacity: i64, a: &AdaptiveBound) -> String {
@@ -339,6 +372,8 @@ fn adaptive_exceeded(at: &str, name: &str, count: i64, capacity: i64, a: &Adapti
     )
 }
 
+/// The answer to `too_many_instances`: which instances could go, and what raising the bound
+/// takes (a nested template's parent may have to grow first).
 fn too_many_instances(name: &str, template: &str, bound: i64, d: &ErrorDetail) -> String {
     let show = format!("`permitq semaphore show '{template}'` lists them");
     let free_one = match d.idle_instances.first() {

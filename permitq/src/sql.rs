@@ -262,7 +262,7 @@ pub(crate) const EXPLAIN: &str =
     "SELECT request, state, outcome, semaphore, needs, capacity, free, \
      shortfall, position, permits_ahead, reason, holders, \
      extract(epoch FROM estimated_wait)::float8, via, kept, \
-     extract(epoch FROM now() - last_released_at)::float8 FROM permitq.explain($1)";
+     extract(epoch FROM now() - last_released_at)::float8, fairness FROM permitq.explain($1)";
 
 /// Client: release (or cancel) by external_id.
 pub(crate) const RELEASE: &str = "SELECT permitq.release($1)";
@@ -312,8 +312,8 @@ pub(crate) const ANSWERS_AT_SUBMIT: &str = "SELECT a FROM permitq.answers_at_sub
 /// Operator: serve semaphore $1's line by fairness key ($2), or not (functions/fairness.sql).
 pub(crate) const SET_FAIRNESS_KEYS: &str = "SELECT permitq.set_fairness_keys($1, $2)";
 /// Each fairness key's share of semaphore $1 (functions/fairness.sql).
-pub(crate) const KEY_SHARES: &str = "SELECT fairness_key, weight, waiting, waiting_permits, held \
-     FROM permitq.key_shares($1)";
+pub(crate) const KEY_SHARES: &str = "SELECT fairness_key, weight, waiting, waiting_permits, held, \
+     extract(epoch FROM placed_back)::float8 FROM permitq.key_shares($1)";
 /// The existing semaphore or template names nearest $1, nearest first (at most 3).
 pub(crate) const SIMILAR_SEMAPHORES: &str = "SELECT permitq.similar_semaphore_names($1)";
 

@@ -132,6 +132,21 @@ def request_failed(external_id: str, error_code: str, detail: dict[str, Any] | N
 
 
 def _explained(code: str, d: dict[str, Any]) -> str:
+    return _explained_code(code, d) + _turn_kept(d)
+
+
+def _turn_kept(d: dict[str, Any]) -> str:
+    """A request that stopped waiting on a semaphore served by fairness key: its turn stays taken."""
+    on = d.get("turn_kept_on") or []
+    if not on:
+        return ""
+    return (
+        f"; its turn on {', '.join(on)} stays taken for its fairness key until the line passes it, "
+        "so the key's next request there is placed behind it (each try of a key takes a turn)"
+    )
+
+
+def _explained_code(code: str, d: dict[str, Any]) -> str:
     name = d.get("semaphore", "?")
     if code == "unknown_semaphore" and name.endswith("*") and not d.get("named"):
         # A template, as the CLI says it: never granted itself.

@@ -70,6 +70,8 @@ export type ErrorDetail = Record<string, unknown> & {
     parent_needs?: number;
     /** The admin login whose `permitq revoke` ended it (while it waited: `cancelled`; while it held: released `revoked`). */
     revoked_by?: string;
+    /** For `cancelled` and `timeout`: the semaphores served by fairness key where its turn stays taken. */
+    turn_kept_on?: string[];
 };
 /** The request ended in `error`; one subclass per `errorCode`. */
 export declare class RequestFailed extends PermitqError {

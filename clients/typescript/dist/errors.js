@@ -112,6 +112,16 @@ export function requestFailed(externalId, code, detail) {
     return new Type(externalId, code, detail ?? {});
 }
 function explained(code, d) {
+    return explainedCode(code, d) + turnKept(d);
+}
+/** A request that stopped waiting on a semaphore served by fairness key: its turn stays taken. */
+function turnKept(d) {
+    const on = d.turn_kept_on ?? [];
+    return on.length
+        ? `; its turn on ${on.join(", ")} stays taken for its fairness key until the line passes it, so the key's next request there is placed behind it (each try of a key takes a turn)`
+        : "";
+}
+function explainedCode(code, d) {
     const name = d.semaphore ?? "?";
     switch (code) {
         case "unknown_semaphore":

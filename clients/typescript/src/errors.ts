@@ -84,6 +84,8 @@ export type ErrorDetail = Record<string, unknown> & {
   parent_needs?: number;
   /** The admin login whose `permitq revoke` ended it (while it waited: `cancelled`; while it held: released `revoked`). */
   revoked_by?: string;
+  /** For `cancelled` and `timeout`: the semaphores served by fairness key where its turn stays taken. */
+  turn_kept_on?: string[];
 };
 
 /** The request ended in `error`; one subclass per `errorCode`. */
@@ -144,6 +146,18 @@ export function requestFailed(externalId: string, code: string, detail: ErrorDet
 }
 
 function explained(code: string, d: ErrorDetail): string {
+  return explainedCode(code, d) + turnKept(d);
+}
+
+/** A request that stopped waiting on a semaphore served by fairness key: its turn stays taken. */
+function turnKept(d: ErrorDetail): string {
+  const on = d.turn_kept_on ?? [];
+  return on.length
+    ? `; its turn on ${on.join(", ")} stays taken for its fairness key until the line passes it, so the key's next request there is placed behind it (each try of a key takes a turn)`
+    : "";
+}
+
+function explainedCode(code: string, d: ErrorDetail): string {
   const name = d.semaphore ?? "?";
   switch (code) {
     case "unknown_semaphore":

@@ -1412,23 +1412,87 @@ async fn fairness_keys_from_the_command_line() {
     let status = json(&run(url, &["status", "b-1", "--json"]).await);
     assert_eq!(status["fairness_key"], "team-b");
     assert_eq!(status["fairness_weight"], 2);
+    // Explain says what the key did to the place, on a line of its own; show, how far back each
+    // key's next request goes.
+    let o = run(url, &["explain", "a-3"]).await;
+    assert!(
+        stdout(&o).lines().any(|l| l.starts_with(
+            "  fairness key team-a, weight 1: placed 20s after its arrival by the turns of its \
+             key's earlier requests here"
+        ) && l
+            .contains("its key's requests ahead of it here: a-2 (waiting), a-1 (waiting)")),
+        "{}",
+        stdout(&o)
+    );
+    assert!(
+        show.lines().any(|l| l.trim_start().starts_with("team-a")
+            && l.contains(
+                "; its next request is placed 50.0s back (turns it took that the line \
+                           has not passed)"
+            )),
+        "{show}"
+    );
+    // A cancel says the turn it took stays taken.
+    let o = run(url, &["release", "a-5"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains(
+            "it was still waiting: it held nothing and will not be granted; its turn on gpu \
+             stays taken for its fairness key team-a until the line passes it"
+        ),
+        "{}",
+        stdout(&o)
+    );
+    // Keys that differ only in case or spaces are told apart, quoted, with a note.
+    run(
+        url,
+        &["submit", "c-1", "gpu=1", "--fairness-key", "team-a "],
+    )
+    .await;
+    let show = stdout(&run(url, &["semaphore", "show", "gpu"]).await);
+    assert!(
+        show.contains("  \"team-a \"  ")
+            && show.contains(
+                "note: team-a and \"team-a \" are different keys (keys are compared exactly, \
+                 case and spaces included)"
+            ),
+        "{show}"
+    );
     // What cannot be keyed, refused with what to do; nothing changed.
     for (args, said) in [
         (
-            &["semaphore", "set", "lab:*", "2", "--fairness-keys"][..],
-            "lab:* is a template; its instances are separate lines",
+            &["submit", "w-1", "gpu=1", "--fairness-key", ""][..],
+            "invalid fairness_key: must be 1 to 64 characters, got 0",
         ),
         (
-            &["submit", "w-1", "gpu=1", "--fairness-key", ""],
-            "invalid fairness_key: must be 1 to 64 characters, got 0",
+            &["submit", "w-2", "gpu=1", "--fairness-weight", "3"],
+            "invalid fairness_weight: --fairness-weight 3 weighs the turns of a fairness key, \
+             and no key was given: add the tenant's key (`--fairness-key TENANT \
+             --fairness-weight 3`)",
         ),
     ] {
         let o = run(url, args).await;
         assert_ne!(code(&o), 0, "{args:?}");
         assert!(stderr(&o).contains(said), "{args:?}: {}", stderr(&o));
     }
+    for id in ["w-1", "w-2"] {
+        assert_eq!(
+            code(&run(url, &["status", id]).await),
+            5,
+            "{id} was written"
+        );
+    }
+    // A template is keyed for all its instances, and says so; a new template suggests no
+    // similar name (it is meant to match others).
+    let o = run(url, &["semaphore", "set", "lab:*", "2", "--fairness-keys"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(!stderr(&o).contains("did you mean"), "{}", stderr(&o));
     let list = stdout(&run(url, &["semaphore", "list"]).await);
-    assert!(!list.contains("lab:*"), "{list}");
+    assert!(
+        list.lines()
+            .any(|l| l.starts_with("lab:*") && l.contains("served by fairness key")),
+        "{list}"
+    );
     // Greedy serves no line: a keyed semaphore is not made greedy unless its keys go in the same
     // command.
     let o = run(url, &["semaphore", "set", "k2", "2", "--fairness-keys"]).await;

@@ -65,7 +65,9 @@ BEGIN
         WITH failed AS (
             UPDATE permitq.permit_request r
             SET state = 'error', error_code = e.code,
-                error_detail = permitq.completed_error_detail(e.code, error_details -> e.id::text),
+                error_detail = permitq.completed_error_detail(e.code, error_details -> e.id::text)
+                               || CASE WHEN e.code = 'timeout' THEN permitq.turns_kept(r.id)
+                                       ELSE '{}' END,
                 settled_at = clock_timestamp(),
                 worker_id = worker, examined_at = coalesce(r.examined_at, now()),
                 decided_at = now()

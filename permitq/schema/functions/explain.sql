@@ -36,11 +36,84 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     LIMIT 10000
 $$;
 
+-- What a fairness key did to waiting request `r`'s place on semaphore `s`, in words (NULL where
+-- `s` is not keyed, functions/fairness.sql): its key and weight; how far back its key's earlier
+-- turns placed it (`placed_later`, its waiter rows' offset) and which of its key's requests here
+-- are ahead of it (the latest 3 waiting or held; another login's by count alone); and until when
+-- another key's request still goes ahead of it. Cost: the line ahead of it (at most 10000
+-- waiters) and the held requests.
+CREATE OR REPLACE FUNCTION permitq.fairness_answer(r permitq.permit_request, s permitq.semaphore,
+                                                   placed_later interval)
+RETURNS text
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    step interval := permitq.rule_aging_step_us() * interval '1 microsecond';
+    placed timestamptz := permitq.placed_at(r.created_at, placed_later);
+    key_words text;
+    ahead text;
+    ahead_count bigint;
+    later text;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM permitq.keyed_semaphore k WHERE k.semaphore_id = s.id) THEN
+        RETURN NULL;
+    END IF;
+    key_words := format('%s, weight %s',
+        CASE WHEN r.fairness_key IS NULL
+             THEN 'no fairness key (the requests without one share one key, `(no key)` in `semaphore show`)'
+             ELSE 'fairness key ' || permitq.shown_key(r.fairness_key) END,
+        coalesce(r.fairness_weight, 1));
+    IF NOT r.examined THEN
+        RETURN key_words || format(': not placed yet; a worker places it when it first examines it: at its arrival, or later by the turns of its key''s earlier requests that the line has not passed (%s × count ÷ weight each)',
+                                   permitq.human_duration(step));
+    END IF;
+    -- Another key's request at the same priority goes ahead of it when it arrives before its
+    -- place; each priority step is one turn (functions/queue_order.sql).
+    later := CASE WHEN placed > now()
+        THEN format('a request of another key that arrives in the next %s still goes ahead of it, one that arrives later goes behind it',
+                    permitq.human_duration(placed - now()))
+        ELSE 'a request of another key that arrives from now on goes behind it' END
+        || format(' (at priority %s; a priority one step higher counts as one turn, %s, earlier)',
+                  r.priority, permitq.human_duration(step));
+    IF coalesce(placed_later, interval '0') = interval '0' THEN
+        RETURN key_words || ': placed at its arrival: when a worker examined it, no turn of its key was ahead of the line (requests granted while nobody waited take no turn); '
+               || later;
+    END IF;
+    -- Its key's requests ahead of it here: waiting ahead of it in line, or held. Latest first.
+    SELECT string_agg(x.shown, ', ' ORDER BY x.id DESC) FILTER (WHERE x.n <= 3), count(*)
+    INTO ahead, ahead_count
+    FROM (SELECT y.id, y.shown, row_number() OVER (ORDER BY y.id DESC) AS n
+          FROM (SELECT pr.id,
+                       CASE WHEN permitq.may_read(pr.submitted_by) THEN pr.external_id
+                            ELSE format('another login''s request for %s', w.count) END
+                       || ' (waiting)' AS shown
+                FROM permitq.waiters_ahead(s.id, permitq.rule_place_in_line(r.priority, placed), r.id) w
+                JOIN permitq.permit_request pr ON pr.id = w.request_id
+                WHERE pr.fairness_key IS NOT DISTINCT FROM r.fairness_key
+                UNION ALL
+                SELECT pr.id,
+                       CASE WHEN permitq.may_read(pr.submitted_by) THEN pr.external_id
+                            ELSE format('another login''s request for %s',
+                                        coalesce(pr.charged, pr.permits) ->> s.name) END
+                       || ' (held)'
+                FROM permitq.permit_request pr
+                WHERE pr.state = 'acquired' AND coalesce(pr.charged, pr.permits) ? s.name
+                  AND pr.fairness_key IS NOT DISTINCT FROM r.fairness_key
+                  AND pr.id < r.id) y) x;
+    RETURN key_words || format(': placed %s after its arrival by the turns of its key''s earlier requests here that the line has not passed (%s × count ÷ weight each; a turn counts until the line passes it, even once its request is released, cancelled or timed out)%s; ',
+                               permitq.human_duration(placed_later), permitq.human_duration(step),
+                               CASE WHEN ahead_count = 0 THEN '; those requests have all ended by now'
+                                    ELSE '; its key''s requests ahead of it here: ' || ahead
+                                         || CASE WHEN ahead_count > 3
+                                                 THEN format(' and %s more', ahead_count - 3) ELSE '' END
+                                    END)
+           || later;
+END $$;
+
 CREATE OR REPLACE FUNCTION permitq.explain(external_id text)
 RETURNS TABLE (request text, state text, outcome text, semaphore text, needs integer,
                capacity integer, free integer, shortfall integer, "position" bigint,
                permits_ahead bigint, reason text, holders jsonb, estimated_wait interval,
-               via text, kept integer, last_released_at timestamptz)
+               via text, kept integer, last_released_at timestamptz, fairness text)
 LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
 #variable_conflict use_variable
 DECLARE
@@ -128,7 +201,7 @@ BEGIN
         via := named.via;
         capacity := NULL; free := NULL; shortfall := NULL; "position" := NULL; kept := NULL;
         permits_ahead := NULL; holders := '[]'; estimated_wait := NULL; opens_at := NULL;
-        last_released_at := NULL;
+        last_released_at := NULL; fairness := NULL;
         within_guarantee := false;
         SELECT * INTO s FROM permitq.semaphore sem WHERE sem.name = named.name;
         IF NOT FOUND THEN
@@ -359,22 +432,8 @@ BEGIN
             reason := reason || format(' (%s held here, more than its capacity %s: it was lowered below what is held, which revokes nothing)',
                                        s.capacity - room, s.capacity);
         END IF;
-        -- Served by fairness key (functions/fairness.sql): where its key's turn placed it.
-        IF r.examined AND EXISTS (SELECT 1 FROM permitq.keyed_semaphore k
-                                  WHERE k.semaphore_id = s.id) THEN
-            -- The push comes from the turns ahead of it, each by its own weight; this request's
-            -- weight sets only the turn it takes itself (and so the place of those behind it).
-            reason := reason || format(' (served by fairness key: %s, %s; its own weight, %s, sets the turn it takes from the requests behind it; every request is placed at its arrival plus its own key''s turns, so one of another key that arrived earlier by more than that stays ahead of it)',
-                CASE WHEN r.fairness_key IS NULL
-                     THEN 'it has no key (the requests without one share one key, shown as (no key) by `semaphore show`)'
-                     ELSE format('its key %s', r.fairness_key) END,
-                CASE WHEN placed_later > interval '0'
-                     THEN format('placed %s after its arrival by the turns of its key''s earlier requests that the line has not caught up with (every earlier request of its key placed on this line counts until the line passes its turn: held, granted, and cancelled or timed out while waiting, not only those waiting), each %s × its count ÷ its own request''s weight; keys that wait take turns in proportion to their weights',
-                                 permitq.human_duration(placed_later),
-                                 permitq.human_duration(permitq.rule_aging_step_us() * interval '1 microsecond'))
-                     ELSE 'placed at its arrival: the line had reached its key''s turn (its key''s earlier requests, held or waiting, were all before the turn the line has granted up to)' END,
-                coalesce(r.fairness_weight, 1));
-        END IF;
+        -- Served by fairness key (functions/fairness.sql): where its key's turns placed it.
+        fairness := permitq.fairness_answer(r, s, placed_later);
         -- Past its wait, it is not granted: the next pass ends it.
         IF r.wait_until <= now() THEN
             reason := format('its wait ran out %s ago: the next worker pass ends it as timeout, not granted (before that: %s)',

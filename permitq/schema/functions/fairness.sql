@@ -230,6 +230,25 @@ BEGIN
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.batch_moves_back_by_key(bigint[], text[]) TO permitq_worker;
 
+-- For a request that stops waiting without a grant (cancelled or timed out): the keyed
+-- semaphores where it had taken a turn (its waiter rows' start tags, or this transaction's
+-- tags for one placed in the batch that ends it), as `{"turn_kept_on": [names]}` to add to its
+-- error_detail ('{}' where none): its turn stays taken there until the line passes it, so its
+-- key's next request is placed behind it. Read before its waiter rows go.
+CREATE OR REPLACE FUNCTION permitq.turns_kept(request_id bigint) RETURNS jsonb
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    -- (Never NULL: it is concatenated onto the detail.)
+    SELECT CASE WHEN count(*) > 0
+                THEN jsonb_build_object('turn_kept_on', jsonb_agg(s.name ORDER BY s.name))
+                ELSE '{}' END
+    FROM permitq.semaphore s
+    WHERE s.id IN (SELECT w.semaphore_id FROM permitq.waiter w
+                   WHERE w.request_id = turns_kept.request_id AND w.start_tag IS NOT NULL
+                   UNION
+                   SELECT b.semaphore_id FROM permitq.batch_tags() b
+                   WHERE b.request_id = turns_kept.request_id)
+$$;
+
 -- After a batch's grants (permitq.apply_decision): each keyed semaphore's virtual time moves to
 -- the largest start tag granted there (from the grants' waiter rows, or, for a request granted
 -- in the batch that examined it, from this transaction's tags). Never backwards.
@@ -255,8 +274,10 @@ GRANT EXECUTE ON FUNCTION permitq.advance_virtual_time(bigint[]) TO permitq_work
 -- The operator's switch: serve semaphore `name`'s line by fairness key (`keyed`), or by
 -- priority and arrival alone again. Turning it on starts its virtual time now; turning it off
 -- forgets its keys' finish tags (the requests already placed keep their places). A fair
--- semaphore only: a greedy one grants whatever fits, in no order; and not a template (set it on
--- the instances). Returns whether it is keyed now.
+-- semaphore only: a greedy one grants whatever fits, in no order. On a template it is set on the
+-- template and every instance it has, and instances made later follow it
+-- (permitq.make_instances); each instance is a line of its own, with its own keys' turns. An
+-- instance may still be switched on its own. Returns whether it is keyed now.
 CREATE OR REPLACE FUNCTION permitq.set_fairness_keys(name text, keyed boolean)
 RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
@@ -278,37 +299,52 @@ BEGIN
                   HINT = format('create it first: `permitq semaphore set %s CAPACITY --fairness-keys`',
                                 set_fairness_keys.name);
     END IF;
-    IF keyed AND s.is_template THEN
-        RAISE EXCEPTION 'invalid fairness keys: % is a template; its instances are separate lines',
-            s.name USING ERRCODE = '22023',
-            HINT = 'set --fairness-keys on an instance (`permitq semaphore set NAME CAPACITY '
-                   '--fairness-keys` with an instance''s name)';
-    END IF;
     IF keyed AND NOT s.fair THEN
         RAISE EXCEPTION 'invalid fairness keys: % is greedy (any request that fits goes first), so it serves no line',
             s.name USING ERRCODE = '22023',
             HINT = format('make it fair too: `permitq semaphore set %s %s --fair --fairness-keys`',
                           s.name, s.capacity);
     END IF;
+    -- A template's instances follow it (locked in id order after it, the lock order of
+    -- semaphore rows, as set_capacity takes them).
+    IF s.is_template THEN
+        PERFORM 1 FROM permitq.semaphore x WHERE x.template = s.name ORDER BY x.id FOR UPDATE;
+    END IF;
     IF keyed THEN
-        INSERT INTO permitq.keyed_semaphore (semaphore_id) VALUES (s.id)
+        INSERT INTO permitq.keyed_semaphore (semaphore_id)
+        SELECT x.id FROM permitq.semaphore x WHERE x.id = s.id OR x.template = s.name
         ON CONFLICT (semaphore_id) DO NOTHING;
     ELSE
-        DELETE FROM permitq.keyed_semaphore k WHERE k.semaphore_id = s.id;
-        DELETE FROM permitq.key_finish f WHERE f.semaphore_id = s.id;
+        DELETE FROM permitq.keyed_semaphore k
+        USING permitq.semaphore x WHERE k.semaphore_id = x.id AND (x.id = s.id OR x.template = s.name);
+        DELETE FROM permitq.key_finish f
+        USING permitq.semaphore x WHERE f.semaphore_id = x.id AND (x.id = s.id OR x.template = s.name);
     END IF;
     RETURN keyed;
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.set_fairness_keys(text, boolean) TO permitq_admin;
 
+-- A fairness key as the answers show it: as it is when that cannot be mistaken, else quoted as
+-- a JSON string (keys are compared exactly: `acme `, with a trailing space, is not `acme`).
+CREATE OR REPLACE FUNCTION permitq.shown_key(fairness_key text) RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE WHEN fairness_key ~ '^[[:graph:]]+( [[:graph:]]+)*$' THEN fairness_key
+                ELSE to_json(fairness_key)::text END
+$$;
+GRANT EXECUTE ON FUNCTION permitq.shown_key(text)
+    TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
+
 -- Each fairness key's share of keyed semaphore `name` now: its weight (the largest its waiting
 -- requests asked, whose turns the shares are about; when none waits, its holders'), the requests of it waiting in line and the permits they ask, and the permits it holds;
--- most waiting first, at most 20 keys ('' is the requests with no key). What `semaphore show`,
--- the status page and the API show. A producer sees its own requests' keys alone. Cost: the
--- semaphore's line (at most its first 10000 waiters) and its holders.
+-- and how far back a request of it arriving now would be placed (`placed_back`: the turns its
+-- key has taken that the line has not passed, S - V or the key's latest place: NULL when none,
+-- as place_by_keys gives it); most waiting first, at most 20 keys ('' is the requests with no
+-- key). What `semaphore show`, the status page and the API show. A producer sees its own
+-- requests' keys alone. Cost: the semaphore's line (at most its first 10000 waiters), its
+-- holders, and a finish tag looked up per key shown.
 CREATE OR REPLACE FUNCTION permitq.key_shares(name text)
 RETURNS TABLE (fairness_key text, weight integer, waiting bigint, waiting_permits bigint,
-               held bigint)
+               held bigint, placed_back interval)
 LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
     WITH s AS (SELECT s.id FROM permitq.semaphore s
                JOIN permitq.keyed_semaphore k ON k.semaphore_id = s.id
@@ -329,17 +365,23 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET j
         WHERE EXISTS (SELECT 1 FROM s) AND r.state = 'acquired'
           AND coalesce(r.charged, r.permits) ? key_shares.name
     )
-    SELECT x.fkey, coalesce(max(x.w) FILTER (WHERE x.waits), max(x.w))::integer,
-           count(*) FILTER (WHERE x.waits),
-           coalesce(sum(x.count) FILTER (WHERE x.waits), 0)::bigint,
-           coalesce(sum(x.count) FILTER (WHERE NOT x.waits), 0)::bigint
-    FROM (SELECT l.fkey, l.w, l.count::bigint, true AS waits, l.submitted_by FROM line l
-          UNION ALL
-          SELECT h.fkey, h.w, h.count, false, h.submitted_by FROM holding h) x
-    WHERE permitq.may_read(x.submitted_by)
-    GROUP BY x.fkey
-    ORDER BY 3 DESC, 1
-    LIMIT 20
+    SELECT k.*,
+           (SELECT nullif(greatest(f.finish - v.virtual_time, f.placed_until - now(),
+                                   interval '0'), interval '0')
+            FROM s JOIN permitq.keyed_semaphore v ON v.semaphore_id = s.id
+            JOIN permitq.key_finish f ON f.semaphore_id = s.id AND f.fairness_key = k.fkey)
+    FROM (SELECT x.fkey, coalesce(max(x.w) FILTER (WHERE x.waits), max(x.w))::integer AS w,
+                 count(*) FILTER (WHERE x.waits) AS waiting,
+                 coalesce(sum(x.count) FILTER (WHERE x.waits), 0)::bigint AS waiting_count,
+                 coalesce(sum(x.count) FILTER (WHERE NOT x.waits), 0)::bigint AS held_count
+          FROM (SELECT l.fkey, l.w, l.count::bigint, true AS waits, l.submitted_by FROM line l
+                UNION ALL
+                SELECT h.fkey, h.w, h.count, false, h.submitted_by FROM holding h) x
+          WHERE permitq.may_read(x.submitted_by)
+          GROUP BY x.fkey
+          ORDER BY 3 DESC, 1
+          LIMIT 20) k
+    ORDER BY k.waiting DESC, k.fkey
 $$;
 GRANT EXECUTE ON FUNCTION permitq.key_shares(text)
     TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;

@@ -69,10 +69,13 @@ BEGIN
         WHEN 'new' THEN
             -- A revoke names the login that ended it (session_user: the login, not this
             -- SECURITY DEFINER function's owner), so its history is not a plain cancel.
+            -- Where it had taken its key's turn, that turn stays taken (functions/fairness.sql).
             UPDATE permitq.permit_request r
             SET state = 'error', error_code = 'cancelled', settled_at = clock_timestamp(),
-                error_detail = CASE WHEN reason = 'revoked'
-                                    THEN jsonb_build_object('revoked_by', session_user::text) END
+                error_detail = nullif(CASE WHEN reason = 'revoked'
+                                           THEN jsonb_build_object('revoked_by', session_user::text)
+                                           ELSE '{}' END
+                                      || permitq.turns_kept(request.id), '{}')
             WHERE r.id = request.id;
             DELETE FROM permitq.waiter w WHERE w.request_id = request.id;
             INSERT INTO permitq.pending_release (request_id, announce) VALUES (request.id, true);

@@ -26,6 +26,7 @@ DECLARE
     problem text;
     -- Its keyed rows (it, or a template's instances) when this call makes it greedy.
     keyed_names text;
+    keyed_itself boolean;
     old_parent text;
 BEGIN
     IF set_capacity.name IS NULL OR set_capacity.name = '' THEN
@@ -127,18 +128,24 @@ BEGIN
     -- when this call makes it (or, for a template, its keyed instances) greedy; a semaphore left
     -- both by an earlier version is not refused for other changes.
     IF set_capacity.fair = false THEN
-        SELECT string_agg(permitq.shell_word(x.name), ', ' ORDER BY x.name) INTO keyed_names
+        -- What is keyed: it, and (a template) its instances, named.
+        SELECT string_agg(permitq.shell_word(x.name), ', ' ORDER BY x.name)
+                   FILTER (WHERE x.id <> result.id),
+               bool_or(x.id = result.id)
+        INTO keyed_names, keyed_itself
         FROM permitq.semaphore x JOIN permitq.keyed_semaphore k ON k.semaphore_id = x.id
         WHERE x.id = result.id OR x.template = result.name;
-        IF keyed_names IS NOT NULL THEN
+        IF keyed_itself OR keyed_names IS NOT NULL THEN
+            keyed_names := concat_ws(' and ', CASE WHEN keyed_itself THEN 'it' END,
+                                     'its instances ' || keyed_names)
+                           || CASE WHEN keyed_itself AND keyed_names IS NULL THEN ' is' ELSE ' are' END;
             RAISE EXCEPTION 'invalid greedy semaphore %: % served by fairness key (its line is served across the keys, in turn), and a greedy semaphore serves no line',
                 result.name,
-                CASE WHEN result.is_template THEN 'its instances ' || keyed_names || ' are'
-                     ELSE 'it is' END
+                keyed_names
                 USING ERRCODE = '22023',
                 HINT = CASE WHEN result.is_template
-                    THEN format('turn their keys off first (`permitq semaphore set NAME CAPACITY --no-fairness-keys` for each), then make %s greedy',
-                                permitq.shell_word(result.name))
+                    THEN format('turn its keys off in the same command, which turns off its instances'' too: `permitq semaphore set %s %s --greedy --no-fairness-keys` (with a client older than the database: `--no-fairness-keys` first, then `--greedy`)',
+                                permitq.shell_word(result.name), result.capacity)
                     ELSE format('turn its keys off in the same command: `permitq semaphore set %s %s --greedy --no-fairness-keys` (with a client older than the database: `--no-fairness-keys` first, then `--greedy`)',
                                 permitq.shell_word(result.name), result.capacity) END;
         END IF;

@@ -40,6 +40,7 @@ BEGIN
         SET state = 'error', error_code = 'timeout', settled_at = clock_timestamp(),
             -- What held it back, while that can still be read (explain no longer can).
             error_detail = permitq.completed_error_detail('timeout', permitq.wait_detail(r.permits))
+                           || permitq.turns_kept(r.id)
         FROM due WHERE r.id = due.id
         RETURNING r.id
     )

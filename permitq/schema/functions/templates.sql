@@ -46,7 +46,8 @@ BEGIN
     -- Read after the locks: a template's new values, and instances another worker made meanwhile.
     FOR missing IN
         SELECT n AS instance, t.name AS template, t.capacity, t.fair, t.per, t.parent, t.guarantee,
-               coalesce(t.max_instances, permitq.rule_max_instances()) AS bound
+               coalesce(t.max_instances, permitq.rule_max_instances()) AS bound,
+               EXISTS (SELECT 1 FROM permitq.keyed_semaphore k WHERE k.semaphore_id = t.id) AS keyed
         FROM unnest(wanted) n
         CROSS JOIN LATERAL permitq.template_for(n) t
         WHERE t.name IS NOT NULL
@@ -59,10 +60,18 @@ BEGIN
             refused := refused || missing.instance;
             CONTINUE;
         END IF;
-        INSERT INTO permitq.semaphore (name, capacity, fair, template, per, parent, guarantee)
-        VALUES (missing.instance, missing.capacity, missing.fair, missing.template, missing.per,
-                missing.parent, missing.guarantee)
-        ON CONFLICT ON CONSTRAINT semaphore_name_key DO NOTHING;
+        -- Served by fairness key when its template is (functions/fairness.sql), from its first
+        -- request on.
+        WITH made AS (
+            INSERT INTO permitq.semaphore (name, capacity, fair, template, per, parent, guarantee)
+            VALUES (missing.instance, missing.capacity, missing.fair, missing.template, missing.per,
+                    missing.parent, missing.guarantee)
+            ON CONFLICT ON CONSTRAINT semaphore_name_key DO NOTHING
+            RETURNING id
+        )
+        INSERT INTO permitq.keyed_semaphore (semaphore_id)
+        SELECT made.id FROM made
+        WHERE missing.keyed;
     END LOOP;
     RETURN refused;
 END $$;

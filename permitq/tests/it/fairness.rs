@@ -117,30 +117,56 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
         .map(|w| w.external_id)
         .collect();
     assert_eq!(first, ["a-1", "b-1", "a-2"]);
+    // Explain says, on its own line, what the key did to the place: B's request at its
+    // arrival; A's third request 20s back, behind which of A's requests, and until when another
+    // key's arrival goes first.
     let explained = client.explain("b-1").await.unwrap().unwrap();
     assert!(
         explained.semaphores.iter().any(|s| s.position == Some(2)
-            && s.reason.contains(
-                "(served by fairness key: its key B, placed at its arrival: the line had \
-                 reached its key's turn (its key's earlier requests, held or waiting, were all \
-                 before the turn the line has granted up to); its own weight, 1, sets the turn \
-                 it takes from the requests behind it; every request is placed at its arrival \
-                 plus its own key's turns, so one of another key that arrived earlier by more \
-                 than that stays ahead of it)"
-            )),
+            && s.fairness.as_deref().is_some_and(|f| f.starts_with(
+                "fairness key B, weight 1: placed at its arrival: when a worker examined it, no \
+                 turn of its key was ahead of the line (requests granted while nobody waited \
+                 take no turn); a request of another key that arrives from now on goes behind it"
+            ))),
         "{explained:?}"
     );
     let behind = client.explain("a-3").await.unwrap().unwrap();
+    let fairness = behind.semaphores[0].fairness.clone().unwrap_or_default();
     assert!(
-        behind.semaphores.iter().any(|s| s.position == Some(4)
-            && s.reason.contains(
-                "its key A, placed 20s after its arrival by the turns of its key's earlier \
-                 requests that the line has not caught up with (every earlier request of its key \
-                 placed on this line counts until the line passes its turn: held, granted, and \
-                 cancelled or timed out while waiting, not only those waiting), each 10s × its \
-                 count ÷ its own request's weight"
-            )),
+        behind.semaphores[0].position == Some(4)
+            && fairness.starts_with(
+                "fairness key A, weight 1: placed 20s after its arrival by the turns of its \
+                 key's earlier requests here that the line has not passed (10s × count ÷ weight \
+                 each; a turn counts until the line passes it, even once its request is \
+                 released, cancelled or timed out); its key's requests ahead of it here: a-2 \
+                 (waiting), a-1 (waiting); a request of another key that arrives in the next "
+            )
+            && fairness.ends_with(
+                "still goes ahead of it, one that arrives later goes behind it (at priority 0; \
+                 a priority one step higher counts as one turn, 10s, earlier)"
+            ),
         "{behind:?}"
+    );
+    // Nothing of the kind where the semaphore is not keyed.
+    assert!(
+        !behind.semaphores[0].reason.contains("fairness"),
+        "{behind:?}"
+    );
+    // The shares show how far back each key's next request goes: A's backlog of turns, and B's
+    // one turn.
+    let shares = client.key_shares("gpu").await.unwrap();
+    let back = |key: &str| {
+        shares
+            .iter()
+            .find(|k| k.fairness_key == key)
+            .and_then(|k| k.placed_back)
+            .unwrap_or_default()
+    };
+    assert!(
+        back("A") > Duration::from_secs(9_000 * 10)
+            && back("B") > Duration::from_secs(5)
+            && back("B") <= Duration::from_secs(10),
+        "{shares:?}"
     );
     client.release("holder").await.unwrap();
     let mut a_granted = 0;
@@ -808,4 +834,171 @@ async fn a_key_ahead_of_the_virtual_time_is_placed_back_even_alone_in_a_batch() 
     let (first, _) = next_grant(&client, &conn, "pool").await;
     worker.stop().await;
     assert_eq!(first, "b-1", "A's request, placed an hour back, went first");
+}
+
+/// A request that stops waiting keeps the turn its key took: a cancel and a timeout each say so
+/// in the request's `error_detail` (`turn_kept_on`) and outcome, and the key's next request is
+/// placed behind that turn. One cancelled before a worker placed it took no turn, and says none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_or_timeout_keeps_its_keys_turn_and_says_so() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    keyed(&client, "gpu", 1).await;
+    client.set_capacity("plain", 1, Some(true)).await.unwrap();
+    // Cancelled before any worker ran: no turn taken.
+    client
+        .submit(&Request::new("early").permit("gpu", 1).fairness_key("A"))
+        .await
+        .unwrap();
+    client.release("early").await.unwrap();
+    let early = client.status("early").await.unwrap().unwrap();
+    assert!(
+        early
+            .error_detail
+            .as_ref()
+            .is_none_or(|d| d.turn_kept_on.is_empty()),
+        "{early:?}"
+    );
+    let worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("holder").permit("gpu", 1).permit("plain", 1))
+        .await
+        .unwrap();
+    assert_eq!(next_grant_kept(&conn, "gpu").await, "holder");
+    for (id, wait) in [("a-1", None), ("a-2", Some(Duration::from_secs(2)))] {
+        let mut request = Request::new(id).permit("gpu", 1).fairness_key("A");
+        request.wait = wait;
+        client.submit(&request).await.unwrap();
+    }
+    client
+        .submit(&Request::new("p-1").permit("plain", 1))
+        .await
+        .unwrap();
+    wait_examined(&conn, "gpu", 2).await;
+    assert_eq!(
+        client.release("a-1").await.unwrap(),
+        permitq::ReleaseOutcome::Cancelled
+    );
+    client.release("p-1").await.unwrap();
+    let settled = client
+        .wait_settled("a-2", Duration::from_secs(20))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        settled.error_code.map(|c| c.to_string()).as_deref(),
+        Some("timeout")
+    );
+    for (id, code) in [("a-1", "cancelled"), ("a-2", "timeout")] {
+        let row = client.status(id).await.unwrap().unwrap();
+        let detail = row.error_detail.clone().unwrap_or_default();
+        assert_eq!(detail.turn_kept_on, ["gpu"], "{id}: {row:?}");
+        let outcome = row.outcome().unwrap();
+        assert!(
+            outcome.starts_with(&format!("error {code}"))
+                && outcome.contains(
+                    "its turn on gpu stays taken for its fairness key A until the line passes \
+                     it, so the key's next request there is placed behind it"
+                ),
+            "{outcome}"
+        );
+    }
+    // On a semaphore not served by key, a cancel keeps no turn.
+    let plain = client.status("p-1").await.unwrap().unwrap();
+    assert!(
+        plain
+            .error_detail
+            .as_ref()
+            .is_none_or(|d| d.turn_kept_on.is_empty()),
+        "{plain:?}"
+    );
+    // The key's next request is placed behind both turns.
+    client
+        .submit(&Request::new("a-3").permit("gpu", 1).fairness_key("A"))
+        .await
+        .unwrap();
+    wait_examined(&conn, "gpu", 1).await;
+    let explained = client.explain("a-3").await.unwrap().unwrap();
+    let fairness = explained.semaphores[0].fairness.clone().unwrap_or_default();
+    assert!(
+        fairness.contains("after its arrival by the turns of its key's earlier requests")
+            && fairness.contains("those requests have all ended by now"),
+        "{fairness}"
+    );
+    worker.stop().await;
+    check_invariants(&conn).await.unwrap();
+}
+
+/// A template served by key: its instances are, those it has and those made later, each a line
+/// of its own; turning its keys off turns theirs off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_templates_instances_are_served_by_key_when_it_is() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client.set_capacity("lab-*", 1, Some(true)).await.unwrap();
+    let worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("old-1").permit("lab-old", 1))
+        .await
+        .unwrap();
+    assert_eq!(next_grant_kept(&conn, "lab-old").await, "old-1");
+    keyed(&client, "lab-*", 1).await;
+    client
+        .submit(&Request::new("new-1").permit("lab-new", 1).fairness_key("A"))
+        .await
+        .unwrap();
+    assert_eq!(next_grant_kept(&conn, "lab-new").await, "new-1");
+    let keyed_now = |usage: Vec<permitq::SemaphoreUsage>| -> Vec<(String, bool)> {
+        usage
+            .into_iter()
+            .map(|u| (u.name, u.fairness_keys))
+            .collect()
+    };
+    assert_eq!(
+        keyed_now(client.usage().await.unwrap()),
+        [
+            ("lab-*".to_string(), true),
+            ("lab-new".to_string(), true),
+            ("lab-old".to_string(), true)
+        ]
+    );
+    // Each instance is its own line: key A's request on lab-new is not placed behind its turns
+    // on lab-old.
+    for id in ["old-2", "old-3"] {
+        client
+            .submit(&Request::new(id).permit("lab-old", 1).fairness_key("A"))
+            .await
+            .unwrap();
+    }
+    client
+        .submit(&Request::new("new-2").permit("lab-new", 1).fairness_key("A"))
+        .await
+        .unwrap();
+    wait_examined(&conn, "lab-old", 2).await;
+    wait_examined(&conn, "lab-new", 1).await;
+    let explained = client.explain("new-2").await.unwrap().unwrap();
+    assert!(
+        explained.semaphores[0]
+            .fairness
+            .as_deref()
+            .is_some_and(|f| f.contains("placed at its arrival")),
+        "{explained:?}"
+    );
+    client
+        .set_semaphore("lab-*", 1, &SemaphoreSettings::new().fairness_keys(false))
+        .await
+        .unwrap();
+    assert!(client
+        .usage()
+        .await
+        .unwrap()
+        .iter()
+        .all(|u| !u.fairness_keys));
+    for id in ["old-1", "new-1"] {
+        client.release(id).await.unwrap();
+    }
+    worker.stop().await;
+    check_invariants(&conn).await.unwrap();
 }
