@@ -1081,7 +1081,7 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                         c.application_name.as_deref().unwrap_or_default(),
                         c.inputs
                             .as_ref()
-                            .map_or(String::new(), crate::show::adaptive_inputs)
+                            .map_or(String::new(), crate::show::change_inputs)
                     );
                 }
             }

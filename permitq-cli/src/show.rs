@@ -462,39 +462,55 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
                 .unwrap_or_default(),
             capacity_change(c, u.template.as_deref()),
             c.changed_by,
-            c.inputs.as_ref().map_or(String::new(), adaptive_inputs)
+            c.inputs.as_ref().map_or(String::new(), change_inputs)
         );
     }
 }
 
-/// An adaptive change's inputs, in words: ` (from 3 ok, 1 overloaded, 0 failed, latency 20ms,
-/// 6 in use)`.
-pub(crate) fn adaptive_inputs(inputs: &serde_json::Value) -> String {
-    // An adaptive setting changed (set_adaptive), not a cadence's change.
+/// What moved an audited change, in words: a setting kept outside the semaphore's row (` (made
+/// adaptive: gradient, 2 to 50)`, ` (served by fairness key from here on)`), or an adaptive
+/// cadence's inputs (` (from 3 ok, 1 overloaded, 0 failed, latency 20ms, 6 in use)`).
+pub(crate) fn change_inputs(inputs: &serde_json::Value) -> String {
+    let mut said = Vec::new();
     match &inputs["adaptive"] {
-        serde_json::Value::Bool(false) => return " (made fixed: no longer adaptive)".to_string(),
-        serde_json::Value::Object(a) => {
-            return format!(
-                " (made adaptive: {}, {} to {})",
-                a.get("algorithm").and_then(|v| v.as_str()).unwrap_or("?"),
-                a.get("floor").map_or("?".to_string(), ToString::to_string),
-                a.get("ceiling")
-                    .map_or("?".to_string(), ToString::to_string)
-            )
-        }
+        serde_json::Value::Bool(false) => said.push("made fixed: no longer adaptive".to_string()),
+        serde_json::Value::Object(a) => said.push(format!(
+            "made adaptive: {}, {} to {}",
+            a.get("algorithm").and_then(|v| v.as_str()).unwrap_or("?"),
+            a.get("floor").map_or("?".to_string(), ToString::to_string),
+            a.get("ceiling")
+                .map_or("?".to_string(), ToString::to_string)
+        )),
         _ => {}
     }
-    let n = |key: &str| inputs[key].as_i64().unwrap_or(0);
-    let latency = inputs["latency_ms"]
-        .as_f64()
-        .map_or(String::new(), |ms| format!(", p90 latency {ms:.0}ms"));
-    format!(
-        " (from {} ok, {} overloaded, {} failed{latency}, {} in use)",
-        n("ok"),
-        n("overloaded"),
-        n("failed"),
-        n("used")
-    )
+    match &inputs["fairness_keys"] {
+        serde_json::Value::Bool(true) => {
+            said.push("served by fairness key from here on".to_string())
+        }
+        serde_json::Value::Bool(false) => said.push(
+            "no longer served by fairness key: priority and arrival order from here on".to_string(),
+        ),
+        _ => {}
+    }
+    // A cadence's change (its reports), not a setting's.
+    if inputs.get("ok").is_some() {
+        let n = |key: &str| inputs[key].as_i64().unwrap_or(0);
+        let latency = inputs["latency_ms"]
+            .as_f64()
+            .map_or(String::new(), |ms| format!(", p90 latency {ms:.0}ms"));
+        said.push(format!(
+            "from {} ok, {} overloaded, {} failed{latency}, {} in use",
+            n("ok"),
+            n("overloaded"),
+            n("failed"),
+            n("used")
+        ));
+    }
+    if said.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", said.join("; "))
+    }
 }
 
 /// What one audited change set, in words: `created: capacity 4, fair, per 1m` at creation,
@@ -562,8 +578,14 @@ pub(crate) fn capacity_change(c: &permitq::CapacityChange, template: Option<&str
     if c.old_per != c.new_per {
         moved.push(format!("per {} -> {}", per(c.old_per), per(c.new_per)));
     }
+    // A setting kept outside the row changed (adaptive, fairness keys): what, says its inputs.
+    let setting = c
+        .inputs
+        .as_ref()
+        .is_some_and(|i| i.get("adaptive").is_some() || i.get("fairness_keys").is_some());
     if moved.is_empty() {
         match template {
+            _ if setting => format!("capacity {} (unchanged)", c.new_capacity),
             // An instance is set again by every change of its template.
             Some(template) => format!(
                 "capacity {} (set again by a change of template {template}, unchanged here)",

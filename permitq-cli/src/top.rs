@@ -174,9 +174,12 @@ async fn refresh(
             let history = client.capacity_history(&name).await.unwrap_or_default();
             let last = &history[history.len().saturating_sub(12)..];
             let capacities: Vec<String> = last.iter().map(|c| c.new_capacity.to_string()).collect();
+            // The last cadence's reports (a setting's change has none).
             let moved = last
-                .last()
-                .and_then(|c| c.inputs.as_ref())
+                .iter()
+                .rev()
+                .filter_map(|c| c.inputs.as_ref())
+                .find(|i| i.get("ok").is_some())
                 .map_or(String::new(), |i| {
                     format!(
                         " (last: {} ok, {} overloaded)",

@@ -1547,6 +1547,23 @@ async fn fairness_keys_from_the_command_line() {
         "{}",
         stderr(&o)
     );
+    // Both switches are in its history: on with its creation, off as a change of its own.
+    let history = stdout(&run(url, &["semaphore", "history", "gpu"]).await);
+    let lines: Vec<&str> = history.lines().collect();
+    assert!(
+        lines.len() >= 2
+            && lines[0].contains("created: capacity 1, fair by ")
+            && lines[0].ends_with("(served by fairness key from here on)")
+            && lines
+                .iter()
+                .any(|l| {
+                    l.contains("capacity 1 (unchanged) by ")
+                && l.ends_with(
+                    "(no longer served by fairness key: priority and arrival order from here on)"
+                )
+                }),
+        "{history}"
+    );
     worker.stop().await;
 }
 

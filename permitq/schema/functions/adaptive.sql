@@ -17,24 +17,11 @@
 -- in semaphore id order, then the semaphore row (as a worker's batch takes it).
 
 -- The audit of an adaptive setting (made adaptive, its bounds, or fixed again): `inputs`
--- {"adaptive": SETTING} on a row of permitq.capacity_change. The row this transaction just wrote
--- for the semaphore, when there is one (its creation by set_capacity, or the capacity brought
--- within the bounds): one change, one row. Otherwise a row of its own, with the semaphore as it
--- is now.
+-- {"adaptive": SETTING} on a row of permitq.capacity_change (permitq.audit_setting).
 CREATE OR REPLACE FUNCTION permitq.audit_adaptive(s permitq.semaphore, setting jsonb)
-RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
-BEGIN
-    -- (Written in a subtransaction, a row's xmin is not this one's: it gets a row of its own.)
-    IF NOT EXISTS (SELECT 1 FROM permitq.capacity_change x
-                   WHERE x.id = (SELECT max(y.id) FROM permitq.capacity_change y
-                                 WHERE y.semaphore = s.name)
-                     AND x.xmin = pg_current_xact_id()::xid
-                     AND x.inputs IS NULL AND NOT x.deleted) THEN
-        PERFORM permitq.record_capacity_change(s, s, false);
-    END IF;
-    UPDATE permitq.capacity_change c SET inputs = jsonb_build_object('adaptive', setting)
-    WHERE c.id = (SELECT max(x.id) FROM permitq.capacity_change x WHERE x.semaphore = s.name);
-END $$;
+RETURNS void LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
+    SELECT permitq.audit_setting(s, jsonb_build_object('adaptive', setting))
+$$;
 
 -- permitq.set_adaptive: makes `name` adaptive between `floor` and `ceiling` by `algorithm`
 -- ('aimd' or 'gradient'), or (algorithm NULL) fixed again at its current capacity. Admins only.

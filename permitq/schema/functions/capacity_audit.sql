@@ -30,3 +30,22 @@ CREATE OR REPLACE TRIGGER semaphore_created AFTER INSERT ON permitq.semaphore
     FOR EACH ROW EXECUTE FUNCTION permitq.audit_capacity();
 CREATE OR REPLACE TRIGGER semaphore_capacity_changed AFTER UPDATE OF capacity, fair, parent, guarantee, max_instances, per ON permitq.semaphore
     FOR EACH ROW EXECUTE FUNCTION permitq.audit_capacity();
+
+-- The audit of a setting kept outside the semaphore's row (adaptive, fairness keys): `setting`
+-- ({"adaptive": ...}, {"fairness_keys": true}) merged into `inputs` of the row this transaction
+-- just wrote for the semaphore, when there is one (its creation by set_capacity, or the capacity
+-- brought within adaptive bounds): one change, one row. Otherwise a row of its own, with the
+-- semaphore as it is now. (Written in a subtransaction, a row's xmin is not this one's: it gets a
+-- row of its own.)
+CREATE OR REPLACE FUNCTION permitq.audit_setting(s permitq.semaphore, setting jsonb)
+RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM permitq.capacity_change x
+                   WHERE x.id = (SELECT max(y.id) FROM permitq.capacity_change y
+                                 WHERE y.semaphore = s.name)
+                     AND x.xmin = pg_current_xact_id()::xid AND NOT x.deleted) THEN
+        PERFORM permitq.record_capacity_change(s, s, false);
+    END IF;
+    UPDATE permitq.capacity_change c SET inputs = coalesce(c.inputs, '{}') || setting
+    WHERE c.id = (SELECT max(x.id) FROM permitq.capacity_change x WHERE x.semaphore = s.name);
+END $$;

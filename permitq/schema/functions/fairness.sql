@@ -310,11 +310,20 @@ BEGIN
     IF s.is_template THEN
         PERFORM 1 FROM permitq.semaphore x WHERE x.template = s.name ORDER BY x.id FOR UPDATE;
     END IF;
+    -- Each semaphore switched is audited ({"fairness_keys": keyed} in its capacity history).
     IF keyed THEN
+        PERFORM permitq.audit_setting(x, jsonb_build_object('fairness_keys', true))
+        FROM permitq.semaphore x
+        WHERE (x.id = s.id OR x.template = s.name)
+          AND NOT EXISTS (SELECT 1 FROM permitq.keyed_semaphore k WHERE k.semaphore_id = x.id);
         INSERT INTO permitq.keyed_semaphore (semaphore_id)
         SELECT x.id FROM permitq.semaphore x WHERE x.id = s.id OR x.template = s.name
         ON CONFLICT (semaphore_id) DO NOTHING;
     ELSE
+        PERFORM permitq.audit_setting(x, jsonb_build_object('fairness_keys', false))
+        FROM permitq.semaphore x
+        JOIN permitq.keyed_semaphore k ON k.semaphore_id = x.id
+        WHERE x.id = s.id OR x.template = s.name;
         DELETE FROM permitq.keyed_semaphore k
         USING permitq.semaphore x WHERE k.semaphore_id = x.id AND (x.id = s.id OR x.template = s.name);
         DELETE FROM permitq.key_finish f
