@@ -607,6 +607,20 @@ class OutcomeWordsTest(unittest.TestCase):
         failed = request_failed("r-1", "cancelled", {"revoked_by": "ops"})
         self.assertIn("revoked by ops (`permitq revoke`) while it was still waiting", str(failed))
 
+    def test_a_timeout_or_cancel_that_took_its_keys_turn_says_the_turn_stays_taken(self) -> None:
+        from permitq._errors import request_failed
+
+        said = ("; its turn on gpu stays taken for its fairness key until the line passes it, so the key's next "
+                "request there is placed behind it")
+        timed_out = request_failed("r-1", "timeout", {"semaphore": "gpu", "count": 1, "capacity": 1, "free": 0,
+                                                     "turn_kept_on": ["gpu"]})
+        self.assertIn(said, str(timed_out))
+        revoked = request_failed("r-2", "cancelled", {"revoked_by": "ops", "turn_kept_on": ["gpu"]})
+        self.assertIn("while it was still waiting; submit again under a new external_id if it is still wanted" + said,
+                      str(revoked))
+        plain = request_failed("r-3", "timeout", {"semaphore": "gpu", "count": 1, "capacity": 1, "free": 0})
+        self.assertNotIn("turn", str(plain))
+
     def test_a_template_named_itself_is_told_to_name_an_instance(self) -> None:
         from permitq._errors import request_failed
 

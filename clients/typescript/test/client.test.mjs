@@ -338,6 +338,16 @@ describe("permitq client", () => {
     assert.match(e.message, /revoked by ops \(`permitq revoke`\) while it was still waiting/);
   });
 
+  it("says a timeout or cancel that took its key's turn keeps the turn taken", () => {
+    const said = "; its turn on gpu stays taken for its fairness key until the line passes it, so the key's next request there is placed behind it";
+    const timedOut = permitq.requestFailed("r-1", "timeout", { semaphore: "gpu", count: 1, capacity: 1, free: 0, turn_kept_on: ["gpu"] });
+    assert.ok(timedOut.message.includes(said), timedOut.message);
+    const revoked = permitq.requestFailed("r-2", "cancelled", { revoked_by: "ops", turn_kept_on: ["gpu"] });
+    assert.ok(revoked.message.includes("if it is still wanted" + said), revoked.message);
+    const plain = permitq.requestFailed("r-3", "timeout", { semaphore: "gpu", count: 1, capacity: 1, free: 0 });
+    assert.doesNotMatch(plain.message, /turn/);
+  });
+
   it("tells a template named itself to name an instance", () => {
     const e = permitq.requestFailed("r-5", "unknown_semaphore", { semaphore: "lab:*", similar: [] });
     assert.ok(e.message.includes("lab:* is a template, which is never granted itself: name an instance of it (lab:NAME"), e.message);
