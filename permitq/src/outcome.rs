@@ -15,7 +15,6 @@ use crate::types::{ErrorCode, PermitRequest, ReleaseReason, State};
 /// | `no_capacity` | `semaphore`, `count`, `capacity`, `free`, `named`, `per` |
 /// | `too_many_instances` | `semaphore`, `template`, `capacity` (the template's), `max_instances`, `idle_instances`, `parent`, `guarantee` and `parent_needs` (nested) |
 /// | `invalid` | `problem` |
-///
 /// | `timeout` | `semaphore`, `count`, `capacity`, `free` where it had no room; `turn_kept_on` |
 /// | `cancelled` | `revoked_by` (an admin's revoke); `turn_kept_on` |
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -312,13 +311,24 @@ fn turn_kept(on: &[String], key: Option<&str>) -> String {
     if on.is_empty() {
         return String::new();
     }
+    // Quoted where it could be mistaken for another key, as the answers show keys.
     let key = key.map_or(
         " (it has none: the requests without one share one key)".to_string(),
-        |k| format!(" {k}"),
+        |k| {
+            let plain = k
+                .split(' ')
+                .all(|w| !w.is_empty() && w.chars().all(|c| c.is_ascii_graphic()));
+            if plain {
+                format!(" {k}")
+            } else {
+                format!(" {}", serde_json::Value::from(k))
+            }
+        },
     );
     format!(
         "; its turn on {} stays taken for its fairness key{key} until the line passes it, so \
-         the key's next request there is placed behind it (each try of a key takes a turn)",
+         the key's next request there is placed behind it (each try that waits in line takes a \
+         turn)",
         on.join(", ")
     )
 }

@@ -1420,7 +1420,9 @@ async fn fairness_keys_from_the_command_line() {
             "  fairness key team-a, weight 1: placed 20s after its arrival by the turns of its \
              key's earlier requests here"
         ) && l
-            .contains("its key's requests ahead of it here: a-2 (waiting), a-1 (waiting)")),
+            .contains(
+            "its key's requests before it here still waiting or holding: a-2 (waiting), a-1 (waiting)"
+        )),
         "{}",
         stdout(&o)
     );
@@ -1554,14 +1556,12 @@ async fn fairness_keys_from_the_command_line() {
         lines.len() >= 2
             && lines[0].contains("created: capacity 1, fair by ")
             && lines[0].ends_with("(served by fairness key from here on)")
-            && lines
-                .iter()
-                .any(|l| {
-                    l.contains("capacity 1 (unchanged) by ")
+            && lines.iter().any(|l| {
+                l.contains("capacity 1 (unchanged) by ")
                 && l.ends_with(
                     "(no longer served by fairness key: priority and arrival order from here on)"
                 )
-                }),
+            }),
         "{history}"
     );
     worker.stop().await;

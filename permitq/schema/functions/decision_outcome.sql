@@ -65,13 +65,17 @@ BEGIN
         WITH failed AS (
             UPDATE permitq.permit_request r
             SET state = 'error', error_code = e.code,
-                error_detail = permitq.completed_error_detail(e.code, error_details -> e.id::text)
-                               || CASE WHEN e.code = 'timeout' THEN permitq.turns_kept(r.id)
-                                       ELSE '{}' END,
+                -- A timeout's key keeps the turn it took (functions/fairness.sql).
+                error_detail = CASE WHEN k.detail IS NULL
+                                    THEN permitq.completed_error_detail(e.code, error_details -> e.id::text)
+                                    ELSE permitq.completed_error_detail(e.code, error_details -> e.id::text)
+                                         || k.detail END,
                 settled_at = clock_timestamp(),
                 worker_id = worker, examined_at = coalesce(r.examined_at, now()),
                 decided_at = now()
             FROM unnest(errored, error_codes) AS e(id, code)
+            LEFT JOIN (SELECT t.request_id, t.detail FROM permitq.turns_kept(errored) t
+                       WHERE keyed) k ON k.request_id = e.id AND e.code = 'timeout'
             WHERE r.id = e.id AND r.state = 'new'
             RETURNING r.id
         )

@@ -38,10 +38,11 @@ $$;
 
 -- What a fairness key did to waiting request `r`'s place on semaphore `s`, in words (NULL where
 -- `s` is not keyed, functions/fairness.sql): its key and weight; how far back its key's earlier
--- turns placed it (`placed_later`, its waiter rows' offset) and which of its key's requests here
--- are ahead of it (the latest 3 waiting or held; another login's by count alone); and until when
--- another key's request still goes ahead of it. Cost: the line ahead of it (at most 10000
--- waiters) and the held requests.
+-- turns placed it (`placed_later`, its waiter rows' offset: one place on every line, the largest
+-- its keyed semaphores gave) and which of its key's requests before it on `s` still wait or hold
+-- (the latest 3; only those this login may read: a key is not a login's own); and until when a
+-- request of a key with no turns outstanding still goes ahead of it. Cost: the line ahead of it
+-- (at most 10000 waiters) and the held requests.
 CREATE OR REPLACE FUNCTION permitq.fairness_answer(r permitq.permit_request, s permitq.semaphore,
                                                    placed_later interval)
 RETURNS text
@@ -53,6 +54,8 @@ DECLARE
     ahead text;
     ahead_count bigint;
     later text;
+    -- The keyed semaphores it names: its offset is the largest of theirs.
+    keyed_names text[];
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM permitq.keyed_semaphore k WHERE k.semaphore_id = s.id) THEN
         RETURN NULL;
@@ -66,10 +69,10 @@ BEGIN
         RETURN key_words || format(': not placed yet; a worker places it when it first examines it: at its arrival, or later by the turns of its key''s earlier requests that the line has not passed (%s × count ÷ weight each)',
                                    permitq.human_duration(step));
     END IF;
-    -- Another key's request at the same priority goes ahead of it when it arrives before its
-    -- place; each priority step is one turn (functions/queue_order.sql).
+    -- A request of a key with no turns outstanding, at the same priority, goes ahead of it when
+    -- it arrives before its place; each priority step is one turn (functions/queue_order.sql).
     later := CASE WHEN placed > now()
-        THEN format('a request of another key that arrives in the next %s still goes ahead of it, one that arrives later goes behind it',
+        THEN format('a request of a key with no turns outstanding that arrives in the next %s still goes ahead of it, one that arrives later goes behind it',
                     permitq.human_duration(placed - now()))
         ELSE 'a request of another key that arrives from now on goes behind it' END
         || format(' (at priority %s; a priority one step higher counts as one turn, %s, earlier)',
@@ -78,31 +81,37 @@ BEGIN
         RETURN key_words || ': placed at its arrival: when a worker examined it, no turn of its key was ahead of the line (requests granted while nobody waited take no turn); '
                || later;
     END IF;
-    -- Its key's requests ahead of it here: waiting ahead of it in line, or held. Latest first.
+    SELECT array_agg(x.name ORDER BY x.name) INTO keyed_names
+    FROM permitq.semaphore x JOIN permitq.keyed_semaphore k ON k.semaphore_id = x.id
+    WHERE r.permits ? x.name;
+    -- Its key's requests before it here that still wait (ahead of it in line) or hold, that this
+    -- login may read. Latest first.
     SELECT string_agg(x.shown, ', ' ORDER BY x.id DESC) FILTER (WHERE x.n <= 3), count(*)
     INTO ahead, ahead_count
     FROM (SELECT y.id, y.shown, row_number() OVER (ORDER BY y.id DESC) AS n
-          FROM (SELECT pr.id,
-                       CASE WHEN permitq.may_read(pr.submitted_by) THEN pr.external_id
-                            ELSE format('another login''s request for %s', w.count) END
-                       || ' (waiting)' AS shown
+          FROM (SELECT pr.id, pr.external_id || ' (waiting)' AS shown
                 FROM permitq.waiters_ahead(s.id, permitq.rule_place_in_line(r.priority, placed), r.id) w
                 JOIN permitq.permit_request pr ON pr.id = w.request_id
                 WHERE pr.fairness_key IS NOT DISTINCT FROM r.fairness_key
+                  AND permitq.may_read(pr.submitted_by)
                 UNION ALL
-                SELECT pr.id,
-                       CASE WHEN permitq.may_read(pr.submitted_by) THEN pr.external_id
-                            ELSE format('another login''s request for %s',
-                                        coalesce(pr.charged, pr.permits) ->> s.name) END
-                       || ' (held)'
+                SELECT pr.id, pr.external_id || ' (held)'
                 FROM permitq.permit_request pr
                 WHERE pr.state = 'acquired' AND coalesce(pr.charged, pr.permits) ? s.name
                   AND pr.fairness_key IS NOT DISTINCT FROM r.fairness_key
-                  AND pr.id < r.id) y) x;
-    RETURN key_words || format(': placed %s after its arrival by the turns of its key''s earlier requests here that the line has not passed (%s × count ÷ weight each; a turn counts until the line passes it, even once its request is released, cancelled or timed out)%s; ',
-                               permitq.human_duration(placed_later), permitq.human_duration(step),
-                               CASE WHEN ahead_count = 0 THEN '; those requests have all ended by now'
-                                    ELSE '; its key''s requests ahead of it here: ' || ahead
+                  AND pr.id < r.id AND permitq.may_read(pr.submitted_by)) y) x;
+    RETURN key_words || format(': placed %s after its arrival by the turns of its key''s earlier requests %s that the line has not passed (%s × count ÷ weight each; a turn counts until the line passes it, even once its request has ended: released, cancelled, timed out or failed)%s; ',
+                               permitq.human_duration(placed_later),
+                               CASE WHEN cardinality(keyed_names) > 1
+                                    THEN format('on %s (its one place on every line is the furthest back of theirs)',
+                                                array_to_string(keyed_names, ', '))
+                                    ELSE 'here' END,
+                               permitq.human_duration(step),
+                               CASE WHEN ahead_count = 0
+                                    THEN CASE WHEN permitq.reads_every_request()
+                                              THEN '; none of them waits or holds here now'
+                                              ELSE '; none of yours waits or holds here now (other logins'' requests are not listed)' END
+                                    ELSE '; its key''s requests before it here still waiting or holding: ' || ahead
                                          || CASE WHEN ahead_count > 3
                                                  THEN format(' and %s more', ahead_count - 3) ELSE '' END
                                     END)

@@ -230,23 +230,25 @@ BEGIN
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.batch_moves_back_by_key(bigint[], text[]) TO permitq_worker;
 
--- For a request that stops waiting without a grant (cancelled or timed out): the keyed
--- semaphores where it had taken a turn (its waiter rows' start tags, or this transaction's
+-- For requests `ids` that stop waiting without a grant (cancelled or timed out): the keyed
+-- semaphores where each had taken a turn (its waiter rows' start tags, or this transaction's
 -- tags for one placed in the batch that ends it), as `{"turn_kept_on": [names]}` to add to its
--- error_detail ('{}' where none): its turn stays taken there until the line passes it, so its
--- key's next request is placed behind it. Read before its waiter rows go.
-CREATE OR REPLACE FUNCTION permitq.turns_kept(request_id bigint) RETURNS jsonb
+-- error_detail; no row for a request that took none. Its turn stays taken there until the line
+-- passes it, so its key's next request is placed behind it. Read before the waiter rows go. One
+-- statement for the whole set (the tags are read once).
+CREATE OR REPLACE FUNCTION permitq.turns_kept(ids bigint[])
+RETURNS TABLE (request_id bigint, detail jsonb)
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
-    -- (Never NULL: it is concatenated onto the detail.)
-    SELECT CASE WHEN count(*) > 0
-                THEN jsonb_build_object('turn_kept_on', jsonb_agg(s.name ORDER BY s.name))
-                ELSE '{}' END
-    FROM permitq.semaphore s
-    WHERE s.id IN (SELECT w.semaphore_id FROM permitq.waiter w
-                   WHERE w.request_id = turns_kept.request_id AND w.start_tag IS NOT NULL
-                   UNION
-                   SELECT b.semaphore_id FROM permitq.batch_tags() b
-                   WHERE b.request_id = turns_kept.request_id)
+    SELECT t.request_id, jsonb_build_object('turn_kept_on', jsonb_agg(s.name ORDER BY s.name))
+    FROM (SELECT w.request_id, w.semaphore_id FROM permitq.waiter w
+          WHERE w.request_id = ANY(ids) AND w.start_tag IS NOT NULL
+          UNION
+          SELECT b.request_id, b.semaphore_id FROM permitq.batch_tags() b
+          WHERE b.request_id = ANY(ids)) t
+    -- Still keyed: turning keys off forgets the turns.
+    JOIN permitq.keyed_semaphore k ON k.semaphore_id = t.semaphore_id
+    JOIN permitq.semaphore s ON s.id = t.semaphore_id
+    GROUP BY t.request_id
 $$;
 
 -- After a batch's grants (permitq.apply_decision): each keyed semaphore's virtual time moves to
@@ -312,12 +314,13 @@ BEGIN
     END IF;
     -- Each semaphore switched is audited ({"fairness_keys": keyed} in its capacity history).
     IF keyed THEN
+        -- (A template's instance made greedy by hand is left as it is: greedy serves no line.)
         PERFORM permitq.audit_setting(x, jsonb_build_object('fairness_keys', true))
         FROM permitq.semaphore x
-        WHERE (x.id = s.id OR x.template = s.name)
+        WHERE (x.id = s.id OR (x.template = s.name AND x.fair))
           AND NOT EXISTS (SELECT 1 FROM permitq.keyed_semaphore k WHERE k.semaphore_id = x.id);
         INSERT INTO permitq.keyed_semaphore (semaphore_id)
-        SELECT x.id FROM permitq.semaphore x WHERE x.id = s.id OR x.template = s.name
+        SELECT x.id FROM permitq.semaphore x WHERE x.id = s.id OR (x.template = s.name AND x.fair)
         ON CONFLICT (semaphore_id) DO NOTHING;
     ELSE
         PERFORM permitq.audit_setting(x, jsonb_build_object('fairness_keys', false))
@@ -333,11 +336,12 @@ BEGIN
 END $$;
 GRANT EXECUTE ON FUNCTION permitq.set_fairness_keys(text, boolean) TO permitq_admin;
 
--- A fairness key as the answers show it: as it is when that cannot be mistaken, else quoted as
--- a JSON string (keys are compared exactly: `acme `, with a trailing space, is not `acme`).
+-- A fairness key as the answers show it: as it is when that cannot be mistaken (printable ASCII
+-- words apart by single spaces, whatever the database's locale), else quoted as a JSON string
+-- (keys are compared exactly: `acme `, with a trailing space, is not `acme`).
 CREATE OR REPLACE FUNCTION permitq.shown_key(fairness_key text) RETURNS text
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-    SELECT CASE WHEN fairness_key ~ '^[[:graph:]]+( [[:graph:]]+)*$' THEN fairness_key
+    SELECT CASE WHEN fairness_key ~ '^[!-~]+( [!-~]+)*$' THEN fairness_key
                 ELSE to_json(fairness_key)::text END
 $$;
 GRANT EXECUTE ON FUNCTION permitq.shown_key(text)
@@ -374,11 +378,14 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET j
         WHERE EXISTS (SELECT 1 FROM s) AND r.state = 'acquired'
           AND coalesce(r.charged, r.permits) ? key_shares.name
     )
+    -- (`placed_back` counts every login's turns under the key: shown only to a session that
+    -- reads every request.)
     SELECT k.*,
            (SELECT nullif(greatest(f.finish - v.virtual_time, f.placed_until - now(),
                                    interval '0'), interval '0')
             FROM s JOIN permitq.keyed_semaphore v ON v.semaphore_id = s.id
-            JOIN permitq.key_finish f ON f.semaphore_id = s.id AND f.fairness_key = k.fkey)
+            JOIN permitq.key_finish f ON f.semaphore_id = s.id AND f.fairness_key = k.fkey
+            WHERE permitq.reads_every_request())
     FROM (SELECT x.fkey, coalesce(max(x.w) FILTER (WHERE x.waits), max(x.w))::integer AS w,
                  count(*) FILTER (WHERE x.waits) AS waiting,
                  coalesce(sum(x.count) FILTER (WHERE x.waits), 0)::bigint AS waiting_count,

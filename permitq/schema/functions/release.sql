@@ -75,7 +75,8 @@ BEGIN
                 error_detail = nullif(CASE WHEN reason = 'revoked'
                                            THEN jsonb_build_object('revoked_by', session_user::text)
                                            ELSE '{}' END
-                                      || permitq.turns_kept(request.id), '{}')
+                                      || coalesce((SELECT k.detail FROM permitq.turns_kept(ARRAY[request.id]) k),
+                                                  '{}'), '{}')
             WHERE r.id = request.id;
             DELETE FROM permitq.waiter w WHERE w.request_id = request.id;
             INSERT INTO permitq.pending_release (request_id, announce) VALUES (request.id, true);

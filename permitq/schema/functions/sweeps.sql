@@ -35,13 +35,20 @@ BEGIN
         LIMIT batch_size
         FOR UPDATE SKIP LOCKED
     ),
+    -- The turns their keys took that stay taken (functions/fairness.sql), where any is keyed.
+    kept AS (
+        SELECT k.request_id, k.detail
+        FROM permitq.turns_kept((SELECT array_agg(due.id) FROM due)) k
+        WHERE EXISTS (SELECT 1 FROM permitq.keyed_semaphore)
+    ),
     failed AS (
         UPDATE permitq.permit_request r
         SET state = 'error', error_code = 'timeout', settled_at = clock_timestamp(),
             -- What held it back, while that can still be read (explain no longer can).
             error_detail = permitq.completed_error_detail('timeout', permitq.wait_detail(r.permits))
-                           || permitq.turns_kept(r.id)
-        FROM due WHERE r.id = due.id
+                           || coalesce(kept.detail, '{}')
+        FROM due LEFT JOIN kept ON kept.request_id = due.id
+        WHERE r.id = due.id
         RETURNING r.id
     )
     SELECT array_agg(id) INTO ids FROM failed;

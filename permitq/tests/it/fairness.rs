@@ -132,18 +132,23 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
     );
     let behind = client.explain("a-3").await.unwrap().unwrap();
     let fairness = behind.semaphores[0].fairness.clone().unwrap_or_default();
+    // (Until its place passes, a newcomer key still goes ahead of it; after, behind: either,
+    // as the machine's speed has it.)
     assert!(
         behind.semaphores[0].position == Some(4)
             && fairness.starts_with(
                 "fairness key A, weight 1: placed 20s after its arrival by the turns of its \
                  key's earlier requests here that the line has not passed (10s × count ÷ weight \
-                 each; a turn counts until the line passes it, even once its request is \
-                 released, cancelled or timed out); its key's requests ahead of it here: a-2 \
-                 (waiting), a-1 (waiting); a request of another key that arrives in the next "
+                 each; a turn counts until the line passes it, even once its request has ended: \
+                 released, cancelled, timed out or failed); its key's requests before it here \
+                 still waiting or holding: a-2 (waiting), a-1 (waiting); a request of "
             )
+            && (fairness.contains(
+                "a request of a key with no turns outstanding that arrives in the next "
+            ) || fairness
+                .contains("a request of another key that arrives from now on goes behind it"))
             && fairness.ends_with(
-                "still goes ahead of it, one that arrives later goes behind it (at priority 0; \
-                 a priority one step higher counts as one turn, 10s, earlier)"
+                "(at priority 0; a priority one step higher counts as one turn, 10s, earlier)"
             ),
         "{behind:?}"
     );
@@ -876,6 +881,7 @@ async fn a_cancel_or_timeout_keeps_its_keys_turn_and_says_so() {
         .await
         .unwrap();
     wait_examined(&conn, "gpu", 2).await;
+    wait_examined(&conn, "plain", 1).await;
     assert_eq!(
         client.release("a-1").await.unwrap(),
         permitq::ReleaseOutcome::Cancelled
@@ -923,7 +929,7 @@ async fn a_cancel_or_timeout_keeps_its_keys_turn_and_says_so() {
     let fairness = explained.semaphores[0].fairness.clone().unwrap_or_default();
     assert!(
         fairness.contains("after its arrival by the turns of its key's earlier requests")
-            && fairness.contains("those requests have all ended by now"),
+            && fairness.contains("none of them waits or holds here now"),
         "{fairness}"
     );
     worker.stop().await;
@@ -978,6 +984,17 @@ async fn a_templates_instances_are_served_by_key_when_it_is() {
         .unwrap();
     wait_examined(&conn, "lab-old", 2).await;
     wait_examined(&conn, "lab-new", 1).await;
+    // The instance made before the switch is keyed: old-3 is placed a turn behind old-2. The
+    // one made after it is too, and a line of its own: new-2 is not behind key A's turns on
+    // lab-old.
+    let explained = client.explain("old-3").await.unwrap().unwrap();
+    assert!(
+        explained.semaphores[0]
+            .fairness
+            .as_deref()
+            .is_some_and(|f| f.contains("placed 10s after its arrival")),
+        "{explained:?}"
+    );
     let explained = client.explain("new-2").await.unwrap().unwrap();
     assert!(
         explained.semaphores[0]
@@ -1001,4 +1018,79 @@ async fn a_templates_instances_are_served_by_key_when_it_is() {
     }
     worker.stop().await;
     check_invariants(&conn).await.unwrap();
+}
+
+/// A key is not a login's own: a producer that names another tenant's key learns nothing of that
+/// tenant's requests. Its `explain` lists only its own requests among its key's, and its
+/// `key_shares` says nothing of how far back the key's turns reach; an admin sees both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_sharing_a_key_reads_nothing_of_the_other_logins_requests() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    let conn = db.conn().await;
+    keyed(&admin, "gpu", 1).await;
+    let worker = db.notified_worker("w1");
+    admin
+        .submit(&Request::new("holder").permit("gpu", 1))
+        .await
+        .unwrap();
+    assert_eq!(next_grant_kept(&conn, "gpu").await, "holder");
+    let alice = permitq::Client::connect(&db.login("permitq_producer").await)
+        .await
+        .unwrap();
+    for id in ["alice-1", "alice-2"] {
+        alice
+            .submit(&Request::new(id).permit("gpu", 1).fairness_key("acme"))
+            .await
+            .unwrap();
+    }
+    let user = format!("mallory_keys_{}", std::process::id());
+    conn.batch_execute(&format!(
+        "CREATE ROLE {user} LOGIN PASSWORD 'pw' IN ROLE permitq_producer"
+    ))
+    .await
+    .unwrap();
+    let mallory = permitq::Client::connect(&common::as_user(&db.url, &user, "pw"))
+        .await
+        .unwrap();
+    mallory
+        .submit(&Request::new("m-1").permit("gpu", 1).fairness_key("acme"))
+        .await
+        .unwrap();
+    wait_examined(&conn, "gpu", 3).await;
+    let said = mallory.explain("m-1").await.unwrap().unwrap().semaphores[0]
+        .fairness
+        .clone()
+        .unwrap_or_default();
+    assert!(
+        said.contains("placed 20s after its arrival")
+            && said.contains(
+                "none of yours waits or holds here now (other logins' requests are not listed)"
+            )
+            && !said.contains("alice")
+            && !said.contains("another login's request"),
+        "{said}"
+    );
+    let shares = mallory.key_shares("gpu").await.unwrap();
+    assert!(shares.iter().all(|k| k.placed_back.is_none()), "{shares:?}");
+    let seen = admin.explain("m-1").await.unwrap().unwrap().semaphores[0]
+        .fairness
+        .clone()
+        .unwrap_or_default();
+    assert!(
+        seen.contains("still waiting or holding: alice-2 (waiting), alice-1 (waiting)"),
+        "{seen}"
+    );
+    assert!(admin
+        .key_shares("gpu")
+        .await
+        .unwrap()
+        .iter()
+        .any(|k| k.fairness_key == "acme" && k.placed_back.is_some()),);
+    drop(mallory);
+    admin.release("holder").await.unwrap();
+    worker.stop().await;
+    conn.batch_execute(&format!("DROP OWNED BY {user}; DROP ROLE {user}"))
+        .await
+        .unwrap();
 }
