@@ -75,6 +75,10 @@ examined AS (
     JOIN permitq.semaphore s ON s.id = k.semaphore_id
     JOIN permitq.permit_request r ON r.permits ? s.name
     WHERE r.examined_at IS NOT NULL AND r.error_code IS DISTINCT FROM 'invalid'
+      -- Failed by the batch that first examined it without waiting (its wait over already,
+      -- or a count above the capacity): placed by no key, it takes no turn.
+      AND NOT coalesce(r.wait_until <= r.examined_at, false)
+      AND NOT (r.error_code = 'exceeds_capacity' AND r.decided_at = r.examined_at)
     GROUP BY 1, 2, 3),
 joined AS (
     SELECT coalesce(m.batch_start, e.batch_start) AS batch_start,

@@ -128,6 +128,16 @@ BEGIN
         -- semaphore for every request of the batch (flat in the number of semaphores).
         JOIN LATERAL (SELECT x.id FROM permitq.semaphore x WHERE x.name = e.key LIMIT 1) s ON true
         JOIN permitq.keyed_semaphore k ON k.semaphore_id = s.id
+        -- A request this batch fails without letting it wait takes no turn: its wait over
+        -- already (the claim's `expired`, by this transaction's now()), or a count above the
+        -- capacity of a semaphore it names (exceeds_capacity). Read under the batch's locks,
+        -- as the decision reads them.
+        WHERE (r.wait_until IS NULL OR r.wait_until > now())
+          AND NOT EXISTS (SELECT 1 FROM jsonb_each(r.permits) c
+                          JOIN LATERAL (SELECT x.capacity FROM permitq.semaphore x
+                                        WHERE x.name = c.key LIMIT 1) cs ON true
+                          WHERE jsonb_typeof(c.value) = 'number'
+                            AND (c.value #>> '{}')::numeric > cs.capacity)
     ),
     -- S = max(V, F) + the turns of the key's requests ahead of it in this batch.
     tagged AS (

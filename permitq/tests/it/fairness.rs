@@ -1094,3 +1094,68 @@ async fn a_producer_sharing_a_key_reads_nothing_of_the_other_logins_requests() {
         .await
         .unwrap();
 }
+
+/// A request that the batch first examining it fails at once, its wait already over or its
+/// count above the capacity, never waited in line and takes no turn: its key's next request is
+/// placed at its arrival, not behind turns nobody waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_failed_when_first_examined_takes_no_turn() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    keyed(&client, "gpu", 2).await;
+    let mut late = Request::new("a-1").permit("gpu", 1).fairness_key("A");
+    late.wait = Some(Duration::from_millis(200));
+    client.submit(&late).await.unwrap();
+    client
+        .submit(&Request::new("a-2").permit("gpu", 3).fairness_key("A"))
+        .await
+        .unwrap();
+    // No worker yet: a-1's wait runs out before any batch examines it.
+    common::wait_until(SOON, "a-1's wait over", || async {
+        conn.query_one(
+            "SELECT wait_until < now() FROM permitq.permit_request WHERE external_id = 'a-1'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, bool>(0)
+    })
+    .await;
+    let worker = db.notified_worker("w1");
+    for (id, code) in [("a-1", "timeout"), ("a-2", "exceeds_capacity")] {
+        let row = client.wait_settled(id, SOON).await.unwrap().unwrap();
+        assert_eq!(
+            row.error_code.map(|c| c.to_string()).as_deref(),
+            Some(code),
+            "{row:?}"
+        );
+        assert!(
+            row.error_detail
+                .as_ref()
+                .is_none_or(|d| d.turn_kept_on.is_empty()),
+            "{row:?}"
+        );
+    }
+    client
+        .submit(&Request::new("holder").permit("gpu", 2))
+        .await
+        .unwrap();
+    assert_eq!(next_grant_kept(&conn, "gpu").await, "holder");
+    client
+        .submit(&Request::new("a-3").permit("gpu", 1).fairness_key("A"))
+        .await
+        .unwrap();
+    wait_examined(&conn, "gpu", 1).await;
+    let explained = client.explain("a-3").await.unwrap().unwrap();
+    assert!(
+        explained.semaphores[0]
+            .fairness
+            .as_deref()
+            .is_some_and(|f| f.contains("placed at its arrival")),
+        "{explained:?}"
+    );
+    client.release("holder").await.unwrap();
+    worker.stop().await;
+    check_invariants(&conn).await.unwrap();
+}
