@@ -558,6 +558,33 @@ async fn say_key_unused(client: &Client, row: &permitq::PermitRequest) {
     let Ok(usage) = client.usage().await else {
         return;
     };
+    // On a keyed one, a key that reads as one already there but is not (keys are compared
+    // exactly): said, since it is served as another tenant.
+    for u in usage
+        .iter()
+        .filter(|u| row.permits.contains_key(&u.name) && u.fairness_keys)
+    {
+        let alike: Vec<String> = client
+            .key_shares(&u.name)
+            .await
+            .unwrap_or_default()
+            .iter()
+            .filter(|k| {
+                k.fairness_key != *key
+                    && k.fairness_key.trim().to_lowercase() == key.trim().to_lowercase()
+            })
+            .map(crate::show::key_label)
+            .collect();
+        if !alike.is_empty() {
+            errln!(
+                "permitq: note: the fairness key {} is not {} on {} (keys are compared exactly, \
+                 case and spaces included): it takes turns as a tenant of its own",
+                serde_json::Value::from(key.as_str()),
+                alike.join(" nor "),
+                u.name
+            );
+        }
+    }
     let plain: Vec<&permitq::SemaphoreUsage> = usage
         .iter()
         .filter(|u| row.permits.contains_key(&u.name) && !u.fairness_keys)
@@ -1163,14 +1190,20 @@ fn release_said(outcome: ReleaseOutcome, row: &PermitRequest) -> String {
     match outcome {
         ReleaseOutcome::Released => format!("{permits} given back{held}"),
         ReleaseOutcome::Revoked => format!(
-            "{permits} taken back from its holder{held}; its fencing token {} is now stale; the \
-             holder learns it at its next heartbeat{}",
+            "{permits} taken back from its holder{held}; its fencing token {} is now stale; {}",
             row.fencing_token.map_or("-".to_string(), |t| t.to_string()),
-            // The client libraries heartbeat every third of the ttl.
-            row.ttl.map_or(String::new(), |ttl| format!(
-                " (a client library's comes every third of its ttl: within {})",
-                humantime::format_duration(Duration::from_secs((ttl.as_secs() / 3).max(1)))
-            ))
+            // The client libraries heartbeat every third of the ttl; without a lease there is
+            // no heartbeat to learn it from.
+            row.ttl.map_or(
+                "it had no lease, so no heartbeat tells its holder: its next `permitq status` \
+                 or fenced write does"
+                    .to_string(),
+                |ttl| format!(
+                    "the holder learns it at its next heartbeat (a client library's comes every \
+                     third of its ttl: within {})",
+                    humantime::format_duration(Duration::from_secs((ttl.as_secs() / 3).max(1)))
+                )
+            )
         ),
         ReleaseOutcome::AlreadyReleased => {
             let revoked_by = row.error_detail.as_ref().and_then(|d| d.revoked_by.clone());

@@ -344,8 +344,14 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             ago(w.waiting_since)
         );
     }
-    // Served by fairness key: each key's share, so that the order above can be read.
-    if d.usage.fairness_keys {
+    // Served by fairness key: each key's share, so that the order above can be read. A
+    // template serves no line itself: each instance is a line with its own keys.
+    if d.usage.fairness_keys && d.usage.is_template {
+        outln!(
+            "\nfairness keys: each instance is a line of its own, with its own keys' turns \
+             (`permitq semaphore show INSTANCE` shows its keys)"
+        );
+    } else if d.usage.fairness_keys {
         outln!(
             "\nfairness keys ({}; keys that wait are served in proportion to their weights, \
              in arrival order within each; a weight is each request's own, a key's shown as the \
@@ -364,8 +370,8 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             // Turns taken that the line has not passed: the share starts after them.
             let back = k.placed_back.map_or(String::new(), |back| {
                 format!(
-                    "; its next request is placed {} back (turns it took that the line has not \
-                     passed)",
+                    "; its next request is placed {} back (its turns reach that far past the \
+                     line's turn, the start of the latest turn granted)",
                     short_seconds(back.as_secs_f64())
                 )
             });
@@ -431,7 +437,13 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
                         .as_f64()
                         .map_or(String::new(), |ms| format!(", p90 latency {ms:.0}ms")),
                     n("used"),
-                    if from == to {
+                    if from == to && n("ok") > n("failed") && n("used") * 2 < to {
+                        // Why calm reports did not grow it: the rule every algorithm shares.
+                        format!(
+                            "kept {to}: it grows only while at least half of it ({}) is in use",
+                            (to + 1) / 2
+                        )
+                    } else if from == to {
                         format!("kept {to}")
                     } else {
                         format!("{from} -> {to}")
@@ -625,8 +637,8 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
         // shortfall adds up (needs - free).
         let kept = match s.kept {
             Some(k) if k > 0 && s.reason.starts_with("parent: within the guarantee") => format!(
-                ", {k} kept for other children's guarantees (within its own guarantee it may \
-                 use them)"
+                " ({k} of it kept for other children's guarantees, which this request, within \
+                 its own guarantee, may take all the same)"
             ),
             Some(k) if k > 0 => format!(", {k} kept for other children's guarantees"),
             _ => String::new(),

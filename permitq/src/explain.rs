@@ -113,13 +113,10 @@ pub(crate) fn explanation_from_rows(rows: &[Row]) -> Result<Option<Explanation>>
                         external_id: h["external_id"].as_str().unwrap_or_default().to_string(),
                         count: h["count"].as_i64().unwrap_or_default(),
                         held_for_s: h["held_for_s"].as_f64().unwrap_or_default(),
-                        expires_at: h["expires_in_s"].as_f64().map(|s| {
-                            let now = SystemTime::now();
-                            if s >= 0.0 {
-                                now + Duration::from_secs_f64(s)
-                            } else {
-                                now - Duration::from_secs_f64(-s)
-                            }
+                        // The stored instant (not now + the rounded seconds left, which
+                        // drifted from one call to the next).
+                        expires_at: h["expires_epoch"].as_f64().and_then(|s| {
+                            std::time::UNIX_EPOCH.checked_add(Duration::try_from_secs_f64(s).ok()?)
                         }),
                     })
                     .collect()

@@ -328,7 +328,7 @@ fn turn_kept(on: &[String], key: Option<&str>) -> String {
     format!(
         "; its turn on {} stays taken for its fairness key{key} until the line passes it, so \
          the key's next request there is placed behind it (each try that waits in line takes a \
-         turn)",
+         turn; `permitq explain` of the next one says how far back it is placed)",
         on.join(", ")
     )
 }

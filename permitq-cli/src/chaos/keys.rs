@@ -78,7 +78,7 @@ examined AS (
       -- Failed by the batch that first examined it without waiting (its wait over already,
       -- or a count above the capacity): placed by no key, it takes no turn.
       AND NOT coalesce(r.wait_until <= r.examined_at, false)
-      AND NOT (r.error_code = 'exceeds_capacity' AND r.decided_at = r.examined_at)
+      AND NOT coalesce(r.error_code = 'exceeds_capacity' AND r.decided_at = r.examined_at, false)
     GROUP BY 1, 2, 3),
 joined AS (
     SELECT coalesce(m.batch_start, e.batch_start) AS batch_start,

@@ -2370,8 +2370,9 @@ async fn within_a_guarantee_the_room_kept_for_others_is_said_not_to_count() {
     run(url, &["submit", "lc-1", "lab:c=2"]).await;
     wait_until(SOON, "lc-1 explained on its parent", || async {
         stdout(&run(url, &["explain", "lc-1"]).await).contains(
-            "accelerators (parent, through lab:c): needs 2, 1 free of 8, 1 kept for other \
-             children's guarantees (within its own guarantee it may use them), short 1",
+            "accelerators (parent, through lab:c): needs 2, 1 free of 8 (1 of it kept for other \
+             children's guarantees, which this request, within its own guarantee, may take all \
+             the same), short 1",
         )
     })
     .await;

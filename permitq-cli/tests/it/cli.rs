@@ -469,7 +469,10 @@ async fn submit_await_status_release_and_their_exit_codes() {
         stdout(&o).starts_with("revoked: db=")
             && stdout(&o).contains(" taken back from its holder after ")
             && stdout(&o).contains("; its fencing token ")
-            && stdout(&o).contains(" is now stale; the holder learns it at its next heartbeat"),
+            && stdout(&o).contains(
+                " is now stale; it had no lease, so no heartbeat tells its holder: its next \
+                 `permitq status` or fenced write does"
+            ),
         "{}",
         stdout(&o)
     );
@@ -1417,20 +1420,18 @@ async fn fairness_keys_from_the_command_line() {
     let o = run(url, &["explain", "a-3"]).await;
     assert!(
         stdout(&o).lines().any(|l| l.starts_with(
-            "  fairness key team-a, weight 1: placed 20s after its arrival by the turns of its \
-             key's earlier requests here"
+            "  fairness key team-a, weight 1: placed 20s after its arrival: its key's turns \
+             reached that far past the line's turn here"
         ) && l
-            .contains(
-            "its key's requests before it here still waiting or holding: a-2 (waiting), a-1 (waiting)"
-        )),
+            .contains("its key's requests before it here: waiting a-2, a-1;")),
         "{}",
         stdout(&o)
     );
     assert!(
         show.lines().any(|l| l.trim_start().starts_with("team-a")
             && l.contains(
-                "; its next request is placed 50.0s back (turns it took that the line \
-                           has not passed)"
+                "; its next request is placed 50.0s back (its turns reach that far past the \
+                 line's turn, the start of the latest turn granted)"
             )),
         "{show}"
     );
@@ -1459,6 +1460,34 @@ async fn fairness_keys_from_the_command_line() {
                  case and spaces included)"
             ),
         "{show}"
+    );
+    // A priority's net effect is said: 50s of turns back, 3 steps (30s) earlier.
+    run(
+        url,
+        &[
+            "submit",
+            "p-3",
+            "gpu=1",
+            "--fairness-key",
+            "team-a",
+            "--priority",
+            "3",
+        ],
+    )
+    .await;
+    wait_until(Duration::from_secs(15), "p-3 placed", || async {
+        stdout(&run(url, &["explain", "p-3"]).await).contains(
+            "placed 50s after its arrival: its key's turns reached that far past the line's turn",
+        )
+    })
+    .await;
+    let o = run(url, &["explain", "p-3"]).await;
+    assert!(
+        stdout(&o).contains(
+            "; with its priority 3 (3 turns, 30s, earlier) it stands 20s after its arrival;"
+        ),
+        "{}",
+        stdout(&o)
     );
     // What cannot be keyed, refused with what to do; nothing changed.
     for (args, said) in [

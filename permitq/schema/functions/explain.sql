@@ -52,6 +52,7 @@ DECLARE
     placed timestamptz := permitq.placed_at(r.created_at, placed_later);
     key_words text;
     ahead text;
+    ahead_held text;
     ahead_count bigint;
     later text;
     -- The keyed semaphores it names: its offset is the largest of theirs.
@@ -85,36 +86,51 @@ BEGIN
     FROM permitq.semaphore x JOIN permitq.keyed_semaphore k ON k.semaphore_id = x.id
     WHERE r.permits ? x.name;
     -- Its key's requests before it here that still wait (ahead of it in line) or hold, that this
-    -- login may read. Latest first.
-    SELECT string_agg(x.shown, ', ' ORDER BY x.id DESC) FILTER (WHERE x.n <= 3), count(*)
-    INTO ahead, ahead_count
-    FROM (SELECT y.id, y.shown, row_number() OVER (ORDER BY y.id DESC) AS n
-          FROM (SELECT pr.id, pr.external_id || ' (waiting)' AS shown
+    -- login may read: latest first, at most 3 of each named.
+    SELECT string_agg(x.external_id, ', ' ORDER BY x.id DESC) FILTER (WHERE x.waits AND x.n <= 3)
+               || CASE WHEN count(*) FILTER (WHERE x.waits) > 3
+                       THEN format(' and %s more', count(*) FILTER (WHERE x.waits) - 3) ELSE '' END,
+           string_agg(x.external_id, ', ' ORDER BY x.id DESC) FILTER (WHERE NOT x.waits AND x.n <= 3)
+               || CASE WHEN count(*) FILTER (WHERE NOT x.waits) > 3
+                       THEN format(' and %s more', count(*) FILTER (WHERE NOT x.waits) - 3) ELSE '' END,
+           count(*)
+    INTO ahead, ahead_held, ahead_count
+    FROM (SELECT y.*, row_number() OVER (PARTITION BY y.waits ORDER BY y.id DESC) AS n
+          FROM (SELECT pr.id, pr.external_id, true AS waits
                 FROM permitq.waiters_ahead(s.id, permitq.rule_place_in_line(r.priority, placed), r.id) w
                 JOIN permitq.permit_request pr ON pr.id = w.request_id
                 WHERE pr.fairness_key IS NOT DISTINCT FROM r.fairness_key
                   AND permitq.may_read(pr.submitted_by)
                 UNION ALL
-                SELECT pr.id, pr.external_id || ' (held)'
+                SELECT pr.id, pr.external_id, false
                 FROM permitq.permit_request pr
                 WHERE pr.state = 'acquired' AND coalesce(pr.charged, pr.permits) ? s.name
                   AND pr.fairness_key IS NOT DISTINCT FROM r.fairness_key
                   AND pr.id < r.id AND permitq.may_read(pr.submitted_by)) y) x;
-    RETURN key_words || format(': placed %s after its arrival by the turns of its key''s earlier requests %s that the line has not passed (%s × count ÷ weight each; a turn counts until the line passes it, even once its request has ended: released, cancelled, timed out or failed)%s; ',
+    RETURN key_words || format(': placed %s after its arrival: its key''s turns reached that far past the line''s turn %s when a worker examined it (the line''s turn: the start of the latest turn granted there; each turn %s × count ÷ weight, the key''s latest grant''s own included, and counted even once its request has ended: released, cancelled, timed out or failed)%s%s; ',
                                permitq.human_duration(placed_later),
                                CASE WHEN cardinality(keyed_names) > 1
-                                    THEN format('on %s (its one place on every line is the furthest back of theirs)',
+                                    THEN format('on one of %s (its one place on every line is the furthest back of theirs)',
                                                 array_to_string(keyed_names, ', '))
                                     ELSE 'here' END,
                                permitq.human_duration(step),
                                CASE WHEN ahead_count = 0
                                     THEN CASE WHEN permitq.reads_every_request()
-                                              THEN '; none of them waits or holds here now'
-                                              ELSE '; none of yours waits or holds here now (other logins'' requests are not listed)' END
-                                    ELSE '; its key''s requests before it here still waiting or holding: ' || ahead
-                                         || CASE WHEN ahead_count > 3
-                                                 THEN format(' and %s more', ahead_count - 3) ELSE '' END
-                                    END)
+                                              THEN '; none of its key''s requests before it waits or holds here now'
+                                              ELSE '; none of yours with its key waits or holds here now (other logins'' requests are not listed)' END
+                                    ELSE '; its key''s requests before it here: '
+                                         || concat_ws('; ', 'waiting ' || ahead, 'holding ' || ahead_held)
+                                    END,
+                               -- The net of its priority: each step one turn earlier.
+                               CASE WHEN r.priority <> 0
+                                    THEN format('; with its priority %s (%s turns, %s, %s) it stands %s',
+                                                r.priority, abs(r.priority),
+                                                permitq.human_duration(abs(r.priority) * step),
+                                                CASE WHEN r.priority > 0 THEN 'earlier' ELSE 'later' END,
+                                                CASE WHEN placed_later - r.priority * step >= interval '0'
+                                                     THEN permitq.human_duration(placed_later - r.priority * step) || ' after its arrival'
+                                                     ELSE permitq.human_duration(r.priority * step - placed_later) || ' before its arrival' END)
+                                    ELSE '' END)
            || later;
 END $$;
 
@@ -457,6 +473,8 @@ BEGIN
                    'external_id', h.external_id, 'count', h.count,
                    'held_for_s', round(extract(epoch FROM now() - h.acquired_at)::numeric, 1),
                    'expires_at', h.expires_at,
+                   -- The same instant as seconds since the epoch (exact, for the clients).
+                   'expires_epoch', extract(epoch FROM h.expires_at),
                    'expires_in_s', round(extract(epoch FROM h.expires_at - now())::numeric, 1))
                ORDER BY h.expires_at NULLS LAST, h.acquired_at), '[]'),
                min(h.first_held_at)

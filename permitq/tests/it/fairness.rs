@@ -137,11 +137,12 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
     assert!(
         behind.semaphores[0].position == Some(4)
             && fairness.starts_with(
-                "fairness key A, weight 1: placed 20s after its arrival by the turns of its \
-                 key's earlier requests here that the line has not passed (10s × count ÷ weight \
-                 each; a turn counts until the line passes it, even once its request has ended: \
-                 released, cancelled, timed out or failed); its key's requests before it here \
-                 still waiting or holding: a-2 (waiting), a-1 (waiting); a request of "
+                "fairness key A, weight 1: placed 20s after its arrival: its key's turns \
+                 reached that far past the line's turn here when a worker examined it (the \
+                 line's turn: the start of the latest turn granted there; each turn 10s × count \
+                 ÷ weight, the key's latest grant's own included, and counted even once its \
+                 request has ended: released, cancelled, timed out or failed); its key's \
+                 requests before it here: waiting a-2, a-1; a request of "
             )
             && (fairness.contains(
                 "a request of a key with no turns outstanding that arrives in the next "
@@ -928,8 +929,8 @@ async fn a_cancel_or_timeout_keeps_its_keys_turn_and_says_so() {
     let explained = client.explain("a-3").await.unwrap().unwrap();
     let fairness = explained.semaphores[0].fairness.clone().unwrap_or_default();
     assert!(
-        fairness.contains("after its arrival by the turns of its key's earlier requests")
-            && fairness.contains("none of them waits or holds here now"),
+        fairness.contains("placed 20s after its arrival: its key's turns reached that far")
+            && fairness.contains("none of its key's requests before it waits or holds here now"),
         "{fairness}"
     );
     worker.stop().await;
@@ -1065,7 +1066,8 @@ async fn a_producer_sharing_a_key_reads_nothing_of_the_other_logins_requests() {
     assert!(
         said.contains("placed 20s after its arrival")
             && said.contains(
-                "none of yours waits or holds here now (other logins' requests are not listed)"
+                "none of yours with its key waits or holds here now (other logins' requests are \
+                 not listed)"
             )
             && !said.contains("alice")
             && !said.contains("another login's request"),
@@ -1078,7 +1080,7 @@ async fn a_producer_sharing_a_key_reads_nothing_of_the_other_logins_requests() {
         .clone()
         .unwrap_or_default();
     assert!(
-        seen.contains("still waiting or holding: alice-2 (waiting), alice-1 (waiting)"),
+        seen.contains("its key's requests before it here: waiting alice-2, alice-1;"),
         "{seen}"
     );
     assert!(admin
