@@ -353,9 +353,8 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
         );
     } else if d.usage.fairness_keys {
         outln!(
-            "\nfairness keys ({}; keys that wait are served in proportion to their weights, \
-             in arrival order within each; a weight is each request's own, a key's shown as the \
-             largest its waiting requests asked, its share as if all of them had it):",
+            "\nfairness keys ({}; served in proportion to weight, a key's the largest its \
+             waiting requests asked):",
             if d.key_shares.is_empty() {
                 "none yet".to_string()
             } else {
