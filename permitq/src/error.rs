@@ -170,12 +170,15 @@ impl Error {
     }
 
     /// True when the permitq schema is missing or older than this build: run `permitq migrate`.
+    /// (A column this build reads that the schema lacks, as `explain`'s `fairness` before
+    /// migration 15, is an older schema too: every statement the library sends is its own.)
     pub fn is_missing_schema(&self) -> bool {
         matches!(
             self.code(),
             Some(c) if *c == SqlState::INVALID_SCHEMA_NAME
                 || *c == SqlState::UNDEFINED_TABLE
                 || *c == SqlState::UNDEFINED_FUNCTION
+                || *c == SqlState::UNDEFINED_COLUMN
         )
     }
 }
