@@ -417,7 +417,8 @@ pub(crate) enum SemaphoreCommand {
         no_adaptive: bool,
         /// Serve its line across the requests' fairness keys (`submit --fairness-key TENANT`)
         /// in proportion to their weights, arrival order within a key: one tenant's burst does
-        /// not make another's request wait behind it (a fair semaphore; not a template).
+        /// not make another's request wait behind it (a fair semaphore; on a template, every
+        /// instance, each a line of its own).
         #[arg(long, conflicts_with_all = ["no_fairness_keys", "greedy"])]
         fairness_keys: bool,
         /// Serve its line by priority and arrival alone again.

@@ -571,7 +571,7 @@ async fn say_key_unused(client: &Client, row: &permitq::PermitRequest) {
             .iter()
             .filter(|k| {
                 k.fairness_key != *key
-                    && k.fairness_key.trim().to_lowercase() == key.trim().to_lowercase()
+                    && crate::show::alike_form(&k.fairness_key) == crate::show::alike_form(key)
             })
             .map(crate::show::key_label)
             .collect();

@@ -119,8 +119,14 @@ fn main() -> ExitCode {
                 // No permitq role at all: the one this command needs, not a list.
                 Some(role) if e.is_schema_refused() => format!(
                     "the login {login} has no permitq role (permission denied for schema \
-                     permitq): this command needs {role}; a DBA runs GRANT {role} TO {login}, or \
-                     use a login that has it"
+                     permitq): this command needs {role}{}; a DBA runs GRANT {role} TO {login}, \
+                     or use a login that has it",
+                    // The reading commands also work for a producer, on its own requests.
+                    if role == "permitq_operator" {
+                        " to read every request (permitq_producer reads its own alone)"
+                    } else {
+                        ""
+                    }
                 ),
                 _ => e.to_string().replace("<your login>", &login),
             };

@@ -357,6 +357,17 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
              waiting requests asked):",
             if d.key_shares.is_empty() {
                 "none yet".to_string()
+            } else if d
+                .key_shares
+                .iter()
+                .any(|k| k.waiting > 0 && k.share_percent.is_none())
+            {
+                // A producer login: its own keys alone, so no shares.
+                format!(
+                    "your {} shown, most waiting first; shares and how far back are for \
+                     operators, who see every key",
+                    d.key_shares.len()
+                )
             } else {
                 format!("{} shown, most waiting first", d.key_shares.len())
             }
@@ -436,7 +447,12 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
                         .as_f64()
                         .map_or(String::new(), |ms| format!(", p90 latency {ms:.0}ms")),
                     n("used"),
-                    if from == to && n("ok") > n("failed") && n("used") * 2 < to {
+                    if from == to
+                        && n("ok") > n("failed")
+                        && n("overloaded") == 0
+                        && i64::from(a.ceiling) > to
+                        && n("used") * 2 < to
+                    {
                         // Why calm reports did not grow it: the rule every algorithm shares.
                         format!(
                             "kept {to}: it grows only while at least half of it ({}) is in use",
@@ -834,13 +850,22 @@ pub(crate) fn key_label(k: &permitq::KeyShare) -> String {
     }
 }
 
+/// A key as a reader takes it: lower case, spaces collapsed (two keys alike in this form are
+/// still two keys).
+pub(crate) fn alike_form(key: &str) -> String {
+    key.split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .to_lowercase()
+}
+
 /// Keys shown that differ only in case or in spaces at their ends, which read as one tenant
 /// but are served as two (keys are compared exactly), as `"acme" and "Acme "`.
 fn keys_alike(keys: &[permitq::KeyShare]) -> Vec<String> {
     let mut alike = Vec::new();
     for (i, a) in keys.iter().enumerate() {
         for b in &keys[i + 1..] {
-            if a.fairness_key.trim().to_lowercase() == b.fairness_key.trim().to_lowercase() {
+            if alike_form(&a.fairness_key) == alike_form(&b.fairness_key) {
                 alike.push(format!("{} and {}", key_label(a), key_label(b)));
             }
         }

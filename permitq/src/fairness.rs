@@ -21,7 +21,8 @@ pub struct KeyShare {
     /// The permits its requests hold now.
     pub held: i64,
     /// While it waits: its share of the grants while the keys shown wait, in whole percent (in
-    /// proportion to the weights of the keys shown that wait; these add up to 100).
+    /// proportion to the weights of the keys shown that wait; these add up to 100). `None` for a
+    /// login that reads only its own requests: it sees its own keys alone.
     pub share_percent: Option<i64>,
     /// How far back a request of this key arriving now would be placed: the turns its requests
     /// have taken that the line has not passed yet (`None`: none, it would be placed at its
@@ -66,8 +67,10 @@ impl crate::Client {
                 }
             })
             .collect();
+        // A producer sees its own keys alone: a share among them would mislead.
+        let every_key = self.reads_every_request().await?;
         for (k, share) in keys.iter_mut().zip(percent_shares(&weights)) {
-            k.share_percent = (k.waiting > 0).then_some(share);
+            k.share_percent = (every_key && k.waiting > 0).then_some(share);
         }
         Ok(keys)
     }

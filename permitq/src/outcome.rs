@@ -269,6 +269,13 @@ impl PermitRequest {
                         "when it ran out, {} (`permitq semaphore show {name}` lists the holders)",
                         no_room(&name)
                     )
+                } else if self.examined_at.is_none() {
+                    // No batch ever read it: no worker ran while it waited (the deadline sweep
+                    // of one that started later ended it).
+                    "no worker examined it while it waited: none was running, or none reached \
+                     it in time (`permitq workers` lists those seen; `permitq worker` starts \
+                     one)"
+                        .to_string()
                 } else {
                     "no semaphore it names was short of room when it ran out: requests ahead of \
                      it in line took the room first (a fair semaphore keeps room for the first \

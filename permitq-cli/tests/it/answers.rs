@@ -332,11 +332,15 @@ async fn a_login_without_any_permitq_role_is_told_the_role_its_command_needs() {
         .await
         .unwrap();
     let url = common::as_user(&db.url, &user, "pw");
-    for (args, role) in [
-        (&["worker"][..], "permitq_worker"),
-        (&["submit", "p-1", "gpu=1"][..], "permitq_producer"),
-        (&["semaphore", "show", "gpu"][..], "permitq_operator"),
-        (&["semaphore", "set", "gpu", "2"][..], "permitq_admin"),
+    for (args, role, why) in [
+        (&["worker"][..], "permitq_worker", ""),
+        (&["submit", "p-1", "gpu=1"][..], "permitq_producer", ""),
+        (
+            &["semaphore", "show", "gpu"][..],
+            "permitq_operator",
+            " to read every request (permitq_producer reads its own alone)",
+        ),
+        (&["semaphore", "set", "gpu", "2"][..], "permitq_admin", ""),
     ] {
         let o = tokio::time::timeout(SOON, run(&url, args))
             .await
@@ -345,8 +349,8 @@ async fn a_login_without_any_permitq_role_is_told_the_role_its_command_needs() {
         assert!(
             stderr(&o).contains(&format!(
                 "the login {user} has no permitq role (permission denied for schema permitq): \
-                 this command needs {role}; a DBA runs GRANT {role} TO {user}, or use a login \
-                 that has it"
+                 this command needs {role}{why}; a DBA runs GRANT {role} TO {user}, or use a \
+                 login that has it"
             )),
             "{args:?}: {}",
             stderr(&o)

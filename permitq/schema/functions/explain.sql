@@ -36,6 +36,16 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     LIMIT 10000
 $$;
 
+-- Whether a request arriving from now on goes ahead of one that stands at `place` (at the same
+-- priority), in words: `goes ahead of it if it arrives in the next 19s, behind it after`.
+CREATE OR REPLACE FUNCTION permitq.goes_ahead_until(place timestamptz) RETURNS text
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT CASE WHEN place > now()
+                THEN format('goes ahead of it if it arrives in the next %s, behind it after',
+                            permitq.human_duration(place - now()))
+                ELSE 'goes behind it, whenever it arrives from now on' END
+$$;
+
 -- What a fairness key did to waiting request `r`'s place on semaphore `s`, in words (NULL where
 -- `s` is not keyed, functions/fairness.sql): its key and weight; how far back its key's earlier
 -- turns placed it (`placed_later`, its waiter rows' offset: one place on every line, the largest
@@ -70,14 +80,16 @@ BEGIN
         RETURN key_words || format(': not placed yet; a worker places it when it first examines it: at its arrival, or later by the turns of its key''s earlier requests that the line has not passed (%s × count ÷ weight each)',
                                    permitq.human_duration(step));
     END IF;
-    -- A request of a key with no turns outstanding, at the same priority, goes ahead of it when
-    -- it arrives before its place; each priority step is one turn (functions/queue_order.sql).
-    later := CASE WHEN placed > now()
-        THEN format('a request of a key with no turns outstanding that arrives in the next %s still goes ahead of it, one that arrives later goes behind it',
-                    permitq.human_duration(placed - now()))
-        ELSE 'a request of another key that arrives from now on goes behind it' END
-        || format(' (at priority %s; a priority one step higher counts as one turn, %s, earlier)',
-                  r.priority, permitq.human_duration(step));
+    -- A request of a key with no turns outstanding goes ahead of it when it arrives before its
+    -- place, less one turn per priority step it has above this one's (functions/queue_order.sql):
+    -- said for its own priority, and for priority 0 when that is another.
+    later := format('a request of a key with no turns outstanding at priority %s %s',
+                    r.priority, permitq.goes_ahead_until(placed))
+        || CASE WHEN r.priority <> 0
+                THEN format('; at priority 0, %s', permitq.goes_ahead_until(placed - r.priority * step))
+                ELSE '' END
+        || format(' (a priority one step higher counts as one turn, %s, earlier)',
+                  permitq.human_duration(step));
     IF coalesce(placed_later, interval '0') = interval '0' THEN
         RETURN key_words || ': placed at its arrival: when a worker examined it, no turn of its key was ahead of the line (requests granted while nobody waited take no turn); '
                || later;
@@ -120,6 +132,8 @@ BEGIN
                                               ELSE '; none of yours with its key waits or holds here now (other logins'' requests are not listed)' END
                                     ELSE '; its key''s requests before it here: '
                                          || concat_ws('; ', 'waiting ' || ahead, 'holding ' || ahead_held)
+                                         || CASE WHEN permitq.reads_every_request() THEN ''
+                                                 ELSE ' (of yours: other logins'' requests with its key are not listed)' END
                                     END,
                                -- The net of its priority: each step one turn earlier.
                                CASE WHEN r.priority <> 0

@@ -110,8 +110,18 @@ BEGIN
     -- (The INSERT in WITH runs to completion, read or not.) Times in microseconds since the
     -- epoch (the place in line's unit); a request's share of its key's turn is
     -- step × count / weight, in whole microseconds.
-    WITH named AS (
-        SELECT r.id, coalesce(r.fairness_key, '') AS fkey, b.place, k.semaphore_id,
+    -- The batch's own rows first (MATERIALIZED: the checks below run on them alone, never on a
+    -- scan of the pending requests a generic plan could choose, where one malformed row would
+    -- fail the batch).
+    WITH batch AS MATERIALIZED (
+        SELECT r.id, r.fairness_key, r.fairness_weight, r.created_at, r.wait_until, b.place,
+               CASE WHEN jsonb_typeof(r.permits) = 'object' THEN r.permits ELSE '{}'::jsonb END
+                   AS permits
+        FROM unnest(ids, places) AS b(id, place)
+        JOIN permitq.permit_request r ON r.id = b.id AND r.state = 'new' AND NOT r.examined
+    ),
+    named AS (
+        SELECT r.id, coalesce(r.fairness_key, '') AS fkey, r.place, k.semaphore_id,
                permitq.epoch_us(k.virtual_time) AS v, permitq.epoch_us(r.created_at) AS created_us,
                permitq.rule_aging_step_us()
                    -- Read defensively: a count that is not one counts as 1 (the decision
@@ -120,10 +130,8 @@ BEGIN
                                AND (e.value #>> '{}')::numeric BETWEEN 1 AND 2147483647
                           THEN (e.value #>> '{}')::numeric::bigint ELSE 1 END
                    / coalesce(r.fairness_weight, 1) AS turn_us
-        FROM unnest(ids, places) AS b(id, place)
-        JOIN permitq.permit_request r ON r.id = b.id AND r.state = 'new' AND NOT r.examined
-        CROSS JOIN LATERAL jsonb_each(CASE WHEN jsonb_typeof(r.permits) = 'object'
-                                           THEN r.permits ELSE '{}'::jsonb END) e
+        FROM batch r
+        CROSS JOIN LATERAL jsonb_each(r.permits) e
         -- Each semaphore looked up by its name: the generic plan otherwise walked every
         -- semaphore for every request of the batch (flat in the number of semaphores).
         JOIN LATERAL (SELECT x.id FROM permitq.semaphore x WHERE x.name = e.key LIMIT 1) s ON true
@@ -131,7 +139,8 @@ BEGIN
         -- A request this batch fails without letting it wait takes no turn: its wait over
         -- already (the claim's `expired`, by this transaction's now()), or a count above the
         -- capacity of a semaphore it names (exceeds_capacity). Read under the batch's locks,
-        -- as the decision reads them.
+        -- as the decision reads them. (A refused fail-fast try, wait 0, is placed all the same:
+        -- whether it fits is the decision's, made in its place.)
         WHERE (r.wait_until IS NULL OR r.wait_until > now())
           AND NOT EXISTS (SELECT 1 FROM jsonb_each(r.permits) c
                           JOIN LATERAL (SELECT x.capacity FROM permitq.semaphore x

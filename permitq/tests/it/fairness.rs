@@ -126,7 +126,8 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
             && s.fairness.as_deref().is_some_and(|f| f.starts_with(
                 "fairness key B, weight 1: placed at its arrival: when a worker examined it, no \
                  turn of its key was ahead of the line (requests granted while nobody waited \
-                 take no turn); a request of another key that arrives from now on goes behind it"
+                 take no turn); a request of a key with no turns outstanding at priority 0 \
+                 goes behind it, whenever it arrives from now on"
             ))),
         "{explained:?}"
     );
@@ -145,12 +146,13 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
                  requests before it here: waiting a-2, a-1; a request of "
             )
             && (fairness.contains(
-                "a request of a key with no turns outstanding that arrives in the next "
-            ) || fairness
-                .contains("a request of another key that arrives from now on goes behind it"))
-            && fairness.ends_with(
-                "(at priority 0; a priority one step higher counts as one turn, 10s, earlier)"
-            ),
+                "a request of a key with no turns outstanding at priority 0 goes ahead of it if \
+                 it arrives in the next "
+            ) || fairness.contains(
+                "a request of a key with no turns outstanding at priority 0 goes behind it, \
+                 whenever it arrives from now on"
+            ))
+            && fairness.ends_with("(a priority one step higher counts as one turn, 10s, earlier)"),
         "{behind:?}"
     );
     // Nothing of the kind where the semaphore is not keyed.
@@ -1073,8 +1075,17 @@ async fn a_producer_sharing_a_key_reads_nothing_of_the_other_logins_requests() {
             && !said.contains("another login's request"),
         "{said}"
     );
+    // Its own key alone, with no share (a share among its own keys would mislead) and no
+    // placed_back (it would count alice's turns).
     let shares = mallory.key_shares("gpu").await.unwrap();
-    assert!(shares.iter().all(|k| k.placed_back.is_none()), "{shares:?}");
+    assert!(
+        shares.len() == 1
+            && shares[0].fairness_key == "acme"
+            && shares[0].waiting == 1
+            && shares[0].share_percent.is_none()
+            && shares[0].placed_back.is_none(),
+        "{shares:?}"
+    );
     let seen = admin.explain("m-1").await.unwrap().unwrap().semaphores[0]
         .fairness
         .clone()
@@ -1113,7 +1124,9 @@ async fn a_request_failed_when_first_examined_takes_no_turn() {
         .submit(&Request::new("a-2").permit("gpu", 3).fairness_key("A"))
         .await
         .unwrap();
-    // No worker yet: a-1's wait runs out before any batch examines it.
+    // No worker yet: a-1's wait runs out before any batch examines it. (The new worker's first
+    // deadline sweep may end it before its first batch does: then it was never placed either.
+    // a-2 is always failed by a batch, and without the rule its 30s turn would place a-3 back.)
     common::wait_until(SOON, "a-1's wait over", || async {
         conn.query_one(
             "SELECT wait_until < now() FROM permitq.permit_request WHERE external_id = 'a-1'",
@@ -1158,6 +1171,58 @@ async fn a_request_failed_when_first_examined_takes_no_turn() {
         "{explained:?}"
     );
     client.release("holder").await.unwrap();
+    worker.stop().await;
+    check_invariants(&conn).await.unwrap();
+}
+
+/// A malformed stored row (written around the checks) beside keyed requests fails alone as
+/// `invalid`: placing the batch by key reads only the batch's own rows, and reads their permits
+/// defensively, so the valid requests are granted as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_row_beside_keyed_requests_fails_alone() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    keyed(&client, "gpu", 5).await;
+    conn.batch_execute(
+        r#"SET session_replication_role = replica;
+        INSERT INTO permitq.permit_request (external_id, permits, fairness_key) VALUES
+            ('bad-array', '[1, 2]', 'A'),
+            ('bad-count', '{"gpu": "x"}', 'A');
+        SET session_replication_role = DEFAULT;"#,
+    )
+    .await
+    .unwrap();
+    for i in 1..=5 {
+        client
+            .submit(
+                &Request::new(format!("g-{i}"))
+                    .permit("gpu", 1)
+                    .fairness_key("A"),
+            )
+            .await
+            .unwrap();
+    }
+    let worker = db.notified_worker("w1");
+    for i in 1..=5 {
+        let row = client
+            .wait_settled(&format!("g-{i}"), SOON)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(row.state, permitq::State::Acquired, "{row:?}");
+    }
+    for id in ["bad-array", "bad-count"] {
+        let row = client.wait_settled(id, SOON).await.unwrap().unwrap();
+        assert_eq!(
+            row.error_code.map(|c| c.to_string()).as_deref(),
+            Some("invalid"),
+            "{row:?}"
+        );
+    }
+    for i in 1..=5 {
+        client.release(&format!("g-{i}")).await.unwrap();
+    }
     worker.stop().await;
     check_invariants(&conn).await.unwrap();
 }
