@@ -243,8 +243,8 @@ impl Mutation {
             Mutation::KeysIgnored => (
                 "fairness.sql",
                 &[Patch {
-                    find: "SELECT r.id, coalesce(r.fairness_key, '') AS fkey, b.place",
-                    replace: "SELECT r.id, ''::text AS fkey, b.place",
+                    find: "SELECT r.id, coalesce(r.fairness_key, '') AS fkey, r.place",
+                    replace: "SELECT r.id, ''::text AS fkey, r.place",
                 }][..],
             ),
             Mutation::SkipFairness => (
