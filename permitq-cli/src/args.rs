@@ -492,7 +492,8 @@ pub(crate) struct SubmitArgs {
     /// fairness key (`semaphore set NAME N --fairness-keys`); 1 to 64 characters.
     #[arg(long, value_name = "KEY")]
     pub fairness_key: Option<String>,
-    /// Its key's weight there (1 to 1000, default 1): keys that wait are served in proportion.
+    /// This request's weight (1 to 1000, default 1; each request carries its own, so give
+    /// every request of a key the same): its turn is 10s × count ÷ weight.
     #[arg(long, value_name = "WEIGHT", allow_negative_numbers = true,
           value_parser = clap::value_parser!(i32)
               .range(i64::from(*permitq::FAIRNESS_WEIGHT_RANGE.start())..=i64::from(*permitq::FAIRNESS_WEIGHT_RANGE.end())))]
