@@ -836,17 +836,10 @@ fn lease_end(expires_at: Option<SystemTime>) -> String {
 /// could be mistaken for another (spaces at its ends or doubled, characters that do not print)
 /// is quoted, as `permitq explain` quotes it: keys are compared exactly.
 pub(crate) fn key_label(k: &permitq::KeyShare) -> String {
-    let key = &k.fairness_key;
-    let plain = !key.is_empty()
-        && key
-            .split(' ')
-            .all(|word| !word.is_empty() && word.chars().all(|c| c.is_ascii_graphic()));
-    if key.is_empty() {
+    if k.fairness_key.is_empty() {
         "(no key)".to_string()
-    } else if plain {
-        key.clone()
     } else {
-        serde_json::to_string(key).unwrap_or_else(|_| format!("{key:?}"))
+        permitq::shown_key(&k.fairness_key)
     }
 }
 

@@ -32,6 +32,21 @@ pub struct KeyShare {
     pub placed_back: Option<std::time::Duration>,
 }
 
+/// A fairness key as the answers show it (the rule of the SQL `permitq.shown_key`): as it is
+/// when it cannot be mistaken for another (printable ASCII words apart by single spaces), else
+/// quoted as a JSON string. Keys are compared exactly: `acme ` is not `acme`.
+#[must_use]
+pub fn shown_key(key: &str) -> String {
+    let plain = key
+        .split(' ')
+        .all(|word| !word.is_empty() && word.chars().all(|c| c.is_ascii_graphic()));
+    if plain {
+        key.to_string()
+    } else {
+        serde_json::Value::from(key).to_string()
+    }
+}
+
 impl crate::Client {
     /// Each fairness key's share of semaphore `name` now, most waiting first (at most 20 keys;
     /// none unless it is served by key). A producer login sees its own requests' keys alone.

@@ -75,7 +75,7 @@ pub use adaptive::{next_capacity, AdaptiveLimit, Algorithm, Memory, Outcome, Sig
 pub use client::Client;
 pub use error::{Error, Result, SqlState};
 pub use explain::{BlockingHolder, Explanation, SemaphoreWait};
-pub use fairness::KeyShare;
+pub use fairness::{shown_key, KeyShare};
 pub use hardening::Finding;
 pub use lease::Lease;
 pub use maintenance::{MaintenanceConfig, OwnerLiveness};

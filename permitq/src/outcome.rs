@@ -321,16 +321,7 @@ fn turn_kept(on: &[String], key: Option<&str>) -> String {
     // Quoted where it could be mistaken for another key, as the answers show keys.
     let key = key.map_or(
         " (it has none: the requests without one share one key)".to_string(),
-        |k| {
-            let plain = k
-                .split(' ')
-                .all(|w| !w.is_empty() && w.chars().all(|c| c.is_ascii_graphic()));
-            if plain {
-                format!(" {k}")
-            } else {
-                format!(" {}", serde_json::Value::from(k))
-            }
-        },
+        |k| format!(" {}", crate::fairness::shown_key(k)),
     );
     format!(
         "; its turn on {} stays taken for its fairness key{key} until the line passes it, so \

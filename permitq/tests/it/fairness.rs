@@ -353,6 +353,13 @@ async fn wait_examined(conn: &tokio_postgres::Client, semaphore: &str, n: usize)
     .await;
 }
 
+/// What `explain` says of request `id`'s fairness key on the first semaphore it names (empty
+/// where it says nothing).
+async fn fairness_line(client: &permitq::Client, id: &str) -> String {
+    let explained = client.explain(id).await.unwrap().unwrap();
+    explained.semaphores[0].fairness.clone().unwrap_or_default()
+}
+
 /// A key that had the semaphore to itself is not punished for it: once another key arrives,
 /// the two alternate (the virtual time moved with what was granted), rather than the newcomer
 /// taking every grant until it has had as many as the first key had alone.
@@ -928,8 +935,7 @@ async fn a_cancel_or_timeout_keeps_its_keys_turn_and_says_so() {
         .await
         .unwrap();
     wait_examined(&conn, "gpu", 1).await;
-    let explained = client.explain("a-3").await.unwrap().unwrap();
-    let fairness = explained.semaphores[0].fairness.clone().unwrap_or_default();
+    let fairness = fairness_line(&client, "a-3").await;
     assert!(
         fairness.contains("placed 20s after its arrival: its key's turns reached that far")
             && fairness.contains("none of its key's requests before it waits or holds here now"),
@@ -990,22 +996,10 @@ async fn a_templates_instances_are_served_by_key_when_it_is() {
     // The instance made before the switch is keyed: old-3 is placed a turn behind old-2. The
     // one made after it is too, and a line of its own: new-2 is not behind key A's turns on
     // lab-old.
-    let explained = client.explain("old-3").await.unwrap().unwrap();
-    assert!(
-        explained.semaphores[0]
-            .fairness
-            .as_deref()
-            .is_some_and(|f| f.contains("placed 10s after its arrival")),
-        "{explained:?}"
-    );
-    let explained = client.explain("new-2").await.unwrap().unwrap();
-    assert!(
-        explained.semaphores[0]
-            .fairness
-            .as_deref()
-            .is_some_and(|f| f.contains("placed at its arrival")),
-        "{explained:?}"
-    );
+    let said = fairness_line(&client, "old-3").await;
+    assert!(said.contains("placed 10s after its arrival"), "{said}");
+    let said = fairness_line(&client, "new-2").await;
+    assert!(said.contains("placed at its arrival"), "{said}");
     client
         .set_semaphore("lab-*", 1, &SemaphoreSettings::new().fairness_keys(false))
         .await
@@ -1061,10 +1055,7 @@ async fn a_producer_sharing_a_key_reads_nothing_of_the_other_logins_requests() {
         .await
         .unwrap();
     wait_examined(&conn, "gpu", 3).await;
-    let said = mallory.explain("m-1").await.unwrap().unwrap().semaphores[0]
-        .fairness
-        .clone()
-        .unwrap_or_default();
+    let said = fairness_line(&mallory, "m-1").await;
     assert!(
         said.contains("placed 20s after its arrival")
             && said.contains(
@@ -1086,10 +1077,7 @@ async fn a_producer_sharing_a_key_reads_nothing_of_the_other_logins_requests() {
             && shares[0].placed_back.is_none(),
         "{shares:?}"
     );
-    let seen = admin.explain("m-1").await.unwrap().unwrap().semaphores[0]
-        .fairness
-        .clone()
-        .unwrap_or_default();
+    let seen = fairness_line(&admin, "m-1").await;
     assert!(
         seen.contains("its key's requests before it here: waiting alice-2, alice-1;"),
         "{seen}"
@@ -1162,14 +1150,8 @@ async fn a_request_failed_when_first_examined_takes_no_turn() {
         .await
         .unwrap();
     wait_examined(&conn, "gpu", 1).await;
-    let explained = client.explain("a-3").await.unwrap().unwrap();
-    assert!(
-        explained.semaphores[0]
-            .fairness
-            .as_deref()
-            .is_some_and(|f| f.contains("placed at its arrival")),
-        "{explained:?}"
-    );
+    let said = fairness_line(&client, "a-3").await;
+    assert!(said.contains("placed at its arrival"), "{said}");
     client.release("holder").await.unwrap();
     worker.stop().await;
     check_invariants(&conn).await.unwrap();
