@@ -595,10 +595,12 @@ async fn say_key_unused(client: &Client, row: &permitq::PermitRequest) {
     let names: Vec<&str> = plain.iter().map(|u| u.name.as_str()).collect();
     errln!(
         "permitq: note: {} {} not keyed, so the fairness key {key} changes nothing there \
-         (`permitq semaphore set {} CAPACITY{} --fairness-keys` serves a line by key)",
+         (`permitq semaphore set {} {}{} --fairness-keys` serves a line by key)",
         names.join(", "),
         if names.len() == 1 { "is" } else { "are" },
         crate::show::quoted_name(&first.name),
+        // Its capacity as it is (the command takes one; the other settings are kept).
+        first.capacity,
         // A greedy one serves no line: keyed, it is made fair too.
         if first.fair { "" } else { " --fair" }
     );

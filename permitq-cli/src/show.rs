@@ -357,11 +357,7 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
              waiting requests asked):",
             if d.key_shares.is_empty() {
                 "none yet".to_string()
-            } else if d
-                .key_shares
-                .iter()
-                .any(|k| k.waiting > 0 && k.share_percent.is_none())
-            {
+            } else if !sees_all {
                 // A producer login: its own keys alone, so no shares.
                 format!(
                     "your {} shown, most waiting first; shares and how far back are for \
@@ -378,13 +374,20 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
                 .map(|share| format!(", {share}% of the grants while these wait"))
                 .unwrap_or_default();
             // Turns taken that the line has not passed: the share starts after them.
-            let back = k.placed_back.map_or(String::new(), |back| {
-                format!(
+            let back = match k.placed_back {
+                Some(back) => format!(
                     "; its next request is placed {} back (its turns reach that far past the \
                      line's turn, the start of the latest turn granted)",
                     short_seconds(back.as_secs_f64())
-                )
-            });
+                ),
+                None if sees_all => "; its next request is placed at its arrival".to_string(),
+                None => String::new(),
+            };
+            if k.waiting == 0 && k.held == 0 {
+                // Listed for its turns alone (a login that reads every request sees these).
+                outln!("  {:<24} nothing waiting or held{back}", key_label(k));
+                continue;
+            }
             outln!(
                 "  {:<24} weight {:<4} waiting {} ({} permit{}), holds {}{share}{back}",
                 key_label(k),
@@ -682,7 +685,7 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
         ));
         lines.push(format!("  {}", s.reason));
         if let Some(fairness) = &s.fairness {
-            lines.push(format!("  {fairness}"));
+            lines.extend(fairness_sentences(fairness).map(|l| format!("  {l}")));
         }
         // A spent window waits for time, not for its holders; where it fits, its holders are not
         // what it waits for: neither is the answer.
@@ -832,6 +835,32 @@ fn lease_end(expires_at: Option<SystemTime>) -> String {
     }
 }
 
+/// `explain`'s fairness words a sentence a line: each sentence after the first opens with one of
+/// the few openings `permitq.fairness_answer` writes (split there alone, so that a key with a
+/// full stop in it stays whole).
+fn fairness_sentences(fairness: &str) -> impl Iterator<Item = &str> {
+    const OPENINGS: [&str; 4] = [
+        ". Its key's requests waiting",
+        ". None of ",
+        ". With its priority ",
+        ". A request of a key ",
+    ];
+    let mut rest = fairness;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let cut = OPENINGS
+            .iter()
+            .filter_map(|o| rest.find(o))
+            .min()
+            .map_or(rest.len(), |at| at + 1);
+        let (line, after) = rest.split_at(cut);
+        rest = after.trim_start();
+        Some(line)
+    })
+}
+
 /// A fairness key as shown: the requests that name none share the key `(no key)`; a key that
 /// could be mistaken for another (spaces at its ends or doubled, characters that do not print)
 /// is quoted, as `permitq explain` quotes it: keys are compared exactly.
@@ -877,5 +906,26 @@ pub(crate) fn quoted_name(name: &str) -> String {
         name.to_string()
     } else {
         format!("'{}'", name.replace('\'', r"'\''"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fairness_sentences;
+
+    #[test]
+    fn fairness_words_are_split_at_their_sentences_alone() {
+        let said = "fairness key acme. inc, weight 1: placed 20s after its arrival, by its \
+                    key's turns (a turn is 10s × count ÷ weight). Its key's requests waiting \
+                    ahead of it here: a-2 (their turns: 10s); more. With its priority 1 (1 \
+                    turns, 10s, earlier) it stands 10s after its arrival. A request of a key \
+                    with no turns outstanding at priority 1 goes behind it.";
+        let lines: Vec<&str> = fairness_sentences(said).collect();
+        assert_eq!(lines.len(), 4, "{lines:#?}");
+        assert!(lines[0].starts_with("fairness key acme. inc, weight 1"));
+        assert!(lines[0].ends_with("÷ weight)."));
+        assert!(lines[1].starts_with("Its key's requests waiting"));
+        assert!(lines[2].starts_with("With its priority 1"));
+        assert!(lines[3].starts_with("A request of a key") && lines[3].ends_with("behind it."));
     }
 }

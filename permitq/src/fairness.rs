@@ -12,7 +12,8 @@ pub struct KeyShare {
     /// The key (`""`: the requests that name none, which share the line as one key).
     pub fairness_key: String,
     /// Its weight: the largest its waiting requests asked (its holders', when none waits; 1
-    /// when none asked one).
+    /// when none asked one, or when it is listed for its turns alone: nothing waiting or held,
+    /// `placed_back` set).
     pub weight: i32,
     /// Its requests waiting in line, and the permits they ask.
     pub waiting: i64,

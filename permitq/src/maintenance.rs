@@ -399,6 +399,7 @@ pub(crate) async fn retention_once(
     Ok((requests, audit))
 }
 
+/// Runs `round` until `stop`, pausing about `interval` after each (see [`jittered`]).
 pub(crate) async fn every(
     interval: Duration,
     mut stop: watch::Receiver<bool>,
@@ -407,10 +408,17 @@ pub(crate) async fn every(
     while !*stop.borrow() {
         round().await;
         tokio::select! {
-            _ = tokio::time::sleep(interval) => {}
+            _ = tokio::time::sleep(jittered(interval)) => {}
             _ = stop.changed() => {}
         }
     }
+}
+
+/// `interval`, made 10% shorter or longer at random: workers started together would otherwise
+/// keep reaching a task's turn at the same instant, one of them always finding it held by the
+/// other's sweep, and warn of skips that were no more than that.
+fn jittered(interval: Duration) -> Duration {
+    interval.mul_f64(0.9 + 0.2 * fastrand::f64())
 }
 
 /// How full the cluster's NOTIFY queue is, and what permitq skipped because of it: gauge
@@ -528,4 +536,21 @@ pub(crate) async fn run_retention(
         })
     })
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::jittered;
+    use std::time::Duration;
+
+    #[test]
+    fn pauses_are_jittered_within_a_tenth_of_the_interval() {
+        let interval = Duration::from_secs(1);
+        let pauses: Vec<Duration> = (0..200).map(|_| jittered(interval)).collect();
+        assert!(pauses
+            .iter()
+            .all(|p| *p >= interval.mul_f64(0.9) && *p <= interval.mul_f64(1.1)));
+        // Not one fixed pause: two workers started together drift apart.
+        assert!(pauses.iter().any(|p| *p != pauses[0]), "{pauses:?}");
+    }
 }

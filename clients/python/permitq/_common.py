@@ -87,8 +87,8 @@ def release_args(external_id: str, outcome: str | None, latency: float | dt.time
 HEARTBEAT = "SELECT permitq.heartbeat(%s, make_interval(secs => %s))"
 EXPLAIN = (
     "SELECT request, state, outcome, semaphore, needs, capacity, free, shortfall, position, "
-    "permits_ahead, reason, holders, extract(epoch FROM estimated_wait)::float8, via, kept "
-    "FROM permitq.explain(%s)"
+    "permits_ahead, reason, holders, extract(epoch FROM estimated_wait)::float8, via, kept, "
+    "fairness FROM permitq.explain(%s)"
 )
 SET_CAPACITY = (
     "SELECT name, capacity, used, fair, extract(epoch FROM per)::float8, parent, guarantee, "
@@ -255,6 +255,10 @@ class SemaphoreWait:
     estimated_wait: float | None
     via: str | None
     kept: int | None
+    # On a semaphore served by fairness key: what its key did to its place, in sentences (its
+    # key and weight, how far back its key's turns placed it, behind which of its key's
+    # requests); None elsewhere.
+    fairness: str | None = None
 
 
 @dataclass(frozen=True)

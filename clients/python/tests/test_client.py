@@ -473,6 +473,25 @@ class SyncClientTest(unittest.TestCase):
         finally:
             first.release()
 
+    def test_explain_says_what_a_fairness_key_did_to_the_place(self) -> None:
+        import psycopg
+
+        sem = new_id("keyed")
+        self.admin.set_capacity(sem, 1)
+        with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+            conn.execute("SELECT permitq.set_fairness_keys(%s, true)", (sem,))
+        hold = self.client.acquire(new_id("hold"), {sem: 1}, ttl=30, timeout=15)
+        try:
+            rid = new_id("keyed")
+            self.client.submit(rid, {sem: 1}, fairness_key="tenant-a")
+            wait_for(lambda: (e := self.client.explain(rid)) and e.semaphores and e.semaphores[0].position, "examined")
+            said = self.client.explain(rid).semaphores[0].fairness
+            self.assertTrue(said and said.startswith("fairness key tenant-a, weight 1: placed at its arrival"), said)
+            self.assertIsNone(self.client.explain(rid).semaphores[0].via)
+            self.client.release(rid)
+        finally:
+            hold.release()
+
     def test_a_fairness_key_and_weight_travel_with_the_request(self) -> None:
         rid = new_id("keyed")
         status = self.client.submit(rid, {self.sem: 1}, fairness_key="tenant-a", fairness_weight=3)

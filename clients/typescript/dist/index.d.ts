@@ -70,6 +70,10 @@ export interface SemaphoreWait {
      * producer login sees its own). */
     holders: WaitHolder[];
     estimatedWaitSeconds: number | null;
+    /** On a semaphore served by fairness key: what its key did to its place, in sentences (its
+     * key and weight, how far back its key's turns placed it, behind which of its key's requests);
+     * null elsewhere. */
+    fairness: string | null;
 }
 /** A holder a waiting request waits on (`explain`). */
 export interface WaitHolder {

@@ -293,6 +293,7 @@ export class Client {
                     expiresInSeconds: h.expires_in_s ?? null,
                 })),
                 estimatedWaitSeconds: r.estimated,
+                fairness: r.fairness ?? null,
             })),
         };
     }

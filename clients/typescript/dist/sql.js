@@ -17,7 +17,8 @@ export const SQL = {
     releaseReporting: "SELECT permitq.release($1, $2, make_interval(secs => $3::float8)) AS outcome",
     heartbeat: "SELECT permitq.heartbeat($1, make_interval(secs => $2)) AS until",
     explain: `SELECT request, state, outcome, semaphore, needs, capacity, free, shortfall, position::int,
-                   permits_ahead::int, reason, holders, extract(epoch FROM estimated_wait)::float8 AS estimated
+                   permits_ahead::int, reason, holders, extract(epoch FROM estimated_wait)::float8 AS estimated,
+                   fairness
             FROM permitq.explain($1)`,
     setCapacity: `SELECT name, capacity, used::int FROM permitq.set_capacity($1, $2, fair => $3,
                   per => make_interval(secs => $4), max_instances => $5, parent => $6, guarantee => $7)`,

@@ -104,6 +104,10 @@ export interface SemaphoreWait {
    * producer login sees its own). */
   holders: WaitHolder[];
   estimatedWaitSeconds: number | null;
+  /** On a semaphore served by fairness key: what its key did to its place, in sentences (its
+   * key and weight, how far back its key's turns placed it, behind which of its key's requests);
+   * null elsewhere. */
+  fairness: string | null;
 }
 
 /** A holder a waiting request waits on (`explain`). */
@@ -416,6 +420,7 @@ export class Client {
           expiresInSeconds: (h.expires_in_s as number | null) ?? null,
         })),
         estimatedWaitSeconds: r.estimated as number | null,
+        fairness: (r.fairness as string | null) ?? null,
       })),
     };
   }

@@ -89,6 +89,25 @@ describe("permitq client", () => {
     assert.deepEqual(confirmed, [id]);
   });
 
+  it("explains what a fairness key did to the place", async () => {
+    const keyed = newId("keyed");
+    await admin.setCapacity(keyed, 1);
+    const pool = new pg.Pool({ connectionString: ADMIN_URL });
+    await pool.query("SELECT permitq.set_fairness_keys($1, true)", [keyed]);
+    await pool.end();
+    const hold = await client.acquire(newId("hold"), { [keyed]: 1 }, { ttlSeconds: 30, timeoutMs: 15_000 });
+    try {
+      const id = newId("keyed");
+      await client.submit(id, { [keyed]: 1 }, { fairnessKey: "tenant-a" });
+      await waitFor(async () => (await client.explain(id))?.semaphores[0]?.position, "examined");
+      const said = (await client.explain(id)).semaphores[0].fairness;
+      assert.ok(said?.startsWith("fairness key tenant-a, weight 1: placed at its arrival"), String(said));
+      await client.release(id);
+    } finally {
+      await hold.release();
+    }
+  });
+
   it("carries a fairness key and weight with the request", async () => {
     const id = newId("keyed");
     const submitted = await client.submit(id, { [sem]: 1 }, { fairnessKey: "tenant-a", fairnessWeight: 3 });

@@ -1394,7 +1394,7 @@ async fn fairness_keys_from_the_command_line() {
     assert!(
         stderr(&o).contains(
             "permitq: note: plain is not keyed, so the fairness key team-a changes nothing there \
-             (`permitq semaphore set plain CAPACITY --fairness-keys` serves a line by key)"
+             (`permitq semaphore set plain 2 --fairness-keys` serves a line by key)"
         ),
         "{}",
         stderr(&o)
@@ -1420,10 +1420,11 @@ async fn fairness_keys_from_the_command_line() {
     let o = run(url, &["explain", "a-3"]).await;
     assert!(
         stdout(&o).lines().any(|l| l.starts_with(
-            "  fairness key team-a, weight 1: placed 20s after its arrival: its key's turns \
-             reached that far past the line's turn here"
-        ) && l
-            .contains("its key's requests before it here: waiting a-2, a-1;")),
+            "  fairness key team-a, weight 1: placed 20s after its arrival, by its key's turns \
+             that the line had not passed when a worker examined it here"
+        )) && stdout(&o).lines().any(|l| l.starts_with(
+            "  Its key's requests waiting ahead of it here: a-2, a-1 (their turns: 20s);"
+        )),
         "{}",
         stdout(&o)
     );
@@ -1477,14 +1478,14 @@ async fn fairness_keys_from_the_command_line() {
     .await;
     wait_until(Duration::from_secs(15), "p-3 placed", || async {
         stdout(&run(url, &["explain", "p-3"]).await).contains(
-            "placed 50s after its arrival: its key's turns reached that far past the line's turn",
+            "placed 50s after its arrival, by its key's turns that the line had not passed",
         )
     })
     .await;
     let o = run(url, &["explain", "p-3"]).await;
     assert!(
         stdout(&o).contains(
-            "; with its priority 3 (3 turns, 30s, earlier) it stands 20s after its arrival;"
+            "\n  With its priority 3 (3 turns, 30s, earlier) it stands 20s after its arrival.\n"
         ),
         "{}",
         stdout(&o)

@@ -142,6 +142,10 @@ BEGIN
                 USING ERRCODE = '55000',
                       HINT = 'only a worker''s decision may grant: run `permitq worker`';
         END IF;
+        -- A fail-fast try placed by key takes its turn once granted (functions/fairness.sql).
+        IF keyed AND now_granted IS NOT NULL THEN
+            PERFORM permitq.charge_fail_fast_turns(now_granted);
+        END IF;
         settled := settled || coalesce(now_granted, '{}');
     END IF;
 

@@ -47,12 +47,13 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
 $$;
 
 -- What a fairness key did to waiting request `r`'s place on semaphore `s`, in words (NULL where
--- `s` is not keyed, functions/fairness.sql): its key and weight; how far back its key's earlier
--- turns placed it (`placed_later`, its waiter rows' offset: one place on every line, the largest
--- its keyed semaphores gave) and which of its key's requests before it on `s` still wait or hold
--- (the latest 3; only those this login may read: a key is not a login's own); and until when a
--- request of a key with no turns outstanding still goes ahead of it. Cost: the line ahead of it
--- (at most 10000 waiters) and the held requests.
+-- `s` is not keyed, functions/fairness.sql), a sentence each: its key and weight, and how far
+-- back its key's turns placed it (`placed_later`, its waiter rows' offset: one place on every
+-- line, the largest its keyed semaphores gave); which of its key's requests still wait ahead of
+-- it on `s` and their turns (the latest 3 named; only those this login may read: a key is not a
+-- login's own), the rest of the turns being of its key's requests granted or ended; its net
+-- place with its priority; and until when a request of a key with no turns outstanding still
+-- goes ahead of it. Cost: the line ahead of it (at most 10000 waiters).
 CREATE OR REPLACE FUNCTION permitq.fairness_answer(r permitq.permit_request, s permitq.semaphore,
                                                    placed_later interval)
 RETURNS text
@@ -62,8 +63,9 @@ DECLARE
     placed timestamptz := permitq.placed_at(r.created_at, placed_later);
     key_words text;
     ahead text;
-    ahead_held text;
     ahead_count bigint;
+    ahead_turns interval;
+    ended text := 'its key''s requests already granted or ended (held, released, cancelled, timed out or failed)';
     later text;
     -- The keyed semaphores it names: its offset is the largest of theirs.
     keyed_names text[];
@@ -77,74 +79,68 @@ BEGIN
              ELSE 'fairness key ' || permitq.shown_key(r.fairness_key) END,
         coalesce(r.fairness_weight, 1));
     IF NOT r.examined THEN
-        RETURN key_words || format(': not placed yet; a worker places it when it first examines it: at its arrival, or later by the turns of its key''s earlier requests that the line has not passed (%s × count ÷ weight each)',
+        RETURN key_words || format(': not placed yet; a worker places it when it first examines it: at its arrival, or later by the turns of its key''s earlier requests that the line has not passed (%s × count ÷ weight each).',
                                    permitq.human_duration(step));
     END IF;
     -- A request of a key with no turns outstanding goes ahead of it when it arrives before its
     -- place, less one turn per priority step it has above this one's (functions/queue_order.sql):
     -- said for its own priority, and for priority 0 when that is another.
-    later := format('a request of a key with no turns outstanding at priority %s %s',
+    later := format(' A request of a key with no turns outstanding at priority %s %s',
                     r.priority, permitq.goes_ahead_until(placed))
         || CASE WHEN r.priority <> 0
                 THEN format('; at priority 0, %s', permitq.goes_ahead_until(placed - r.priority * step))
                 ELSE '' END
-        || format(' (a priority one step higher counts as one turn, %s, earlier)',
+        || format(' (a priority one step higher counts as one turn, %s, earlier).',
                   permitq.human_duration(step));
     IF coalesce(placed_later, interval '0') = interval '0' THEN
-        RETURN key_words || ': placed at its arrival: when a worker examined it, no turn of its key was ahead of the line (requests granted while nobody waited take no turn); '
+        RETURN key_words || ': placed at its arrival: when a worker examined it, no turn of its key was ahead of the line (requests granted while nobody waited take no turn).'
                || later;
     END IF;
     SELECT array_agg(x.name ORDER BY x.name) INTO keyed_names
     FROM permitq.semaphore x JOIN permitq.keyed_semaphore k ON k.semaphore_id = x.id
     WHERE r.permits ? x.name;
-    -- Its key's requests before it here that still wait (ahead of it in line) or hold, that this
-    -- login may read: latest first, at most 3 of each named.
-    SELECT string_agg(x.external_id, ', ' ORDER BY x.id DESC) FILTER (WHERE x.waits AND x.n <= 3)
-               || CASE WHEN count(*) FILTER (WHERE x.waits) > 3
-                       THEN format(' and %s more', count(*) FILTER (WHERE x.waits) - 3) ELSE '' END,
-           string_agg(x.external_id, ', ' ORDER BY x.id DESC) FILTER (WHERE NOT x.waits AND x.n <= 3)
-               || CASE WHEN count(*) FILTER (WHERE NOT x.waits) > 3
-                       THEN format(' and %s more', count(*) FILTER (WHERE NOT x.waits) - 3) ELSE '' END,
-           count(*)
-    INTO ahead, ahead_held, ahead_count
-    FROM (SELECT y.*, row_number() OVER (PARTITION BY y.waits ORDER BY y.id DESC) AS n
-          FROM (SELECT pr.id, pr.external_id, true AS waits
-                FROM permitq.waiters_ahead(s.id, permitq.rule_place_in_line(r.priority, placed), r.id) w
-                JOIN permitq.permit_request pr ON pr.id = w.request_id
-                WHERE pr.fairness_key IS NOT DISTINCT FROM r.fairness_key
-                  AND permitq.may_read(pr.submitted_by)
-                UNION ALL
-                SELECT pr.id, pr.external_id, false
-                FROM permitq.permit_request pr
-                WHERE pr.state = 'acquired' AND coalesce(pr.charged, pr.permits) ? s.name
-                  AND pr.fairness_key IS NOT DISTINCT FROM r.fairness_key
-                  AND pr.id < r.id AND permitq.may_read(pr.submitted_by)) y) x;
-    RETURN key_words || format(': placed %s after its arrival: its key''s turns reached that far past the line''s turn %s when a worker examined it (the line''s turn: the start of the latest turn granted there; each turn %s × count ÷ weight, the key''s latest grant''s own included, and counted even once its request has ended: released, cancelled, timed out or failed)%s%s; ',
+    -- Its key's requests that still wait ahead of it here, that this login may read: latest
+    -- first, at most 3 named, and their turns (step × count ÷ weight each).
+    SELECT string_agg(x.external_id, ', ' ORDER BY x.id DESC) FILTER (WHERE x.n <= 3)
+               || CASE WHEN count(*) > 3 THEN format(' and %s more', count(*) - 3) ELSE '' END,
+           count(*),
+           sum(step * x.count / x.weight)
+    INTO ahead, ahead_count, ahead_turns
+    FROM (SELECT pr.id, pr.external_id, w.count, coalesce(pr.fairness_weight, 1) AS weight,
+                 row_number() OVER (ORDER BY pr.id DESC) AS n
+          FROM permitq.waiters_ahead(s.id, permitq.rule_place_in_line(r.priority, placed), r.id) w
+          JOIN permitq.permit_request pr ON pr.id = w.request_id
+          WHERE pr.fairness_key IS NOT DISTINCT FROM r.fairness_key
+            AND permitq.may_read(pr.submitted_by)) x;
+    RETURN key_words || format(': placed %s after its arrival, by its key''s turns that the line had not passed when a worker examined it %s (a turn is %s × count ÷ weight; the line''s turn is the start of the latest turn granted there).',
                                permitq.human_duration(placed_later),
                                CASE WHEN cardinality(keyed_names) > 1
                                     THEN format('on one of %s (its one place on every line is the furthest back of theirs)',
                                                 array_to_string(keyed_names, ', '))
                                     ELSE 'here' END,
-                               permitq.human_duration(step),
-                               CASE WHEN ahead_count = 0
-                                    THEN CASE WHEN permitq.reads_every_request()
-                                              THEN '; none of its key''s requests before it waits or holds here now'
-                                              ELSE '; none of yours with its key waits or holds here now (other logins'' requests are not listed)' END
-                                    ELSE '; its key''s requests before it here: '
-                                         || concat_ws('; ', 'waiting ' || ahead, 'holding ' || ahead_held)
-                                         || CASE WHEN permitq.reads_every_request() THEN ''
-                                                 ELSE ' (of yours: other logins'' requests with its key are not listed)' END
-                                    END,
-                               -- The net of its priority: each step one turn earlier.
-                               CASE WHEN r.priority <> 0
-                                    THEN format('; with its priority %s (%s turns, %s, %s) it stands %s',
-                                                r.priority, abs(r.priority),
-                                                permitq.human_duration(abs(r.priority) * step),
-                                                CASE WHEN r.priority > 0 THEN 'earlier' ELSE 'later' END,
-                                                CASE WHEN placed_later - r.priority * step >= interval '0'
-                                                     THEN permitq.human_duration(placed_later - r.priority * step) || ' after its arrival'
-                                                     ELSE permitq.human_duration(r.priority * step - placed_later) || ' before its arrival' END)
-                                    ELSE '' END)
+                               permitq.human_duration(step))
+           || CASE WHEN ahead_count > 0
+                   THEN format(' Its key''s requests waiting ahead of it here: %s (their turns: %s)%s; %s count too, until the line passes their turns.',
+                               ahead, permitq.human_duration(ahead_turns),
+                               CASE WHEN permitq.reads_every_request() THEN ''
+                                    ELSE ', of yours: other logins'' requests with its key are not listed' END,
+                               ended)
+                   WHEN permitq.reads_every_request()
+                   THEN format(' None of its key''s requests waits ahead of it here now: the turns are of %s, which count until the line passes them.',
+                               ended)
+                   ELSE format(' None of yours with its key waits ahead of it here now (other logins'' requests are not listed); %s count too, until the line passes their turns.',
+                               ended)
+                   END
+           -- The net of its priority: each step one turn earlier.
+           || CASE WHEN r.priority <> 0
+                   THEN format(' With its priority %s (%s turns, %s, %s) it stands %s.',
+                               r.priority, abs(r.priority),
+                               permitq.human_duration(abs(r.priority) * step),
+                               CASE WHEN r.priority > 0 THEN 'earlier' ELSE 'later' END,
+                               CASE WHEN placed_later - r.priority * step >= interval '0'
+                                    THEN permitq.human_duration(placed_later - r.priority * step) || ' after its arrival'
+                                    ELSE permitq.human_duration(r.priority * step - placed_later) || ' before its arrival' END)
+                   ELSE '' END
            || later;
 END $$;
 

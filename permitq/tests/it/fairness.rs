@@ -126,7 +126,7 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
             && s.fairness.as_deref().is_some_and(|f| f.starts_with(
                 "fairness key B, weight 1: placed at its arrival: when a worker examined it, no \
                  turn of its key was ahead of the line (requests granted while nobody waited \
-                 take no turn); a request of a key with no turns outstanding at priority 0 \
+                 take no turn). A request of a key with no turns outstanding at priority 0 \
                  goes behind it, whenever it arrives from now on"
             ))),
         "{explained:?}"
@@ -138,21 +138,22 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
     assert!(
         behind.semaphores[0].position == Some(4)
             && fairness.starts_with(
-                "fairness key A, weight 1: placed 20s after its arrival: its key's turns \
-                 reached that far past the line's turn here when a worker examined it (the \
-                 line's turn: the start of the latest turn granted there; each turn 10s × count \
-                 ÷ weight, the key's latest grant's own included, and counted even once its \
-                 request has ended: released, cancelled, timed out or failed); its key's \
-                 requests before it here: waiting a-2, a-1; a request of "
+                "fairness key A, weight 1: placed 20s after its arrival, by its key's turns \
+                 that the line had not passed when a worker examined it here (a turn is 10s × \
+                 count ÷ weight; the line's turn is the start of the latest turn granted \
+                 there). Its key's requests waiting ahead of it here: a-2, a-1 (their turns: \
+                 20s); its key's requests already granted or ended (held, released, cancelled, \
+                 timed out or failed) count too, until the line passes their turns. A request \
+                 of "
             )
             && (fairness.contains(
-                "a request of a key with no turns outstanding at priority 0 goes ahead of it if \
+                "A request of a key with no turns outstanding at priority 0 goes ahead of it if \
                  it arrives in the next "
             ) || fairness.contains(
-                "a request of a key with no turns outstanding at priority 0 goes behind it, \
+                "A request of a key with no turns outstanding at priority 0 goes behind it, \
                  whenever it arrives from now on"
             ))
-            && fairness.ends_with("(a priority one step higher counts as one turn, 10s, earlier)"),
+            && fairness.ends_with("(a priority one step higher counts as one turn, 10s, earlier)."),
         "{behind:?}"
     );
     // Nothing of the kind where the semaphore is not keyed.
@@ -929,6 +930,19 @@ async fn a_cancel_or_timeout_keeps_its_keys_turn_and_says_so() {
             .is_none_or(|d| d.turn_kept_on.is_empty()),
         "{plain:?}"
     );
+    // Nothing of A waits or holds, yet its turns are outstanding: its share says so.
+    let shares = client.key_shares("gpu").await.unwrap();
+    let a = shares
+        .iter()
+        .find(|k| k.fairness_key == "A")
+        .unwrap_or_else(|| panic!("A not listed: {shares:?}"));
+    assert!(
+        a.waiting == 0
+            && a.held == 0
+            && a.placed_back
+                .is_some_and(|back| back > Duration::from_secs(15)),
+        "{a:?}"
+    );
     // The key's next request is placed behind both turns.
     client
         .submit(&Request::new("a-3").permit("gpu", 1).fairness_key("A"))
@@ -937,8 +951,11 @@ async fn a_cancel_or_timeout_keeps_its_keys_turn_and_says_so() {
     wait_examined(&conn, "gpu", 1).await;
     let fairness = fairness_line(&client, "a-3").await;
     assert!(
-        fairness.contains("placed 20s after its arrival: its key's turns reached that far")
-            && fairness.contains("none of its key's requests before it waits or holds here now"),
+        fairness.contains("placed 20s after its arrival, by its key's turns that the line had")
+            && fairness.contains(
+                "None of its key's requests waits ahead of it here now: the turns are of its \
+                 key's requests already granted or ended"
+            ),
         "{fairness}"
     );
     worker.stop().await;
@@ -1059,8 +1076,8 @@ async fn a_producer_sharing_a_key_reads_nothing_of_the_other_logins_requests() {
     assert!(
         said.contains("placed 20s after its arrival")
             && said.contains(
-                "none of yours with its key waits or holds here now (other logins' requests are \
-                 not listed)"
+                "None of yours with its key waits ahead of it here now (other logins' requests \
+                 are not listed)"
             )
             && !said.contains("alice")
             && !said.contains("another login's request"),
@@ -1079,7 +1096,7 @@ async fn a_producer_sharing_a_key_reads_nothing_of_the_other_logins_requests() {
     );
     let seen = fairness_line(&admin, "m-1").await;
     assert!(
-        seen.contains("its key's requests before it here: waiting alice-2, alice-1;"),
+        seen.contains("Its key's requests waiting ahead of it here: alice-2, alice-1 ("),
         "{seen}"
     );
     assert!(admin
@@ -1205,6 +1222,69 @@ async fn a_malformed_row_beside_keyed_requests_fails_alone() {
     for i in 1..=5 {
         client.release(&format!("g-{i}")).await.unwrap();
     }
+    worker.stop().await;
+    check_invariants(&conn).await.unwrap();
+}
+
+/// A fail-fast try (wait 0) takes its key's turn only when it is granted: a client retrying a
+/// refused try does not push its key's next requests back a turn a try.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fail_fast_try_takes_its_keys_turn_only_when_granted() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    keyed(&client, "gpu", 2).await;
+    let worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("holder").permit("gpu", 1))
+        .await
+        .unwrap();
+    assert_eq!(next_grant_kept(&conn, "gpu").await, "holder");
+    // One batch: a-ff fits in its place (first) and is granted while b-1 waits, so the batch is
+    // placed by key and a-ff's turn counts.
+    conn.batch_execute(
+        r#"INSERT INTO permitq.permit_request (external_id, permits, fairness_key, wait) VALUES
+            ('a-ff', '{"gpu": 1}', 'A', '0s'), ('b-1', '{"gpu": 2}', 'B', NULL)"#,
+    )
+    .await
+    .unwrap();
+    let granted = client.wait_settled("a-ff", SOON).await.unwrap().unwrap();
+    assert_eq!(granted.state, permitq::State::Acquired, "{granted:?}");
+    wait_examined(&conn, "gpu", 1).await;
+    client
+        .submit(&Request::new("a-2").permit("gpu", 1).fairness_key("A"))
+        .await
+        .unwrap();
+    wait_examined(&conn, "gpu", 2).await;
+    let said = fairness_line(&client, "a-2").await;
+    assert!(said.contains("placed 10s after its arrival"), "{said}");
+    // Refused tries: none takes a turn, and none says it kept one.
+    for i in 1..=3 {
+        let id = format!("a-try-{i}");
+        let mut try_now = Request::new(&id).permit("gpu", 1).fairness_key("A");
+        try_now.wait = Some(Duration::ZERO);
+        client.submit(&try_now).await.unwrap();
+        let row = client.wait_settled(&id, SOON).await.unwrap().unwrap();
+        assert_eq!(
+            row.error_code.map(|c| c.to_string()).as_deref(),
+            Some("no_capacity"),
+            "{row:?}"
+        );
+        assert!(
+            row.error_detail
+                .as_ref()
+                .is_none_or(|d| d.turn_kept_on.is_empty()),
+            "{row:?}"
+        );
+    }
+    // a-3 goes behind a-ff's and a-2's turns alone (50s if each refused try had taken one).
+    client
+        .submit(&Request::new("a-3").permit("gpu", 1).fairness_key("A"))
+        .await
+        .unwrap();
+    wait_examined(&conn, "gpu", 3).await;
+    let said = fairness_line(&client, "a-3").await;
+    assert!(said.contains("placed 20s after its arrival"), "{said}");
     worker.stop().await;
     check_invariants(&conn).await.unwrap();
 }
