@@ -78,6 +78,16 @@ BEGIN
              THEN 'no fairness key (the requests without one share one key, `(no key)` in `semaphore show`)'
              ELSE 'fairness key ' || permitq.shown_key(r.fairness_key) END,
         coalesce(r.fairness_weight, 1));
+    -- A keyed parent it does not name: its line takes it at the place its own semaphores gave
+    -- it (functions/fairness.sql orders by key only the requests that name a keyed semaphore).
+    IF NOT (jsonb_typeof(r.permits) = 'object' AND r.permits ? s.name) THEN
+        RETURN key_words || format(': this line takes it through the semaphore it names below %s, at the place that one gave it (%s): keys order here only the requests that name %s itself.',
+                                   s.name,
+                                   CASE WHEN NOT r.examined THEN 'not placed yet'
+                                        WHEN coalesce(placed_later, interval '0') = interval '0' THEN 'at its arrival'
+                                        ELSE permitq.human_duration(placed_later) || ' after its arrival' END,
+                                   s.name);
+    END IF;
     IF NOT r.examined THEN
         RETURN key_words || format(': not placed yet; a worker places it when it first examines it: at its arrival, or later by the turns of its key''s earlier requests that the line has not passed (%s × count ÷ weight each).',
                                    permitq.human_duration(step));

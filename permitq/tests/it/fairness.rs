@@ -1288,3 +1288,46 @@ async fn a_fail_fast_try_takes_its_keys_turn_only_when_granted() {
     worker.stop().await;
     check_invariants(&conn).await.unwrap();
 }
+
+/// A keyed parent orders by key only the requests that name it: `explain`'s row for it, reached
+/// through a child, says the line there takes the request at the place its child gave it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_parent_reached_through_a_child_says_it_did_not_place_it() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    keyed(&client, "pool", 1).await;
+    client
+        .set_semaphore("team", 1, &SemaphoreSettings::new().parent("pool"))
+        .await
+        .unwrap();
+    let worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("holder").permit("pool", 1))
+        .await
+        .unwrap();
+    assert_eq!(next_grant_kept(&conn, "pool").await, "holder");
+    client
+        .submit(&Request::new("t-1").permit("team", 1).fairness_key("A"))
+        .await
+        .unwrap();
+    wait_examined(&conn, "team", 1).await;
+    let explained = client.explain("t-1").await.unwrap().unwrap();
+    let parent = explained
+        .semaphores
+        .iter()
+        .find(|s| s.semaphore == "pool")
+        .unwrap_or_else(|| panic!("no row for pool: {explained:?}"));
+    let said = parent.fairness.clone().unwrap_or_default();
+    assert!(
+        said.starts_with(
+            "fairness key A, weight 1: this line takes it through the semaphore it names below \
+             pool, at the place that one gave it (at its arrival): keys order here only the \
+             requests that name pool itself."
+        ),
+        "{explained:?}"
+    );
+    client.release("holder").await.unwrap();
+    worker.stop().await;
+    check_invariants(&conn).await.unwrap();
+}
