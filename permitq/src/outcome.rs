@@ -12,7 +12,7 @@ use crate::types::{ErrorCode, PermitRequest, ReleaseReason, State};
 /// |---|---|
 /// | `unknown_semaphore` | `semaphore` (the name not found), `named` (when it is a missing parent of that one), `similar` |
 /// | `exceeds_capacity` | `semaphore`, `count`, `capacity`, `named` (when the bound is a parent's), `per` (a rate limit's window), `adaptive` (its bounds, when the workers move its capacity) |
-/// | `no_capacity` | `semaphore`, `count`, `capacity`, `free`, `named`, `per` |
+/// | `no_capacity` | `semaphore`, `count`, `capacity`, `free`, `named`, `per`; `turn_kept_on` |
 /// | `too_many_instances` | `semaphore`, `template`, `capacity` (the template's), `max_instances`, `idle_instances`, `parent`, `guarantee` and `parent_needs` (nested) |
 /// | `invalid` | `problem` |
 /// | `timeout` | `semaphore`, `count`, `capacity`, `free` where it had no room; `turn_kept_on` |
@@ -257,8 +257,9 @@ impl PermitRequest {
             }
             ErrorCode::NoCapacity => format!(
                 "{}; it was submitted to fail fast (wait 0): submit again, under a new \
-                 external_id, with a longer --wait to queue",
-                no_room(&name)
+                 external_id, with a longer --wait to queue{}",
+                no_room(&name),
+                turn_kept(&d.turn_kept_on, self.fairness_key.as_deref())
             ),
             ErrorCode::Timeout => {
                 let within = self.wait.map_or(String::new(), |wait| {
@@ -325,8 +326,9 @@ fn turn_kept(on: &[String], key: Option<&str>) -> String {
     );
     format!(
         "; its turn on {} stays taken for its fairness key{key} until the line passes it, so \
-         the key's next request there is placed behind it (each try that waits in line takes a \
-         turn; `permitq explain` of the next one says how far back it is placed)",
+         the key's next request there is placed behind it (each try placed in line takes a turn, \
+         a refused fail-fast try too; `permitq explain` of the next one says how far back it is \
+         placed)",
         on.join(", ")
     )
 }

@@ -142,7 +142,7 @@ def _turn_kept(d: dict[str, Any]) -> str:
         return ""
     return (
         f"; its turn on {', '.join(on)} stays taken for its fairness key until the line passes it, "
-        "so the key's next request there is placed behind it (each try that waits in line takes a turn; `permitq explain` of the next one says how far back it is placed)"
+        "so the key's next request there is placed behind it (each try placed in line takes a turn, a refused fail-fast try too; `permitq explain` of the next one says how far back it is placed)"
     )
 
 

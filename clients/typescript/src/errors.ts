@@ -153,7 +153,7 @@ function explained(code: string, d: ErrorDetail): string {
 function turnKept(d: ErrorDetail): string {
   const on = d.turn_kept_on ?? [];
   return on.length
-    ? `; its turn on ${on.join(", ")} stays taken for its fairness key until the line passes it, so the key's next request there is placed behind it (each try that waits in line takes a turn; \`permitq explain\` of the next one says how far back it is placed)`
+    ? `; its turn on ${on.join(", ")} stays taken for its fairness key until the line passes it, so the key's next request there is placed behind it (each try placed in line takes a turn, a refused fail-fast try too; \`permitq explain\` of the next one says how far back it is placed)`
     : "";
 }
 

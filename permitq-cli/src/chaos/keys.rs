@@ -79,8 +79,6 @@ examined AS (
       -- or a count above the capacity): placed by no key, it takes no turn.
       AND NOT coalesce(r.wait_until <= r.examined_at, false)
       AND NOT coalesce(r.error_code = 'exceeds_capacity' AND r.decided_at = r.examined_at, false)
-      -- A fail-fast try (wait 0) refused: its turn is taken only if it is granted.
-      AND NOT coalesce(r.error_code = 'no_capacity' AND r.decided_at = r.examined_at, false)
     GROUP BY 1, 2, 3),
 joined AS (
     SELECT coalesce(m.batch_start, e.batch_start) AS batch_start,

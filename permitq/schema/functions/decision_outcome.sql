@@ -65,7 +65,8 @@ BEGIN
         WITH failed AS (
             UPDATE permitq.permit_request r
             SET state = 'error', error_code = e.code,
-                -- A timeout's key keeps the turn it took (functions/fairness.sql).
+                -- A timeout's key keeps the turn it took, and so does a refused fail-fast
+                -- try's (functions/fairness.sql): said in its detail.
                 error_detail = CASE WHEN k.detail IS NULL
                                     THEN permitq.completed_error_detail(e.code, error_details -> e.id::text)
                                     ELSE permitq.completed_error_detail(e.code, error_details -> e.id::text)
@@ -75,7 +76,7 @@ BEGIN
                 decided_at = now()
             FROM unnest(errored, error_codes) AS e(id, code)
             LEFT JOIN (SELECT t.request_id, t.detail FROM permitq.turns_kept(errored) t
-                       WHERE keyed) k ON k.request_id = e.id AND e.code = 'timeout'
+                       WHERE keyed) k ON k.request_id = e.id AND e.code IN ('timeout', 'no_capacity')
             WHERE r.id = e.id AND r.state = 'new'
             RETURNING r.id
         )
@@ -141,10 +142,6 @@ BEGIN
             RAISE EXCEPTION 'refusing grants that would put % over capacity', over_capacity
                 USING ERRCODE = '55000',
                       HINT = 'only a worker''s decision may grant: run `permitq worker`';
-        END IF;
-        -- A fail-fast try placed by key takes its turn once granted (functions/fairness.sql).
-        IF keyed AND now_granted IS NOT NULL THEN
-            PERFORM permitq.charge_fail_fast_turns(now_granted);
         END IF;
         settled := settled || coalesce(now_granted, '{}');
     END IF;

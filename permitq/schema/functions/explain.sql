@@ -109,8 +109,8 @@ BEGIN
     SELECT array_agg(x.name ORDER BY x.name) INTO keyed_names
     FROM permitq.semaphore x JOIN permitq.keyed_semaphore k ON k.semaphore_id = x.id
     WHERE r.permits ? x.name;
-    -- Its key's requests that still wait ahead of it here, that this login may read: latest
-    -- first, at most 3 named, and their turns (step × count ÷ weight each).
+    -- Its key's earlier requests that still wait ahead of it here, that this login may read:
+    -- latest first, at most 3 named, and their turns (step × count ÷ weight each).
     SELECT string_agg(x.external_id, ', ' ORDER BY x.id DESC) FILTER (WHERE x.n <= 3)
                || CASE WHEN count(*) > 3 THEN format(' and %s more', count(*) - 3) ELSE '' END,
            count(*),
@@ -120,7 +120,9 @@ BEGIN
                  row_number() OVER (ORDER BY pr.id DESC) AS n
           FROM permitq.waiters_ahead(s.id, permitq.rule_place_in_line(r.priority, placed), r.id) w
           JOIN permitq.permit_request pr ON pr.id = w.request_id
-          WHERE pr.fairness_key IS NOT DISTINCT FROM r.fairness_key
+          -- (Its key's requests submitted before it: a later one ahead by its priority took
+          -- its turn after this one's.)
+          WHERE pr.fairness_key IS NOT DISTINCT FROM r.fairness_key AND pr.id < r.id
             AND permitq.may_read(pr.submitted_by)) x;
     RETURN key_words || format(': placed %s after its arrival, by its key''s turns that the line had not passed when a worker examined it %s (a turn is %s × count ÷ weight; the line''s turn is the start of the latest turn granted there).',
                                permitq.human_duration(placed_later),

@@ -114,15 +114,14 @@ BEGIN
     -- scan of the pending requests a generic plan could choose, where one malformed row would
     -- fail the batch).
     WITH batch AS MATERIALIZED (
-        SELECT r.id, r.fairness_key, r.fairness_weight, r.created_at, r.wait_until,
-               coalesce(r.wait = interval '0', false) AS fails_fast, b.place,
+        SELECT r.id, r.fairness_key, r.fairness_weight, r.created_at, r.wait_until, b.place,
                CASE WHEN jsonb_typeof(r.permits) = 'object' THEN r.permits ELSE '{}'::jsonb END
                    AS permits
         FROM unnest(ids, places) AS b(id, place)
         JOIN permitq.permit_request r ON r.id = b.id AND r.state = 'new' AND NOT r.examined
     ),
     named AS (
-        SELECT r.id, coalesce(r.fairness_key, '') AS fkey, r.place, r.fails_fast, k.semaphore_id,
+        SELECT r.id, coalesce(r.fairness_key, '') AS fkey, r.place, k.semaphore_id,
                permitq.epoch_us(k.virtual_time) AS v, permitq.epoch_us(r.created_at) AS created_us,
                permitq.rule_aging_step_us()
                    -- Read defensively: a count that is not one counts as 1 (the decision
@@ -141,8 +140,8 @@ BEGIN
         -- already (the claim's `expired`, by this transaction's now()), or a count above the
         -- capacity of a semaphore it names (exceeds_capacity). Read under the batch's locks,
         -- as the decision reads them. (A fail-fast try, wait 0, is placed all the same, for
-        -- whether it fits is the decision's, made in its place; but it takes its turn only if it
-        -- is granted: see `tagged`.)
+        -- whether it fits is the decision's, made in its place: refused, it keeps its turn, as
+        -- a cancel does, and its error_detail says so.)
         WHERE (r.wait_until IS NULL OR r.wait_until > now())
           AND NOT EXISTS (SELECT 1 FROM jsonb_each(r.permits) c
                           JOIN LATERAL (SELECT x.capacity FROM permitq.semaphore x
@@ -150,17 +149,13 @@ BEGIN
                           WHERE jsonb_typeof(c.value) = 'number'
                             AND (c.value #>> '{}')::numeric > cs.capacity)
     ),
-    -- S = max(V, F) + the turns of the key's requests ahead of it in this batch. A fail-fast
-    -- try is given its S but its turn is not counted here: were it refused, a client retrying
-    -- would push its key back a turn a try for nothing it got. If it is granted,
-    -- permitq.charge_fail_fast_turns adds its turn to the key's finish tag after the decision.
+    -- S = max(V, F) + the turns of the key's requests ahead of it in this batch.
     tagged AS (
-        SELECT n.id, n.fkey, n.semaphore_id, n.v, n.turn_us, n.fails_fast, n.created_us,
+        SELECT n.id, n.fkey, n.semaphore_id, n.v, n.turn_us, n.created_us,
                greatest(n.v, coalesce(permitq.epoch_us(f.finish), n.v))
-                   + coalesce(sum(n.turn_us) FILTER (WHERE NOT n.fails_fast)
-                                  OVER (PARTITION BY n.semaphore_id, n.fkey
-                                        ORDER BY n.place DESC, n.id), 0)::bigint
-                   - CASE WHEN n.fails_fast THEN 0 ELSE n.turn_us END AS start_us,
+                   + (sum(n.turn_us) OVER (PARTITION BY n.semaphore_id, n.fkey
+                                           ORDER BY n.place DESC, n.id))::bigint
+                   - n.turn_us AS start_us,
                permitq.epoch_us(f.placed_until) AS placed_until_us
         FROM named n
         -- A lookup per request, whatever the statistics say: a plan made while key_finish
@@ -174,7 +169,7 @@ BEGIN
     -- (the virtual time may have passed F while they wait); one offset per request, the
     -- largest over the keyed semaphores it names.
     placed AS (
-        SELECT y.id, y.semaphore_id, y.fkey, y.start_us, y.turn_us, y.fails_fast, y.created_us,
+        SELECT y.id, y.semaphore_id, y.fkey, y.start_us, y.turn_us, y.created_us,
                max(y.row_offset_us) OVER (PARTITION BY y.id) AS offset_us
         FROM (SELECT t.*, greatest(t.start_us - t.v,
                                    coalesce(t.placed_until_us - t.created_us, 0), 0)
@@ -183,14 +178,8 @@ BEGIN
     ),
     finished AS (
         INSERT INTO permitq.key_finish AS f (semaphore_id, fairness_key, finish, placed_until)
-        -- (A fail-fast try's place keeps none of its key's later requests behind it: it
-        -- never waits.)
-        SELECT p.semaphore_id, p.fkey,
-               permitq.from_epoch_us(max(p.start_us
-                                         + CASE WHEN p.fails_fast THEN 0 ELSE p.turn_us END)),
-               permitq.from_epoch_us(coalesce(max(p.created_us + p.offset_us)
-                                                  FILTER (WHERE NOT p.fails_fast),
-                                              min(p.created_us)))
+        SELECT p.semaphore_id, p.fkey, permitq.from_epoch_us(max(p.start_us + p.turn_us)),
+               permitq.from_epoch_us(max(p.created_us + p.offset_us))
         FROM placed p GROUP BY p.semaphore_id, p.fkey
         ON CONFLICT (semaphore_id, fairness_key) DO UPDATE
             SET finish = EXCLUDED.finish,
@@ -281,30 +270,6 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     JOIN permitq.semaphore s ON s.id = t.semaphore_id
     GROUP BY t.request_id
 $$;
-
--- After a batch's grants (permitq.apply_decision): the fail-fast tries (wait 0) among `ids`
--- that this batch placed take their turns now, each key's finish tag moved on by their turns
--- there (permitq.place_by_keys left them out, in case they were refused). Only their own key's
--- finish tag moves, which this batch wrote already (its semaphore locked by the batch).
-CREATE OR REPLACE FUNCTION permitq.charge_fail_fast_turns(ids bigint[])
-RETURNS void
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
-SET plan_cache_mode = force_generic_plan AS $$
-BEGIN
-    UPDATE permitq.key_finish f
-    SET finish = f.finish + t.turns_us * interval '1 microsecond'
-    FROM (SELECT b.semaphore_id, coalesce(r.fairness_key, '') AS fkey,
-                 -- A turn, as place_by_keys counts it: step × count / weight.
-                 sum(permitq.rule_aging_step_us() * (r.permits ->> s.name)::bigint
-                     / coalesce(r.fairness_weight, 1)) AS turns_us
-          FROM permitq.batch_tags() b
-          JOIN permitq.permit_request r ON r.id = b.request_id
-          JOIN permitq.semaphore s ON s.id = b.semaphore_id
-          WHERE b.request_id = ANY(ids) AND r.wait = interval '0'
-          GROUP BY 1, 2) t
-    WHERE f.semaphore_id = t.semaphore_id AND f.fairness_key = t.fkey;
-END $$;
-GRANT EXECUTE ON FUNCTION permitq.charge_fail_fast_turns(bigint[]) TO permitq_worker;
 
 -- After a batch's grants (permitq.apply_decision): each keyed semaphore's virtual time moves to
 -- the largest start tag granted there (from the grants' waiter rows, or, for a request granted
@@ -412,7 +377,8 @@ GRANT EXECUTE ON FUNCTION permitq.shown_key(text)
 -- then most held, at most 20 keys ('' is the requests with no key). What `semaphore show`, the
 -- status page and the API show. A producer sees its own requests' keys alone, and no
 -- `placed_back` (it counts every login's turns under the key). Cost: the semaphore's line (at
--- most its first 10000 waiters), its holders, and at most 10000 of its keys' finish tags.
+-- most its first 10000 waiters), its holders, a finish tag looked up per key, and at most 1000
+-- more finish tags read for the keys with turns alone.
 CREATE OR REPLACE FUNCTION permitq.key_shares(name text)
 RETURNS TABLE (fairness_key text, weight integer, waiting bigint, waiting_permits bigint,
                held bigint, placed_back interval)
@@ -447,26 +413,36 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET j
         WHERE permitq.may_read(x.submitted_by)
         GROUP BY x.fkey
     ),
-    -- The keys' turns the line has not passed (each finish tag looked up by key), and the keys
-    -- with such turns alone: every login's turns, so only to a session that reads every request.
-    outstanding AS (
-        SELECT f.fairness_key AS fkey,
-               nullif(greatest(f.finish - s.virtual_time, f.placed_until - now(), interval '0'),
+    -- Keys with turns outstanding and nothing waiting or held, from a bounded read of the
+    -- semaphore's finish tags (retention deletes those the line has passed, so these are
+    -- mostly outstanding; past the first 1000 read, such a key is not listed).
+    turns_only AS (
+        SELECT g.fairness_key AS fkey,
+               nullif(greatest(g.finish - s.virtual_time, g.placed_until - now(), interval '0'),
                       interval '0') AS back
-        FROM s CROSS JOIN LATERAL (SELECT g.fairness_key, g.finish, g.placed_until
-                                   FROM permitq.key_finish g
-                                   WHERE g.semaphore_id = s.id
-                                     AND (g.finish > s.virtual_time OR g.placed_until > now())
-                                   LIMIT 10000) f
+        FROM s CROSS JOIN LATERAL (SELECT f.fairness_key, f.finish, f.placed_until
+                                   FROM permitq.key_finish f
+                                   WHERE f.semaphore_id = s.id LIMIT 1000) g
         WHERE permitq.reads_every_request()
+          AND NOT EXISTS (SELECT 1 FROM shares sh WHERE sh.fkey = g.fairness_key)
     )
-    SELECT k.fkey, k.w, k.waiting, k.waiting_count, k.held_count, k.back
-    FROM (SELECT sh.*, o.back FROM shares sh LEFT JOIN outstanding o ON o.fkey = sh.fkey
+    -- How far back each key shown would place its next request: its finish tag looked up by
+    -- key (every login's turns under the key: only to a session that reads every request).
+    SELECT k.fkey, k.w, k.waiting, k.waiting_count, k.held_count,
+           CASE WHEN k.turns_only THEN k.back
+                ELSE (SELECT nullif(greatest(f.finish - s.virtual_time, f.placed_until - now(),
+                                             interval '0'), interval '0')
+                      FROM s JOIN permitq.key_finish f
+                        ON f.semaphore_id = s.id AND f.fairness_key = k.fkey
+                      WHERE permitq.reads_every_request()) END
+    FROM (SELECT sh.fkey, sh.w, sh.waiting, sh.waiting_count, sh.held_count,
+                 NULL::interval AS back, false AS turns_only
+          FROM shares sh
           UNION ALL
-          SELECT o.fkey, 1, 0, 0, 0, o.back FROM outstanding o
-          WHERE o.back IS NOT NULL AND NOT EXISTS (SELECT 1 FROM shares sh WHERE sh.fkey = o.fkey)) k
+          SELECT t.fkey, 1, 0, 0, 0, t.back, true FROM turns_only t WHERE t.back IS NOT NULL
+          ORDER BY 3 DESC, 5 DESC, 1
+          LIMIT 20) k
     ORDER BY k.waiting DESC, k.held_count DESC, k.fkey
-    LIMIT 20
 $$;
 GRANT EXECUTE ON FUNCTION permitq.key_shares(text)
     TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;

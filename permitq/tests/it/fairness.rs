@@ -1226,10 +1226,10 @@ async fn a_malformed_row_beside_keyed_requests_fails_alone() {
     check_invariants(&conn).await.unwrap();
 }
 
-/// A fail-fast try (wait 0) takes its key's turn only when it is granted: a client retrying a
-/// refused try does not push its key's next requests back a turn a try.
+/// A fail-fast try (wait 0) is placed like any other: granted, its turn counts; refused, it keeps
+/// its turn, as a cancel does, and says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fail_fast_try_takes_its_keys_turn_only_when_granted() {
+async fn a_fail_fast_try_takes_its_turn_and_a_refused_one_says_so() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let conn = db.conn().await;
@@ -1258,33 +1258,37 @@ async fn a_fail_fast_try_takes_its_keys_turn_only_when_granted() {
     wait_examined(&conn, "gpu", 2).await;
     let said = fairness_line(&client, "a-2").await;
     assert!(said.contains("placed 10s after its arrival"), "{said}");
-    // Refused tries: none takes a turn, and none says it kept one.
-    for i in 1..=3 {
-        let id = format!("a-try-{i}");
-        let mut try_now = Request::new(&id).permit("gpu", 1).fairness_key("A");
-        try_now.wait = Some(Duration::ZERO);
-        client.submit(&try_now).await.unwrap();
-        let row = client.wait_settled(&id, SOON).await.unwrap().unwrap();
-        assert_eq!(
-            row.error_code.map(|c| c.to_string()).as_deref(),
-            Some("no_capacity"),
-            "{row:?}"
-        );
-        assert!(
-            row.error_detail
-                .as_ref()
-                .is_none_or(|d| d.turn_kept_on.is_empty()),
-            "{row:?}"
-        );
-    }
-    // a-3 goes behind a-ff's and a-2's turns alone (50s if each refused try had taken one).
+    // A refused try keeps its turn, and says so.
+    let mut try_now = Request::new("a-try").permit("gpu", 1).fairness_key("A");
+    try_now.wait = Some(Duration::ZERO);
+    client.submit(&try_now).await.unwrap();
+    let row = client.wait_settled("a-try", SOON).await.unwrap().unwrap();
+    assert_eq!(
+        row.error_code.map(|c| c.to_string()).as_deref(),
+        Some("no_capacity"),
+        "{row:?}"
+    );
+    assert_eq!(
+        row.error_detail.clone().unwrap_or_default().turn_kept_on,
+        ["gpu"],
+        "{row:?}"
+    );
+    let outcome = row.outcome().unwrap();
+    assert!(
+        outcome.contains(
+            "with a longer --wait to queue; its turn on gpu stays taken for its \
+                          fairness key A until the line passes it"
+        ),
+        "{outcome}"
+    );
+    // a-3 goes behind a-ff's, a-2's and the refused try's turns.
     client
         .submit(&Request::new("a-3").permit("gpu", 1).fairness_key("A"))
         .await
         .unwrap();
     wait_examined(&conn, "gpu", 3).await;
     let said = fairness_line(&client, "a-3").await;
-    assert!(said.contains("placed 20s after its arrival"), "{said}");
+    assert!(said.contains("placed 30s after its arrival"), "{said}");
     worker.stop().await;
     check_invariants(&conn).await.unwrap();
 }
