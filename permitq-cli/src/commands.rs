@@ -1448,6 +1448,13 @@ async fn submit(client: &Client, args: SubmitArgs) -> Result<u8> {
         match client.granting().await?.warning() {
             Some(warning) => errln!("permitq: {} is queued, but {warning}", row.external_id),
             None if said_its_outcome => {}
+            // Fail fast: never queued; the next worker pass grants it or refuses it.
+            None if row.wait == Some(Duration::ZERO) => errln!(
+                "permitq: {id} fails fast (wait 0): the next worker pass grants it at once or \
+                 refuses it (no_capacity), never queues it; `permitq status {id}` shows which \
+                 (or submit with --await 5s to wait for the answer)",
+                id = row.external_id
+            ),
             None => errln!(
                 "permitq: {id} is queued; `permitq status {id}` shows its outcome (or submit \
                  with --await 30s to wait for it)",
@@ -1526,9 +1533,25 @@ async fn interrupted(client: &Client, external_id: &str) -> Result<u8> {
     match client.release(external_id).await {
         Ok(said) => {
             let what = match said {
-                ReleaseOutcome::Cancelled => "cancelled it: it was still waiting",
-                ReleaseOutcome::Released => "released it: it was granted as you stopped",
-                _ => "it had already ended",
+                // As `release` says it: where it took its fairness key's turn, the turn stays.
+                ReleaseOutcome::Cancelled => {
+                    let kept = client
+                        .status(external_id)
+                        .await
+                        .ok()
+                        .flatten()
+                        .and_then(|row| {
+                            row.error_detail
+                                .as_ref()
+                                .map(|d| d.turn_kept_words(row.fairness_key.as_deref()))
+                        })
+                        .unwrap_or_default();
+                    format!("cancelled it: it was still waiting{kept}")
+                }
+                ReleaseOutcome::Released => {
+                    "released it: it was granted as you stopped".to_string()
+                }
+                _ => "it had already ended".to_string(),
             };
             errln!("permitq: interrupted; {external_id}: {what}");
         }

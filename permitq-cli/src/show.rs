@@ -353,8 +353,7 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
         );
     } else if d.usage.fairness_keys {
         outln!(
-            "\nfairness keys ({}; served in proportion to weight, a key's the largest its \
-             waiting requests asked):",
+            "\nfairness keys ({}):",
             if d.key_shares.is_empty() {
                 "none yet".to_string()
             } else if !sees_all {
@@ -368,10 +367,19 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
                 format!("{} shown, most waiting first", d.key_shares.len())
             }
         );
+        if !d.key_shares.is_empty() {
+            outln!(
+                "  keys that wait take turns in proportion to their weights; each request's turn \
+                 is its own count ÷ its own weight, and the weight shown is the largest among a \
+                 key's waiting requests. Shares are of the turns to come: requests already placed \
+                 keep their places, so a key placed earlier is served those first (the waiters \
+                 above are in that order)"
+            );
+        }
         for k in &d.key_shares {
             let share = k
                 .share_percent
-                .map(|share| format!(", {share}% of the grants while these wait"))
+                .map(|share| format!(", {share}% of the turns to come"))
                 .unwrap_or_default();
             // Turns taken that the line has not passed: the share starts after them.
             let back = match k.placed_back {

@@ -6,7 +6,7 @@ use serde::Serialize;
 use crate::error::Result;
 
 /// One fairness key's share of a semaphore served by key (a row of `permitq.key_shares`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[non_exhaustive]
 pub struct KeyShare {
     /// The key (`""`: the requests that name none, which share the line as one key).
@@ -21,10 +21,13 @@ pub struct KeyShare {
     pub waiting_permits: i64,
     /// The permits its requests hold now.
     pub held: i64,
-    /// While it waits: its share of the grants while the keys shown wait, in whole percent (in
-    /// proportion to the weights of the keys shown that wait; these add up to 100). `None` for a
-    /// login that reads only its own requests: it sees its own keys alone.
-    pub share_percent: Option<i64>,
+    /// While it waits: its share of the turns to come while the keys shown wait, in percent to a
+    /// tenth, each rounded on its own (in proportion to the weights of the keys shown that wait:
+    /// equal weights, equal shares; they add up to 100 within the rounding). Requests already
+    /// placed keep their places: a key whose requests were placed earlier is served those first
+    /// (see `placed_back`). `None` for a login that reads only its own requests: it sees its own
+    /// keys alone.
+    pub share_percent: Option<f64>,
     /// How far back a request of this key arriving now would be placed: the turns its requests
     /// have taken that the line has not passed yet (`None`: none, it would be placed at its
     /// arrival). While it is set, the key is served behind what the shares alone suggest.
@@ -92,25 +95,19 @@ impl crate::Client {
     }
 }
 
-/// Whole percentages in proportion to `weights` that add up to 100 (largest remainder first,
-/// among equals the first; all 0 when every weight is 0): rounded each on its own, three equal
-/// keys showed 33% each (99%), and six equal keys 17% each (102%).
-fn percent_shares(weights: &[i64]) -> Vec<i64> {
+/// Percentages to a tenth in proportion to `weights`, each rounded on its own, so that equal
+/// weights show equal shares (all 0 when every weight is 0). (Whole percentages forced to add up
+/// to 100 showed two keys of equal weight as 9% and 8%.)
+fn percent_shares(weights: &[i64]) -> Vec<f64> {
     let total: i64 = weights.iter().sum();
     if total <= 0 {
-        return vec![0; weights.len()];
+        return vec![0.0; weights.len()];
     }
-    let mut shares: Vec<i64> = weights.iter().map(|w| w * 100 / total).collect();
-    let mut by_remainder: Vec<usize> = (0..weights.len()).collect();
-    by_remainder.sort_by_key(|&i| (std::cmp::Reverse(weights[i] * 100 % total), i));
-    let short = 100 - shares.iter().sum::<i64>();
-    for &i in by_remainder
+    weights
         .iter()
-        .take(usize::try_from(short).unwrap_or(0))
-    {
-        shares[i] += 1;
-    }
-    shares
+        // Tenths of a percent, rounded half up, in whole numbers: exact.
+        .map(|w| ((w * 2000 / total + 1) / 2) as f64 / 10.0)
+        .collect()
 }
 
 #[cfg(test)]
@@ -118,21 +115,36 @@ mod tests {
     use super::percent_shares;
 
     #[test]
-    fn key_shares_add_up_to_a_hundred_in_proportion_to_the_weights() {
-        assert_eq!(percent_shares(&[1, 1, 1]), vec![34, 33, 33]);
-        assert_eq!(percent_shares(&[1, 2]), vec![33, 67]);
-        assert_eq!(percent_shares(&[1, 0, 3]), vec![25, 0, 75]);
-        assert_eq!(percent_shares(&[0, 0]), vec![0, 0]);
-        assert_eq!(percent_shares(&[]), Vec::<i64>::new());
-        for weights in [vec![7, 3, 1, 1, 1], vec![1; 20], vec![1000, 1, 1]] {
+    fn key_shares_are_in_proportion_to_the_weights_equal_for_equal_weights() {
+        assert_eq!(percent_shares(&[1, 1, 1]), vec![33.3, 33.3, 33.3]);
+        assert_eq!(percent_shares(&[1, 2]), vec![33.3, 66.7]);
+        assert_eq!(percent_shares(&[1, 0, 3]), vec![25.0, 0.0, 75.0]);
+        assert_eq!(percent_shares(&[1, 1, 10]), vec![8.3, 8.3, 83.3]);
+        assert_eq!(percent_shares(&[0, 0]), vec![0.0, 0.0]);
+        assert_eq!(percent_shares(&[]), Vec::<f64>::new());
+        for weights in [
+            vec![7, 3, 1, 1, 1],
+            vec![1; 20],
+            vec![1000, 1, 1],
+            vec![1; 6],
+        ] {
             let shares = percent_shares(&weights);
-            assert_eq!(shares.iter().sum::<i64>(), 100, "{weights:?}: {shares:?}");
+            let sum: f64 = shares.iter().sum();
+            assert!(
+                (sum - 100.0).abs() <= 0.05 * weights.len() as f64,
+                "{weights:?}: {shares:?}"
+            );
             let total: i64 = weights.iter().sum();
             for (w, s) in weights.iter().zip(&shares) {
                 assert!(
-                    (s * total - w * 100).abs() < total,
+                    (s - (w * 100) as f64 / total as f64).abs() <= 0.05 + 1e-9,
                     "{weights:?}: {shares:?}"
                 );
+            }
+            for (a, b) in weights.iter().zip(&shares) {
+                for (c, d) in weights.iter().zip(&shares) {
+                    assert!(a != c || b == d, "{weights:?}: {shares:?}");
+                }
             }
         }
     }

@@ -274,7 +274,8 @@ pub struct PermitRequest {
     pub priority: i16,
     /// Its fairness key, if it has one.
     pub fairness_key: Option<String>,
-    /// Its fairness key's weight, if one was given.
+    /// Its fairness key's weight, if one was given (`None`: the default, 1; JSON says 1).
+    #[serde(serialize_with = "ser_weight")]
     pub fairness_weight: Option<i32>,
     /// Current state.
     pub state: State,
@@ -488,6 +489,11 @@ pub(crate) fn ser_secs<S: Serializer>(
         Some(d) => s.serialize_f64(d.as_secs_f64()),
         None => s.serialize_none(),
     }
+}
+
+/// A fairness weight as it counts: the default, 1, where none was given.
+fn ser_weight<S: Serializer>(w: &Option<i32>, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_i32(w.unwrap_or(1))
 }
 
 pub(crate) fn ser_time<S: Serializer>(

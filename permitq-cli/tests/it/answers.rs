@@ -1154,8 +1154,9 @@ async fn a_resubmit_with_other_parameters_shows_what_the_existing_request_asked(
         err.contains("already exists with different parameters")
             && err.contains(r#"the existing request asked permits {"gpu": 1}"#)
             && err.contains(
-                "ttl 5m, wait none (waits until granted), priority 0; its state now: new"
+                r#"ttl 5m, wait none (waits until granted), priority 0; this submit asked permits {"gpu": 2}, ttl "#
             )
+            && err.contains("; its state now: new")
             && err.contains("a new request needs a new external_id"),
         "{err}"
     );

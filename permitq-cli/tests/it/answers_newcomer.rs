@@ -49,6 +49,71 @@ async fn an_interrupted_submit_await_cancels_the_request_it_made() {
     );
 }
 
+/// Interrupted on a semaphore served by fairness key, after a worker placed it: the cancel says
+/// its turn stays taken, as `release` says it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_submit_await_says_its_keys_turn_stays_taken() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "kg", "1", "--fairness-keys"]).await;
+    let worker = db.notified_worker("w1");
+    let o = run(url, &["submit", "hold", "kg=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let child = Command::new(env!("CARGO_BIN_EXE_permitq"))
+        .args([
+            "submit",
+            "k-1",
+            "kg=1",
+            "--fairness-key",
+            "team-k",
+            "--await",
+            "60s",
+        ])
+        .env("DATABASE_URL", &db.url)
+        .env("RUST_LOG", "off")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let conn = db.conn().await;
+    wait_until(SOON, "k-1 placed in line", || async {
+        conn.query_one("SELECT count(*) FROM permitq.waiter", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    })
+    .await;
+    // Its own LISTEN beside the worker's: its signal handler is in place.
+    wait_until(SOON, "submit --await is waiting on LISTEN", || async {
+        conn.query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND query ILIKE 'LISTEN%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0)
+            >= 2
+    })
+    .await;
+    common::signal(child.id(), "INT");
+    let o = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(code(&o), 130, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "permitq: interrupted; k-1: cancelled it: it was still waiting; its turn on kg stays \
+             taken for its fairness key team-k until the line passes it"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    worker.stop().await;
+}
+
 /// `permitq submit ARGS` run until it waits, then sent SIG`signal`: what it printed and its exit.
 async fn interrupted_await(db: &TestDb, args: &[&str], signal: &str) -> std::process::Output {
     let child = Command::new(env!("CARGO_BIN_EXE_permitq"))

@@ -1407,14 +1407,17 @@ async fn fairness_keys_from_the_command_line() {
     let show = stdout(&run(url, &["semaphore", "show", "gpu"]).await);
     assert!(
         show.contains("served by fairness key")
-            && show.contains("team-a                   weight 1    waiting 5 (5 permits), holds 0, 33% of the grants while these wait")
-            && show.contains("team-b                   weight 2    waiting 1 (1 permit), holds 0, 67% of the grants while these wait")
+            && show.contains("team-a                   weight 1    waiting 5 (5 permits), holds 0, 33.3% of the turns to come")
+            && show.contains("team-b                   weight 2    waiting 1 (1 permit), holds 0, 66.7% of the turns to come")
             && show.contains("(no key)                 weight 1    waiting 0 (0 permits), holds 1"),
         "{show}"
     );
     let status = json(&run(url, &["status", "b-1", "--json"]).await);
     assert_eq!(status["fairness_key"], "team-b");
     assert_eq!(status["fairness_weight"], 2);
+    // No weight given: the default, 1, as it counts.
+    let status = json(&run(url, &["status", "a-1", "--json"]).await);
+    assert_eq!(status["fairness_weight"], 1, "{status}");
     // Explain says what the key did to the place, on a line of its own; show, how far back each
     // key's next request goes.
     let o = run(url, &["explain", "a-3"]).await;

@@ -67,6 +67,8 @@ DECLARE
     ahead_turns interval;
     ended text := 'its key''s requests already granted or ended (held, released, cancelled, timed out or failed)';
     later text;
+    -- Where its priority puts it, net of its offset ('' at priority 0).
+    net text := '';
     -- The keyed semaphores it names: its offset is the largest of theirs.
     keyed_names text[];
 BEGIN
@@ -102,9 +104,19 @@ BEGIN
                 ELSE '' END
         || format(' (a priority one step higher counts as one turn, %s, earlier).',
                   permitq.human_duration(step));
+    -- The net of its priority: each step one turn earlier.
+    IF r.priority <> 0 THEN
+        net := format(' With its priority %s (%s turns, %s, %s) it stands %s.',
+                      r.priority, abs(r.priority),
+                      permitq.human_duration(abs(r.priority) * step),
+                      CASE WHEN r.priority > 0 THEN 'earlier' ELSE 'later' END,
+                      CASE WHEN coalesce(placed_later, interval '0') - r.priority * step >= interval '0'
+                           THEN permitq.human_duration(coalesce(placed_later, interval '0') - r.priority * step) || ' after its arrival'
+                           ELSE permitq.human_duration(r.priority * step - coalesce(placed_later, interval '0')) || ' before its arrival' END);
+    END IF;
     IF coalesce(placed_later, interval '0') = interval '0' THEN
         RETURN key_words || ': placed at its arrival: when a worker examined it, no turn of its key was ahead of the line (requests granted while nobody waited take no turn).'
-               || later;
+               || net || later;
     END IF;
     SELECT array_agg(x.name ORDER BY x.name) INTO keyed_names
     FROM permitq.semaphore x JOIN permitq.keyed_semaphore k ON k.semaphore_id = x.id
@@ -143,17 +155,7 @@ BEGIN
                    ELSE format(' None of yours with its key waits ahead of it here now (other logins'' requests are not listed); %s count too, until the line passes their turns.',
                                ended)
                    END
-           -- The net of its priority: each step one turn earlier.
-           || CASE WHEN r.priority <> 0
-                   THEN format(' With its priority %s (%s turns, %s, %s) it stands %s.',
-                               r.priority, abs(r.priority),
-                               permitq.human_duration(abs(r.priority) * step),
-                               CASE WHEN r.priority > 0 THEN 'earlier' ELSE 'later' END,
-                               CASE WHEN placed_later - r.priority * step >= interval '0'
-                                    THEN permitq.human_duration(placed_later - r.priority * step) || ' after its arrival'
-                                    ELSE permitq.human_duration(r.priority * step - placed_later) || ' before its arrival' END)
-                   ELSE '' END
-           || later;
+           || net || later;
 END $$;
 
 CREATE OR REPLACE FUNCTION permitq.explain(external_id text)

@@ -103,7 +103,7 @@ BEGIN
                              + (existing.fairness_weight IS DISTINCT FROM submit.fairness_weight)::int > 1
                         THEN ' differ' ELSE ' differs' END
                 USING ERRCODE = '23505',
-                      DETAIL = format('the existing request asked permits %s, owner %s, ttl %s, wait %s, priority %s%s; its state now: %s',
+                      DETAIL = format('the existing request asked permits %s, owner %s, ttl %s, wait %s, priority %s%s; this submit asked %s; its state now: %s',
                           existing.permits, coalesce(existing.owner, 'none'),
                           coalesce(permitq.human_duration(existing.ttl), 'none (no lease)'),
                           coalesce(permitq.human_duration(existing.wait), 'none (waits until granted)'),
@@ -111,6 +111,22 @@ BEGIN
                           CASE WHEN existing.fairness_key IS NOT NULL
                                THEN format(', fairness key %s (weight %s)', existing.fairness_key,
                                            coalesce(existing.fairness_weight, 1)) END,
+                          -- What differs, as this submit asked it.
+                          concat_ws(', ',
+                              CASE WHEN existing.permits <> submit.permits
+                                   THEN 'permits ' || submit.permits::text END,
+                              CASE WHEN existing.owner IS DISTINCT FROM submit.owner
+                                   THEN 'owner ' || coalesce(submit.owner, 'none') END,
+                              CASE WHEN existing.ttl IS DISTINCT FROM submit.ttl
+                                   THEN 'ttl ' || coalesce(permitq.human_duration(submit.ttl), 'none (no lease)') END,
+                              CASE WHEN existing.wait IS DISTINCT FROM submit.wait
+                                   THEN 'wait ' || coalesce(permitq.human_duration(submit.wait), 'none (waits until granted)') END,
+                              CASE WHEN existing.priority <> submit.priority
+                                   THEN 'priority ' || submit.priority END,
+                              CASE WHEN existing.fairness_key IS DISTINCT FROM submit.fairness_key
+                                   THEN 'fairness key ' || coalesce(submit.fairness_key, 'none') END,
+                              CASE WHEN existing.fairness_weight IS DISTINCT FROM submit.fairness_weight
+                                   THEN 'fairness weight ' || coalesce(submit.fairness_weight, 1) END),
                           -- `released` alone when its holder released it, not `released (released)`.
                           concat_ws(' ', existing.state, existing.error_code,
                                     '(' || nullif(existing.release_reason, 'released') || ')')),

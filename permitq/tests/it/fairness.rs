@@ -1335,3 +1335,34 @@ async fn a_keyed_parent_reached_through_a_child_says_it_did_not_place_it() {
     worker.stop().await;
     check_invariants(&conn).await.unwrap();
 }
+
+/// A request placed at its arrival still hears where its priority puts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_placed_at_its_arrival_hears_where_its_priority_puts_it() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    keyed(&client, "gpu", 1).await;
+    let worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("holder").permit("gpu", 1))
+        .await
+        .unwrap();
+    assert_eq!(next_grant_kept(&conn, "gpu").await, "holder");
+    let mut low = Request::new("g-1").permit("gpu", 1);
+    low.priority = -2;
+    client.submit(&low).await.unwrap();
+    wait_examined(&conn, "gpu", 1).await;
+    let said = fairness_line(&client, "g-1").await;
+    assert!(
+        said.contains(
+            "placed at its arrival: when a worker examined it, no turn of its key was ahead of the \
+             line (requests granted while nobody waited take no turn). With its priority -2 (2 \
+             turns, 20s, later) it stands 20s after its arrival."
+        ),
+        "{said}"
+    );
+    client.release("holder").await.unwrap();
+    worker.stop().await;
+    check_invariants(&conn).await.unwrap();
+}
