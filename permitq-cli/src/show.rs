@@ -848,7 +848,7 @@ fn lease_end(expires_at: Option<SystemTime>) -> String {
 /// full stop in it stays whole).
 fn fairness_sentences(fairness: &str) -> impl Iterator<Item = &str> {
     const OPENINGS: [&str; 4] = [
-        ". Its key's requests waiting",
+        ". Its key's requests that took",
         ". None of ",
         ". With its priority ",
         ". A request of a key ",
@@ -924,15 +924,15 @@ mod tests {
     #[test]
     fn fairness_words_are_split_at_their_sentences_alone() {
         let said = "fairness key acme. inc, weight 1: placed 20s after its arrival, by its \
-                    key's turns (a turn is 10s × count ÷ weight). Its key's requests waiting \
-                    ahead of it here: a-2 (their turns: 10s); more. With its priority 1 (1 \
+                    key's turns (a turn is 10s × count ÷ weight). Its key's requests that took \
+                    their turns before it and still wait here: a-2 (their turns: 10s); more. With its priority 1 (1 \
                     turns, 10s, earlier) it stands 10s after its arrival. A request of a key \
                     with no turns outstanding at priority 1 goes behind it.";
         let lines: Vec<&str> = fairness_sentences(said).collect();
         assert_eq!(lines.len(), 4, "{lines:#?}");
         assert!(lines[0].starts_with("fairness key acme. inc, weight 1"));
         assert!(lines[0].ends_with("÷ weight)."));
-        assert!(lines[1].starts_with("Its key's requests waiting"));
+        assert!(lines[1].starts_with("Its key's requests that took"));
         assert!(lines[2].starts_with("With its priority 1"));
         assert!(lines[3].starts_with("A request of a key") && lines[3].ends_with("behind it."));
     }

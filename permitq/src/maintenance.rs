@@ -417,8 +417,10 @@ pub(crate) async fn every(
 /// `interval`, made 10% shorter or longer at random: workers started together would otherwise
 /// keep reaching a task's turn at the same instant, one of them always finding it held by the
 /// other's sweep, and warn of skips that were no more than that.
+/// (An interval too long to scale is kept as it is.)
 fn jittered(interval: Duration) -> Duration {
-    interval.mul_f64(0.9 + 0.2 * fastrand::f64())
+    Duration::try_from_secs_f64(interval.as_secs_f64() * (0.9 + 0.2 * fastrand::f64()))
+        .unwrap_or(interval)
 }
 
 /// How full the cluster's NOTIFY queue is, and what permitq skipped because of it: gauge
@@ -552,5 +554,7 @@ mod tests {
             .all(|p| *p >= interval.mul_f64(0.9) && *p <= interval.mul_f64(1.1)));
         // Not one fixed pause: two workers started together drift apart.
         assert!(pauses.iter().any(|p| *p != pauses[0]), "{pauses:?}");
+        // An interval too long to scale is kept, not a panic.
+        assert_eq!(jittered(Duration::MAX), Duration::MAX);
     }
 }

@@ -65,6 +65,10 @@ DECLARE
     ahead text;
     ahead_count bigint;
     ahead_turns interval;
+    -- Its start tag on `s` (its waiter row's).
+    my_tag timestamptz;
+    -- Where its offset may have come from besides `s`.
+    elsewhere text;
     ended text := 'its key''s requests already granted or ended (held, released, cancelled, timed out or failed)';
     later text;
     -- Where its priority puts it, net of its offset ('' at priority 0).
@@ -83,7 +87,7 @@ BEGIN
     -- A keyed parent it does not name: its line takes it at the place its own semaphores gave
     -- it (functions/fairness.sql orders by key only the requests that name a keyed semaphore).
     IF NOT (jsonb_typeof(r.permits) = 'object' AND r.permits ? s.name) THEN
-        RETURN key_words || format(': this line takes it through the semaphore it names below %s, at the place that one gave it (%s): keys order here only the requests that name %s itself.',
+        RETURN key_words || format(': this line takes it through the semaphore it names below %s, at the place the semaphores it names gave it (%s): keys order here only the requests that name %s itself.',
                                    s.name,
                                    CASE WHEN NOT r.examined THEN 'not placed yet'
                                         WHEN coalesce(placed_later, interval '0') = interval '0' THEN 'at its arrival'
@@ -106,8 +110,8 @@ BEGIN
                   permitq.human_duration(step));
     -- The net of its priority: each step one turn earlier.
     IF r.priority <> 0 THEN
-        net := format(' With its priority %s (%s turns, %s, %s) it stands %s.',
-                      r.priority, abs(r.priority),
+        net := format(' With its priority %s (%s turn%s, %s, %s) it stands %s.',
+                      r.priority, abs(r.priority), CASE WHEN abs(r.priority) = 1 THEN '' ELSE 's' END,
                       permitq.human_duration(abs(r.priority) * step),
                       CASE WHEN r.priority > 0 THEN 'earlier' ELSE 'later' END,
                       CASE WHEN coalesce(placed_later, interval '0') - r.priority * step >= interval '0'
@@ -121,8 +125,12 @@ BEGIN
     SELECT array_agg(x.name ORDER BY x.name) INTO keyed_names
     FROM permitq.semaphore x JOIN permitq.keyed_semaphore k ON k.semaphore_id = x.id
     WHERE r.permits ? x.name;
-    -- Its key's earlier requests that still wait ahead of it here, that this login may read:
-    -- latest first, at most 3 named, and their turns (step × count ÷ weight each).
+    -- Its key's requests that took their turns here before its own and still wait (anywhere in
+    -- this line: a lower priority may stand behind it), that this login may read: latest
+    -- first, at most 3 named, and their turns (step × count ÷ weight each). Told by the start
+    -- tags of the waiter rows (its own here: my_tag); without one, by submission order.
+    SELECT w.start_tag INTO my_tag FROM permitq.waiter w
+    WHERE w.request_id = r.id AND w.semaphore_id = s.id;
     SELECT string_agg(x.external_id, ', ' ORDER BY x.id DESC) FILTER (WHERE x.n <= 3)
                || CASE WHEN count(*) > 3 THEN format(' and %s more', count(*) - 3) ELSE '' END,
            count(*),
@@ -130,12 +138,17 @@ BEGIN
     INTO ahead, ahead_count, ahead_turns
     FROM (SELECT pr.id, pr.external_id, w.count, coalesce(pr.fairness_weight, 1) AS weight,
                  row_number() OVER (ORDER BY pr.id DESC) AS n
-          FROM permitq.waiters_ahead(s.id, permitq.rule_place_in_line(r.priority, placed), r.id) w
+          FROM (SELECT wt.request_id, wt.count, wt.start_tag FROM permitq.waiter wt
+                WHERE wt.semaphore_id = s.id AND wt.request_id <> r.id
+                LIMIT 10000) w
           JOIN permitq.permit_request pr ON pr.id = w.request_id
-          -- (Its key's requests submitted before it: a later one ahead by its priority took
-          -- its turn after this one's.)
-          WHERE pr.fairness_key IS NOT DISTINCT FROM r.fairness_key AND pr.id < r.id
+          WHERE pr.fairness_key IS NOT DISTINCT FROM r.fairness_key
+            AND CASE WHEN my_tag IS NOT NULL AND w.start_tag IS NOT NULL
+                     THEN w.start_tag < my_tag ELSE pr.id < r.id END
             AND permitq.may_read(pr.submitted_by)) x;
+    elsewhere := CASE WHEN cardinality(keyed_names) > 1
+                      THEN format(', or turns on %s', array_to_string(array_remove(keyed_names, s.name), ', '))
+                      ELSE '' END;
     RETURN key_words || format(': placed %s after its arrival, by its key''s turns that the line had not passed when a worker examined it %s (a turn is %s × count ÷ weight; the line''s turn is the start of the latest turn granted there).',
                                permitq.human_duration(placed_later),
                                CASE WHEN cardinality(keyed_names) > 1
@@ -144,16 +157,16 @@ BEGIN
                                     ELSE 'here' END,
                                permitq.human_duration(step))
            || CASE WHEN ahead_count > 0
-                   THEN format(' Its key''s requests waiting ahead of it here: %s (their turns: %s)%s; %s count too, until the line passes their turns.',
+                   THEN format(' Its key''s requests that took their turns before it and still wait here: %s (their turns: %s)%s; %s count too, until the line passes their turns.',
                                ahead, permitq.human_duration(ahead_turns),
                                CASE WHEN permitq.reads_every_request() THEN ''
                                     ELSE ', of yours: other logins'' requests with its key are not listed' END,
                                ended)
                    WHEN permitq.reads_every_request()
-                   THEN format(' None of its key''s requests waits ahead of it here now: the turns are of %s, which count until the line passes them.',
-                               ended)
-                   ELSE format(' None of yours with its key waits ahead of it here now (other logins'' requests are not listed); %s count too, until the line passes their turns.',
-                               ended)
+                   THEN format(' None of its key''s requests that took their turns before it still waits here: the turns are of %s%s, which count until the line passes them.',
+                               ended, elsewhere)
+                   ELSE format(' None of yours with its key that took their turns before it still waits here (other logins'' requests are not listed); %s%s count too, until the line passes their turns.',
+                               ended, elsewhere)
                    END
            || net || later;
 END $$;

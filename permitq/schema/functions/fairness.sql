@@ -373,26 +373,33 @@ GRANT EXECUTE ON FUNCTION permitq.shown_key(text)
 -- holds; and how far back a request of it arriving now would be placed (`placed_back`: the turns
 -- its key has taken that the line has not passed, S - V or the key's latest place: NULL when
 -- none, as place_by_keys gives it). A key with such turns outstanding but nothing waiting or
--- held is listed too, after the others: its next request still goes back. Most waiting first,
--- then most held, at most 20 keys ('' is the requests with no key). What `semaphore show`, the
--- status page and the API show. A producer sees its own requests' keys alone, and no
--- `placed_back` (it counts every login's turns under the key). Cost: the semaphore's line (at
--- most its first 10000 waiters), its holders, a finish tag looked up per key, and at most 1000
--- more finish tags read for the keys with turns alone.
+-- held is listed too, after the others, when the whole line was read: its next request still
+-- goes back. Most waiting first, then most held, at most 20 keys ('' is the requests with no
+-- key). What `semaphore show`, the status page and the API show. A producer sees its own
+-- requests' keys alone, and no `placed_back` (it counts every login's turns under the key).
+-- Cost: the line's first 10000 waiters in line order, its holders, a finish tag looked up per key
+-- shown, and at most 1000 more of the semaphore's finish tags read by its key (index lookups
+-- only, as place_by_keys plans them: flat in the other semaphores' lines and keys).
 CREATE OR REPLACE FUNCTION permitq.key_shares(name text)
 RETURNS TABLE (fairness_key text, weight integer, waiting bigint, waiting_permits bigint,
                held bigint, placed_back interval)
-LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
+SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
     WITH s AS (SELECT s.id, k.virtual_time FROM permitq.semaphore s
                JOIN permitq.keyed_semaphore k ON k.semaphore_id = s.id
                WHERE s.name = key_shares.name),
+    -- The first 10000 of its line, in line order (waiter_place_idx), each request by its id.
     line AS (
         SELECT coalesce(r.fairness_key, '') AS fkey, coalesce(r.fairness_weight, 1) AS w,
                w.count, r.submitted_by
         FROM s
         CROSS JOIN LATERAL (SELECT wt.request_id, wt.count FROM permitq.waiter wt
-                            WHERE wt.semaphore_id = s.id LIMIT 10000) w
-        JOIN permitq.permit_request r ON r.id = w.request_id
+                            WHERE wt.semaphore_id = s.id
+                            ORDER BY permitq.rule_place_in_line(wt.priority, wt.created_at) DESC,
+                                     wt.request_id
+                            LIMIT 10000) w
+        CROSS JOIN LATERAL (SELECT x.fairness_key, x.fairness_weight, x.submitted_by
+                            FROM permitq.permit_request x WHERE x.id = w.request_id) r
     ),
     holding AS (
         SELECT coalesce(r.fairness_key, '') AS fkey, coalesce(r.fairness_weight, 1) AS w,
@@ -413,17 +420,22 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET j
         WHERE permitq.may_read(x.submitted_by)
         GROUP BY x.fkey
     ),
-    -- Keys with turns outstanding and nothing waiting or held, from a bounded read of the
-    -- semaphore's finish tags (retention deletes those the line has passed, so these are
-    -- mostly outstanding; past the first 1000 read, such a key is not listed).
+    -- Keys with turns outstanding and nothing waiting or held: read only when the whole line
+    -- was (a key of the line past its first 10000 would read as waiting for nothing), and
+    -- every login's turns, so only to a session that reads every request. At most 1000 of the
+    -- semaphore's finish tags, by its key (retention deletes those the line has passed, so these
+    -- are mostly outstanding; past them, such a key is not listed).
     turns_only AS (
         SELECT g.fairness_key AS fkey,
                nullif(greatest(g.finish - s.virtual_time, g.placed_until - now(), interval '0'),
                       interval '0') AS back
         FROM s CROSS JOIN LATERAL (SELECT f.fairness_key, f.finish, f.placed_until
                                    FROM permitq.key_finish f
-                                   WHERE f.semaphore_id = s.id LIMIT 1000) g
+                                   WHERE f.semaphore_id = s.id
+                                   ORDER BY f.semaphore_id, f.fairness_key
+                                   LIMIT 1000) g
         WHERE permitq.reads_every_request()
+          AND (SELECT count(*) FROM line) < 10000
           AND NOT EXISTS (SELECT 1 FROM shares sh WHERE sh.fkey = g.fairness_key)
     )
     -- How far back each key shown would place its next request: its finish tag looked up by

@@ -80,7 +80,8 @@ BEGIN
                AND existing.wait IS NOT DISTINCT FROM submit.wait
                AND existing.priority = submit.priority
                AND existing.fairness_key IS NOT DISTINCT FROM submit.fairness_key
-               AND existing.fairness_weight IS NOT DISTINCT FROM submit.fairness_weight THEN
+               -- (No weight is weight 1.)
+               AND coalesce(existing.fairness_weight, 1) = coalesce(submit.fairness_weight, 1) THEN
                 RETURN existing;
             END IF;
             RAISE EXCEPTION 'external_id % already exists with different parameters (%)', submit.external_id,
@@ -92,7 +93,7 @@ BEGIN
                     CASE WHEN existing.priority <> submit.priority THEN 'priority' END,
                     CASE WHEN existing.fairness_key IS DISTINCT FROM submit.fairness_key
                          THEN 'fairness_key' END,
-                    CASE WHEN existing.fairness_weight IS DISTINCT FROM submit.fairness_weight
+                    CASE WHEN coalesce(existing.fairness_weight, 1) <> coalesce(submit.fairness_weight, 1)
                          THEN 'fairness_weight' END)
                 || CASE WHEN (existing.permits <> submit.permits)::int
                              + (existing.owner IS DISTINCT FROM submit.owner)::int
@@ -100,7 +101,7 @@ BEGIN
                              + (existing.wait IS DISTINCT FROM submit.wait)::int
                              + (existing.priority <> submit.priority)::int
                              + (existing.fairness_key IS DISTINCT FROM submit.fairness_key)::int
-                             + (existing.fairness_weight IS DISTINCT FROM submit.fairness_weight)::int > 1
+                             + (coalesce(existing.fairness_weight, 1) <> coalesce(submit.fairness_weight, 1))::int > 1
                         THEN ' differ' ELSE ' differs' END
                 USING ERRCODE = '23505',
                       DETAIL = format('the existing request asked permits %s, owner %s, ttl %s, wait %s, priority %s%s; this submit asked %s; its state now: %s',
@@ -109,7 +110,7 @@ BEGIN
                           coalesce(permitq.human_duration(existing.wait), 'none (waits until granted)'),
                           existing.priority,
                           CASE WHEN existing.fairness_key IS NOT NULL
-                               THEN format(', fairness key %s (weight %s)', existing.fairness_key,
+                               THEN format(', fairness key %s (weight %s)', permitq.shown_key(existing.fairness_key),
                                            coalesce(existing.fairness_weight, 1)) END,
                           -- What differs, as this submit asked it.
                           concat_ws(', ',
@@ -124,8 +125,9 @@ BEGIN
                               CASE WHEN existing.priority <> submit.priority
                                    THEN 'priority ' || submit.priority END,
                               CASE WHEN existing.fairness_key IS DISTINCT FROM submit.fairness_key
-                                   THEN 'fairness key ' || coalesce(submit.fairness_key, 'none') END,
-                              CASE WHEN existing.fairness_weight IS DISTINCT FROM submit.fairness_weight
+                                   THEN coalesce('fairness key ' || permitq.shown_key(submit.fairness_key),
+                                                 'no fairness key') END,
+                              CASE WHEN coalesce(existing.fairness_weight, 1) <> coalesce(submit.fairness_weight, 1)
                                    THEN 'fairness weight ' || coalesce(submit.fairness_weight, 1) END),
                           -- `released` alone when its holder released it, not `released (released)`.
                           concat_ws(' ', existing.state, existing.error_code,

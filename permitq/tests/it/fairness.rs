@@ -141,8 +141,8 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
                 "fairness key A, weight 1: placed 20s after its arrival, by its key's turns \
                  that the line had not passed when a worker examined it here (a turn is 10s × \
                  count ÷ weight; the line's turn is the start of the latest turn granted \
-                 there). Its key's requests waiting ahead of it here: a-2, a-1 (their turns: \
-                 20s); its key's requests already granted or ended (held, released, cancelled, \
+                 there). Its key's requests that took their turns before it and still wait \
+                 here: a-2, a-1 (their turns: 20s); its key's requests already granted or ended (held, released, cancelled, \
                  timed out or failed) count too, until the line passes their turns. A request \
                  of "
             )
@@ -953,8 +953,8 @@ async fn a_cancel_or_timeout_keeps_its_keys_turn_and_says_so() {
     assert!(
         fairness.contains("placed 20s after its arrival, by its key's turns that the line had")
             && fairness.contains(
-                "None of its key's requests waits ahead of it here now: the turns are of its \
-                 key's requests already granted or ended"
+                "None of its key's requests that took their turns before it still waits here: \
+                 the turns are of its key's requests already granted or ended"
             ),
         "{fairness}"
     );
@@ -1076,8 +1076,8 @@ async fn a_producer_sharing_a_key_reads_nothing_of_the_other_logins_requests() {
     assert!(
         said.contains("placed 20s after its arrival")
             && said.contains(
-                "None of yours with its key waits ahead of it here now (other logins' requests \
-                 are not listed)"
+                "None of yours with its key that took their turns before it still waits here \
+                 (other logins' requests are not listed)"
             )
             && !said.contains("alice")
             && !said.contains("another login's request"),
@@ -1096,7 +1096,7 @@ async fn a_producer_sharing_a_key_reads_nothing_of_the_other_logins_requests() {
     );
     let seen = fairness_line(&admin, "m-1").await;
     assert!(
-        seen.contains("Its key's requests waiting ahead of it here: alice-2, alice-1 ("),
+        seen.contains("Its key's requests that took their turns before it and still wait here: alice-2, alice-1 ("),
         "{seen}"
     );
     assert!(admin
@@ -1105,6 +1105,40 @@ async fn a_producer_sharing_a_key_reads_nothing_of_the_other_logins_requests() {
         .unwrap()
         .iter()
         .any(|k| k.fairness_key == "acme" && k.placed_back.is_some()),);
+    // A key of weight 2: its turns are half as long; once its requests end, it is listed for its
+    // turns alone, to the admin and not to the producer that never named it.
+    for id in ["zeta-1", "zeta-2"] {
+        alice
+            .submit(
+                &Request::new(id)
+                    .permit("gpu", 1)
+                    .fairness_key("zeta")
+                    .fairness_weight(2),
+            )
+            .await
+            .unwrap();
+    }
+    wait_examined(&conn, "gpu", 5).await;
+    let seen = fairness_line(&admin, "zeta-2").await;
+    assert!(
+        seen.contains("still wait here: zeta-1 (their turns: 5s)"),
+        "{seen}"
+    );
+    for id in ["zeta-1", "zeta-2"] {
+        alice.release(id).await.unwrap();
+    }
+    let turns_alone = |shares: &[permitq::KeyShare]| {
+        shares.iter().any(|k| {
+            k.fairness_key == "zeta" && k.waiting == 0 && k.held == 0 && k.placed_back.is_some()
+        })
+    };
+    let shares = admin.key_shares("gpu").await.unwrap();
+    assert!(turns_alone(&shares), "{shares:?}");
+    let shares = mallory.key_shares("gpu").await.unwrap();
+    assert!(
+        shares.iter().all(|k| k.fairness_key != "zeta"),
+        "{shares:?}"
+    );
     drop(mallory);
     admin.release("holder").await.unwrap();
     worker.stop().await;
@@ -1326,8 +1360,8 @@ async fn a_keyed_parent_reached_through_a_child_says_it_did_not_place_it() {
     assert!(
         said.starts_with(
             "fairness key A, weight 1: this line takes it through the semaphore it names below \
-             pool, at the place that one gave it (at its arrival): keys order here only the \
-             requests that name pool itself."
+             pool, at the place the semaphores it names gave it (at its arrival): keys order \
+             here only the requests that name pool itself."
         ),
         "{explained:?}"
     );
