@@ -835,10 +835,16 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             };
             if created {
                 // A new template is meant to match other names: none is a typo of it.
-                let near = if name.ends_with('*') {
+                let near: Vec<String> = if name.ends_with('*') {
                     Vec::new()
                 } else {
-                    client.similar_semaphores(&name).await.unwrap_or_default()
+                    client
+                        .similar_semaphores(&name)
+                        .await
+                        .unwrap_or_default()
+                        .into_iter()
+                        .filter(|n| likely_typo(&name, n))
+                        .collect()
                 };
                 // A name ending in `*` is a template (its instances are made on first use).
                 let what = if s.name.ends_with('*') {
@@ -1600,6 +1606,50 @@ impl Shutdown {
         async move {
             let _ = rx.wait_for(|stopped| *stopped).await;
         }
+    }
+}
+
+/// Whether a new semaphore `new` reads as a typo of `existing` (a near name): the same parts
+/// (split at `-`, `_`, `:`, `.`, `/` and spaces), one of them different, and that one a word of
+/// three characters or more and not a number. Names made on purpose beside others (`child-b`
+/// beside `child-a`, `pool` beside `gpu-pool`, `gpu-2` beside `gpu-1`) are not.
+fn likely_typo(new: &str, existing: &str) -> bool {
+    let parts = |s: &str| -> Vec<String> {
+        s.split(['-', '_', ':', '.', '/', ' '])
+            .map(str::to_string)
+            .collect()
+    };
+    let (a, b) = (parts(new), parts(existing));
+    if a.len() != b.len() {
+        return false;
+    }
+    let differing: Vec<(&String, &String)> = a.iter().zip(&b).filter(|(x, y)| x != y).collect();
+    match differing[..] {
+        [(x, y)] => {
+            let number = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_digit());
+            x.chars().count() >= 3 && y.chars().count() >= 3 && !(number(x) && number(y))
+        }
+        // Only the separators differ (`gpu_pool`, `gpu-pool`).
+        [] => true,
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod likely_typo_tests {
+    use super::likely_typo;
+
+    #[test]
+    fn names_made_on_purpose_beside_others_are_not_typos() {
+        assert!(likely_typo("gpuu", "gpu"));
+        assert!(likely_typo("lisence", "licence"));
+        assert!(likely_typo("gpu_pool", "gpu-pool"));
+        assert!(likely_typo("team-alpah", "team-alpha"));
+        assert!(!likely_typo("child-b", "child-a"));
+        assert!(!likely_typo("pool", "gpu-pool"));
+        assert!(!likely_typo("gpu-2", "gpu-1"));
+        assert!(!likely_typo("gpu-10", "gpu-1"));
+        assert!(!likely_typo("team-a-gpu", "team-b-cpu"));
     }
 }
 

@@ -322,20 +322,33 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             }
         );
     }
+    // On a semaphore served by key, each waiter's key too: whose turn it takes.
+    let keyed = d.usage.fairness_keys;
     if !d.waiters.is_empty() {
         outln!(
-            "  {:>4} {:<32} {:<16} {:>6} {:>8} {:>10}",
+            "  {:>4} {:<32} {:<16} {:>6} {:>8} {:>10}{}",
             "pos",
             "external_id",
             "owner",
             "count",
             "priority",
-            "waiting"
+            "waiting",
+            if keyed { "  fairness key" } else { "" }
         );
     }
     for w in &d.waiters {
+        let key = if keyed {
+            format!(
+                "  {}",
+                w.fairness_key
+                    .as_deref()
+                    .map_or("(no key)".to_string(), permitq::shown_key)
+            )
+        } else {
+            String::new()
+        };
         outln!(
-            "  {:>4} {:<32} {:<16} {:>6} {:>8} {:>10}",
+            "  {:>4} {:<32} {:<16} {:>6} {:>8} {:>10}{key}",
             w.position,
             w.external_id,
             w.owner.as_deref().unwrap_or("-"),

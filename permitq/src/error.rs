@@ -406,11 +406,17 @@ fn role_hint(db: &tokio_postgres::error::DbError) -> String {
         role.split(' ').next().unwrap_or(role)
     };
     // Revoking is for another login's request: one's own is given back by a release.
-    let own = if object == "revoke" {
-        "; to end a request this login submitted, `permitq release ID` (or release()) needs no \
-         admin"
-    } else {
-        ""
+    let own = match object {
+        "revoke" => {
+            "; to end a request this login submitted, `permitq release ID` (or release()) needs \
+             no admin"
+        }
+        // A producer acts on its own requests alone.
+        "release" | "cancel" | "heartbeat" => {
+            "; a producer acts on its own requests alone: another login's request is released \
+             by that login, or revoked by permitq_admin (`permitq revoke ID`)"
+        }
+        _ => "",
     };
     format!(
         "; this needs the role {role}: use a login that has it, or a DBA runs GRANT {grant} TO \

@@ -114,6 +114,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "fairness_answers",
         sql: include_str!("../schema/migrations/V15__fairness_answers.sql"),
     },
+    Migration {
+        version: 16,
+        name: "waiter_keys",
+        sql: include_str!("../schema/migrations/V16__waiter_keys.sql"),
+    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.
@@ -475,4 +480,31 @@ fn explain_privilege(e: Error, owners: Option<&tokio_postgres::Row>) -> Error {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MIGRATIONS;
+
+    /// Every `V<n>__<name>.sql` under schema/migrations is in [`MIGRATIONS`], in order: a file
+    /// left out would never run on a database migrated before (a fresh one would not notice).
+    #[test]
+    fn every_migration_file_is_listed_in_order() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/schema/migrations");
+        let mut files: Vec<(i32, String)> = std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| {
+                let name = e.unwrap().file_name().into_string().unwrap();
+                let rest = name.strip_prefix('V')?.strip_suffix(".sql")?.to_string();
+                let (version, label) = rest.split_once("__")?;
+                Some((version.parse().ok()?, label.to_string()))
+            })
+            .collect();
+        files.sort();
+        let listed: Vec<(i32, String)> = MIGRATIONS
+            .iter()
+            .map(|m| (m.version, m.name.to_string()))
+            .collect();
+        assert_eq!(listed, files);
+    }
 }

@@ -343,7 +343,7 @@ pub(crate) const HOLDERS: &str = "SELECT semaphore, external_id, owner, count::i
      ORDER BY acquired_at, external_id";
 /// Operators: the first waiters of one semaphore, in queue order (the workers' place in line).
 pub(crate) const WAITERS: &str = "SELECT semaphore, external_id, owner, count::int8, \
-     position, waiting_since, deadline, priority FROM permitq.first_waiters($1, $2::int4)";
+     position, waiting_since, deadline, priority, fairness_key FROM permitq.first_waiters($1, $2::int4)";
 /// Downstream fencing check.
 pub(crate) const FENCE: &str = "SELECT permitq.fence($1, $2, $3)";
 

@@ -103,6 +103,8 @@ pub struct Waiter {
     pub deadline: Option<SystemTime>,
     /// Its priority (-100 to 100; aging raises its place in line as it waits).
     pub priority: i16,
+    /// Its fairness key, if it has one (on a semaphore served by key, whose turns it takes).
+    pub fairness_key: Option<String>,
 }
 
 /// A row of `permitq.holders` as [`crate::sql::HOLDERS`] selects it.
@@ -129,6 +131,7 @@ pub(crate) fn waiter_from_row(row: &Row) -> Result<Waiter> {
         waiting_since: row.try_get(5)?,
         deadline: row.try_get(6)?,
         priority: row.try_get(7)?,
+        fairness_key: row.try_get(8)?,
     })
 }
 

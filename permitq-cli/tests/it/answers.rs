@@ -1031,8 +1031,12 @@ async fn a_permission_error_names_the_role_needed() {
     let o = run(&producer, &["release", "mine-1"]).await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     // An operator or worker login submitting is told the producer's role, not its own.
+    let mut operator = String::new();
     for role in ["permitq_operator", "permitq_worker"] {
         let login = db.login(role).await;
+        if role == "permitq_operator" {
+            operator.clone_from(&login);
+        }
         let user = common::user_of(&login);
         let o = run(&login, &["submit", "op-1", "gpu=1"]).await;
         assert_eq!(code(&o), 1, "{}", stderr(&o));
@@ -1045,6 +1049,20 @@ async fn a_permission_error_names_the_role_needed() {
             "{role}: {err}"
         );
     }
+    // An operator releasing another login's request: told that a producer acts on its own
+    // requests alone, not only to take the producer's role.
+    run(&producer, &["submit", "theirs-1", "gpu=1"]).await;
+    let o = run(&operator, &["release", "theirs-1"]).await;
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("permission denied for function release")
+            && stderr(&o).contains(
+                "a producer acts on its own requests alone: another login's request is released \
+                 by that login, or revoked by permitq_admin (`permitq revoke ID`)"
+            ),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1412,6 +1412,18 @@ async fn fairness_keys_from_the_command_line() {
             && show.contains("(no key)                 weight 1    waiting 0 (0 permits), holds 1"),
         "{show}"
     );
+    // Each waiter's key, in the line.
+    assert!(
+        show.lines()
+            .any(|l| l.trim_end().ends_with("waiting  fairness key"))
+            && show
+                .lines()
+                .any(|l| l.contains(" a-2 ") && l.trim_end().ends_with(" team-a"))
+            && show
+                .lines()
+                .any(|l| l.contains(" b-1 ") && l.trim_end().ends_with(" team-b")),
+        "{show}"
+    );
     let status = json(&run(url, &["status", "b-1", "--json"]).await);
     assert_eq!(status["fairness_key"], "team-b");
     assert_eq!(status["fairness_weight"], 2);

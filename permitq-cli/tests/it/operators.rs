@@ -1587,6 +1587,7 @@ async fn the_status_page_plots_an_adaptive_capacity_and_what_moved_it() {
         let text = eval("return document.getElementById('detail').innerText").await;
         let text = text.as_str().unwrap_or("");
         text.contains("fairness keys (keys that wait are served in proportion to their weights)")
+            && text.contains("waiting\tfairness key")
             && text.contains("team-a\t1\t2\t2\t0\t25%")
             && text.contains("team-b\t3\t1\t1\t0\t75%")
     })

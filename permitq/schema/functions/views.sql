@@ -91,8 +91,8 @@ WHERE r.state = 'acquired'
 -- rest of the backlog.
 CREATE OR REPLACE VIEW permitq.waiters WITH (security_barrier = true) AS
 SELECT w.semaphore, w.external_id, w.owner, w.count, w.position, w.waiting_since, w.deadline,
-       w.priority
-FROM (SELECT l.semaphore, r.external_id, r.owner, l.count,
+       w.priority, w.fairness_key
+FROM (SELECT l.semaphore, r.external_id, r.owner, l.count, r.fairness_key,
              -- Where it waits (`placed`: a keyed semaphore may have placed it later than its
              -- arrival, functions/fairness.sql).
              row_number() OVER (PARTITION BY l.semaphore
@@ -118,7 +118,8 @@ WHERE permitq.may_read(w.submitted_by);
 -- workers keep that backlog short): never the examined backlog.
 CREATE OR REPLACE FUNCTION permitq.first_waiters(name text, n integer)
 RETURNS TABLE (semaphore text, external_id text, owner text, count integer, "position" bigint,
-               waiting_since timestamptz, deadline timestamptz, priority smallint)
+               waiting_since timestamptz, deadline timestamptz, priority smallint,
+               fairness_key text)
 LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
 SET enable_seqscan = off AS $$
     WITH s AS (SELECT s.id, s.name FROM permitq.semaphore s WHERE s.name = first_waiters.name),
@@ -140,7 +141,7 @@ SET enable_seqscan = off AS $$
     ),
     ranked AS (
         SELECT r.external_id, r.owner, line.count, r.created_at, r.wait_until, r.priority,
-               r.submitted_by,
+               r.fairness_key, r.submitted_by,
                row_number() OVER (ORDER BY permitq.rule_place_in_line(r.priority, line.placed)
                                            DESC, r.id) AS position
         FROM line
@@ -150,7 +151,7 @@ SET enable_seqscan = off AS $$
         LIMIT least(first_waiters.n, 1000)
     )
     SELECT first_waiters.name, ranked.external_id, ranked.owner, ranked.count, ranked.position,
-           ranked.created_at, ranked.wait_until, ranked.priority
+           ranked.created_at, ranked.wait_until, ranked.priority, ranked.fairness_key
     FROM ranked
     WHERE permitq.may_read(ranked.submitted_by)
     ORDER BY ranked.position
