@@ -384,7 +384,7 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             outln!(
                 "  keys that wait take turns in proportion to their weights; each request's turn \
                  is its own count ÷ its own weight, and the weight shown is the largest among a \
-                 key's waiting requests. Shares are of the turns to come: requests already placed \
+                 key's waiting requests (its holders' when none waits). Shares are of the turns to come: requests already placed \
                  keep their places, so a key placed earlier is served those first (the waiters \
                  above are in that order)"
             );

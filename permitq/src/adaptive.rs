@@ -470,8 +470,9 @@ impl crate::Client {
         Ok(text.parse()?)
     }
 
-    /// Reports how the holder's use went so far, while it still holds. `false` when the
-    /// request is not held (any more).
+    /// Reports how the holder's use went so far, while it still holds. Whether the report was
+    /// kept: `false` when no request has the id, when it is not held (waiting, or ended), or when
+    /// none of the semaphores it holds is adaptive.
     pub async fn report(
         &self,
         external_id: &str,

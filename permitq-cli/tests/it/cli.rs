@@ -1003,7 +1003,9 @@ async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep(
                 "--guarantee",
                 "3",
             ][..],
-            "the guarantees of the children of pool add up to 5, more than its capacity 4",
+            "the guarantees of the children of pool add up to 5, more than its capacity 4 (b's \
+             own guarantee of 3 is in that sum: add `--guarantee N` to this command to lower it, \
+             `--guarantee 0` for none)",
         ),
         (
             &["semaphore", "set", "b", "3", "--parent", "nope"],

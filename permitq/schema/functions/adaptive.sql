@@ -130,8 +130,9 @@ $$;
 
 -- permitq.report: a holder's report while it still holds (beside a heartbeat): how its use went
 -- so far, replacing its earlier one until a cadence applies it (one report per request and
--- semaphore a cadence). Only its owner (or an admin), only while it is acquired; returns false
--- otherwise.
+-- semaphore a cadence). Only its owner (or an admin). Returns whether the report was kept:
+-- false, with a NOTICE saying why, when no request has the id, when it is not held (waiting or
+-- ended), or when none of the semaphores it holds is adaptive (as the CLI says it).
 CREATE OR REPLACE FUNCTION permitq.report(external_id text, outcome text, latency interval DEFAULT NULL)
 RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$
@@ -145,10 +146,21 @@ BEGIN
     END IF;
     SELECT * INTO r FROM permitq.permit_request x WHERE x.external_id = report.external_id;
     IF NOT FOUND THEN
+        RAISE NOTICE 'no report kept: no request has the external_id %', report.external_id;
         RETURN false;
     END IF;
     PERFORM permitq.check_owner(r, 'report on it');
     IF r.state <> 'acquired' THEN
+        RAISE NOTICE 'no report kept: request % is %, and only a held request reports (its holder reports on release instead: release(external_id, outcome, latency))',
+            r.external_id, r.state;
+        RETURN false;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM jsonb_object_keys(coalesce(r.charged, r.permits)) k
+                   JOIN permitq.semaphore s ON s.name = k
+                   JOIN permitq.adaptive_limit a ON a.semaphore_id = s.id) THEN
+        RAISE NOTICE 'no report kept: none of the semaphores request % holds (%) is adaptive',
+            r.external_id,
+            (SELECT string_agg(k, ', ' ORDER BY k) FROM jsonb_object_keys(coalesce(r.charged, r.permits)) k);
         RETURN false;
     END IF;
     PERFORM permitq.record_report(r.id, coalesce(r.charged, r.permits), outcome, latency);

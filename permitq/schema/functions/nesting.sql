@@ -91,6 +91,8 @@ DECLARE
     cyclic boolean := false;
     promised bigint;
     left_over bigint;
+    -- What the semaphore being set adds to its parent's sum, said when it is over.
+    own text;
     biggest record;
     used_now bigint;
     waiting_now bigint;
@@ -163,6 +165,13 @@ BEGIN
     FOR p IN SELECT * FROM permitq.semaphore t WHERE t.name IN (s.parent, s.name) LOOP
         promised := permitq.promised_to_children(p.name);
         IF promised > p.capacity THEN
+            -- The semaphore being set is one of those children: its own guarantee (kept from
+            -- before when this change does not give one) is in the sum, and this command can
+            -- lower it.
+            own := CASE WHEN p.name = s.parent AND s.guarantee > 0
+                        THEN format(' (%s''s own guarantee of %s is in that sum: add `--guarantee N` to this command to lower it, `--guarantee 0` for none)',
+                                    s.name, s.guarantee)
+                        ELSE '' END;
             -- A template's bound is the likely cause (10000 instances unless set): name it,
             -- with the instances it has (they count while they exist, above a bound too).
             SELECT c.name, c.guarantee, coalesce(c.max_instances, permitq.rule_max_instances()) AS max_instances,
@@ -179,8 +188,8 @@ BEGIN
                 -- the tens of thousands.
                 left_over := p.capacity - (promised - biggest.guarantee::bigint
                                                       * greatest(biggest.max_instances, biggest.made));
-                RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: template %s guarantees %s to each of up to %s instances (its max_instances%s)%s; %s; or give it none (`permitq semaphore set ''%s'' CAPACITY --guarantee 0`: its instances then borrow what is free, unbounded)',
-                              p.name, promised, p.capacity, biggest.name, biggest.guarantee,
+                RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s%s: template %s guarantees %s to each of up to %s instances (its max_instances%s)%s; %s; or give it none (`permitq semaphore set ''%s'' CAPACITY --guarantee 0`: its instances then borrow what is free, unbounded)',
+                              p.name, promised, p.capacity, own, biggest.name, biggest.guarantee,
                               biggest.max_instances,
                               CASE WHEN biggest.max_instances = permitq.rule_max_instances() THEN ', by default' ELSE '' END,
                               CASE WHEN biggest.made > 0
@@ -204,8 +213,8 @@ BEGIN
                                                biggest.name, biggest.guarantee, greatest(biggest.made, 1)) END,
                               biggest.name);
             END IF;
-            RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s: raise it (`permitq semaphore set %s %s`), or lower a guarantee (`--guarantee 0` for none: that child then only borrows what is free)',
-                          p.name, promised, p.capacity, p.name, promised);
+            RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s%s: raise it (`permitq semaphore set %s %s`), or lower a guarantee (`--guarantee 0` for none: that child then only borrows what is free)',
+                          p.name, promised, p.capacity, own, p.name, promised);
         END IF;
     END LOOP;
     RETURN NULL;

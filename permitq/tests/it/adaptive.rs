@@ -375,6 +375,15 @@ async fn bad_settings_and_bad_reports_are_refused_and_write_nothing() {
         .unwrap());
     lease.release().await.unwrap();
     assert!(!client.report("r1", Outcome::Ok, None).await.unwrap());
+    // Nor on a held request of no adaptive semaphore, nor on an id no request has.
+    client.set_capacity("plain", 1, Some(true)).await.unwrap();
+    let plain = client
+        .acquire(&Request::new("p1").permit("plain", 1), SOON)
+        .await
+        .unwrap();
+    assert!(!client.report("p1", Outcome::Ok, None).await.unwrap());
+    assert!(!client.report("nope", Outcome::Ok, None).await.unwrap());
+    plain.release().await.unwrap();
 }
 
 /// An adaptive parent never goes below what its children are promised (a template's guarantee
