@@ -353,7 +353,7 @@ impl WorkerArgs {
 #[derive(Debug, Subcommand)]
 pub(crate) enum TokensCommand {
     /// Make every token issued from now on greater than N (after restoring a copy of the
-    /// database that another copy outlived; the README's Leases and fencing section says when).
+    /// database that another copy outlived; docs/concepts.md, "Leases and fencing", says when).
     Raise {
         /// The highest token any copy may have issued.
         #[arg(long, value_name = "N")]

@@ -1030,7 +1030,24 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
         SemaphoreCommand::List { json } => {
             let list = client.semaphores().await?;
             if json {
-                outln!("{}", serde_json::to_string(&list).expect("serializable"));
+                // With the settings kept outside the semaphore's row, as the text list says
+                // them: whether it is adaptive (and how) and served by fairness key.
+                let usage = client.usage().await.unwrap_or_default();
+                let rows: Vec<serde_json::Value> = list
+                    .iter()
+                    .map(|s| {
+                        let mut row = serde_json::to_value(s).expect("serializable");
+                        let u = usage.iter().find(|u| u.name == s.name);
+                        row["adaptive"] = u
+                            .and_then(|u| u.adaptive.as_ref())
+                            .map_or(serde_json::Value::Null, |a| {
+                                serde_json::to_value(a).expect("serializable")
+                            });
+                        row["fairness_keys"] = u.is_some_and(|u| u.fairness_keys).into();
+                        row
+                    })
+                    .collect();
+                outln!("{}", serde_json::to_string(&rows).expect("serializable"));
             } else {
                 outln!("{:<32} {:>10} {:>10}  mode", "name", "capacity", "used");
                 // A rate limit's `used` is its grants in the window (what its capacity bounds).

@@ -68,6 +68,11 @@ pub(crate) async fn run(named: Option<&str>, args: DemoArgs) -> Result<()> {
                  Use it with:\n  export DATABASE_URL={}\nStop and remove it when done:\n  {stop}",
                 scratch.url
             );
+            if let Some(start) = scratch.start_command() {
+                println!(
+                    "(Stopped with its pg_ctl alone, it starts again on its port with:\n  {start})"
+                );
+            }
         }
     }
     result

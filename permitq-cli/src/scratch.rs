@@ -133,6 +133,11 @@ impl Scratch {
         self.cluster.as_mut().map(EmbeddedPostgres::keep)
     }
 
+    /// For a kept throwaway cluster: the command that starts it again after a stop.
+    pub(crate) fn start_command(&self) -> Option<String> {
+        self.cluster.as_ref().map(EmbeddedPostgres::start_command)
+    }
+
     /// Removes what the run created in a named database (nothing to do for a throwaway one).
     pub(crate) async fn clean_up(&self) -> Result<()> {
         let Some(mark) = &self.mark else {

@@ -255,15 +255,7 @@ impl EmbeddedPostgres {
     /// synchronous commit stays on: a commit acknowledged to a client survives
     /// `stop(Immediate)`, which the fault tests rely on.
     pub fn start_server(&self) -> Result<()> {
-        let mut options = format!(
-            "-p {} -k {} -c listen_addresses={} -c max_connections=400 -c shared_buffers=128MB",
-            self.port,
-            self.root.display(),
-            self.listen
-        );
-        for (name, value) in &self.settings {
-            options.push_str(&format!(" -c {name}={value}"));
-        }
+        let options = self.server_options();
         let log = self.log_path();
         self.run(
             "pg_ctl",
@@ -280,6 +272,39 @@ impl EmbeddedPostgres {
                 "start",
             ],
         )
+    }
+
+    /// The shell command that starts a kept server (see [`EmbeddedPostgres::keep`]) again after
+    /// it was stopped, on its port and socket directory (a plain `pg_ctl start` would take the
+    /// default port).
+    #[must_use]
+    pub fn start_command(&self) -> String {
+        let start = format!(
+            "{} -D {} -l {} -w -o \"{}\" start",
+            self.bin.join("pg_ctl").display(),
+            self.data.display(),
+            self.log_path().display(),
+            self.server_options()
+        );
+        match self.run_as {
+            Some(_) => format!("su postgres -s /bin/sh -c '{start}'"),
+            None => start,
+        }
+    }
+
+    /// The server's options (`pg_ctl -o`): its port, socket directory, listen address and
+    /// settings.
+    fn server_options(&self) -> String {
+        let mut options = format!(
+            "-p {} -k {} -c listen_addresses={} -c max_connections=400 -c shared_buffers=128MB",
+            self.port,
+            self.root.display(),
+            self.listen
+        );
+        for (name, value) in &self.settings {
+            options.push_str(&format!(" -c {name}={value}"));
+        }
+        options
     }
 
     fn data_str(&self) -> &str {

@@ -433,6 +433,13 @@ fn too_many_instances(name: &str, template: &str, bound: i64, d: &ErrorDetail) -
         ),
         _ => format!("or raise the bound ({raise})"),
     };
+    // A bound of 0 with no instance: nothing to delete; it makes none until raised.
+    if bound == 0 && instances == 0 {
+        return format!(
+            "{name} would be a new instance of template {template}, whose max_instances is 0: \
+             it makes no instance at all; {raise}; then submit again under a new external_id"
+        );
+    }
     format!(
         "{name} would be a new instance of template {template}, which {has} ({show}); \
          {free_one}; {raise}; then submit again under a new external_id"
@@ -478,6 +485,32 @@ mod tests {
             examined_at: None,
             decided_at: None,
         }
+    }
+
+    /// A template whose max_instances is 0 and that has no instance: nothing to delete; the
+    /// answer says it makes none until the bound is raised.
+    #[test]
+    fn too_many_instances_of_a_template_bound_to_none_says_it_makes_none() {
+        let mut r = failed_fast(0);
+        r.error_code = Some(ErrorCode::TooManyInstances);
+        r.permits = [("T:x".to_string(), 1)].into();
+        r.error_detail = Some(ErrorDetail {
+            semaphore: Some("T:x".into()),
+            template: Some("T:*".into()),
+            capacity: Some(1),
+            max_instances: Some(0),
+            instances: Some(0),
+            ..ErrorDetail::default()
+        });
+        let said = r.outcome().unwrap();
+        assert!(
+            said.contains(
+                "T:x would be a new instance of template T:*, whose max_instances is 0: it \
+                 makes no instance at all; or raise the bound (`permitq semaphore set 'T:*' 1 \
+                 --max-instances 1`)"
+            ) && !said.contains("each holds permits"),
+            "{said}"
+        );
     }
 
     /// On an adaptive semaphore, an exceeds_capacity after the workers backed it off says so,

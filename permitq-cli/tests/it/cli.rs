@@ -774,6 +774,30 @@ async fn demo_keep_leaves_its_server_running_and_says_how_to_use_and_remove_it()
         "no demo semaphore is near: {}",
         stderr(&created)
     );
+    // Stopped with its pg_ctl alone, the printed start command brings it back on its port.
+    let start = out
+        .lines()
+        .skip_while(|l| !l.starts_with("(Stopped with its pg_ctl alone"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no start command in: {out}"))
+        .trim()
+        .trim_end_matches(')')
+        .to_string();
+    let pg_ctl_stop = stop.split(" && ").next().unwrap().to_string();
+    for command in [&pg_ctl_stop, &start] {
+        let ran = Command::new("/bin/sh")
+            .args(["-c", command])
+            .output()
+            .unwrap();
+        assert!(ran.status.success(), "{command}: {ran:?}");
+    }
+    let listed = run(&url, &["semaphore", "list"]).await;
+    assert!(
+        code(&listed) == 0 && stdout(&listed).contains("gpu"),
+        "{start}: {}{}",
+        stdout(&listed),
+        stderr(&listed)
+    );
     // The printed command stops it and removes its directory.
     let dir = stop.rsplit(' ').next().unwrap().to_string();
     assert!(std::path::Path::new(&dir).is_dir(), "{stop}");
@@ -1145,6 +1169,19 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
         "{}",
         stderr(&o)
     );
+    // The list's JSON says how it adapts.
+    let list = json(&run(url, &["semaphore", "list", "--json"]).await);
+    let api = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "api")
+        .cloned()
+        .unwrap_or_else(|| panic!("no api in {list}"));
+    assert!(
+        api["adaptive"]["algorithm"] == "aimd" && api["adaptive"]["ceiling"] == 20,
+        "{api}"
+    );
     // Made and made adaptive in one command: one change, one audit row.
     let history = stdout(&run(url, &["semaphore", "history", "api"]).await);
     assert!(
@@ -1429,6 +1466,19 @@ async fn fairness_keys_from_the_command_line() {
     let status = json(&run(url, &["status", "b-1", "--json"]).await);
     assert_eq!(status["fairness_key"], "team-b");
     assert_eq!(status["fairness_weight"], 2);
+    // The list's JSON says which semaphores are served by key (and adaptive: none here).
+    let list = json(&run(url, &["semaphore", "list", "--json"]).await);
+    let row = |name: &str| {
+        list.as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {name} in {list}"))
+    };
+    assert_eq!(row("gpu")["fairness_keys"], true, "{list}");
+    assert_eq!(row("plain")["fairness_keys"], false, "{list}");
+    assert!(row("gpu")["adaptive"].is_null(), "{list}");
     // No weight given: the default, 1, as it counts.
     let status = json(&run(url, &["status", "a-1", "--json"]).await);
     assert_eq!(status["fairness_weight"], 1, "{status}");

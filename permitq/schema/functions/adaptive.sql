@@ -60,8 +60,8 @@ BEGIN
             USING ERRCODE = '22023';
     END IF;
     IF s.per IS NOT NULL THEN
-        RAISE EXCEPTION 'invalid adaptive semaphore %: it is a rate limit (% per %); an adaptive capacity bounds what is held: remove the window first (`permitq semaphore set % % --per 0`)',
-            name, s.capacity, permitq.human_duration(s.per), name, s.capacity USING ERRCODE = '22023';
+        RAISE EXCEPTION 'invalid adaptive semaphore %: it is a rate limit (% per %), and a rate limit cannot be adaptive (an adaptive capacity bounds what is held, not grants per window): choose one; to keep it adaptive, drop the window (`--per 0`, or leave `--per` out when you create it)',
+            name, s.capacity, permitq.human_duration(s.per) USING ERRCODE = '22023';
     END IF;
     IF floor IS NULL OR ceiling IS NULL OR floor < 1 OR ceiling < floor THEN
         RAISE EXCEPTION 'invalid adaptive bounds for %: floor % and ceiling %: need 1 <= floor <= ceiling',

@@ -233,7 +233,7 @@ async fn bad_settings_and_bad_reports_are_refused_and_write_nothing() {
         (
             "quota",
             AdaptiveLimit::new(Algorithm::Aimd, 1, 5),
-            "it is a rate limit (5 per 1m)",
+            "it is a rate limit (5 per 1m), and a rate limit cannot be adaptive",
         ),
         (
             "api",
