@@ -338,12 +338,7 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
     }
     for w in &d.waiters {
         let key = if keyed {
-            format!(
-                "  {}",
-                w.fairness_key
-                    .as_deref()
-                    .map_or("(no key)".to_string(), permitq::shown_key)
-            )
+            format!("  {}", key_or_none(w.fairness_key.as_deref()))
         } else {
             String::new()
         };
@@ -886,11 +881,12 @@ fn fairness_sentences(fairness: &str) -> impl Iterator<Item = &str> {
 /// could be mistaken for another (spaces at its ends or doubled, characters that do not print)
 /// is quoted, as `permitq explain` quotes it: keys are compared exactly.
 pub(crate) fn key_label(k: &permitq::KeyShare) -> String {
-    if k.fairness_key.is_empty() {
-        "(no key)".to_string()
-    } else {
-        permitq::shown_key(&k.fairness_key)
-    }
+    key_or_none(Some(k.fairness_key.as_str()).filter(|key| !key.is_empty()))
+}
+
+/// A request's fairness key as shown, `(no key)` for none.
+fn key_or_none(key: Option<&str>) -> String {
+    key.map_or("(no key)".to_string(), permitq::shown_key)
 }
 
 /// A key as a reader takes it: lower case, spaces collapsed (two keys alike in this form are

@@ -49,11 +49,11 @@ $$;
 -- What a fairness key did to waiting request `r`'s place on semaphore `s`, in words (NULL where
 -- `s` is not keyed, functions/fairness.sql), a sentence each: its key and weight, and how far
 -- back its key's turns placed it (`placed_later`, its waiter rows' offset: one place on every
--- line, the largest its keyed semaphores gave); which of its key's requests still wait ahead of
--- it on `s` and their turns (the latest 3 named; only those this login may read: a key is not a
--- login's own), the rest of the turns being of its key's requests granted or ended; its net
--- place with its priority; and until when a request of a key with no turns outstanding still
--- goes ahead of it. Cost: the line ahead of it (at most 10000 waiters).
+-- line, the largest its keyed semaphores gave); which of its key's requests took their turns on
+-- `s` before it and still wait there, and their turns (the latest 3 named; only those this login
+-- may read: a key is not a login's own), the rest of the turns being of its key's requests
+-- granted or ended; its net place with its priority; and until when a request of a key with no
+-- turns outstanding still goes ahead of it. Cost: at most 10000 of the line's waiters.
 CREATE OR REPLACE FUNCTION permitq.fairness_answer(r permitq.permit_request, s permitq.semaphore,
                                                    placed_later interval)
 RETURNS text
@@ -61,6 +61,8 @@ LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     step interval := permitq.rule_aging_step_us() * interval '1 microsecond';
     placed timestamptz := permitq.placed_at(r.created_at, placed_later);
+    -- Its offset, none as 0.
+    offset_by interval := coalesce(placed_later, interval '0');
     key_words text;
     ahead text;
     ahead_count bigint;
@@ -90,7 +92,7 @@ BEGIN
         RETURN key_words || format(': this line takes it through the semaphore it names below %s, at the place the semaphores it names gave it (%s): keys order here only the requests that name %s itself.',
                                    s.name,
                                    CASE WHEN NOT r.examined THEN 'not placed yet'
-                                        WHEN coalesce(placed_later, interval '0') = interval '0' THEN 'at its arrival'
+                                        WHEN offset_by = interval '0' THEN 'at its arrival'
                                         ELSE permitq.human_duration(placed_later) || ' after its arrival' END,
                                    s.name);
     END IF;
@@ -114,11 +116,11 @@ BEGIN
                       r.priority, abs(r.priority), CASE WHEN abs(r.priority) = 1 THEN '' ELSE 's' END,
                       permitq.human_duration(abs(r.priority) * step),
                       CASE WHEN r.priority > 0 THEN 'earlier' ELSE 'later' END,
-                      CASE WHEN coalesce(placed_later, interval '0') - r.priority * step >= interval '0'
-                           THEN permitq.human_duration(coalesce(placed_later, interval '0') - r.priority * step) || ' after its arrival'
-                           ELSE permitq.human_duration(r.priority * step - coalesce(placed_later, interval '0')) || ' before its arrival' END);
+                      CASE WHEN offset_by - r.priority * step >= interval '0'
+                           THEN permitq.human_duration(offset_by - r.priority * step) || ' after its arrival'
+                           ELSE permitq.human_duration(r.priority * step - offset_by) || ' before its arrival' END);
     END IF;
-    IF coalesce(placed_later, interval '0') = interval '0' THEN
+    IF offset_by = interval '0' THEN
         RETURN key_words || ': placed at its arrival: when a worker examined it, no turn of its key was ahead of the line (requests granted while nobody waited take no turn).'
                || net || later;
     END IF;
