@@ -462,23 +462,10 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
                     n("ok"),
                     n("overloaded"),
                     n("failed"),
-                    r["latency_ms"]
-                        .as_f64()
-                        .map_or(String::new(), |ms| format!(", p90 latency {ms:.0}ms")),
+                    latency_words(r),
                     n("used"),
-                    if from == to
-                        && n("ok") > n("failed")
-                        && n("overloaded") == 0
-                        && i64::from(a.ceiling) > to
-                        && n("used") * 2 < to
-                    {
-                        // Why calm reports did not grow it: the rule every algorithm shares.
-                        format!(
-                            "kept {to}: it grows only while at least half of it ({}) is in use",
-                            (to + 1) / 2
-                        )
-                    } else if from == to {
-                        format!("kept {to}")
+                    if from == to {
+                        kept_words(r, a)
                     } else {
                         format!("{from} -> {to}")
                     }
@@ -541,9 +528,7 @@ pub(crate) fn change_inputs(inputs: &serde_json::Value) -> String {
     // A cadence's change (its reports), not a setting's.
     if inputs.get("ok").is_some() {
         let n = |key: &str| inputs[key].as_i64().unwrap_or(0);
-        let latency = inputs["latency_ms"]
-            .as_f64()
-            .map_or(String::new(), |ms| format!(", p90 latency {ms:.0}ms"));
+        let latency = latency_words(inputs);
         said.push(format!(
             "from {} ok, {} overloaded, {} failed{latency}, {} in use",
             n("ok"),
@@ -557,6 +542,72 @@ pub(crate) fn change_inputs(inputs: &serde_json::Value) -> String {
     } else {
         format!(" ({})", said.join("; "))
     }
+}
+
+/// A cadence's latency, and the gradient's unloaded latency it was compared with:
+/// `, p90 latency 40ms, 4.0x the unloaded 10ms`.
+fn latency_words(inputs: &serde_json::Value) -> String {
+    let Some(ms) = inputs["latency_ms"].as_f64() else {
+        return String::new();
+    };
+    match inputs["long_latency_ms"].as_f64().filter(|l| *l > 0.0) {
+        Some(long) => format!(
+            ", p90 latency {ms:.0}ms, {:.1}x the unloaded {long:.0}ms",
+            ms / long
+        ),
+        None => format!(", p90 latency {ms:.0}ms"),
+    }
+}
+
+/// Why a cadence with reports kept the capacity, by the rules of docs/concepts.md (adaptive
+/// capacity): `kept 8: aimd grows only when more reports say ok than failed`.
+fn kept_words(r: &serde_json::Value, a: &permitq::AdaptiveLimit) -> String {
+    let n = |key: &str| r[key].as_i64().unwrap_or(0);
+    let (to, ok, overloaded, failed, used) =
+        (n("to"), n("ok"), n("overloaded"), n("failed"), n("used"));
+    let reports = ok + overloaded + failed;
+    let backs_off = overloaded >= 2 || (overloaded > 0 && overloaded * 10 >= reports);
+    let ratio = match (r["latency_ms"].as_f64(), r["long_latency_ms"].as_f64()) {
+        (Some(ms), Some(long)) if long > 0.0 => Some(ms / long),
+        _ => None,
+    };
+    let why = if backs_off {
+        format!("at its floor {}, where backing off stops", a.floor)
+    } else if to >= i64::from(a.ceiling) {
+        format!("at its ceiling {}", a.ceiling)
+    } else if overloaded == 1 && ok <= failed {
+        format!(
+            "one overloaded report of {reports} (under a tenth) moves nothing, and it grows \
+             only when more reports say ok than failed"
+        )
+    } else if a.algorithm == permitq::Algorithm::Aimd && ok <= failed {
+        "it grows only when more reports say ok than failed".to_string()
+    } else if used * 2 < to {
+        // The rule every algorithm shares.
+        format!(
+            "it grows only while at least half of it ({}) is in use",
+            (to + 1) / 2
+        )
+    } else if a.algorithm == permitq::Algorithm::Aimd {
+        return format!("kept {to}");
+    } else {
+        match ratio {
+            None => "gradient moves on latency (and overloaded reports), and no ok report gave \
+                     a latency"
+                .to_string(),
+            Some(x) if x > 1.2 => format!(
+                "at its floor {}, though latency is {x:.2}x the unloaded (past 1.2x it backs off)",
+                a.floor
+            ),
+            Some(x) if x > 1.05 => {
+                format!("latency at {x:.2}x the unloaded, within the 1.2x it holds at")
+            }
+            Some(_) => "it grows a fraction of a permit a cadence (less near where it last \
+                        backed off), and a capacity rises once that reaches a whole permit"
+                .to_string(),
+        }
+    };
+    format!("kept {to}: {why}")
 }
 
 /// What one audited change set, in words: `created: capacity 4, fair, per 1m` at creation,
@@ -928,7 +979,54 @@ pub(crate) fn quoted_name(name: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::fairness_sentences;
+    use super::{fairness_sentences, kept_words, latency_words};
+    use permitq::{AdaptiveLimit, Algorithm};
+    use serde_json::json;
+
+    /// Each reason a cadence with reports kept the capacity, by algorithm; and the unloaded
+    /// latency a gradient compared a cadence's with.
+    #[test]
+    fn a_kept_capacity_says_why_and_a_latency_its_baseline() {
+        let aimd = AdaptiveLimit::new(Algorithm::Aimd, 2, 20);
+        let gradient = AdaptiveLimit::new(Algorithm::Gradient, 2, 20);
+        let kept = |a: &AdaptiveLimit, r: serde_json::Value| kept_words(&r, a);
+        let r = |ok: i64, overloaded: i64, failed: i64, used: i64, to: i64| json!({"ok": ok, "overloaded": overloaded, "failed": failed, "used": used, "to": to});
+        assert_eq!(
+            kept(&aimd, r(3, 0, 3, 8, 8)),
+            "kept 8: it grows only when more reports say ok than failed"
+        );
+        assert_eq!(
+            kept(&aimd, r(5, 0, 0, 3, 8)),
+            "kept 8: it grows only while at least half of it (4) is in use"
+        );
+        assert_eq!(
+            kept(&aimd, r(5, 0, 0, 20, 20)),
+            "kept 20: at its ceiling 20"
+        );
+        assert_eq!(
+            kept(&aimd, r(0, 2, 0, 2, 2)),
+            "kept 2: at its floor 2, where backing off stops"
+        );
+        assert!(kept(&aimd, r(9, 1, 10, 8, 8)).starts_with("kept 8: one overloaded report of 20"));
+        let mut calm = r(5, 0, 0, 8, 8);
+        calm["latency_ms"] = json!(11.0);
+        calm["long_latency_ms"] = json!(10.0);
+        assert_eq!(
+            kept(&gradient, calm.clone()),
+            "kept 8: latency at 1.10x the unloaded, within the 1.2x it holds at"
+        );
+        assert_eq!(
+            latency_words(&calm),
+            ", p90 latency 11ms, 1.1x the unloaded 10ms"
+        );
+        calm["latency_ms"] = json!(10.0);
+        assert!(kept(&gradient, calm).starts_with("kept 8: it grows a fraction of a permit"));
+        assert!(kept(&gradient, r(5, 0, 0, 8, 8)).contains("no ok report gave a latency"));
+        assert_eq!(
+            latency_words(&json!({"latency_ms": 40.0})),
+            ", p90 latency 40ms"
+        );
+    }
 
     #[test]
     fn fairness_words_are_split_at_their_sentences_alone() {

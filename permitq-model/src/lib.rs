@@ -369,6 +369,38 @@ impl GrantProtocol {
         }
     }
 
+    /// Bounds where a child's first in line waits for room on its parent within the child's
+    /// guarantee: `pool` 3; `team` 3, guaranteed 2. A request naming the pool borrows 2 while
+    /// team is idle; team's 2 then wait for 1 more; team's later 1 must not take the pool's
+    /// free permit ahead of them. 2 workers, no crash, no capacity change, no failover.
+    #[must_use]
+    pub fn guarantee_line(lock_mode: LockMode) -> GrantProtocol {
+        GrantProtocol {
+            semaphores: vec![
+                SemaphoreSpec {
+                    name: "pool",
+                    capacity: 3,
+                    parent: None,
+                    guarantee: 0,
+                },
+                SemaphoreSpec {
+                    name: "team",
+                    capacity: 3,
+                    parent: Some(0),
+                    guarantee: 2,
+                },
+            ],
+            requests: vec![vec![(0, 2)], vec![(1, 2)], vec![(1, 1)]],
+            leased: vec![],
+            workers: 2,
+            crashes: 0,
+            capacity_change: None,
+            failover: None,
+            lock_mode,
+            plant: None,
+        }
+    }
+
     /// Bounds where lock-first batches run side by side: 2 workers, 3 requests (one on `a`, one
     /// on `b`, one on both: a worker may hold one of its semaphores while another holds the
     /// other), 2 semaphores of capacity 1, not nested, one crash, one failover.
@@ -766,11 +798,27 @@ impl GrantProtocol {
                     Self::violate(state, format!("{name} over capacity: {held} > {capacity}"));
                 }
                 // Safe backfill: granted behind the first in line (waiting before this batch,
-                // and still), it left that request's count free.
-                let head = self
-                    .waiting_on(before, s, &[])
-                    .into_iter()
-                    .find(|h| state.db.requests[*h].state == RequestState::New);
+                // and still), it left that request's count free. Where it takes within a
+                // child's guarantee (not naming the semaphore, not borrowing there), the first
+                // in line of what it names below (the child's line), not the whole line's.
+                let still_waiting = |h: &usize| state.db.requests[*h].state == RequestState::New;
+                let head = if self.requests[r].iter().any(|(n, _)| *n == s)
+                    || self.borrows_at(r, s, before)
+                {
+                    self.waiting_on(before, s, &[])
+                        .into_iter()
+                        .find(still_waiting)
+                } else {
+                    self.requests[r]
+                        .iter()
+                        .filter(|(n, _)| self.chain(*n).contains(&s))
+                        .filter_map(|(n, _)| {
+                            self.waiting_on(before, *n, &[])
+                                .into_iter()
+                                .find(still_waiting)
+                        })
+                        .min()
+                };
                 if let Some(h) = head.filter(|h| *h < r) {
                     let free = capacity - held;
                     let needs = self.takes(h)[&s];
@@ -783,27 +831,17 @@ impl GrantProtocol {
                     }
                 }
             }
-            // Borrowing at a parent: naming it, or taking more through a child than the
-            // child's unused guarantee had room for before the grant.
             for (p, _) in self.semaphores.iter().enumerate() {
                 let children: Vec<usize> = (0..self.semaphores.len())
                     .filter(|c| self.semaphores[*c].parent == Some(p))
                     .collect();
-                if children.is_empty() {
+                if children.is_empty() || !self.borrows_at(r, p, before) {
                     continue;
                 }
                 let through = children
                     .iter()
                     .copied()
                     .find(|c| self.takes(r).contains_key(c));
-                let borrows = self.requests[r].iter().any(|(s, _)| *s == p)
-                    || through.is_some_and(|c| {
-                        let unused = (self.semaphores[c].guarantee - Self::held(before, c)).max(0);
-                        self.takes(r)[&c] > unused
-                    });
-                if !borrows {
-                    continue;
-                }
                 state.seen.borrowed = true;
                 // The children active before this batch (an idle child's share is lent: one
                 // made active later in the batch, behind the borrower, waits for it).
@@ -825,6 +863,19 @@ impl GrantProtocol {
                 }
             }
         }
+    }
+
+    /// Whether granting request `r` borrows at `p`: it names `p`, or takes more through a child
+    /// of `p` than the child's unused guarantee had room for before the grant.
+    fn borrows_at(&self, r: usize, p: usize, before: &Database) -> bool {
+        let taken = self.takes(r);
+        self.requests[r].iter().any(|(s, _)| *s == p)
+            || (0..self.semaphores.len())
+                .filter(|c| self.semaphores[*c].parent == Some(p))
+                .any(|c| {
+                    let unused = (self.semaphores[c].guarantee - Self::held(before, c)).max(0);
+                    taken.get(&c).is_some_and(|k| *k > unused)
+                })
     }
 
     /// After every step, what the rows must always say (a broken one ends the path, so that a

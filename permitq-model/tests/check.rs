@@ -54,6 +54,35 @@ fn semaphores_locked_first_side_by_side_on_independent_semaphores() {
     ));
 }
 
+/// A later request within a fair child's guarantee never takes, on the parent, the room the
+/// child's first in line waits for (safe backfill at every level it takes from).
+/// (Bounds without a crash or failover: those properties that say one happened are not asked.)
+#[test]
+fn a_childs_first_in_line_keeps_its_room_on_the_parent() {
+    for lock_mode in [LockMode::Wait, LockMode::LockFirst] {
+        let model = GrantProtocol::guarantee_line(lock_mode);
+        let properties: Vec<(&'static str, bool)> = model
+            .properties()
+            .iter()
+            .map(|p| (p.name, p.expectation == stateright::Expectation::Sometimes))
+            .collect();
+        let checker = model.checker().threads(2).spawn_bfs().join();
+        for (name, sometimes) in properties {
+            let found = checker.discovery(name).is_some();
+            if !sometimes {
+                assert!(
+                    !found,
+                    "{lock_mode:?}: {name}: {:?}",
+                    checker.discovery(name)
+                );
+            } else if name.starts_with("a request waited") || name.starts_with("a grant borrowed") {
+                assert!(found, "{lock_mode:?}: never reached: {name}");
+            }
+        }
+        eprintln!("{lock_mode:?}: {} states", checker.unique_state_count());
+    }
+}
+
 /// Each planted bug is caught: some property finds a counterexample. Each plant is checked in
 /// the smallest model that can show it (a failover only for the epoch, a crash only for a
 /// crash's leftovers): the full model takes a minute each.

@@ -22,15 +22,18 @@
 //! semaphore's recorded waiters outside this batch ([`SemaphoreView::head`]) and the requests of
 //! this batch already left waiting. A waiting request is the head on every fair semaphore it
 //! names, not only the one that is full: otherwise later requests could drain the others while
-//! it waits (starvation).
+//! it waits (starvation). A fair semaphore's head keeps its count free on each of its ancestors
+//! as well, against the requests that name that semaphore: the room it waits for may be short
+//! on a parent, and a later request of the same child must not take it there.
 //!
 //! Guarantees: a child's `guarantee` is a share of its parent kept for it while it is active
 //! (holds permits or has waiters). Where a request *borrows* at a parent, taking more through a
 //! child than the child's unused guarantee there (or naming the parent itself), it fits only if
 //! the parent keeps room for every active child's unused guarantee afterwards
 //! (`reserve_after`), and it keeps the parent's head's room: borrowers take their turns in the
-//! parent's line. Within its guarantee a child needs only room: it is never refused because
-//! others borrowed, as long as it was active when they did.
+//! parent's line. Within its guarantee a child needs only room (and on a fair child, to leave
+//! its own head's count free, as above): it is never refused because others borrowed, as long
+//! as it was active when they did.
 //!
 //! "In line" is [`Rank`]: the higher effective priority first, and among equals the older (lower
 //! id) first. The effective priority is the request's priority plus one per
@@ -419,6 +422,20 @@ fn fits_at(
     if free_after < 0 {
         return false;
     }
+    // A fair semaphore it names keeps its first in line's room on every level above it too:
+    // within a guarantee, a later request of the same child does not take the parent's room
+    // the child's head waits for.
+    let heads_below_kept = c.permits.iter().all(|(named, _)| {
+        let below = &sems[named];
+        named == name
+            || !below.fair
+            || !is_below(named, name, sems)
+            || head_before(c.rank(), below.head, batch.heads.get(named).copied())
+                .is_none_or(|head| free_after >= head.count)
+    });
+    if !heads_below_kept {
+        return false;
+    }
     if !borrows_at(name, c, taken, sems) {
         return true;
     }
@@ -510,6 +527,19 @@ fn failure_detail(
         _ => {}
     }
     detail
+}
+
+/// Whether `ancestor` is above semaphore `name` (its parent, or its parent's, and so on).
+fn is_below(name: &str, ancestor: &str, sems: &BTreeMap<String, SemaphoreView>) -> bool {
+    let mut at = sems.get(name).and_then(|s| s.parent.as_deref());
+    for _ in 0..crate::rules::MAX_NESTING_DEPTH {
+        match at {
+            Some(parent) if parent == ancestor => return true,
+            Some(parent) => at = sems.get(parent).and_then(|s| s.parent.as_deref()),
+            None => return false,
+        }
+    }
+    false
 }
 
 /// The first in line ahead of `rank`: the semaphore's recorded head (outside the batch) or the

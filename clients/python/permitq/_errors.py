@@ -188,6 +188,11 @@ def _explained_code(code: str, d: dict[str, Any]) -> str:
             else "or raise the bound (`--max-instances`)"
         )
         bound, instances = d.get("max_instances"), d.get("instances")
+        if bound == 0 and not instances:
+            return (
+                f"template {template} has max_instances 0: it makes no instance at all; "
+                f"{raise_}; then submit again under a new external_id"
+            )
         has = (
             f"has {instances} instances, more than its max_instances of {bound} (lowered below "
             "them: they stay until deleted or idle)"

@@ -257,6 +257,12 @@ class SyncClientTest(unittest.TestCase):
         self.assertIn(
             f"{lab}-1 holds nothing: delete one (`permitq semaphore delete {lab}-1`)", str(caught.exception)
         )
+        # A template bounded to none makes none: nothing to delete.
+        self.admin.set_capacity(lab + "-none-*", 1, max_instances=0)
+        with self.assertRaises(permitq.TooManyInstances) as caught:
+            self.client.acquire(new_id("inst"), {lab + "-none-1": 1}, timeout=15)
+        self.assertIn(f"template {lab}-none-* has max_instances 0: it makes no instance at all", str(caught.exception))
+        self.assertNotIn("delete", str(caught.exception))
         with self.assertRaises(permitq.InvalidInput) as caught:
             self.client.submit(new_id("bad"), {self.sem: 1}, ttl=-1)
         self.assertEqual(caught.exception.field, "ttl")

@@ -193,6 +193,9 @@ function explainedCode(code: string, d: ErrorDetail): string {
       const raise = d.parent_needs
         ? `or raise the bound once ${String(d.parent)} has capacity ${d.parent_needs}`
         : "or raise the bound (`--max-instances`)";
+      if (d.max_instances === 0 && !d.instances) {
+        return `template ${d.template} has max_instances 0: it makes no instance at all; ${raise}; then submit again under a new external_id`;
+      }
       const has =
         typeof d.instances === "number" && typeof d.max_instances === "number" && d.instances > d.max_instances
           ? `has ${d.instances} instances, more than its max_instances of ${d.max_instances} (lowered below them: they stay until deleted or idle)`

@@ -250,6 +250,15 @@ describe("permitq client", () => {
       over.message.includes(`${lab}-1 holds nothing: delete one (\`permitq semaphore delete ${lab}-1\`)`),
       over.message,
     );
+    // A template bounded to none makes none: nothing to delete.
+    await admin.setCapacity(`${lab}-none-*`, 1, { maxInstances: 0 });
+    const none = await client.acquire(newId("inst"), { [`${lab}-none-1`]: 1 }).catch((e) => e);
+    assert.ok(none instanceof permitq.TooManyInstances, String(none));
+    assert.ok(
+      none.message.includes(`template ${lab}-none-* has max_instances 0: it makes no instance at all`) &&
+        !none.message.includes("delete"),
+      none.message,
+    );
     // Refused by the server, naming its field.
     const bad = await client.submit(newId("bad"), { [sem]: 1 }, { ttlSeconds: 0 }).catch((e) => e);
     assert.ok(bad instanceof permitq.InvalidInput, String(bad));

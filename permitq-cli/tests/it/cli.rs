@@ -1318,6 +1318,20 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
         },
     )
     .await;
+    // A kept capacity says which rule kept it.
+    run(url, &["submit", "a3", "api=1", "--await", "10s"]).await;
+    run(url, &["release", "a3", "--outcome", "failed"]).await;
+    wait_until(
+        Duration::from_secs(10),
+        "the failed cadence shown",
+        || async {
+            let show = stdout(&run(url, &["semaphore", "show", "api"]).await);
+            show.contains(": 0 ok, 0 overloaded, 1 failed, ")
+                && show
+                    .contains(" in use: kept 9: it grows only when more reports say ok than failed")
+        },
+    )
+    .await;
     let o = run(url, &["release", "a1", "--outcome", "great"]).await;
     assert_eq!(code(&o), 2, "{}", stderr(&o));
     assert!(

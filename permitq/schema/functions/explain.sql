@@ -212,6 +212,12 @@ DECLARE
     child_name text;
     -- The earliest grant of those holding here: releases before it were of other holders.
     first_held_at timestamptz;
+    -- On a parent: the first in line of the fair semaphore it names below (`via`), if ahead of
+    -- it: its count stays free here too (the decision's rule, permitq::decision).
+    via_head_id bigint;
+    via_head_count integer;
+    via_head_priority integer;
+    via_head_shown text;
 BEGIN
     SELECT * INTO r FROM permitq.permit_request pr
     WHERE pr.external_id = explain.external_id
@@ -349,6 +355,24 @@ BEGIN
         JOIN permitq.permit_request pr ON pr.id = w.request_id
         ORDER BY 5 DESC, 1
         LIMIT 1;
+        via_head_id := NULL;
+        IF named.depth > 0 AND r.examined THEN
+            SELECT w.request_id, w.count, w.priority,
+                   CASE WHEN permitq.may_read(pr.submitted_by) THEN pr.external_id
+                        ELSE '(another login''s)' END
+            INTO via_head_id, via_head_count, via_head_priority, via_head_shown
+            FROM permitq.semaphore vs
+            CROSS JOIN LATERAL (
+                SELECT wt.request_id, wt.count, wt.priority, wt.created_at FROM permitq.waiter wt
+                WHERE wt.semaphore_id = vs.id AND wt.request_id <> r.id
+                ORDER BY wt.semaphore_id, permitq.rule_place_in_line(wt.priority, wt.created_at) DESC,
+                         wt.request_id -- waiter_place_idx
+                LIMIT 1) w
+            JOIN permitq.permit_request pr ON pr.id = w.request_id
+            WHERE vs.name = named.via AND vs.fair
+              AND (permitq.rule_place_in_line(w.priority, w.created_at) > place
+                   OR (permitq.rule_place_in_line(w.priority, w.created_at) = place AND w.request_id < r.id));
+        END IF;
         IF r.examined THEN
             SELECT count(*), coalesce(sum(a.count), 0) INTO ahead_count, permits_ahead
             FROM permitq.waiters_ahead(s.id, place, r.id) a;
@@ -397,6 +421,16 @@ BEGIN
                        permitq.human_duration(greatest(opens_at - now(), interval '0')))
             WHEN NOT r.examined THEN
                 'not examined by a worker yet: a running worker does within a second or so, and then this shows its place in line (a worker that died counts as running until its last sign of life runs out, up to 8s; then this says that nothing is granting)'
+            -- Behind the first in line of the fair semaphore it names below, which needs this
+            -- room too: it goes after it. (On a fair parent, a borrower's arithmetic below
+            -- counts the requests ahead in the parent's line, that one among them.)
+            WHEN (within_guarantee OR (NOT s.fair AND coalesce(kept, 0) = 0))
+                 AND via_head_id IS NOT NULL AND room - needs < via_head_count THEN
+                format('parent: request %s is first in line at %s (priority %s, needs %s) and waits for room here too; a later request there goes after it, so %s more %s must be released here first (%s for it, then %s for this one; %s free now)',
+                       via_head_shown, named.via, via_head_priority, via_head_count,
+                       via_head_count + needs - room,
+                       CASE WHEN via_head_count + needs - room = 1 THEN 'permit' ELSE 'permits' END,
+                       via_head_count, needs, free)
             WHEN within_guarantee THEN
                 CASE WHEN shortfall > 0
                      THEN format('parent: within the guarantee of %s (%s), waits for %s more %s to be released%s; granted as they end: by a release, at a lease''s end, past a worker''s --max-hold, or by an admin''s `permitq revoke ID`',

@@ -54,7 +54,49 @@ BEGIN
             fence_checked.resource
             USING ERRCODE = '22023';
     END IF;
+    IF accepted IS NULL THEN
+        PERFORM permitq.fence_refusal_notice(fence_checked.semaphore, fence_checked.resource,
+                                             fence_checked.token);
+    END IF;
     RETURN coalesce(accepted, false);
+END $$;
+
+-- Why a fence refused a token, as a NOTICE (on the refused path only, read after the refusal:
+-- it explains, it decides nothing): no request of the caller's has the token (stale, forged or
+-- another login's: not told apart, so that nothing leaks), its request no longer holds (and
+-- how it ended), its lease ran out, it does not hold that semaphore, or a later token was
+-- seen for the resource (a later holder wrote; the later token is not shown).
+CREATE OR REPLACE FUNCTION permitq.fence_refusal_notice(semaphore text, resource text, token bigint)
+RETURNS void
+LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_variable
+DECLARE
+    r permitq.permit_request;
+    held text;
+BEGIN
+    SELECT * INTO r FROM permitq.permit_request x
+    WHERE x.fencing_token = token AND permitq.may_act_on(x.submitted_by);
+    IF NOT FOUND THEN
+        RAISE NOTICE 'fence refused: no request of yours holds token % (it is another login''s, or made up)', token;
+        RETURN;
+    END IF;
+    held := (SELECT string_agg(k, ', ' ORDER BY k) FROM jsonb_object_keys(coalesce(r.charged, r.permits)) k);
+    IF r.state <> 'acquired' THEN
+        RAISE NOTICE 'fence refused: token % is request %''s, which is %: it holds nothing now; take a new permit and write with its token',
+            token, r.external_id,
+            r.state || CASE WHEN r.release_reason IS DISTINCT FROM 'released'
+                            THEN ' (' || r.release_reason || ')' ELSE '' END;
+    ELSIF r.expires_at IS NOT NULL AND r.expires_at <= now() THEN
+        RAISE NOTICE 'fence refused: the lease of request % ran out % ago (ttl %): heartbeat it more often than its ttl, or take a new permit',
+            r.external_id, permitq.human_duration(now() - r.expires_at), permitq.human_duration(r.ttl);
+    ELSIF semaphore IS NOT NULL AND NOT coalesce(r.charged, r.permits) ? semaphore THEN
+        RAISE NOTICE 'fence refused: request % holds % (%), not %: fence with the semaphore that guards % and that it holds',
+            r.external_id, CASE WHEN held LIKE '%,%' THEN 'these' ELSE 'this' END, held, semaphore, resource;
+    ELSE
+        -- (The highest token is not shown: it may be another login's.)
+        RAISE NOTICE 'fence refused: token % is below the highest seen for % under %: a later holder has written since; this holder is stale and must stop writing',
+            token, resource, coalesce(semaphore, '(any semaphore)');
+    END IF;
 END $$;
 
 -- permitq.fence(semaphore, resource, token): the fence of a write to `resource`, guarded by

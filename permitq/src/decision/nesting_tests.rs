@@ -238,6 +238,41 @@ fn a_parents_recorded_head_keeps_its_room_from_borrowers_not_from_guarantees() {
     assert_eq!(verdicts(&d), [Grant]);
 }
 
+#[test]
+fn a_fair_childs_head_keeps_its_room_on_the_parent_within_the_guarantee() {
+    // pool 6, fair; x borrowed 5 while y was idle; y (fair, guaranteed 2) has 1 of pool's room.
+    // y's first in line needs 2 (within its guarantee) and waits; y's later 1 would fit the
+    // pool's free permit, but takes the room the head waits for: it waits behind it.
+    let mut t = tree(&[
+        ("pool", sem(6, 5)),
+        ("x", child("pool", 6, 5, 0)),
+        ("y", child("pool", 6, 0, 2)),
+    ]);
+    t.get_mut("pool").unwrap().fair = true;
+    t.get_mut("y").unwrap().fair = true;
+    let d = decide(&t, &[cand(1, &[("y", 2)]), cand(2, &[("y", 1)])]);
+    assert_eq!(verdicts(&d), [Wait, Wait]);
+    // The same with the head recorded (waiting since an earlier batch).
+    t.get_mut("y").unwrap().head = Some(Head {
+        request_id: 1,
+        count: 2,
+        effective: 0,
+    });
+    let d = decide(&t, &[cand(2, &[("y", 1)])]);
+    assert_eq!(verdicts(&d), [Wait]);
+    // Once the pool has room for both, the later one goes beside it.
+    t.get_mut("pool").unwrap().used = 3;
+    t.get_mut("x").unwrap().used = 3;
+    let d = decide(&t, &[cand(2, &[("y", 1)])]);
+    assert_eq!(verdicts(&d), [Grant]);
+    // On a greedy child, anything that fits goes.
+    t.get_mut("y").unwrap().fair = false;
+    t.get_mut("pool").unwrap().used = 5;
+    t.get_mut("x").unwrap().used = 5;
+    let d = decide(&t, &[cand(2, &[("y", 1)])]);
+    assert_eq!(verdicts(&d), [Grant]);
+}
+
 // ---- properties ----
 
 const NAMES: [&str; 7] = ["root", "pool", "a", "b", "c", "flat", "nope"];
@@ -354,8 +389,9 @@ fn oracle_borrows(
         })
 }
 
-/// Rule 4 stated plainly: room on every level; where it names or borrows: a fair semaphore's
-/// first waiter (of this batch) keeps its room, and the parent keeps every active guaranteed
+/// Rule 4 stated plainly: room on every level; a fair semaphore it names keeps its first
+/// waiter's (of this batch) count free there and on every level above it; where it borrows: a
+/// fair parent's first waiter keeps its room, and the parent keeps every active guaranteed
 /// child's unused guarantee.
 fn oracle_fits(
     c: &Candidate,
@@ -367,6 +403,16 @@ fn oracle_fits(
     taken.iter().all(|(parent, count)| {
         let free_after = t[parent].capacity - t[parent].used - count;
         if free_after < 0 {
+            return false;
+        }
+        let above_a_fair_named_one = c.permits.iter().any(|(named, _)| {
+            named != parent
+                && t[named].fair
+                && oracle_takes(&cand(0, &[(named.as_str(), 1)]), t)
+                    .is_some_and(|chain| chain.contains_key(parent))
+                && first_waiter(named).is_some_and(|h| free_after < h)
+        });
+        if above_a_fair_named_one {
             return false;
         }
         if !oracle_borrows(c, taken, t, parent) {

@@ -421,6 +421,65 @@ async fn explain_within_a_guarantee_names_the_borrowers_and_the_ways_out() {
     );
 }
 
+/// Within a fair child's guarantee, a later request of the child does not take the parent's
+/// room that the child's first in line waits for: it waits behind it, and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_childs_first_in_line_keeps_its_room_on_the_parent_and_explain_says_so() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("pool", 6, None).await.unwrap();
+    for (name, guarantee) in [("x", 0), ("y", 2)] {
+        let settings = permitq::SemaphoreSettings::new()
+            .parent("pool")
+            .guarantee(guarantee);
+        client.set_semaphore(name, 6, &settings).await.unwrap();
+    }
+    let _worker = db.notified_worker("explain-w");
+    // x borrows 5 while y is idle; y's 2, within its guarantee, wait for 1 more permit.
+    let x = client
+        .acquire(&Request::new("x1").permit("x", 5), SOON)
+        .await
+        .unwrap();
+    client
+        .submit(&Request::new("y1").permit("y", 2))
+        .await
+        .unwrap();
+    examined(&client, "y1").await;
+    // y's later 1 would fit the pool's free permit, but that is y1's room.
+    client
+        .submit(&Request::new("y2").permit("y", 1))
+        .await
+        .unwrap();
+    common::wait_until(SOON, "y2 examined", || async {
+        client.explain("y2").await.unwrap().is_some_and(|e| {
+            e.state != State::New || e.semaphores.iter().all(|s| s.position.is_some())
+        })
+    })
+    .await;
+    let e = client.explain("y2").await.unwrap().unwrap();
+    assert_eq!(e.state, State::New, "{e:?}");
+    let pool = &e.semaphores[1];
+    assert_eq!(pool.semaphore, "pool");
+    assert_eq!(
+        pool.reason,
+        "parent: request y1 is first in line at y (priority 0, needs 2) and waits for room here \
+         too; a later request there goes after it, so 2 more permits must be released here \
+         first (2 for it, then 1 for this one; 1 free now)"
+    );
+    // x's release makes room for both: y1 first, then y2.
+    x.release().await.unwrap();
+    let token = |id: &'static str| {
+        let client = &client;
+        async move { client.status(id).await.unwrap().unwrap().fencing_token }
+    };
+    common::wait_until(SOON, "both granted", || async {
+        token("y1").await.is_some() && token("y2").await.is_some()
+    })
+    .await;
+    let (first, second) = (token("y1").await, token("y2").await);
+    assert!(first < second, "y1 is granted first: {first:?}, {second:?}");
+}
+
 /// Requests no worker has examined yet but that are placed ahead (a higher priority) count in
 /// the place in line and the permits ahead: they will be served first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -668,6 +668,61 @@ async fn fence_refuses_forged_released_and_expired_tokens_and_records_nothing() 
     client.release("h-0").await.unwrap();
 }
 
+/// A refused fence says why in a NOTICE: a token of no request of this login's, a request that
+/// no longer holds, a lease run out, a semaphore the request does not hold, a later token seen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_fence_says_why() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let t = held_tokens(&db, "n", 3, None).await;
+    client.set_capacity("other", 1, None).await.unwrap();
+    let leased = held_tokens(&db, "l", 1, Some(Duration::from_millis(300))).await;
+    let expires = client
+        .status("l-0")
+        .await
+        .unwrap()
+        .unwrap()
+        .expires_at
+        .unwrap();
+    common::wait_until(Duration::from_secs(10), "the lease runs out", || async {
+        std::time::SystemTime::now() > expires + Duration::from_millis(50)
+    })
+    .await;
+    client.release("n-0").await.unwrap();
+    let (conn, notices) = noticing(&db.url).await;
+    let fence = |semaphore: &'static str, token: i64| {
+        let conn = &conn;
+        async move {
+            conn.query_one("SELECT permitq.fence($1, 'db', $2)", &[&semaphore, &token])
+                .await
+                .unwrap()
+                .get::<_, bool>(0)
+        }
+    };
+    assert!(!fence("fenced", i64::MAX).await);
+    assert!(!fence("fenced", t[0]).await);
+    assert!(!fence("fenced", leased[0]).await);
+    assert!(!fence("other", t[1]).await);
+    assert!(fence("fenced", t[2]).await);
+    assert!(!fence("fenced", t[1]).await);
+    drop(conn);
+    let said: Vec<String> = notices.await.unwrap();
+    let expected = [
+        format!("fence refused: no request of yours holds token {}", i64::MAX),
+        format!("fence refused: token {} is request n-0's, which is released: it holds nothing now", t[0]),
+        "fence refused: the lease of request l-0 ran out".to_string(),
+        "fence refused: request n-1 holds this (fenced), not other: fence with the semaphore that guards db".to_string(),
+        format!("fence refused: token {} is below the highest seen for db under fenced: a later holder has written since", t[1]),
+    ];
+    assert_eq!(said.len(), expected.len(), "{said:?}");
+    for (said, expected) in said.iter().zip(&expected) {
+        assert!(
+            said.starts_with(expected.as_str()),
+            "{said}\nexpected: {expected}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_refuses_a_database_whose_applied_migration_was_edited_or_is_unknown() {
     let db = TestDb::new().await;
