@@ -43,7 +43,10 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM permitq.capacity_change x
                    WHERE x.id = (SELECT max(y.id) FROM permitq.capacity_change y
                                  WHERE y.semaphore = s.name)
-                     AND x.xmin = pg_current_xact_id()::xid AND NOT x.deleted) THEN
+                     -- This transaction's: its 32-bit xid, and written since it began (an
+                     -- old row whose xmin comes round again 2^32 transactions later is not).
+                     AND x.xmin = pg_current_xact_id()::xid AND x.changed_at >= now()
+                     AND NOT x.deleted) THEN
         PERFORM permitq.record_capacity_change(s, s, false);
     END IF;
     UPDATE permitq.capacity_change c SET inputs = coalesce(c.inputs, '{}') || setting
