@@ -393,7 +393,7 @@ pub(crate) enum SemaphoreCommand {
         /// Take it out of its parent.
         #[arg(long)]
         no_parent: bool,
-        /// Its guaranteed share of its parent while it holds permits or has waiters.
+        /// Its guaranteed share of its parent while it holds permits or has waiters within it.
         #[arg(long, allow_negative_numbers = true, value_parser = parse_permit_count)]
         guarantee: Option<i32>,
         /// For a template: the most instances it makes (a guaranteed template's guarantee

@@ -401,6 +401,40 @@ impl GrantProtocol {
         }
     }
 
+    /// Bounds where a child's head borrows at the parent and must leave a sibling's reserve,
+    /// while a later request of the child, within both guarantees, keeps the sibling active:
+    /// `pool` 4; `y` and `z` 4 each, guaranteed 2 each. Neither may wait for the other for
+    /// good (the property that no request is stuck). 2 workers, nothing else.
+    #[must_use]
+    pub fn reserve_cycle(lock_mode: LockMode) -> GrantProtocol {
+        let child = |name| SemaphoreSpec {
+            name,
+            capacity: 4,
+            parent: Some(0),
+            guarantee: 2,
+        };
+        GrantProtocol {
+            semaphores: vec![
+                SemaphoreSpec {
+                    name: "pool",
+                    capacity: 4,
+                    parent: None,
+                    guarantee: 0,
+                },
+                child("y"),
+                child("z"),
+            ],
+            requests: vec![vec![(2, 1)], vec![(1, 3)], vec![(1, 1), (2, 1)]],
+            leased: vec![],
+            workers: 2,
+            crashes: 0,
+            capacity_change: None,
+            failover: None,
+            lock_mode,
+            plant: None,
+        }
+    }
+
     /// Bounds where lock-first batches run side by side: 2 workers, 3 requests (one on `a`, one
     /// on `b`, one on both: a worker may hold one of its semaphores while another holds the
     /// other), 2 semaphores of capacity 1, not nested, one crash, one failover.
@@ -627,7 +661,12 @@ impl GrantProtocol {
                     count: self.takes(r)[&s],
                     effective: effective(r),
                 });
-            let active = used > 0 || !self.waiting_on(db, s, &[]).is_empty();
+            // Active: holds, or a request waits within its unused guarantee.
+            let active = used > 0
+                || self
+                    .waiting_on(db, s, &[])
+                    .iter()
+                    .any(|w| self.takes(*w)[&s] <= (spec.guarantee - used).max(0));
             views.insert(
                 name(s),
                 SemaphoreView {
@@ -790,7 +829,14 @@ impl GrantProtocol {
             })
             .map(|(r, _)| *r)
             .collect();
+        // What the batch's grants ahead of each one took: the decision measures a child's
+        // unused guarantee after them.
+        let mut ahead: BTreeMap<usize, i64> = BTreeMap::new();
         for &r in &granted {
+            let unused = |c: usize| {
+                let held = Self::held(before, c) + ahead.get(&c).copied().unwrap_or(0);
+                (self.semaphores[c].guarantee - held).max(0)
+            };
             for (s, _) in self.takes(r) {
                 let (held, capacity) = (Self::held(&state.db, s), state.db.semaphores[s].capacity);
                 if held > capacity {
@@ -800,28 +846,38 @@ impl GrantProtocol {
                 // Safe backfill: granted behind the first in line (waiting before this batch,
                 // and still), it left that request's count free. Where it takes within a
                 // child's guarantee (not naming the semaphore, not borrowing there), the first
-                // in line of what it names below (the child's line), not the whole line's.
+                // in line of what it names below (the child's line), with its count there, and
+                // only a head that borrows nowhere above it (one that borrows takes its turn in
+                // the parents' lines), not the whole line's.
                 let still_waiting = |h: &usize| state.db.requests[*h].state == RequestState::New;
-                let head = if self.requests[r].iter().any(|(n, _)| *n == s)
-                    || self.borrows_at(r, s, before)
+                let heads: Vec<(usize, i64)> = if self.requests[r].iter().any(|(n, _)| *n == s)
+                    || self.borrows_at(r, s, &unused)
                 {
                     self.waiting_on(before, s, &[])
                         .into_iter()
                         .find(still_waiting)
+                        .map(|h| (h, self.takes(h)[&s]))
+                        .into_iter()
+                        .collect()
                 } else {
                     self.requests[r]
                         .iter()
                         .filter(|(n, _)| self.chain(*n).contains(&s))
-                        .filter_map(|(n, _)| {
-                            self.waiting_on(before, *n, &[])
+                        .filter_map(|&(n, _)| {
+                            let h = self
+                                .waiting_on(before, n, &[])
                                 .into_iter()
-                                .find(still_waiting)
+                                .find(still_waiting)?;
+                            let count = self.takes(h)[&n];
+                            let borrows = self.chain(n)[..self.chain(n).len() - 1]
+                                .iter()
+                                .any(|c| count > unused(*c));
+                            (!borrows).then_some((h, count))
                         })
-                        .min()
+                        .collect()
                 };
-                if let Some(h) = head.filter(|h| *h < r) {
+                for (h, needs) in heads.into_iter().filter(|(h, _)| *h < r) {
                     let free = capacity - held;
-                    let needs = self.takes(h)[&s];
                     if free < needs {
                         let name = self.semaphores[s].name;
                         Self::violate(
@@ -835,7 +891,7 @@ impl GrantProtocol {
                 let children: Vec<usize> = (0..self.semaphores.len())
                     .filter(|c| self.semaphores[*c].parent == Some(p))
                     .collect();
-                if children.is_empty() || !self.borrows_at(r, p, before) {
+                if children.is_empty() || !self.borrows_at(r, p, &unused) {
                     continue;
                 }
                 let through = children
@@ -849,7 +905,13 @@ impl GrantProtocol {
                     .iter()
                     .filter(|c| Some(**c) != through)
                     .filter(|c| {
-                        Self::held(before, **c) > 0 || !self.waiting_on(before, **c, &[]).is_empty()
+                        let unused =
+                            (self.semaphores[**c].guarantee - Self::held(before, **c)).max(0);
+                        Self::held(before, **c) > 0
+                            || self
+                                .waiting_on(before, **c, &[])
+                                .iter()
+                                .any(|w| self.takes(*w)[c] <= unused)
                     })
                     .map(|c| (self.semaphores[*c].guarantee - Self::held(&state.db, *c)).max(0))
                     .sum();
@@ -862,20 +924,20 @@ impl GrantProtocol {
                     );
                 }
             }
+            for (s, count) in self.takes(r) {
+                *ahead.entry(s).or_insert(0) += count;
+            }
         }
     }
 
     /// Whether granting request `r` borrows at `p`: it names `p`, or takes more through a child
-    /// of `p` than the child's unused guarantee had room for before the grant.
-    fn borrows_at(&self, r: usize, p: usize, before: &Database) -> bool {
+    /// of `p` than the child's unused guarantee (`unused`) had room for before the grant.
+    fn borrows_at(&self, r: usize, p: usize, unused: &impl Fn(usize) -> i64) -> bool {
         let taken = self.takes(r);
         self.requests[r].iter().any(|(s, _)| *s == p)
             || (0..self.semaphores.len())
                 .filter(|c| self.semaphores[*c].parent == Some(p))
-                .any(|c| {
-                    let unused = (self.semaphores[c].guarantee - Self::held(before, c)).max(0);
-                    taken.get(&c).is_some_and(|k| *k > unused)
-                })
+                .any(|c| taken.get(&c).is_some_and(|k| *k > unused(c)))
     }
 
     /// After every step, what the rows must always say (a broken one ends the path, so that a
@@ -904,11 +966,43 @@ impl GrantProtocol {
         }
     }
 
-    /// No action is possible.
+    /// No action is possible (a claimed row never returned, for one: a cancel waits for it).
     fn quiescent(&self, state: &SystemState) -> bool {
         let mut actions = Vec::new();
         self.actions(state, &mut actions);
         actions.is_empty()
+    }
+
+    /// Waiting requests that nothing but a cancel or a timeout will ever move: every worker
+    /// idle, nothing held (no release will come), every waiting request examined, and the
+    /// decision, given all of them at once with every release folded, grants none. (While a
+    /// request waits unclaimed, a cancel or a claim that decides it again is always possible:
+    /// [`Self::quiescent`] does not see this.)
+    fn stuck(&self, state: &SystemState) -> bool {
+        let db = &state.db;
+        let waiting: Vec<usize> = (0..self.requests.len())
+            .filter(|r| db.requests[*r].state == RequestState::New)
+            .collect();
+        if waiting.is_empty()
+            || state.workers.iter().any(|p| *p != Phase::Idle)
+            || waiting.iter().any(|r| !db.requests[*r].examined)
+            || db
+                .requests
+                .iter()
+                .any(|r| r.state == RequestState::Acquired)
+        {
+            return false;
+        }
+        let every: Vec<usize> = (0..self.semaphores.len()).collect();
+        let folded: Vec<(usize, i64)> = every
+            .iter()
+            .map(|s| (*s, db.semaphores[*s].pending))
+            .collect();
+        let (views, candidates) = self.decision_input(db, &waiting, &every, &folded);
+        decide(&views, &candidates)
+            .verdicts
+            .iter()
+            .all(|(_, v)| *v == Verdict::Wait)
     }
 }
 
@@ -1236,6 +1330,11 @@ impl Model for GrantProtocol {
                         || !m.quiescent(s)
                         || s.db.requests.iter().all(|r| r.state != RequestState::New)
                 },
+            ),
+            Property::always(
+                "no request is stuck: with nothing held and every worker idle, one that waits \
+                 can be granted",
+                |m: &GrantProtocol, s: &SystemState| s.violation.is_some() || !m.stuck(s),
             ),
             Property::sometimes(
                 "a request waited, then was granted",

@@ -22,12 +22,14 @@
 //! semaphore's recorded waiters outside this batch ([`SemaphoreView::head`]) and the requests of
 //! this batch already left waiting. A waiting request is the head on every fair semaphore it
 //! names, not only the one that is full: otherwise later requests could drain the others while
-//! it waits (starvation). A fair semaphore's head keeps its count free on each of its ancestors
-//! as well, against the requests that name that semaphore: the room it waits for may be short
-//! on a parent, and a later request of the same child must not take it there.
+//! it waits (starvation). A fair semaphore's head that borrows nowhere (within the guarantee at
+//! every level above it) keeps its count free on each of its ancestors as well, against the
+//! requests that name that semaphore: the room it waits for may be short on a parent, and a
+//! later request of the same child must not take it there.
 //!
 //! Guarantees: a child's `guarantee` is a share of its parent kept for it while it is active
-//! (holds permits or has waiters). Where a request *borrows* at a parent, taking more through a
+//! (holds permits, or has a request waiting within its unused guarantee: one that would borrow
+//! keeps nothing in reserve, so that it cannot wait for a borrower that waits for its reserve). Where a request *borrows* at a parent, taking more through a
 //! child than the child's unused guarantee there (or naming the parent itself), it fits only if
 //! the parent keeps room for every active child's unused guarantee afterwards
 //! (`reserve_after`), and it keeps the parent's head's room: borrowers take their turns in the
@@ -114,7 +116,8 @@ pub struct SemaphoreView {
     pub parent: Option<String>,
     /// Its guaranteed share of its parent while active.
     pub guarantee: i64,
-    /// It holds permits or requests wait on it (or below it): a guaranteed child is active.
+    /// It holds permits, or a request waits on it (or below it) within its unused guarantee:
+    /// a guaranteed child is active.
     pub active: bool,
 }
 
@@ -341,14 +344,19 @@ pub fn decide(semaphores: &BTreeMap<String, SemaphoreView>, candidates: &[Candid
                 }
             }
             Verdict::Wait => {
-                // It waits in the line of every semaphore it takes from, for what it takes there.
+                // It waits in the line of every semaphore it takes from, for what it takes there;
+                // a guaranteed child is active from then on where it waits within the unused
+                // guarantee (a request beyond it borrows, and keeps no reserve).
                 for (name, count) in &taken {
                     batch.heads.entry(name.clone()).or_insert(Head {
                         request_id: c.id,
                         count: *count,
                         effective: c.effective,
                     });
-                    batch.waiting.insert(name.clone());
+                    let s = &batch.sems[name];
+                    if *count <= (s.guarantee - s.used).max(0) {
+                        batch.waiting.insert(name.clone());
+                    }
                 }
             }
             Verdict::Fail(_) => {}
@@ -422,16 +430,19 @@ fn fits_at(
     if free_after < 0 {
         return false;
     }
-    // A fair semaphore it names keeps its first in line's room on every level above it too:
-    // within a guarantee, a later request of the same child does not take the parent's room
-    // the child's head waits for.
+    // A fair semaphore it names keeps its first in line's room on every level above it too,
+    // when that head borrows nowhere (within every guarantee on its chain, it waits for room
+    // alone): a later request of the same child does not take the parent's room the head waits
+    // for. A head that borrows takes its turn in the parents' lines instead: kept here, it
+    // could wait for a reserve that the request it holds back keeps active (a cycle of waits).
     let heads_below_kept = c.permits.iter().all(|(named, _)| {
         let below = &sems[named];
         named == name
             || !below.fair
             || !is_below(named, name, sems)
-            || head_before(c.rank(), below.head, batch.heads.get(named).copied())
-                .is_none_or(|head| free_after >= head.count)
+            || head_before(c.rank(), below.head, batch.heads.get(named).copied()).is_none_or(
+                |head| free_after >= head.count || borrows_on_its_chain(named, head.count, sems),
+            )
     });
     if !heads_below_kept {
         return false;
@@ -527,6 +538,23 @@ fn failure_detail(
         _ => {}
     }
     detail
+}
+
+/// Whether `count` on semaphore `name` borrows at one of its ancestors: more than the unused
+/// guarantee of `name`, or of an ancestor below the top, at the level above it.
+fn borrows_on_its_chain(name: &str, count: i64, sems: &BTreeMap<String, SemaphoreView>) -> bool {
+    let mut at = sems.get(name);
+    for _ in 0..crate::rules::MAX_NESTING_DEPTH {
+        let Some(s) = at else { return false };
+        let Some(parent) = s.parent.as_deref() else {
+            return false;
+        };
+        if count > (s.guarantee - s.used).max(0) {
+            return true;
+        }
+        at = sems.get(parent);
+    }
+    false
 }
 
 /// Whether `ancestor` is above semaphore `name` (its parent, or its parent's, and so on).

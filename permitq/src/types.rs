@@ -349,7 +349,7 @@ pub struct Semaphore {
     /// The semaphore it is nested in: a grant here also takes from the parent (and its
     /// ancestors).
     pub parent: Option<String>,
-    /// Its guaranteed share of its parent while it holds permits or has waiters.
+    /// Its guaranteed share of its parent while it holds permits or has waiters within it.
     pub guarantee: i64,
     /// For a template, the most instances it may make (`None`: the default bound,
     /// [`crate::MAX_INSTANCES`]).

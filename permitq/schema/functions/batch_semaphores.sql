@@ -84,7 +84,8 @@ END $$;
 --   3. fold the pending releases of these and of every semaphore no one else holds;
 --   4. return the locked semaphores as the decision sees them: `used` is the permits held, or
 --      for a rate-limited semaphore the permits granted in its window; its parent, guarantee,
---      and whether it is active (holds permits or has waiters, for a guaranteed child); then
+--      and whether it is active (for a guaranteed child: holds permits, or a request waits on it
+--      within its unused guarantee; one beyond it borrows, and keeps no reserve); then
 --      the guaranteed children of the locked semaphores, read and not locked, for the reserves:
 --      their `used` less their releases not folded yet, exact however their folds interleave,
 --      since it only grows by grants, which lock their parent first; and a row with NULL
@@ -125,7 +126,8 @@ BEGIN
            CASE WHEN s.per IS NULL THEN s.used ELSE permitq.in_window(s) END,
            s.fair, s.parent, s.guarantee,
            s.guarantee > 0
-           AND (s.used > 0 OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = s.id))
+           AND (s.used > 0 OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = s.id
+                                      AND w.count <= s.guarantee - s.used)) -- waiter_count_idx
     FROM permitq.semaphore s
     WHERE s.name = ANY(locked)
     UNION ALL
@@ -133,7 +135,8 @@ BEGIN
            CASE WHEN c.per IS NULL THEN c.used - f.pending ELSE permitq.in_window(c) END,
            c.fair, c.parent, c.guarantee,
            c.used - f.pending > 0
-           OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = c.id)
+           OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = c.id
+                      AND w.count <= c.guarantee - (c.used - f.pending)) -- waiter_count_idx
     FROM permitq.semaphore c
     CROSS JOIN LATERAL (SELECT coalesce(sum(p.count), 0) AS pending FROM permitq.pending_release p
                         WHERE p.semaphore = c.name) f

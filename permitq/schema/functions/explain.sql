@@ -212,12 +212,14 @@ DECLARE
     child_name text;
     -- The earliest grant of those holding here: releases before it were of other holders.
     first_held_at timestamptz;
-    -- On a parent: the first in line of the fair semaphore it names below (`via`), if ahead of
-    -- it: its count stays free here too (the decision's rule, permitq::decision).
-    via_head_id bigint;
-    via_head_count integer;
-    via_head_priority integer;
-    via_head_shown text;
+    -- On a parent: the first in line of a fair semaphore it names below that keeps its count
+    -- free here too, and the reason that gives (see below).
+    child_head_id bigint;
+    child_head_count integer;
+    child_head_priority integer;
+    child_head_at text;
+    child_head_shown text;
+    child_head_reason text;
 BEGIN
     SELECT * INTO r FROM permitq.permit_request pr
     WHERE pr.external_id = explain.external_id
@@ -320,7 +322,8 @@ BEGIN
         FROM permitq.semaphore c
         WHERE c.parent = s.name AND c.guarantee > 0 AND c.name IS DISTINCT FROM child.name
           AND NOT c.is_template
-          AND (c.used > 0 OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = c.id));
+          AND (c.used > 0 OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = c.id
+                                     AND w.count <= c.guarantee - c.used));
         -- Within a guarantee and short, the parent's room is held by children beyond their own
         -- guarantees (and by requests naming the parent itself): named, as what must end.
         lent_to := NULL;
@@ -355,13 +358,20 @@ BEGIN
         JOIN permitq.permit_request pr ON pr.id = w.request_id
         ORDER BY 5 DESC, 1
         LIMIT 1;
-        via_head_id := NULL;
+        -- The decision's rule (permitq::decision, `heads_below_kept`): on a parent, the first in
+        -- line of each fair semaphore it names below, if ahead of it and within every guarantee
+        -- on its chain (one that borrows takes its turn in the parents' lines), keeps its count
+        -- free here too. The one that needs the most is named.
+        child_head_id := NULL;
+        child_head_reason := NULL;
         IF named.depth > 0 AND r.examined THEN
-            SELECT w.request_id, w.count, w.priority,
+            SELECT w.request_id, w.count, w.priority, vs.name,
                    CASE WHEN permitq.may_read(pr.submitted_by) THEN pr.external_id
                         ELSE '(another login''s)' END
-            INTO via_head_id, via_head_count, via_head_priority, via_head_shown
-            FROM permitq.semaphore vs
+            INTO child_head_id, child_head_count, child_head_priority, child_head_at, child_head_shown
+            FROM jsonb_object_keys(r.permits) k
+            JOIN permitq.ancestors(ARRAY[k]) up ON up.ancestor = s.name AND up.depth > 0
+            JOIN permitq.semaphore vs ON vs.name = k AND vs.fair
             CROSS JOIN LATERAL (
                 SELECT wt.request_id, wt.count, wt.priority, wt.created_at FROM permitq.waiter wt
                 WHERE wt.semaphore_id = vs.id AND wt.request_id <> r.id
@@ -369,9 +379,20 @@ BEGIN
                          wt.request_id -- waiter_place_idx
                 LIMIT 1) w
             JOIN permitq.permit_request pr ON pr.id = w.request_id
-            WHERE vs.name = named.via AND vs.fair
-              AND (permitq.rule_place_in_line(w.priority, w.created_at) > place
-                   OR (permitq.rule_place_in_line(w.priority, w.created_at) = place AND w.request_id < r.id));
+            WHERE (permitq.rule_place_in_line(w.priority, w.created_at) > place
+                   OR (permitq.rule_place_in_line(w.priority, w.created_at) = place AND w.request_id < r.id))
+              AND NOT EXISTS (SELECT 1 FROM permitq.ancestors(ARRAY[k]) a
+                              JOIN permitq.semaphore c ON c.name = a.ancestor
+                              WHERE c.parent IS NOT NULL AND w.count > greatest(c.guarantee - c.used, 0))
+            ORDER BY w.count DESC
+            LIMIT 1;
+            IF child_head_id IS NOT NULL AND room - needs < child_head_count THEN
+                child_head_reason := format('parent: request %s is first in line at %s (priority %s, needs %s) and waits for room here too; a later request there goes after it, so %s more %s must be released here first (%s for it, then %s for this one; %s free now)',
+                    child_head_shown, child_head_at, child_head_priority, child_head_count,
+                    child_head_count + needs - room,
+                    CASE WHEN child_head_count + needs - room = 1 THEN 'permit' ELSE 'permits' END,
+                    child_head_count, needs, free);
+            END IF;
         END IF;
         IF r.examined THEN
             SELECT count(*), coalesce(sum(a.count), 0) INTO ahead_count, permits_ahead
@@ -421,16 +442,9 @@ BEGIN
                        permitq.human_duration(greatest(opens_at - now(), interval '0')))
             WHEN NOT r.examined THEN
                 'not examined by a worker yet: a running worker does within a second or so, and then this shows its place in line (a worker that died counts as running until its last sign of life runs out, up to 8s; then this says that nothing is granting)'
-            -- Behind the first in line of the fair semaphore it names below, which needs this
-            -- room too: it goes after it. (On a fair parent, a borrower's arithmetic below
-            -- counts the requests ahead in the parent's line, that one among them.)
-            WHEN (within_guarantee OR (NOT s.fair AND coalesce(kept, 0) = 0))
-                 AND via_head_id IS NOT NULL AND room - needs < via_head_count THEN
-                format('parent: request %s is first in line at %s (priority %s, needs %s) and waits for room here too; a later request there goes after it, so %s more %s must be released here first (%s for it, then %s for this one; %s free now)',
-                       via_head_shown, named.via, via_head_priority, via_head_count,
-                       via_head_count + needs - room,
-                       CASE WHEN via_head_count + needs - room = 1 THEN 'permit' ELSE 'permits' END,
-                       via_head_count, needs, free)
+            -- Within a guarantee, behind the first in line of a fair semaphore it names below,
+            -- which needs this room too: it goes after it.
+            WHEN within_guarantee AND child_head_reason IS NOT NULL THEN child_head_reason
             WHEN within_guarantee THEN
                 CASE WHEN shortfall > 0
                      THEN format('parent: within the guarantee of %s (%s), waits for %s more %s to be released%s; granted as they end: by a release, at a lease''s end, past a worker''s --max-hold, or by an admin''s `permitq revoke ID`',
@@ -504,6 +518,8 @@ BEGIN
                             ELSE format(': what is free would not leave it its room, so %s more %s must be released first',
                                         head.count - (free::int8 - needs),
                                         CASE WHEN head.count - (free::int8 - needs) = 1 THEN 'permit' ELSE 'permits' END) END)
+            -- A borrower that the branches above found room for: that head holds it back.
+            WHEN child_head_reason IS NOT NULL AND shortfall = 0 THEN child_head_reason
             WHEN shortfall > 0 THEN
                 format('waits for %s more %s to be released%s%s', shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END,
                        CASE WHEN s.fair THEN ' (first in line)' ELSE ' (greedy)' END,

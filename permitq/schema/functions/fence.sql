@@ -86,7 +86,8 @@ BEGIN
             token, r.external_id,
             r.state || CASE WHEN r.release_reason IS DISTINCT FROM 'released'
                             THEN ' (' || r.release_reason || ')' ELSE '' END;
-    ELSIF r.expires_at IS NOT NULL AND r.expires_at <= now() THEN
+    ELSIF r.expires_at IS NOT NULL AND r.expires_at <= now()
+          AND permitq.lease_run_out(r.expires_at, r.ttl, permitq.lease_grace_since()) THEN
         RAISE NOTICE 'fence refused: the lease of request % ran out % ago (ttl %): heartbeat it more often than its ttl, or take a new permit',
             r.external_id, permitq.human_duration(now() - r.expires_at), permitq.human_duration(r.ttl);
     ELSIF semaphore IS NOT NULL AND NOT coalesce(r.charged, r.permits) ? semaphore THEN

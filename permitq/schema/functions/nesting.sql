@@ -7,7 +7,7 @@
 -- everything granted below it.
 --
 -- Guarantees: a child's `guarantee` is a share of its parent kept for it while it is active (it
--- holds permits or has requests waiting). It is a share of the parent's room: the parent
+-- holds permits or has a request waiting within its unused guarantee). It is a share of the parent's room: the parent
 -- competes for that room at its own parent with its own guarantee. A grant that borrows at a
 -- parent, taking more there than the child's unused guarantee (or naming the parent directly),
 -- must leave the parent room for every other active child's unused guarantee. A child's grant

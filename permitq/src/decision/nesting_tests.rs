@@ -273,6 +273,69 @@ fn a_fair_childs_head_keeps_its_room_on_the_parent_within_the_guarantee() {
     assert_eq!(verdicts(&d), [Grant]);
 }
 
+/// A child's head that borrows at the parent takes its turn in the parent's line, and keeps no
+/// room there: kept, it would wait for the reserve of a sibling that the request it holds back
+/// keeps active, and neither would ever go.
+#[test]
+fn a_borrowing_head_keeps_no_room_on_the_parent_so_that_nothing_waits_in_a_cycle() {
+    // pool 10; y (fair) and z guaranteed 5 each, nothing held. y's head H wants 8: it borrows 3
+    // and must leave z's 5 while z is active. W wants y=1 and z=2, within both guarantees: it
+    // makes z active, and must not wait for H.
+    let mut t = tree(&[
+        ("pool", sem(10, 0)),
+        ("y", child("pool", 10, 0, 5)),
+        ("z", child("pool", 10, 0, 5)),
+    ]);
+    t.get_mut("y").unwrap().fair = true;
+    t.get_mut("z").unwrap().active = true;
+    let d = decide(&t, &[cand(1, &[("y", 8)]), cand(2, &[("y", 1), ("z", 2)])]);
+    assert_eq!(verdicts(&d), [Wait, Grant]);
+    // The same with H recorded (waiting since an earlier batch).
+    t.get_mut("y").unwrap().head = Some(Head {
+        request_id: 1,
+        count: 8,
+        effective: 0,
+    });
+    let d = decide(&t, &[cand(2, &[("y", 1), ("z", 2)])]);
+    assert_eq!(verdicts(&d), [Grant]);
+    // Within y's guarantee (5), the head keeps its room on the pool.
+    t.get_mut("y").unwrap().head.as_mut().unwrap().count = 5;
+    t.get_mut("pool").unwrap().used = 5;
+    t.get_mut("z").unwrap().used = 5;
+    let d = decide(&t, &[cand(2, &[("y", 1)])]);
+    assert_eq!(verdicts(&d), [Wait]);
+}
+
+/// A request that waits beyond its child's unused guarantee borrows: it keeps nothing in
+/// reserve, so a borrower it may wait behind is not held back by it (they would wait for each
+/// other). One within it does make the child active.
+#[test]
+fn only_a_request_waiting_within_the_guarantee_makes_its_child_active() {
+    // pool 2 (greedy) holds 1 elsewhere; team guaranteed 1. team's 2 borrow 1 and wait; the
+    // pool's 1 is then free to take.
+    let t = tree(&[
+        ("pool", sem(2, 1)),
+        ("team", child("pool", 2, 0, 1)),
+        ("other", child("pool", 2, 1, 0)),
+    ]);
+    let d = decide(&t, &[cand(1, &[("team", 2)]), cand(2, &[("other", 1)])]);
+    assert_eq!(verdicts(&d), [Wait, Grant]);
+    // Within the guarantee, it keeps its 1.
+    let mut t = t;
+    t.get_mut("pool").unwrap().used = 2;
+    t.get_mut("other").unwrap().used = 2;
+    t.get_mut("pool").unwrap().capacity = 3;
+    t.get_mut("other").unwrap().capacity = 3;
+    let d = decide(
+        &t,
+        &[
+            cand(1, &[("team", 1), ("other", 1)]),
+            cand(2, &[("other", 1)]),
+        ],
+    );
+    assert_eq!(verdicts(&d), [Wait, Wait]);
+}
+
 // ---- properties ----
 
 const NAMES: [&str; 7] = ["root", "pool", "a", "b", "c", "flat", "nope"];
@@ -363,11 +426,21 @@ fn before(
     i: usize,
 ) -> (BTreeMap<String, SemaphoreView>, BTreeSet<String>) {
     let state = decide(start, &cands[..i]).semaphores;
+    // Each earlier waiter activates the children where it waits within the unused guarantee
+    // (as it stood when it was decided).
     let waiting = cands[..i]
         .iter()
+        .enumerate()
         .zip(&d.verdicts)
         .filter(|(_, (_, v))| *v == Wait)
-        .flat_map(|(c, _)| oracle_takes(c, start).unwrap_or_default().into_keys())
+        .flat_map(|((j, c), _)| {
+            let then = decide(start, &cands[..j]).semaphores;
+            oracle_takes(c, start)
+                .unwrap_or_default()
+                .into_iter()
+                .filter(move |(n, k)| *k <= (then[n].guarantee - then[n].used).max(0))
+                .map(|(n, _)| n)
+        })
         .collect();
     (state, waiting)
 }
@@ -410,7 +483,17 @@ fn oracle_fits(
                 && t[named].fair
                 && oracle_takes(&cand(0, &[(named.as_str(), 1)]), t)
                     .is_some_and(|chain| chain.contains_key(parent))
-                && first_waiter(named).is_some_and(|h| free_after < h)
+                && first_waiter(named).is_some_and(|h| {
+                    // A head that borrows anywhere above it takes its turn in the parents'
+                    // lines instead.
+                    let mut at = named.as_str();
+                    let mut borrows = false;
+                    while let Some(parent) = t[at].parent.as_deref() {
+                        borrows |= h > (t[at].guarantee - t[at].used).max(0);
+                        at = parent;
+                    }
+                    free_after < h && !borrows
+                })
         });
         if above_a_fair_named_one {
             return false;

@@ -200,6 +200,78 @@ async fn an_active_childs_guarantee_comes_back_to_it_before_anyone_borrows_again
     check_invariants(&conn).await.unwrap();
 }
 
+/// A child's first in line that borrows at the parent does not hold back a later request of
+/// the child within its guarantee: that request keeps a sibling active, whose reserve the head
+/// waits for, and neither would ever go. The later one goes; the head goes once the sibling is
+/// idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_borrowing_head_and_a_request_within_two_guarantees_do_not_wait_for_each_other() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client.set_capacity("pool", 10, None).await.unwrap();
+    nest(&client, "y", 10, "pool", 5).await;
+    nest(&client, "z", 10, "pool", 5).await;
+    let _worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("z0").permit("z", 1))
+        .await
+        .unwrap();
+    acquired(&client, "z0").await;
+    // y's head borrows 3 beyond y's 5 and must leave z's unused 4: it waits.
+    client
+        .submit(&Request::new("h").permit("y", 8))
+        .await
+        .unwrap();
+    left_waiting(&conn, "h").await;
+    // Within both guarantees: granted, though behind h in y's line (h borrows: it takes its
+    // turn in the pool's line, and keeps no room there).
+    client
+        .submit(&Request::new("w").permit("y", 1).permit("z", 2))
+        .await
+        .unwrap();
+    acquired(&client, "w").await;
+    assert_eq!(state_of(&client, "h").await, "new");
+    // z idle again: h goes.
+    client.release("z0").await.unwrap();
+    client.release("w").await.unwrap();
+    acquired(&client, "h").await;
+    check_invariants(&conn).await.unwrap();
+}
+
+/// A request that waits beyond its child's guarantee borrows, and keeps no reserve: a borrower
+/// ahead of it in the parent's line is not held back by it, which it waits behind (before, each
+/// waited for the other with nothing held).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waiting_beyond_its_guarantee_keeps_no_reserve_from_the_borrower_it_waits_behind()
+{
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client.set_capacity("pool", 2, None).await.unwrap();
+    nest(&client, "team", 2, "pool", 1).await;
+    let _worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("x").permit("pool", 1))
+        .await
+        .unwrap();
+    acquired(&client, "x").await;
+    for (id, name) in [("b", "pool"), ("t", "team")] {
+        client
+            .submit(&Request::new(id).permit(name, 2))
+            .await
+            .unwrap();
+        left_waiting(&conn, id).await;
+    }
+    // The pool is free again: b goes first (t's 2 are beyond team's 1, and wait their turn).
+    client.release("x").await.unwrap();
+    acquired(&client, "b").await;
+    assert_eq!(state_of(&client, "t").await, "new");
+    client.release("b").await.unwrap();
+    acquired(&client, "t").await;
+    check_invariants(&conn).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_windows_follow_the_tree() {
     let db = TestDb::new().await;
@@ -578,9 +650,10 @@ async fn explain_keeps_room_for_a_sibling_active_only_by_its_waiters() {
     let conn = db.conn().await;
     pool_of_a_and_b(&client, false, 2).await;
     let _worker = db.notified_worker("w1");
-    submit(&client, "b1", "b", 2).await;
+    submit(&client, "b1", "b", 3).await;
     acquired(&client, "b1").await;
-    submit(&client, "a1", "a", 3).await;
+    // Within a's guarantee (a request beyond it would keep no reserve).
+    submit(&client, "a1", "a", 2).await;
     left_waiting(&conn, "a1").await;
     submit(&client, "b2", "b", 1).await;
     left_waiting(&conn, "b2").await;

@@ -721,6 +721,25 @@ async fn a_refused_fence_says_why() {
             "{said}\nexpected: {expected}"
         );
     }
+    // A producer with another login's real token hears what it hears for a made-up one.
+    let producer = db.login("permitq_producer").await;
+    let (conn, notices) = noticing(&producer).await;
+    for token in [t[2], i64::MAX] {
+        let accepted: bool = conn
+            .query_one("SELECT permitq.fence('fenced', 'db', $1)", &[&token])
+            .await
+            .unwrap()
+            .get(0);
+        assert!(!accepted);
+    }
+    drop(conn);
+    let said: Vec<String> = notices.await.unwrap();
+    assert_eq!(
+        said,
+        [t[2], i64::MAX].map(|t| format!(
+            "fence refused: no request of yours holds token {t} (it is another login's, or made up)"
+        )),
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
