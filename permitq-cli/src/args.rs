@@ -104,7 +104,8 @@ pub(crate) enum Command {
         /// a timeout, a pool exhausted) or failed. Left out: no report.
         #[arg(long, value_parser = parse_outcome)]
         outcome: Option<permitq::Outcome>,
-        /// With --outcome: how long its calls took (250ms).
+        /// With --outcome: how long its calls took (250ms). Only an ok report's latency is
+        /// used (the gradient compares them).
         #[arg(long, value_parser = parse_duration, requires = "outcome")]
         latency: Option<Duration>,
         /// Print one JSON object.

@@ -362,7 +362,7 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                         .await?;
                     match said {
                         ReleaseOutcome::Released => {
-                            say_where_reported(&client, &external_id, report).await;
+                            say_where_reported(&client, &external_id, report, latency).await;
                         }
                         // Only a release reports: a repeated one would count its holder twice.
                         ReleaseOutcome::AlreadyReleased => errln!(
@@ -672,7 +672,12 @@ async fn say_instances_over_the_template(
 
 /// After `release --outcome`: the adaptive semaphores the report went to (those it held, and
 /// their parents), or that none of them adapts, so nothing was kept. A failed read says nothing.
-async fn say_where_reported(client: &Client, external_id: &str, report: permitq::Outcome) {
+async fn say_where_reported(
+    client: &Client,
+    external_id: &str,
+    report: permitq::Outcome,
+    latency: Option<std::time::Duration>,
+) {
     let (Ok(Some(row)), Ok(usage)) = (client.status(external_id).await, client.usage().await)
     else {
         return;
@@ -704,8 +709,24 @@ async fn say_where_reported(client: &Client, external_id: &str, report: permitq:
             held.join(", ")
         );
     } else {
+        // Only ok reports' latencies are compared (gradient): an overloaded or failed report
+        // says what it needs to without one.
+        let latency_unused = if latency.is_some() && report != permitq::Outcome::Ok {
+            let article = if report == permitq::Outcome::Overloaded {
+                "an"
+            } else {
+                "a"
+            };
+            format!(
+                " (its latency is not used: the gradient compares the latencies of ok reports \
+                 only; {article} {} report counts as one by itself)",
+                report.as_str()
+            )
+        } else {
+            String::new()
+        };
         errln!(
-            "permitq: reported {} to {}: the next cadence counts it",
+            "permitq: reported {} to {}: the next cadence counts it{latency_unused}",
             report.as_str(),
             adaptive.join(", ")
         );

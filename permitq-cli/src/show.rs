@@ -585,7 +585,8 @@ fn kept_words(r: &serde_json::Value, a: &permitq::AdaptiveLimit) -> String {
     } else if used * 2 < to {
         // The rule every algorithm shares.
         format!(
-            "it grows only while at least half of it ({}) is in use",
+            "it grows only while at least half of it ({}) is held when the cadence runs ({used} \
+             was; permits released before it count no more)",
             (to + 1) / 2
         )
     } else if a.algorithm == permitq::Algorithm::Aimd {
@@ -595,9 +596,14 @@ fn kept_words(r: &serde_json::Value, a: &permitq::AdaptiveLimit) -> String {
             None => "gradient moves on latency (and overloaded reports), and no ok report gave \
                      a latency"
                 .to_string(),
-            Some(x) if x > 1.2 => format!(
+            Some(x) if x > 1.2 && to <= i64::from(a.floor) => format!(
                 "at its floor {}, though latency is {x:.2}x the unloaded (past 1.2x it backs off)",
                 a.floor
+            ),
+            Some(x) if x > 1.2 => format!(
+                "latency is {x:.2}x the unloaded, past 1.2x: it is backing off, its estimate a \
+                 fifth of the way a cadence, and the capacity drops once that passes a whole \
+                 permit"
             ),
             Some(x) if x > 1.05 => {
                 format!("latency at {x:.2}x the unloaded, within the 1.2x it holds at")
@@ -728,16 +734,21 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
             Some(k) if k > 0 => format!(", {k} kept for other children's guarantees"),
             _ => String::new(),
         };
+        // Its own shortfall, apart from the permits of those ahead of it in line (the reason
+        // adds what they take here first).
+        let behind = s.permits_ahead.is_some_and(|a| a > 0);
         let room = match (s.free, s.capacity, s.shortfall) {
-            (Some(free), Some(capacity), Some(short)) if short > 0 => {
-                format!("{}{kept}, short {short}", free_of(free, capacity))
-            }
+            (Some(free), Some(capacity), Some(short)) if short > 0 => format!(
+                "{}{kept}, short {short}{}",
+                free_of(free, capacity),
+                if behind { " for itself" } else { "" }
+            ),
             (Some(free), Some(capacity), _) => format!("{}{kept}", free_of(free, capacity)),
             _ => "not there".to_string(),
         };
         let place = match (s.position, s.permits_ahead) {
             (Some(p), Some(a)) => format!(
-                "; position {p}, {a} {} ahead",
+                "; position {p}, {a} {} ahead of it in line",
                 if a == 1 { "permit" } else { "permits" }
             ),
             _ => String::new(),
@@ -997,7 +1008,8 @@ mod tests {
         );
         assert_eq!(
             kept(&aimd, r(5, 0, 0, 3, 8)),
-            "kept 8: it grows only while at least half of it (4) is in use"
+            "kept 8: it grows only while at least half of it (4) is held when the cadence runs \
+             (3 was; permits released before it count no more)"
         );
         assert_eq!(
             kept(&aimd, r(5, 0, 0, 20, 20)),
@@ -1022,6 +1034,18 @@ mod tests {
         calm["latency_ms"] = json!(10.0);
         assert!(kept(&gradient, calm).starts_with("kept 8: it grows a fraction of a permit"));
         assert!(kept(&gradient, r(5, 0, 0, 8, 8)).contains("no ok report gave a latency"));
+        // Past 1.2x above the floor it is backing off, a part of a permit at a time.
+        let mut slow = r(2, 0, 0, 5, 7);
+        slow["latency_ms"] = json!(300.0);
+        slow["long_latency_ms"] = json!(57.0);
+        assert!(
+            kept(&gradient, slow.clone())
+                .starts_with("kept 7: latency is 5.26x the unloaded, past 1.2x: it is backing off"),
+            "{}",
+            kept(&gradient, slow.clone())
+        );
+        slow["to"] = json!(2);
+        assert!(kept(&gradient, slow).starts_with("kept 2: at its floor 2, though latency"));
         assert_eq!(
             latency_words(&json!({"latency_ms": 40.0})),
             ", p90 latency 40ms"

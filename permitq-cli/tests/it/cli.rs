@@ -953,6 +953,22 @@ async fn explain_says_why_a_request_waits_in_text_json_and_on_semaphore_show() {
         "{text}"
     );
     assert!(text.contains("held by holder (1 for"), "{text}");
+    // Behind another: its own shortfall, apart from the permits ahead of it.
+    assert_eq!(code(&run(url, &["submit", "waiter2", "gpu=1"]).await), 0);
+    common::wait_until(Duration::from_secs(10), "waiter2 examined", || async {
+        client
+            .explain("waiter2")
+            .await
+            .unwrap()
+            .is_some_and(|e| e.semaphores[0].position.is_some())
+    })
+    .await;
+    let text = stdout(&run(url, &["explain", "waiter2"]).await);
+    assert!(
+        text.contains("gpu: needs 1, 0 free of 1, short 1 for itself; position 2, 1 permit ahead of it in line"),
+        "{text}"
+    );
+    assert_eq!(code(&run(url, &["release", "waiter2"]).await), 0);
 
     let o = run(url, &["explain", "waiter", "--json"]).await;
     let json: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
@@ -1320,7 +1336,19 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
     .await;
     // A kept capacity says which rule kept it.
     run(url, &["submit", "a3", "api=1", "--await", "10s"]).await;
-    run(url, &["release", "a3", "--outcome", "failed"]).await;
+    let o = run(
+        url,
+        &["release", "a3", "--outcome", "failed", "--latency", "5s"],
+    )
+    .await;
+    assert!(
+        stderr(&o).contains(
+            "(its latency is not used: the gradient compares the latencies of ok reports only; \
+             a failed report counts as one by itself)"
+        ),
+        "{}",
+        stderr(&o)
+    );
     wait_until(
         Duration::from_secs(10),
         "the failed cadence shown",
