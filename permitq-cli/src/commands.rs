@@ -709,9 +709,21 @@ async fn say_where_reported(
             held.join(", ")
         );
     } else {
-        // Only ok reports' latencies are compared (gradient): an overloaded or failed report
-        // says what it needs to without one.
-        let latency_unused = if latency.is_some() && report != permitq::Outcome::Ok {
+        // Only ok reports' latencies are compared, and by gradient alone: an overloaded or
+        // failed report says what it needs to without one.
+        let gradient = adaptive.iter().any(|n| {
+            usage.iter().any(|u| {
+                &u.name == n
+                    && u.adaptive
+                        .as_ref()
+                        .is_some_and(|a| a.algorithm == permitq::Algorithm::Gradient)
+            })
+        });
+        let latency_unused = if latency.is_some() && !gradient {
+            " (its latency is not used: aimd reads only how many reports say ok, overloaded or \
+             failed; `semaphore show` still prints the ok reports' latency)"
+                .to_string()
+        } else if latency.is_some() && report != permitq::Outcome::Ok {
             let article = if report == permitq::Outcome::Overloaded {
                 "an"
             } else {

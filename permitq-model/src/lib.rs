@@ -435,6 +435,37 @@ impl GrantProtocol {
         }
     }
 
+    /// Bounds where one request takes through a guaranteed child within its guarantee and
+    /// names the parent too: `pool` 2; `y` 2, guaranteed 2; `y=1, pool=1`. Left waiting once, its
+    /// own waiter row must not keep y's guarantee in reserve against it (it did, for ever).
+    #[must_use]
+    pub fn self_reserve(lock_mode: LockMode) -> GrantProtocol {
+        GrantProtocol {
+            semaphores: vec![
+                SemaphoreSpec {
+                    name: "pool",
+                    capacity: 2,
+                    parent: None,
+                    guarantee: 0,
+                },
+                SemaphoreSpec {
+                    name: "y",
+                    capacity: 2,
+                    parent: Some(0),
+                    guarantee: 2,
+                },
+            ],
+            requests: vec![vec![(0, 2)], vec![(1, 1), (0, 1)]],
+            leased: vec![],
+            workers: 2,
+            crashes: 0,
+            capacity_change: None,
+            failover: None,
+            lock_mode,
+            plant: None,
+        }
+    }
+
     /// Bounds where lock-first batches run side by side: 2 workers, 3 requests (one on `a`, one
     /// on `b`, one on both: a worker may hold one of its semaphores while another holds the
     /// other), 2 semaphores of capacity 1, not nested, one crash, one failover.
@@ -894,16 +925,14 @@ impl GrantProtocol {
                 if children.is_empty() || !self.borrows_at(r, p, &unused) {
                     continue;
                 }
-                let through = children
-                    .iter()
-                    .copied()
-                    .find(|c| self.takes(r).contains_key(c));
+
                 state.seen.borrowed = true;
                 // The children active before this batch (an idle child's share is lent: one
                 // made active later in the batch, behind the borrower, waits for it).
+                // Every other child: not one the grant itself takes through.
                 let kept: i64 = children
                     .iter()
-                    .filter(|c| Some(**c) != through)
+                    .filter(|c| !self.takes(r).contains_key(c))
                     .filter(|c| {
                         let unused =
                             (self.semaphores[**c].guarantee - Self::held(before, **c)).max(0);

@@ -69,6 +69,13 @@ fn a_borrowing_head_and_a_request_within_two_guarantees_never_wait_for_each_othe
     check_safety_and_reach(GrantProtocol::reserve_cycle);
 }
 
+/// A request left waiting within a guarantee keeps no reserve against itself when it is decided
+/// again.
+#[test]
+fn a_waiting_request_keeps_no_reserve_against_itself() {
+    check_safety_and_reach(GrantProtocol::self_reserve);
+}
+
 /// The always-properties hold in both lock modes, and a wait then grant and a borrow happen.
 fn check_safety_and_reach(bounds: fn(LockMode) -> GrantProtocol) {
     for lock_mode in [LockMode::Wait, LockMode::LockFirst] {

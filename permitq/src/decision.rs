@@ -31,7 +31,7 @@
 //! (holds permits, or has a request waiting within its unused guarantee: one that would borrow
 //! keeps nothing in reserve, so that it cannot wait for a borrower that waits for its reserve). Where a request *borrows* at a parent, taking more through a
 //! child than the child's unused guarantee there (or naming the parent itself), it fits only if
-//! the parent keeps room for every active child's unused guarantee afterwards
+//! the parent keeps room for every other active child's unused guarantee afterwards
 //! (`reserve_after`), and it keeps the parent's head's room: borrowers take their turns in the
 //! parent's line. Within its guarantee a child needs only room (and on a fair child, to leave
 //! its own head's count free, as above): it is never refused because others borrowed, as long
@@ -259,8 +259,10 @@ fn guaranteed_children(sems: &BTreeMap<String, SemaphoreView>) -> GuaranteedChil
 }
 
 /// The room `parent` keeps after a grant taking `taken`: the unused guarantee of each of its
-/// children that is active then (holds permits, or requests wait on it, in the database or in
-/// this batch).
+/// other children (not one the grant takes through) that is active (holds permits, or a request
+/// waits on it within the guarantee, in the database or in this batch). A child the grant takes
+/// through is its own: its unused guarantee was kept for it, and its waiter rows, left by this
+/// very request when it waited before, kept it in reserve against itself for ever.
 fn reserve_after(
     parent: &str,
     taken: &BTreeMap<String, i64>,
@@ -271,12 +273,11 @@ fn reserve_after(
     children.get(parent).map_or(0, |names| {
         names
             .iter()
+            .filter(|name| !taken.contains_key(**name))
             .map(|name| {
                 let s = &sems[*name];
-                let used = s.used + taken.get(*name).copied().unwrap_or(0);
-                let active = used > 0 || s.active || batch_waiting.contains(*name);
-                if active {
-                    (s.guarantee - used).max(0)
+                if s.used > 0 || s.active || batch_waiting.contains(*name) {
+                    (s.guarantee - s.used).max(0)
                 } else {
                     0
                 }

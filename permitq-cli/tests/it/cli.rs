@@ -1044,8 +1044,8 @@ async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep(
                 "3",
             ][..],
             "the guarantees of the children of pool add up to 5, more than its capacity 4 (b's \
-             own guarantee of 3 is in that sum: add `--guarantee N` to this command to lower it, \
-             `--guarantee 0` for none)",
+             own guarantee of 3 is in that sum: give this command a lower `--guarantee N` (kept \
+             from before when left out), `--guarantee 0` for none)",
         ),
         (
             &["semaphore", "set", "b", "3", "--parent", "nope"],
@@ -1343,8 +1343,8 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
     .await;
     assert!(
         stderr(&o).contains(
-            "(its latency is not used: the gradient compares the latencies of ok reports only; \
-             a failed report counts as one by itself)"
+            "(its latency is not used: aimd reads only how many reports say ok, overloaded or \
+             failed; `semaphore show` still prints the ok reports' latency)"
         ),
         "{}",
         stderr(&o)

@@ -321,6 +321,9 @@ BEGIN
         INTO kept, kept_for
         FROM permitq.semaphore c
         WHERE c.parent = s.name AND c.guarantee > 0 AND c.name IS DISTINCT FROM child.name
+          -- Every other child: not one it takes through (permitq::decision's reserve_after).
+          AND c.name NOT IN (SELECT a.ancestor FROM jsonb_object_keys(r.permits) k
+                             CROSS JOIN LATERAL permitq.ancestors(ARRAY[k]) a)
           AND NOT c.is_template
           AND (c.used > 0 OR EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = c.id
                                      AND w.count <= c.guarantee - c.used));
@@ -387,11 +390,18 @@ BEGIN
             ORDER BY w.count DESC
             LIMIT 1;
             IF child_head_id IS NOT NULL AND room - needs < child_head_count THEN
-                child_head_reason := format('parent: request %s is first in line at %s (priority %s, needs %s) and waits for room here too; a later request there goes after it, so %s more %s must be released here first (%s for it, then %s for this one; %s free now)',
+                child_head_reason := format('parent: request %s is first in line at %s (priority %s, needs %s) and waits for room here too; a later request there goes after it, so %s more %s must be released here first (%s for it, then %s for this one; %s free now)%s',
                     child_head_shown, child_head_at, child_head_priority, child_head_count,
                     child_head_count + needs - room,
                     CASE WHEN child_head_count + needs - room = 1 THEN 'permit' ELSE 'permits' END,
-                    child_head_count, needs, free);
+                    child_head_count, needs, free,
+                    -- Granted, the head uses the guarantee this request is within now: then it
+                    -- borrows, and the room kept for the other children counts too.
+                    CASE WHEN within_guarantee AND child.name = child_head_at AND coalesce(kept, 0) > 0
+                              AND child_head_count + needs > child.guarantee - child.used
+                         THEN format('; once it is granted, this request goes beyond the guarantee of %s and borrows, so the %s kept for the other children''s guarantees must be free as well',
+                                     child.name, kept)
+                         ELSE '' END);
             END IF;
         END IF;
         IF r.examined THEN
@@ -447,11 +457,17 @@ BEGIN
             WHEN within_guarantee AND child_head_reason IS NOT NULL THEN child_head_reason
             WHEN within_guarantee THEN
                 CASE WHEN shortfall > 0
-                     THEN format('parent: within the guarantee of %s (%s), waits for %s more %s to be released%s; granted as they end: by a release, at a lease''s end, past a worker''s --max-hold, or by an admin''s `permitq revoke ID`',
+                     THEN format('parent: within the guarantee of %s (%s), waits for %s more %s to be released%s; granted as they end: by a release, at a lease''s end, past a worker''s --max-hold, or by an admin''s `permitq revoke ID`%s',
                                  child.name, child.guarantee, shortfall,
                                  CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END,
                                  CASE WHEN lent_to IS NOT NULL
                                       THEN format(' (its room is lent beyond their guarantees to: %s)', lent_to)
+                                      ELSE '' END,
+                                 -- A greedy child keeps no line: a later, smaller request of it
+                                 -- may use the guarantee first, and this one then borrows.
+                                 CASE WHEN child.fair IS FALSE
+                                      THEN format('. %s is greedy: a later, smaller request of it may take part of the guarantee first, and this one then borrows (`permitq semaphore set %s %s --fair` keeps its line)',
+                                                  child.name, child.name, child.capacity)
                                       ELSE '' END)
                      ELSE format('parent: it fits within the guarantee of %s (%s)', child.name, child.guarantee) END
             WHEN kept > 0 AND shortfall > 0 THEN

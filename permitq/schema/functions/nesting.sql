@@ -169,7 +169,7 @@ BEGIN
             -- before when this change does not give one) is in the sum, and this command can
             -- lower it.
             own := CASE WHEN p.name = s.parent AND s.guarantee > 0
-                        THEN format(' (%s''s own guarantee of %s is in that sum: add `--guarantee N` to this command to lower it, `--guarantee 0` for none)',
+                        THEN format(' (%s''s own guarantee of %s is in that sum: give this command a lower `--guarantee N` (kept from before when left out), `--guarantee 0` for none)',
                                     s.name, s.guarantee)
                         ELSE '' END;
             -- A template's bound is the likely cause (10000 instances unless set): name it,

@@ -336,6 +336,17 @@ fn only_a_request_waiting_within_the_guarantee_makes_its_child_active() {
     assert_eq!(verdicts(&d), [Wait, Wait]);
 }
 
+/// A child a grant takes through is its own: the reserve is for the other children. (A request
+/// that waited within y's guarantee left a waiter row that made y active, and kept y's unused
+/// guarantee in reserve against itself for ever.)
+#[test]
+fn a_grant_keeps_no_reserve_for_a_child_it_takes_through() {
+    let mut t = tree(&[("pool", sem(2, 0)), ("y", child("pool", 2, 0, 2))]);
+    t.get_mut("y").unwrap().active = true;
+    let d = decide(&t, &[cand(1, &[("y", 1), ("pool", 1)])]);
+    assert_eq!(verdicts(&d), [Grant]);
+}
+
 // ---- properties ----
 
 const NAMES: [&str; 7] = ["root", "pool", "a", "b", "c", "flat", "nope"];
@@ -506,7 +517,11 @@ fn oracle_fits(
         }
         let reserve: i64 = t
             .iter()
-            .filter(|(_, s)| s.parent.as_deref() == Some(parent.as_str()) && s.guarantee > 0)
+            .filter(|(n, s)| {
+                s.parent.as_deref() == Some(parent.as_str())
+                    && s.guarantee > 0
+                    && !taken.contains_key(*n)
+            })
             .map(|(n, s)| {
                 let used = s.used + taken.get(n).copied().unwrap_or(0);
                 if used > 0 || s.active || waiting.contains(n) {

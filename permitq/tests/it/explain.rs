@@ -476,6 +476,72 @@ async fn a_childs_first_in_line_keeps_its_room_on_the_parent_and_explain_says_so
     }
 }
 
+/// Behind its child's head within the guarantee, a request that the head's grant will push
+/// beyond the guarantee is told that the room kept for the other children counts then too; a
+/// request within the guarantee of a greedy child is told that later, smaller ones may use it
+/// first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_says_when_a_request_will_borrow_and_what_a_greedy_child_allows() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("pool", 8, None).await.unwrap();
+    for (name, guarantee, fair) in [
+        ("x", 0, true),
+        ("y", 2, true),
+        ("z", 2, true),
+        ("g", 2, false),
+    ] {
+        let settings = permitq::SemaphoreSettings::new()
+            .parent("pool")
+            .guarantee(guarantee)
+            .fair(fair);
+        client.set_semaphore(name, 8, &settings).await.unwrap();
+    }
+    let _worker = db.notified_worker("explain-w");
+    // z holds 1 of its 2 (1 kept for it); x borrows 6: 1 free.
+    let _z = client
+        .acquire(&Request::new("z1").permit("z", 1), SOON)
+        .await
+        .unwrap();
+    let _x = client
+        .acquire(&Request::new("x1").permit("x", 6), SOON)
+        .await
+        .unwrap();
+    client
+        .submit(&Request::new("y1").permit("y", 2))
+        .await
+        .unwrap();
+    examined(&client, "y1").await;
+    client
+        .submit(&Request::new("y2").permit("y", 1))
+        .await
+        .unwrap();
+    examined(&client, "y2").await;
+    let e = client.explain("y2").await.unwrap().unwrap();
+    assert!(
+        e.semaphores[1].reason.ends_with(
+            "; once it is granted, this request goes beyond the guarantee of y and borrows, so \
+             the 1 kept for the other children's guarantees must be free as well"
+        ),
+        "{}",
+        e.semaphores[1].reason
+    );
+    client
+        .submit(&Request::new("g1").permit("g", 2))
+        .await
+        .unwrap();
+    examined(&client, "g1").await;
+    let e = client.explain("g1").await.unwrap().unwrap();
+    assert!(
+        e.semaphores[1].reason.contains(
+            "g is greedy: a later, smaller request of it may take part of the guarantee first, \
+             and this one then borrows (`permitq semaphore set g 8 --fair` keeps its line)"
+        ),
+        "{}",
+        e.semaphores[1].reason
+    );
+}
+
 /// Requests no worker has examined yet but that are placed ahead (a higher priority) count in
 /// the place in line and the permits ahead: they will be served first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

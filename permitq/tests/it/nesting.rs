@@ -272,6 +272,31 @@ async fn a_request_waiting_beyond_its_guarantee_keeps_no_reserve_from_the_borrow
     check_invariants(&conn).await.unwrap();
 }
 
+/// A request that waited within a child's guarantee and names the parent too is granted once
+/// there is room: its own waiter row does not keep the child's guarantee in reserve against it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_waited_keeps_no_reserve_against_itself() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    client.set_capacity("pool", 2, None).await.unwrap();
+    nest(&client, "y", 2, "pool", 2).await;
+    let _worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("x").permit("pool", 2))
+        .await
+        .unwrap();
+    acquired(&client, "x").await;
+    client
+        .submit(&Request::new("r").permit("y", 1).permit("pool", 1))
+        .await
+        .unwrap();
+    left_waiting(&conn, "r").await;
+    client.release("x").await.unwrap();
+    acquired(&client, "r").await;
+    check_invariants(&conn).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_windows_follow_the_tree() {
     let db = TestDb::new().await;
