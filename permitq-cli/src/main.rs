@@ -146,14 +146,14 @@ fn role_needed(command: &Command) -> Option<&'static str> {
         | Command::Explain { .. }
         | Command::Release { .. }
         | Command::Heartbeat { .. } => "permitq_producer",
+        // Listing semaphores reads no request: a producer may.
+        Command::Semaphore(SemaphoreCommand::List { .. }) => "permitq_producer",
         Command::Top { .. }
         | Command::Serve { .. }
         | Command::Doctor { .. }
-        | Command::Semaphore(
-            SemaphoreCommand::Show { .. }
-            | SemaphoreCommand::List { .. }
-            | SemaphoreCommand::History { .. },
-        ) => "permitq_operator",
+        | Command::Semaphore(SemaphoreCommand::Show { .. } | SemaphoreCommand::History { .. }) => {
+            "permitq_operator"
+        }
         Command::Revoke { .. }
         | Command::Semaphore(SemaphoreCommand::Set { .. } | SemaphoreCommand::Delete { .. })
         | Command::Tokens(TokensCommand::Raise { .. }) => "permitq_admin",

@@ -814,8 +814,11 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
                     format!(
                         "from the rate of recent releases here{}, not from these holders' \
                          leases: a holder may release early, or heartbeat past its lease's end",
+                        // Counted from that release: the rest of a span of `ago + wait`.
                         s.since_last_release.map_or(String::new(), |ago| format!(
-                            ", the last {} ago",
+                            ", the last {} ago: about {} from it, {} of that gone",
+                            seconds(ago),
+                            seconds(ago + wait),
                             seconds(ago)
                         ))
                     )

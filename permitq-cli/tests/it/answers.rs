@@ -201,9 +201,10 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
     assert!(
         stdout(&o).contains("lease ends in")
             && stdout(&o).contains("(from the rate of recent releases here, the last ")
+            && stdout(&o).contains(" ago: about ")
             && stdout(&o).contains(
-                " ago, not from these holders' leases: a holder may release early, or heartbeat \
-                 past its lease's end)"
+                " of that gone, not from these holders' leases: a holder may release early, or \
+                 heartbeat past its lease's end)"
             )
             // Beside it, what est-hold's 60s lease says.
             && stdout(&o).contains("  by the holders' leases: enough of them end in 5")
@@ -335,6 +336,8 @@ async fn a_login_without_any_permitq_role_is_told_the_role_its_command_needs() {
     for (args, role, why) in [
         (&["worker"][..], "permitq_worker", ""),
         (&["submit", "p-1", "gpu=1"][..], "permitq_producer", ""),
+        // Listing semaphores reads no request: a producer is enough.
+        (&["semaphore", "list"][..], "permitq_producer", ""),
         (
             &["semaphore", "show", "gpu"][..],
             "permitq_operator",
