@@ -403,18 +403,18 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                 }
             };
             let client = Client::connect(&need_url()?).await.map_err(not_extended)?;
-            // The end before, to say when --extend moved it earlier (it sets now + DUR), or
-            // gave a lease to a request held until released.
-            let before = match extend {
-                Some(_) => client
-                    .status(&external_id)
-                    .await
-                    .ok()
-                    .flatten()
-                    .filter(|r| r.state == State::Acquired)
-                    .map(|r| r.expires_at),
-                None => None,
-            };
+            // The end before, to say when a heartbeat moved it earlier (it sets now + --extend,
+            // or now + the ttl: after an --extend longer than the ttl, a plain one shortens
+            // it), or gave a lease to a request held until released.
+            let before = client
+                .status(&external_id)
+                .await
+                .ok()
+                .flatten()
+                .filter(|r| r.state == State::Acquired)
+                .map(|r| (r.expires_at, r.ttl));
+            let ttl = before.and_then(|(_, ttl)| ttl);
+            let before = before.map(|(expires, _)| expires);
             match client.heartbeat(&external_id, extend).await {
                 Ok(expiry) if json => outln!(
                     "{}",
@@ -425,7 +425,7 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                 ),
                 Ok(Some(t)) => {
                     outln!("expires_at={}", humantime::format_rfc3339_seconds(t));
-                    if let Some(None) = before {
+                    if let (Some(None), Some(_)) = (before, extend) {
                         errln!(
                             "permitq: note: it had no lease (held until released): it has one \
                              now, and is released when it runs out unless a heartbeat extends it"
@@ -434,7 +434,7 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                     match before.flatten() {
                         // The end printed may read as before (to the second): say what moved,
                         // to the second (`show::until` rounds minutes to a tenth).
-                        Some(was) if was <= t => {
+                        Some(was) if was <= t && extend.is_some() => {
                             let from_now = |at: std::time::SystemTime| {
                                 let left = at
                                     .duration_since(std::time::SystemTime::now())
@@ -449,13 +449,22 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                                 from_now(was)
                             );
                         }
-                        Some(was) => errln!(
+                        Some(was) if was > t && extend.is_some() => errln!(
                             "permitq: note: the lease now ends earlier than before ({}): a \
                              heartbeat sets its end to now + --extend, and --extend was shorter \
                              than what was left",
                             humantime::format_rfc3339_seconds(was)
                         ),
-                        None => {}
+                        Some(was) if was > t => errln!(
+                            "permitq: note: the lease now ends earlier than before ({}): a \
+                             heartbeat without --extend sets its end to now + its ttl ({}), \
+                             shorter than what an earlier --extend left; give every heartbeat \
+                             the same --extend to keep the longer lease",
+                            humantime::format_rfc3339_seconds(was),
+                            ttl.map_or("?".to_string(), |d| humantime::format_duration(d)
+                                .to_string())
+                        ),
+                        _ => {}
                     }
                 }
                 Ok(None) => outln!(

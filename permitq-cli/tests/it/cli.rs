@@ -384,6 +384,19 @@ async fn submit_await_status_release_and_their_exit_codes() {
         stderr(&o)
     );
     run(url, &["heartbeat", "job-1", "--extend", "1m"]).await;
+    // A plain heartbeat after a longer --extend sets now + the ttl (30s): it says so.
+    let o = run(url, &["heartbeat", "job-1"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("permitq: note: the lease now ends earlier than before (20")
+            && stderr(&o)
+                .contains("a heartbeat without --extend sets its end to now + its ttl (30s)"),
+        "{}",
+        stderr(&o)
+    );
+    // Plain again: nothing moved earlier, nothing said.
+    let o = run(url, &["heartbeat", "job-1"]).await;
+    assert!(stderr(&o).is_empty(), "{}", stderr(&o));
     let o = run(url, &["release", "job-1"]).await;
     assert!(
         stdout(&o).starts_with("released: db=2 gpu=1 given back after "),

@@ -203,6 +203,7 @@ DECLARE
     kept_for text;
     lent_to text;
     every_name text[];
+    short_names text[];
     -- Capacity less what is held: below zero after a capacity lowered under what is held,
     -- when more than the request's count must be released first.
     room bigint;
@@ -266,6 +267,13 @@ BEGIN
     SELECT max(w.place_offset) INTO placed_later FROM permitq.waiter w WHERE w.request_id = r.id;
     place := permitq.rule_place_in_line(r.priority, permitq.placed_at(r.created_at, placed_later));
     SELECT array_agg(t.name ORDER BY t.depth, t.name) INTO every_name FROM permitq.taken_by(r.permits) t;
+    -- Those short of room (or missing): what a row that fits names as holding it back, before
+    -- every other row (a fair line's head or a kept reserve may hold it back where room is not
+    -- short).
+    SELECT array_agg(t.name ORDER BY t.depth, t.name) INTO short_names
+    FROM permitq.taken_by(r.permits) t
+    LEFT JOIN permitq.semaphore x ON x.name = t.name
+    WHERE x.id IS NULL OR permitq.free_room(x) < t.count;
     -- What it takes from each semaphore: what it names there, or below it.
     FOR named IN SELECT * FROM permitq.taken_by(r.permits) LOOP
         semaphore := named.name;
@@ -554,7 +562,8 @@ BEGIN
                             ELSE '' END)
             WHEN cardinality(every_name) = 1 THEN 'it fits: a worker grants it at its next pass (within a second or so; if not, no worker runs: one that died counts as running for up to 8s, then this says that nothing is granting)'
             ELSE format('it fits here; what holds it back is on its other rows: %s',
-                        array_to_string(array_remove(every_name, named.name), ', '))
+                        array_to_string(coalesce(nullif(array_remove(short_names, named.name), '{}'),
+                                                 array_remove(every_name, named.name)), ', '))
         END;
 
         -- A capacity lowered below what is held: what is held here beyond it must go too.

@@ -542,6 +542,39 @@ async fn explain_says_when_a_request_will_borrow_and_what_a_greedy_child_allows(
     );
 }
 
+/// A row that fits names the rows short of room as what holds the request back, not every
+/// other row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_that_fits_names_only_the_rows_that_are_short() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    for (name, capacity) in [("a", 2), ("b", 2), ("c", 1)] {
+        client.set_capacity(name, capacity, None).await.unwrap();
+    }
+    let _worker = db.notified_worker("explain-w");
+    let _c = client
+        .acquire(&Request::new("c1").permit("c", 1), SOON)
+        .await
+        .unwrap();
+    client
+        .submit(
+            &Request::new("r")
+                .permit("a", 1)
+                .permit("b", 1)
+                .permit("c", 1),
+        )
+        .await
+        .unwrap();
+    examined(&client, "r").await;
+    let e = client.explain("r").await.unwrap().unwrap();
+    for row in &e.semaphores[..2] {
+        assert_eq!(
+            row.reason, "it fits here; what holds it back is on its other rows: c",
+            "{e:?}"
+        );
+    }
+}
+
 /// Requests no worker has examined yet but that are placed ahead (a higher priority) count in
 /// the place in line and the permits ahead: they will be served first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
