@@ -566,7 +566,11 @@ fn kept_words(r: &serde_json::Value, a: &permitq::AdaptiveLimit) -> String {
     let (to, ok, overloaded, failed, used) =
         (n("to"), n("ok"), n("overloaded"), n("failed"), n("used"));
     let reports = ok + overloaded + failed;
-    let backs_off = overloaded >= 2 || (overloaded > 0 && overloaded * 10 >= reports);
+    // The algorithms' own rule (permitq::Signals::overloaded).
+    let mut signals = permitq::Signals::default();
+    (signals.ok, signals.overloaded, signals.failed) = (ok, overloaded, failed);
+    let backs_off = signals.overloaded();
+    let (tolerance, queueing) = (permitq::TOLERANCE, permitq::QUEUEING);
     let ratio = match (r["latency_ms"].as_f64(), r["long_latency_ms"].as_f64()) {
         (Some(ms), Some(long)) if long > 0.0 => Some(ms / long),
         _ => None,
@@ -596,17 +600,18 @@ fn kept_words(r: &serde_json::Value, a: &permitq::AdaptiveLimit) -> String {
             None => "gradient moves on latency (and overloaded reports), and no ok report gave \
                      a latency"
                 .to_string(),
-            Some(x) if x > 1.2 && to <= i64::from(a.floor) => format!(
-                "at its floor {}, though latency is {x:.2}x the unloaded (past 1.2x it backs off)",
+            Some(x) if x > tolerance && to <= i64::from(a.floor) => format!(
+                "at its floor {}, though latency is {x:.2}x the unloaded (past {tolerance}x it \
+                 backs off)",
                 a.floor
             ),
-            Some(x) if x > 1.2 => format!(
-                "latency is {x:.2}x the unloaded, past 1.2x: it is backing off, its estimate a \
+            Some(x) if x > tolerance => format!(
+                "latency is {x:.2}x the unloaded, past {tolerance}x: it is backing off, its estimate a \
                  fifth of the way a cadence, and the capacity drops once that passes a whole \
                  permit"
             ),
-            Some(x) if x > 1.05 => {
-                format!("latency at {x:.2}x the unloaded, within the 1.2x it holds at")
+            Some(x) if x > queueing => {
+                format!("latency at {x:.2}x the unloaded, within the {tolerance}x it holds at")
             }
             Some(_) => "it grows a fraction of a permit a cadence (less near where it last \
                         backed off), and a capacity rises once that reaches a whole permit"

@@ -375,30 +375,11 @@ impl GrantProtocol {
     /// free permit ahead of them. 2 workers, no crash, no capacity change, no failover.
     #[must_use]
     pub fn guarantee_line(lock_mode: LockMode) -> GrantProtocol {
-        GrantProtocol {
-            semaphores: vec![
-                SemaphoreSpec {
-                    name: "pool",
-                    capacity: 3,
-                    parent: None,
-                    guarantee: 0,
-                },
-                SemaphoreSpec {
-                    name: "team",
-                    capacity: 3,
-                    parent: Some(0),
-                    guarantee: 2,
-                },
-            ],
-            requests: vec![vec![(0, 2)], vec![(1, 2)], vec![(1, 1)]],
-            leased: vec![],
-            workers: 2,
-            crashes: 0,
-            capacity_change: None,
-            failover: None,
+        GrantProtocol::small(
             lock_mode,
-            plant: None,
-        }
+            vec![spec("pool", 3, None, 0), spec("team", 3, Some(0), 2)],
+            vec![vec![(0, 2)], vec![(1, 2)], vec![(1, 1)]],
+        )
     }
 
     /// Bounds where a child's head borrows at the parent and must leave a sibling's reserve,
@@ -407,32 +388,15 @@ impl GrantProtocol {
     /// good (the property that no request is stuck). 2 workers, nothing else.
     #[must_use]
     pub fn reserve_cycle(lock_mode: LockMode) -> GrantProtocol {
-        let child = |name| SemaphoreSpec {
-            name,
-            capacity: 4,
-            parent: Some(0),
-            guarantee: 2,
-        };
-        GrantProtocol {
-            semaphores: vec![
-                SemaphoreSpec {
-                    name: "pool",
-                    capacity: 4,
-                    parent: None,
-                    guarantee: 0,
-                },
-                child("y"),
-                child("z"),
-            ],
-            requests: vec![vec![(2, 1)], vec![(1, 3)], vec![(1, 1), (2, 1)]],
-            leased: vec![],
-            workers: 2,
-            crashes: 0,
-            capacity_change: None,
-            failover: None,
+        GrantProtocol::small(
             lock_mode,
-            plant: None,
-        }
+            vec![
+                spec("pool", 4, None, 0),
+                spec("y", 4, Some(0), 2),
+                spec("z", 4, Some(0), 2),
+            ],
+            vec![vec![(2, 1)], vec![(1, 3)], vec![(1, 1), (2, 1)]],
+        )
     }
 
     /// Bounds where one request takes through a guaranteed child within its guarantee and
@@ -440,22 +404,23 @@ impl GrantProtocol {
     /// own waiter row must not keep y's guarantee in reserve against it (it did, for ever).
     #[must_use]
     pub fn self_reserve(lock_mode: LockMode) -> GrantProtocol {
+        GrantProtocol::small(
+            lock_mode,
+            vec![spec("pool", 2, None, 0), spec("y", 2, Some(0), 2)],
+            vec![vec![(0, 2)], vec![(1, 1), (0, 1)]],
+        )
+    }
+
+    /// Bounds of a nesting case alone: these semaphores and requests, 2 workers, no lease, no
+    /// crash, no capacity change, no failover.
+    fn small(
+        lock_mode: LockMode,
+        semaphores: Vec<SemaphoreSpec>,
+        requests: Vec<Vec<(usize, i64)>>,
+    ) -> GrantProtocol {
         GrantProtocol {
-            semaphores: vec![
-                SemaphoreSpec {
-                    name: "pool",
-                    capacity: 2,
-                    parent: None,
-                    guarantee: 0,
-                },
-                SemaphoreSpec {
-                    name: "y",
-                    capacity: 2,
-                    parent: Some(0),
-                    guarantee: 2,
-                },
-            ],
-            requests: vec![vec![(0, 2)], vec![(1, 1), (0, 1)]],
+            semaphores,
+            requests,
             leased: vec![],
             workers: 2,
             crashes: 0,
@@ -1032,6 +997,16 @@ impl GrantProtocol {
             .verdicts
             .iter()
             .all(|(_, v)| *v == Verdict::Wait)
+    }
+}
+
+/// A semaphore of the bounds: `parent` by index.
+fn spec(name: &'static str, capacity: i64, parent: Option<usize>, guarantee: i64) -> SemaphoreSpec {
+    SemaphoreSpec {
+        name,
+        capacity,
+        parent,
+        guarantee,
     }
 }
 

@@ -168,17 +168,20 @@ pub(crate) const CALM_CADENCES: u32 = 8;
 
 /// How far above its long-term latency a cadence's may be before the gradient lowers the
 /// capacity: a little queueing is allowed, not much.
-const TOLERANCE: f64 = 1.2;
+pub const TOLERANCE: f64 = 1.2;
 /// Up to how far above it a cadence's counts as no queueing, where the gradient grows.
-const QUEUEING: f64 = 1.05;
+pub const QUEUEING: f64 = 1.05;
 
-/// Whether the `overloaded` reports call for a decrease: two of them, or a tenth of the reports
-/// (a request reports once per cadence, so one holder's reports weigh as its grants do, and a
-/// single stray one among many does not move the capacity).
-fn overloaded(signals: &Signals) -> bool {
-    let reports = signals.ok + signals.overloaded + signals.failed;
-    signals.overloaded >= 2
-        || (signals.overloaded > 0 && signals.overloaded.saturating_mul(10) >= reports)
+impl Signals {
+    /// Whether the `overloaded` reports call for a decrease: two of them, or a tenth of the
+    /// reports (a request reports once per cadence, so one holder's reports weigh as its grants
+    /// do, and a single stray one among many does not move the capacity).
+    #[must_use]
+    pub fn overloaded(&self) -> bool {
+        let reports = self.ok + self.overloaded + self.failed;
+        self.overloaded >= 2
+            || (self.overloaded > 0 && self.overloaded.saturating_mul(10) >= reports)
+    }
 }
 
 /// The decrease on `overloaded`: to 90%, at least one less.
@@ -232,7 +235,7 @@ pub fn next_capacity(
     let in_use = signals.used.saturating_mul(2) >= i64::from(capacity);
     let (next, memory) = match algorithm {
         Algorithm::Aimd => {
-            let next = if overloaded(signals) {
+            let next = if signals.overloaded() {
                 decreased(current)
             } else if signals.ok > signals.failed && in_use {
                 current + 1.0
@@ -267,7 +270,7 @@ pub fn next_capacity(
                 (Some(long), None) => Some(long),
             };
             let (mut knee, mut calm) = (memory.knee, memory.calm);
-            let next = if overloaded(signals) {
+            let next = if signals.overloaded() {
                 // Back by a tenth, and that is the knee.
                 calm = 0;
                 let lower = decreased(estimate);

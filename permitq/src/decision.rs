@@ -29,7 +29,8 @@
 //!
 //! Guarantees: a child's `guarantee` is a share of its parent kept for it while it is active
 //! (holds permits, or has a request waiting within its unused guarantee: one that would borrow
-//! keeps nothing in reserve, so that it cannot wait for a borrower that waits for its reserve). Where a request *borrows* at a parent, taking more through a
+//! keeps nothing in reserve, so that it cannot wait for a borrower that waits for its reserve).
+//! Where a request *borrows* at a parent, taking more through a
 //! child than the child's unused guarantee there (or naming the parent itself), it fits only if
 //! the parent keeps room for every other active child's unused guarantee afterwards
 //! (`reserve_after`), and it keeps the parent's head's room: borrowers take their turns in the
@@ -125,6 +126,22 @@ impl SemaphoreView {
     fn free(&self) -> i64 {
         self.capacity - self.used
     }
+
+    /// What is left of its guarantee (0 past it): a take up to this is within the guarantee.
+    fn unused_guarantee(&self) -> i64 {
+        (self.guarantee - self.used).max(0)
+    }
+}
+
+/// Semaphore `name` and its ancestors, nearest first, with their views: at most `steps` of
+/// them, ending at a missing one (bounded: a cycle the schema failed to prevent cannot loop).
+fn chain<'a>(
+    name: &'a str,
+    sems: &'a BTreeMap<String, SemaphoreView>,
+    steps: usize,
+) -> impl Iterator<Item = (&'a str, &'a SemaphoreView)> {
+    let view = |n: &'a str| sems.get_key_value(n).map(|(n, s)| (n.as_str(), s));
+    std::iter::successors(view(name), move |(_, s)| s.parent.as_deref().and_then(view)).take(steps)
 }
 
 /// A claimed request.
@@ -277,7 +294,7 @@ fn reserve_after(
             .map(|name| {
                 let s = &sems[*name];
                 if s.used > 0 || s.active || batch_waiting.contains(*name) {
-                    (s.guarantee - s.used).max(0)
+                    s.unused_guarantee()
                 } else {
                     0
                 }
@@ -298,7 +315,7 @@ fn borrows_at(
     c.permits.iter().any(|(name, _)| name == parent)
         || taken.iter().any(|(name, count)| {
             let s = &sems[name];
-            s.parent.as_deref() == Some(parent) && *count > (s.guarantee - s.used).max(0)
+            s.parent.as_deref() == Some(parent) && *count > s.unused_guarantee()
         })
 }
 
@@ -354,8 +371,7 @@ pub fn decide(semaphores: &BTreeMap<String, SemaphoreView>, candidates: &[Candid
                         count: *count,
                         effective: c.effective,
                     });
-                    let s = &batch.sems[name];
-                    if *count <= (s.guarantee - s.used).max(0) {
+                    if *count <= batch.sems[name].unused_guarantee() {
                         batch.waiting.insert(name.clone());
                     }
                 }
@@ -544,31 +560,15 @@ fn failure_detail(
 /// Whether `count` on semaphore `name` borrows at one of its ancestors: more than the unused
 /// guarantee of `name`, or of an ancestor below the top, at the level above it.
 fn borrows_on_its_chain(name: &str, count: i64, sems: &BTreeMap<String, SemaphoreView>) -> bool {
-    let mut at = sems.get(name);
-    for _ in 0..crate::rules::MAX_NESTING_DEPTH {
-        let Some(s) = at else { return false };
-        let Some(parent) = s.parent.as_deref() else {
-            return false;
-        };
-        if count > (s.guarantee - s.used).max(0) {
-            return true;
-        }
-        at = sems.get(parent);
-    }
-    false
+    chain(name, sems, crate::rules::MAX_NESTING_DEPTH)
+        .any(|(_, s)| s.parent.is_some() && count > s.unused_guarantee())
 }
 
 /// Whether `ancestor` is above semaphore `name` (its parent, or its parent's, and so on).
 fn is_below(name: &str, ancestor: &str, sems: &BTreeMap<String, SemaphoreView>) -> bool {
-    let mut at = sems.get(name).and_then(|s| s.parent.as_deref());
-    for _ in 0..crate::rules::MAX_NESTING_DEPTH {
-        match at {
-            Some(parent) if parent == ancestor => return true,
-            Some(parent) => at = sems.get(parent).and_then(|s| s.parent.as_deref()),
-            None => return false,
-        }
-    }
-    false
+    chain(name, sems, crate::rules::MAX_NESTING_DEPTH + 1)
+        .skip(1)
+        .any(|(n, _)| n == ancestor)
 }
 
 /// The first in line ahead of `rank`: the semaphore's recorded head (outside the batch) or the

@@ -71,7 +71,9 @@ mod types;
 mod usage;
 mod worker;
 
-pub use adaptive::{next_capacity, AdaptiveLimit, Algorithm, Memory, Outcome, Signals};
+pub use adaptive::{
+    next_capacity, AdaptiveLimit, Algorithm, Memory, Outcome, Signals, QUEUEING, TOLERANCE,
+};
 pub use client::Client;
 pub use error::{Error, Result, SqlState};
 pub use explain::{BlockingHolder, Explanation, SemaphoreWait};
