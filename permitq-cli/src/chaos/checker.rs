@@ -876,8 +876,8 @@ fn outcomes(state: &FinalState, cx: &Context, v: &mut Verdict) {
 /// waited at `acquired_at` was certainly seen, and one created after `acquired_at`, or gone
 /// before `decided_at`, certainly not. Between the two (submitted, or settled, while the
 /// transaction ran) it may have been: then every first in line the transaction could have seen
-/// is tried, and the grant is a violation only if it leaves too little for each of them. Also
-/// reports waits of large and small requests.
+/// is tried, and the grant is a violation only if it leaves too little for each of them. When a
+/// request left is [`gone_by`]'s. Also reports waits of large and small requests.
 fn fairness(
     state: &FinalState,
     held_after: &HashMap<(i64, String), i64>,
@@ -907,6 +907,7 @@ fn fairness(
                 .or_insert(at);
         }
     }
+    let gone = gone_by(state, cx);
     let (mut large, mut small) = (Vec::new(), Vec::new());
     for semaphore in &fair {
         let mut naming: Vec<&Req> = state
@@ -942,7 +943,7 @@ fn fairness(
             let mut seen_first = Vec::new();
             let mut certain = false;
             for w in naming.iter().filter(|w| w.rank() > granted.rank()) {
-                let waiting_then = w.created < *acquired && w.left().is_none_or(|l| l > started);
+                let waiting_then = w.created < *acquired && gone[&w.id] > started;
                 if !waiting_then {
                     continue;
                 }
@@ -957,10 +958,21 @@ fn fairness(
             if certain && seen_first.iter().all(too_little) {
                 let head = seen_first.last().expect("certain");
                 let by = granted.worker_id.as_deref().unwrap_or("?");
+                let before: Vec<String> = seen_first[..seen_first.len() - 1]
+                    .iter()
+                    .map(|w| {
+                        format!(
+                            "{} for {} ({})",
+                            w.external_id,
+                            w.count_on(semaphore),
+                            w.state
+                        )
+                    })
+                    .collect();
                 v.flag("fairness", format!(
-                    "{s}: request {request} took {count} leaving {} while {} (ahead of it: rank {:?} vs {:?}) waited for {}; granted by {by} in a transaction begun at {started} µs, the head acknowledged at {} µs",
+                    "{s}: request {request} took {count} leaving {} while {} (ahead of it: rank {:?} vs {:?}) waited for {}; granted by {by} in a transaction begun at {started} µs, the head acknowledged at {} µs; the transaction may also have seen ahead of it: [{}]",
                     cap - held, head.external_id, head.rank(), granted.rank(), head.count_on(semaphore),
-                    acknowledged[head.external_id.as_str()]
+                    acknowledged[head.external_id.as_str()], before.join(", ")
                 ));
             }
             if let Some(r) = by_id.get(request) {
@@ -988,6 +1000,42 @@ fn fairness(
     let (lp99, lmax) = p99(&mut large);
     let (sp99, smax) = p99(&mut small);
     v.waits_ms = (lp99, lmax, sp99, smax);
+}
+
+/// For each request, when it was certainly no longer waiting to every transaction that began
+/// then (µs; [`i64::MAX`] while that is not known). A grant or a worker's failure of it
+/// (`decided_at` set) was written under the locks of the semaphores it names, which a granting
+/// transaction takes before it reads the heads: its time is exact. A cancel or a wait deadline's
+/// sweep takes no semaphore lock, and its `settled_at` is written before its commit, which a
+/// worker cut off by a partition may send seconds later: until then the request still waits to
+/// every other transaction. Its client learns of it only after that commit, so the first release
+/// that client completed after it (the cancel itself, or the release after the failure) bounds
+/// it; with none, it may have been seen waiting at any time.
+fn gone_by(state: &FinalState, cx: &Context) -> HashMap<i64, Micros> {
+    let mut released: HashMap<&str, Vec<Micros>> = HashMap::new();
+    for op in cx.ops {
+        if op.kind == OpKind::Release && matches!(op.outcome, Outcome::Ok(_)) {
+            released
+                .entry(op.key.as_str())
+                .or_default()
+                .push(us(op.completed));
+        }
+    }
+    state
+        .requests
+        .iter()
+        .map(|r| {
+            let gone = match (r.left(), r.acquired, r.decided) {
+                (None, _, _) => Micros::MAX,
+                (Some(left), Some(_), _) | (Some(left), None, Some(_)) => left,
+                (Some(left), None, None) => released
+                    .get(r.external_id.as_str())
+                    .and_then(|done| done.iter().copied().filter(|d| *d >= left).min())
+                    .unwrap_or(Micros::MAX),
+            };
+            (r.id, gone)
+        })
+        .collect()
 }
 
 fn history(state: &FinalState, cx: &Context, v: &mut Verdict) {
@@ -1093,6 +1141,83 @@ mod tests {
         let mut v = Verdict::default();
         heads_are_granted(&state, &cx, &mut v);
         v.violations.remove("liveness").unwrap_or_default()
+    }
+
+    fn op(kind: OpKind, key: &str, at: Micros) -> Op {
+        let at = SystemTime::UNIX_EPOCH + Duration::from_micros(at.unsigned_abs());
+        Op {
+            client: 0,
+            kind,
+            key: key.into(),
+            arg: 0,
+            invoked: at,
+            completed: at,
+            outcome: Outcome::Ok(String::new()),
+        }
+    }
+
+    /// Fair `f` (4), 2 held throughout by request 9. `r1` (1) waits first in line, then fails at
+    /// 10 s (`by_worker`: in a worker's batch, else by a sweep or a cancel), and its client's
+    /// release completes at `released` (if it does); `r2` (2) waits behind it to the end, its
+    /// submit acknowledged; `r3` (1) is granted by a transaction begun at 10.5 s, leaving 1.
+    fn fairness_flagged(by_worker: bool, released: Option<Micros>) -> Vec<String> {
+        let mut first = waiting(1, &[("f", 1)], S);
+        first.state = "error".into();
+        first.error_code = Some("timeout".into());
+        first.settled = Some(10 * S);
+        first.decided = by_worker.then_some(10 * S - 1000);
+        let mut granted = waiting(3, &[("f", 1)], 3 * S);
+        granted.state = "acquired".into();
+        granted.decided = Some(10 * S + S / 2);
+        granted.acquired = Some(10 * S + S / 2 + 1000);
+        let state = FinalState {
+            requests: vec![first, waiting(2, &[("f", 2)], 2 * S), granted],
+            permits: vec![
+                (9, "f".into(), 2, 0, None, 1),
+                (3, "f".into(), 1, 10 * S + S / 2 + 1000, None, 2),
+            ],
+            tree: Tree::default(),
+            capacity: [("f".into(), vec![(0, 4)])].into(),
+            semaphores: vec![("f".into(), 3, true)],
+            windows: HashMap::new(),
+            granted_counter: HashMap::new(),
+            keyed: Default::default(),
+        };
+        let mut ops = vec![op(OpKind::Submit, "r2", 2 * S + 1000)];
+        ops.extend(released.map(|at| op(OpKind::Release, "r1", at)));
+        let events = HashMap::new();
+        let cx = Context {
+            ops: &ops,
+            acquired_events: &events,
+            faults: &[],
+            sweep_interval: Duration::from_millis(200),
+            load_end: SystemTime::UNIX_EPOCH + Duration::from_secs(60),
+        };
+        let held_after = [((3, "f".to_string()), 3)].into();
+        let mut v = Verdict::default();
+        fairness(&state, &held_after, &cx, &mut v);
+        v.violations.remove("fairness").unwrap_or_default()
+    }
+
+    /// A head that a sweep or a cancel ended (no semaphore lock, `settled_at` written before a
+    /// commit that a partitioned worker may send seconds later) may still have been the head
+    /// the grant saw until its client learnt it had ended: a grant that keeps its room is not
+    /// flagged. Ended by a worker's batch, or known ended before the grant began, it was gone,
+    /// and the grant past the next in line is.
+    #[test]
+    fn a_head_that_a_sweep_ended_counts_as_seen_until_its_client_learnt_it() {
+        assert_eq!(fairness_flagged(false, Some(11 * S)), Vec::<String>::new());
+        assert_eq!(fairness_flagged(false, None), Vec::<String>::new());
+        for flagged in [
+            fairness_flagged(false, Some(10 * S + S / 4)),
+            fairness_flagged(true, Some(11 * S)),
+        ] {
+            assert_eq!(flagged.len(), 1, "{flagged:?}");
+            assert!(
+                flagged[0].starts_with("f: request 3 took 1 leaving 1 while r2"),
+                "{flagged:?}"
+            );
+        }
     }
 
     /// The first request stuck on a fair semaphore that also names a greedy one with room is a
