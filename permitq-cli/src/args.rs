@@ -106,7 +106,7 @@ pub(crate) enum Command {
         outcome: Option<permitq::Outcome>,
         /// With --outcome: how long its calls took (250ms). Only an ok report's latency is
         /// used (the gradient compares them).
-        #[arg(long, value_parser = parse_duration, requires = "outcome")]
+        #[arg(long, value_parser = parse_duration)]
         latency: Option<Duration>,
         /// Print one JSON object.
         #[arg(long)]

@@ -354,6 +354,16 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
             latency,
             json,
         } => {
+            // Checked here, not by clap: its usage line would show --latency as required.
+            if let (None, Some(latency)) = (report, latency) {
+                return Err(CliError::usage(
+                    "--latency",
+                    format!(
+                        "it goes with a report of how the use went: give --outcome ok --latency {}",
+                        humantime::format_duration(latency)
+                    ),
+                ));
+            }
             let client = Client::connect(&need_url()?).await?;
             let said = match report {
                 Some(report) => {

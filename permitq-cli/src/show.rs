@@ -336,7 +336,27 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             if keyed { "  fairness key" } else { "" }
         );
     }
+    // Mixed priorities: each waiter's aging too (one per AGING_STEP waited), which is what puts
+    // an older request of lower priority ahead of a later one of higher.
+    let mixed = d
+        .waiters
+        .iter()
+        .any(|w| w.priority != d.waiters[0].priority);
+    let now = SystemTime::now();
+    let aged = |w: &permitq::Waiter| -> i64 {
+        let waited = w
+            .waiting_since
+            .and_then(|t| now.duration_since(t).ok())
+            .unwrap_or_default();
+        i64::try_from(waited.as_secs() / permitq::AGING_STEP.as_secs().max(1)).unwrap_or(0)
+    };
+    let shows_aging = mixed && d.waiters.iter().any(|w| aged(w) > 0);
     for w in &d.waiters {
+        let priority = if shows_aging && aged(w) > 0 {
+            format!("{} (+{})", w.priority, aged(w))
+        } else {
+            w.priority.to_string()
+        };
         let key = if keyed {
             format!("  {}", key_or_none(w.fairness_key.as_deref()))
         } else {
@@ -348,8 +368,15 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             w.external_id,
             w.owner.as_deref().unwrap_or("-"),
             w.count,
-            w.priority,
+            priority,
             ago(w.waiting_since)
+        );
+    }
+    if shows_aging {
+        outln!(
+            "  (+N: aged by its wait, one per {}s waited; an older request of lower priority goes \
+             ahead once aging lifts it above a later one's)",
+            permitq::AGING_STEP.as_secs()
         );
     }
     // Served by fairness key: each key's share, so that the order above can be read. A
@@ -804,11 +831,11 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
             // No worker: neither releases nor lease ends grant it, so no estimate holds.
             lines.push("  no estimated wait: nothing grants it until a worker runs".to_string());
         } else if unleased && s.estimated_wait.is_none() {
-            lines.push(
+            lines.push(format!(
                 "  its holders have no lease: it waits until one releases (`permitq release ID` \
-                 by its owner, or an admin's `permitq revoke ID`)"
-                    .to_string(),
-            );
+                 by its owner, or an admin's `permitq revoke ID`){}",
+                stale_words(s, e.max_hold)
+            ));
         } else if let Some(wait) = s.estimated_wait {
             lines.push(format!(
                 "  estimated wait: about {} ({})",
@@ -873,6 +900,66 @@ pub(crate) fn explanation(e: &permitq::Explanation) -> Vec<String> {
                 "  by the holders' leases: enough of them end in {} if none heartbeats (a \
                  heartbeat extends one; a release comes sooner)",
                 seconds(bound)
+            ));
+        }
+    }
+    lines.extend(deadline_and_priority(e, SystemTime::now()));
+    lines
+}
+
+/// What the workers' `--max-hold` does for a request whose holders have no lease: when the
+/// longest-held of them is released as stale, or that no running worker would.
+fn stale_words(s: &permitq::SemaphoreWait, max_hold: Option<std::time::Duration>) -> String {
+    let Some(max_hold) = max_hold else {
+        return ", or a worker runs with --max-hold DUR, which releases holders held that long \
+                as stale (none running has it)"
+            .to_string();
+    };
+    let Some(oldest) = s
+        .holders
+        .iter()
+        .max_by(|a, b| a.held_for_s.total_cmp(&b.held_for_s))
+    else {
+        return String::new();
+    };
+    let held = std::time::Duration::from_secs_f64(oldest.held_for_s.max(0.0));
+    format!(
+        ", or a worker's --max-hold {} releases a holder held that long as stale: {} (held {}) \
+         in {}",
+        humantime::format_duration(max_hold),
+        oldest.external_id,
+        seconds(held),
+        seconds(max_hold.saturating_sub(held))
+    )
+}
+
+/// A waiting request's own terms, after its semaphores: when its `wait` runs out (and whether
+/// before the estimated wait), and its priority once aging has raised it.
+fn deadline_and_priority(e: &permitq::Explanation, now: SystemTime) -> Vec<String> {
+    let mut lines = Vec::new();
+    // Past it, the semaphores' reasons say that it ran out.
+    if let Some(left) = e.wait_ends_at.and_then(|t| t.duration_since(now).ok()) {
+        let longest = e.semaphores.iter().filter_map(|s| s.estimated_wait).max();
+        lines.push(format!(
+            "its wait runs out in {}: then it fails with timeout{}",
+            seconds(left),
+            if longest.is_some_and(|w| w > left) {
+                " (before the estimated wait above: submit again under a new external_id with a \
+                 longer --wait, or none, if it must not time out)"
+            } else {
+                ""
+            }
+        ));
+    }
+    if let (Some(priority), Some(aged)) = (e.priority, e.aged_priority) {
+        let step = permitq::AGING_STEP.as_secs();
+        if aged - f64::from(priority) >= 1.0 {
+            // Priorities are whole numbers: one above the floor of its aged priority goes ahead.
+            let floor = aged.floor();
+            lines.push(format!(
+                "priority {priority}, aged to {floor:.0} by its wait (one per {step}s waited): a \
+                 request submitted now goes ahead of it only with priority {} or more",
+                floor + 1.0
             ));
         }
     }

@@ -728,6 +728,22 @@ impl Client {
             if explanation.nothing_granting.is_some() {
                 explanation.say_no_worker_examines();
             }
+            explanation.max_hold = conn
+                .query_typed_one(sql::LEAST_MAX_HOLD, &[])
+                .await?
+                .get::<_, Option<f64>>(0)
+                .map(|s| Duration::from_secs_f64(s.max(0.0)));
+            if let Some(r) = read_status(&conn, external_id).await? {
+                explanation.wait_ends_at = r.created_at.zip(r.wait).map(|(at, wait)| at + wait);
+                explanation.priority = Some(r.priority);
+                let waited = r
+                    .created_at
+                    .and_then(|at| SystemTime::now().duration_since(at).ok())
+                    .unwrap_or_default();
+                explanation.aged_priority = Some(
+                    f64::from(r.priority) + waited.as_secs_f64() / crate::AGING_STEP.as_secs_f64(),
+                );
+            }
         } else if let Some(r) = read_status(&conn, external_id).await? {
             // Released: how long it held, and since when (as `permitq.explain` says it too).
             let held = match (r.acquired_at, r.released_at) {

@@ -28,6 +28,19 @@ pub struct Explanation {
     /// For a waiting request: each semaphore it names, in name order, then their parents
     /// (nested limits), nearest first.
     pub semaphores: Vec<SemaphoreWait>,
+    /// For a waiting request with a `wait`: when that runs out (it then fails with `timeout`).
+    #[serde(serialize_with = "crate::types::ser_time")]
+    pub wait_ends_at: Option<SystemTime>,
+    /// For a waiting request: the least `--max-hold` of the running workers (`None`: none has
+    /// one), past which a holder is released as stale, with or without a lease. Seconds in
+    /// JSON.
+    #[serde(serialize_with = "ser_secs")]
+    pub max_hold: Option<Duration>,
+    /// For a waiting request: its priority as submitted.
+    pub priority: Option<i16>,
+    /// For a waiting request: its priority plus one per [`crate::AGING_STEP`] it has waited,
+    /// which orders its line (see [`crate::Rank`]).
+    pub aged_priority: Option<f64>,
 }
 
 /// A waiting request on one of its semaphores.
@@ -99,6 +112,10 @@ pub(crate) fn explanation_from_rows(rows: &[Row]) -> Result<Option<Explanation>>
         error_detail: None,
         nothing_granting: None,
         semaphores: Vec::new(),
+        wait_ends_at: None,
+        max_hold: None,
+        priority: None,
+        aged_priority: None,
     };
     for row in rows {
         let Some(semaphore) = row.try_get::<_, Option<String>>(3)? else {
@@ -210,6 +227,10 @@ mod tests {
                 since_last_release: None,
                 fairness: None,
             }],
+            wait_ends_at: None,
+            max_hold: None,
+            priority: None,
+            aged_priority: None,
         }
     }
 

@@ -119,6 +119,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "waiter_keys",
         sql: include_str!("../schema/migrations/V16__waiter_keys.sql"),
     },
+    Migration {
+        version: 17,
+        name: "worker_max_hold",
+        sql: include_str!("../schema/migrations/V17__worker_max_hold.sql"),
+    },
 ];
 
 /// One schema file: functions, triggers or views, re-applied when it changes.

@@ -172,12 +172,18 @@ pub(crate) const WORKER_GONE: &str =
     "WITH wake AS (DELETE FROM permitq.worker_wake WHERE worker_id = $1) \
      UPDATE permitq.worker_seen SET live_until = now() WHERE worker_id = $1";
 /// Worker, every [`crate::worker::SEEN_EVERY`] beside its claim loop: it is alive ($1 id, $2 host,
-/// $3 version, $4 pid, $5 how long the row counts as live). See schema/functions/workers.sql.
+/// $3 version, $4 pid, $5 how long the row counts as live, $6 its --max-hold or NULL). See
+/// schema/functions/workers.sql.
 pub(crate) const WORKER_SEEN: &str = "INSERT INTO permitq.worker_seen AS w \
-     (worker_id, host, version, pid, started_at, seen_at, live_until) \
-     VALUES ($1, $2, $3, $4, now(), now(), now() + $5::text::interval) \
+     (worker_id, host, version, pid, started_at, seen_at, live_until, max_hold) \
+     VALUES ($1, $2, $3, $4, now(), now(), now() + $5::text::interval, $6::text::interval) \
      ON CONFLICT (worker_id) DO UPDATE SET host = EXCLUDED.host, version = EXCLUDED.version, \
-     pid = EXCLUDED.pid, seen_at = EXCLUDED.seen_at, live_until = EXCLUDED.live_until";
+     pid = EXCLUDED.pid, seen_at = EXCLUDED.seen_at, live_until = EXCLUDED.live_until, \
+     max_hold = EXCLUDED.max_hold";
+/// Anyone: the least --max-hold of the running workers, in seconds (NULL: none has one); see
+/// schema/functions/workers.sql.
+pub(crate) const LEAST_MAX_HOLD: &str =
+    "SELECT extract(epoch FROM min(w.max_hold))::float8 FROM permitq.workers w WHERE w.live";
 /// Worker, before sleeping: true when no producer that may have seen it awake is still in
 /// flight (the wake gate is free in EXCLUSIVE mode; taken and let go with this statement).
 pub(crate) const WAKE_GATE_FREE: &str = "SELECT permitq.wake_gate_free()";
@@ -414,6 +420,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("WORKER_GONE", WORKER_GONE),
         ("WORKER_SEEN", WORKER_SEEN),
         ("GRANTING", GRANTING),
+        ("LEAST_MAX_HOLD", LEAST_MAX_HOLD),
         ("WORKERS", WORKERS),
         ("WORK_WAITING", WORK_WAITING),
         ("WAKE_GATE_FREE", WAKE_GATE_FREE),

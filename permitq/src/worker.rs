@@ -368,9 +368,11 @@ impl Worker {
         let host = host_name();
         let version = env!("CARGO_PKG_VERSION").to_string();
         let pid = i32::try_from(std::process::id()).unwrap_or(i32::MAX);
+        let max_hold = self.config.maintenance.max_hold.map(sql::interval);
         maintenance::every(SEEN_EVERY, stop, move || {
             let worker = self.clone();
             let (host, version, live_for) = (host.clone(), version.clone(), live_for.clone());
+            let max_hold = max_hold.clone();
             Box::pin(async move {
                 let began = Instant::now();
                 let written = async {
@@ -380,7 +382,14 @@ impl Worker {
                         .await?
                         .execute(
                             sql::WORKER_SEEN,
-                            &[&worker.config.id, &host, &version, &pid, &live_for],
+                            &[
+                                &worker.config.id,
+                                &host,
+                                &version,
+                                &pid,
+                                &live_for,
+                                &max_hold,
+                            ],
                         )
                         .await?;
                     Ok::<_, Error>(())

@@ -2482,3 +2482,100 @@ fn a_count_of_permits_that_is_not_one_says_what_is_expected() {
         assert!(stderr(&o).contains(said), "{args:?}: {}", stderr(&o));
     }
 }
+
+/// A waiting request's own terms: explain says when its `wait` runs out (and that it then fails
+/// with timeout), and, once aging has raised its priority, to what and what that means for a
+/// request submitted now; the head a later request waits for is named with its aged priority;
+/// `semaphore show`'s waiters say why an older request of lower priority stands ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_says_when_a_wait_runs_out_and_what_aging_made_of_a_priority() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    run(url, &["semaphore", "set", "gpu", "1"]).await;
+    let worker = db.worker(quiet_config("w"));
+    let o = run(url, &["submit", "age-h", "gpu=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    run(url, &["submit", "age-old", "gpu=1", "--wait", "5m"]).await;
+    let client = db.client().await;
+    wait_until(SOON, "age-old examined", || async {
+        client
+            .status("age-old")
+            .await
+            .unwrap()
+            .is_some_and(|r| r.examined_at.is_some())
+    })
+    .await;
+    // As if it had waited a minute: six aging steps.
+    db.conn()
+        .await
+        .batch_execute(
+            "UPDATE permitq.permit_request SET created_at = created_at - interval '60 s' \
+             WHERE external_id = 'age-old';
+             UPDATE permitq.waiter w SET created_at = r.created_at FROM permitq.permit_request r \
+             WHERE r.id = w.request_id AND r.external_id = 'age-old'",
+        )
+        .await
+        .unwrap();
+    run(url, &["submit", "age-new", "gpu=1", "--priority", "3"]).await;
+    wait_until(SOON, "age-new examined", || async {
+        client
+            .status("age-new")
+            .await
+            .unwrap()
+            .is_some_and(|r| r.examined_at.is_some())
+    })
+    .await;
+    let old = stdout(&run(url, &["explain", "age-old"]).await);
+    assert!(
+        old.contains("its wait runs out in 3m ") && old.contains(": then it fails with timeout"),
+        "{old}"
+    );
+    assert!(
+        old.contains(
+            "priority 0, aged to 6 by its wait (one per 10s waited): a request submitted now \
+             goes ahead of it only with priority 7 or more"
+        ),
+        "{old}"
+    );
+    let new = stdout(&run(url, &["explain", "age-new"]).await);
+    assert!(
+        new.contains("fair: request age-old is first in line (priority 0, aged to 6, needs 1)")
+            && !new.contains("its wait runs out")
+            && !new.contains("aged to 0"),
+        "{new}"
+    );
+    // Its holder has no lease: no running worker has --max-hold, and explain says what one
+    // would do; once one runs with it, when the holder is released as stale.
+    assert!(
+        new.contains(
+            "or a worker runs with --max-hold DUR, which releases holders held that long as \
+             stale (none running has it)"
+        ),
+        "{new}"
+    );
+    worker.stop().await;
+    let mut config = quiet_config("w-max-hold");
+    config.maintenance.max_hold = Some(Duration::from_secs(3600));
+    let worker = db.worker(config);
+    wait_until(SOON, "explain names the worker's --max-hold", || async {
+        stdout(&run(url, &["explain", "age-new"]).await).contains(
+            "or a worker's --max-hold 1h releases a holder held that long as stale: age-h (held ",
+        )
+    })
+    .await;
+    let json = json(&run(url, &["explain", "age-old", "--json"]).await);
+    assert_eq!(json["priority"], 0, "{json}");
+    assert!(
+        json["aged_priority"].as_f64().is_some_and(|p| p >= 6.0),
+        "{json}"
+    );
+    assert!(json["wait_ends_at"].is_string(), "{json}");
+    let show = stdout(&run(url, &["semaphore", "show", "gpu"]).await);
+    assert!(
+        show.lines()
+            .any(|l| l.contains("age-old") && l.contains(" 0 (+6) "))
+            && show.contains("(+N: aged by its wait, one per 10s waited;"),
+        "{show}"
+    );
+    worker.stop().await;
+}

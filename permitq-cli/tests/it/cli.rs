@@ -1380,6 +1380,18 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
         "{}",
         stderr(&o)
     );
+    // A latency without a report says what it goes with (clap's usage line would show
+    // --latency as required); nothing is released.
+    let o = run(url, &["release", "a1", "--latency", "20ms"]).await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "invalid --latency: it goes with a report of how the use went: give --outcome ok \
+             --latency 20ms"
+        ) && !stderr(&o).contains("Usage:"),
+        "{}",
+        stderr(&o)
+    );
     // The list says which adapt; the history says when it was made adaptive.
     let list = stdout(&run(url, &["semaphore", "list"]).await);
     assert!(

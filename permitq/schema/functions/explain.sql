@@ -36,6 +36,19 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
     LIMIT 10000
 $$;
 
+-- A waiting request's priority in words, from its priority and its place in line
+-- (functions/queue_order.sql): as submitted, and what aging (one per AGING_STEP waited) has
+-- raised it to once it has, `5` or `5, aged to 13`: an older request of lower priority stands
+-- ahead of a later one of higher priority, and this says why.
+CREATE OR REPLACE FUNCTION permitq.priority_words(priority integer, place bigint) RETURNS text
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT CASE WHEN a.aged > priority THEN format('%s, aged to %s', priority, a.aged)
+                ELSE priority::text END
+    FROM (SELECT floor((place + (extract(epoch FROM now() - timestamptz '1970-01-01 00:00:00+00')
+                                 * 1000000)::bigint)::numeric
+                       / permitq.rule_aging_step_us())::bigint AS aged) a
+$$;
+
 -- Whether a request arriving from now on goes ahead of one that stands at `place` (at the same
 -- priority), in words: `goes ahead of it if it arrives in the next 19s, behind it after`.
 CREATE OR REPLACE FUNCTION permitq.goes_ahead_until(place timestamptz) RETURNS text
@@ -217,7 +230,7 @@ DECLARE
     -- free here too, and the reason that gives (see below).
     child_head_id bigint;
     child_head_count integer;
-    child_head_priority integer;
+    child_head_priority text;
     child_head_at text;
     child_head_shown text;
     child_head_reason text;
@@ -376,7 +389,9 @@ BEGIN
         child_head_id := NULL;
         child_head_reason := NULL;
         IF named.depth > 0 AND r.examined THEN
-            SELECT w.request_id, w.count, w.priority, vs.name,
+            SELECT w.request_id, w.count,
+                   permitq.priority_words(w.priority, permitq.rule_place_in_line(w.priority, w.created_at)),
+                   vs.name,
                    CASE WHEN permitq.may_read(pr.submitted_by) THEN pr.external_id
                         ELSE '(another login''s)' END
             INTO child_head_id, child_head_count, child_head_priority, child_head_at, child_head_shown
@@ -518,7 +533,7 @@ BEGIN
                                          WHERE x.id = head.request_id
                                            AND permitq.may_read(x.submitted_by))
                             THEN head.external_id ELSE '(another login''s)' END,
-                       head.priority, head.count,
+                       permitq.priority_words(head.priority, head.place), head.count,
                        -- Short: those ahead go first (the head among them), so their
                        -- permits are released for too (the head's alone until examined).
                        CASE WHEN shortfall > 0

@@ -4,10 +4,11 @@
 -- status page, `/readyz` and `submit --await` say so.
 
 -- Every worker seen in the last hour, live first: one whose row is past `live_until` died or
--- cannot reach the database.
+-- cannot reach the database; `max_hold`, its --max-hold (NULL: none, or a worker of a release
+-- before migration 17).
 CREATE OR REPLACE VIEW permitq.workers AS
 SELECT w.worker_id, w.host, w.version, w.pid, w.started_at, w.seen_at,
-       w.live_until > now() AS live
+       w.live_until > now() AS live, w.max_hold
 FROM permitq.worker_seen w
 WHERE w.seen_at > now() - interval '1 hour';
 GRANT SELECT ON permitq.workers TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
