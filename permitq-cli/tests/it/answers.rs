@@ -13,6 +13,19 @@ use crate::cli::{code, permitq, run, stderr, stdout};
 
 const SOON: Duration = Duration::from_secs(15);
 
+/// Waits until a worker has examined request `id` (the waiters list holds unexamined requests
+/// too, and explain says less of them).
+async fn examined(client: &permitq::Client, id: &str) {
+    wait_until(SOON, &format!("{id} examined"), || async {
+        client
+            .status(id)
+            .await
+            .unwrap()
+            .is_some_and(|r| r.examined_at.is_some())
+    })
+    .await;
+}
+
 /// The request's `--json` line.
 fn json(o: &std::process::Output) -> serde_json::Value {
     serde_json::from_str(stdout(o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
@@ -94,14 +107,7 @@ async fn lowering_a_capacity_names_the_waiters_it_no_longer_covers() {
     assert_eq!(code(&o), 0, "{}", stdout(&o));
     run(url, &["submit", "lw-big2", "low=3"]).await;
     let client = db.client().await;
-    wait_until(SOON, "lw-big2 examined", || async {
-        client
-            .status("lw-big2")
-            .await
-            .unwrap()
-            .is_some_and(|r| r.examined_at.is_some())
-    })
-    .await;
+    examined(&client, "lw-big2").await;
     let o = run(url, &["semaphore", "set", "low", "2"]).await;
     assert!(
         stderr(&o).contains(
@@ -143,15 +149,7 @@ async fn a_holder_a_waiter_then_releases(
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     let wait = format!("{name}-wait");
     run(url, &["submit", &wait, &format!("{name}={}", capacity + 1)]).await;
-    // Examined by the worker (the waiters list holds unexamined requests too).
-    wait_until(SOON, "the waiter examined", || async {
-        client
-            .status(&wait)
-            .await
-            .unwrap()
-            .is_some_and(|r| r.examined_at.is_some())
-    })
-    .await;
+    examined(client, &wait).await;
     for i in 0..3 {
         let id = format!("{name}-done-{i}");
         let o = run(
@@ -300,14 +298,7 @@ async fn an_estimated_wait_says_what_it_is_made_from() {
     .await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     run(url, &["submit", "newer-wait", "newer=1"]).await;
-    wait_until(SOON, "the waiter examined", || async {
-        client
-            .status("newer-wait")
-            .await
-            .unwrap()
-            .is_some_and(|r| r.examined_at.is_some())
-    })
-    .await;
+    examined(&client, "newer-wait").await;
     let out = stdout(&run(url, &["explain", "newer-wait"]).await);
     // No estimate from those releases. Why, of two true reasons, depends on the clock: its
     // holders came after the last release, or (on a loaded machine, where the explain comes
@@ -458,14 +449,7 @@ async fn explain_counts_what_is_held_beyond_a_lowered_capacity_in_the_shortfall(
     run(url, &["submit", "low-w2", "gpu=2"]).await;
     let client = db.client().await;
     // Examined by the worker (the waiters list holds unexamined requests too).
-    wait_until(SOON, "low-w2 examined", || async {
-        client
-            .status("low-w2")
-            .await
-            .unwrap()
-            .is_some_and(|r| r.examined_at.is_some())
-    })
-    .await;
+    examined(&client, "low-w2").await;
     // 3 held against 2: all 3 must go before 2 fit.
     let o = run(url, &["explain", "low-w2"]).await;
     assert!(
@@ -577,14 +561,7 @@ async fn explain_of_a_rate_window_with_some_room_says_when_room_for_the_count_op
     run(url, &["submit", "r2-2", "rl2=2"]).await;
     let client = db.client().await;
     // Examined by the worker (the waiters list holds unexamined requests too).
-    wait_until(SOON, "r2-2 examined", || async {
-        client
-            .status("r2-2")
-            .await
-            .unwrap()
-            .is_some_and(|r| r.examined_at.is_some())
-    })
-    .await;
+    examined(&client, "r2-2").await;
     // Nothing is held: it waits for r2-1's grant to leave the window, about 10 minutes.
     let o = run(url, &["explain", "r2-2"]).await;
     let text = stdout(&o);
@@ -2434,14 +2411,7 @@ async fn a_borrower_is_told_that_requests_within_a_guarantee_may_go_first() {
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     run(url, &["submit", "g-b", "lab:b=3"]).await;
     let client = db.client().await;
-    wait_until(SOON, "g-b examined", || async {
-        client
-            .status("g-b")
-            .await
-            .unwrap()
-            .is_some_and(|r| r.examined_at.is_some())
-    })
-    .await;
+    examined(&client, "g-b").await;
     let out = stdout(&run(url, &["explain", "g-b"]).await);
     assert!(
         out.contains(
@@ -2497,14 +2467,7 @@ async fn explain_says_when_a_wait_runs_out_and_what_aging_made_of_a_priority() {
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     run(url, &["submit", "age-old", "gpu=1", "--wait", "5m"]).await;
     let client = db.client().await;
-    wait_until(SOON, "age-old examined", || async {
-        client
-            .status("age-old")
-            .await
-            .unwrap()
-            .is_some_and(|r| r.examined_at.is_some())
-    })
-    .await;
+    examined(&client, "age-old").await;
     // As if it had waited a minute: six aging steps.
     db.conn()
         .await
@@ -2517,14 +2480,7 @@ async fn explain_says_when_a_wait_runs_out_and_what_aging_made_of_a_priority() {
         .await
         .unwrap();
     run(url, &["submit", "age-new", "gpu=1", "--priority", "3"]).await;
-    wait_until(SOON, "age-new examined", || async {
-        client
-            .status("age-new")
-            .await
-            .unwrap()
-            .is_some_and(|r| r.examined_at.is_some())
-    })
-    .await;
+    examined(&client, "age-new").await;
     let old = stdout(&run(url, &["explain", "age-old"]).await);
     assert!(
         old.contains("its wait runs out in 3m ") && old.contains(": then it fails with timeout"),
