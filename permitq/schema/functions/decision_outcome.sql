@@ -169,6 +169,11 @@ BEGIN
         WHERE r.id = ANY(waiting) AND NOT r.examined AND r.state = 'new';
     END IF;
 
+    -- Instances made for this batch that none of it uses (functions/templates.sql).
+    IF cardinality(errored) > 0 THEN
+        PERFORM permitq.drop_unused_instances_made();
+    END IF;
+
     IF cardinality(settled) > 0 THEN
         -- Keyed semaphores: the virtual time moves to what was granted (functions/fairness.sql).
         IF keyed AND now_granted IS NOT NULL THEN

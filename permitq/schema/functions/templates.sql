@@ -29,6 +29,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     wanted text[];
     missing record;
+    made_id bigint;
     refused text[] := '{}';
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM permitq.semaphore t WHERE t.is_template) THEN
@@ -60,18 +61,54 @@ BEGIN
             refused := refused || missing.instance;
             CONTINUE;
         END IF;
+        INSERT INTO permitq.semaphore (name, capacity, fair, template, per, parent, guarantee)
+        VALUES (missing.instance, missing.capacity, missing.fair, missing.template, missing.per,
+                missing.parent, missing.guarantee)
+        ON CONFLICT ON CONSTRAINT semaphore_name_key DO NOTHING
+        RETURNING id INTO made_id;
+        CONTINUE WHEN made_id IS NULL;
         -- Served by fairness key when its template is (functions/fairness.sql), from its first
         -- request on.
-        WITH made AS (
-            INSERT INTO permitq.semaphore (name, capacity, fair, template, per, parent, guarantee)
-            VALUES (missing.instance, missing.capacity, missing.fair, missing.template, missing.per,
-                    missing.parent, missing.guarantee)
-            ON CONFLICT ON CONSTRAINT semaphore_name_key DO NOTHING
-            RETURNING id
-        )
-        INSERT INTO permitq.keyed_semaphore (semaphore_id)
-        SELECT made.id FROM made
-        WHERE missing.keyed;
+        IF missing.keyed THEN
+            INSERT INTO permitq.keyed_semaphore (semaphore_id) VALUES (made_id);
+        END IF;
+        -- Made by this transaction: removed again at its end if nothing uses it
+        -- (permitq.drop_unused_instances_made).
+        PERFORM set_config('permitq.made_instances',
+                           (coalesce(nullif(current_setting('permitq.made_instances', true), ''),
+                                     '[]')::jsonb || to_jsonb(missing.instance))::text, true);
     END LOOP;
     RETURN refused;
+END $$;
+
+-- Worker, at the end of a batch (permitq.apply_decision): the instances this transaction made
+-- (permitq.make_instances) that nothing uses once the batch is decided (every request naming
+-- them failed: a count beyond the template's capacity, a deadline passed) are removed again, so
+-- that a request refused on the spot takes none of the template's `max_instances`. The same
+-- conditions as the idle sweep's (functions/sweeps.sql), under the lock the batch holds.
+CREATE OR REPLACE FUNCTION permitq.drop_unused_instances_made() RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    made text[];
+BEGIN
+    SELECT array_agg(m) INTO made
+    FROM jsonb_array_elements_text(coalesce(nullif(current_setting('permitq.made_instances', true), ''),
+                                            '[]')::jsonb) m;
+    IF made IS NULL THEN
+        RETURN;
+    END IF;
+    PERFORM set_config('permitq.made_instances', '', true);
+    WITH dropped AS (
+        DELETE FROM permitq.semaphore s
+        WHERE s.name = ANY(made) AND s.template IS NOT NULL AND s.used = 0
+          AND NOT EXISTS (SELECT 1 FROM permitq.waiter w WHERE w.semaphore_id = s.id)
+          AND NOT EXISTS (SELECT 1 FROM permitq.pending_release p WHERE p.semaphore = s.name)
+          AND permitq.in_window(s) = 0
+        RETURNING s.name
+    )
+    -- Nobody saw it: its creation's audit row (this transaction's, functions/capacity_audit.sql)
+    -- goes with it.
+    DELETE FROM permitq.capacity_change c USING dropped
+    WHERE c.semaphore = dropped.name AND c.old_capacity IS NULL AND NOT c.deleted
+      AND c.xmin = pg_current_xact_id()::xid AND c.changed_at >= now();
 END $$;

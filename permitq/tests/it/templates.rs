@@ -328,3 +328,56 @@ async fn too_many_instances_names_the_default_bound_of_a_template_without_one() 
     assert_eq!(detail["template"], "lab:*");
     assert_eq!(detail["max_instances"], i64::from(permitq::MAX_INSTANCES));
 }
+
+/// A request refused on the spot (a count beyond the template's capacity) takes none of the
+/// template's `max_instances`: the instance made for it is removed again with its audit row, and
+/// the next new instance is made. One that a granted request uses stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_refused_on_the_spot_takes_no_instance_of_the_template() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    conn.batch_execute("SELECT permitq.set_capacity('lab:*', 2, max_instances => 1)")
+        .await
+        .unwrap();
+    let worker = db.worker(quiet_config("w"));
+    client
+        .submit(&Request::new("big").permit("lab:a", 3))
+        .await
+        .unwrap();
+    wait_until(SOON, "big fails", || async {
+        state_of(&client, "big").await == "error/exceeds_capacity"
+    })
+    .await;
+    let names: Vec<String> = client
+        .semaphores()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert!(!names.contains(&"lab:a".to_string()), "{names:?}");
+    assert!(
+        client.capacity_history("lab:a").await.unwrap().is_empty(),
+        "its creation is not in the audit"
+    );
+    // The template's one instance is free for another key.
+    client
+        .submit(&Request::new("fits").permit("lab:b", 1))
+        .await
+        .unwrap();
+    wait_until(SOON, "fits granted", || async {
+        state_of(&client, "fits").await == "acquired"
+    })
+    .await;
+    // One a granted request uses stays.
+    assert!(client
+        .semaphores()
+        .await
+        .unwrap()
+        .iter()
+        .any(|s| s.name == "lab:b"));
+    client.release("fits").await.unwrap();
+    check_invariants(&db.conn().await).await.unwrap();
+    worker.stop().await;
+}
