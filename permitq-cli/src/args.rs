@@ -221,6 +221,39 @@ fn parse_permit_count(s: &str) -> std::result::Result<i32, String> {
     }
 }
 
+/// A whole number from `low` to `high`, said in words when it is not (clap's own range check
+/// says `-100..=100`).
+fn whole_number_in(s: &str, low: i64, high: i64) -> std::result::Result<i64, String> {
+    match s.trim().parse::<i64>() {
+        Ok(n) if (low..=high).contains(&n) => Ok(n),
+        Ok(n) => Err(format!(
+            "{n} is outside the range: give a whole number from {low} to {high}"
+        )),
+        Err(_) => Err(format!(
+            "{s:?} is not a whole number: give one from {low} to {high}"
+        )),
+    }
+}
+
+/// A priority, within [`permitq::PRIORITY_RANGE`].
+fn parse_priority(s: &str) -> std::result::Result<i16, String> {
+    let (low, high) = (
+        *permitq::PRIORITY_RANGE.start(),
+        *permitq::PRIORITY_RANGE.end(),
+    );
+    let n = whole_number_in(s, i64::from(low), i64::from(high))
+        .map_err(|e| format!("{e} (higher goes first in line; 0 is the default)"))?;
+    i16::try_from(n).map_err(|e| e.to_string())
+}
+
+/// A fairness weight, within [`permitq::FAIRNESS_WEIGHT_RANGE`].
+fn parse_fairness_weight(s: &str) -> std::result::Result<i32, String> {
+    let range = &permitq::FAIRNESS_WEIGHT_RANGE;
+    let n = whole_number_in(s, i64::from(*range.start()), i64::from(*range.end()))
+        .map_err(|e| format!("{e} (a key's share of the turns; 1 is the default)"))?;
+    i32::try_from(n).map_err(|e| e.to_string())
+}
+
 fn parse_addr(s: &str) -> std::result::Result<SocketAddr, String> {
     use std::net::ToSocketAddrs;
     let expected = || {
@@ -485,9 +518,7 @@ pub(crate) struct SubmitArgs {
     pub wait: Option<Duration>,
     /// Higher first on fair semaphores, within permitq's priority range (-100 to 100); waiting
     /// adds one per aging step (10 s).
-    #[arg(long, default_value_t = 0, allow_hyphen_values = true,
-          value_parser = clap::value_parser!(i16)
-              .range(i64::from(*permitq::PRIORITY_RANGE.start())..=i64::from(*permitq::PRIORITY_RANGE.end())))]
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = parse_priority)]
     pub priority: i16,
     /// The tenant (or caller) whose share it counts in, where a semaphore is served by
     /// fairness key (`semaphore set NAME N --fairness-keys`); 1 to 64 characters.
@@ -496,8 +527,7 @@ pub(crate) struct SubmitArgs {
     /// This request's weight (1 to 1000, default 1; each request carries its own, so give
     /// every request of a key the same): its turn is 10s × count ÷ weight.
     #[arg(long, value_name = "WEIGHT", allow_negative_numbers = true,
-          value_parser = clap::value_parser!(i32)
-              .range(i64::from(*permitq::FAIRNESS_WEIGHT_RANGE.start())..=i64::from(*permitq::FAIRNESS_WEIGHT_RANGE.end())))]
+          value_parser = parse_fairness_weight)]
     pub fairness_weight: Option<i32>,
     /// Wait for the outcome, up to DUR (default: until it settles). Exit 0 acquired, 3 error,
     /// 4 still waiting.

@@ -336,12 +336,8 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             if keyed { "  fairness key" } else { "" }
         );
     }
-    // Mixed priorities: each waiter's aging too (one per AGING_STEP waited), which is what puts
-    // an older request of lower priority ahead of a later one of higher.
-    let mixed = d
-        .waiters
-        .iter()
-        .any(|w| w.priority != d.waiters[0].priority);
+    // Each waiter's aging too (one per AGING_STEP waited, as explain says it), which is what
+    // puts an older request of lower priority ahead of a later one of higher.
     let now = SystemTime::now();
     let aged = |w: &permitq::Waiter| -> i64 {
         let waited = w
@@ -350,7 +346,7 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             .unwrap_or_default();
         i64::try_from(waited.as_secs() / permitq::AGING_STEP.as_secs().max(1)).unwrap_or(0)
     };
-    let shows_aging = mixed && d.waiters.iter().any(|w| aged(w) > 0);
+    let shows_aging = d.waiters.iter().any(|w| aged(w) > 0);
     for w in &d.waiters {
         let priority = if shows_aging && aged(w) > 0 {
             format!("{} (+{})", w.priority, aged(w))
@@ -460,10 +456,16 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
     if let Some(a) = &d.usage.adaptive {
         outln!(
             "\nadaptive ({}): the workers set its capacity between {} and {} from what its \
-             holders report (`permitq release ID --outcome ok|overloaded|failed`)",
+             holders report (`permitq release ID --outcome ok|overloaded|failed{}`)",
             a.algorithm.as_str(),
             a.floor,
-            a.ceiling
+            a.ceiling,
+            // The gradient compares the ok reports' latency: without it, it reads only counts.
+            if a.algorithm.as_str() == "gradient" {
+                " --latency 30ms"
+            } else {
+                ""
+            }
         );
         let trace: Vec<String> = changes
             .iter()

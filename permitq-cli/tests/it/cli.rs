@@ -172,6 +172,27 @@ fn usage_errors_show_the_whole_message() {
     let o = permitq(None, &["serve", "--http-addr", "nowhere"]);
     assert_eq!(code(&o), 2);
     assert!(stderr(&o).contains("--http-addr"), "{}", stderr(&o));
+    // Ranges in words, not in Rust's notation.
+    for (args, said) in [
+        (
+            &["submit", "z", "gpu=1", "--priority", "200"][..],
+            "200 is outside the range: give a whole number from -100 to 100 (higher goes first \
+             in line; 0 is the default)",
+        ),
+        (
+            &["submit", "z", "gpu=1", "--fairness-weight", "0"][..],
+            "0 is outside the range: give a whole number from 1 to 1000 (a key's share of the \
+             turns; 1 is the default)",
+        ),
+    ] {
+        let o = permitq(None, args);
+        assert_eq!(code(&o), 2, "{}", stderr(&o));
+        assert!(
+            stderr(&o).contains(said) && !stderr(&o).contains("..="),
+            "{}",
+            stderr(&o)
+        );
+    }
 }
 
 /// A missing URL and a malformed one are both input errors: exit 2, one line naming it.
@@ -1056,9 +1077,18 @@ async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep(
                 "--guarantee",
                 "3",
             ][..],
-            "the guarantees of the children of pool add up to 5, more than its capacity 4 (b's \
-             own guarantee of 3 is in that sum: give this command a lower `--guarantee N` (kept \
-             from before when left out), `--guarantee 0` for none)",
+            "the guarantees of the children of pool add up to 5 (b 3, a 2), more than its \
+             capacity 4: the others guarantee 2 of 4, so b may have at most 2: give this command \
+             `--guarantee 2` or less (`--guarantee 0` for none: b then only borrows what is \
+             free), or raise pool first (`permitq semaphore set pool 5`)",
+        ),
+        // The parent lowered below its children's guarantees: they are named, and the least.
+        (
+            &["semaphore", "set", "pool", "1"],
+            "the guarantees of the children of pool add up to 2 (a 2), more than its capacity 1: \
+             give it at least 2 (`permitq semaphore set pool 2`), or lower a child's guarantee \
+             first (`permitq semaphore set CHILD CAPACITY --guarantee N`; `--guarantee 0` for \
+             none: that child then only borrows what is free)",
         ),
         (
             &["semaphore", "set", "b", "3", "--parent", "nope"],
@@ -1318,6 +1348,15 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
         stderr(&o).contains("; it starts at 20, within its bounds (not 50)"),
         "{}",
         stderr(&o)
+    );
+    // A gradient reads latency: show's report command gives it (aimd's does not).
+    let show = stdout(&run(url, &["semaphore", "show", "calls4"]).await);
+    assert!(
+        show.contains(
+            "from what its holders report (`permitq release ID --outcome ok|overloaded|failed \
+             --latency 30ms`)"
+        ),
+        "{show}"
     );
     wait_until(Duration::from_secs(10), "backed off to 9", || async {
         let show = stdout(&run(url, &["semaphore", "show", "api"]).await);

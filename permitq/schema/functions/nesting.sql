@@ -93,6 +93,8 @@ DECLARE
     left_over bigint;
     -- What the semaphore being set adds to its parent's sum, said when it is over.
     own text;
+    -- The children that promise, named (the ten largest).
+    listed text;
     biggest record;
     used_now bigint;
     waiting_now bigint;
@@ -213,8 +215,29 @@ BEGIN
                                                biggest.name, biggest.guarantee, greatest(biggest.made, 1)) END,
                               biggest.name);
             END IF;
-            RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s%s: raise it (`permitq semaphore set %s %s`), or lower a guarantee (`--guarantee 0` for none: that child then only borrows what is free)',
-                          p.name, promised, p.capacity, own, p.name, promised);
+            -- Which children promise what (the ten largest), and the way out for this command:
+            -- for the child being set, the most the others leave it; for the parent, the least
+            -- it needs.
+            SELECT string_agg(format('%s %s', c.name, c.guarantee), ', ' ORDER BY c.guarantee DESC, c.name)
+            INTO listed
+            FROM (SELECT t.name, t.guarantee FROM permitq.semaphore t
+                  WHERE t.parent = p.name AND t.guarantee > 0 AND t.template IS NULL
+                  ORDER BY t.guarantee DESC, t.name LIMIT 10) c;
+            IF p.name = s.parent AND s.guarantee > 0 THEN
+                left_over := p.capacity - (promised - s.guarantee);
+                RETURN format('the guarantees of the children of %s add up to %s (%s), more than its capacity %s: %s',
+                              p.name, promised, listed, p.capacity,
+                              CASE WHEN left_over > 0
+                                   THEN format('the others guarantee %s of %s, so %s may have at most %s: give this command `--guarantee %s` or less (`--guarantee 0` for none: %s then only borrows what is free), or raise %s first (`permitq semaphore set %s %s`)',
+                                               promised - s.guarantee, p.capacity, s.name, left_over,
+                                               left_over, s.name, p.name, permitq.shell_word(p.name), promised)
+                                   ELSE format('the others guarantee %s of %s, none left for %s: give this command `--guarantee 0` (%s then only borrows what is free), or raise %s first (`permitq semaphore set %s %s`)',
+                                               promised - s.guarantee, p.capacity, s.name, s.name,
+                                               p.name, permitq.shell_word(p.name), promised) END);
+            END IF;
+            RETURN format('the guarantees of the children of %s add up to %s (%s), more than its capacity %s: give it at least %s (`permitq semaphore set %s %s`), or lower a child''s guarantee first (`permitq semaphore set CHILD CAPACITY --guarantee N`; `--guarantee 0` for none: that child then only borrows what is free)',
+                          p.name, promised, listed, p.capacity, promised,
+                          permitq.shell_word(p.name), promised);
         END IF;
     END LOOP;
     RETURN NULL;
