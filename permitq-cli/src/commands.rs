@@ -485,21 +485,41 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                     let Some(row) = client.status(&external_id).await? else {
                         return Err(not_visible(&client, external_id).await);
                     };
-                    errln!("permitq: {}", crate::error::one_line(&e.to_string()));
-                    if row.fencing_token.is_some() {
+                    if matches!(row.state, State::New | State::InProgress) {
+                        // Still waiting: the database's words say so.
+                        errln!("permitq: {}", crate::error::one_line(&e.to_string()));
+                    } else if row.fencing_token.is_none() {
+                        // Never granted: no work to stop; why, once, as `status` says it.
+                        let why = row.outcome().unwrap_or_else(|| row.state.to_string());
+                        let again = if why.contains("new external_id") {
+                            ""
+                        } else {
+                            "; submit again under a new external_id to hold it"
+                        };
+                        errln!(
+                            "permitq: no lease: {} was never granted: {why}{again}",
+                            row.external_id
+                        );
+                    } else if row.release_reason == Some(permitq::ReleaseReason::Released) {
+                        // Given back by its holder: nothing was lost, there is nothing to extend.
+                        errln!(
+                            "permitq: nothing to extend: {} was released by its holder {} ago{} \
+                             (a heartbeat is for a holder that still holds); submit again under \
+                             a new external_id to hold it again",
+                            row.external_id,
+                            crate::show::ago(row.released_at),
+                            if row.ttl.is_none() {
+                                ", and it never had a lease (no ttl)"
+                            } else {
+                                ""
+                            }
+                        );
+                    } else {
+                        errln!("permitq: {}", crate::error::one_line(&e.to_string()));
                         errln!(
                             "permitq: stop the work it guarded (its fencing token is refused \
                              from now on); submit again under a new external_id to hold it again"
                         );
-                    } else if let Some(why) = row.outcome() {
-                        // Never granted: no work to stop; why, as `status` says it.
-                        let again = if why.contains("new external_id") {
-                            ""
-                        } else {
-                            "; it was never granted: submit again under a new external_id to \
-                             hold it"
-                        };
-                        errln!("permitq: {}: {why}{again}", row.external_id);
                     }
                     // Not granted yet is not lost: a script tells them apart by the code.
                     return Ok(match row.state {
@@ -1304,6 +1324,14 @@ fn release_said(outcome: ReleaseOutcome, row: &PermitRequest) -> String {
             row.error_detail.as_ref().map_or(String::new(), |d| d
                 .turn_kept_words(row.fairness_key.as_deref()))
         ),
+        // Released again after a cancel: said as the repeat it is (as `already_released`).
+        ReleaseOutcome::NotAcquired if row.error_code == Some(permitq::ErrorCode::Cancelled) => {
+            format!(
+                "it was already cancelled {} ago, while it was still waiting: it never held \
+                 anything, and nothing more is to be done",
+                crate::show::ago(row.settled_at)
+            )
+        }
         ReleaseOutcome::NotAcquired => format!(
             "it was never granted, so it held nothing ({})",
             row.outcome().unwrap_or_else(|| row.state.to_string())

@@ -968,13 +968,14 @@ fn deadline_and_priority(e: &permitq::Explanation, now: SystemTime) -> Vec<Strin
     lines
 }
 
-/// A wait in whole seconds, at least 1: `1m 30s`.
 /// A duration to a tenth of a second below 10 s (`0.1s`, `4.5s`), whole seconds above (`1m 5s`).
 fn seconds(wait: std::time::Duration) -> String {
     if wait < std::time::Duration::from_secs(10) {
         format!("{:.1}s", wait.as_secs_f64())
     } else {
-        humantime::format_duration(std::time::Duration::from_secs(wait.as_secs())).to_string()
+        // Rounded, not cut: 17.8 s is 18s (beside a window that "opens in 17.8s").
+        let whole = (wait + std::time::Duration::from_millis(500)).as_secs();
+        humantime::format_duration(std::time::Duration::from_secs(whole)).to_string()
     }
 }
 

@@ -492,8 +492,17 @@ async fn submit_await_status_release_and_their_exit_codes() {
     let o = run(url, &["semaphore", "history", "nope"]).await;
     assert_eq!(code(&o), 5, "{}", stderr(&o));
     let o = run(url, &["heartbeat", "job-1"]).await;
-    assert_eq!(code(&o), 3, "a released lease is lost: {}", stderr(&o));
-    assert!(stderr(&o).contains("lease lost"));
+    assert_eq!(
+        code(&o),
+        3,
+        "a released request holds nothing: {}",
+        stderr(&o)
+    );
+    assert!(
+        stderr(&o).contains("nothing to extend: job-1 was released by its holder "),
+        "{}",
+        stderr(&o)
+    );
 
     // `early` was waiting all along and gets granted now.
     let o = run(url, &["status", "early"]).await;
