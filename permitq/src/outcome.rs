@@ -206,7 +206,9 @@ impl PermitRequest {
                          external_id"
                     ),
                     similar => format!(
-                        "{what}; did you mean {}? (submit again under a new external_id)",
+                        "{what}; did you mean {}? (submit again under a new external_id; or, if \
+                         {name} is a new one, create it first: `permitq semaphore set {name} \
+                         CAPACITY`)",
                         similar.join(" or ")
                     ),
                 }

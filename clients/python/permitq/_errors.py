@@ -164,7 +164,10 @@ def _explained_code(code: str, d: dict[str, Any]) -> str:
         )
         similar = d.get("similar") or []
         if similar:
-            return f"{what}; did you mean {' or '.join(similar)}? (submit again under a new external_id)"
+            return (
+                f"{what}; did you mean {' or '.join(similar)}? (submit again under a new external_id; "
+                f"or, if {name} is a new one, create it first: `permitq semaphore set {name} CAPACITY`)"
+            )
         return (
             f"{what}; create it with `permitq semaphore set {name} CAPACITY` (or a template NAME* "
             f"that matches it), then submit again under a new external_id"

@@ -174,7 +174,8 @@ function explainedCode(code: string, d: ErrorDetail): string {
           ? `${d.named}'s parent ${name} does not exist`
           : `no semaphore named ${name}, and no template matches it`;
         return d.similar?.length
-          ? `${what}; did you mean ${d.similar.join(" or ")}? (submit again under a new external_id)`
+          ? `${what}; did you mean ${d.similar.join(" or ")}? (submit again under a new external_id; ` +
+            `or, if ${name} is a new one, create it first: \`permitq semaphore set ${name} CAPACITY\`)`
           : `${what}; create it with \`permitq semaphore set ${name} CAPACITY\` (or a template NAME* ` +
               "that matches it), then submit again under a new external_id";
       }

@@ -42,7 +42,8 @@ async fn an_unknown_semaphore_is_named_with_the_nearest_existing_names() {
     assert!(
         stdout(&o).starts_with(
             "t2 error unknown_semaphore: no semaphore named GPU, and no template matches it; \
-             did you mean gpu?"
+             did you mean gpu? (submit again under a new external_id; or, if GPU is a new one, \
+             create it first: `permitq semaphore set GPU CAPACITY`)"
         ),
         "{}",
         stdout(&o)
