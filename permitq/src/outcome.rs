@@ -17,6 +17,7 @@ use crate::types::{ErrorCode, PermitRequest, ReleaseReason, State};
 /// | `invalid` | `problem` |
 /// | `timeout` | `semaphore`, `count`, `capacity`, `free` where it had no room; `turn_kept_on` |
 /// | `cancelled` | `revoked_by` (an admin's revoke); `turn_kept_on` |
+/// | (a release `stale`) | `max_hold_ms` |
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 #[non_exhaustive]
@@ -77,6 +78,10 @@ pub struct ErrorDetail {
     /// sweep revoked it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub revoked_by: Option<String>,
+    /// For a release `stale`: the `--max-hold` it was held past, in milliseconds (the worker's
+    /// whose sweep released it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_hold_ms: Option<i64>,
     /// For `cancelled` and `timeout`: the semaphores served by fairness key where it had taken
     /// its key's turn. That turn stays taken until the line passes it, so its key's next
     /// request there is placed behind it.
@@ -134,9 +139,17 @@ impl PermitRequest {
                 Some(ReleaseReason::Expired) => {
                     "released (expired): its lease ran out with no heartbeat in time".to_string()
                 }
-                Some(ReleaseReason::Stale) => {
-                    "released (stale): held longer than the workers' --max-hold".to_string()
-                }
+                Some(ReleaseReason::Stale) => format!(
+                    "released (stale): held longer than the workers' --max-hold{}",
+                    self.error_detail
+                        .as_ref()
+                        .and_then(|d| d.max_hold_ms)
+                        .and_then(|ms| u64::try_from(ms).ok())
+                        .map_or(String::new(), |ms| format!(
+                            " ({})",
+                            humantime::format_duration(std::time::Duration::from_millis(ms))
+                        ))
+                ),
                 Some(ReleaseReason::Revoked) => match self
                     .error_detail
                     .as_ref()

@@ -78,16 +78,30 @@ LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = of
 $$;
 GRANT EXECUTE ON FUNCTION permitq.sweep_expired(integer) TO permitq_worker;
 
--- Requests held longer than max_hold (the worker's --max-hold): release_reason = 'stale'.
+-- Requests held longer than max_hold (the worker's --max-hold): release_reason = 'stale', and
+-- the bound in `error_detail` (`max_hold_ms`), for `status` and `explain` to say.
 CREATE OR REPLACE FUNCTION permitq.sweep_stale(max_hold interval, batch_size integer) RETURNS integer
-LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off
     SET plan_cache_mode = force_custom_plan SET enable_sort = off AS $$
-    SELECT coalesce(permitq.release_locked(array_agg(id), 'stale'), 0)
+DECLARE
+    ids bigint[];
+    n integer;
+BEGIN
+    SELECT array_agg(id) INTO ids
     FROM (SELECT id FROM permitq.permit_request
           WHERE state = 'acquired' AND acquired_at <= now() - max_hold
           ORDER BY acquired_at LIMIT batch_size
-          FOR UPDATE SKIP LOCKED) due
-$$;
+          FOR UPDATE SKIP LOCKED) due;
+    IF ids IS NULL THEN
+        RETURN 0;
+    END IF;
+    n := coalesce(permitq.release_locked(ids, 'stale'), 0);
+    UPDATE permitq.permit_request r
+    SET error_detail = coalesce(r.error_detail, '{}')
+                       || jsonb_build_object('max_hold_ms', (extract(epoch FROM max_hold) * 1000)::bigint)
+    WHERE r.id = ANY(ids) AND r.release_reason = 'stale';
+    RETURN n;
+END $$;
 GRANT EXECUTE ON FUNCTION permitq.sweep_stale(interval, integer) TO permitq_worker;
 
 -- Requests whose owner the liveness hook reported dead: release_reason = 'revoked'.

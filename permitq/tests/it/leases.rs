@@ -247,6 +247,12 @@ async fn max_hold_releases_stale_holders() {
         held >= Duration::from_millis(300),
         "released after only {held:?}"
     );
+    // Its outcome says which bound it was held past.
+    assert_eq!(
+        r.outcome().as_deref(),
+        Some("released (stale): held longer than the workers' --max-hold (300ms)"),
+        "{r:?}"
+    );
     common::wait_folded(&db.url).await;
     assert_eq!(client.semaphores().await.unwrap()[0].used, 0);
     worker.stop().await;
