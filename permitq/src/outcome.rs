@@ -11,7 +11,7 @@ use crate::types::{ErrorCode, PermitRequest, ReleaseReason, State};
 /// | code | fields |
 /// |---|---|
 /// | `unknown_semaphore` | `semaphore` (the name not found), `named` (when it is a missing parent of that one), `similar` |
-/// | `exceeds_capacity` | `semaphore`, `count`, `capacity`, `named` (when the bound is a parent's), `per` (a rate limit's window), `adaptive` (its bounds, when the workers move its capacity) |
+/// | `exceeds_capacity` | `semaphore`, `count`, `capacity`, `named` (when the bound is a parent's), `per` (a rate limit's window), `adaptive` (its bounds, when the workers move its capacity), `lowered_from`, `lowered_by`, `lowered_at_ms` (its last change lowered it below the count) |
 /// | `no_capacity` | `semaphore`, `count`, `capacity`, `free`, `named`, `per`; `turn_kept_on` |
 /// | `too_many_instances` | `semaphore`, `template`, `capacity` (the template's), `max_instances`, `idle_instances`, `parent`, `guarantee` and `parent_needs` (nested) |
 /// | `invalid` | `problem` |
@@ -78,6 +78,17 @@ pub struct ErrorDetail {
     /// sweep revoked it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub revoked_by: Option<String>,
+    /// For `exceeds_capacity`: the capacity `semaphore` had before its last change lowered it
+    /// below the count (by hand, not by the adaptive workers: `adaptive` says theirs), who
+    /// lowered it, and when (ms since the epoch): a request that waited sees why it now fails.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lowered_from: Option<i64>,
+    /// Who lowered it (with `lowered_from`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lowered_by: Option<String>,
+    /// When it was lowered, in ms since the epoch (with `lowered_from`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lowered_at_ms: Option<i64>,
     /// For a release `stale`: the `--max-hold` it was held past, in milliseconds (the worker's
     /// whose sweep released it).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -251,6 +262,30 @@ impl PermitRequest {
                 let bound = match &d.per {
                     Some(per) => format!("allows {capacity} grants per {per}"),
                     None => format!("has capacity {capacity}"),
+                };
+                // Lowered below it: by whom, and whether while the request waited.
+                let bound = match (d.lowered_from, &d.lowered_by, d.lowered_at_ms) {
+                    (Some(from), Some(by), Some(at_ms)) => {
+                        let at = u64::try_from(at_ms)
+                            .ok()
+                            .map(|ms| std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms));
+                        let while_waiting = at
+                            .zip(self.created_at)
+                            .is_some_and(|(at, created)| at > created);
+                        format!(
+                            "{bound} (lowered from {from} by {by}{}{})",
+                            at.map_or(String::new(), |at| format!(
+                                " at {}",
+                                humantime::format_rfc3339_seconds(at)
+                            )),
+                            if while_waiting {
+                                ", after this request was submitted"
+                            } else {
+                                ""
+                            }
+                        )
+                    }
+                    _ => bound,
                 };
                 // An instance's capacity is set on its template (a change there reaches it).
                 let set = match &d.template {

@@ -93,11 +93,18 @@ async fn lowering_a_capacity_names_the_waiters_it_no_longer_covers() {
     run(url, &["semaphore", "set", "low", "2"]).await;
     let worker = db.worker(quiet_config("w"));
     let o = run(url, &["submit", "lw-big", "low=3", "--await", "10s"]).await;
+    // Its owner, who never saw `semaphore set`'s warning, reads that it was lowered, by whom,
+    // and that this was after it was submitted.
     assert!(
-        stdout(&o).starts_with("lw-big error exceeds_capacity: low=3 but low has capacity 2"),
+        stdout(&o).starts_with(
+            "lw-big error exceeds_capacity: low=3 but low has capacity 2 (lowered from 3 by "
+        ) && stdout(&o).contains(", after this request was submitted): it can never be granted"),
         "{}",
         stdout(&o)
     );
+    let detail = json(&run(url, &["status", "lw-big", "--json"]).await)["error_detail"].clone();
+    assert_eq!(detail["lowered_from"], 3, "{detail}");
+    assert!(detail["lowered_at_ms"].is_i64(), "{detail}");
     let o = run(url, &["submit", "lw-small", "low=1", "--await", "10s"]).await;
     assert_eq!(code(&o), 0, "{}", stdout(&o));
     // With a worker running, which may end it before `semaphore set` could read it after the

@@ -171,8 +171,22 @@ BEGIN
                                               ORDER BY c.id DESC LIMIT 1) c
                                         WHERE c.changed_by LIKE 'adaptive (%'
                                           AND c.old_capacity > c.new_capacity)))
-                    FROM permitq.adaptive_limit a WHERE a.semaphore_id = s.id) END))
+                    FROM permitq.adaptive_limit a WHERE a.semaphore_id = s.id) END,
+                                              -- Lowered by hand below the count by its last
+                                              -- change: from what, by whom, when.
+                                              'lowered_from', l.old_capacity,
+                                              'lowered_by', l.changed_by,
+                                              'lowered_at_ms', (extract(epoch FROM l.changed_at) * 1000)::bigint))
                                    FROM permitq.semaphore s
+                                   LEFT JOIN LATERAL (
+                                       SELECT c.old_capacity, c.changed_by, c.changed_at
+                                       FROM (SELECT c.* FROM permitq.capacity_change c
+                                             WHERE c.semaphore = s.name
+                                             ORDER BY c.id DESC LIMIT 1) c
+                                       WHERE code = 'exceeds_capacity'
+                                         AND c.changed_by NOT LIKE 'adaptive (%'
+                                         AND c.old_capacity >= (detail ->> 'count')::bigint
+                                         AND c.new_capacity < (detail ->> 'count')::bigint) l ON true
                                    WHERE s.name = detail ->> 'semaphore'),
                                   '{}');
     ELSIF code = 'too_many_instances' AND detail ? 'semaphore' THEN
