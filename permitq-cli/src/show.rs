@@ -108,11 +108,9 @@ pub(crate) fn short_kind(u: &permitq::SemaphoreUsage) -> String {
     });
     let window = u.per.map(|per| {
         let mut w = format!("per {}", humantime::format_duration(per));
+        // As explain and semaphore show say it (`opens in 4.8s`), not cut to whole seconds.
         if let Some(opens) = u.window_opens_at {
-            let secs = opens
-                .duration_since(SystemTime::now())
-                .map_or(0, |d| d.as_secs());
-            w.push_str(&format!(", opens {secs}s"));
+            w.push_str(&format!(", opens {}", until(opens)));
         }
         w
     });
@@ -415,8 +413,9 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             // Turns taken that the line has not passed: the share starts after them.
             let back = match k.placed_back {
                 Some(back) => format!(
-                    "; its next request is placed {} back (its turns reach that far past the \
-                     line's turn, the start of the latest turn granted)",
+                    "; its next request is placed {} after its arrival, later in line (its \
+                     turns reach that far past the line's turn, the start of the latest turn \
+                     granted)",
                     short_seconds(back.as_secs_f64())
                 ),
                 None if sees_all => "; its next request is placed at its arrival".to_string(),

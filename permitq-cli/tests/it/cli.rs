@@ -1613,8 +1613,8 @@ async fn fairness_keys_from_the_command_line() {
     assert!(
         show.lines().any(|l| l.trim_start().starts_with("team-a")
             && l.contains(
-                "; its next request is placed 50.0s back (its turns reach that far past the \
-                 line's turn, the start of the latest turn granted)"
+                "; its next request is placed 50.0s after its arrival, later in line (its turns \
+                 reach that far past the line's turn, the start of the latest turn granted)"
             )),
         "{show}"
     );
