@@ -84,13 +84,14 @@ BEGIN
     END IF;
 
     IF cardinality(granted) > 0 THEN
-        -- Tokens and timestamps are drawn in id order, after the locks are held, so token order,
-        -- acquired_at order and FIFO order agree (volatile output columns are computed after the
-        -- ORDER BY).
+        -- Tokens and timestamps are drawn in the order of `granted`, the decision's (first in
+        -- line first: priority, aging, then arrival), after the locks are held, so token order,
+        -- acquired_at order and line order agree (volatile output columns are computed after
+        -- the ORDER BY).
         WITH g AS (
-            SELECT id, epoch | nextval('permitq.fencing_token_seq') AS token, clock_timestamp() AS at
-            FROM unnest(granted) AS id
-            ORDER BY id
+            SELECT g.id, epoch | nextval('permitq.fencing_token_seq') AS token, clock_timestamp() AS at
+            FROM unnest(granted) WITH ORDINALITY AS g(id, n)
+            ORDER BY g.n
         ),
         done AS (
             UPDATE permitq.permit_request r

@@ -350,3 +350,33 @@ async fn position_1_in_the_waiters_view_is_the_request_granted_next() {
     }
     check_invariants(&db.conn().await).await.unwrap();
 }
+
+/// Requests granted together, in one batch, get their fencing tokens (and `acquired_at`) in line
+/// order, not in id order: the first in line gets the lowest, as a grant before the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_of_one_batch_follow_the_line() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 3, None).await.unwrap();
+    let _worker = db.notified_worker("w1");
+    client
+        .submit(&Request::new("holder").permit("s", 3))
+        .await
+        .unwrap();
+    granted(&client, "holder").await;
+    // Submitted (ids) in another order than the line's: high, mid, low.
+    queue(&db, &client, "mid", 0).await;
+    queue(&db, &client, "low", -1).await;
+    queue(&db, &client, "high", 1).await;
+    client.release("holder").await.unwrap();
+    let mut tokens = Vec::new();
+    for id in ["high", "mid", "low"] {
+        granted(&client, id).await;
+        let r = client.status(id).await.unwrap().unwrap();
+        tokens.push((r.fencing_token.unwrap(), r.acquired_at.unwrap(), id));
+    }
+    let mut by_token = tokens.clone();
+    by_token.sort();
+    assert_eq!(by_token, tokens, "tokens and acquired_at in line order");
+    check_invariants(&db.conn().await).await.unwrap();
+}
