@@ -207,13 +207,26 @@ pub(crate) const SERVE_ADDR: &str = "127.0.0.1:9188";
 /// The port the README, deploy/ and `worker --help` use for a worker's endpoints.
 pub(crate) const WORKER_PORT: u16 = 9187;
 
-/// HOST:PORT, where HOST is an IP address or a name (`localhost:9999`); the first address the
-/// name resolves to.
-/// A count of permits (a capacity, a guarantee, a number of instances): a whole number, 0 or
-/// more, said so when it is not.
+/// A capacity: a whole number, 0 or more, said so when it is not.
 fn parse_permit_count(s: &str) -> std::result::Result<i32, String> {
+    count_at_least_0(s, "0 grants nothing")
+}
+
+/// A guarantee: as a capacity, but 0 means none (the child only borrows).
+fn parse_guarantee(s: &str) -> std::result::Result<i32, String> {
+    count_at_least_0(s, "0 for none: the child then only borrows what is free")
+}
+
+/// A template's bound on its instances.
+fn parse_max_instances(s: &str) -> std::result::Result<i32, String> {
+    count_at_least_0(s, "0 makes none")
+}
+
+/// A count of permits (a capacity, a guarantee, a number of instances): a whole number, 0 or
+/// more, said so when it is not, with what 0 means for it.
+fn count_at_least_0(s: &str, zero_means: &str) -> std::result::Result<i32, String> {
     match s.trim().parse::<i64>() {
-        Ok(n) if n < 0 => Err(format!("{n} is below 0: give 0 or more (0 grants nothing)")),
+        Ok(n) if n < 0 => Err(format!("{n} is below 0: give 0 or more ({zero_means})")),
         Ok(n) => i32::try_from(n).map_err(|_| format!("{n} is above the largest, {}", i32::MAX)),
         Err(_) => Err(format!(
             "{s:?} is not a whole number: give one in digits, 0 or more (for example 4)"
@@ -254,6 +267,8 @@ fn parse_fairness_weight(s: &str) -> std::result::Result<i32, String> {
     i32::try_from(n).map_err(|e| e.to_string())
 }
 
+/// HOST:PORT, where HOST is an IP address or a name (`localhost:9999`); the first address the
+/// name resolves to.
 fn parse_addr(s: &str) -> std::result::Result<SocketAddr, String> {
     use std::net::ToSocketAddrs;
     let expected = || {
@@ -428,11 +443,11 @@ pub(crate) enum SemaphoreCommand {
         #[arg(long)]
         no_parent: bool,
         /// Its guaranteed share of its parent while it holds permits or has waiters within it.
-        #[arg(long, allow_negative_numbers = true, value_parser = parse_permit_count)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_guarantee)]
         guarantee: Option<i32>,
         /// For a template: the most instances it makes (a guaranteed template's guarantee
         /// counts once per instance it may make).
-        #[arg(long, allow_negative_numbers = true, value_parser = parse_permit_count)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_max_instances)]
         max_instances: Option<i32>,
         /// Let the workers set the capacity from what holders report (`permitq release ID
         /// --outcome overloaded`): aimd (from overloaded reports) or gradient (from latency as

@@ -684,7 +684,7 @@ async fn say_instances_over_the_template(
             "permitq: {} has {made} instances, more than max_instances {bound}: none is removed; \
              they stay{counted} until deleted (`permitq semaphore delete NAME` once one holds \
              nothing; `permitq semaphore show {}` lists them) or idle for \
-             --idle-instance-after, and no new instance is made until fewer than {bound} remain",
+             --idle-instance-after, and no new instance is made while {bound} or more remain",
             template.name,
             crate::show::quoted_name(&template.name)
         );
@@ -1006,6 +1006,23 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                         );
                     }
                 }
+            }
+            // Fairness keys turned on or off: what that means for its line.
+            if fairness_keys {
+                errln!(
+                    "permitq: {} is served by fairness key: requests with a --fairness-key take \
+                     turns by weight, in arrival order within a key (`permitq semaphore show {}` \
+                     shows each key's share)",
+                    s.name,
+                    crate::show::quoted_name(&s.name)
+                );
+            } else if no_fairness_keys {
+                errln!(
+                    "permitq: {} is no longer served by fairness key: new requests line up by \
+                     priority and arrival again, and its keys' turns are forgotten; requests \
+                     already waiting keep the places their keys gave them",
+                    s.name
+                );
             }
             if json {
                 outln!("{}", serde_json::to_string(&s).expect("serializable"));

@@ -466,8 +466,8 @@ fn too_many_instances(name: &str, template: &str, bound: i64, d: &ErrorDetail) -
     let has = if instances > bound {
         format!(
             "has {instances} instances, more than its max_instances of {bound} (lowered below \
-             them: they stay until deleted or idle, and no new one is made until fewer than \
-             {bound} remain)"
+             them: they stay until deleted or idle, and no new one is made while {bound} or \
+             more remain)"
         )
     } else {
         format!("has its max_instances of {bound} already")

@@ -180,6 +180,19 @@ fn usage_errors_show_the_whole_message() {
              in line; 0 is the default)",
         ),
         (
+            &[
+                "semaphore",
+                "set",
+                "c",
+                "4",
+                "--parent",
+                "p",
+                "--guarantee",
+                "-1",
+            ][..],
+            "-1 is below 0: give 0 or more (0 for none: the child then only borrows what is free)",
+        ),
+        (
             &["submit", "z", "gpu=1", "--fairness-weight", "0"][..],
             "0 is outside the range: give a whole number from 1 to 1000 (a key's share of the \
              turns; 1 is the default)",
@@ -1758,6 +1771,16 @@ async fn fairness_keys_from_the_command_line() {
     assert_eq!(
         stdout(&o).trim(),
         "gpu capacity=1 used=1 fair",
+        "{}",
+        stderr(&o)
+    );
+    // And says what that changes.
+    assert!(
+        stderr(&o).contains(
+            "permitq: gpu is no longer served by fairness key: new requests line up by priority \
+             and arrival again, and its keys' turns are forgotten; requests already waiting keep \
+             the places their keys gave them"
+        ),
         "{}",
         stderr(&o)
     );
