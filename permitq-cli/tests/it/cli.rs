@@ -1618,7 +1618,7 @@ async fn fairness_keys_from_the_command_line() {
             "  fairness key team-a, weight 1: placed 20s after its arrival, by its key's turns \
              that the line had not passed when a worker examined it here"
         )) && stdout(&o).lines().any(|l| l.starts_with(
-            "  Its key's requests that took their turns before it and still wait here: a-2, a-1 (their turns: 20s);"
+            "  Its key's requests that took their turns before it and still wait here: a-1, a-2 (their turns: 20s);"
         )),
         "{}",
         stdout(&o)

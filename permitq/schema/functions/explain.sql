@@ -141,13 +141,14 @@ BEGIN
     FROM permitq.semaphore x JOIN permitq.keyed_semaphore k ON k.semaphore_id = x.id
     WHERE r.permits ? x.name;
     -- Its key's requests that took their turns here before its own and still wait (anywhere in
-    -- this line: a lower priority may stand behind it), that this login may read: latest
-    -- first, at most 3 named, and their turns (step × count ÷ weight each). Told by the start
-    -- tags of the waiter rows (its own here: my_tag); without one, by submission order.
+    -- this line: a lower priority may stand behind it), that this login may read: the latest
+    -- 3 named, in the order they took their turns (the earlier ones counted before them), and
+    -- their turns (step × count ÷ weight each). Told by the start tags of the waiter rows (its
+    -- own here: my_tag); without one, by submission order.
     SELECT w.start_tag INTO my_tag FROM permitq.waiter w
     WHERE w.request_id = r.id AND w.semaphore_id = s.id;
-    SELECT string_agg(x.external_id, ', ' ORDER BY x.id DESC) FILTER (WHERE x.n <= 3)
-               || CASE WHEN count(*) > 3 THEN format(' and %s more', count(*) - 3) ELSE '' END,
+    SELECT CASE WHEN count(*) > 3 THEN format('%s earlier, then ', count(*) - 3) ELSE '' END
+               || string_agg(x.external_id, ', ' ORDER BY x.id) FILTER (WHERE x.n <= 3),
            count(*),
            sum(step * x.count / x.weight)
     INTO ahead, ahead_count, ahead_turns

@@ -142,7 +142,7 @@ async fn a_tenants_burst_does_not_make_anothers_request_wait_behind_it() {
                  that the line had not passed when a worker examined it here (a turn is 10s × \
                  count ÷ weight; the line's turn is the start of the latest turn granted \
                  there). Its key's requests that took their turns before it and still wait \
-                 here: a-2, a-1 (their turns: 20s); its key's requests already granted or ended (held, released, cancelled, \
+                 here: a-1, a-2 (their turns: 20s); its key's requests already granted or ended (held, released, cancelled, \
                  timed out or failed) count too, until the line passes their turns. A request \
                  of "
             )
@@ -1096,7 +1096,7 @@ async fn a_producer_sharing_a_key_reads_nothing_of_the_other_logins_requests() {
     );
     let seen = fairness_line(&admin, "m-1").await;
     assert!(
-        seen.contains("Its key's requests that took their turns before it and still wait here: alice-2, alice-1 ("),
+        seen.contains("Its key's requests that took their turns before it and still wait here: alice-1, alice-2 ("),
         "{seen}"
     );
     assert!(admin
