@@ -1104,6 +1104,23 @@ async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep(
              `--guarantee 2` or less (`--guarantee 0` for none: b then only borrows what is \
              free), or raise pool first (`permitq semaphore set pool 5`)",
         ),
+        // Beyond its capacity and beyond what the parent leaves: the way out that fits both.
+        (
+            &[
+                "semaphore",
+                "set",
+                "b",
+                "1",
+                "--parent",
+                "pool",
+                "--guarantee",
+                "3",
+            ][..],
+            "guarantee 3 is more than the capacity 1, and more than pool leaves it (its other \
+             children guarantee 2 of 4): give this command `--guarantee 1` or less (or up to 2 \
+             with a capacity of as much: `permitq semaphore set b 2 --parent pool --guarantee \
+             2`)",
+        ),
         // The parent lowered below its children's guarantees: they are named, and the least.
         (
             &["semaphore", "set", "pool", "1"],

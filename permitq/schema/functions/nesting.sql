@@ -107,6 +107,25 @@ BEGIN
                       permitq.shell_word(s.name), s.guarantee,
                       permitq.shell_word(s.template), coalesce(p.capacity, s.capacity), s.capacity);
     END IF;
+    IF s.guarantee > s.capacity AND s.parent IS NOT NULL THEN
+        -- The parent's room may bound it lower still: then only a smaller guarantee helps,
+        -- and the way out says how small (the other children's guarantees leave `left_over`).
+        SELECT * INTO p FROM permitq.semaphore t WHERE t.name = s.parent;
+        IF p.name IS NOT NULL THEN
+            promised := permitq.promised_to_children(p.name);
+            left_over := p.capacity - (promised - s.guarantee);
+            IF left_over < s.guarantee THEN
+                RETURN format('guarantee %s is more than the capacity %s, and more than %s leaves it (its other children guarantee %s of %s): give this command `--guarantee %s` or less%s',
+                              s.guarantee, s.capacity, p.name, promised - s.guarantee, p.capacity,
+                              greatest(least(left_over, s.capacity), 0),
+                              CASE WHEN left_over > s.capacity
+                                   THEN format(' (or up to %s with a capacity of as much: `permitq semaphore set %s %s --parent %s --guarantee %s`)',
+                                               left_over, permitq.shell_word(s.name), left_over,
+                                               permitq.shell_word(p.name), left_over)
+                                   ELSE '' END);
+            END IF;
+        END IF;
+    END IF;
     IF s.guarantee > s.capacity THEN
         -- The way out in full: the command keeps the parent and guarantee asked for (run
         -- alone, `semaphore set NAME G` would make a new one without them).
