@@ -124,6 +124,19 @@ impl fmt::Display for CliError {
                 f,
                 "no semaphore named {name:?} (`permitq semaphore list` shows them all)"
             ),
+            // A name of a template with no instance now: not a typo, nothing made yet.
+            CliError::NoSemaphore { name, similar, .. }
+                if template_matching(name, similar).is_some() =>
+            {
+                let template = template_matching(name, similar).unwrap_or_default();
+                write!(
+                    f,
+                    "no semaphore named {name:?} now: the template {template} makes it for the \
+                     first request that names it (and the workers remove it again once idle); \
+                     `permitq semaphore show {}` lists the instances there are",
+                    crate::show::quoted_name(template)
+                )
+            }
             CliError::NoSemaphore { name, similar, .. } => write!(
                 f,
                 "no semaphore named {name:?}; did you mean {}?",
@@ -233,4 +246,14 @@ impl From<deadpool_postgres::PoolError> for CliError {
     fn from(e: deadpool_postgres::PoolError) -> CliError {
         CliError::Permitq(e.into())
     }
+}
+/// The template a suggestion says `name` is an instance of (`lab:NAME (an instance of the
+/// template lab:*)`), when `name` matches it.
+fn template_matching<'a>(name: &str, similar: &'a [String]) -> Option<&'a str> {
+    similar.iter().find_map(|s| {
+        let (_, template) = s.split_once(" (an instance of the template ")?;
+        let template = template.strip_suffix(')')?;
+        name.starts_with(template.trim_end_matches('*'))
+            .then_some(template)
+    })
 }

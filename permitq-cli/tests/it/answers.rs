@@ -2194,6 +2194,18 @@ async fn a_semaphore_nothing_uses_can_be_deleted_and_its_history_says_so() {
     run(url, &["release", "l-1"]).await;
     let o = run(url, &["semaphore", "delete", "lab-*"]).await;
     refused(&o, "lab-* has instances: lab-1; delete them first");
+    // A name of the template with no instance now: nothing to delete, and why.
+    let o = run(url, &["semaphore", "delete", "lab-9"]).await;
+    assert_eq!(code(&o), 5, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "no semaphore named \"lab-9\" now: the template lab-* makes it for the first request \
+             that names it (and the workers remove it again once idle); `permitq semaphore show \
+             'lab-*'` lists the instances there are"
+        ),
+        "{}",
+        stderr(&o)
+    );
     // A rate limit whose window holds grants: deleting it would let them be granted again.
     run(url, &["semaphore", "set", "rl", "2", "--per", "1h"]).await;
     let o = run(url, &["submit", "r-1", "rl=1", "--await", "10s"]).await;
