@@ -197,12 +197,20 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
             } else {
                 outln!("{}", presence.summary());
                 for w in presence.workers.iter().filter(|w| !w.live) {
+                    // Stopped cleanly, or gone without a word (killed, or cut off).
+                    let how = match w.stopped_at {
+                        Some(at) => format!("stopped cleanly {} ago", crate::show::ago(Some(at))),
+                        None => format!(
+                            "last seen {} ago, without stopping cleanly: killed, or cut off from \
+                             the database (its log says which)",
+                            crate::show::ago(w.seen_at)
+                        ),
+                    };
                     outln!(
-                        "  not running: {} on {} ({}, last seen {} ago)",
+                        "  not running: {} on {} ({}, {how})",
                         w.worker_id,
                         w.host,
-                        w.version,
-                        crate::show::ago(w.seen_at)
+                        w.version
                     );
                 }
             }

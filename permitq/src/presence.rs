@@ -29,6 +29,10 @@ pub struct WorkerSeen {
     pub seen_at: Option<SystemTime>,
     /// Whether it counts as running: it said so within the last few seconds.
     pub live: bool,
+    /// When it stopped cleanly (SIGTERM, Ctrl-C), if it did: one that died or lost the
+    /// database has none.
+    #[serde(serialize_with = "ser_time")]
+    pub stopped_at: Option<SystemTime>,
 }
 
 impl WorkerSeen {
@@ -41,6 +45,7 @@ impl WorkerSeen {
             started_at: row.try_get("started_at")?,
             seen_at: row.try_get("seen_at")?,
             live: row.try_get("live")?,
+            stopped_at: row.try_get("stopped_at")?,
         })
     }
 }

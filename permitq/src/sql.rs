@@ -203,8 +203,9 @@ pub(crate) const MAY_WORK: &str = "SELECT pg_catalog.pg_has_role(session_user, '
      pg_catalog.pg_namespace n WHERE n.nspname = 'permitq'), 'USAGE'), false), \
      session_user::text";
 /// Operators: the workers seen in the last hour, live first.
-pub(crate) const WORKERS: &str = "SELECT worker_id, host, version, pid, started_at, seen_at, live \
-     FROM permitq.workers ORDER BY live DESC, worker_id";
+pub(crate) const WORKERS: &str =
+    "SELECT worker_id, host, version, pid, started_at, seen_at, live, \
+     stopped_at FROM permitq.workers ORDER BY live DESC, worker_id";
 /// Worker: write a batch's outcome.
 pub(crate) const APPLY_DECISION: &str = include_str!("sql/apply_decision.sql");
 

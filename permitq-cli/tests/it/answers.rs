@@ -1411,7 +1411,27 @@ async fn once_the_last_worker_stops_explain_and_semaphore_show_say_nothing_is_gr
     let text = stdout(&o);
     assert!(
         text.starts_with("workers (1): only-worker on ")
-            && text.contains("  not running: first-out on "),
+            && text.contains("  not running: first-out on ")
+            && text.contains(", stopped cleanly "),
+        "{text}"
+    );
+    // One that died (its row lived on to its end, 8 s past its last sign of life) is told apart.
+    db.conn()
+        .await
+        .batch_execute(
+            "INSERT INTO permitq.worker_seen (worker_id, host, version, pid, started_at, seen_at, \
+             live_until) VALUES ('ghost', 'gone-host', '0.0.1', 1, now() - interval '1 minute', \
+             now() - interval '30 seconds', now() - interval '22 seconds')",
+        )
+        .await
+        .unwrap();
+    let text = stdout(&run(url, &["workers"]).await);
+    assert!(
+        text.contains("  not running: ghost on gone-host (0.0.1, last seen ")
+            && text.contains(
+                " ago, without stopping cleanly: killed, or cut off from the database (its log \
+                 says which))"
+            ),
         "{text}"
     );
     let show = json(&run(url, &["semaphore", "show", "nw", "--json"]).await);

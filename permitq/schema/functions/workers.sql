@@ -5,10 +5,13 @@
 
 -- Every worker seen in the last hour, live first: one whose row is past `live_until` died or
 -- cannot reach the database; `max_hold`, its --max-hold (NULL: none, or a worker of a release
--- before migration 17).
+-- before migration 17); `stopped_at`, when it stopped cleanly: a stop ends its row's life at once
+-- (src/sql.rs WORKER_GONE), within a few seconds of its last sign of life, while a live row's
+-- reaches 8 s past it.
 CREATE OR REPLACE VIEW permitq.workers AS
 SELECT w.worker_id, w.host, w.version, w.pid, w.started_at, w.seen_at,
-       w.live_until > now() AS live, w.max_hold
+       w.live_until > now() AS live, w.max_hold,
+       CASE WHEN w.live_until < w.seen_at + interval '5 seconds' THEN w.live_until END AS stopped_at
 FROM permitq.worker_seen w
 WHERE w.seen_at > now() - interval '1 hour';
 GRANT SELECT ON permitq.workers TO permitq_producer, permitq_worker, permitq_admin, permitq_operator;
