@@ -367,7 +367,9 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                 return Err(CliError::usage(
                     "--latency",
                     format!(
-                        "it goes with a report of how the use went: give --outcome ok --latency {}",
+                        "it goes with a report of how the use went: give --outcome ok --latency {} \
+                         (with the release that gives the permits back: a report comes only with \
+                         that one)",
                         humantime::format_duration(latency)
                     ),
                 ));

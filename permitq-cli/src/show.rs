@@ -558,17 +558,40 @@ pub(crate) fn change_inputs(inputs: &serde_json::Value) -> String {
         let n = |key: &str| inputs[key].as_i64().unwrap_or(0);
         let latency = latency_words(inputs);
         said.push(format!(
-            "from {} ok, {} overloaded, {} failed{latency}, {} in use",
+            "from {} ok, {} overloaded, {} failed{latency}, {} in use{}",
             n("ok"),
             n("overloaded"),
             n("failed"),
-            n("used")
+            n("used"),
+            change_rule(inputs)
         ));
     }
     if said.is_empty() {
         String::new()
     } else {
         format!(" ({})", said.join("; "))
+    }
+}
+
+/// Which rule moved the capacity at a cadence (docs/concepts.md, adaptive capacity), by the
+/// algorithms' own definitions: `: overloaded (two reports or a tenth), back by a tenth`.
+fn change_rule(inputs: &serde_json::Value) -> String {
+    let n = |key: &str| inputs[key].as_i64().unwrap_or(0);
+    let mut signals = permitq::Signals::default();
+    (signals.ok, signals.overloaded, signals.failed) = (n("ok"), n("overloaded"), n("failed"));
+    let ratio = inputs["latency_ms"]
+        .as_f64()
+        .zip(inputs["long_latency_ms"].as_f64().filter(|l| *l > 0.0))
+        .map(|(ms, long)| ms / long);
+    if signals.overloaded() {
+        ": overloaded (two reports or a tenth said so), so back by a tenth".to_string()
+    } else if ratio.is_some_and(|x| x > permitq::TOLERANCE) {
+        format!(
+            ": latency past {}x the unloaded, so back off by how far past",
+            permitq::TOLERANCE
+        )
+    } else {
+        String::new()
     }
 }
 
@@ -579,6 +602,11 @@ fn latency_words(inputs: &serde_json::Value) -> String {
         return String::new();
     };
     match inputs["long_latency_ms"].as_f64().filter(|l| *l > 0.0) {
+        // The first measured (or a new low) is the unloaded latency itself, from then on.
+        Some(long) if (ms - long).abs() < 0.5 => format!(
+            ", p90 latency {ms:.0}ms, the unloaded latency now (later cadences are compared \
+             with it)"
+        ),
         Some(long) => format!(
             ", p90 latency {ms:.0}ms, {:.1}x the unloaded {long:.0}ms",
             ms / long
@@ -1087,7 +1115,7 @@ pub(crate) fn quoted_name(name: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{fairness_sentences, kept_words, latency_words};
+    use super::{change_inputs, fairness_sentences, kept_words, latency_words};
     use permitq::{AdaptiveLimit, Algorithm};
     use serde_json::json;
 
@@ -1147,6 +1175,27 @@ mod tests {
             latency_words(&json!({"latency_ms": 40.0})),
             ", p90 latency 40ms"
         );
+    }
+
+    /// A cadence's change says which rule moved it, and a first latency that it is the
+    /// unloaded one (not "1.0x the unloaded", which read as a comparison).
+    #[test]
+    fn a_cadence_change_says_which_rule_moved_it() {
+        let inputs = |ok: i64, overloaded: i64, ms: f64, long: f64| {
+            json!({"ok": ok, "overloaded": overloaded, "failed": 0, "used": 12,
+                   "latency_ms": ms, "long_latency_ms": long})
+        };
+        assert_eq!(
+            change_inputs(&inputs(2, 1, 452.0, 452.0)),
+            " (from 2 ok, 1 overloaded, 0 failed, p90 latency 452ms, the unloaded latency now \
+             (later cadences are compared with it), 12 in use: overloaded (two reports or a \
+             tenth said so), so back by a tenth)"
+        );
+        assert!(change_inputs(&inputs(9, 0, 40.0, 10.0)).ends_with(
+            "4.0x the unloaded 10ms, 12 in use: latency past 1.2x the unloaded, so back off by \
+             how far past)"
+        ));
+        assert!(change_inputs(&inputs(9, 0, 10.0, 10.0)).ends_with(", 12 in use)"));
     }
 
     #[test]

@@ -154,8 +154,8 @@ impl Mutation {
             Mutation::LostRequest => (
                 "decision_outcome.sql",
                 &[Patch {
-                    find: "            FROM unnest(granted) AS id\n",
-                    replace: "            FROM unnest(granted) AS id WHERE id % 10 <> 3\n",
+                    find: "            FROM unnest(granted) WITH ORDINALITY AS g(id, n)\n",
+                    replace: "            FROM unnest(granted) WITH ORDINALITY AS g(id, n) WHERE g.id % 10 <> 3\n",
                 }][..],
             ),
             Mutation::ParentNotCharged => (

@@ -1465,7 +1465,8 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
     assert!(
         stderr(&o).contains(
             "invalid --latency: it goes with a report of how the use went: give --outcome ok \
-             --latency 20ms"
+             --latency 20ms (with the release that gives the permits back: a report comes only \
+             with that one)"
         ) && !stderr(&o).contains("Usage:"),
         "{}",
         stderr(&o)
