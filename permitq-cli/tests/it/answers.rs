@@ -467,6 +467,17 @@ async fn explain_counts_what_is_held_beyond_a_lowered_capacity_in_the_shortfall(
         "{}",
         stdout(&o)
     );
+    // Behind it, the one held beyond the capacity is in the head's part: 3 for it (2, and the
+    // 1 over), then 1 for this one.
+    run(url, &["submit", "low-w3", "gpu=1"]).await;
+    examined(&client, "low-w3").await;
+    let o = run(url, &["explain", "low-w3"]).await;
+    assert!(
+        stdout(&o)
+            .contains("and 4 more permits must be released (3 for the head first, then 1 for it)"),
+        "{}",
+        stdout(&o)
+    );
     worker.stop().await;
 }
 

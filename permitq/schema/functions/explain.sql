@@ -537,14 +537,16 @@ BEGIN
                        permitq.priority_words(head.priority, head.place), head.count,
                        -- Short: those ahead go first (the head among them), so their
                        -- permits are released for too (the head's alone until examined).
+                       -- What is held beyond a lowered capacity goes before anyone fits:
+                       -- it is in the first part.
                        CASE WHEN shortfall > 0
                             THEN format(', and %s more %s must be released (%s for %s first, then %s for it)',
                                         shortfall + coalesce(permits_ahead, head.count),
                                         CASE WHEN shortfall + coalesce(permits_ahead, head.count) = 1 THEN 'permit' ELSE 'permits' END,
-                                        coalesce(permits_ahead, head.count),
+                                        coalesce(permits_ahead, head.count) + greatest(-room, 0),
                                         CASE WHEN permits_ahead IS NULL OR ahead_count <= 1 THEN 'the head'
                                              ELSE format('the %s requests ahead', ahead_count) END,
-                                        shortfall)
+                                        shortfall - greatest(-room, 0))
                             -- Even with every permit free it would not leave the head its
                             -- room: it goes after the head, whatever is released.
                             WHEN s.capacity::int8 - needs < head.count
