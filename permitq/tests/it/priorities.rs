@@ -42,11 +42,19 @@ async fn queue(db: &TestDb, client: &permitq::Client, id: &str, p: i16) {
 
 /// Semaphore `s` (capacity 1), a worker, and `holder` holding `s`: later requests wait.
 async fn held_by_holder(db: &TestDb) -> (permitq::Client, common::RunningWorker) {
+    all_held_by_holder(db, 1).await
+}
+
+/// Semaphore `s` of `capacity`, a worker, and `holder` holding all of it.
+async fn all_held_by_holder(
+    db: &TestDb,
+    capacity: i32,
+) -> (permitq::Client, common::RunningWorker) {
     let client = db.client().await;
-    client.set_capacity("s", 1, None).await.unwrap();
+    client.set_capacity("s", capacity, None).await.unwrap();
     let worker = db.notified_worker("w1");
     client
-        .submit(&Request::new("holder").permit("s", 1))
+        .submit(&Request::new("holder").permit("s", i64::from(capacity)))
         .await
         .unwrap();
     granted(&client, "holder").await;
@@ -356,14 +364,7 @@ async fn position_1_in_the_waiters_view_is_the_request_granted_next() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_of_one_batch_follow_the_line() {
     let db = TestDb::new().await;
-    let client = db.client().await;
-    client.set_capacity("s", 3, None).await.unwrap();
-    let _worker = db.notified_worker("w1");
-    client
-        .submit(&Request::new("holder").permit("s", 3))
-        .await
-        .unwrap();
-    granted(&client, "holder").await;
+    let (client, _worker) = all_held_by_holder(&db, 3).await;
     // Submitted (ids) in another order than the line's: high, mid, low.
     queue(&db, &client, "mid", 0).await;
     queue(&db, &client, "low", -1).await;
