@@ -723,17 +723,21 @@ impl Client {
             return Ok(None);
         };
         if matches!(explanation.state, State::New | State::InProgress) {
-            let granting = Granting::from_row(&conn.query_typed_one(sql::GRANTING, &[]).await?)?;
-            explanation.nothing_granting = granting.warning();
+            // Whether anything grants, the workers' --max-hold and the request's own terms:
+            // three reads, pipelined.
+            let (granting, max_hold, status) = tokio::join!(
+                conn.query_typed_one(sql::GRANTING, &[]),
+                conn.query_typed_one(sql::LEAST_MAX_HOLD, &[]),
+                read_status(&conn, external_id)
+            );
+            explanation.nothing_granting = Granting::from_row(&granting?)?.warning();
             if explanation.nothing_granting.is_some() {
                 explanation.say_no_worker_examines();
             }
-            explanation.max_hold = conn
-                .query_typed_one(sql::LEAST_MAX_HOLD, &[])
-                .await?
+            explanation.max_hold = max_hold?
                 .get::<_, Option<f64>>(0)
                 .map(|s| Duration::from_secs_f64(s.max(0.0)));
-            if let Some(r) = read_status(&conn, external_id).await? {
+            if let Some(r) = status? {
                 explanation.wait_ends_at = r.created_at.zip(r.wait).map(|(at, wait)| at + wait);
                 explanation.priority = Some(r.priority);
                 let waited = r
