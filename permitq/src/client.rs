@@ -39,7 +39,10 @@ const CANCEL_WITHIN: Duration = Duration::from_secs(2);
 /// Notifications of `permitq_events`, as one waiting call receives them.
 type Events = tokio::sync::broadcast::Receiver<ListenerEvent>;
 
-/// A handle to a permitq database. Cheap to clone.
+/// A handle to a permitq database. Cheap to clone: clones share the pool and the one listening
+/// connection, so make one per process and clone it into its tasks (every `Client` that
+/// [`Client::connect`] makes listens on a connection of its own, and each grant wakes every
+/// listener).
 ///
 /// ```no_run
 /// # async fn demo() -> permitq::Result<()> {

@@ -460,8 +460,9 @@ fn explain_privilege(e: Error, owners: Option<&tokio_postgres::Row>) -> Error {
         match schema_owner {
             Some(owner) if owner != user => format!(
                 ": {user} does not own the permitq schema, {owner} does (and {db_owner} the \
-                 database): migrate as {owner}, or have {owner} (or a superuser) run \
-                 `ALTER SCHEMA permitq OWNER TO {user}`"
+                 database): migrate as {owner}. (The schema's owner is permitq's admin: hand it \
+                 over only to a login meant to be one, by {owner} or a superuser running \
+                 `ALTER SCHEMA permitq OWNER TO {user}`.)"
             ),
             Some(_) => format!(
                 ": {user} owns the permitq schema but may not change what it needs in the \

@@ -25,6 +25,9 @@ const BASE: Duration = Duration::from_millis(40);
 const TIMEOUT: Duration = Duration::from_millis(60);
 /// Holders calling it at once: more than 1.5 C, so that a capacity past it overloads it.
 const HOLDERS: usize = 40;
+/// The machines they run on: each a [`Client`] (one listener, a pool) shared by
+/// `HOLDERS / MACHINES` holders, as a service's callers share its client.
+const MACHINES: usize = 4;
 /// The workers' cadence in this bench.
 const CADENCE: Duration = Duration::from_millis(250);
 /// How long each adaptive run lasts, and each fixed capacity of the sweep.
@@ -121,15 +124,18 @@ async fn drive(
     let started = Instant::now();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut tasks = Vec::new();
+    let mut machines = Vec::new();
+    for _ in 0..MACHINES {
+        machines.push(Client::connect_with_pool_size(url, HOLDERS / MACHINES + 1).await?);
+    }
     for h in 0..HOLDERS {
-        let (url, name, downstream, stop) = (
-            url.to_string(),
+        let (client, name, downstream, stop) = (
+            machines[h % MACHINES].clone(),
             name.to_string(),
             downstream.clone(),
             stop.clone(),
         );
         tasks.push(tokio::spawn(async move {
-            let client = Client::connect_with_pool_size(&url, 2).await?;
             let mut i = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 i += 1;
@@ -198,7 +204,7 @@ pub(crate) async fn run(url: &str, _args: &BenchArgs, report: &mut Report) -> Re
     report.line(format!(
         "\n## Adaptive capacity: a simulated downstream (true capacity C = {C}, latency {}ms \
          with room, x (n/C)^2 past it, overloaded past 1.5 C; holders time out after {}ms), {HOLDERS} \
-         holders, 2 workers, cadence {}ms",
+         holders on {MACHINES} machines (a client each), 2 workers, cadence {}ms",
         BASE.as_millis(),
         TIMEOUT.as_millis(),
         CADENCE.as_millis()

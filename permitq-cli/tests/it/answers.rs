@@ -2489,13 +2489,17 @@ async fn a_borrower_is_told_that_requests_within_a_guarantee_may_go_first() {
     assert!(
         out.contains(
             "waits for 1 more permit to be released (first in line); it borrows 1 beyond the \
-             guarantee of lab:b (2): a request of another child within its own guarantee needs \
-             only room, so it may take the free room first"
+             guarantee of lab:b (2): a request within its child's guarantee needs only room, so \
+             it may take the free room first: one of another child, or one of lab:b itself for \
+             at most 2"
         ),
         "{out}"
     );
-    // As said: lab:c's request within its guarantee is granted past it.
-    let o = run(url, &["submit", "g-c", "lab:c=2", "--await", "10s"]).await;
+    // As said: a request of lab:b itself within its guarantee is granted past it, and then
+    // one of lab:c.
+    let o = run(url, &["submit", "g-b2", "lab:b=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = run(url, &["submit", "g-c", "lab:c=1", "--await", "10s"]).await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     worker.stop().await;
 }

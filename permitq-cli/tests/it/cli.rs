@@ -1158,6 +1158,49 @@ async fn semaphore_set_nests_shows_the_parent_and_refuses_a_tree_it_cannot_keep(
         assert_eq!(code(&o), 2, "{args:?}: {}", stderr(&o));
         assert!(stderr(&o).contains(why), "{args:?}: {}", stderr(&o));
     }
+    // The other children guarantee the whole pool: no guarantee but 0 fits ("or less" would
+    // offer nothing), and making room is said as the other way out.
+    let o = run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "c",
+            "2",
+            "--parent",
+            "pool",
+            "--guarantee",
+            "2",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "b",
+            "1",
+            "--parent",
+            "pool",
+            "--guarantee",
+            "3",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "guarantee 3 is more than the capacity 1, and more than pool leaves it (its other \
+             children guarantee 4 of 4): none left for b: give this command `--guarantee 0` (b \
+             then only borrows what is free), or make room first: raise pool (`permitq \
+             semaphore set pool 7`) or lower what its other children guarantee, then give b a \
+             capacity of at least 3"
+        ),
+        "{}",
+        stderr(&o)
+    );
     let o = run(url, &["semaphore", "list", "--json"]).await;
     assert!(!stdout(&o).contains("\"b\""), "{}", stdout(&o));
     // --no-parent takes it out again (its guarantee with it).

@@ -225,6 +225,10 @@ DECLARE
     -- or no parent), and the child's name (an instance not made yet: its template's guarantee).
     borrows bigint;
     child_name text;
+    -- The child's guarantee not held now: a request of it for up to this needs only room.
+    own_unused bigint;
+    -- Another child of this parent has a guarantee.
+    others_guaranteed boolean;
     -- The earliest grant of those holding here: releases before it were of other holders.
     first_held_at timestamptz;
     -- On a parent: the first in line of a fair semaphore it names below that keeps its count
@@ -319,6 +323,7 @@ BEGIN
         child := NULL;
         borrows := NULL;
         child_name := NULL;
+        own_unused := 0;
         IF named.depth > 0 THEN
             SELECT x.ancestor INTO child_name FROM permitq.ancestors(ARRAY[named.via]) x
             WHERE x.depth = named.depth - 1;
@@ -330,12 +335,17 @@ BEGIN
             END IF;
             -- What it takes beyond the child's unused guarantee (none: within it, room is all
             -- it needs).
-            borrows := needs - greatest(coalesce(child.guarantee, 0) - coalesce(child.used, 0), 0);
+            own_unused := greatest(coalesce(child.guarantee, 0) - coalesce(child.used, 0), 0);
+            borrows := needs - own_unused;
             within_guarantee := borrows <= 0;
             IF within_guarantee THEN
                 borrows := NULL;
             END IF;
         END IF;
+        -- Another child with a guarantee: its requests within it need only room here.
+        others_guaranteed := EXISTS (SELECT 1 FROM permitq.semaphore c
+                                     WHERE c.parent = s.name AND c.guarantee > 0
+                                       AND c.name IS DISTINCT FROM child_name);
         SELECT nullif(coalesce(sum(greatest(c.guarantee - c.used, 0)), 0), 0),
                string_agg(format('%s (%s of its %s unused)', c.name, greatest(c.guarantee - c.used, 0),
                                  c.guarantee), ', ' ORDER BY c.name)
@@ -565,18 +575,24 @@ BEGIN
             WHEN shortfall > 0 THEN
                 format('waits for %s more %s to be released%s%s', shortfall, CASE WHEN shortfall = 1 THEN 'permit' ELSE 'permits' END,
                        CASE WHEN s.fair THEN ' (first in line)' ELSE ' (greedy)' END,
-                       -- A borrower here: a child's request within its own guarantee needs only
-                       -- room, so it may take the free room before this one, whatever the line.
-                       CASE WHEN borrows > 0 AND EXISTS (
-                                     SELECT 1 FROM permitq.semaphore c
-                                     WHERE c.parent = s.name AND c.guarantee > 0
-                                       AND c.name IS DISTINCT FROM child_name)
-                            THEN format('; it borrows %s beyond %s: a request of another child within its own guarantee needs only room, so it may take the free room first',
+                       -- A borrower here: a request within its child's guarantee needs only
+                       -- room, so it may take the free room before this one, whatever the line:
+                       -- one of another child, or a smaller one of its own child while that
+                       -- child's guarantee is not all used.
+                       CASE WHEN borrows > 0 AND (others_guaranteed OR own_unused > 0)
+                            THEN format('; it borrows %s beyond %s: %s',
                                         borrows,
                                         CASE WHEN coalesce(child.guarantee, 0) > 0
                                              THEN format('the guarantee of %s (%s)', child_name, child.guarantee)
                                              WHEN child_name IS NOT NULL THEN format('%s, which has no guarantee', child_name)
-                                             ELSE 'any guarantee (it names the parent itself)' END)
+                                             ELSE 'any guarantee (it names the parent itself)' END,
+                                        CASE WHEN NOT others_guaranteed
+                                             THEN format('a later request of %s for at most %s, within its guarantee, needs only room, so it may take the free room first',
+                                                         child_name, own_unused)
+                                             WHEN own_unused > 0
+                                             THEN format('a request within its child''s guarantee needs only room, so it may take the free room first: one of another child, or one of %s itself for at most %s',
+                                                         child_name, own_unused)
+                                             ELSE 'a request of another child within its own guarantee needs only room, so it may take the free room first' END)
                             ELSE '' END)
             WHEN cardinality(every_name) = 1 THEN 'it fits: a worker grants it at its next pass (within a second or so; if not, no worker runs: one that died counts as running for up to 8s, then this says that nothing is granting)'
             ELSE format('it fits here; what holds it back is on its other rows: %s',

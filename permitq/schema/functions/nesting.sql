@@ -115,14 +115,22 @@ BEGIN
             promised := permitq.promised_to_children(p.name);
             left_over := p.capacity - (promised - s.guarantee);
             IF left_over < s.guarantee THEN
-                RETURN format('guarantee %s is more than the capacity %s, and more than %s leaves it (its other children guarantee %s of %s): give this command `--guarantee %s` or less%s',
+                -- Where the other children leave nothing, `--guarantee 0` is the one guarantee
+                -- that fits, and making room in the parent the other way out.
+                RETURN format('guarantee %s is more than the capacity %s, and more than %s leaves it (its other children guarantee %s of %s): %s',
                               s.guarantee, s.capacity, p.name, promised - s.guarantee, p.capacity,
-                              greatest(least(left_over, s.capacity), 0),
-                              CASE WHEN left_over > s.capacity
-                                   THEN format(' (or up to %s with a capacity of as much: `permitq semaphore set %s %s --parent %s --guarantee %s`)',
-                                               left_over, permitq.shell_word(s.name), left_over,
-                                               permitq.shell_word(p.name), left_over)
-                                   ELSE '' END);
+                              CASE WHEN left_over > 0
+                                   THEN format('give this command `--guarantee %s`%s%s',
+                                               greatest(least(left_over, s.capacity), 0),
+                                               CASE WHEN s.capacity > 0 THEN ' or less' ELSE '' END,
+                                               CASE WHEN left_over > s.capacity
+                                                    THEN format(' (or up to %s with a capacity of as much: `permitq semaphore set %s %s --parent %s --guarantee %s`)',
+                                                                left_over, permitq.shell_word(s.name), left_over,
+                                                                permitq.shell_word(p.name), left_over)
+                                                    ELSE '' END)
+                                   ELSE format('none left for %s: give this command `--guarantee 0` (%s then only borrows what is free), or make room first: raise %s (`permitq semaphore set %s %s`) or lower what its other children guarantee, then give %s a capacity of at least %s',
+                                               s.name, s.name, p.name, permitq.shell_word(p.name),
+                                               promised, s.name, s.guarantee) END);
             END IF;
         END IF;
     END IF;

@@ -252,8 +252,9 @@ async fn a_non_superuser_that_owns_the_database_or_the_schema_migrates_it() {
     assert!(
         err.contains(&format!(
             "{other} does not own the permitq schema, {owner} does (and {superuser_name} the \
-             database): migrate as {owner}, or have {owner} (or a superuser) run `ALTER SCHEMA \
-             permitq OWNER TO {other}`"
+             database): migrate as {owner}. (The schema's owner is permitq's admin: hand it \
+             over only to a login meant to be one, by {owner} or a superuser running `ALTER \
+             SCHEMA permitq OWNER TO {other}`.)"
         )),
         "{err}"
     );
