@@ -171,29 +171,43 @@ pub(crate) fn explanation_from_rows(rows: &[Row]) -> Result<Option<Explanation>>
 const NOT_EXAMINED: &str = "not examined by a worker yet: a running worker does";
 /// The start of its reason for a request that fits: it speaks of a worker's next pass.
 const FITS: &str = "it fits: a worker grants it at its next pass";
+/// Its words for a request past its wait: they speak of a worker's next pass.
+const WAIT_RAN_OUT: &str = "the next worker pass ends it as timeout";
 
 impl Explanation {
     /// While nothing is granting, a request not examined yet is said to wait for a worker to
-    /// run, not for a running one to examine it, and one that fits to be granted once a worker
-    /// runs, not at its next pass (the reason's words would contradict
-    /// [`Explanation::nothing_granting`]).
+    /// run, not for a running one to examine it, one that fits to be granted once a worker
+    /// runs, not at its next pass, and one past its wait to be ended once a worker runs (the
+    /// reason's words would contradict [`Explanation::nothing_granting`]). The words replaced
+    /// run to the end of the reason (or of the parenthesis it is in: `(before that: …)` for a
+    /// request past its wait), so the parentheses left open before them are closed after.
     pub(crate) fn say_no_worker_examines(&mut self) {
         for s in &mut self.semaphores {
-            if s.reason.starts_with(FITS) {
-                s.reason = "it fits: a worker grants it once one runs (none does: start one, \
-                            `permitq worker`)"
-                    .to_string();
-                continue;
-            }
-            if let Some(at) = s.reason.find(NOT_EXAMINED) {
-                let closes = s.reason[..at].ends_with('(');
-                s.reason.truncate(at);
-                s.reason.push_str(
+            s.reason =
+                s.reason
+                    .replacen(WAIT_RAN_OUT, "a worker ends it as timeout once one runs", 1);
+            for (words, instead) in [
+                (
+                    FITS,
+                    "it fits: a worker grants it once one runs (none does: start one, \
+                     `permitq worker`)",
+                ),
+                (
+                    NOT_EXAMINED,
                     "not examined by a worker yet, and no worker runs to examine it: start one \
                      (`permitq worker`)",
-                );
-                if closes {
-                    s.reason.push(')');
+                ),
+            ] {
+                if let Some(at) = s.reason.find(words) {
+                    s.reason.truncate(at);
+                    let open = s
+                        .reason
+                        .matches('(')
+                        .count()
+                        .saturating_sub(s.reason.matches(')').count());
+                    s.reason.push_str(instead);
+                    s.reason.push_str(&")".repeat(open));
+                    break;
                 }
             }
         }
@@ -269,6 +283,32 @@ mod tests {
             ),
             "{}",
             e.semaphores[0].reason
+        );
+        // Past its wait: the reason before it is in parentheses, closed again, and the end of
+        // the request is not promised at a pass.
+        let mut e = waiting(
+            "its wait ran out 3s ago: the next worker pass ends it as timeout, not granted \
+             (before that: not examined by a worker yet: a running worker does within a second \
+             or so (…))",
+        );
+        e.say_no_worker_examines();
+        assert_eq!(
+            e.semaphores[0].reason,
+            "its wait ran out 3s ago: a worker ends it as timeout once one runs, not granted \
+             (before that: not examined by a worker yet, and no worker runs to examine it: start \
+             one (`permitq worker`))"
+        );
+        let mut e = waiting(
+            "its wait ran out 3s ago: the next worker pass ends it as timeout, not granted \
+             (before that: it fits: a worker grants it at its next pass (within a second or so; \
+             if not, …))",
+        );
+        e.say_no_worker_examines();
+        assert_eq!(
+            e.semaphores[0].reason,
+            "its wait ran out 3s ago: a worker ends it as timeout once one runs, not granted \
+             (before that: it fits: a worker grants it once one runs (none does: start one, \
+             `permitq worker`))"
         );
         let mut e = waiting("waits for 1 more permit to be released (first in line)");
         e.say_no_worker_examines();

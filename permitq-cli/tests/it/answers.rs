@@ -1412,7 +1412,15 @@ async fn once_the_last_worker_stops_explain_and_semaphore_show_say_nothing_is_gr
         "semaphore show lists the running worker alone",
         || async {
             let text = stdout(&run(url, &["semaphore", "show", "nw"]).await);
-            text.contains("workers (1): only-worker on ") && !text.contains("first-out")
+            // Its host, version and when it was last seen.
+            text.contains(&format!(
+                "workers (1): only-worker on {} ({}, seen ",
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .unwrap()
+                    .trim(),
+                env!("CARGO_PKG_VERSION")
+            )) && text.contains(" ago)")
+                && !text.contains("first-out")
         },
     )
     .await;
@@ -1502,6 +1510,24 @@ async fn once_the_last_worker_stops_explain_and_semaphore_show_say_nothing_is_gr
             && !text.contains("a running worker does"),
         "{text}"
     );
+    // One whose wait runs out: still `new` (no worker ends it), and explain says a worker
+    // ends it once one runs, not at a pass, its reason before that in closed parentheses.
+    run(url, &["submit", "nw-4", "nw=1", "--wait", "1s"]).await;
+    wait_until(SOON, "explain says nw-4's wait ran out", || async {
+        stdout(&run(url, &["explain", "nw-4"]).await).contains("its wait ran out ")
+    })
+    .await;
+    let text = stdout(&run(url, &["explain", "nw-4"]).await);
+    assert!(
+        text.contains(
+            " ago: a worker ends it as timeout once one runs, not granted (before that: not \
+             examined by a worker yet, and no worker runs to examine it: start one (`permitq \
+             worker`))\n"
+        ) && !text.contains("next worker pass"),
+        "{text}"
+    );
+    let o = run(url, &["status", "nw-4"]).await;
+    assert!(stdout(&o).starts_with("nw-4 new"), "{}", stdout(&o));
     let o = run(url, &["semaphore", "show", "nw", "--json"]).await;
     let show = json(&o);
     assert_eq!(show["granting"]["live_workers"], 0, "{show}");

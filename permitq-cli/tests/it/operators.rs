@@ -467,6 +467,56 @@ async fn serve_says_that_it_stopped_on_sigterm() {
     .await;
 }
 
+/// `serve` runs without workers: while none runs, `/readyz` (still ready: the page serves) and
+/// the page's first row say that nothing is granting; once one runs, the row lists it with its
+/// host, version and when it was last seen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_says_on_readyz_and_the_page_when_nothing_is_granting() {
+    let db = TestDb::new().await;
+    db.client().await.migrate().await.unwrap();
+    let url = db.url.clone();
+    let (_serve, addr) = tokio::task::spawn_blocking(move || {
+        spawn_server(&url, &["serve", "--http-addr", "127.0.0.1:0"])
+    })
+    .await
+    .unwrap();
+    let fetch = |path: &'static str| async move {
+        tokio::task::spawn_blocking(move || get(addr, path))
+            .await
+            .unwrap()
+    };
+    let (status, body) = fetch("/readyz").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.starts_with("ready; nothing is granting: no worker seen")
+            && body.contains("start one with `permitq worker`"),
+        "{body}"
+    );
+    let (_, rows) = fetch("/rows").await;
+    assert!(
+        rows.contains(
+            "<tr class=\"workers none\"><td colspan=\"7\">nothing is granting: no worker seen"
+        ),
+        "{rows}"
+    );
+    let worker = db.worker(quiet_config("page-worker"));
+    wait_until(SOON, "/readyz and the page see the worker", || async {
+        let (_, body) = fetch("/readyz").await;
+        let (_, rows) = fetch("/rows").await;
+        body == "ready\n"
+            && rows.contains(&format!(
+                "<tr class=\"workers\"><td colspan=\"7\">workers (1): page-worker on {} ({}, seen ",
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .unwrap()
+                    .trim(),
+                env!("CARGO_PKG_VERSION")
+            ))
+            && rows.contains(" ago)</td></tr>")
+    })
+    .await;
+    worker.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_is_not_ready_without_the_schema_and_a_worker_waits_for_it() {
     let db = TestDb::new().await;
