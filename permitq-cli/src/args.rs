@@ -127,6 +127,13 @@ pub(crate) enum Command {
         /// New lease length from now (default: the request's ttl).
         #[arg(long, value_parser = parse_lease_duration, allow_hyphen_values = true)]
         extend: Option<Duration>,
+        /// How the holder's use went so far, for adaptive semaphores it holds: ok, overloaded
+        /// (a 429, a timeout, a pool exhausted) or failed; the release may report again.
+        #[arg(long, value_parser = parse_outcome)]
+        outcome: Option<permitq::Outcome>,
+        /// With --outcome: how long its calls took (250ms).
+        #[arg(long, value_parser = parse_duration)]
+        latency: Option<Duration>,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,

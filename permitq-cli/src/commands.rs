@@ -362,18 +362,11 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
             latency,
             json,
         } => {
-            // Checked here, not by clap: its usage line would show --latency as required.
-            if let (None, Some(latency)) = (report, latency) {
-                return Err(CliError::usage(
-                    "--latency",
-                    format!(
-                        "it goes with a report of how the use went: give --outcome ok --latency {} \
-                         (with the release that gives the permits back: a report comes only with \
-                         that one)",
-                        humantime::format_duration(latency)
-                    ),
-                ));
-            }
+            latency_needs_outcome(
+                report,
+                latency,
+                "with the release that gives the permits back: a report comes only with that one",
+            )?;
             let client = Client::connect(&need_url()?).await?;
             let said = match report {
                 Some(report) => {
@@ -407,8 +400,15 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
         Command::Heartbeat {
             external_id,
             extend,
+            outcome: report,
+            latency,
             json,
         } => {
+            latency_needs_outcome(
+                report,
+                latency,
+                "with a heartbeat or the release: a report goes with one of them",
+            )?;
             // Unreachable: the lease was not extended, and says so.
             let not_extended = |e: permitq::Error| -> CliError {
                 if e.is_retryable() {
@@ -435,7 +435,13 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
                 .map(|r| (r.expires_at, r.ttl));
             let ttl = before.and_then(|(_, ttl)| ttl);
             let before = before.map(|(expires, _)| expires);
-            match client.heartbeat(&external_id, extend).await {
+            let beat = client.heartbeat(&external_id, extend).await;
+            // Held (the heartbeat got through): the report counts, beside it.
+            if let (Ok(_), Some(report)) = (&beat, report) {
+                client.report(&external_id, report, latency).await?;
+                say_where_reported(&client, &external_id, report, latency).await;
+            }
+            match beat {
                 Ok(expiry) if json => outln!(
                     "{}",
                     serde_json::json!({
@@ -721,6 +727,26 @@ async fn say_instances_over_the_template(
 
 /// After `release --outcome`: the adaptive semaphores the report went to (those it held, and
 /// their parents), or that none of them adapts, so nothing was kept. A failed read says nothing.
+/// `--latency` without `--outcome`: a usage error (checked here, not by clap: its usage line
+/// would show --latency as required). `goes_with` says which calls carry a report.
+fn latency_needs_outcome(
+    report: Option<permitq::Outcome>,
+    latency: Option<std::time::Duration>,
+    goes_with: &str,
+) -> Result<()> {
+    match (report, latency) {
+        (None, Some(latency)) => Err(CliError::usage(
+            "--latency",
+            format!(
+                "it goes with a report of how the use went: give --outcome ok --latency {} \
+                 ({goes_with})",
+                humantime::format_duration(latency)
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 async fn say_where_reported(
     client: &Client,
     external_id: &str,

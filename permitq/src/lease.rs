@@ -118,6 +118,14 @@ impl Lease {
         self.client.release(&self.request.external_id).await
     }
 
+    /// Reports how the use went so far, while it still holds (beside its heartbeats), for the
+    /// adaptive semaphores it holds ([`crate::Client::report`]): whether the report was kept.
+    pub async fn report(&self, outcome: crate::Outcome, latency: Option<Duration>) -> Result<bool> {
+        self.client
+            .report(&self.request.external_id, outcome, latency)
+            .await
+    }
+
     /// Releases as [`Lease::release`] does, reporting how the use went for the adaptive
     /// semaphores it held ([`crate::Client::release_reporting`]).
     pub async fn release_reporting(

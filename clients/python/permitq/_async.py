@@ -148,6 +148,12 @@ class AsyncClient:
         row = await self._one(c.HEARTBEAT, (external_id, c.seconds(extend, "extend")))
         return None if row is None else row[0]
 
+    async def report(self, external_id: str, outcome: str, latency: float | dt.timedelta | None = None) -> bool:
+        """As Client.report."""
+        row = await self._one(c.REPORT, c.report_args(external_id, outcome, latency))
+        assert row is not None
+        return bool(row[0])
+
     async def _granting(self) -> tuple[Any, ...] | None:
         return await self._one(c.GRANTING, ())
 
@@ -418,6 +424,10 @@ class AsyncLease:
         """Raises LeaseLost once the lease is lost."""
         if self.is_lost:
             raise LeaseLost(c.lost_message(self.external_id, self.lost_reason))
+
+    async def report(self, outcome: str, latency: float | dt.timedelta | None = None) -> bool:
+        """Reports how the use went so far, while it holds (Client.report)."""
+        return await self._client.report(self.external_id, outcome, latency)
 
     async def release(self, outcome: str | None = None, latency: float | dt.timedelta | None = None) -> str:
         """Stops heartbeating and gives the permits back (once); with `outcome`, reports."""

@@ -75,14 +75,29 @@ RELEASE_REPORTING = "SELECT permitq.release(%s, %s, make_interval(secs => %s))"
 OUTCOMES = ("ok", "overloaded", "failed")
 
 
+#: A holder's report while it holds (beside a heartbeat).
+REPORT = "SELECT permitq.report(%s, %s, make_interval(secs => %s))"
+
+
+def check_outcome(outcome: str) -> None:
+    """Refuses an outcome that is not ok, overloaded or failed, before anything is sent."""
+    if outcome not in OUTCOMES:
+        raise InvalidInput(f"outcome: must be ok, overloaded (a 429, a timeout, a pool exhausted) or failed, got {outcome!r}", "outcome")
+
+
+def report_args(external_id: str, outcome: str, latency: float | dt.timedelta | None) -> tuple[Any, ...]:
+    """The arguments of a report while holding."""
+    check_outcome(outcome)
+    return (external_id, outcome, seconds(latency, "latency"))
+
+
 def release_args(external_id: str, outcome: str | None, latency: float | dt.timedelta | None) -> tuple[str, tuple[Any, ...]]:
     """The statement and arguments of a release, with a report when `outcome` is given."""
     if outcome is None:
         if latency is not None:
             raise InvalidInput("latency: a latency is reported with an outcome: give outcome= too", "latency")
         return RELEASE, (external_id,)
-    if outcome not in OUTCOMES:
-        raise InvalidInput(f"outcome: must be ok, overloaded (a 429, a timeout, a pool exhausted) or failed, got {outcome!r}", "outcome")
+    check_outcome(outcome)
     return RELEASE_REPORTING, (external_id, outcome, seconds(latency, "latency"))
 HEARTBEAT = "SELECT permitq.heartbeat(%s, make_interval(secs => %s))"
 EXPLAIN = (

@@ -159,6 +159,17 @@ class Client:
         row = self._run(lambda conn: conn.execute(c.HEARTBEAT, (external_id, c.seconds(extend, "extend"))).fetchone())
         return None if row is None else row[0]
 
+    def report(self, external_id: str, outcome: str, latency: float | dt.timedelta | None = None) -> bool:
+        """Reports how the holder's use went so far (ok, overloaded or failed, and an optional
+        `latency`), while it still holds, to the adaptive semaphores it holds. Whether it was
+        kept: False when no request has the id, when it is not held, or when none of its
+        semaphores is adaptive. Until a cadence applies it, a later report replaces it unless it
+        says less (ok < failed < overloaded)."""
+        args = c.report_args(external_id, outcome, latency)
+        row = self._run(lambda conn: conn.execute(c.REPORT, args).fetchone())
+        assert row is not None
+        return bool(row[0])
+
     def _granting(self) -> tuple[Any, ...] | None:
         return self._run(lambda conn: conn.execute(c.GRANTING).fetchone())
 
@@ -436,6 +447,10 @@ class Lease:
         """Raises LeaseLost once the lease is lost."""
         if self.is_lost:
             raise LeaseLost(c.lost_message(self.external_id, self.lost_reason))
+
+    def report(self, outcome: str, latency: float | dt.timedelta | None = None) -> bool:
+        """Reports how the use went so far, while it holds (Client.report)."""
+        return self._client.report(self.external_id, outcome, latency)
 
     def release(self, outcome: str | None = None, latency: float | dt.timedelta | None = None) -> str:
         """Stops heartbeating and gives the permits back (once): the release outcome. With

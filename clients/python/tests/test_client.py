@@ -161,6 +161,24 @@ class SyncClientTest(unittest.TestCase):
         )
         wait_for(lambda: capacity() == 4, "the overload reported lowers the capacity")
 
+    def test_a_holder_reports_while_it_holds(self) -> None:
+        sem = new_id("py-report")
+        self.admin.set_capacity(sem, 5, adaptive={"algorithm": "aimd", "floor": 1, "ceiling": 10})
+        with self.client.acquire(new_id("hold"), {sem: 1}, ttl=30, timeout=15) as lease:
+            with self.assertRaises(permitq.InvalidInput) as caught:
+                lease.report("great")
+            self.assertEqual(caught.exception.field, "outcome")
+            self.assertTrue(lease.report("overloaded", latency=0.9))
+            capacity = lambda: self.admin._run(
+                lambda conn: conn.execute("SELECT capacity FROM permitq.semaphore WHERE name = %s", (sem,)).fetchone()[0]
+            )
+            # While it still holds: the report alone lowers the capacity.
+            wait_for(lambda: capacity() == 4, "the overload reported while holding lowers the capacity")
+            self.assertEqual(self.client.status(lease.external_id).state, "acquired")
+        # Not held any more, or no such request: not kept.
+        self.assertFalse(self.client.report(lease.external_id, "ok"))
+        self.assertFalse(self.client.report(new_id("nobody"), "ok"))
+
     def test_a_revoked_lease_is_lost_and_check_raises(self) -> None:
         rid = new_id("revoked")
         with self.client.acquire(rid, {self.sem: 1}, ttl=1.5, timeout=15) as lease:
@@ -771,6 +789,24 @@ class AsyncClientTest(unittest.IsolatedAsyncioTestCase):
         async with await permitq.AsyncClient.connect(URL, listen=False) as polling:
             async with await polling.acquire(new_id("apoll"), {sem: 1}, ttl=30, timeout=15) as lease:
                 self.assertGreater(lease.fencing_token, 0)
+        await admin.close()
+
+    async def test_a_holder_reports_while_it_holds(self) -> None:
+        admin = await permitq.AsyncClient.connect(ADMIN_URL)
+        sem = new_id("apy-report")
+        await admin.set_capacity(sem, 5, adaptive={"algorithm": "aimd", "floor": 1, "ceiling": 10})
+        async with await permitq.AsyncClient.connect(URL) as client:
+            async with await client.acquire(new_id("ahold"), {sem: 1}, ttl=30, timeout=15) as lease:
+                with self.assertRaises(permitq.InvalidInput):
+                    await lease.report("great")
+                self.assertTrue(await lease.report("overloaded", latency=0.9))
+                for _ in range(500):
+                    row = await admin._one("SELECT capacity FROM permitq.semaphore WHERE name = %s", (sem,))
+                    if row[0] == 4:
+                        break
+                    await asyncio.sleep(0.02)
+                self.assertEqual(row[0], 4, "the overload reported while holding lowers the capacity")
+            self.assertFalse(await client.report(lease.external_id, "ok"))
         await admin.close()
 
     async def test_woken_by_the_event_released_on_an_exception_and_kept_from_others(self) -> None:

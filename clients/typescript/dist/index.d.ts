@@ -90,7 +90,7 @@ export interface Explanation {
     outcome: string | null;
     semaphores: SemaphoreWait[];
 }
-/** How a holder's use went, reported on release to the adaptive semaphores it held. */
+/** How a holder's use went, reported on release (or while it holds) to its adaptive semaphores. */
 export interface Report {
     /** `ok`, `overloaded` (a 429, a timeout, a pool exhausted) or `failed`. */
     outcome: "ok" | "overloaded" | "failed";
@@ -145,6 +145,13 @@ export declare class Client {
     release(externalId: string, report?: Report): Promise<string>;
     /** Extends the lease (to now + `extendSeconds`, else its ttl); throws LeaseLost when it is gone. */
     heartbeat(externalId: string, extendSeconds?: number): Promise<Date | null>;
+    /**
+     * Reports how the holder's use went so far, while it still holds, to the adaptive semaphores it
+     * holds. Whether it was kept: `false` when no request has the id, when it is not held, or when
+     * none of its semaphores is adaptive. Until a cadence applies it, a later report replaces it
+     * unless it says less (ok < failed < overloaded).
+     */
+    report(externalId: string, report: Report): Promise<boolean>;
     /** Why the request waits, per semaphore; or how it ended. Null for an unknown id. */
     explain(externalId: string): Promise<Explanation | null>;
     /** Creates or changes a semaphore (admins); an option left out keeps its setting. */
@@ -212,6 +219,8 @@ export declare class Lease implements AsyncDisposable {
     get isLost(): boolean;
     /** Throws LeaseLost once the lease is lost. */
     check(): void;
+    /** Reports how the use went so far, while it holds (`client.report`): whether it was kept. */
+    report(report: Report): Promise<boolean>;
     /** Stops heartbeating and gives the permits back (once): the release outcome; with `report`, reports. */
     release(report?: Report): Promise<string>;
     /** Released through `client.release(id)`, not this lease: it holds nothing any more. */

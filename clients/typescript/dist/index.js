@@ -267,6 +267,16 @@ export class Client {
         const rows = await this.query(SQL.heartbeat, [externalId, extendSeconds ?? null]);
         return rows[0].until ?? null;
     }
+    /**
+     * Reports how the holder's use went so far, while it still holds, to the adaptive semaphores it
+     * holds. Whether it was kept: `false` when no request has the id, when it is not held, or when
+     * none of its semaphores is adaptive. Until a cadence applies it, a later report replaces it
+     * unless it says less (ok < failed < overloaded).
+     */
+    async report(externalId, report) {
+        const rows = await this.query(SQL.report, [externalId, checkedOutcome(report.outcome), reportLatency(report.latencyMs)]);
+        return rows[0].kept;
+    }
     /** Why the request waits, per semaphore; or how it ended. Null for an unknown id. */
     async explain(externalId) {
         const rows = await this.query(SQL.explain, [externalId]);
@@ -564,6 +574,10 @@ export class Lease {
         if (this.isLost) {
             throw new LeaseLost(`lease of ${this.externalId} lost: ${String(this.signal.reason).replace(/^lease lost: /, "")}`);
         }
+    }
+    /** Reports how the use went so far, while it holds (`client.report`): whether it was kept. */
+    report(report) {
+        return this.client.report(this.externalId, report);
     }
     /** Stops heartbeating and gives the permits back (once): the release outcome; with `report`, reports. */
     release(report) {

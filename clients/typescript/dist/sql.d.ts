@@ -6,6 +6,7 @@ export declare const SQL: {
     readonly release: "SELECT permitq.release($1) AS outcome";
     readonly releaseReporting: "SELECT permitq.release($1, $2, make_interval(secs => $3::float8)) AS outcome";
     readonly heartbeat: "SELECT permitq.heartbeat($1, make_interval(secs => $2)) AS until";
+    readonly report: "SELECT permitq.report($1, $2, make_interval(secs => $3::float8)) AS kept";
     readonly explain: "SELECT request, state, outcome, semaphore, needs, capacity, free, shortfall, position::int,\n                   permits_ahead::int, reason, holders, extract(epoch FROM estimated_wait)::float8 AS estimated,\n                   fairness\n            FROM permitq.explain($1)";
     readonly setCapacity: "SELECT name, capacity, used::int FROM permitq.set_capacity($1, $2, fair => $3,\n                  per => make_interval(secs => $4), max_instances => $5, parent => $6, guarantee => $7)";
     readonly setCapacityAdaptive: "SELECT name, capacity, used::int FROM permitq.set_capacity($1, $2, fair => $3,\n                  per => make_interval(secs => $4), max_instances => $5, parent => $6, guarantee => $7,\n                  adaptive => $8::jsonb)";

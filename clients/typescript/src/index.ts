@@ -127,7 +127,7 @@ export interface Explanation {
   semaphores: SemaphoreWait[];
 }
 
-/** How a holder's use went, reported on release to the adaptive semaphores it held. */
+/** How a holder's use went, reported on release (or while it holds) to its adaptive semaphores. */
 export interface Report {
   /** `ok`, `overloaded` (a 429, a timeout, a pool exhausted) or `failed`. */
   outcome: "ok" | "overloaded" | "failed";
@@ -393,6 +393,17 @@ export class Client {
   async heartbeat(externalId: string, extendSeconds?: number): Promise<Date | null> {
     const rows = await this.query(SQL.heartbeat, [externalId, extendSeconds ?? null]);
     return (rows[0]!.until as Date) ?? null;
+  }
+
+  /**
+   * Reports how the holder's use went so far, while it still holds, to the adaptive semaphores it
+   * holds. Whether it was kept: `false` when no request has the id, when it is not held, or when
+   * none of its semaphores is adaptive. Until a cadence applies it, a later report replaces it
+   * unless it says less (ok < failed < overloaded).
+   */
+  async report(externalId: string, report: Report): Promise<boolean> {
+    const rows = await this.query(SQL.report, [externalId, checkedOutcome(report.outcome), reportLatency(report.latencyMs)]);
+    return rows[0]!.kept as boolean;
   }
 
   /** Why the request waits, per semaphore; or how it ended. Null for an unknown id. */
@@ -698,6 +709,11 @@ export class Lease implements AsyncDisposable {
     if (this.isLost) {
       throw new LeaseLost(`lease of ${this.externalId} lost: ${String(this.signal.reason).replace(/^lease lost: /, "")}`);
     }
+  }
+
+  /** Reports how the use went so far, while it holds (`client.report`): whether it was kept. */
+  report(report: Report): Promise<boolean> {
+    return this.client.report(this.externalId, report);
   }
 
   /** Stops heartbeating and gives the permits back (once): the release outcome; with `report`, reports. */

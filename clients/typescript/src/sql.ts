@@ -19,6 +19,7 @@ export const SQL = {
   release: "SELECT permitq.release($1) AS outcome",
   releaseReporting: "SELECT permitq.release($1, $2, make_interval(secs => $3::float8)) AS outcome",
   heartbeat: "SELECT permitq.heartbeat($1, make_interval(secs => $2)) AS until",
+  report: "SELECT permitq.report($1, $2, make_interval(secs => $3::float8)) AS kept",
   explain: `SELECT request, state, outcome, semaphore, needs, capacity, free, shortfall, position::int,
                    permits_ahead::int, reason, holders, extract(epoch FROM estimated_wait)::float8 AS estimated,
                    fairness

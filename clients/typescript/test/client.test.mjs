@@ -173,6 +173,25 @@ describe("permitq client", () => {
     await pool.end();
   });
 
+  it("reports while it holds", async () => {
+    const adaptive = newId("ts-report");
+    await admin.setCapacity(adaptive, 5, { adaptive: { algorithm: "aimd", floor: 1, ceiling: 10 } });
+    const pool = new pg.Pool({ connectionString: ADMIN_URL });
+    const lease = await client.acquire(newId("hold"), { [adaptive]: 1 }, { ttlSeconds: 30 });
+    await assert.rejects(lease.report({ outcome: "great" }), permitq.InvalidInput);
+    assert.equal(await lease.report({ outcome: "overloaded", latencyMs: 900 }), true);
+    // While it still holds: the report alone lowers the capacity.
+    await waitFor(
+      async () => (await pool.query("SELECT capacity FROM permitq.semaphore WHERE name = $1", [adaptive])).rows[0].capacity === 4,
+      "the overload reported while holding lowers the capacity",
+      15000,
+    );
+    assert.equal((await client.status(lease.externalId)).state, "acquired");
+    await lease.release();
+    assert.equal(await client.report(lease.externalId, { outcome: "ok" }), false);
+    await pool.end();
+  });
+
   it("signals a revoked lease as lost", async () => {
     const id = newId("revoked");
     const lease = await client.acquire(id, { [sem]: 1 }, { ttlSeconds: 1.5 });

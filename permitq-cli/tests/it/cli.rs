@@ -1273,6 +1273,99 @@ fn a_permit_with_two_equals_signs_says_how_to_write_either_meaning() {
 
 /// An adaptive semaphore from the command line: made, shown, moved by a holder's report, the
 /// change audited with what moved it; bounds without --adaptive refused; fixed again.
+/// A holder reports beside a heartbeat (`heartbeat --outcome`), and is told where the report
+/// went; --latency alone is a usage error, and a semaphore that does not adapt keeps none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeat_reports_how_the_use_went_so_far() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let mut config = quiet_config("w");
+    // No cadence during the test: the report stays to be read.
+    config.maintenance.adaptive_cadence = Duration::from_secs(3600);
+    let worker = db.worker(config);
+    run(
+        url,
+        &[
+            "semaphore",
+            "set",
+            "api",
+            "4",
+            "--adaptive",
+            "aimd",
+            "--floor",
+            "1",
+            "--ceiling",
+            "8",
+        ],
+    )
+    .await;
+    let o = run(
+        url,
+        &["submit", "h1", "api=1", "--ttl", "1m", "--await", "10s"],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = run(
+        url,
+        &[
+            "heartbeat",
+            "h1",
+            "--outcome",
+            "overloaded",
+            "--latency",
+            "900ms",
+        ],
+    )
+    .await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stdout(&o).starts_with("expires_at=")
+            && stderr(&o).contains(
+                "permitq: reported overloaded to api: the next cadence counts it (its latency is \
+                 not used: aimd reads only how many reports say ok, overloaded or failed"
+            ),
+        "{}{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    let outcome: String = db
+        .conn()
+        .await
+        .query_one(
+            "SELECT o.outcome FROM permitq.outcome_report o
+             JOIN permitq.permit_request r ON r.id = o.request_id WHERE r.external_id = 'h1'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(outcome, "overloaded");
+    let o = run(url, &["heartbeat", "h1", "--latency", "1s"]).await;
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "it goes with a report of how the use went: give --outcome ok --latency 1s (with a \
+             heartbeat or the release: a report goes with one of them)"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    run(url, &["semaphore", "set", "plain", "1"]).await;
+    run(
+        url,
+        &["submit", "p1", "plain=1", "--ttl", "1m", "--await", "10s"],
+    )
+    .await;
+    let o = run(url, &["heartbeat", "p1", "--outcome", "ok"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("permitq: no report kept: none of its semaphores (plain) is adaptive"),
+        "{}",
+        stderr(&o)
+    );
+    worker.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
     let db = TestDb::new().await;

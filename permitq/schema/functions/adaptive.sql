@@ -112,9 +112,11 @@ LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
 $$;
 
 -- Records request `request_id`'s report for each adaptive semaphore `permits` holds (a request's
--- `charged`: its ancestors included), replacing one it made before and not applied yet: one
--- report per request and semaphore, however often it reports. Nothing for a request on no
--- adaptive semaphore.
+-- `charged`: its ancestors included): one report per request and semaphore until a cadence
+-- applies it, however often it reports. A later report replaces an earlier one unless it says
+-- less: ok < failed < overloaded, so that an `overloaded` heartbeat followed by an `ok` release
+-- in the same cadence still counts as overloaded (a decrease is never lost to a later report).
+-- Nothing for a request on no adaptive semaphore.
 CREATE OR REPLACE FUNCTION permitq.record_report(request_id bigint, permits jsonb, outcome text,
                                                  latency interval)
 RETURNS void LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
@@ -124,13 +126,18 @@ RETURNS void LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
     JOIN permitq.semaphore s ON s.name = k
     JOIN permitq.adaptive_limit a ON a.semaphore_id = s.id
     ON CONFLICT (request_id, semaphore_id) DO UPDATE
-        SET outcome = EXCLUDED.outcome, latency_ms = EXCLUDED.latency_ms,
+        SET (outcome, latency_ms) = (
+                SELECT CASE WHEN later THEN EXCLUDED.outcome ELSE o.outcome END,
+                       CASE WHEN later THEN EXCLUDED.latency_ms ELSE o.latency_ms END
+                FROM (SELECT array_position(ARRAY['ok', 'failed', 'overloaded'], EXCLUDED.outcome)
+                             >= array_position(ARRAY['ok', 'failed', 'overloaded'], o.outcome)
+                             AS later) x),
             reported_at = EXCLUDED.reported_at
 $$;
 
 -- permitq.report: a holder's report while it still holds (beside a heartbeat): how its use went
--- so far, replacing its earlier one until a cadence applies it (one report per request and
--- semaphore a cadence). Only its owner (or an admin). Returns whether the report was kept:
+-- so far, replacing its earlier one until a cadence applies it unless it says less (one report
+-- per request and semaphore a cadence: permitq.record_report). Only its owner (or an admin). Returns whether the report was kept:
 -- false, with a NOTICE saying why, when no request has the id, when it is not held (waiting or
 -- ended), or when none of the semaphores it holds is adaptive (as the CLI says it).
 CREATE OR REPLACE FUNCTION permitq.report(external_id text, outcome text, latency interval DEFAULT NULL)

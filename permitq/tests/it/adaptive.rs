@@ -575,3 +575,61 @@ async fn a_back_off_that_ends_a_waiter_says_the_workers_moved_the_capacity() {
     }
     holder.release().await.unwrap();
 }
+
+/// A holder reports while it holds (the lease's `report`, beside its heartbeats), and again on
+/// release: until a cadence applies them, one report per request stands, and a later one that
+/// says less does not replace it (ok < failed < overloaded), so an overload said mid-use is not
+/// lost to an `ok` release in the same cadence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_while_holding_is_not_undone_by_a_milder_one_in_the_same_cadence() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    // A cadence that does not come during the test: the reports stay to be read.
+    let mut config = quiet_config("slow-cadence");
+    config.maintenance.adaptive_cadence = Duration::from_secs(3600);
+    let worker = db.worker(config);
+    client.set_capacity("api", 4, None).await.unwrap();
+    client
+        .set_adaptive("api", Some(&AdaptiveLimit::new(Algorithm::Aimd, 1, 8)))
+        .await
+        .unwrap();
+    let stored = || async {
+        let rows = conn
+            .query(
+                "SELECT o.outcome, o.latency_ms::float8 FROM permitq.outcome_report o
+                 JOIN permitq.permit_request r ON r.id = o.request_id
+                 WHERE r.external_id = 'h1'",
+                &[],
+            )
+            .await
+            .unwrap();
+        rows.iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, f64>(1)))
+            .collect::<Vec<_>>()
+    };
+    let lease = client
+        .acquire(&Request::new("h1").permit("api", 1), SOON)
+        .await
+        .unwrap();
+    assert!(lease
+        .report(Outcome::Ok, Some(Duration::from_millis(20)))
+        .await
+        .unwrap());
+    assert_eq!(stored().await, [("ok".to_string(), 20.0)]);
+    // Worse: it replaces the ok.
+    assert!(lease
+        .report(Outcome::Overloaded, Some(Duration::from_millis(900)))
+        .await
+        .unwrap());
+    assert_eq!(stored().await, [("overloaded".to_string(), 900.0)]);
+    // Milder, while holding and then on release: the overload stands.
+    assert!(lease.report(Outcome::Failed, None).await.unwrap());
+    assert_eq!(stored().await, [("overloaded".to_string(), 900.0)]);
+    lease
+        .release_reporting(Outcome::Ok, Some(Duration::from_millis(5)))
+        .await
+        .unwrap();
+    assert_eq!(stored().await, [("overloaded".to_string(), 900.0)]);
+    worker.stop().await;
+}
