@@ -35,7 +35,8 @@ struct View {
     detail: bool,
     holders: Vec<Holder>,
     waiters: Vec<Waiter>,
-    /// For a semaphore served by fairness key: its keys that wait, with their weights.
+    /// For a semaphore served by fairness key: its keys that wait, with their weights and
+    /// shares of the turns to come (on the detail's kind line, which has the whole width).
     keys: String,
     error: Option<String>,
     /// When the rows shown were read (the last refresh that reached the database).
@@ -204,9 +205,20 @@ async fn refresh(
                 .unwrap_or_default()
                 .iter()
                 .filter(|k| k.waiting > 0)
-                .map(|k| format!("{} {}×w{}", crate::show::key_label(k), k.waiting, k.weight))
+                // Each key's share of the turns to come, as `semaphore show` gives it (none for
+                // a producer login, which sees its own keys alone).
+                .map(|k| {
+                    format!(
+                        "{} {}×w{}{}",
+                        crate::show::key_label(k),
+                        k.waiting,
+                        k.weight,
+                        k.share_percent
+                            .map_or(String::new(), |share| format!(" {share}%"))
+                    )
+                })
                 .collect();
-            format!("; by key: {}", keys.join(", "))
+            format!("turns by key: {}", keys.join(", "))
         } else {
             String::new()
         };
@@ -377,6 +389,7 @@ fn draw(frame: &mut Frame, view: &mut View) {
                 } else {
                     String::new()
                 },
+                view.keys.clone(),
             ]
             .into_iter()
             .filter(|k| !k.is_empty())
@@ -443,11 +456,11 @@ fn draw(frame: &mut Frame, view: &mut View) {
                 Row::new(["pos", "waiter", "count", "pri", "waiting"])
                     .style(Style::new().add_modifier(Modifier::BOLD)),
             )
-            .block(Block::new().borders(Borders::TOP).title(format!(
-                " waiters ({}{}) ",
-                view.waiters.len(),
-                view.keys
-            ))),
+            .block(
+                Block::new()
+                    .borders(Borders::TOP)
+                    .title(format!(" waiters ({}) ", view.waiters.len())),
+            ),
             waiters,
         );
     }

@@ -6,7 +6,7 @@
 //! timeout or the service's answer). Measured: goodput (`ok` calls per second) at
 //! fixed capacities (a sweep: the best one is the reference), and for each algorithm, from a
 //! start of 2 and of 50, when the capacity reaches and stays within ±25% of C, and its goodput
-//! after that; then C doubled mid-run, and when it follows.
+//! after that; then C doubled, and C halved, mid-run, and when each algorithm follows.
 
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -112,14 +112,14 @@ impl Trace {
 }
 
 /// Runs the holders for `length` against `downstream` on semaphore `name`, sampling its capacity
-/// every 250 ms; `change` doubles C at that moment.
+/// every 250 ms; `change` sets C to a new value at that moment.
 async fn drive(
     url: &str,
     name: &str,
     downstream: &Arc<Downstream>,
     length: Duration,
     tail: Duration,
-    change: Option<Duration>,
+    change: Option<(Duration, usize)>,
 ) -> Result<Trace> {
     let started = Instant::now();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -156,9 +156,11 @@ async fn drive(
     while started.elapsed() < length {
         tokio::time::sleep(Duration::from_millis(250)).await;
         let t = started.elapsed();
-        if change.is_some_and(|at| t >= at) && !changed {
-            downstream.capacity.store(C * 2, Ordering::Relaxed);
-            changed = true;
+        if let Some((at, to)) = change {
+            if t >= at && !changed {
+                downstream.capacity.store(to, Ordering::Relaxed);
+                changed = true;
+            }
         }
         if ok_at_tail.is_none() && t >= length - tail {
             ok_at_tail = Some((downstream.ok.load(Ordering::Relaxed), t));
@@ -266,37 +268,40 @@ pub(crate) async fn run(url: &str, _args: &BenchArgs, report: &mut Report) -> Re
     for t in traces {
         report.line(t);
     }
-    // C doubled mid-run: does it follow?
-    let name = format!("adaptive-follow-{}", tag());
-    client.set_capacity(&name, 2, None).await?;
-    client
-        .set_adaptive(
-            &name,
-            Some(&AdaptiveLimit::new(Algorithm::Gradient, 1, 100)),
-        )
-        .await?;
+    // C changed mid-run, doubled and halved, for each algorithm: does it follow?
     let change = Duration::from_secs(20);
-    let trace = drive(
-        url,
-        &name,
-        &downstream(),
-        change + RUN,
-        Duration::from_secs(15),
-        Some(change),
-    )
-    .await?;
-    let followed = trace.settled(band(C * 2), change.as_secs_f64());
-    let reached = trace.reached(&band(C * 2), change.as_secs_f64());
-    report.line(format!(
-        "\ngradient, C doubled to {} at {}s: first within ±25% of it {} after ({} of the time from then on), for good {} after; capacity at the end {}",
-        C * 2,
-        change.as_secs(),
-        reached.map_or("never".to_string(), |r| format!("{:.1} s", r.0)),
-        reached.map_or("-".to_string(), |r| format!("{:.0}%", r.1 * 100.0)),
-        followed.map_or("never".to_string(), |s| format!("{s:.1} s")),
-        trace.samples.last().map_or(0, |s| s.1)
-    ));
-    report.line(format!("capacity every 2 s: {}", trace.every_2s()));
+    for algorithm in [Algorithm::Gradient, Algorithm::Aimd] {
+        for to in [C * 2, C / 2] {
+            let name = format!("adaptive-follow-{}-{to}-{}", algorithm.as_str(), tag());
+            client.set_capacity(&name, 2, None).await?;
+            client
+                .set_adaptive(&name, Some(&AdaptiveLimit::new(algorithm, 1, 100)))
+                .await?;
+            let trace = drive(
+                url,
+                &name,
+                &downstream(),
+                change + RUN,
+                Duration::from_secs(15),
+                Some((change, to)),
+            )
+            .await?;
+            let followed = trace.settled(band(to), change.as_secs_f64());
+            let reached = trace.reached(&band(to), change.as_secs_f64());
+            report.line(format!(
+                "\n{}, C {} to {to} at {}s: first within ±25% of it {} after ({} of the time from \
+                 then on), for good {} after; capacity at the end {}",
+                algorithm.as_str(),
+                if to > C { "doubled" } else { "halved" },
+                change.as_secs(),
+                reached.map_or("never".to_string(), |r| format!("{:.1} s", r.0)),
+                reached.map_or("-".to_string(), |r| format!("{:.0}%", r.1 * 100.0)),
+                followed.map_or("never".to_string(), |s| format!("{s:.1} s")),
+                trace.samples.last().map_or(0, |s| s.1)
+            ));
+            report.line(format!("capacity every 2 s: {}", trace.every_2s()));
+        }
+    }
     fleet.stop().await;
     Ok(())
 }

@@ -63,7 +63,8 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
     let db = TestDb::new().await;
     let (client, worker) = populated(&db).await;
     client.set_capacity("lab-*", 2, None).await.unwrap();
-    // Served by fairness key: the detail names the keys that wait (train-3 and -4 have none).
+    // Served by fairness key: the detail names the keys that wait (train-3 and -4 have none)
+    // and each one's share of the turns to come (team-a's weight 3 to the others' 1).
     client
         .set_semaphore(
             "gpu",
@@ -72,6 +73,19 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
         )
         .await
         .unwrap();
+    client
+        .submit(
+            &Request::new("train-5")
+                .permit("gpu", 1)
+                .fairness_key("team-a")
+                .fairness_weight(3),
+        )
+        .await
+        .unwrap();
+    wait_until(SOON, "train-5 examined", || async {
+        client.waiters("gpu", 10).await.unwrap().len() == 3
+    })
+    .await;
     // A rate limit: one grant in its window, released, holds nothing; its bar is the window's.
     client
         .set_semaphore(
@@ -160,9 +174,11 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
     wait_until(SOON, "gpu's holders and waiters", || async {
         let screen = capture();
         [
-            "gpu: served by fairness key",
+            "gpu: served by fairness key; turns by key: ",
+            "(no key) 2×w1 25%",
+            "team-a 1×w3 75%",
             "holders (2)",
-            "waiters (2; by key: (no key) 2×w1)",
+            "waiters (3)",
             "train-1",
             "train-2",
             "train-3",
