@@ -333,6 +333,104 @@ async fn waiting_keys_are_served_in_proportion_to_their_weights() {
 }
 
 /// Waits until a request holds `semaphore`, and leaves it held: the holder.
+/// The line a keyed semaphore keeps, with counts: keys of random weights each queue a backlog
+/// of requests for 1 to 3 permits, arrivals interleaved at random, behind a holder of the whole
+/// capacity (every batch then waits, so each is placed by key). In the line (`waiters`, in
+/// position order: the order the workers grant in) each key's requests keep their arrival
+/// order, and in every stretch of the line where every key still has requests further on, two
+/// keys' permits, each divided by its weight, differ by at most one largest request of each
+/// (start-time fair queuing's bound with sizes: 3/w_i + 3/w_j).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_line_shares_permits_by_weight_whatever_the_counts() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    let worker = db.notified_worker("w1");
+    for seed in 11..=14u64 {
+        let mut rng = Lcg(seed);
+        let name = format!("counts-{seed}");
+        keyed(&client, &name, 3).await;
+        client
+            .submit(&Request::new(format!("{name}-hold")).permit(&name, 3))
+            .await
+            .unwrap();
+        assert_eq!(next_grant_kept(&conn, &name).await, format!("{name}-hold"));
+        let keys = 2 + rng.below(3);
+        let weights: Vec<i32> = (0..keys)
+            .map(|_| 1 + i32::try_from(rng.below(3)).unwrap())
+            .collect();
+        let per_key = 20;
+        let mut next = vec![0; keys];
+        let mut order = Vec::new();
+        while order.len() < keys * per_key {
+            let k = rng.below(keys);
+            if next[k] < per_key {
+                order.push((k, next[k], 1 + rng.below(3)));
+                next[k] += 1;
+            }
+        }
+        for (k, i, count) in &order {
+            client
+                .submit(
+                    &Request::new(format!("{name}-k{k}-{i}"))
+                        .permit(&name, i64::try_from(*count).unwrap())
+                        .fairness_key(format!("k{k}"))
+                        .fairness_weight(weights[*k]),
+                )
+                .await
+                .unwrap();
+        }
+        wait_examined(&conn, &name, order.len()).await;
+        let mut line = client.waiters(&name, 1000).await.unwrap();
+        line.sort_by_key(|w| w.position);
+        assert_eq!(line.len(), order.len());
+        // (key, index within the key, count), in line order.
+        let placed: Vec<(usize, usize, i64)> = line
+            .iter()
+            .map(|w| {
+                let rest = w.external_id.strip_prefix(&format!("{name}-k")).unwrap();
+                let (k, i) = rest.split_once('-').unwrap();
+                (k.parse().unwrap(), i.parse().unwrap(), w.count)
+            })
+            .collect();
+        for k in 0..keys {
+            let of_key: Vec<usize> = placed.iter().filter(|p| p.0 == k).map(|p| p.1).collect();
+            assert!(
+                of_key.windows(2).all(|w| w[0] < w[1]),
+                "seed {seed}: k{k} out of arrival order: {of_key:?}"
+            );
+        }
+        // Where every key still has requests further on in the line.
+        let backlogged = (0..keys)
+            .map(|k| placed.iter().rposition(|p| p.0 == k).unwrap())
+            .min()
+            .unwrap();
+        for start in 0..backlogged {
+            let mut permits = vec![0i64; keys];
+            for (k, _, count) in &placed[start..backlogged] {
+                permits[*k] += count;
+                for i in 0..keys {
+                    for j in 0..keys {
+                        let (wi, wj) = (f64::from(weights[i]), f64::from(weights[j]));
+                        #[allow(clippy::cast_precision_loss)]
+                        let apart = permits[i] as f64 / wi - permits[j] as f64 / wj;
+                        assert!(
+                            apart <= 3.0 / wi + 3.0 / wj + 1e-9,
+                            "seed {seed}, weights {weights:?}: from place {start}, k{i} has {} \
+                             permits and k{j} {}; line {placed:?}",
+                            permits[i],
+                            permits[j]
+                        );
+                    }
+                }
+            }
+        }
+        client.release(&format!("{name}-hold")).await.unwrap();
+    }
+    worker.stop().await;
+    check_invariants(&conn).await.unwrap();
+}
+
 async fn next_grant_kept(conn: &tokio_postgres::Client, semaphore: &str) -> String {
     held(conn, semaphore).await.swap_remove(0).0
 }
