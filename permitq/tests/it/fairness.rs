@@ -1498,3 +1498,50 @@ async fn a_request_placed_at_its_arrival_hears_where_its_priority_puts_it() {
     worker.stop().await;
     check_invariants(&conn).await.unwrap();
 }
+
+/// Safe backfill keeps its meaning in a keyed line: the first in line (by key order) keeps its
+/// count free, so a later, smaller request of another key that would fit the room left waits
+/// too; both are granted, in line order, once the room covers them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_first_in_line_keeps_its_room_from_a_smaller_later_key() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let conn = db.conn().await;
+    let worker = db.notified_worker("w1");
+    keyed(&client, "bf", 3).await;
+    client
+        .submit(&Request::new("bf-hold").permit("bf", 2))
+        .await
+        .unwrap();
+    assert_eq!(next_grant_kept(&conn, "bf").await, "bf-hold");
+    for (id, count, key) in [("bf-a1", 2, "a"), ("bf-b1", 1, "b")] {
+        client
+            .submit(&Request::new(id).permit("bf", count).fairness_key(key))
+            .await
+            .unwrap();
+    }
+    // Both examined and left waiting: b1 fits the one permit free, but would leave a1 less
+    // than its 2.
+    wait_examined(&conn, "bf", 2).await;
+    let mut line = client.waiters("bf", 10).await.unwrap();
+    line.sort_by_key(|w| w.position);
+    let ids: Vec<&str> = line.iter().map(|w| w.external_id.as_str()).collect();
+    assert_eq!(ids, ["bf-a1", "bf-b1"]);
+    for id in ["bf-a1", "bf-b1"] {
+        assert_eq!(
+            client.status(id).await.unwrap().unwrap().state,
+            permitq::State::New,
+            "{id}"
+        );
+    }
+    client.release("bf-hold").await.unwrap();
+    let mut tokens = Vec::new();
+    for id in ["bf-a1", "bf-b1"] {
+        let r = client.wait_settled(id, SOON).await.unwrap().unwrap();
+        assert_eq!(r.state, permitq::State::Acquired, "{id}: {r:?}");
+        tokens.push(r.fencing_token.unwrap());
+    }
+    assert!(tokens[0] < tokens[1], "granted in line order: {tokens:?}");
+    worker.stop().await;
+    check_invariants(&conn).await.unwrap();
+}
