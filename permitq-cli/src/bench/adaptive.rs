@@ -197,6 +197,33 @@ fn downstream() -> Arc<Downstream> {
     })
 }
 
+/// One run of `algorithm` on a new semaphore `name` starting at `start` (floor 1, ceiling
+/// 100), against a fresh downstream for `length`, its goodput over the last 15 s; `change` as
+/// [`drive`] takes it.
+async fn adaptive_run(
+    client: &Client,
+    url: &str,
+    name: &str,
+    algorithm: Algorithm,
+    start: i32,
+    length: Duration,
+    change: Option<(Duration, usize)>,
+) -> Result<Trace> {
+    client.set_capacity(name, start, None).await?;
+    client
+        .set_adaptive(name, Some(&AdaptiveLimit::new(algorithm, 1, 100)))
+        .await?;
+    drive(
+        url,
+        name,
+        &downstream(),
+        length,
+        Duration::from_secs(15),
+        change,
+    )
+    .await
+}
+
 /// The bench part `adaptive`.
 pub(crate) async fn run(url: &str, _args: &BenchArgs, report: &mut Report) -> Result<()> {
     let client = Client::connect(url).await?;
@@ -233,19 +260,7 @@ pub(crate) async fn run(url: &str, _args: &BenchArgs, report: &mut Report) -> Re
     for algorithm in [Algorithm::Gradient, Algorithm::Aimd] {
         for start in [2, 50] {
             let name = format!("adaptive-{}-{start}-{}", algorithm.as_str(), tag());
-            client.set_capacity(&name, start, None).await?;
-            client
-                .set_adaptive(&name, Some(&AdaptiveLimit::new(algorithm, 1, 100)))
-                .await?;
-            let trace = drive(
-                url,
-                &name,
-                &downstream(),
-                RUN,
-                Duration::from_secs(15),
-                None,
-            )
-            .await?;
+            let trace = adaptive_run(&client, url, &name, algorithm, start, RUN, None).await?;
             let settled = trace.settled(band(C), 0.0);
             let reached = trace.reached(&band(C), 0.0);
             report.line(format!(
@@ -273,16 +288,14 @@ pub(crate) async fn run(url: &str, _args: &BenchArgs, report: &mut Report) -> Re
     for algorithm in [Algorithm::Gradient, Algorithm::Aimd] {
         for to in [C * 2, C / 2] {
             let name = format!("adaptive-follow-{}-{to}-{}", algorithm.as_str(), tag());
-            client.set_capacity(&name, 2, None).await?;
-            client
-                .set_adaptive(&name, Some(&AdaptiveLimit::new(algorithm, 1, 100)))
-                .await?;
-            let trace = drive(
+            let length = change + RUN;
+            let trace = adaptive_run(
+                &client,
                 url,
                 &name,
-                &downstream(),
-                change + RUN,
-                Duration::from_secs(15),
+                algorithm,
+                2,
+                length,
                 Some((change, to)),
             )
             .await?;

@@ -207,6 +207,25 @@ impl Lcg {
     }
 }
 
+/// 2 to 4 keys of random weights (1 to 3), `per_key` requests each, arrivals interleaved at
+/// random across keys, in order within each key: (keys, weights, (key, index) in arrival order).
+fn random_backlog(rng: &mut Lcg, per_key: usize) -> (usize, Vec<i32>, Vec<(usize, usize)>) {
+    let keys = 2 + rng.below(3);
+    let weights: Vec<i32> = (0..keys)
+        .map(|_| 1 + i32::try_from(rng.below(3)).unwrap())
+        .collect();
+    let mut next = vec![0; keys];
+    let mut order = Vec::new();
+    while order.len() < keys * per_key {
+        let k = rng.below(keys);
+        if next[k] < per_key {
+            order.push((k, next[k]));
+            next[k] += 1;
+        }
+    }
+    (keys, weights, order)
+}
+
 /// Keys with random weights each submit a backlog at once, arrivals interleaved at random: in
 /// every window of grants while every key waits, each key gets its weighted share within one
 /// request (start-time fair queuing's bound, below), so no key is starved. Without keys the
@@ -227,27 +246,8 @@ async fn waiting_keys_are_served_in_proportion_to_their_weights() {
             .await
             .unwrap();
         assert_eq!(next_grant_kept(&conn, &name).await, format!("{name}-hold"));
-        let keys = 2 + rng.below(3);
-        let weights: Vec<i32> = (0..keys)
-            .map(|_| 1 + i32::try_from(rng.below(3)).unwrap())
-            .collect();
         let per_key = 30;
-        let mut ids = Vec::new();
-        for k in 0..keys {
-            for i in 0..per_key {
-                ids.push((k, i));
-            }
-        }
-        // Arrivals interleaved at random across keys, in order within each key.
-        let mut next = vec![0; keys];
-        let mut order = Vec::new();
-        while order.len() < ids.len() {
-            let k = rng.below(keys);
-            if next[k] < per_key {
-                order.push((k, next[k]));
-                next[k] += 1;
-            }
-        }
+        let (keys, weights, order) = random_backlog(&mut rng, per_key);
         for (k, i) in &order {
             client
                 .submit(
@@ -355,20 +355,11 @@ async fn a_keyed_line_shares_permits_by_weight_whatever_the_counts() {
             .await
             .unwrap();
         assert_eq!(next_grant_kept(&conn, &name).await, format!("{name}-hold"));
-        let keys = 2 + rng.below(3);
-        let weights: Vec<i32> = (0..keys)
-            .map(|_| 1 + i32::try_from(rng.below(3)).unwrap())
+        let (keys, weights, arrivals) = random_backlog(&mut rng, 20);
+        let order: Vec<(usize, usize, usize)> = arrivals
+            .into_iter()
+            .map(|(k, i)| (k, i, 1 + rng.below(3)))
             .collect();
-        let per_key = 20;
-        let mut next = vec![0; keys];
-        let mut order = Vec::new();
-        while order.len() < keys * per_key {
-            let k = rng.below(keys);
-            if next[k] < per_key {
-                order.push((k, next[k], 1 + rng.below(3)));
-                next[k] += 1;
-            }
-        }
         for (k, i, count) in &order {
             client
                 .submit(
@@ -1501,7 +1492,7 @@ async fn a_request_placed_at_its_arrival_hears_where_its_priority_puts_it() {
 
 /// Safe backfill keeps its meaning in a keyed line: the first in line (by key order) keeps its
 /// count free, so a later, smaller request of another key that would fit the room left waits
-/// too; both are granted, in line order, once the room covers them.
+/// too; both are granted once the room covers them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyed_first_in_line_keeps_its_room_from_a_smaller_later_key() {
     let db = TestDb::new().await;
@@ -1534,14 +1525,12 @@ async fn a_keyed_first_in_line_keeps_its_room_from_a_smaller_later_key() {
             "{id}"
         );
     }
+    // Room for both: both go (b1 may go first: with 3 free, it leaves a1 its 2).
     client.release("bf-hold").await.unwrap();
-    let mut tokens = Vec::new();
     for id in ["bf-a1", "bf-b1"] {
         let r = client.wait_settled(id, SOON).await.unwrap().unwrap();
         assert_eq!(r.state, permitq::State::Acquired, "{id}: {r:?}");
-        tokens.push(r.fencing_token.unwrap());
     }
-    assert!(tokens[0] < tokens[1], "granted in line order: {tokens:?}");
     worker.stop().await;
     check_invariants(&conn).await.unwrap();
 }
