@@ -5,10 +5,11 @@
 //! [`Signals`], and [`next_capacity`] turns them and the semaphore's current capacity into the
 //! next one, always within its floor and ceiling:
 //! Requests report once per cadence each (a later report of the same request replaces its
-//! earlier one), so a holder weighs as its grants do, not as its calls.
-//! - **AIMD** (additive increase, multiplicative decrease): when two reports or a tenth of them
-//!   say `overloaded`, the capacity goes to 90% (at least one less); otherwise, when `ok`
-//!   reports outnumber `failed` ones and at least half the capacity is in use, it grows by one.
+//! earlier one unless it says less), so a holder weighs as its grants do, not as its calls.
+//! - **AIMD** (additive increase, multiplicative decrease): when two reports, or a tenth of the
+//!   `ok` and `overloaded` ones, say `overloaded`, the capacity goes to 90% (at least one less);
+//!   otherwise, when `ok` reports outnumber `failed` ones and at least half the capacity is in
+//!   use, it grows by one.
 //! - **Gradient** (after Netflix's Gradient2): a long-term latency (the latency without load:
 //!   down to a lower cadence's by a fifth at most, up by 1% of the difference a cadence)
 //!   against this cadence's mean: up to 1.05× the long one (no queueing) the capacity grows by
@@ -174,11 +175,13 @@ pub const QUEUEING: f64 = 1.05;
 
 impl Signals {
     /// Whether the `overloaded` reports call for a decrease: two of them, or a tenth of the
-    /// reports (a request reports once per cadence, so one holder's reports weigh as its grants
-    /// do, and a single stray one among many does not move the capacity).
+    /// reports that speak of the load, `ok` and `overloaded` (a request reports once per
+    /// cadence, so one holder's reports weigh as its grants do, and a single stray one among
+    /// many does not move the capacity). `failed` reports say nothing of the load: counted
+    /// here, more of them would dilute an overload and keep a capacity it should lower.
     #[must_use]
     pub fn overloaded(&self) -> bool {
-        let reports = self.ok + self.overloaded + self.failed;
+        let reports = self.ok + self.overloaded;
         self.overloaded >= 2
             || (self.overloaded > 0 && self.overloaded.saturating_mul(10) >= reports)
     }
@@ -720,7 +723,8 @@ mod tests {
         #[test]
         fn more_overloads_or_more_latency_never_raise_it(
             algorithm in any_algorithm(),
-            (ok, overloaded, used) in (0i64..1000, 0i64..10, 0i64..300),
+            // Few reports as often as many: where one `overloaded` is a tenth of them.
+            (ok, overloaded, used) in (prop_oneof![0i64..20, 0i64..1000], 0i64..10, 0i64..300),
             (latency, more_latency) in (0.1f64..1000.0, 0.0f64..1000.0),
             extra in 1i64..10,
             capacity in 1i32..200,
@@ -731,6 +735,23 @@ mod tests {
             };
             prop_assert!(at(overloaded + extra, latency) <= at(overloaded, latency));
             prop_assert!(at(overloaded, latency + more_latency) <= at(overloaded, latency));
+        }
+
+        #[test]
+        fn more_failed_reports_never_raise_it(
+            algorithm in any_algorithm(),
+            // Few reports as often as many: where one `overloaded` is a tenth of them.
+            (ok, overloaded, failed, used) in (prop_oneof![0i64..20, 0i64..1000], 0i64..4, 0i64..20, 0i64..300),
+            latency in 0.1f64..1000.0,
+            extra in 1i64..20,
+            capacity in 1i32..200,
+            memory in any_memory(),
+        ) {
+            let at = |failed| {
+                let s = Signals { failed, ..signals(ok, overloaded, Some(latency), used) };
+                next_capacity(algorithm, &s, capacity, 1, 200, memory).0
+            };
+            prop_assert!(at(failed + extra) <= at(failed));
         }
     }
 }
