@@ -117,16 +117,10 @@ fn main() -> ExitCode {
         Err(e) => {
             let message = match role {
                 // No permitq role at all: the one this command needs, not a list.
-                Some(role) if e.is_schema_refused() => format!(
+                Some((role, also)) if e.is_schema_refused() => format!(
                     "the login {login} has no permitq role (permission denied for schema \
-                     permitq): this command needs {role}{}; a DBA runs GRANT {role} TO {login}, \
-                     or use a login that has it",
-                    // The reading commands also work for a producer, on its own requests.
-                    if role == "permitq_operator" {
-                        " to read every request (permitq_producer reads its own alone)"
-                    } else {
-                        ""
-                    }
+                     permitq): this command needs {role}{also}; a DBA runs GRANT {role} TO \
+                     {login}, or use a login that has it"
                 ),
                 _ => e.to_string().replace("<your login>", &login),
             };
@@ -136,27 +130,33 @@ fn main() -> ExitCode {
     }
 }
 
-/// The permitq role `command` needs (None: it needs none, or runs its own database).
-fn role_needed(command: &Command) -> Option<&'static str> {
+/// The permitq role `command` needs, and what else would do (None: it needs none, or runs its
+/// own database).
+fn role_needed(command: &Command) -> Option<(&'static str, &'static str)> {
     use args::{SemaphoreCommand, TokensCommand};
     Some(match command {
-        Command::Worker(_) => "permitq_worker",
+        Command::Worker(_) => ("permitq_worker", ""),
         Command::Submit(_)
         | Command::Status { .. }
         | Command::Explain { .. }
         | Command::Release { .. }
-        | Command::Heartbeat { .. } => "permitq_producer",
-        // Listing semaphores reads no request: a producer may.
-        Command::Semaphore(SemaphoreCommand::List { .. }) => "permitq_producer",
+        | Command::Heartbeat { .. } => ("permitq_producer", ""),
+        // Listing semaphores reads no request: a producer may, and an operator, who only looks.
+        Command::Semaphore(SemaphoreCommand::List { .. }) => (
+            "permitq_producer",
+            " (or permitq_operator, to look without submitting)",
+        ),
+        // The reading commands also work for a producer, on its own requests.
         Command::Top { .. }
         | Command::Serve { .. }
         | Command::Doctor { .. }
-        | Command::Semaphore(SemaphoreCommand::Show { .. } | SemaphoreCommand::History { .. }) => {
-            "permitq_operator"
-        }
+        | Command::Semaphore(SemaphoreCommand::Show { .. } | SemaphoreCommand::History { .. }) => (
+            "permitq_operator",
+            " to read every request (permitq_producer reads its own alone)",
+        ),
         Command::Revoke { .. }
         | Command::Semaphore(SemaphoreCommand::Set { .. } | SemaphoreCommand::Delete { .. })
-        | Command::Tokens(TokensCommand::Raise { .. }) => "permitq_admin",
+        | Command::Tokens(TokensCommand::Raise { .. }) => ("permitq_admin", ""),
         _ => return None,
     })
 }

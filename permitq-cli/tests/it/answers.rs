@@ -337,8 +337,12 @@ async fn a_login_without_any_permitq_role_is_told_the_role_its_command_needs() {
     for (args, role, why) in [
         (&["worker"][..], "permitq_worker", ""),
         (&["submit", "p-1", "gpu=1"][..], "permitq_producer", ""),
-        // Listing semaphores reads no request: a producer is enough.
-        (&["semaphore", "list"][..], "permitq_producer", ""),
+        // Listing semaphores reads no request: a producer is enough, and an operator too.
+        (
+            &["semaphore", "list"][..],
+            "permitq_producer",
+            " (or permitq_operator, to look without submitting)",
+        ),
         (
             &["semaphore", "show", "gpu"][..],
             "permitq_operator",

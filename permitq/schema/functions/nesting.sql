@@ -88,6 +88,8 @@ DECLARE
     p permitq.semaphore;
     above integer := 0;
     below integer;
+    -- Too deep: the most levels a new parent may have above it.
+    most_above integer;
     cyclic boolean := false;
     promised bigint;
     left_over bigint;
@@ -171,7 +173,18 @@ BEGIN
     )
     SELECT max(depth) INTO below FROM down;
     IF above + below > permitq.rule_max_nesting_depth() THEN
-        RETURN format('nesting too deep: at most %s levels above a semaphore', permitq.rule_max_nesting_depth());
+        -- Counted from the deepest semaphore of the tree moved: what it would have above it.
+        -- The way out: a parent with few enough above it (`most_above`), or none.
+        most_above := permitq.rule_max_nesting_depth() - below - 1;
+        RETURN format('nesting too deep: %s would have %s %s above it%s, and a semaphore may have at most %s (its parents, their parents, and so on): %s',
+                      s.name, above, CASE WHEN above = 1 THEN 'level' ELSE 'levels' END,
+                      CASE WHEN below > 0
+                           THEN format(' and %s below, so the deepest below it %s', below, above + below)
+                           ELSE '' END,
+                      permitq.rule_max_nesting_depth(),
+                      CASE WHEN most_above >= 0
+                           THEN format('choose a parent with at most %s above it, or none (`--no-parent`)', most_above)
+                           ELSE 'leave it without a parent (`--no-parent`), or move what is below it up first' END);
     END IF;
     -- A semaphore holding permits keeps its parent: they were taken from the one it has (for
     -- a template, what its instances hold).

@@ -396,7 +396,14 @@ async fn a_tree_that_cannot_be_kept_is_refused_and_writes_nothing() {
         .set_semaphore("deep5", 4, &SemaphoreSettings::new().parent("deep4"))
         .await
         .expect_err("five levels above");
-    assert!(e.to_string().contains("too deep"), "{e}");
+    assert!(
+        e.to_string().contains(
+            "nesting too deep: deep5 would have 5 levels above it, and a semaphore may have at \
+             most 4 (its parents, their parents, and so on): choose a parent with at most 3 \
+             above it, or none (`--no-parent`)"
+        ),
+        "{e}"
+    );
     // A semaphore holding permits keeps its parent.
     let _worker = db.notified_worker("w1");
     client
