@@ -266,7 +266,9 @@ async fn migrate_once(client: &mut Client) -> Result<Migrated> {
     match result {
         Err(e) if e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) => {
             let owners = client.query_one(sql::MIGRATE_OWNERS, &[]).await.ok();
-            Err(explain_privilege(e, owners.as_ref()))
+            // Whether anything needed migrating: a deploy step run as this login wonders.
+            let current = is_current(client).await.unwrap_or(false);
+            Err(explain_privilege(e, owners.as_ref(), current))
         }
         other => other,
     }
@@ -450,7 +452,7 @@ async fn roles_creatable(client: &Client) -> Result<()> {
 
 /// A missing privilege, said with what migrating needs and, from `owners`
 /// ([`sql::MIGRATE_OWNERS`]), who owns what now: whom to migrate as, or whom to ask.
-fn explain_privilege(e: Error, owners: Option<&tokio_postgres::Row>) -> Error {
+fn explain_privilege(e: Error, owners: Option<&tokio_postgres::Row>, current: bool) -> Error {
     let Some(db) = e.as_postgres().and_then(|p| p.as_db_error()) else {
         return e;
     };
@@ -460,9 +462,9 @@ fn explain_privilege(e: Error, owners: Option<&tokio_postgres::Row>) -> Error {
         match schema_owner {
             Some(owner) if owner != user => format!(
                 ": {user} does not own the permitq schema, {owner} does (and {db_owner} the \
-                 database): migrate as {owner}. (The schema's owner is permitq's admin: hand it \
+                 database): migrate as {owner} (the schema's owner is permitq's admin: hand it \
                  over only to a login meant to be one, by {owner} or a superuser running \
-                 `ALTER SCHEMA permitq OWNER TO {user}`.)"
+                 `ALTER SCHEMA permitq OWNER TO {user}`)"
             ),
             Some(_) => format!(
                 ": {user} owns the permitq schema but may not change what it needs in the \
@@ -475,10 +477,17 @@ fn explain_privilege(e: Error, owners: Option<&tokio_postgres::Row>) -> Error {
             ),
         }
     });
+    let nothing_needed = if current {
+        "Nothing needed migrating now: the schema is already up to date for this permitq (the \
+         next upgrade will need the owner). "
+    } else {
+        ""
+    };
     Error::config(format!(
-        "cannot migrate: {}{}{who}. The migrating role must own the database or the permitq \
-         schema (or have CREATE on the database), and needs CREATEROLE only while the roles \
-         permitq_producer, permitq_worker, permitq_admin and permitq_operator do not exist",
+        "cannot migrate: {}{}{who}. {nothing_needed}The migrating role must own the database or \
+         the permitq schema (or have CREATE on the database), and needs CREATEROLE only while \
+         the roles permitq_producer, permitq_worker, permitq_admin and permitq_operator do not \
+         exist",
         db.message(),
         db.hint().map(|h| format!(" ({h})")).unwrap_or_default()
     ))

@@ -1856,7 +1856,11 @@ async fn a_guaranteed_template_without_a_bound_is_told_to_set_max_instances() {
     assert_eq!(code(&o), 2, "{}", stderr(&o));
     assert!(
         stderr(&o).contains(
-            "template t:* guarantees 1 to each of up to 10000 instances (its max_instances, by \
+            "invalid nesting of t:*: template t:* needs --max-instances to keep a guarantee (each \
+             instance it may make is guaranteed its share): the guarantees of the children of \
+             gpus add up to 10000, more than its capacity 8 (t:*'s guarantee of 1 counts in that \
+             sum: a lower `--guarantee N` on this command lowers it, `--guarantee 0` for none): \
+             template t:* guarantees 1 to each of up to 10000 instances (its max_instances, by \
              default); bound them: `permitq semaphore set 't:*' CAPACITY --guarantee 1 \
              --max-instances N` with N at most 8 (its other children's guarantees leave 8 of \
              gpus); or give it none (`permitq semaphore set 't:*' CAPACITY --guarantee 0`: \

@@ -179,7 +179,7 @@ BEGIN
         RETURN format('nesting too deep: %s would have %s %s above it%s, and a semaphore may have at most %s (its parents, their parents, and so on): %s',
                       s.name, above, CASE WHEN above = 1 THEN 'level' ELSE 'levels' END,
                       CASE WHEN below > 0
-                           THEN format(' and %s below, so the deepest below it %s', below, above + below)
+                           THEN format(' and %s below, so the semaphores deepest below it would have %s above them', below, above + below)
                            ELSE '' END,
                       permitq.rule_max_nesting_depth(),
                       CASE WHEN most_above >= 0
@@ -211,7 +211,7 @@ BEGIN
             -- before when this change does not give one) is in the sum, and this command can
             -- lower it.
             own := CASE WHEN p.name = s.parent AND s.guarantee > 0
-                        THEN format(' (%s''s own guarantee of %s is in that sum: give this command a lower `--guarantee N` (kept from before when left out), `--guarantee 0` for none)',
+                        THEN format(' (%s''s guarantee of %s counts in that sum: a lower `--guarantee N` on this command lowers it, `--guarantee 0` for none)',
                                     s.name, s.guarantee)
                         ELSE '' END;
             -- A template's bound is the likely cause (10000 instances unless set): name it,
@@ -230,7 +230,11 @@ BEGIN
                 -- the tens of thousands.
                 left_over := p.capacity - (promised - biggest.guarantee::bigint
                                                       * greatest(biggest.max_instances, biggest.made));
-                RETURN format('the guarantees of the children of %s add up to %s, more than its capacity %s%s: template %s guarantees %s to each of up to %s instances (its max_instances%s)%s; %s; or give it none (`permitq semaphore set ''%s'' CAPACITY --guarantee 0`: its instances then borrow what is free, unbounded)',
+                -- Unbounded (the default max_instances): the one-line answer first.
+                RETURN format('%sthe guarantees of the children of %s add up to %s, more than its capacity %s%s: template %s guarantees %s to each of up to %s instances (its max_instances%s)%s; %s; or give it none (`permitq semaphore set ''%s'' CAPACITY --guarantee 0`: its instances then borrow what is free, unbounded)',
+                              CASE WHEN biggest.max_instances = permitq.rule_max_instances()
+                                   THEN format('template %s needs --max-instances to keep a guarantee (each instance it may make is guaranteed its share): ', biggest.name)
+                                   ELSE '' END,
                               p.name, promised, p.capacity, own, biggest.name, biggest.guarantee,
                               biggest.max_instances,
                               CASE WHEN biggest.max_instances = permitq.rule_max_instances() THEN ', by default' ELSE '' END,

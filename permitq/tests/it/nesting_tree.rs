@@ -56,9 +56,10 @@ async fn a_chain_cannot_be_put_under_a_root_that_makes_it_too_deep() {
         .expect_err("d5 would have 5 above it");
     assert!(
         e.to_string().contains(
-            "nesting too deep: d1 would have 1 level above it and 4 below, so the deepest below \
-             it 5, and a semaphore may have at most 4 (its parents, their parents, and so on): \
-             leave it without a parent (`--no-parent`), or move what is below it up first"
+            "nesting too deep: d1 would have 1 level above it and 4 below, so the semaphores \
+             deepest below it would have 5 above them, and a semaphore may have at most 4 (its \
+             parents, their parents, and so on): leave it without a parent (`--no-parent`), or \
+             move what is below it up first"
         ),
         "{e}"
     );

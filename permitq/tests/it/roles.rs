@@ -252,12 +252,30 @@ async fn a_non_superuser_that_owns_the_database_or_the_schema_migrates_it() {
     assert!(
         err.contains(&format!(
             "{other} does not own the permitq schema, {owner} does (and {superuser_name} the \
-             database): migrate as {owner}. (The schema's owner is permitq's admin: hand it \
+             database): migrate as {owner} (the schema's owner is permitq's admin: hand it \
              over only to a login meant to be one, by {owner} or a superuser running `ALTER \
-             SCHEMA permitq OWNER TO {other}`.)"
+             SCHEMA permitq OWNER TO {other}`). The migrating role"
         )),
         "{err}"
     );
+    // With a permitq role it may read what is applied: it is told that nothing needed
+    // migrating (a deploy step run as a producer wonders).
+    admin
+        .batch_execute(&format!("GRANT permitq_producer TO {other}"))
+        .await
+        .unwrap();
+    let err = stranger.migrate().await.unwrap_err().to_string();
+    assert!(
+        err.contains(
+            "`). Nothing needed migrating now: the schema is already up to date for this \
+             permitq (the next upgrade will need the owner). The migrating role"
+        ),
+        "{err}"
+    );
+    admin
+        .batch_execute(&format!("REVOKE permitq_producer FROM {other}"))
+        .await
+        .unwrap();
     drop(stranger);
 
     // Leave nothing behind on the shared cluster.
