@@ -505,8 +505,9 @@ pub(crate) fn print(d: &Detail, sees_all: bool) {
             "{}",
             match a.algorithm {
                 permitq::Algorithm::Aimd =>
-                    "(aimd: 90% when two reports or a tenth say \
-                    overloaded; +1 when more say ok than failed and half the capacity is in use)",
+                    "(aimd: 90% when two reports, or a tenth of the ok and overloaded ones, \
+                    say overloaded; +1 when more say ok than failed and half the capacity is in \
+                    use)",
                 _ =>
                     "(gradient: grows while latency stays near its unloaded level and half the \
                     capacity is in use, holds up to 1.2x it, shrinks past; overloads as aimd)",
@@ -621,7 +622,8 @@ fn kept_words(r: &serde_json::Value, a: &permitq::AdaptiveLimit) -> String {
     let n = |key: &str| r[key].as_i64().unwrap_or(0);
     let (to, ok, overloaded, failed, used) =
         (n("to"), n("ok"), n("overloaded"), n("failed"), n("used"));
-    let reports = ok + overloaded + failed;
+    // The reports a tenth of which back off: those that speak of the load.
+    let reports = ok + overloaded;
     // The algorithms' own rule (permitq::Signals::overloaded).
     let mut signals = permitq::Signals::default();
     (signals.ok, signals.overloaded, signals.failed) = (ok, overloaded, failed);
@@ -637,8 +639,8 @@ fn kept_words(r: &serde_json::Value, a: &permitq::AdaptiveLimit) -> String {
         format!("at its ceiling {}", a.ceiling)
     } else if overloaded == 1 && ok <= failed {
         format!(
-            "one overloaded report of {reports} (under a tenth) moves nothing, and it grows \
-             only when more reports say ok than failed"
+            "one overloaded report of {reports} ok and overloaded (under a tenth) moves \
+             nothing, and it grows only when more reports say ok than failed"
         )
     } else if a.algorithm == permitq::Algorithm::Aimd && ok <= failed {
         "it grows only when more reports say ok than failed".to_string()
@@ -1144,7 +1146,8 @@ mod tests {
             kept(&aimd, r(0, 2, 0, 2, 2)),
             "kept 2: at its floor 2, where backing off stops"
         );
-        assert!(kept(&aimd, r(9, 1, 10, 8, 8)).starts_with("kept 8: one overloaded report of 20"));
+        assert!(kept(&aimd, r(10, 1, 12, 8, 8))
+            .starts_with("kept 8: one overloaded report of 11 ok and overloaded (under a tenth)"));
         let mut calm = r(5, 0, 0, 8, 8);
         calm["latency_ms"] = json!(11.0);
         calm["long_latency_ms"] = json!(10.0);

@@ -1545,7 +1545,10 @@ async fn an_adaptive_semaphore_is_set_shown_and_moved_by_reports() {
         show.contains("last reports counted ")
             && show.contains(": 0 ok, 1 overloaded, 0 failed, ")
             && show.contains(" in use: 10 -> 9")
-            && show.contains("(aimd: 90% when two reports or a tenth say overloaded;"),
+            && show.contains(
+                "(aimd: 90% when two reports, or a tenth of the ok and overloaded ones, say \
+                 overloaded;"
+            ),
         "{show}"
     );
     // A cadence that keeps the capacity (an ok with little in use) writes no audit row: show
