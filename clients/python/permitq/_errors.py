@@ -304,9 +304,11 @@ def translated(e: psycopg.Error, info: Any = None) -> PermitqError:
     if state == "42501" and message.startswith("permission denied for"):
         function = message.rsplit(" ", 1)[-1] if message.startswith("permission denied for function") else ""
         role = _ROLES.get(function) or "permitq_producer"
+        # The login, when the connection says it (else a placeholder to fill in).
+        login = getattr(info, "user", None) or "<your login>"
         return RoleMissing(
             f"{message}; this needs the role {role}: use a login that has it, or a DBA runs "
-            f"GRANT {role.split(' ')[0]} TO <your login>"
+            f"GRANT {role.split(' ')[0]} TO {login}"
         )
     if state == "42501":
         return NotOwner(message)

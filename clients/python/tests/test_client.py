@@ -589,7 +589,7 @@ class SyncClientTest(unittest.TestCase):
             self.assertIsInstance(caught.exception, permitq.NotOwner)
             self.assertIn(
                 "permission denied for schema permitq; this needs the role permitq_producer: use a login "
-                "that has it, or a DBA runs GRANT permitq_producer TO <your login>",
+                f"that has it, or a DBA runs GRANT permitq_producer TO {login}",
                 str(caught.exception),
             )
         finally:

@@ -1204,7 +1204,10 @@ async fn a_heartbeat_on_a_waiting_request_says_it_is_still_waiting() {
     assert_eq!(code(&o), 4, "{}", stderr(&o));
     assert!(
         stderr(&o).contains("no lease yet: request wait-1 is still waiting to be granted")
-            && stderr(&o).contains("heartbeat once it is acquired: `permitq status` shows when")
+            && stderr(&o).contains(
+                "heartbeat once it is acquired: its status shows when (`permitq status ID`, or a \
+                 client's `status`), and an `acquire` or `permitq submit --await` waits for it"
+            )
             && !stderr(&o).contains("(permitq"),
         "{}",
         stderr(&o)
@@ -1884,6 +1887,15 @@ async fn a_guaranteed_template_without_a_bound_is_told_to_set_max_instances() {
     ];
     let o = run(url, &another).await;
     assert_eq!(code(&o), 2, "{}", stderr(&o));
+    // The cause first: a bound would not help here.
+    assert!(
+        stderr(&o).contains(
+            "invalid nesting of u:*: no room left in gpus for template u:*'s guarantee (its other \
+             children guarantee 8 of 8): the guarantees of the children of gpus add up to"
+        ),
+        "{}",
+        stderr(&o)
+    );
     assert!(
         stderr(&o).contains(
             "its other children's guarantees leave 0 of gpus, less than one instance's 3: raise \

@@ -75,7 +75,7 @@ BEGIN
     IF request.state IN ('new', 'in_progress') THEN
         RAISE EXCEPTION 'no lease yet: request % is still waiting to be granted', $1
             USING ERRCODE = '55000',
-                  HINT = 'heartbeat once it is acquired: `permitq status` shows when, `submit --await` waits for it';
+                  HINT = 'heartbeat once it is acquired: its status shows when (`permitq status ID`, or a client''s `status`), and an `acquire` or `permitq submit --await` waits for it';
     END IF;
     IF request.state = 'error' THEN
         RAISE EXCEPTION 'no lease: request % ended without a grant (error %)', $1, request.error_code

@@ -232,7 +232,13 @@ BEGIN
                                                       * greatest(biggest.max_instances, biggest.made));
                 -- Unbounded (the default max_instances): the one-line answer first.
                 RETURN format('%sthe guarantees of the children of %s add up to %s, more than its capacity %s%s: template %s guarantees %s to each of up to %s instances (its max_instances%s)%s; %s; or give it none (`permitq semaphore set ''%s'' CAPACITY --guarantee 0`: its instances then borrow what is free, unbounded)',
-                              CASE WHEN biggest.max_instances = permitq.rule_max_instances()
+                              -- The first words name the cause: no room left in the parent
+                              -- (a bound would not help), else an unbounded template.
+                              CASE WHEN left_over < biggest.guarantee
+                                   THEN format('no room left in %s for template %s''s guarantee (its other children guarantee %s of %s): ',
+                                               p.name, biggest.name,
+                                               p.capacity - left_over, p.capacity)
+                                   WHEN biggest.max_instances = permitq.rule_max_instances()
                                    THEN format('template %s needs --max-instances to keep a guarantee (each instance it may make is guaranteed its share): ', biggest.name)
                                    ELSE '' END,
                               p.name, promised, p.capacity, own, biggest.name, biggest.guarantee,
