@@ -53,6 +53,15 @@ async fn populated(db: &TestDb) -> (Client, common::RunningWorker) {
     (client, worker)
 }
 
+/// Kills its tmux session when dropped (an ended session is no error).
+struct TmuxSession(String);
+
+impl Drop for TmuxSession {
+    fn drop(&mut self) {
+        let _ = tmux(&["kill-session", "-t", &self.0]);
+    }
+}
+
 fn tmux(args: &[&str]) -> String {
     let out = Command::new("tmux").args(args).output().expect("tmux");
     String::from_utf8_lossy(&out.stdout).to_string()
@@ -127,6 +136,8 @@ async fn top_shows_semaphores_holders_and_waiters_in_80x24_and_quits_on_q() {
         .unwrap();
     let session = format!("permitq-top-{}", std::process::id());
     let _ = tmux(&["kill-session", "-t", &session]);
+    // A failed assertion below leaves no `top` running in a detached session.
+    let _session_ends = TmuxSession(session.clone());
     let command = format!(
         "DATABASE_URL='{}' {} top --interval 200ms",
         db.url,
