@@ -725,8 +725,6 @@ async fn say_instances_over_the_template(
     }
 }
 
-/// After `release --outcome`: the adaptive semaphores the report went to (those it held, and
-/// their parents), or that none of them adapts, so nothing was kept. A failed read says nothing.
 /// `--latency` without `--outcome`: a usage error (checked here, not by clap: its usage line
 /// would show --latency as required). `goes_with` says which calls carry a report.
 fn latency_needs_outcome(
@@ -747,6 +745,9 @@ fn latency_needs_outcome(
     }
 }
 
+/// After `release --outcome` or `heartbeat --outcome`: the adaptive semaphores the report went
+/// to (those it held, and their parents), or that none of them adapts, so nothing was kept. A
+/// failed read says nothing.
 async fn say_where_reported(
     client: &Client,
     external_id: &str,

@@ -124,25 +124,22 @@ impl fmt::Display for CliError {
                 f,
                 "no semaphore named {name:?} (`permitq semaphore list` shows them all)"
             ),
-            // A name of a template with no instance now: not a typo, nothing made yet.
-            CliError::NoSemaphore { name, similar, .. }
-                if template_matching(name, similar).is_some() =>
-            {
-                let template = template_matching(name, similar).unwrap_or_default();
-                write!(
+            CliError::NoSemaphore { name, similar, .. } => match template_matching(name, similar) {
+                // A name of a template with no instance now: not a typo, nothing made yet.
+                Some(template) => write!(
                     f,
                     "no semaphore named {name:?} now: the template {template} makes it for the \
                      first request that names it (and the workers remove it again once idle); \
                      `permitq semaphore show {}` lists the instances there are",
                     crate::show::quoted_name(template)
-                )
-            }
-            CliError::NoSemaphore { name, similar, .. } => write!(
-                f,
-                "no semaphore named {name:?}; did you mean {}?",
-                // (A suggestion may be words: `lab:NAME (an instance of the template lab:*)`.)
-                similar.join(" or ")
-            ),
+                ),
+                None => write!(
+                    f,
+                    "no semaphore named {name:?}; did you mean {}?",
+                    // (A suggestion may be words: `lab:NAME (an instance of the template lab:*)`.)
+                    similar.join(" or ")
+                ),
+            },
             // A near id first (most often a typo); else what "not found" may mean.
             CliError::NotVisible {
                 name,
@@ -247,6 +244,7 @@ impl From<deadpool_postgres::PoolError> for CliError {
         CliError::Permitq(e.into())
     }
 }
+
 /// The template a suggestion says `name` is an instance of (`lab:NAME (an instance of the
 /// template lab:*)`), when `name` matches it.
 fn template_matching<'a>(name: &str, similar: &'a [String]) -> Option<&'a str> {

@@ -577,16 +577,9 @@ pub(crate) fn change_inputs(inputs: &serde_json::Value) -> String {
 /// Which rule moved the capacity at a cadence (docs/concepts.md, adaptive capacity), by the
 /// algorithms' own definitions: `: overloaded (two reports or a tenth), back by a tenth`.
 fn change_rule(inputs: &serde_json::Value) -> String {
-    let n = |key: &str| inputs[key].as_i64().unwrap_or(0);
-    let mut signals = permitq::Signals::default();
-    (signals.ok, signals.overloaded, signals.failed) = (n("ok"), n("overloaded"), n("failed"));
-    let ratio = inputs["latency_ms"]
-        .as_f64()
-        .zip(inputs["long_latency_ms"].as_f64().filter(|l| *l > 0.0))
-        .map(|(ms, long)| ms / long);
-    if signals.overloaded() {
+    if report_signals(inputs).overloaded() {
         ": overloaded (two reports or a tenth said so), so back by a tenth".to_string()
-    } else if ratio.is_some_and(|x| x > permitq::TOLERANCE) {
+    } else if latency_ratio(inputs).is_some_and(|x| x > permitq::TOLERANCE) {
         format!(
             ": latency past {}x the unloaded, so back off by how far past",
             permitq::TOLERANCE
@@ -594,6 +587,23 @@ fn change_rule(inputs: &serde_json::Value) -> String {
     } else {
         String::new()
     }
+}
+
+/// A cadence's report counts (`ok`, `overloaded`, `failed` in its inputs or last reports), as
+/// the algorithms read them.
+fn report_signals(r: &serde_json::Value) -> permitq::Signals {
+    let n = |key: &str| r[key].as_i64().unwrap_or(0);
+    let mut signals = permitq::Signals::default();
+    (signals.ok, signals.overloaded, signals.failed) = (n("ok"), n("overloaded"), n("failed"));
+    signals
+}
+
+/// A cadence's latency over the gradient's unloaded one, when both were measured.
+fn latency_ratio(r: &serde_json::Value) -> Option<f64> {
+    r["latency_ms"]
+        .as_f64()
+        .zip(r["long_latency_ms"].as_f64().filter(|l| *l > 0.0))
+        .map(|(ms, long)| ms / long)
 }
 
 /// A cadence's latency, and the gradient's unloaded latency it was compared with:
@@ -625,14 +635,9 @@ fn kept_words(r: &serde_json::Value, a: &permitq::AdaptiveLimit) -> String {
     // The reports a tenth of which back off: those that speak of the load.
     let reports = ok + overloaded;
     // The algorithms' own rule (permitq::Signals::overloaded).
-    let mut signals = permitq::Signals::default();
-    (signals.ok, signals.overloaded, signals.failed) = (ok, overloaded, failed);
-    let backs_off = signals.overloaded();
+    let backs_off = report_signals(r).overloaded();
     let (tolerance, queueing) = (permitq::TOLERANCE, permitq::QUEUEING);
-    let ratio = match (r["latency_ms"].as_f64(), r["long_latency_ms"].as_f64()) {
-        (Some(ms), Some(long)) if long > 0.0 => Some(ms / long),
-        _ => None,
-    };
+    let ratio = latency_ratio(r);
     let why = if backs_off {
         format!("at its floor {}, where backing off stops", a.floor)
     } else if to >= i64::from(a.ceiling) {

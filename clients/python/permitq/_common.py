@@ -86,7 +86,7 @@ def check_outcome(outcome: str) -> None:
 
 
 def report_args(external_id: str, outcome: str, latency: float | dt.timedelta | None) -> tuple[Any, ...]:
-    """The arguments of a report while holding."""
+    """The arguments of a report: while holding (REPORT), or with the release (RELEASE_REPORTING)."""
     check_outcome(outcome)
     return (external_id, outcome, seconds(latency, "latency"))
 
@@ -97,8 +97,7 @@ def release_args(external_id: str, outcome: str | None, latency: float | dt.time
         if latency is not None:
             raise InvalidInput("latency: a latency is reported with an outcome: give outcome= too", "latency")
         return RELEASE, (external_id,)
-    check_outcome(outcome)
-    return RELEASE_REPORTING, (external_id, outcome, seconds(latency, "latency"))
+    return RELEASE_REPORTING, report_args(external_id, outcome, latency)
 HEARTBEAT = "SELECT permitq.heartbeat(%s, make_interval(secs => %s))"
 EXPLAIN = (
     "SELECT request, state, outcome, semaphore, needs, capacity, free, shortfall, position, "

@@ -33,6 +33,10 @@ function checkedOutcome(outcome) {
     }
     return outcome;
 }
+/** The arguments of a report: while holding (`report`), or with the release (`releaseReporting`). */
+function reportArgs(externalId, report) {
+    return [externalId, checkedOutcome(report.outcome), reportLatency(report.latencyMs)];
+}
 function reportLatency(latencyMs) {
     if (latencyMs === undefined)
         return null;
@@ -254,7 +258,7 @@ export class Client {
      */
     async release(externalId, report) {
         const rows = report
-            ? await this.query(SQL.releaseReporting, [externalId, checkedOutcome(report.outcome), reportLatency(report.latencyMs)])
+            ? await this.query(SQL.releaseReporting, reportArgs(externalId, report))
             : await this.query(SQL.release, [externalId]);
         const outcome = rows[0].outcome;
         const lease = leasesOf.get(this)?.get(externalId)?.deref();
@@ -274,7 +278,7 @@ export class Client {
      * unless it says less (ok < failed < overloaded).
      */
     async report(externalId, report) {
-        const rows = await this.query(SQL.report, [externalId, checkedOutcome(report.outcome), reportLatency(report.latencyMs)]);
+        const rows = await this.query(SQL.report, reportArgs(externalId, report));
         return rows[0].kept;
     }
     /** Why the request waits, per semaphore; or how it ended. Null for an unknown id. */

@@ -145,6 +145,11 @@ function checkedOutcome(outcome: string): string {
   return outcome;
 }
 
+/** The arguments of a report: while holding (`report`), or with the release (`releaseReporting`). */
+function reportArgs(externalId: string, report: Report): unknown[] {
+  return [externalId, checkedOutcome(report.outcome), reportLatency(report.latencyMs)];
+}
+
 function reportLatency(latencyMs: number | undefined): number | null {
   if (latencyMs === undefined) return null;
   if (!Number.isFinite(latencyMs) || latencyMs < 0) {
@@ -380,7 +385,7 @@ export class Client {
    */
   async release(externalId: string, report?: Report): Promise<string> {
     const rows = report
-      ? await this.query(SQL.releaseReporting, [externalId, checkedOutcome(report.outcome), reportLatency(report.latencyMs)])
+      ? await this.query(SQL.releaseReporting, reportArgs(externalId, report))
       : await this.query(SQL.release, [externalId]);
     const outcome = rows[0]!.outcome as string;
     const lease = leasesOf.get(this)?.get(externalId)?.deref();
@@ -402,7 +407,7 @@ export class Client {
    * unless it says less (ok < failed < overloaded).
    */
   async report(externalId: string, report: Report): Promise<boolean> {
-    const rows = await this.query(SQL.report, [externalId, checkedOutcome(report.outcome), reportLatency(report.latencyMs)]);
+    const rows = await this.query(SQL.report, reportArgs(externalId, report));
     return rows[0]!.kept as boolean;
   }
 

@@ -137,9 +137,10 @@ $$;
 
 -- permitq.report: a holder's report while it still holds (beside a heartbeat): how its use went
 -- so far, replacing its earlier one until a cadence applies it unless it says less (one report
--- per request and semaphore a cadence: permitq.record_report). Only its owner (or an admin). Returns whether the report was kept:
--- false, with a NOTICE saying why, when no request has the id, when it is not held (waiting or
--- ended), or when none of the semaphores it holds is adaptive (as the CLI says it).
+-- per request and semaphore a cadence: permitq.record_report). Only its owner (or an admin).
+-- Returns whether the report was kept: false, with a NOTICE saying why, when no request has
+-- the id, when it is not held (waiting or ended), or when none of the semaphores it holds is
+-- adaptive (as the CLI says it).
 CREATE OR REPLACE FUNCTION permitq.report(external_id text, outcome text, latency interval DEFAULT NULL)
 RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off AS $$

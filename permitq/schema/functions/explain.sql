@@ -342,10 +342,14 @@ BEGIN
                 borrows := NULL;
             END IF;
         END IF;
-        -- Another child with a guarantee: its requests within it need only room here.
-        others_guaranteed := EXISTS (SELECT 1 FROM permitq.semaphore c
-                                     WHERE c.parent = s.name AND c.guarantee > 0
-                                       AND c.name IS DISTINCT FROM child_name);
+        -- Another child with a guarantee: its requests within it need only room here (read
+        -- only for a borrower, the one the reason below speaks of it for).
+        others_guaranteed := false;
+        IF borrows > 0 THEN
+            others_guaranteed := EXISTS (SELECT 1 FROM permitq.semaphore c
+                                         WHERE c.parent = s.name AND c.guarantee > 0
+                                           AND c.name IS DISTINCT FROM child_name);
+        END IF;
         SELECT nullif(coalesce(sum(greatest(c.guarantee - c.used, 0)), 0), 0),
                string_agg(format('%s (%s of its %s unused)', c.name, greatest(c.guarantee - c.used, 0),
                                  c.guarantee), ', ' ORDER BY c.name)
