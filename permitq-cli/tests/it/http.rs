@@ -104,6 +104,13 @@ pub(crate) fn get(addr: SocketAddr, path: &str) -> (u16, String) {
     request(addr, "GET", path, None)
 }
 
+/// [`get`] from async code: on a blocking thread, so that the runtime's workers keep serving.
+pub(crate) async fn get_async(addr: SocketAddr, path: &'static str) -> (u16, String) {
+    tokio::task::spawn_blocking(move || get(addr, path))
+        .await
+        .expect("the GET thread panicked")
+}
+
 /// Starts `permitq <args>` (which must print `serving http://ADDR/` on stderr) and returns the
 /// process and the address it bound. The rest of its stderr is drained on a thread.
 #[allow(

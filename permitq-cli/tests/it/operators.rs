@@ -10,7 +10,7 @@ use common::{quiet_config, wait_until, TestDb};
 use permitq::{Client, Request, State};
 
 use crate::cli::{code, run, stderr, stdout};
-use crate::http::{get, get_with, request, spawn_server};
+use crate::http::{get, get_async, get_with, request, spawn_server};
 
 const SOON: Duration = Duration::from_secs(15);
 
@@ -337,12 +337,10 @@ async fn a_worker_whose_passes_fail_is_not_ready() {
     })
     .await
     .unwrap();
-    let readyz = || async move {
-        tokio::task::spawn_blocking(move || get(addr, "/readyz"))
-            .await
-            .unwrap()
-    };
-    wait_until(SOON, "ready", || async { readyz().await.0 == 200 }).await;
+    wait_until(SOON, "ready", || async {
+        get_async(addr, "/readyz").await.0 == 200
+    })
+    .await;
     let conn = db.conn().await;
     let rename = |from: &str, to: &str| {
         format!("ALTER FUNCTION permitq.{from}(bigint, bigint, boolean) RENAME TO {to}")
@@ -351,7 +349,7 @@ async fn a_worker_whose_passes_fail_is_not_ready() {
         .await
         .unwrap();
     wait_until(Duration::from_secs(30), "not ready, and why", || async {
-        let (status, body) = readyz().await;
+        let (status, body) = get_async(addr, "/readyz").await;
         status == 503
             && body.contains("no pass of this worker has completed for ")
             && body.contains("its log says why")
@@ -360,7 +358,10 @@ async fn a_worker_whose_passes_fail_is_not_ready() {
     conn.batch_execute(&rename("next_batch_gone", "next_batch"))
         .await
         .unwrap();
-    wait_until(SOON, "ready again", || async { readyz().await.0 == 200 }).await;
+    wait_until(SOON, "ready again", || async {
+        get_async(addr, "/readyz").await.0 == 200
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -376,10 +377,10 @@ async fn worker_http_serves_health_readiness_metrics_and_the_json_api() {
     })
     .await
     .unwrap();
-    let get = |path: &'static str| tokio::task::spawn_blocking(move || get(addr, path));
-    assert_eq!(get("/healthz").await.unwrap().0, 200);
+    let get = |path: &'static str| get_async(addr, path);
+    assert_eq!(get("/healthz").await.0, 200);
     wait_until(SOON, "ready (listener connected)", || async {
-        get("/readyz").await.unwrap().0 == 200
+        get("/readyz").await.0 == 200
     })
     .await;
     // A grant through this worker, so that its histograms have samples.
@@ -406,7 +407,7 @@ async fn worker_http_serves_health_readiness_metrics_and_the_json_api() {
     // Scraped until every series is there (each scrape reads the database afresh).
     let deadline = Instant::now() + SOON;
     loop {
-        let (status, metrics) = get("/metrics").await.unwrap();
+        let (status, metrics) = get("/metrics").await;
         assert_eq!(status, 200);
         check_prometheus_text(&metrics);
         let missing: Vec<&str> = expected
@@ -429,7 +430,6 @@ async fn worker_http_serves_health_readiness_metrics_and_the_json_api() {
     wait_until(SOON, "tmp:gone's series", || async {
         get("/metrics")
             .await
-            .unwrap()
             .1
             .contains("permitq_semaphore_capacity{semaphore=\"tmp:gone\"} 1")
     })
@@ -440,23 +440,23 @@ async fn worker_http_serves_health_readiness_metrics_and_the_json_api() {
         .await
         .unwrap();
     wait_until(SOON, "no series of tmp:gone", || async {
-        !get("/metrics").await.unwrap().1.contains("tmp:gone")
+        !get("/metrics").await.1.contains("tmp:gone")
     })
     .await;
-    let (status, body) = get("/api/semaphores").await.unwrap();
+    let (status, body) = get("/api/semaphores").await;
     assert_eq!(status, 200);
     let list: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(list.as_array().unwrap().len(), 3, "{body}");
-    let (status, body) = get("/api/semaphores/gpu").await.unwrap();
+    let (status, body) = get("/api/semaphores/gpu").await;
     assert_eq!(status, 200);
     let gpu: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(gpu["usage"]["held"], 2);
     assert_eq!(gpu["holders"].as_array().unwrap().len(), 2);
     assert_eq!(gpu["waiters"][0]["external_id"], "train-3");
     assert_eq!(gpu["waiters"][0]["position"], 1);
-    assert_eq!(get("/api/semaphores/nope").await.unwrap().0, 404);
+    assert_eq!(get("/api/semaphores/nope").await.0, 404);
     // A typo is answered with the nearest names, as the CLI does.
-    let (status, body) = get("/api/semaphores/gpuu").await.unwrap();
+    let (status, body) = get("/api/semaphores/gpuu").await;
     assert_eq!(status, 404);
     assert!(
         body.contains(r#"no semaphore named \"gpuu\"; did you mean gpu?"#),
@@ -507,19 +507,14 @@ async fn serve_says_on_readyz_and_the_page_when_nothing_is_granting() {
     })
     .await
     .unwrap();
-    let fetch = |path: &'static str| async move {
-        tokio::task::spawn_blocking(move || get(addr, path))
-            .await
-            .unwrap()
-    };
-    let (status, body) = fetch("/readyz").await;
+    let (status, body) = get_async(addr, "/readyz").await;
     assert_eq!(status, 200, "{body}");
     assert!(
         body.starts_with("ready; nothing is granting: no worker seen")
             && body.contains("start one with `permitq worker`"),
         "{body}"
     );
-    let (_, rows) = fetch("/rows").await;
+    let (_, rows) = get_async(addr, "/rows").await;
     assert!(
         rows.contains(
             "<tr class=\"workers none\"><td colspan=\"7\">nothing is granting: no worker seen"
@@ -528,8 +523,8 @@ async fn serve_says_on_readyz_and_the_page_when_nothing_is_granting() {
     );
     let worker = db.worker(quiet_config("page-worker"));
     wait_until(SOON, "/readyz and the page see the worker", || async {
-        let (_, body) = fetch("/readyz").await;
-        let (_, rows) = fetch("/rows").await;
+        let (_, body) = get_async(addr, "/readyz").await;
+        let (_, rows) = get_async(addr, "/rows").await;
         body == "ready\n"
             && rows.contains(&format!(
                 "<tr class=\"workers\"><td colspan=\"7\">workers (1): page-worker on {} ({}, seen ",
@@ -558,9 +553,7 @@ async fn serve_is_not_ready_without_the_schema_and_a_worker_waits_for_it() {
     })
     .await
     .unwrap();
-    let (status, body) = tokio::task::spawn_blocking(move || get(addr, "/readyz"))
-        .await
-        .unwrap();
+    let (status, body) = get_async(addr, "/readyz").await;
     assert_eq!(status, 503);
     assert!(body.contains("permitq migrate"), "{body}");
     // It says so when it starts, too: not only "serving".
@@ -633,11 +626,7 @@ async fn serve_is_not_ready_without_the_schema_and_a_worker_waits_for_it() {
     );
     // Ready within a second or so (/readyz answers from a result at most a second old).
     wait_until(SOON, "serve ready once migrated", || async {
-        tokio::task::spawn_blocking(move || get(addr, "/readyz"))
-            .await
-            .unwrap()
-            .0
-            == 200
+        get_async(addr, "/readyz").await.0 == 200
     })
     .await;
     drop(serve);
@@ -803,9 +792,7 @@ async fn the_status_page_shows_50_semaphores_on_one_screen_and_follows_a_capacit
     .await
     .unwrap();
     // The first paint is the server's: every row is in the HTML itself.
-    let (status, html) = tokio::task::spawn_blocking(move || get(addr, "/"))
-        .await
-        .unwrap();
+    let (status, html) = get_async(addr, "/").await;
     assert_eq!(status, 200);
     assert_eq!(html.matches("<tr class=\"sem\"").count(), 50, "{html}");
     assert!(html.contains("data-name=\"tenant:acme\"") && html.contains("from tenant:*"));
@@ -993,9 +980,7 @@ async fn serve_runs_as_an_operator_login_and_a_producer_sees_only_its_own_reques
         "/metrics",
         "/readyz",
     ] {
-        let (status, body) = tokio::task::spawn_blocking(move || get(addr, path))
-            .await
-            .unwrap();
+        let (status, body) = get_async(addr, path).await;
         assert_eq!(status, 200, "{path}: {body}");
         if path == "/api/semaphores/gpu" {
             assert!(
@@ -1096,16 +1081,12 @@ async fn every_column_of_the_status_page_escapes_what_users_named() {
     .await
     .unwrap();
     wait_until(SOON, "the page lists the worker", || async {
-        let (_, rows) = tokio::task::spawn_blocking(move || get(addr, "/rows"))
-            .await
-            .unwrap();
+        let (_, rows) = get_async(addr, "/rows").await;
         rows.contains("&lt;s&gt;w")
     })
     .await;
     for path in ["/rows", "/"] {
-        let (status, html) = tokio::task::spawn_blocking(move || get(addr, path))
-            .await
-            .unwrap();
+        let (status, html) = get_async(addr, path).await;
         assert_eq!(status, 200);
         for raw in ["<u>", "<i>", "<b>", "<s>"] {
             assert!(!html.contains(raw), "{path}: {raw} unescaped:\n{html}");
@@ -1382,9 +1363,7 @@ async fn beyond_loopback_without_a_token_requests_are_not_shown_and_the_limit_an
             > 0
     })
     .await;
-    let (status, body) = tokio::task::spawn_blocking(move || get(addr, "/metrics"))
-        .await
-        .unwrap();
+    let (status, body) = get_async(addr, "/metrics").await;
     assert_eq!(status, 429, "{body}");
     assert!(body.contains("too many requests at once"), "{body}");
     // The probes are not limited: a flood of requests does not make the server look dead.
@@ -1457,9 +1436,7 @@ async fn many_clients_at_once_share_one_database_read_per_second() {
             assert!(body.contains("\"train-3\""), "{body}");
         }
     }
-    let (_, metrics) = tokio::task::spawn_blocking(move || get(addr, "/metrics"))
-        .await
-        .unwrap();
+    let (_, metrics) = get_async(addr, "/metrics").await;
     // One read per answer per second the clients took, and the scrape above may add one.
     let seconds = started.elapsed().as_secs_f64().ceil();
     let overview = sample(
@@ -1695,9 +1672,7 @@ async fn the_status_page_plots_an_adaptive_capacity_and_what_moved_it() {
         SOON,
         "quota's bar empties once its window passes",
         || async {
-            let (_, rows) = tokio::task::spawn_blocking(move || get(addr, "/rows"))
-                .await
-                .unwrap();
+            let (_, rows) = get_async(addr, "/rows").await;
             rows.split("<tr class=\"sem\"")
                 .find(|r| r.contains("data-name=\"quota\""))
                 .is_some_and(|r| r.contains("style=\"width:0%\""))

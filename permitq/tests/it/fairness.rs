@@ -207,6 +207,42 @@ impl Lcg {
     }
 }
 
+/// Keyed semaphore `name` of `capacity`, all of it held by `{name}-hold` (granted first), so
+/// that every request queued after is examined, and placed by key, before any is granted.
+async fn keyed_and_held(
+    client: &permitq::Client,
+    conn: &tokio_postgres::Client,
+    name: &str,
+    capacity: i32,
+) {
+    keyed(client, name, capacity).await;
+    client
+        .submit(&Request::new(format!("{name}-hold")).permit(name, i64::from(capacity)))
+        .await
+        .unwrap();
+    assert_eq!(next_grant_kept(conn, name).await, format!("{name}-hold"));
+}
+
+/// Request `{name}-k{key}-{index}` for `count` of `name`, under fairness key `k{key}` with
+/// `weight`.
+async fn submit_keyed(
+    client: &permitq::Client,
+    name: &str,
+    (key, index): (usize, usize),
+    count: i64,
+    weight: i32,
+) {
+    client
+        .submit(
+            &Request::new(format!("{name}-k{key}-{index}"))
+                .permit(name, count)
+                .fairness_key(format!("k{key}"))
+                .fairness_weight(weight),
+        )
+        .await
+        .unwrap();
+}
+
 /// 2 to 4 keys of random weights (1 to 3), `per_key` requests each, arrivals interleaved at
 /// random across keys, in order within each key: (keys, weights, (key, index) in arrival order).
 fn random_backlog(rng: &mut Lcg, per_key: usize) -> (usize, Vec<i32>, Vec<(usize, usize)>) {
@@ -239,25 +275,11 @@ async fn waiting_keys_are_served_in_proportion_to_their_weights() {
     for seed in 1..=4u64 {
         let mut rng = Lcg(seed);
         let name = format!("pool-{seed}");
-        keyed(&client, &name, 1).await;
-        // A holder first, so that every request below is examined before any is granted.
-        client
-            .submit(&Request::new(format!("{name}-hold")).permit(&name, 1))
-            .await
-            .unwrap();
-        assert_eq!(next_grant_kept(&conn, &name).await, format!("{name}-hold"));
+        keyed_and_held(&client, &conn, &name, 1).await;
         let per_key = 30;
         let (keys, weights, order) = random_backlog(&mut rng, per_key);
         for (k, i) in &order {
-            client
-                .submit(
-                    &Request::new(format!("{name}-k{k}-{i}"))
-                        .permit(&name, 1)
-                        .fairness_key(format!("k{k}"))
-                        .fairness_weight(weights[*k]),
-                )
-                .await
-                .unwrap();
+            submit_keyed(&client, &name, (*k, *i), 1, weights[*k]).await;
         }
         wait_examined(&conn, &name, order.len()).await;
         client.release(&format!("{name}-hold")).await.unwrap();
@@ -349,27 +371,15 @@ async fn a_keyed_line_shares_permits_by_weight_whatever_the_counts() {
     for seed in 11..=14u64 {
         let mut rng = Lcg(seed);
         let name = format!("counts-{seed}");
-        keyed(&client, &name, 3).await;
-        client
-            .submit(&Request::new(format!("{name}-hold")).permit(&name, 3))
-            .await
-            .unwrap();
-        assert_eq!(next_grant_kept(&conn, &name).await, format!("{name}-hold"));
+        keyed_and_held(&client, &conn, &name, 3).await;
         let (keys, weights, arrivals) = random_backlog(&mut rng, 20);
         let order: Vec<(usize, usize, usize)> = arrivals
             .into_iter()
             .map(|(k, i)| (k, i, 1 + rng.below(3)))
             .collect();
         for (k, i, count) in &order {
-            client
-                .submit(
-                    &Request::new(format!("{name}-k{k}-{i}"))
-                        .permit(&name, i64::try_from(*count).unwrap())
-                        .fairness_key(format!("k{k}"))
-                        .fairness_weight(weights[*k]),
-                )
-                .await
-                .unwrap();
+            let count = i64::try_from(*count).unwrap();
+            submit_keyed(&client, &name, (*k, *i), count, weights[*k]).await;
         }
         wait_examined(&conn, &name, order.len()).await;
         let mut line = client.waiters(&name, 1000).await.unwrap();
