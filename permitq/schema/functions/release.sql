@@ -20,7 +20,10 @@ BEGIN
         UPDATE permitq.permit_request r
         SET state = 'released', release_reason = reason, released_at = clock_timestamp(),
             settled_at = clock_timestamp()
-        WHERE r.id = ANY(request_ids) AND r.state = 'acquired'
+        -- By id alone, the state tested on the rows found (a CASE, which no index predicate
+        -- matches): given `state = 'acquired'`, a plan trusting statistics taken while little was
+        -- held reads a partial index of every holder, for each release.
+        WHERE r.id = ANY(request_ids) AND CASE WHEN r.state = 'acquired' THEN true END
         -- What the grant took, ancestors included (functions/nesting.sql).
         RETURNING r.id, coalesce(r.charged, r.permits) AS charged
     ),
