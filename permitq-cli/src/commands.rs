@@ -180,7 +180,13 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
             }
             let worker = Worker::connect(&url, args.config())?;
             if let Some((addr, access)) = http {
-                let bound = crate::http::serve(addr, access, client, Some(worker.health())).await?;
+                let reader = crate::http::Reader {
+                    login: crate::login_of(Some(&url)),
+                    who: "the worker",
+                    role: ("permitq_worker", ""),
+                };
+                let bound =
+                    crate::http::serve(addr, access, client, Some(worker.health()), reader).await?;
                 tracing::info!(addr = %bound, "serving http://{bound}/");
             }
             worker.run(shutdown.signalled()).await?;
@@ -231,16 +237,23 @@ async fn run_command(cli: Cli, explicit_url: bool) -> Result<u8> {
             http_access,
         } => {
             let shutdown = Shutdown::install();
-            let client = Client::connect(&need_url()?).await?;
+            let url = need_url()?;
+            let client = Client::connect(&url).await?;
             let access = crate::http::access(http_addr, &http_access)?;
             // A producer's login reads only its own requests: the page would show a part.
             let reads_all = client.reads_every_request().await;
-            let bound = crate::http::serve(http_addr, access, client, None).await?;
+            let reader = crate::http::Reader {
+                login: crate::login_of(Some(&url)),
+                who: "serve",
+                role: crate::OPERATOR,
+            };
+            let said = reads_all.as_ref().err().map(|e| reader.said(e));
+            let bound = crate::http::serve(http_addr, access, client, None, reader).await?;
             errln!("permitq: serving http://{bound}/ (Ctrl-C to stop)");
-            if let Err(e) = &reads_all {
+            if let Some(said) = said {
                 errln!(
-                    "permitq: cannot read the database now: {e}; serving anyway: the page, the \
-                     API and /readyz say so until it can"
+                    "permitq: cannot read the database now: {said}; serving anyway: the page, \
+                     the API and /readyz say so until it can"
                 );
             }
             if matches!(reads_all, Ok(false)) {
@@ -929,12 +942,17 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                     }
                 }
             }
-            // Whether it is new, read before (an adaptive setting audits after the creation).
-            let existed = semaphore_exists(client, &name).await;
+            // Whether it is new, and whether it was a rate limit, read before (an adaptive
+            // setting audits after the creation).
+            let before = client
+                .semaphores()
+                .await
+                .map(|all| all.into_iter().find(|s| s.name == name));
+            let was_rate_limited = matches!(&before, Ok(Some(b)) if b.per.is_some());
             let s = client.set_semaphore(&name, capacity, &settings).await?;
             // A typo makes a new semaphore: say that this one is new, and what it is near.
-            let created = match existed {
-                Ok(existed) => !existed,
+            let created = match before {
+                Ok(before) => before.is_none(),
                 Err(_) => client.capacity_history(&s.name).await.is_ok_and(|history| {
                     history
                         .iter()
@@ -999,14 +1017,19 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
             if s.is_template {
                 say_instances_over_the_template(client, &s, &instances_waiting).await;
             }
-            // `--per 0` took the window away: what the capacity bounds now.
+            // `--per 0` took the window away (or there was none): what the capacity bounds now.
             if per == Some(Duration::ZERO) && s.per.is_none() {
                 errln!(
-                    "permitq: {} is not rate-limited: its capacity {} bounds the permits held at \
-                     once (`--per 1m` makes it a rate limit{})",
+                    "permitq: {} is not rate-limited{}: its capacity {} bounds the permits held \
+                     at once (`--per 1m` makes it a rate limit{})",
                     s.name,
+                    if was_rate_limited {
+                        " any more"
+                    } else {
+                        " (it was not before either: --per 0 changed nothing)"
+                    },
                     s.capacity,
-                    if created { "" } else { " again" }
+                    if was_rate_limited { " again" } else { "" }
                 );
             }
             // What adaptive means now, or that it still is (a capacity set by hand on it).

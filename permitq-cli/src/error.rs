@@ -70,10 +70,7 @@ impl CliError {
         let CliError::Permitq(e) = self else {
             return false;
         };
-        e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE)
-            && e.as_postgres()
-                .and_then(|p| p.as_db_error())
-                .is_some_and(|d| d.message().starts_with("permission denied for schema"))
+        schema_refused(e)
     }
 
     /// 2 for input rejected as invalid (by the CLI or the database, SQLSTATE 22023, or an
@@ -235,6 +232,29 @@ impl From<std::io::Error> for CliError {
 }
 
 /// `s` on one line: runs of whitespace (newlines included) become one space.
+/// Whether the database refused the permitq schema itself to the login: it has no permitq role.
+pub(crate) fn schema_refused(e: &permitq::Error) -> bool {
+    e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE)
+        && e.as_postgres()
+            .and_then(|p| p.as_db_error())
+            .is_some_and(|d| d.message().starts_with("permission denied for schema"))
+}
+
+/// What to tell `login`, which has no permitq role at all, when `who` ("this command",
+/// "serve") needs `role` (`also`: what else would do): the role and the GRANT, by name.
+pub(crate) fn no_permitq_role(login: &str, who: &str, role: &str, also: &str) -> String {
+    format!(
+        "the login {login} has no permitq role (permission denied for schema permitq): {who} \
+         needs {role}{also}; a DBA runs GRANT {role} TO {login}, or use a login that has it"
+    )
+}
+
+/// A library message as the CLI says it: the library's errors name its Rust API beside the
+/// command (`run `permitq migrate` (or `Client::migrate`)`); a CLI user has only the command.
+pub(crate) fn for_the_cli(message: &str) -> String {
+    message.replace(" (or `Client::migrate`)", "")
+}
+
 pub(crate) fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }

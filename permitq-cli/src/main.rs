@@ -117,12 +117,10 @@ fn main() -> ExitCode {
         Err(e) => {
             let message = match role {
                 // No permitq role at all: the one this command needs, not a list.
-                Some((role, also)) if e.is_schema_refused() => format!(
-                    "the login {login} has no permitq role (permission denied for schema \
-                     permitq): this command needs {role}{also}; a DBA runs GRANT {role} TO \
-                     {login}, or use a login that has it"
-                ),
-                _ => e.to_string().replace("<your login>", &login),
+                Some((role, also)) if e.is_schema_refused() => {
+                    error::no_permitq_role(&login, "this command", role, also)
+                }
+                _ => error::for_the_cli(&e.to_string()).replace("<your login>", &login),
             };
             errln!("permitq: {}", error::one_line(&message));
             ExitCode::from(e.exit_code())
@@ -132,7 +130,7 @@ fn main() -> ExitCode {
 
 /// The permitq role `command` needs, and what else would do (None: it needs none, or runs its
 /// own database).
-fn role_needed(command: &Command) -> Option<(&'static str, &'static str)> {
+pub(crate) fn role_needed(command: &Command) -> Option<(&'static str, &'static str)> {
     use args::{SemaphoreCommand, TokensCommand};
     Some(match command {
         Command::Worker(_) => ("permitq_worker", ""),
@@ -150,10 +148,9 @@ fn role_needed(command: &Command) -> Option<(&'static str, &'static str)> {
         Command::Top { .. }
         | Command::Serve { .. }
         | Command::Doctor { .. }
-        | Command::Semaphore(SemaphoreCommand::Show { .. } | SemaphoreCommand::History { .. }) => (
-            "permitq_operator",
-            " to read every request (permitq_producer reads its own alone)",
-        ),
+        | Command::Semaphore(SemaphoreCommand::Show { .. } | SemaphoreCommand::History { .. }) => {
+            OPERATOR
+        }
         Command::Revoke { .. }
         | Command::Semaphore(SemaphoreCommand::Set { .. } | SemaphoreCommand::Delete { .. })
         | Command::Tokens(TokensCommand::Raise { .. }) => ("permitq_admin", ""),
@@ -161,10 +158,30 @@ fn role_needed(command: &Command) -> Option<(&'static str, &'static str)> {
     })
 }
 
+/// What a reading command (`top`, `serve`, `semaphore show`) needs to read every request.
+pub(crate) const OPERATOR: (&str, &str) = (
+    "permitq_operator",
+    " to read every request (permitq_producer reads its own alone)",
+);
+
 /// What an option from another tool meant here, when clap has no near name to suggest
 /// (`--timeout` is nowhere near `--await`).
 fn tip_for(e: &clap::Error) -> Option<&'static str> {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
+    // `semaphore create` (or add, new): clap suggests only names near the word.
+    if e.kind() == ErrorKind::InvalidSubcommand {
+        let Some(ContextValue::String(word)) = e.get(ContextKind::InvalidSubcommand) else {
+            return None;
+        };
+        return matches!(
+            word.as_str(),
+            "create" | "add" | "new" | "update" | "resize" | "capacity"
+        )
+        .then_some(
+            "tip: `permitq semaphore set NAME CAPACITY` creates a semaphore, and changes one \
+             that exists (`permitq semaphore --help` lists the commands)",
+        );
+    }
     if e.kind() != ErrorKind::UnknownArgument {
         return None;
     }
@@ -191,7 +208,7 @@ fn tip_for(e: &clap::Error) -> Option<&'static str> {
 
 /// The login a database URL names (libpq's default, the OS user, when it names none), for the
 /// GRANT an error tells a DBA to run.
-fn login_of(url: Option<&str>) -> String {
+pub(crate) fn login_of(url: Option<&str>) -> String {
     url.and_then(|u| u.parse::<tokio_postgres::Config>().ok())
         .and_then(|c| c.get_user().map(str::to_string))
         .or_else(|| std::env::var("USER").ok())

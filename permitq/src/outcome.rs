@@ -316,8 +316,14 @@ impl PermitRequest {
                     format!(" of {}", humantime::format_duration(wait))
                 });
                 let why = if d.semaphore.is_some() {
+                    // Room kept for the line: the waiters ahead held it, not the holders.
+                    let lists = if d.free.unwrap_or(0) >= d.count.unwrap_or(0) {
+                        "the waiters, in line order"
+                    } else {
+                        "the holders"
+                    };
                     format!(
-                        "when it ran out, {} (`permitq semaphore show {name}` lists the holders)",
+                        "when it ran out, {} (`permitq semaphore show {name}` lists {lists})",
                         no_room(&name)
                     )
                 } else if self.examined_at.is_none() {
@@ -723,5 +729,21 @@ mod tests {
         let outcome = failed_fast(1).outcome().unwrap();
         assert!(outcome.contains("gpu=2, 1 of 4 free;"), "{outcome}");
         assert!(!outcome.contains("kept for"), "{outcome}");
+    }
+
+    /// A timeout points at what held the room: the waiters ahead when there was room enough
+    /// for it, else the holders.
+    #[test]
+    fn a_timeout_points_at_the_waiters_when_the_room_was_kept_for_them() {
+        for (free, lists) in [(3, "the waiters, in line order"), (1, "the holders")] {
+            let mut r = failed_fast(free);
+            r.error_code = Some(ErrorCode::Timeout);
+            r.wait = Some(std::time::Duration::from_secs(1));
+            let outcome = r.outcome().unwrap();
+            assert!(
+                outcome.contains(&format!("(`permitq semaphore show gpu` lists {lists})")),
+                "{outcome}"
+            );
+        }
     }
 }

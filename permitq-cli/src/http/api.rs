@@ -90,7 +90,7 @@ pub(super) async fn explain(
                  login sees only that login's requests"
             ) }),
         ),
-        Err(e) => database_error(&e.to_string()),
+        Err(e) => database_error(&state.reader.said(&e)),
     }
 }
 
@@ -103,6 +103,9 @@ pub(crate) struct Detail {
     /// Why the first in line waits (`permitq.explain` of the waiter at position 1).
     pub(crate) first_in_line: Option<permitq::Explanation>,
     pub(crate) capacity_history: Vec<permitq::CapacityChange>,
+    /// What each change of `capacity_history` set, in its order and in words, as `semaphore
+    /// show` says it (`capacity 4 -> 8`, `fair -> greedy`).
+    pub(crate) capacity_changes: Vec<String>,
     /// For a template: the most instances it may make, and how many it has now.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) instances: Option<Instances>,
@@ -239,6 +242,10 @@ pub(super) async fn detail_of(
     } else {
         Vec::new()
     };
+    let capacity_changes = history
+        .iter()
+        .map(|c| crate::show::capacity_change(c, usage.template.as_deref()))
+        .collect();
     Ok(Detail {
         last_reports,
         key_shares,
@@ -247,6 +254,7 @@ pub(super) async fn detail_of(
         usage,
         waiters,
         first_in_line,
+        capacity_changes,
         capacity_history: history,
         children,
         presence,

@@ -54,6 +54,20 @@ struct State {
     overview: Arc<Reused<Answer<Overview>>>,
     /// One semaphore in full, by name: `/api/semaphores/{name}`.
     details: Arc<ReusedByKey<Answer<api::Detail>>>,
+    /// Who reads the database, for what an error tells the reader to do.
+    reader: Reader,
+}
+
+/// The login this server reads the database as, and the permitq role it needs: what a refusal
+/// names (the GRANT to run, by name).
+#[derive(Clone, Debug)]
+pub(crate) struct Reader {
+    /// The login (as the database URL names it).
+    pub(crate) login: String,
+    /// Who needs the role: `serve`, `the worker`.
+    pub(crate) who: &'static str,
+    /// The role it needs, and what else would do.
+    pub(crate) role: (&'static str, &'static str),
 }
 
 /// Every semaphore's usage, and the workers.
@@ -69,7 +83,12 @@ type Answer<T> = std::result::Result<Arc<T>, String>;
 const REUSED_FOR: Duration = Duration::from_secs(1);
 
 impl State {
-    fn new(metrics: PrometheusHandle, client: Client, worker: Option<WorkerHealth>) -> Self {
+    fn new(
+        metrics: PrometheusHandle,
+        client: Client,
+        worker: Option<WorkerHealth>,
+        reader: Reader,
+    ) -> Self {
         Self {
             metrics,
             client,
@@ -77,7 +96,14 @@ impl State {
             ready: Arc::new(Reused::new(REUSED_FOR)),
             overview: Arc::new(Reused::new(REUSED_FOR)),
             details: Arc::new(ReusedByKey::new(REUSED_FOR)),
+            reader,
         }
+    }
+
+    /// What a database error tells the reader: a login with no permitq role hears the role
+    /// this server needs and the GRANT, by the login's name.
+    fn said(&self, e: &permitq::Error) -> String {
+        self.reader.said(e)
     }
 
     /// Every semaphore's usage and the workers, read at most once per period.
@@ -85,10 +111,10 @@ impl State {
         self.overview
             .get(|| async {
                 read("overview");
-                let usage = self.client.usage().await.map_err(|e| e.to_string())?;
+                let usage = self.client.usage().await.map_err(|e| self.said(&e))?;
                 let presence = crate::show::Presence::read(&self.client)
                     .await
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| self.said(&e))?;
                 Ok(Arc::new((usage, presence)))
             })
             .await
@@ -108,9 +134,21 @@ impl State {
                 api::detail_of(&self.client, usage.clone(), all, presence.clone())
                     .await
                     .map(Arc::new)
-                    .map_err(|e| e.to_string())
+                    .map_err(|e| self.said(&e))
             })
             .await
+    }
+}
+
+impl Reader {
+    /// What a database error tells whoever runs this server (its stderr too).
+    pub(crate) fn said(&self, e: &permitq::Error) -> String {
+        let (role, also) = self.role;
+        if crate::error::schema_refused(e) {
+            crate::error::no_permitq_role(&self.login, self.who, role, also)
+        } else {
+            crate::error::for_the_cli(&e.to_string()).replace("<your login>", &self.login)
+        }
     }
 }
 
@@ -127,6 +165,7 @@ pub(crate) async fn serve(
     access: access::Access,
     client: Client,
     worker: Option<WorkerHealth>,
+    reader: Reader,
 ) -> Result<SocketAddr> {
     let metrics = PrometheusBuilder::new()
         .set_buckets(BUCKETS)
@@ -148,7 +187,7 @@ pub(crate) async fn serve(
         CliError::runtime(format!("cannot listen on {addr} for HTTP: {e}{hint}"))
     })?;
     let bound = listener.local_addr()?;
-    let app = router(State::new(metrics, client, worker))
+    let app = router(State::new(metrics, client, worker, reader))
         .layer(axum::middleware::from_fn_with_state(access, access::guard));
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
@@ -359,11 +398,7 @@ async fn status_page(axum::extract::State(state): axum::extract::State<State>) -
 async fn status_rows(axum::extract::State(state): axum::extract::State<State>) -> Response {
     match state.overview().await {
         Ok(overview) => html(page::rows(&overview.0, &overview.1)),
-        Err(e) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            crate::error::one_line(&e.to_string()),
-        )
-            .into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, crate::error::one_line(&e)).into_response(),
     }
 }
 
@@ -392,12 +427,17 @@ async fn ready(state: &State) -> (StatusCode, String) {
     match state.client.schema_is_current().await {
         Ok(true) => {}
         Ok(false) => {
-            return not_ready("schema is not at this build's version: run `permitq migrate`".into())
+            return not_ready(format!(
+                "the permitq schema in {} is missing or not at this build's version: run \
+                 `permitq migrate` with this server's database URL (if permitq was migrated \
+                 into another database, fix the URL instead)",
+                state.client.database()
+            ))
         }
         Err(e) => {
             return not_ready(format!(
                 "database: {}",
-                crate::error::one_line(&e.to_string())
+                crate::error::one_line(&state.said(&e))
             ))
         }
     }
@@ -420,7 +460,7 @@ async fn ready(state: &State) -> (StatusCode, String) {
         Ok(None) => (StatusCode::OK, "ready\n".to_string()),
         Err(e) => not_ready(format!(
             "database: {}",
-            crate::error::one_line(&e.to_string())
+            crate::error::one_line(&state.said(&e))
         )),
     }
 }

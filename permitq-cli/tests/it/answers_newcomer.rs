@@ -252,6 +252,30 @@ fn an_option_from_another_tool_is_told_what_permitq_calls_it() {
     );
 }
 
+#[test]
+fn a_semaphore_command_guessed_from_another_tool_is_pointed_at_set() {
+    for word in ["create", "add", "new"] {
+        let o = permitq(None, &["semaphore", word, "foo", "3"]);
+        assert_eq!(code(&o), 2);
+        assert!(
+            stderr(&o).contains(&format!("unrecognized subcommand '{word}'"))
+                && stderr(&o).contains(
+                    "tip: `permitq semaphore set NAME CAPACITY` creates a semaphore, and changes \
+                     one that exists"
+                ),
+            "{word}: {}",
+            stderr(&o)
+        );
+    }
+    // A typo of a real command gets clap's own suggestion, not this tip.
+    let o = permitq(None, &["semaphore", "sho", "foo"]);
+    assert!(
+        !stderr(&o).contains("creates a semaphore"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_on_a_port_in_use_names_the_option_that_moves_it() {
     let db = TestDb::new().await;

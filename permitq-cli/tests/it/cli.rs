@@ -581,8 +581,21 @@ async fn submit_await_status_release_and_their_exit_codes() {
     let json: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert!(json["per"].is_null(), "{}", stdout(&o));
     assert!(
+        stderr(&o).contains(
+            "api is not rate-limited any more: its capacity 5 bounds the permits held at once \
+             (`--per 1m` makes it a rate limit again)"
+        ),
+        "{}",
         stderr(&o)
-            .contains("api is not rate-limited: its capacity 5 bounds the permits held at once"),
+    );
+    // Again, on what was never a rate limit: it says that nothing changed.
+    let o = run(url, &["semaphore", "set", "api", "5", "--per", "0"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "api is not rate-limited (it was not before either: --per 0 changed nothing): its \
+             capacity 5 bounds the permits held at once (`--per 1m` makes it a rate limit)"
+        ),
         "{}",
         stderr(&o)
     );

@@ -555,7 +555,18 @@ async fn serve_is_not_ready_without_the_schema_and_a_worker_waits_for_it() {
     .unwrap();
     let (status, body) = get_async(addr, "/readyz").await;
     assert_eq!(status, 503);
-    assert!(body.contains("permitq migrate"), "{body}");
+    // Where it looked: a URL naming another database reads as an unmigrated one.
+    assert!(
+        body.contains(&format!(
+            "the permitq schema in database {} at 127.0.0.1:",
+            db.name
+        )) && body.contains(
+            "is missing or not at this build's version: run `permitq migrate` with this \
+             server's database URL (if permitq was migrated into another database, fix the URL \
+             instead)"
+        ),
+        "{body}"
+    );
     // It says so when it starts, too: not only "serving".
     let mut again = Command::new(env!("CARGO_BIN_EXE_permitq"))
         .args(["serve", "--http-addr", "localhost:0"])
@@ -578,8 +589,10 @@ async fn serve_is_not_ready_without_the_schema_and_a_worker_waits_for_it() {
     let _ = again.wait();
     let said = said.expect("serve said it within SOON").unwrap();
     assert!(
-        said.as_deref()
-            .is_some_and(|l| l.contains("serving anyway: the page, the API and /readyz say so")),
+        said.as_deref().is_some_and(|l| l
+            .contains("serving anyway: the page, the API and /readyz say so")
+            && l.contains("run `permitq migrate`")
+            && !l.contains("Client::migrate")),
         "{said:?}"
     );
     // A worker started now waits (it does not exit, it says why) and starts once the schema
@@ -704,6 +717,15 @@ impl Browser {
             "/execute/sync",
             serde_json::json!({ "script": script, "args": [] }),
         )
+    }
+
+    /// Sets the window's size, in CSS pixels.
+    fn resize(&self, width: u32, height: u32) {
+        self.command(
+            "POST",
+            "/window/rect",
+            serde_json::json!({ "width": width, "height": height }),
+        );
     }
 
     fn screenshot(&self) -> Vec<u8> {
@@ -908,6 +930,22 @@ async fn the_status_page_shows_50_semaphores_on_one_screen_and_follows_a_capacit
         .windows(5)
         .any(|w| w[..4].iter().all(u8::is_ascii_digit) && w[4] == b'-');
     assert!(!iso_date, "relative times only, no timestamps: {texts}");
+    // Just wider than where the details go under the table (1000 pixels), they fit beside it:
+    // they wrap (why the first in line waits is a long line), and the page does not scroll
+    // sideways.
+    {
+        let b = browser.clone();
+        tokio::task::spawn_blocking(move || b.resize(1000, 1024))
+            .await
+            .unwrap();
+    }
+    wait_until(SOON, "the page fits 1000 pixels", || async {
+        eval("return innerWidth <= 1000 && document.documentElement.scrollWidth <= innerWidth")
+            .await
+            .as_bool()
+            == Some(true)
+    })
+    .await;
     // The screenshot of all 50 (search cleared, gpu's details open).
     eval(
         "const s = document.getElementById('search'); s.value = ''; \
@@ -933,6 +971,21 @@ async fn the_status_page_shows_50_semaphores_on_one_screen_and_follows_a_capacit
             .as_str()
             .unwrap_or("")
             == "4/4 0"
+    })
+    .await;
+    // A change of mode moves no capacity: the changes say what moved, in words.
+    client.set_capacity("gpu", 4, Some(false)).await.unwrap();
+    wait_until(SOON, "the changes say fair -> greedy", || async {
+        eval(
+            "return [...document.querySelectorAll('#detail tr.change')]\
+              .map(r => r.innerText).join('\\n')",
+        )
+        .await
+        .as_str()
+        .unwrap_or("")
+        .lines()
+        .next()
+        .is_some_and(|newest| newest.contains("fair -> greedy"))
     })
     .await;
     drop(browser);
@@ -1682,4 +1735,70 @@ async fn the_status_page_plots_an_adaptive_capacity_and_what_moved_it() {
     drop(browser);
     drop(serve);
     worker.stop().await;
+}
+
+/// `serve` as a login with no permitq role names the login and the role serve needs, on its
+/// stderr and on `/readyz` (not a list of every role and `<your login>`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_as_a_login_with_no_permitq_role_names_it_and_the_role_it_needs() {
+    let db = TestDb::new().await;
+    let user = format!("noserve_{}", std::process::id());
+    db.conn()
+        .await
+        .batch_execute(&format!("CREATE ROLE {user} LOGIN PASSWORD 'pw'"))
+        .await
+        .unwrap();
+    let url = common::as_user(&db.url, &user, "pw");
+    let told = format!(
+        "the login {user} has no permitq role (permission denied for schema permitq): serve \
+         needs permitq_operator to read every request (permitq_producer reads its own alone); a \
+         DBA runs GRANT permitq_operator TO {user}, or use a login that has it"
+    );
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_permitq"))
+        .args(["serve", "--http-addr", "127.0.0.1:0"])
+        .env("DATABASE_URL", &url)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = serve.stderr.take().unwrap();
+    let lines = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead as _;
+        let mut lines = std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok);
+        let mut seen = Vec::new();
+        for l in lines.by_ref() {
+            let done = l.contains("cannot read the database now");
+            seen.push(l);
+            if done {
+                break;
+            }
+        }
+        std::thread::spawn(move || lines.for_each(drop));
+        seen
+    });
+    let lines = tokio::time::timeout(SOON, lines).await;
+    let lines = match lines {
+        Ok(lines) => lines.unwrap(),
+        Err(_) => {
+            let _ = serve.kill();
+            panic!("serve said nothing of the database within SOON");
+        }
+    };
+    let addr: std::net::SocketAddr = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("permitq: serving http://"))
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("serving line in {lines:?}"));
+    let said = lines.last().unwrap();
+    assert!(said.contains(&told), "{said}");
+    assert!(!said.contains("<your login>"), "{said}");
+    let (status, body) = get_async(addr, "/readyz").await;
+    let _ = serve.kill();
+    let _ = serve.wait();
+    assert_eq!(status, 503);
+    assert!(body.contains(&told), "{body}");
 }
