@@ -166,6 +166,9 @@ pub(crate) const WORKER_SLEEPING: &str = "INSERT INTO permitq.worker_wake AS w \
 /// fold)? Two index probes, no transaction.
 pub(crate) const WORK_WAITING: &str = "SELECT EXISTS (SELECT 1 FROM permitq.permit_request \
      WHERE state = 'new' AND NOT examined) OR EXISTS (SELECT 1 FROM permitq.pending_release)";
+/// Worker, after a fold of its own and once the wake gate is free: is any release left to fold?
+/// (One index probe, no transaction; see permitq.wake_workers_for_release.)
+pub(crate) const RELEASES_PENDING: &str = "SELECT EXISTS (SELECT 1 FROM permitq.pending_release)";
 /// Worker, stopping: forget whether it sleeps, and say it no longer runs (its row stays an hour,
 /// so that readers can say when a worker was last seen).
 pub(crate) const WORKER_GONE: &str =
@@ -425,6 +428,7 @@ fn all() -> Vec<(&'static str, String)> {
         ("WORKERS", WORKERS),
         ("WORK_WAITING", WORK_WAITING),
         ("WAKE_GATE_FREE", WAKE_GATE_FREE),
+        ("RELEASES_PENDING", RELEASES_PENDING),
         ("DELETE_DEAD_WORKERS", DELETE_DEAD_WORKERS),
         ("APPLY_DECISION", APPLY_DECISION),
         ("RELEASE", RELEASE),

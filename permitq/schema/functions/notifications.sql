@@ -14,6 +14,9 @@
 --           finished, so that pass sees its rows; callers after the commit read true and
 --           notify. When the gate is busy the worker does not sleep: it polls (producers are
 --           active).
+--   a release: notifies only when a worker sleeps and no earlier release already woke it for
+--           the same fold (permitq.wake_workers_for_release); the worker then checks after
+--           each fold of its own, once the gate is free, that no release is left to fold.
 -- Callers in REPEATABLE READ or SERIALIZABLE read an older snapshot, so they always notify.
 --
 -- Grants never depend on a notification: the NOTIFY queue is one per cluster, and when it is
@@ -38,7 +41,7 @@ BEGIN
 END $$;
 
 -- Wakes the workers if any is asleep. Called by every transaction that may make work for them
--- (submit, plain INSERT, release, cancel).
+-- (submit, plain INSERT, cancel; a release calls permitq.wake_workers_for_release).
 CREATE OR REPLACE FUNCTION permitq.wake_workers() RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -48,6 +51,38 @@ BEGIN
     END IF;
     LOCK TABLE permitq.wake_gate IN ROW SHARE MODE;
     IF EXISTS (SELECT 1 FROM permitq.worker_wake WHERE sleeping AND awake_by > now()) THEN
+        PERFORM permitq.notify('permitq_work', '');
+    END IF;
+END $$;
+
+-- Wakes the workers for a release of `semaphores` (the names it gave permits back to, ancestors
+-- included) by the requests `released`: as permitq.wake_workers, but only when no earlier
+-- release already woke them for it. That is: a request waits on one of these semaphores (the
+-- hand-off: at once), semaphores are nested (the room of a parent is every child's: always),
+-- or no other release of them waits to be folded (the first since the last fold). Releases
+-- beside an idle worker then notify about once per fold, not once each: PostgreSQL serializes
+-- the commits of notifying transactions. A release that did not notify is still folded soon:
+-- the worker whose fold the first one woke checks after each fold of its own, once the wake
+-- gate is free (this caller holds it to its commit), whether any release is left to fold, and
+-- folds again until none is (permitq::Worker::check_after_fold). Workers of the release before
+-- do not check: they fold such a release at their next pass, at most a poll interval later.
+CREATE OR REPLACE FUNCTION permitq.wake_workers_for_release(semaphores text[], released bigint[])
+RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM permitq.notify('permitq_work', '');
+        RETURN;
+    END IF;
+    LOCK TABLE permitq.wake_gate IN ROW SHARE MODE;
+    IF EXISTS (SELECT 1 FROM permitq.worker_wake WHERE sleeping AND awake_by > now())
+       AND (EXISTS (SELECT 1 FROM permitq.semaphore s
+                    JOIN permitq.waiter w ON w.semaphore_id = s.id -- waiter_place_idx
+                    WHERE s.name = ANY(semaphores))
+            OR EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.parent IS NOT NULL) -- semaphore_parent_idx
+            OR NOT EXISTS (SELECT 1 FROM permitq.pending_release p -- pending_release_semaphore_idx
+                           WHERE p.semaphore = ANY(semaphores)
+                             AND p.request_id <> ALL(released))) THEN
         PERFORM permitq.notify('permitq_work', '');
     END IF;
 END $$;

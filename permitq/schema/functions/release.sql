@@ -9,12 +9,15 @@
 
 -- Gives the permits of acquired requests back. Precondition: the caller's transaction holds
 -- the row locks of these requests (lock order step 1). Marks them released, records one
--- pending_release row per semaphore it took from (the first one announces the event), and wakes a sleeping
--- worker to fold them. Used by release, revoke and every sweep. Returns how many it released.
+-- pending_release row per semaphore it took from (the first one announces the event), and wakes
+-- a sleeping worker to fold them unless an earlier release already did
+-- (permitq.wake_workers_for_release). Used by release, revoke and every sweep. Returns how many
+-- it released.
 CREATE OR REPLACE FUNCTION permitq.release_locked(request_ids bigint[], reason text) RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
     released bigint[];
+    freed text[];
 BEGIN
     WITH r AS (
         UPDATE permitq.permit_request r
@@ -31,11 +34,12 @@ BEGIN
         INSERT INTO permitq.pending_release (request_id, semaphore, count, announce)
         SELECT r.id, e.key, e.value::int, row_number() OVER (PARTITION BY r.id ORDER BY e.key) = 1
         FROM r CROSS JOIN LATERAL jsonb_each(r.charged) e
-        RETURNING request_id
+        RETURNING request_id, semaphore
     )
-    SELECT array_agg(DISTINCT request_id) INTO released FROM rows;
+    SELECT array_agg(DISTINCT request_id), array_agg(DISTINCT semaphore) INTO released, freed
+    FROM rows;
     IF released IS NOT NULL THEN
-        PERFORM permitq.wake_workers();
+        PERFORM permitq.wake_workers_for_release(freed, released);
     END IF;
     RETURN coalesce(array_length(released, 1), 0);
 END $$;

@@ -62,18 +62,28 @@ fn caused_by_a_row(e: &Error) -> bool {
 /// How often at most a worker runs a transaction only to fold pending releases.
 const FOLD_EVERY: Duration = Duration::from_millis(10);
 
-/// When a worker last ran a fold of its own, and whether a pass has skipped one since.
+/// The longest a fold owed after a fold of its own waits (see `Worker::check_after_fold`):
+/// releases keep coming, or a producer idles in a transaction holding the wake gate.
+const FOLD_BACKOFF_MAX: Duration = Duration::from_millis(100);
+
+/// When a worker last ran a fold of its own, and when the next one is owed.
 #[derive(Debug)]
 pub(crate) struct FoldClock {
     last: Instant,
-    owed: bool,
+    /// A fold is owed this long after `last` (None: none is).
+    owed: Option<Duration>,
+    /// How long after a fold the next is owed when that fold left releases to fold, or
+    /// producers in flight: [`FOLD_EVERY`], doubled at each such fold in a row, up to
+    /// [`FOLD_BACKOFF_MAX`] (or the poll interval, if shorter).
+    backoff: Duration,
 }
 
 impl Default for FoldClock {
     fn default() -> Self {
         Self {
             last: Instant::now(),
-            owed: false,
+            owed: None,
+            backoff: FOLD_EVERY,
         }
     }
 }
@@ -85,27 +95,55 @@ impl Worker {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Whether a pass that claimed nothing folds now; when not, the fold is owed.
+    /// Whether a pass that claimed nothing folds now; when not, a fold is owed.
     fn fold_due(&self) -> bool {
         let mut clock = self.fold_clock();
         if clock.last.elapsed() < FOLD_EVERY {
-            clock.owed = true;
+            clock.owed = Some(clock.owed.map_or(FOLD_EVERY, |d| d.min(FOLD_EVERY)));
             return false;
         }
-        *clock = FoldClock {
-            last: Instant::now(),
-            owed: false,
-        };
+        clock.last = Instant::now();
+        clock.owed = None;
         true
     }
 
-    /// When a pass skipped a fold: how long until one is due. A sleeping worker wakes then,
-    /// so releases that came close together are folded within `FOLD_EVERY`, not a poll later.
+    /// When a fold is owed: how long until it is due. A sleeping worker wakes then, so
+    /// releases that came close together are folded within `FOLD_EVERY` (or its back-off),
+    /// not a poll later.
     pub(crate) fn fold_owed_in(&self) -> Option<Duration> {
         let clock = self.fold_clock();
         clock
             .owed
-            .then(|| FOLD_EVERY.saturating_sub(clock.last.elapsed()))
+            .map(|after| after.saturating_sub(clock.last.elapsed()))
+    }
+
+    /// After a fold of its own: whether it may have left a release unfolded that no
+    /// notification will announce. A release that saw another release of its semaphores still
+    /// to fold does not notify (permitq.wake_workers_for_release), counting on the fold that
+    /// one woke; a fold that ran before it committed did not see it. Once the wake gate is
+    /// free, every such producer has committed, and a read of the pending releases after it
+    /// sees theirs: none left, and nothing is owed; else a fold is owed, backing off while
+    /// producers stay in flight (one idle in a transaction holds the gate).
+    async fn check_after_fold(&self, conn: &deadpool_postgres::Object) -> Result<()> {
+        let gate_free: bool = conn.query_one(sql::WAKE_GATE_FREE, &[]).await?.get(0);
+        let left = if gate_free {
+            let probe = conn.prepare_cached(sql::RELEASES_PENDING).await?;
+            conn.query_one(&probe, &[]).await?.get(0)
+        } else {
+            true
+        };
+        let mut clock = self.fold_clock();
+        if left {
+            let after = clock.backoff;
+            clock.owed = Some(clock.owed.map_or(after, |d| d.min(after)));
+            clock.backoff = (after * 2)
+                .min(FOLD_BACKOFF_MAX)
+                .min(self.config.poll_interval)
+                .max(FOLD_EVERY);
+        } else {
+            clock.backoff = FOLD_EVERY;
+        }
+        Ok(())
     }
 
     /// Runs one pass, retrying each batch on transient errors. Stops early when `stop` becomes
@@ -293,7 +331,7 @@ impl Worker {
             return Ok(None);
         }
         // This batch folds the pending releases (of every semaphore no other batch holds).
-        self.fold_clock().owed = false;
+        self.fold_clock().owed = None;
         let mut batch = ClaimedBatch::from_rows(rows)?;
         let mut locked = match locked {
             Some(locked) => locked,
@@ -335,6 +373,7 @@ impl Worker {
                 tokio::join!(conn.execute(&fold, &[]), conn.batch_execute("COMMIT"));
             folded?;
             committed?;
+            self.check_after_fold(conn).await?;
         } else {
             conn.batch_execute("COMMIT").await?;
         }

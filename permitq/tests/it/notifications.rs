@@ -147,3 +147,75 @@ async fn under_load_producers_do_not_notify_per_request() {
         w.stop().await;
     }
 }
+
+/// Releases beside a sleeping worker wake it once, not once each: a release that sees another
+/// release of its semaphore still to fold does not notify. None is left unfolded: the worker
+/// folds again after each fold of its own until, with the wake gate free, none is left, here
+/// with a poll interval too long to matter, and across a release whose transaction was still
+/// open (so unseen) when a fold ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_beside_a_sleeping_worker_wake_it_once_and_all_are_folded() {
+    const HELD: usize = 20;
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("s", 100, None).await.unwrap();
+    let worker = db.worker(quiet_config("w"));
+    for i in 0..=HELD {
+        client
+            .submit(&Request::new(format!("h-{i}")).permit("s", 1))
+            .await
+            .unwrap();
+    }
+    for i in 0..=HELD {
+        assert_eq!(
+            common::settled_state(&client, &format!("h-{i}")).await,
+            State::Acquired
+        );
+    }
+    let conn = db.conn().await;
+    wait_until(SOON, "the worker sleeps", || async {
+        conn.query_one(
+            "SELECT coalesce(bool_and(sleeping), false) FROM permitq.worker_wake",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+    })
+    .await;
+    let (work_listener, mut work) = common::listen(&db.url, "permitq_work").await;
+    // The fold cannot take the semaphore while this transaction holds it (it skips what is
+    // locked): the releases stay to fold.
+    let holder = db.conn().await;
+    holder
+        .batch_execute("BEGIN; SELECT 1 FROM permitq.semaphore WHERE name = 's' FOR UPDATE")
+        .await
+        .unwrap();
+    for i in 1..=HELD {
+        client.release(&format!("h-{i}")).await.unwrap();
+    }
+    let wakeups = common::until_marker(&work_listener, "permitq_work", &mut work)
+        .await
+        .len();
+    assert_eq!(
+        wakeups, 1,
+        "{HELD} releases, {wakeups} wake-up notifications"
+    );
+    // One more, its transaction open across the semaphore's freeing: the fold that follows
+    // cannot see it, nor does it notify (the others are still to fold).
+    let late = db.conn().await;
+    late.batch_execute("BEGIN; SELECT permitq.release('h-0')")
+        .await
+        .unwrap();
+    holder.batch_execute("COMMIT").await.unwrap();
+    wait_until(SOON, "the releases before it folded", || async {
+        client.semaphores().await.unwrap()[0].used == 1
+    })
+    .await;
+    late.batch_execute("COMMIT").await.unwrap();
+    wait_until(SOON, "every release folded", || async {
+        client.semaphores().await.unwrap()[0].used == 0
+    })
+    .await;
+    worker.stop().await;
+}
