@@ -30,6 +30,21 @@ async fn semaphore_exists(client: &Client, name: &str) -> permitq::Result<bool> 
     Ok(client.semaphores().await?.iter().any(|s| s.name == name))
 }
 
+/// A semaphore as `semaphore list --json` and `semaphore set --json` print it: its row, with
+/// the settings kept outside it (whether it is adaptive, and how; whether it is served by
+/// fairness key), as `usage` (every semaphore's) says them.
+fn semaphore_json(s: &permitq::Semaphore, usage: &[permitq::SemaphoreUsage]) -> serde_json::Value {
+    let mut row = serde_json::to_value(s).expect("serializable");
+    let u = usage.iter().find(|u| u.name == s.name);
+    row["adaptive"] = u
+        .and_then(|u| u.adaptive.as_ref())
+        .map_or(serde_json::Value::Null, |a| {
+            serde_json::to_value(a).expect("serializable")
+        });
+    row["fairness_keys"] = u.is_some_and(|u| u.fairness_keys).into();
+    row
+}
+
 /// Whether `name`, given where a request's id belongs, is an existing semaphore's name:
 /// `permitq release gpu`. A failed read says no.
 async fn names_a_semaphore(client: &Client, name: &str) -> bool {
@@ -1085,7 +1100,9 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 );
             }
             if json {
-                outln!("{}", serde_json::to_string(&s).expect("serializable"));
+                // As `semaphore list --json` has it, the settings kept outside its row included.
+                let usage = client.usage().await.unwrap_or_default();
+                outln!("{}", semaphore_json(&s, &usage));
                 return Ok(0);
             }
             // A rate limit's capacity bounds grants in its window: those, beside what is held.
@@ -1182,20 +1199,8 @@ async fn semaphore(client: &Client, cmd: SemaphoreCommand) -> Result<u8> {
                 // With the settings kept outside the semaphore's row, as the text list says
                 // them: whether it is adaptive (and how) and served by fairness key.
                 let usage = client.usage().await.unwrap_or_default();
-                let rows: Vec<serde_json::Value> = list
-                    .iter()
-                    .map(|s| {
-                        let mut row = serde_json::to_value(s).expect("serializable");
-                        let u = usage.iter().find(|u| u.name == s.name);
-                        row["adaptive"] = u
-                            .and_then(|u| u.adaptive.as_ref())
-                            .map_or(serde_json::Value::Null, |a| {
-                                serde_json::to_value(a).expect("serializable")
-                            });
-                        row["fairness_keys"] = u.is_some_and(|u| u.fairness_keys).into();
-                        row
-                    })
-                    .collect();
+                let rows: Vec<serde_json::Value> =
+                    list.iter().map(|s| semaphore_json(s, &usage)).collect();
                 outln!("{}", serde_json::to_string(&rows).expect("serializable"));
             } else {
                 outln!("{:<32} {:>10} {:>10}  mode", "name", "capacity", "used");

@@ -139,8 +139,9 @@ pub(crate) fn role_needed(command: &Command) -> Option<(&'static str, &'static s
         | Command::Explain { .. }
         | Command::Release { .. }
         | Command::Heartbeat { .. } => ("permitq_producer", ""),
-        // Listing semaphores reads no request: a producer may, and an operator, who only looks.
-        Command::Semaphore(SemaphoreCommand::List { .. }) => (
+        // Listing semaphores or workers reads no request: a producer may, and an operator,
+        // who only looks.
+        Command::Semaphore(SemaphoreCommand::List { .. }) | Command::Workers { .. } => (
             "permitq_producer",
             " (or permitq_operator, to look without submitting)",
         ),
@@ -168,19 +169,36 @@ pub(crate) const OPERATOR: (&str, &str) = (
 /// (`--timeout` is nowhere near `--await`).
 fn tip_for(e: &clap::Error) -> Option<&'static str> {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
-    // `semaphore create` (or add, new): clap suggests only names near the word.
+    // A command named as other tools name it (`semaphore create`, `rm`, `cancel`): clap
+    // suggests only names near the word.
     if e.kind() == ErrorKind::InvalidSubcommand {
         let Some(ContextValue::String(word)) = e.get(ContextKind::InvalidSubcommand) else {
             return None;
         };
-        return matches!(
-            word.as_str(),
-            "create" | "add" | "new" | "update" | "resize" | "capacity"
-        )
-        .then_some(
-            "tip: `permitq semaphore set NAME CAPACITY` creates a semaphore, and changes one \
-             that exists (`permitq semaphore --help` lists the commands)",
-        );
+        return match word.as_str() {
+            "create" | "add" | "new" | "update" | "resize" | "capacity" => Some(
+                "tip: `permitq semaphore set NAME CAPACITY` creates a semaphore, and changes one \
+                 that exists (`permitq semaphore --help` lists the commands)",
+            ),
+            "rm" | "remove" | "del" | "drop" | "destroy" => Some(
+                "tip: `permitq semaphore delete NAME` removes a semaphore nothing holds or \
+                 waits on",
+            ),
+            "cancel" | "abort" => Some(
+                "tip: `permitq release ID` cancels a request still waiting (and gives back one \
+                 held)",
+            ),
+            "acquire" | "lock" | "take" => Some(
+                "tip: `permitq submit ID SEMAPHORE=COUNT --await 30s` asks for permits and \
+                 waits for them (`permitq release ID` gives them back)",
+            ),
+            "list" | "ls" => Some("tip: `permitq semaphore list` lists the semaphores"),
+            "show" | "get" | "describe" | "info" => Some(
+                "tip: `permitq semaphore show NAME` shows a semaphore (`permitq status ID`, a \
+                 request)",
+            ),
+            _ => None,
+        };
     }
     if e.kind() != ErrorKind::UnknownArgument {
         return None;

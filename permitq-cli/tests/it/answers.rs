@@ -344,6 +344,11 @@ async fn a_login_without_any_permitq_role_is_told_the_role_its_command_needs() {
             " (or permitq_operator, to look without submitting)",
         ),
         (
+            &["workers"][..],
+            "permitq_producer",
+            " (or permitq_operator, to look without submitting)",
+        ),
+        (
             &["semaphore", "show", "gpu"][..],
             "permitq_operator",
             " to read every request (permitq_producer reads its own alone)",

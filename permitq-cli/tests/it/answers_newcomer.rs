@@ -274,6 +274,31 @@ fn a_semaphore_command_guessed_from_another_tool_is_pointed_at_set() {
         "{}",
         stderr(&o)
     );
+    // And the other words other tools use.
+    for (args, tip) in [
+        (
+            &["semaphore", "rm", "foo"][..],
+            "tip: `permitq semaphore delete NAME`",
+        ),
+        (
+            &["semaphore", "remove", "foo"][..],
+            "tip: `permitq semaphore delete NAME`",
+        ),
+        (
+            &["cancel", "g1"][..],
+            "tip: `permitq release ID` cancels a request still waiting",
+        ),
+        (
+            &["acquire", "g1", "gpu=1"][..],
+            "tip: `permitq submit ID SEMAPHORE=COUNT --await 30s`",
+        ),
+        (&["list"][..], "tip: `permitq semaphore list`"),
+        (&["show", "gpu"][..], "tip: `permitq semaphore show NAME`"),
+    ] {
+        let o = permitq(None, args);
+        assert_eq!(code(&o), 2, "{args:?}");
+        assert!(stderr(&o).contains(tip), "{args:?}: {}", stderr(&o));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

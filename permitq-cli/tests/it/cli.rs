@@ -1697,6 +1697,36 @@ async fn fairness_keys_from_the_command_line() {
         stdout(&o).trim(),
         "gpu capacity=1 used=0 fair fairness_keys"
     );
+    // --json says it too, and whether it is adaptive, as `semaphore list --json` does.
+    let set = json(
+        &run(
+            url,
+            &[
+                "semaphore",
+                "set",
+                "gpu",
+                "1",
+                "--adaptive",
+                "aimd",
+                "--floor",
+                "1",
+                "--ceiling",
+                "4",
+                "--json",
+            ],
+        )
+        .await,
+    );
+    assert_eq!(set["fairness_keys"], true, "{set}");
+    assert_eq!(
+        set["adaptive"],
+        serde_json::json!({"algorithm": "aimd", "floor": 1, "ceiling": 4}),
+        "{set}"
+    );
+    let listed = json(&run(url, &["semaphore", "list", "--json"]).await);
+    assert_eq!(listed[0], set, "the same object as the list's");
+    let o = run(url, &["semaphore", "set", "gpu", "1", "--no-adaptive"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
     let worker = db.worker(quiet_config("w"));
     let o = run(url, &["submit", "hold", "gpu=1", "--await", "10s"]).await;
     assert_eq!(code(&o), 0, "{}", stderr(&o));

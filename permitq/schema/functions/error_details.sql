@@ -47,8 +47,9 @@ $$;
 -- nearest first. Instances are left out (their template's instance form is named instead,
 -- `lab:NAME (an instance of the template lab:*)`). Cost: bounded, at most 1,000 names compared,
 -- only when a request fails with unknown_semaphore or a name is not found.
+-- (As its owner: permitq.nearest_names is not granted to the logins that ask.)
 CREATE OR REPLACE FUNCTION permitq.similar_semaphore_names(semaphore_name text) RETURNS text[]
-LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     -- A template is offered as the instance name it makes, since a template itself is never
     -- granted: `lab:NAME (an instance of the template lab:*)`.
     SELECT coalesce(array_agg(CASE WHEN right(n, 1) = '*'
