@@ -1106,18 +1106,9 @@ fn keys_alike(keys: &[permitq::KeyShare]) -> Vec<String> {
     alike
 }
 
-/// `name` as it is typed in a shell: as is, or in single quotes when it has other characters
-/// than letters, digits and `-_.:/@` (a template's `*`, a space).
+/// `name` as it is typed in a shell ([`permitq::shell_word`]).
 pub(crate) fn quoted_name(name: &str) -> String {
-    if !name.is_empty()
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.:/@".contains(c))
-    {
-        name.to_string()
-    } else {
-        format!("'{}'", name.replace('\'', r"'\''"))
-    }
+    permitq::shell_word(name)
 }
 
 #[cfg(test)]

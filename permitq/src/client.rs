@@ -264,7 +264,9 @@ impl Client {
                              shows who holds them: a producer login sees its own holders, an \
                              operator login every one)",
                             names.join(", "),
-                            names.first().copied().unwrap_or("NAME")
+                            names
+                                .first()
+                                .map_or("NAME".to_string(), |n| crate::shell_word(n))
                         )
                     }
                 };

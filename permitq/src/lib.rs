@@ -15,7 +15,7 @@
 //! | [`Client`] | producers, holders and operators: submit, status, wait, acquire, release, revoke, heartbeat, capacity, usage, holders, waiters, fencing |
 //! | [`Lease`] | a held request that heartbeats itself and tells you when it is lost |
 //! | [`Request`] | a request to submit, built with its methods |
-//! | [`PermitRequest`], [`State`], [`ErrorCode`], [`ErrorDetail`], [`ReleaseReason`], [`ReleaseOutcome`] | a request as stored, where it is in its life and how it ended (and [`PermitRequest::outcome`], in words) |
+//! | [`PermitRequest`], [`State`], [`ErrorCode`], [`ErrorDetail`], [`ReleaseReason`], [`ReleaseOutcome`] | a request as stored, where it is in its life and how it ended (and [`PermitRequest::outcome`], in words; [`shell_word`], a name as the commands it suggests type it) |
 //! | [`Granting`], [`WorkerSeen`] | whether anything is granting: the workers that run ([`Client::granting`], [`Client::workers`]) |
 //! | [`Semaphore`], [`CapacityChange`] | a semaphore, and its capacity audit |
 //! | [`Finding`] | a check of the cluster's hardening against co-tenants ([`Client::hardening`], `permitq doctor`) |
@@ -81,7 +81,7 @@ pub use fairness::{shown_key, KeyShare};
 pub use hardening::Finding;
 pub use lease::Lease;
 pub use maintenance::{MaintenanceConfig, OwnerLiveness};
-pub use outcome::{AdaptiveBound, ErrorDetail};
+pub use outcome::{shell_word, AdaptiveBound, ErrorDetail};
 pub use presence::{Granting, WorkerSeen};
 pub use rules::{
     AGING_STEP, FAIRNESS_WEIGHT_RANGE, MAX_DURATION, MAX_FAIRNESS_KEY_LENGTH, MAX_INSTANCES,

@@ -225,15 +225,17 @@ impl PermitRequest {
                 };
                 match d.similar.as_slice() {
                     [] => format!(
-                        "{what}; create it with `permitq semaphore set {name} CAPACITY` (or a \
+                        "{what}; create it with `permitq semaphore set {} CAPACITY` (or a \
                          template NAME* that matches it), then submit again under a new \
-                         external_id"
+                         external_id",
+                        shell_word(&name)
                     ),
                     similar => format!(
                         "{what}; did you mean {}? (submit again under a new external_id; or, if \
-                         {name} is a new one, create it first: `permitq semaphore set {name} \
+                         {name} is a new one, create it first: `permitq semaphore set {} \
                          CAPACITY`)",
-                        similar.join(" or ")
+                        similar.join(" or "),
+                        shell_word(&name)
                     ),
                 }
             }
@@ -323,8 +325,9 @@ impl PermitRequest {
                         "the holders"
                     };
                     format!(
-                        "when it ran out, {} (`permitq semaphore show {name}` lists {lists})",
-                        no_room(&name)
+                        "when it ran out, {} (`permitq semaphore show {}` lists {lists})",
+                        no_room(&name),
+                        shell_word(&name)
                     )
                 } else if self.examined_at.is_none() {
                     // No batch ever read it: no worker ran while it waited (the deadline sweep
@@ -399,10 +402,13 @@ fn adaptive_exceeded(at: &str, name: &str, count: i64, capacity: i64, a: &Adapti
     if count > a.ceiling {
         return format!(
             "{at} is {bounds} (its capacity is {capacity} now): it can never be granted; ask for \
-             at most {}, or raise its ceiling (`permitq semaphore set {name} {capacity} \
+             at most {}, or raise its ceiling (`permitq semaphore set {} {capacity} \
              --adaptive {} --floor {} --ceiling {count}`); then submit again under a new \
              external_id",
-            a.ceiling, a.algorithm, a.floor
+            a.ceiling,
+            shell_word(name),
+            a.algorithm,
+            a.floor
         );
     }
     // Set below its floor by hand (`semaphore set` without `--adaptive`): the next cadence
@@ -411,9 +417,10 @@ fn adaptive_exceeded(at: &str, name: &str, count: i64, capacity: i64, a: &Adapti
         return format!(
             "{at} has capacity {capacity} now, below its floor {} ({bounds}): it was set by \
              hand, and the workers bring it back within its bounds at their next cadence; \
-             submit again under a new external_id (`permitq semaphore show {name}` shows the \
+             submit again under a new external_id (`permitq semaphore show {}` shows the \
              capacity)",
-            a.floor
+            a.floor,
+            shell_word(name)
         );
     }
     let moved = match a.from {
@@ -431,17 +438,23 @@ fn adaptive_exceeded(at: &str, name: &str, count: i64, capacity: i64, a: &Adapti
     };
     format!(
         "{at} {moved}; a request is decided against the capacity it finds, so ask for at most \
-         {} (its floor, which always fits), or raise the floor (`permitq semaphore set {name} \
+         {} (its floor, which always fits), or raise the floor (`permitq semaphore set {} \
          {count} --adaptive {} --floor {count} --ceiling {}`{fixed}); then submit again under a \
          new external_id",
-        a.floor, a.algorithm, a.ceiling
+        a.floor,
+        shell_word(name),
+        a.algorithm,
+        a.ceiling
     )
 }
 
 /// The answer to `too_many_instances`: which instances could go, and what raising the bound
 /// takes (a nested template's parent may have to grow first).
 fn too_many_instances(name: &str, template: &str, bound: i64, d: &ErrorDetail) -> String {
-    let show = format!("`permitq semaphore show '{template}'` lists them");
+    let show = format!(
+        "`permitq semaphore show {}` lists them",
+        shell_word(template)
+    );
     let free_one = match d.idle_instances.first() {
         Some(idle) => {
             let verb = if d.idle_instances.len() == 1 {
@@ -450,9 +463,10 @@ fn too_many_instances(name: &str, template: &str, bound: i64, d: &ErrorDetail) -
                 "hold"
             };
             format!(
-                "{} {verb} nothing: delete one (`permitq semaphore delete {idle}`), or let the \
+                "{} {verb} nothing: delete one (`permitq semaphore delete {}`), or let the \
                  workers remove an instance idle for --idle-instance-after (1h by default)",
-                d.idle_instances.join(", ")
+                d.idle_instances.join(", "),
+                shell_word(idle)
             )
         }
         None => "each holds permits or has waiters: once one is idle, delete it (`permitq \
@@ -466,7 +480,8 @@ fn too_many_instances(name: &str, template: &str, bound: i64, d: &ErrorDetail) -
     // A bound lowered below the instances there are: one more than those it has.
     let instances = d.instances.unwrap_or(bound);
     let raise = format!(
-        "`permitq semaphore set '{template}' {capacity} --max-instances {}`",
+        "`permitq semaphore set {} {capacity} --max-instances {}`",
+        shell_word(template),
         instances.max(bound) + 1
     );
     let has = if instances > bound {
@@ -481,7 +496,8 @@ fn too_many_instances(name: &str, template: &str, bound: i64, d: &ErrorDetail) -
     let raise = match (&d.parent, d.guarantee, d.parent_needs) {
         (Some(parent), Some(g), Some(needs)) => format!(
             "or raise the bound: each instance is guaranteed {g} of {parent}, so {parent} needs \
-             capacity {needs} first (`permitq semaphore set {parent} {needs}`), then {raise}"
+             capacity {needs} first (`permitq semaphore set {} {needs}`), then {raise}",
+            shell_word(parent)
         ),
         (Some(parent), Some(g), None) if g > 0 => format!(
             "or raise the bound ({raise}; each instance is guaranteed {g} of {parent}, so N × \
@@ -500,6 +516,23 @@ fn too_many_instances(name: &str, template: &str, bound: i64, d: &ErrorDetail) -
         "{name} would be a new instance of template {template}, which {has} ({show}); \
          {free_one}; {raise}; then submit again under a new external_id"
     )
+}
+
+/// `word` (a semaphore name, an external_id) as it is typed in a shell, for the commands
+/// messages suggest: as is, or in single quotes when it has other characters than ASCII
+/// letters, digits and `-_.:/@` (a template's `*`, a space). The schema's
+/// `permitq.shell_word` is the same rule, for the messages written there.
+#[must_use]
+pub fn shell_word(word: &str) -> String {
+    if !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.:/@".contains(c))
+    {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
 }
 
 #[cfg(test)]

@@ -316,3 +316,31 @@ async fn serve_on_a_port_in_use_names_the_option_that_moves_it() {
         stderr(&o)
     );
 }
+
+/// A name with a space is quoted in the commands the answers suggest, so they run as copied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_with_a_space_is_quoted_in_the_commands_suggested() {
+    let db = TestDb::new().await;
+    let url = &db.url;
+    let o = run(url, &["semaphore", "set", "my gpu", "1"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let worker = db.worker(common::quiet_config("w"));
+    let o = run(url, &["submit", "q-1", "my gpu=1", "--await", "10s"]).await;
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = run(url, &["semaphore", "delete", "my gpu"]).await;
+    assert!(
+        stderr(&o).contains("(`permitq semaphore show 'my gpu'` lists the holders)"),
+        "{}",
+        stderr(&o)
+    );
+    // A name nothing has: the command that would create it, quoted.
+    let o = run(url, &["submit", "q-2", "my gpux=1", "--await", "10s"]).await;
+    assert!(
+        stderr(&o).contains("`permitq semaphore set 'my gpux' CAPACITY`")
+            || stdout(&o).contains("`permitq semaphore set 'my gpux' CAPACITY`"),
+        "{}{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    worker.stop().await;
+}

@@ -40,7 +40,7 @@ BEGIN
     SELECT * INTO s FROM permitq.semaphore x WHERE x.name = set_adaptive.name FOR UPDATE;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'no semaphore named %: create it first (`permitq semaphore set % CAPACITY`), then make it adaptive',
-            name, name USING ERRCODE = '22023';
+            name, permitq.shell_word(name) USING ERRCODE = '22023';
     END IF;
     IF algorithm IS NULL THEN
         DELETE FROM permitq.adaptive_limit a WHERE a.semaphore_id = s.id;

@@ -93,11 +93,11 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                     'request with unknown_semaphore: submit again naming it, under a new '
                     'external_id (or create %s with `permitq semaphore set %s CAPACITY` before a '
                     'worker examines it)',
-                    semaphore_name, x.similar, semaphore_name, semaphore_name)
+                    semaphore_name, x.similar, semaphore_name, permitq.shell_word(semaphore_name))
         ELSE format('no semaphore or template is named %s: a worker fails the request with '
                     'unknown_semaphore; create it (`permitq semaphore set %s CAPACITY`) before a '
                     'worker examines it, or submit again under a new external_id',
-                    semaphore_name, semaphore_name) END
+                    semaphore_name, permitq.shell_word(semaphore_name)) END
     FROM (SELECT nullif(array_to_string(permitq.similar_semaphore_names(semaphore_name), ' or '), '')
                  AS similar) x
     WHERE NOT EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.name = semaphore_name)
@@ -251,7 +251,7 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
                         THEN format('ask for at most %s under a new external_id, or ', x.capacity)
                         ELSE '' END,
                    -- An instance's capacity is its template's: the one to raise.
-                   CASE WHEN x.template IS NOT NULL THEN quote_literal(x.template) ELSE x.name END,
+                   permitq.shell_word(coalesce(x.template, x.name)),
                    t.count)
      FROM permitq.taken_by(permits) t
      CROSS JOIN LATERAL (

@@ -505,7 +505,7 @@ BEGIN
                                  -- may use the guarantee first, and this one then borrows.
                                  CASE WHEN child.fair IS FALSE
                                       THEN format('. %s is greedy: a later, smaller request of it may take part of the guarantee first, and this one then borrows (`permitq semaphore set %s %s --fair` keeps its line)',
-                                                  child.name, child.name, child.capacity)
+                                                  child.name, permitq.shell_word(child.name), child.capacity)
                                       ELSE '' END)
                      ELSE format('parent: it fits within the guarantee of %s (%s)', child.name, child.guarantee) END
             WHEN kept > 0 AND shortfall > 0 THEN

@@ -319,13 +319,13 @@ BEGIN
         RAISE EXCEPTION 'no semaphore named %', set_fairness_keys.name
             USING ERRCODE = '22023',
                   HINT = format('create it first: `permitq semaphore set %s CAPACITY --fairness-keys`',
-                                set_fairness_keys.name);
+                                permitq.shell_word(set_fairness_keys.name));
     END IF;
     IF keyed AND NOT s.fair THEN
         RAISE EXCEPTION 'invalid fairness keys: % is greedy (any request that fits goes first), so it serves no line',
             s.name USING ERRCODE = '22023',
             HINT = format('make it fair too: `permitq semaphore set %s %s --fair --fairness-keys`',
-                          s.name, s.capacity);
+                          permitq.shell_word(s.name), s.capacity);
     END IF;
     -- A template's instances follow it (locked in id order after it, the lock order of
     -- semaphore rows, as set_capacity takes them).

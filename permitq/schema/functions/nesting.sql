@@ -74,10 +74,14 @@ BEGIN
     RETURN (SELECT array_agg(DISTINCT a.ancestor) FROM permitq.ancestors(names) a);
 END $$;
 
--- `name` as a shell takes it: quoted when it holds a character the shell would read (`'team:*'`).
+-- `name` as a shell takes it, for the commands messages suggest: as is, or in single quotes
+-- when it has other characters than ASCII letters, digits and `-_.:/@` (`'team:*'`, `'my gpu'`;
+-- a quote inside as '\''). The Rust library's `permitq::shell_word` is the same rule, for the
+-- messages written there (a test compares the two).
 CREATE OR REPLACE FUNCTION permitq.shell_word(name text) RETURNS text
 LANGUAGE sql IMMUTABLE AS $$
-    SELECT CASE WHEN name ~ '[^A-Za-z0-9_.:/-]' THEN quote_literal(name) ELSE name END
+    SELECT CASE WHEN name ~ '^[A-Za-z0-9_.:/@-]+$' THEN name
+                ELSE '''' || replace(name, '''', '''\''''') || '''' END
 $$;
 
 -- Why `s` (as set_capacity stored it, its parent existing) cannot be so, or NULL. `moved`: its
@@ -200,7 +204,7 @@ BEGIN
                           CASE WHEN s.is_template THEN ', over its instances' ELSE '' END,
                           CASE WHEN s.is_template
                                THEN format('`permitq semaphore show ''%s''` names its instances, and `permitq semaphore show INSTANCE` their holders and waiters', s.name)
-                               ELSE format('`permitq semaphore show %s` lists the holders and waiters', s.name) END);
+                               ELSE format('`permitq semaphore show %s` lists the holders and waiters', permitq.shell_word(s.name)) END);
         END IF;
     END IF;
     -- What the parent promises its children, and what `s` promises its own.
@@ -255,14 +259,14 @@ BEGIN
                                                                 biggest.made - left_over / biggest.guarantee, biggest.name)
                                                     ELSE '' END,
                                                CASE WHEN biggest.max_instances = permitq.rule_max_instances() THEN ''
-                                                    ELSE format(', or raise %s (`permitq semaphore set %s %s`)', p.name, p.name, promised) END)
-                                   ELSE format('its other children''s guarantees leave %s of %s, less than one instance''s %s: raise %s and bound the template (%s for N instances): for %s, `permitq semaphore set %s %s`, then `permitq semaphore set ''%s'' CAPACITY --guarantee %s --max-instances %s`; or lower a guarantee',
+                                                    ELSE format(', or raise %s (`permitq semaphore set %s %s`)', p.name, permitq.shell_word(p.name), promised) END)
+                                   ELSE format('its other children''s guarantees leave %s of %s, less than one instance''s %s: raise %s and bound the template (%s for N instances): for %s, `permitq semaphore set %s %s`, then `permitq semaphore set %s CAPACITY --guarantee %s --max-instances %s`; or lower a guarantee',
                                                greatest(left_over, 0), p.name, biggest.guarantee, p.name,
                                                format('%s + N × %s', p.capacity - greatest(left_over, 0), biggest.guarantee),
                                                CASE WHEN biggest.made > 1 THEN format('its %s', biggest.made) ELSE 'one' END,
-                                               p.name, p.capacity - greatest(left_over, 0)
+                                               permitq.shell_word(p.name), p.capacity - greatest(left_over, 0)
                                                        + biggest.guarantee::bigint * greatest(biggest.made, 1),
-                                               biggest.name, biggest.guarantee, greatest(biggest.made, 1)) END,
+                                               permitq.shell_word(biggest.name), biggest.guarantee, greatest(biggest.made, 1)) END,
                               biggest.name);
             END IF;
             -- Which children promise what (the ten largest), and the way out for this command:

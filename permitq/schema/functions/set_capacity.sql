@@ -85,9 +85,10 @@ BEGIN
             set_capacity.name, set_capacity.parent,
             (SELECT CASE WHEN x.similar <> ''
                          THEN format('did you mean %s? (or create %s first: `permitq semaphore set %s CAPACITY`)',
-                                     x.similar, set_capacity.parent, set_capacity.parent)
+                                     x.similar, set_capacity.parent,
+                                     permitq.shell_word(set_capacity.parent))
                          ELSE format('create it first (`permitq semaphore set %s CAPACITY`)',
-                                     set_capacity.parent) END
+                                     permitq.shell_word(set_capacity.parent)) END
              FROM (SELECT array_to_string(permitq.similar_semaphore_names(set_capacity.parent),
                                           ' or ') AS similar) x)
             USING ERRCODE = '22023';
@@ -226,7 +227,7 @@ BEGIN
     IF s.used > 0 THEN
         RAISE EXCEPTION '% holds % %: release or revoke (`permitq revoke ID`) %, then delete it (`permitq semaphore show %` lists the holders)',
             s.name, s.used, CASE WHEN s.used = 1 THEN 'permit' ELSE 'permits' END,
-            CASE WHEN s.used = 1 THEN 'it' ELSE 'them' END, s.name
+            CASE WHEN s.used = 1 THEN 'it' ELSE 'them' END, permitq.shell_word(s.name)
             USING ERRCODE = '55006';
     END IF;
     -- A rate limit's window lives with it: deleting it early would let a new one grant the
@@ -248,8 +249,8 @@ BEGIN
            LIMIT 10000)) x;
     IF waiting > 0 THEN
         RAISE EXCEPTION '% has % % waiting: release (cancel) them or let their wait run out, then delete it (`permitq semaphore show %` lists them)',
-            s.name, waiting, CASE WHEN waiting = 1 THEN 'request' ELSE 'requests' END, s.name
-            USING ERRCODE = '55006';
+            s.name, waiting, CASE WHEN waiting = 1 THEN 'request' ELSE 'requests' END,
+            permitq.shell_word(s.name) USING ERRCODE = '55006';
     END IF;
     DELETE FROM permitq.semaphore x WHERE x.id = s.id;
     PERFORM permitq.record_capacity_change(s, s, true);

@@ -910,3 +910,33 @@ async fn noticing(url: &str) -> (tokio_postgres::Client, tokio::task::JoinHandle
     });
     (client, notices)
 }
+
+/// The schema's `permitq.shell_word` and the library's are one rule: a command a message
+/// suggests reads the same whichever side wrote it.
+#[tokio::test]
+async fn shell_words_are_quoted_alike_by_the_schema_and_the_library() {
+    let db = TestDb::new().await;
+    let conn = db.conn().await;
+    for name in [
+        "gpu",
+        "team:*",
+        "my gpu",
+        "it's",
+        "a-b_c.d:e/f@g",
+        "gpü",
+        "",
+        "x\\y",
+        "$HOME",
+        "a'b c",
+    ] {
+        let quoted: String = conn
+            .query_one("SELECT permitq.shell_word($1)", &[&name])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(quoted, permitq::shell_word(name), "{name:?}");
+    }
+    assert_eq!(permitq::shell_word("my gpu"), "'my gpu'");
+    assert_eq!(permitq::shell_word("it's"), r"'it'\''s'");
+    assert_eq!(permitq::shell_word("a-b_c.d:e/f@g"), "a-b_c.d:e/f@g");
+}
