@@ -437,9 +437,13 @@ impl Worker {
                 // notify, which ends a pause at once.
                 let mut pause = BUSY_POLL;
                 while !self.wake_gate_free().await? {
+                    // A fold owed (a release left to fold) ends the pause sooner.
+                    let until = self
+                        .fold_owed_in()
+                        .map_or(pause, |fold_in| pause.min(fold_in));
                     tokio::select! {
                         _ = wake.notified() => {}
-                        _ = tokio::time::sleep(pause) => {}
+                        _ = tokio::time::sleep(until) => {}
                         _ = stop.changed() => {}
                     }
                     pause = (pause * 2).min(self.config.poll_interval);
@@ -459,9 +463,12 @@ impl Worker {
             }
             Some(_) => {}
         }
+        // Releases that did not notify, counting on a fold that may have run before they
+        // committed: owed a fold if any is left (see check_folds).
+        self.check_folds().await?;
         // Waiters on a rate-limited semaphore can go when its window slides: no notification
-        // says so, so the nap ends then at the latest. A fold deferred by the last pass (the
-        // releases' notification came less than FOLD_EVERY after the previous fold) ends it too.
+        // says so, so the nap ends then at the latest. A fold owed (deferred by the last pass,
+        // or by the check above) ends it too.
         let mut nap = match self.next_window_opening().await? {
             Some(opens_in) => opens_in.min(self.config.poll_interval),
             None => self.config.poll_interval,

@@ -61,11 +61,14 @@ END $$;
 -- hand-off: at once), semaphores are nested (the room of a parent is every child's: always),
 -- or no other release of them waits to be folded (the first since the last fold). Releases
 -- beside an idle worker then notify about once per fold, not once each: PostgreSQL serializes
--- the commits of notifying transactions. A release that did not notify is still folded soon:
--- the worker whose fold the first one woke checks after each fold of its own, once the wake
--- gate is free (this caller holds it to its commit), whether any release is left to fold, and
--- folds again until none is (permitq::Worker::check_after_fold). Workers of the release before
--- do not check: they fold such a release at their next pass, at most a poll interval later.
+-- the commits of notifying transactions. A release that did not notify is still folded: a
+-- worker that found nothing to do checks before it naps, once the wake gate is free (this
+-- caller holds it to its commit), whether any release is left to fold, and folds again until
+-- none is (permitq::Worker::check_folds: 10 ms later, backing off to the poll interval while
+-- producers stay in flight). Under a steady stream of releases that nothing waits for, a
+-- release's fold (`used`, its event) may so wait up to a poll interval; grants never wait for
+-- it (a claim counts pending releases as room, and every batch folds what it locks). Workers
+-- of the release before do not check: they fold such a release at their next pass.
 CREATE OR REPLACE FUNCTION permitq.wake_workers_for_release(semaphores text[], released bigint[])
 RETURNS void
 LANGUAGE plpgsql AS $$

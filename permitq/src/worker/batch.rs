@@ -62,19 +62,15 @@ fn caused_by_a_row(e: &Error) -> bool {
 /// How often at most a worker runs a transaction only to fold pending releases.
 const FOLD_EVERY: Duration = Duration::from_millis(10);
 
-/// The longest a fold owed after a fold of its own waits (see `Worker::check_after_fold`):
-/// releases keep coming, or a producer idles in a transaction holding the wake gate.
-const FOLD_BACKOFF_MAX: Duration = Duration::from_millis(100);
-
 /// When a worker last ran a fold of its own, and when the next one is owed.
 #[derive(Debug)]
 pub(crate) struct FoldClock {
     last: Instant,
-    /// A fold is owed this long after `last` (None: none is).
-    owed: Option<Duration>,
-    /// How long after a fold the next is owed when that fold left releases to fold, or
-    /// producers in flight: [`FOLD_EVERY`], doubled at each such fold in a row, up to
-    /// [`FOLD_BACKOFF_MAX`] (or the poll interval, if shorter).
+    /// When a fold is owed (None: none is).
+    owed_at: Option<Instant>,
+    /// How long after a check the next fold is owed when releases were left to fold, or
+    /// producers in flight: [`FOLD_EVERY`], doubled at each such check in a row, up to the poll
+    /// interval (a producer idle in a transaction holds the gate: a pass a second, then).
     backoff: Duration,
 }
 
@@ -82,7 +78,7 @@ impl Default for FoldClock {
     fn default() -> Self {
         Self {
             last: Instant::now(),
-            owed: None,
+            owed_at: None,
             backoff: FOLD_EVERY,
         }
     }
@@ -99,32 +95,33 @@ impl Worker {
     fn fold_due(&self) -> bool {
         let mut clock = self.fold_clock();
         if clock.last.elapsed() < FOLD_EVERY {
-            clock.owed = Some(clock.owed.map_or(FOLD_EVERY, |d| d.min(FOLD_EVERY)));
+            let due = clock.last + FOLD_EVERY;
+            clock.owed_at = Some(clock.owed_at.map_or(due, |at| at.min(due)));
             return false;
         }
         clock.last = Instant::now();
-        clock.owed = None;
+        clock.owed_at = None;
         true
     }
 
     /// When a fold is owed: how long until it is due. A sleeping worker wakes then, so
-    /// releases that came close together are folded within `FOLD_EVERY` (or its back-off),
-    /// not a poll later.
+    /// releases that came close together are folded within `FOLD_EVERY` (or the check's
+    /// back-off), not a poll later.
     pub(crate) fn fold_owed_in(&self) -> Option<Duration> {
-        let clock = self.fold_clock();
-        clock
-            .owed
-            .map(|after| after.saturating_sub(clock.last.elapsed()))
+        self.fold_clock()
+            .owed_at
+            .map(|at| at.saturating_duration_since(Instant::now()))
     }
 
-    /// After a fold of its own: whether it may have left a release unfolded that no
-    /// notification will announce. A release that saw another release of its semaphores still
-    /// to fold does not notify (permitq.wake_workers_for_release), counting on the fold that
-    /// one woke; a fold that ran before it committed did not see it. Once the wake gate is
-    /// free, every such producer has committed, and a read of the pending releases after it
-    /// sees theirs: none left, and nothing is owed; else a fold is owed, backing off while
-    /// producers stay in flight (one idle in a transaction holds the gate).
-    async fn check_after_fold(&self, conn: &deadpool_postgres::Object) -> Result<()> {
+    /// Before a worker that found nothing to do naps: whether a fold may have left a release
+    /// unfolded that no notification will announce. A release that saw another release of its
+    /// semaphores still to fold does not notify (permitq.wake_workers_for_release), counting on
+    /// the fold that one woke; a fold that ran before it committed (an idle one, or a batch's)
+    /// did not see it. Once the wake gate is free, every such producer has committed, and a
+    /// read of the pending releases after it sees theirs: none left, and nothing is owed; else
+    /// a fold is owed, backing off while producers stay in flight.
+    pub(crate) async fn check_folds(&self) -> Result<()> {
+        let conn = self.pool.get().await?;
         let gate_free: bool = conn.query_one(sql::WAKE_GATE_FREE, &[]).await?.get(0);
         let left = if gate_free {
             let probe = conn.prepare_cached(sql::RELEASES_PENDING).await?;
@@ -135,12 +132,16 @@ impl Worker {
         let mut clock = self.fold_clock();
         if left {
             let after = clock.backoff;
-            clock.owed = Some(clock.owed.map_or(after, |d| d.min(after)));
-            clock.backoff = (after * 2)
-                .min(FOLD_BACKOFF_MAX)
-                .min(self.config.poll_interval)
-                .max(FOLD_EVERY);
+            let due = Instant::now() + after;
+            // A fold owed sooner (deferred by a pass) stays owed then.
+            clock.owed_at = Some(match clock.owed_at {
+                Some(at) if at > Instant::now() => at.min(due),
+                _ => due,
+            });
+            clock.backoff = (after * 2).min(self.config.poll_interval).max(FOLD_EVERY);
         } else {
+            // Nothing to fold, and nobody in flight who may have counted on a fold.
+            clock.owed_at = None;
             clock.backoff = FOLD_EVERY;
         }
         Ok(())
@@ -330,8 +331,9 @@ impl Worker {
             self.commit_idle(conn).await?;
             return Ok(None);
         }
-        // This batch folds the pending releases (of every semaphore no other batch holds).
-        self.fold_clock().owed = None;
+        // This batch folds the pending releases of the semaphores it can lock; a fold owed
+        // stays owed (what it could not lock, or what committed after it, is the check's: see
+        // check_folds).
         let mut batch = ClaimedBatch::from_rows(rows)?;
         let mut locked = match locked {
             Some(locked) => locked,
@@ -373,7 +375,6 @@ impl Worker {
                 tokio::join!(conn.execute(&fold, &[]), conn.batch_execute("COMMIT"));
             folded?;
             committed?;
-            self.check_after_fold(conn).await?;
         } else {
             conn.batch_execute("COMMIT").await?;
         }

@@ -149,17 +149,30 @@ async fn under_load_producers_do_not_notify_per_request() {
 }
 
 /// Releases beside a sleeping worker wake it once, not once each: a release that sees another
-/// release of its semaphore still to fold does not notify. None is left unfolded: the worker
-/// folds again after each fold of its own until, with the wake gate free, none is left, here
-/// with a poll interval too long to matter, and across a release whose transaction was still
-/// open (so unseen) when a fold ran.
+/// release of its semaphore still to fold does not notify. None is left unfolded: before it
+/// naps, the worker checks, once the wake gate is free, that no release is left to fold, and
+/// folds again until none is; here with a poll interval too long to matter, with every pass
+/// ending on a batch that claims a waiter it cannot grant (no idle fold), and across a release
+/// whose transaction was still open (so unseen) when a fold ran.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn releases_beside_a_sleeping_worker_wake_it_once_and_all_are_folded() {
     const HELD: usize = 20;
     let db = TestDb::new().await;
     let client = db.client().await;
     client.set_capacity("s", 100, None).await.unwrap();
+    client.set_capacity("f", 2, Some(true)).await.unwrap();
     let worker = db.worker(quiet_config("w"));
+    // On the fair f, one permit held, the head wanting 2 and a request for 1 behind it: every
+    // pass claims that one (it fits the room) and leaves it waiting (the room is the head's).
+    for (id, count) in [("f-held", 1), ("f-head", 2), ("f-behind", 1)] {
+        client
+            .submit(&Request::new(id).permit("f", count))
+            .await
+            .unwrap();
+        if id == "f-held" {
+            assert_eq!(common::settled_state(&client, id).await, State::Acquired);
+        }
+    }
     for i in 0..=HELD {
         client
             .submit(&Request::new(format!("h-{i}")).permit("s", 1))
@@ -173,6 +186,18 @@ async fn releases_beside_a_sleeping_worker_wake_it_once_and_all_are_folded() {
         );
     }
     let conn = db.conn().await;
+    wait_until(SOON, "f's head and the request behind it wait", || async {
+        let waiting: i64 = conn
+            .query_one(
+                "SELECT count(*) FROM permitq.permit_request WHERE state = 'new' AND examined",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        waiting == 2
+    })
+    .await;
     wait_until(SOON, "the worker sleeps", || async {
         conn.query_one(
             "SELECT coalesce(bool_and(sleeping), false) FROM permitq.worker_wake",
@@ -208,13 +233,23 @@ async fn releases_beside_a_sleeping_worker_wake_it_once_and_all_are_folded() {
         .await
         .unwrap();
     holder.batch_execute("COMMIT").await.unwrap();
+    let used_of_s = || async {
+        client
+            .semaphores()
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|x| x.name == "s")
+            .unwrap()
+            .used
+    };
     wait_until(SOON, "the releases before it folded", || async {
-        client.semaphores().await.unwrap()[0].used == 1
+        used_of_s().await == 1
     })
     .await;
     late.batch_execute("COMMIT").await.unwrap();
     wait_until(SOON, "every release folded", || async {
-        client.semaphores().await.unwrap()[0].used == 0
+        used_of_s().await == 0
     })
     .await;
     worker.stop().await;
