@@ -184,6 +184,10 @@ fn tip_for(e: &clap::Error) -> Option<&'static str> {
                 "tip: `permitq semaphore delete NAME` removes a semaphore nothing holds or \
                  waits on",
             ),
+            "renew" | "extend" | "keepalive" | "refresh" | "touch" => Some(
+                "tip: `permitq heartbeat ID` extends a held request's lease (not `permitq revoke`: \
+                 that takes its permits away)",
+            ),
             "cancel" | "abort" => Some(
                 "tip: `permitq release ID` cancels a request still waiting (and gives back one \
                  held)",

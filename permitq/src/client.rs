@@ -136,13 +136,14 @@ impl Client {
         crate::migrate::migrate(&mut conn).await
     }
 
-    /// `e`, saying where it looked when the schema was missing there: a URL naming the wrong
-    /// database reads as an unmigrated one.
+    /// `e`, saying where it looked when the schema was missing there (a URL naming the wrong
+    /// database reads as an unmigrated one), and naming this client's login in a refusal.
     pub(crate) fn located(&self, e: Error) -> Error {
         if e.is_missing_schema() {
             e.looked_in(self.database())
         } else {
-            e
+            // A refusal names this client's login in the GRANT it gives.
+            e.for_login(db::login(&self.inner.config).as_deref())
         }
     }
 

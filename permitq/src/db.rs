@@ -207,14 +207,18 @@ pub(crate) fn target(config: &Config) -> String {
         .join(",")
 }
 
-/// Where a connection works, as messages name it: `database app at 127.0.0.1:5432 as app`.
-pub(crate) fn place(config: &Config) -> String {
-    // None in the URL: libpq's default, the OS user, named.
-    let user = config
+/// The login `config` connects as: the URL's user, else libpq's default, the OS user (None
+/// when that is not known either).
+pub(crate) fn login(config: &Config) -> Option<String> {
+    config
         .get_user()
         .map(str::to_string)
         .or_else(|| std::env::var("USER").ok())
-        .unwrap_or_else(|| "(the OS user)".to_string());
+}
+
+/// Where a connection works, as messages name it: `database app at 127.0.0.1:5432 as app`.
+pub(crate) fn place(config: &Config) -> String {
+    let user = login(config).unwrap_or_else(|| "(the OS user)".to_string());
     format!(
         "database {} at {} as {user}",
         config.get_dbname().unwrap_or(&user),

@@ -12,6 +12,13 @@ pub use tokio_postgres::error::SqlState;
 /// [`Error::is_retryable`] says whether running the same transaction again may succeed.
 pub struct Error {
     kind: Kind,
+    /// What its message says beside the kind (boxed: an error stays small to return).
+    about: Box<About>,
+}
+
+/// What an [`Error`]'s message says beside its kind.
+#[derive(Debug, Default)]
+struct About {
     /// The server a connection error was about (`localhost:5432`), for its message.
     target: Option<String>,
     /// The request an `acquire` submitted and could not cancel when it gave up (the database
@@ -19,6 +26,8 @@ pub struct Error {
     left_waiting: Option<String>,
     /// Where a missing schema was looked for (`database app at host:5432 as app`).
     looked_in: Option<String>,
+    /// The login a refusal (42501) is about, named in the GRANT its message gives.
+    login: Option<String>,
 }
 
 #[derive(Debug)]
@@ -43,9 +52,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     pub(crate) fn invalid(field: &'static str, message: impl Into<String>) -> Error {
         Error {
-            target: None,
-            left_waiting: None,
-            looked_in: None,
+            about: Box::default(),
             kind: Kind::InvalidInput {
                 field,
                 message: message.into(),
@@ -55,18 +62,14 @@ impl Error {
 
     pub(crate) fn config(message: impl Into<String>) -> Error {
         Error {
-            target: None,
-            left_waiting: None,
-            looked_in: None,
+            about: Box::default(),
             kind: Kind::Config(message.into()),
         }
     }
 
     pub(crate) fn unconfirmed(external_id: &str) -> Error {
         Error {
-            target: None,
-            left_waiting: None,
-            looked_in: None,
+            about: Box::default(),
             kind: Kind::Unconfirmed(external_id.to_string()),
         }
     }
@@ -78,8 +81,8 @@ impl Error {
             .code()
             .is_some_and(|c| refusal_hint(c.code()).is_some());
         let configuration = self.as_postgres().is_some_and(is_configuration);
-        if (self.is_connection() || refused_login || configuration) && self.target.is_none() {
-            self.target = Some(target.to_string());
+        if (self.is_connection() || refused_login || configuration) && self.about.target.is_none() {
+            self.about.target = Some(target.to_string());
         }
         self
     }
@@ -88,9 +91,7 @@ impl Error {
     /// cancelled it, and why nothing granted it when that is known.
     pub(crate) fn refused(request: crate::types::PermitRequest, gave_up: Option<String>) -> Error {
         Error {
-            target: None,
-            left_waiting: None,
-            looked_in: None,
+            about: Box::default(),
             kind: Kind::NotGranted(Box::new(request), gave_up),
         }
     }
@@ -183,17 +184,34 @@ impl Error {
     }
 }
 
+/// An error's own message, without what [`Error`]'s `Display` adds after it.
+struct DisplayKind<'a>(&'a Error);
+
+impl fmt::Display for DisplayKind<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt_kind(f)
+    }
+}
+
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.fmt_kind(f)?;
-        if let Some(place) = &self.looked_in {
+        match &self.about.login {
+            // The GRANT a refusal gives, to this login by name.
+            Some(login) => {
+                let mut kind = String::new();
+                fmt::write(&mut kind, format_args!("{}", DisplayKind(self)))?;
+                f.write_str(&kind.replace("<your login>", login))?;
+            }
+            None => self.fmt_kind(f)?,
+        }
+        if let Some(place) = &self.about.looked_in {
             write!(
                 f,
                 " (looked in {place}: if permitq was migrated into another database, fix the URL \
                  instead)"
             )?;
         }
-        if let Some(id) = &self.left_waiting {
+        if let Some(id) = &self.about.left_waiting {
             write!(
                 f,
                 "; request {id} was submitted and could not be cancelled, so it may still be \
@@ -211,15 +229,23 @@ impl Error {
         matches!(self.kind, Kind::Unconfirmed(_))
     }
 
+    /// This error, naming `login` in the GRANT a refusal gives (instead of `<your login>`).
+    pub(crate) fn for_login(mut self, login: Option<&str>) -> Error {
+        if self.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) {
+            self.about.login = login.map(str::to_string);
+        }
+        self
+    }
+
     /// This error, saying where the schema was looked for (see [`crate::Client::database`]).
     pub(crate) fn looked_in(mut self, place: String) -> Error {
-        self.looked_in = Some(place);
+        self.about.looked_in = Some(place);
         self
     }
 
     /// This error, from an `acquire` that gave up and could not cancel `external_id`.
     pub(crate) fn left_waiting(mut self, external_id: &str) -> Error {
-        self.left_waiting = Some(external_id.to_string());
+        self.about.left_waiting = Some(external_id.to_string());
         self
     }
 
@@ -248,7 +274,7 @@ impl Error {
                 write!(f, "timed out waiting for a database connection")
             }
             Kind::Pool(deadpool_postgres::PoolError::Backend(e)) | Kind::Db(e) => {
-                if let (Some(target), None) = (&self.target, e.as_db_error()) {
+                if let (Some(target), None) = (&self.about.target, e.as_db_error()) {
                     if format!("{e:?}").contains("password missing") {
                         // The server that answered: the last tried.
                         let last = target.rsplit(',').next().unwrap_or(target);
@@ -266,7 +292,7 @@ impl Error {
                     }
                 }
                 fmt_postgres(e, f)?;
-                if let Some(target) = &self.target {
+                if let Some(target) = &self.about.target {
                     f.write_str(&connection_hint(e, target))?;
                 }
                 Ok(())
@@ -477,9 +503,7 @@ impl From<tokio_postgres::Error> for Error {
     fn from(e: tokio_postgres::Error) -> Error {
         Error {
             kind: Kind::Db(e),
-            target: None,
-            left_waiting: None,
-            looked_in: None,
+            about: Box::default(),
         }
     }
 }
@@ -487,9 +511,7 @@ impl From<tokio_postgres::Error> for Error {
 impl From<deadpool_postgres::PoolError> for Error {
     fn from(e: deadpool_postgres::PoolError) -> Error {
         Error {
-            target: None,
-            left_waiting: None,
-            looked_in: None,
+            about: Box::default(),
             kind: Kind::Pool(e),
         }
     }

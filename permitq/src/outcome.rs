@@ -13,7 +13,7 @@ use crate::types::{ErrorCode, PermitRequest, ReleaseReason, State};
 /// | `unknown_semaphore` | `semaphore` (the name not found), `named` (when it is a missing parent of that one), `similar` |
 /// | `exceeds_capacity` | `semaphore`, `count`, `capacity`, `named` (when the bound is a parent's), `per` (a rate limit's window), `adaptive` (its bounds, when the workers move its capacity), `lowered_from`, `lowered_by`, `lowered_at_ms` (its last change lowered it below the count) |
 /// | `no_capacity` | `semaphore`, `count`, `capacity`, `free`, `named`, `per`; `turn_kept_on` |
-/// | `too_many_instances` | `semaphore`, `template`, `capacity` (the template's), `max_instances`, `idle_instances`, `parent`, `guarantee` and `parent_needs` (nested) |
+/// | `too_many_instances` | `semaphore`, `template`, `capacity` (the template's), `max_instances`, `instances`, `new_instances`, `idle_instances`, `parent`, `guarantee` and `parent_needs` (nested) |
 /// | `invalid` | `problem` |
 /// | `timeout` | `semaphore`, `count`, `capacity`, `free` where it had no room; `turn_kept_on` |
 /// | `cancelled` | `revoked_by` (an admin's revoke); `turn_kept_on` |
@@ -50,6 +50,10 @@ pub struct ErrorDetail {
     /// lowered below them: they stay until deleted or idle).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub instances: Option<i64>,
+    /// How many instances of that template the request names that it did not have yet, when
+    /// more than one (together they pass the bound); absent: one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub new_instances: Option<i64>,
     /// That template's parent, when its instances are nested.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
@@ -477,12 +481,14 @@ fn too_many_instances(name: &str, template: &str, bound: i64, d: &ErrorDetail) -
     let capacity = d
         .capacity
         .map_or_else(|| "CAPACITY".to_string(), |c| c.to_string());
-    // A bound lowered below the instances there are: one more than those it has.
+    // A bound lowered below the instances there are: one more than those it has. A request
+    // naming several new ones: all of them.
     let instances = d.instances.unwrap_or(bound);
+    let new = d.new_instances.unwrap_or(1).max(1);
     let raise = format!(
         "`permitq semaphore set {} {capacity} --max-instances {}`",
         shell_word(template),
-        instances.max(bound) + 1
+        (instances + new).max(bound + 1)
     );
     let has = if instances > bound {
         format!(
@@ -505,6 +511,17 @@ fn too_many_instances(name: &str, template: &str, bound: i64, d: &ErrorDetail) -
         ),
         _ => format!("or raise the bound ({raise})"),
     };
+    // Room for some of the new instances it names, not for all: ask for fewer, or raise.
+    if new > 1 && instances < bound {
+        let fewer = bound - instances;
+        return format!(
+            "the request names {new} new instances of template {template}, which has {instances} \
+             of its max_instances of {bound} ({show}): together they pass the bound; ask for at \
+             most {fewer} new instance{} of it, {raise}; then submit again under a new \
+             external_id",
+            if fewer == 1 { "" } else { "s" }
+        );
+    }
     // A bound of 0 with no instance: nothing to delete; it makes none until raised.
     if bound == 0 && instances == 0 {
         return format!(
@@ -762,6 +779,37 @@ mod tests {
         let outcome = failed_fast(1).outcome().unwrap();
         assert!(outcome.contains("gpu=2, 1 of 4 free;"), "{outcome}");
         assert!(!outcome.contains("kept for"), "{outcome}");
+    }
+
+    /// A request naming more new instances than the bound leaves is told so, and the bound
+    /// that takes them all; not to delete instances that its own batch made.
+    #[test]
+    fn too_many_new_instances_in_one_request_say_how_many_and_the_bound_for_all() {
+        let mut r = failed_fast(0);
+        r.error_code = Some(ErrorCode::TooManyInstances);
+        r.permits = [("q:a", 1), ("q:b", 1), ("q:c", 1)]
+            .map(|(n, c)| (n.to_string(), c))
+            .into();
+        r.error_detail = Some(ErrorDetail {
+            semaphore: Some("q:c".into()),
+            template: Some("q:*".into()),
+            capacity: Some(1),
+            max_instances: Some(2),
+            instances: Some(0),
+            new_instances: Some(3),
+            ..ErrorDetail::default()
+        });
+        let outcome = r.outcome().unwrap();
+        assert!(
+            outcome.contains(
+                "the request names 3 new instances of template q:*, which has 0 of its \
+                 max_instances of 2 (`permitq semaphore show 'q:*'` lists them): together they \
+                 pass the bound; ask for at most 2 new instances of it, or raise the bound \
+                 (`permitq semaphore set 'q:*' 1 --max-instances 3`)"
+            ),
+            "{outcome}"
+        );
+        assert!(!outcome.contains("delete"), "{outcome}");
     }
 
     /// A timeout points at what held the room: the waiters ahead when there was room enough

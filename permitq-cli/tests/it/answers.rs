@@ -1210,8 +1210,8 @@ async fn a_heartbeat_on_a_waiting_request_says_it_is_still_waiting() {
     assert!(
         stderr(&o).contains("no lease yet: request wait-1 is still waiting to be granted")
             && stderr(&o).contains(
-                "heartbeat once it is acquired: its status shows when (`permitq status ID`, or a \
-                 client's `status`), and an `acquire` or `permitq submit --await` waits for it"
+                "heartbeat once it is acquired; `permitq status wait-1` (or a client's status) \
+                 shows when it is, and an acquire or `permitq submit --await` waits for it"
             )
             && !stderr(&o).contains("(permitq"),
         "{}",

@@ -289,6 +289,14 @@ fn a_semaphore_command_guessed_from_another_tool_is_pointed_at_set() {
             "tip: `permitq release ID` cancels a request still waiting",
         ),
         (
+            &["renew", "g1"][..],
+            "tip: `permitq heartbeat ID` extends a held request's lease",
+        ),
+        (
+            &["extend", "g1"][..],
+            "tip: `permitq heartbeat ID` extends a held request's lease",
+        ),
+        (
             &["acquire", "g1", "gpu=1"][..],
             "tip: `permitq submit ID SEMAPHORE=COUNT --await 30s`",
         ),

@@ -960,6 +960,26 @@ async fn the_status_page_shows_50_semaphores_on_one_screen_and_follows_a_capacit
         })
         .await;
     }
+    // A phone's width: the table scrolls within itself, the page does not scroll sideways.
+    {
+        let b = browser.clone();
+        tokio::task::spawn_blocking(move || b.resize(390, 900))
+            .await
+            .unwrap();
+    }
+    wait_until(SOON, "the page fits 390 pixels", || async {
+        eval("return innerWidth <= 390 && document.documentElement.scrollWidth <= innerWidth")
+            .await
+            .as_bool()
+            == Some(true)
+    })
+    .await;
+    {
+        let b = browser.clone();
+        tokio::task::spawn_blocking(move || b.resize(1280, 1024))
+            .await
+            .unwrap();
+    }
     // The screenshot of all 50 (search cleared, gpu's details open).
     eval(
         "const s = document.getElementById('search'); s.value = ''; \

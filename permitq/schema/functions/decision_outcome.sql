@@ -68,8 +68,10 @@ BEGIN
                 -- A timeout's key keeps the turn it took, and so does a refused fail-fast
                 -- try's (functions/fairness.sql): said in its detail.
                 error_detail = CASE WHEN k.detail IS NULL
-                                    THEN permitq.completed_error_detail(e.code, error_details -> e.id::text)
-                                    ELSE permitq.completed_error_detail(e.code, error_details -> e.id::text)
+                                    THEN permitq.completed_error_detail(e.code, error_details -> e.id::text,
+                                                                        r.permits)
+                                    ELSE permitq.completed_error_detail(e.code, error_details -> e.id::text,
+                                                                        r.permits)
                                          || k.detail END,
                 settled_at = clock_timestamp(),
                 worker_id = worker, examined_at = coalesce(r.examined_at, now()),

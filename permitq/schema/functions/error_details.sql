@@ -143,13 +143,23 @@ $$;
 -- unknown_semaphore, `per` (the window) for a rate-limited semaphore's no_capacity and
 -- exceeds_capacity (and `template` for an instance's, `adaptive` for an adaptive one's
 -- exceeds_capacity), and for too_many_instances the template's
--- `capacity`, `max_instances` and `instances` (how many it has), `idle_instances`, and its
--- `parent`, `guarantee` and
--- `parent_needs` when nested.
-CREATE OR REPLACE FUNCTION permitq.completed_error_detail(code text, detail jsonb) RETURNS jsonb
+-- `capacity`, `max_instances` and `instances` (how many it has), `idle_instances`,
+-- `new_instances` (how many of the request's `permits` it does not have yet, when more than
+-- one), and its
+-- `parent`, `guarantee` and `parent_needs` when nested. The instances this transaction made for
+-- its batch (permitq.make_instances) are not counted as the template's: a failed request's go
+-- again (permitq.drop_unused_instances_made).
+-- (Before the request's permits were an argument, the function took two.)
+DROP FUNCTION IF EXISTS permitq.completed_error_detail(text, jsonb);
+CREATE OR REPLACE FUNCTION permitq.completed_error_detail(code text, detail jsonb, permits jsonb)
+RETURNS jsonb
 LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     template permitq.semaphore;
+    made text[];
+    had bigint;
+    made_here bigint;
+    new_instances bigint;
 BEGIN
     detail := coalesce(detail, '{}');
     IF code = 'unknown_semaphore' AND detail ? 'semaphore' THEN
@@ -193,19 +203,35 @@ BEGIN
     ELSIF code = 'too_many_instances' AND detail ? 'semaphore' THEN
         template := permitq.template_for(detail ->> 'semaphore');
         IF template.name IS NOT NULL THEN
+            SELECT coalesce(array_agg(m), '{}') INTO made
+            FROM jsonb_array_elements_text(coalesce(nullif(current_setting('permitq.made_instances', true), ''),
+                                                    '[]')::jsonb) m;
+            SELECT count(*) FILTER (WHERE i.name <> ALL(made)), count(*) FILTER (WHERE i.name = ANY(made))
+            INTO had, made_here
+            FROM permitq.semaphore i WHERE i.template = template.name;
+            -- The request's instances of it that it had not made before this batch: one more
+            -- than the bound leaves, or several.
+            SELECT count(*) INTO new_instances
+            FROM jsonb_object_keys(coalesce(permits, '{}')) n
+            WHERE (permitq.template_for(n)).name = template.name
+              AND NOT EXISTS (SELECT 1 FROM permitq.semaphore i
+                              WHERE i.name = n AND i.name <> ALL(made));
             -- What to do about it: the instances holding nothing (a delete frees a place), and
-            -- what the parent would need for one more guaranteed instance. Released permits not folded
-            -- yet count as free (the delete waits for the fold).
+            -- what the parent would need for these guaranteed instances. Released permits not
+            -- folded yet count as free (the delete waits for the fold).
             RETURN detail || jsonb_strip_nulls(jsonb_build_object(
                 'template', template.name,
                 'capacity', template.capacity,
                 'max_instances', coalesce(template.max_instances, permitq.rule_max_instances()),
-                'instances', (SELECT count(*) FROM permitq.semaphore i WHERE i.template = template.name),
+                'instances', had,
+                -- Said when several: one is the usual case, and needs no word.
+                'new_instances', CASE WHEN new_instances > 1 THEN new_instances END,
                 'parent', template.parent,
                 'guarantee', nullif(template.guarantee, 0),
                 'idle_instances', (SELECT nullif(jsonb_agg(i.name ORDER BY i.name), '[]')
                                    FROM (SELECT i.name FROM permitq.semaphore i
                                          WHERE i.template = template.name
+                                           AND i.name <> ALL(made)
                                            AND i.used <= coalesce((SELECT sum(p.count)
                                                                    FROM permitq.pending_release p
                                                                    WHERE p.semaphore = i.name), 0)
@@ -215,7 +241,9 @@ BEGIN
                 'parent_needs', (SELECT n.needs
                                  FROM permitq.semaphore p
                                  CROSS JOIN LATERAL (SELECT permitq.promised_to_children(p.name)
-                                                            + template.guarantee AS needs) n
+                                                            - template.guarantee * made_here
+                                                            + template.guarantee * greatest(new_instances, 1)
+                                                            AS needs) n
                                  WHERE p.name = template.parent AND template.guarantee > 0
                                    AND n.needs > p.capacity)));
         END IF;

@@ -75,7 +75,8 @@ BEGIN
     IF request.state IN ('new', 'in_progress') THEN
         RAISE EXCEPTION 'no lease yet: request % is still waiting to be granted', $1
             USING ERRCODE = '55000',
-                  HINT = 'heartbeat once it is acquired: its status shows when (`permitq status ID`, or a client''s `status`), and an `acquire` or `permitq submit --await` waits for it';
+                  HINT = format('heartbeat once it is acquired; `permitq status %s` (or a client''s status) shows when it is, and an acquire or `permitq submit --await` waits for it',
+                                permitq.shell_word($1));
     END IF;
     IF request.state = 'error' THEN
         RAISE EXCEPTION 'no lease: request % ended without a grant (error %)', $1, request.error_code

@@ -45,7 +45,8 @@ BEGIN
         UPDATE permitq.permit_request r
         SET state = 'error', error_code = 'timeout', settled_at = clock_timestamp(),
             -- What held it back, while that can still be read (explain no longer can).
-            error_detail = permitq.completed_error_detail('timeout', permitq.wait_detail(r.permits))
+            error_detail = permitq.completed_error_detail('timeout', permitq.wait_detail(r.permits),
+                                                          r.permits)
                            || coalesce(kept.detail, '{}')
         FROM due LEFT JOIN kept ON kept.request_id = due.id
         WHERE r.id = due.id

@@ -363,3 +363,29 @@ async fn a_library_call_without_a_role_names_the_producers_role_first() {
         .await
         .unwrap();
 }
+
+/// The Rust client run as a login with no permitq role is told the GRANT to run by that login's
+/// name, not `<your login>`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_to_the_rust_client_names_its_login_in_the_grant() {
+    let db = TestDb::new().await;
+    let user = format!("plainrust_{}", &db.name[db.name.len() - 8..]);
+    db.conn()
+        .await
+        .batch_execute(&format!("CREATE ROLE {user} LOGIN PASSWORD 'pw'"))
+        .await
+        .unwrap();
+    let client = Client::connect(&as_user(&db.url, &user, "pw"))
+        .await
+        .unwrap();
+    let e = client
+        .submit(&Request::new("r-1").permit("gpu", 1))
+        .await
+        .expect_err("no permitq role");
+    assert_eq!(e.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{e}");
+    let said = e.to_string();
+    assert!(
+        said.contains(&format!("GRANT that role TO {user}")) && !said.contains("<your login>"),
+        "{said}"
+    );
+}

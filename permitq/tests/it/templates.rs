@@ -319,7 +319,7 @@ async fn too_many_instances_names_the_default_bound_of_a_template_without_one() 
         .conn()
         .await
         .query_one(
-            "SELECT permitq.completed_error_detail('too_many_instances', '{\"semaphore\": \"lab:1\"}')",
+            "SELECT permitq.completed_error_detail('too_many_instances', '{\"semaphore\": \"lab:1\"}', '{\"lab:1\": 1}')",
             &[],
         )
         .await
@@ -380,4 +380,52 @@ async fn a_request_refused_on_the_spot_takes_no_instance_of_the_template() {
     client.release("fits").await.unwrap();
     check_invariants(&db.conn().await).await.unwrap();
     worker.stop().await;
+}
+
+/// A request naming more new instances than a template's bound leaves fails with
+/// too_many_instances, and its detail counts what the template had before the batch: the
+/// instances the batch made for it (dropped again) are neither counted nor offered for
+/// deletion, and the bound it names takes them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_naming_more_new_instances_than_the_bound_is_told_the_bound_for_all() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let settings = permitq::SemaphoreSettings::new().max_instances(2);
+    client.set_semaphore("q:*", 1, &settings).await.unwrap();
+    let _worker = db.worker(quiet_config("w"));
+    let three = |id: &str| {
+        Request::new(id)
+            .permit("q:a", 1)
+            .permit("q:b", 1)
+            .permit("q:c", 1)
+    };
+    client.submit(&three("qi-1")).await.unwrap();
+    let r = client.wait_settled("qi-1", SOON).await.unwrap().unwrap();
+    assert_eq!(r.state, State::Error);
+    let d = r.error_detail.clone().unwrap();
+    assert_eq!(
+        (d.instances, d.new_instances, d.idle_instances.len()),
+        (Some(0), Some(3), 0),
+        "{d:?}"
+    );
+    let outcome = r.outcome().unwrap();
+    assert!(
+        outcome.contains("the request names 3 new instances of template q:*, which has 0")
+            && outcome.contains("--max-instances 3`"),
+        "{outcome}"
+    );
+    assert!(client
+        .semaphores()
+        .await
+        .unwrap()
+        .iter()
+        .all(|s| s.template.is_none()));
+    // The bound it names takes them all.
+    let settings = permitq::SemaphoreSettings::new().max_instances(3);
+    client.set_semaphore("q:*", 1, &settings).await.unwrap();
+    client.submit(&three("qi-2")).await.unwrap();
+    assert_eq!(
+        common::settled_state(&client, "qi-2").await,
+        State::Acquired
+    );
 }
