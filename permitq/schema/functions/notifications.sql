@@ -41,25 +41,21 @@ BEGIN
 END $$;
 
 -- Wakes the workers if any is asleep. Called by every transaction that may make work for them
--- (submit, plain INSERT, cancel; a release calls permitq.wake_workers_for_release).
+-- (submit, plain INSERT, cancel; a release calls permitq.wake_workers_for_release, the one
+-- definition of the caller's side of the protocol).
 CREATE OR REPLACE FUNCTION permitq.wake_workers() RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        PERFORM permitq.notify('permitq_work', '');
-        RETURN;
-    END IF;
-    LOCK TABLE permitq.wake_gate IN ROW SHARE MODE;
-    IF EXISTS (SELECT 1 FROM permitq.worker_wake WHERE sleeping AND awake_by > now()) THEN
-        PERFORM permitq.notify('permitq_work', '');
-    END IF;
+    PERFORM permitq.wake_workers_for_release(NULL, NULL);
 END $$;
 
--- Wakes the workers for a release of `semaphores` (the names it gave permits back to, ancestors
--- included) by the requests `released`: as permitq.wake_workers, but only when no earlier
--- release already woke them for it. That is: a request waits on one of these semaphores (the
--- hand-off: at once), semaphores are nested (the room of a parent is every child's: always),
--- or no other release of them waits to be folded (the first since the last fold). Releases
+-- Wakes the workers if any is asleep (the caller's side of the protocol above); for a release
+-- of `semaphores` (the names it gave permits back to, ancestors included) by the requests
+-- `released`, only when no earlier release already woke them for it (NULL `semaphores`: not a
+-- release, permitq.wake_workers: whenever one sleeps). That is: a request waits on one of
+-- these semaphores (the hand-off: at once), semaphores are nested (the room of a parent is
+-- every child's: always), or no other release of them waits to be folded (the first since the
+-- last fold). Releases
 -- beside an idle worker then notify about once per fold, not once each: PostgreSQL serializes
 -- the commits of notifying transactions. A release that did not notify is still folded: a
 -- worker that found nothing to do checks before it naps, once the wake gate is free (this
@@ -79,9 +75,10 @@ BEGIN
     END IF;
     LOCK TABLE permitq.wake_gate IN ROW SHARE MODE;
     IF EXISTS (SELECT 1 FROM permitq.worker_wake WHERE sleeping AND awake_by > now())
-       AND (EXISTS (SELECT 1 FROM permitq.semaphore s
-                    JOIN permitq.waiter w ON w.semaphore_id = s.id -- waiter_place_idx
-                    WHERE s.name = ANY(semaphores))
+       AND (semaphores IS NULL
+            OR EXISTS (SELECT 1 FROM permitq.semaphore s
+                       JOIN permitq.waiter w ON w.semaphore_id = s.id -- waiter_place_idx
+                       WHERE s.name = ANY(semaphores))
             OR EXISTS (SELECT 1 FROM permitq.semaphore s WHERE s.parent IS NOT NULL) -- semaphore_parent_idx
             OR NOT EXISTS (SELECT 1 FROM permitq.pending_release p -- pending_release_semaphore_idx
                            WHERE p.semaphore = ANY(semaphores)
