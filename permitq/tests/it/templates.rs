@@ -429,3 +429,53 @@ async fn a_request_naming_more_new_instances_than_the_bound_is_told_the_bound_fo
         State::Acquired
     );
 }
+
+/// The same for a nested template: the parent capacity and the bound the answer names take all
+/// of the request's new instances, so that doing both is enough.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nested_template_names_the_parent_capacity_for_all_the_new_instances() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.set_capacity("acc", 8, None).await.unwrap();
+    let lab = |max: i32| {
+        permitq::SemaphoreSettings::new()
+            .parent("acc")
+            .guarantee(2)
+            .max_instances(max)
+    };
+    client.set_semaphore("lab:*", 2, &lab(3)).await.unwrap();
+    let _worker = db.worker(quiet_config("w"));
+    for x in ["a", "b", "c"] {
+        let id = format!("{x}-1");
+        client
+            .submit(&Request::new(&id).permit(format!("lab:{x}"), 1))
+            .await
+            .unwrap();
+        assert_eq!(common::settled_state(&client, &id).await, State::Acquired);
+    }
+    let three = |id: &str| {
+        Request::new(id)
+            .permit("lab:d", 1)
+            .permit("lab:e", 1)
+            .permit("lab:f", 1)
+    };
+    client.submit(&three("n6")).await.unwrap();
+    let r = client.wait_settled("n6", SOON).await.unwrap().unwrap();
+    let d = r.error_detail.clone().unwrap();
+    assert_eq!(
+        (d.instances, d.new_instances, d.parent_needs),
+        (Some(3), Some(3), Some(12)),
+        "{d:?}"
+    );
+    let outcome = r.outcome().unwrap();
+    assert!(
+        outcome.contains("so acc needs capacity 12 first (`permitq semaphore set acc 12`)")
+            && outcome.contains("--max-instances 6`"),
+        "{outcome}"
+    );
+    // Doing what it says is enough.
+    client.set_capacity("acc", 12, None).await.unwrap();
+    client.set_semaphore("lab:*", 2, &lab(6)).await.unwrap();
+    client.submit(&three("n7")).await.unwrap();
+    assert_eq!(common::settled_state(&client, "n7").await, State::Acquired);
+}
