@@ -437,9 +437,11 @@ impl Worker {
                 // notify, which ends a pause at once.
                 let mut pause = BUSY_POLL;
                 while !self.wake_gate_free().await? {
-                    // A fold owed (a release left to fold) ends the pause sooner.
+                    // A fold owed soon (a pass deferred one) ends the pause sooner; one already
+                    // due is the next pass's, which follows the pause either way.
                     let until = self
                         .fold_owed_in()
+                        .filter(|fold_in| !fold_in.is_zero())
                         .map_or(pause, |fold_in| pause.min(fold_in));
                     tokio::select! {
                         _ = wake.notified() => {}
