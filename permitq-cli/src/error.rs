@@ -231,7 +231,6 @@ impl From<std::io::Error> for CliError {
     }
 }
 
-/// `s` on one line: runs of whitespace (newlines included) become one space.
 /// Whether the database refused the permitq schema itself to the login: it has no permitq role.
 pub(crate) fn schema_refused(e: &permitq::Error) -> bool {
     e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE)
@@ -255,6 +254,7 @@ pub(crate) fn for_the_cli(message: &str) -> String {
     message.replace(" (or `Client::migrate`)", "")
 }
 
+/// `s` on one line: runs of whitespace (newlines included) become one space.
 pub(crate) fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }

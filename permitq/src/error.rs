@@ -184,26 +184,9 @@ impl Error {
     }
 }
 
-/// An error's own message, without what [`Error`]'s `Display` adds after it.
-struct DisplayKind<'a>(&'a Error);
-
-impl fmt::Display for DisplayKind<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt_kind(f)
-    }
-}
-
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.about.login {
-            // The GRANT a refusal gives, to this login by name.
-            Some(login) => {
-                let mut kind = String::new();
-                fmt::write(&mut kind, format_args!("{}", DisplayKind(self)))?;
-                f.write_str(&kind.replace("<your login>", login))?;
-            }
-            None => self.fmt_kind(f)?,
-        }
+        self.fmt_kind(f)?;
         if let Some(place) = &self.about.looked_in {
             write!(
                 f,
@@ -291,7 +274,7 @@ impl Error {
                         write!(f, "cannot reach PostgreSQL at {target}: ")?;
                     }
                 }
-                fmt_postgres(e, f)?;
+                fmt_postgres(e, self.about.login.as_deref(), f)?;
                 if let Some(target) = &self.about.target {
                     f.write_str(&connection_hint(e, target))?;
                 }
@@ -383,8 +366,9 @@ fn connection_hint(e: &tokio_postgres::Error, target: &str) -> String {
     }
 }
 
-/// A permission error's message, with the permitq role that grants what was refused.
-fn role_hint(db: &tokio_postgres::error::DbError) -> String {
+/// A permission error's message, with the permitq role that grants what was refused and the
+/// GRANT to run for `login` (`<your login>` when not known).
+fn role_hint(db: &tokio_postgres::error::DbError, login: Option<&str>) -> String {
     if db.code() != &SqlState::INSUFFICIENT_PRIVILEGE
         || !db.message().starts_with("permission denied for")
     {
@@ -446,11 +430,17 @@ fn role_hint(db: &tokio_postgres::error::DbError) -> String {
     };
     format!(
         "; this needs the role {role}: use a login that has it, or a DBA runs GRANT {grant} TO \
-         <your login>{own}"
+         {}{own}",
+        login.unwrap_or("<your login>")
     )
 }
 
-fn fmt_postgres(e: &tokio_postgres::Error, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+/// `e`'s message; a refusal's GRANT names `login` when it is known.
+fn fmt_postgres(
+    e: &tokio_postgres::Error,
+    login: Option<&str>,
+    f: &mut fmt::Formatter<'_>,
+) -> fmt::Result {
     if let Some(db) = e.as_db_error() {
         write!(f, "{}", db.message())?;
         if let Some(detail) = db.detail() {
@@ -459,7 +449,12 @@ fn fmt_postgres(e: &tokio_postgres::Error, f: &mut fmt::Formatter<'_>) -> fmt::R
         if let Some(hint) = db.hint() {
             write!(f, " ({hint})")?;
         }
-        write!(f, "{} (SQLSTATE {})", role_hint(db), db.code().code())
+        write!(
+            f,
+            "{} (SQLSTATE {})",
+            role_hint(db, login),
+            db.code().code()
+        )
     } else {
         // Connection-level errors: tokio_postgres's Display omits the cause ("error connecting
         // to server"), so append the source chain.

@@ -100,21 +100,19 @@ impl State {
         }
     }
 
-    /// What a database error tells the reader: a login with no permitq role hears the role
-    /// this server needs and the GRANT, by the login's name.
-    fn said(&self, e: &permitq::Error) -> String {
-        self.reader.said(e)
-    }
-
     /// Every semaphore's usage and the workers, read at most once per period.
     async fn overview(&self) -> Answer<Overview> {
         self.overview
             .get(|| async {
                 read("overview");
-                let usage = self.client.usage().await.map_err(|e| self.said(&e))?;
+                let usage = self
+                    .client
+                    .usage()
+                    .await
+                    .map_err(|e| self.reader.said(&e))?;
                 let presence = crate::show::Presence::read(&self.client)
                     .await
-                    .map_err(|e| self.said(&e))?;
+                    .map_err(|e| self.reader.said(&e))?;
                 Ok(Arc::new((usage, presence)))
             })
             .await
@@ -134,7 +132,7 @@ impl State {
                 api::detail_of(&self.client, usage.clone(), all, presence.clone())
                     .await
                     .map(Arc::new)
-                    .map_err(|e| self.said(&e))
+                    .map_err(|e| self.reader.said(&e))
             })
             .await
     }
@@ -437,7 +435,7 @@ async fn ready(state: &State) -> (StatusCode, String) {
         Err(e) => {
             return not_ready(format!(
                 "database: {}",
-                crate::error::one_line(&state.said(&e))
+                crate::error::one_line(&state.reader.said(&e))
             ))
         }
     }
@@ -460,7 +458,7 @@ async fn ready(state: &State) -> (StatusCode, String) {
         Ok(None) => (StatusCode::OK, "ready\n".to_string()),
         Err(e) => not_ready(format!(
             "database: {}",
-            crate::error::one_line(&state.said(&e))
+            crate::error::one_line(&state.reader.said(&e))
         )),
     }
 }

@@ -203,9 +203,7 @@ BEGIN
     ELSIF code = 'too_many_instances' AND detail ? 'semaphore' THEN
         template := permitq.template_for(detail ->> 'semaphore');
         IF template.name IS NOT NULL THEN
-            SELECT coalesce(array_agg(m), '{}') INTO made
-            FROM jsonb_array_elements_text(coalesce(nullif(current_setting('permitq.made_instances', true), ''),
-                                                    '[]')::jsonb) m;
+            made := permitq.instances_made();
             SELECT count(*) FILTER (WHERE i.name <> ALL(made)), count(*) FILTER (WHERE i.name = ANY(made))
             INTO had, made_here
             FROM permitq.semaphore i WHERE i.template = template.name;

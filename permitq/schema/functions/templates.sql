@@ -81,6 +81,15 @@ BEGIN
     RETURN refused;
 END $$;
 
+-- The instances this transaction made for its batch (permitq.make_instances), not yet removed
+-- again (permitq.drop_unused_instances_made); none: an empty array.
+CREATE OR REPLACE FUNCTION permitq.instances_made() RETURNS text[]
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $$
+    SELECT coalesce(array_agg(m), '{}')
+    FROM jsonb_array_elements_text(coalesce(nullif(current_setting('permitq.made_instances', true), ''),
+                                            '[]')::jsonb) m
+$$;
+
 -- Worker, at the end of a batch (permitq.apply_decision): the instances this transaction made
 -- (permitq.make_instances) that nothing uses once the batch is decided (every request naming
 -- them failed: a count beyond the template's capacity, a deadline passed) are removed again, so
@@ -91,10 +100,8 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     made text[];
 BEGIN
-    SELECT array_agg(m) INTO made
-    FROM jsonb_array_elements_text(coalesce(nullif(current_setting('permitq.made_instances', true), ''),
-                                            '[]')::jsonb) m;
-    IF made IS NULL THEN
+    made := permitq.instances_made();
+    IF cardinality(made) = 0 THEN
         RETURN;
     END IF;
     PERFORM set_config('permitq.made_instances', '', true);
